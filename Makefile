@@ -1,0 +1,30 @@
+PYTHON ?= python3
+DEPS_STAMP := .deps.stamp
+
+.PHONY: deps test test-slow lint run bench-engine clean
+
+# Re-run the installer only when what it installs changed.
+$(DEPS_STAMP): pyproject.toml scripts/install_deps.sh
+	PYTHON=$(PYTHON) bash scripts/install_deps.sh
+	touch $@
+
+deps: $(DEPS_STAMP)
+
+lint: deps
+	$(PYTHON) -m ruff check .
+
+test: deps lint
+	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q
+
+test-slow: deps
+	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -m slow
+
+run: deps
+	$(PYTHON) -m services.cli generate --chat --max-tokens 128 \
+		--prompt "Explain in three sentences why the sky is blue."
+
+bench-engine: deps
+	$(PYTHON) -m benchmarks.engine
+
+clean:
+	rm -f $(DEPS_STAMP)

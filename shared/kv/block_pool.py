@@ -1,0 +1,185 @@
+"""All KV blocks of one cache: allocation, reference counts, LRU eviction, hash -> block.
+
+A block is in exactly one of two states:
+
+    allocated: ref_cnt > 0, not in the free queue
+    free:      ref_cnt == 0, in the free queue (possibly still cached: it keeps its hash and
+               can be revived by `touch` until `get_new_blocks` evicts it)
+
+With caching on, the hash map and the blocks' `block_hash` fields are one bijection: a block
+has a hash iff the map sends that hash to it. Every method is O(blocks it is handed), never
+O(num_blocks), because the scheduler calls them every step. Not thread safe: the engine loop
+owns the pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from shared.kv.block import Block, FreeBlockQueue
+from shared.kv.block_hash import BlockHash
+from shared.kv.events import BlockRemoved, BlockStored, KVCacheEvent
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        # blocks[i].block_id == i; fresh blocks are handed out in id order.
+        self.blocks = [Block(block_id) for block_id in range(num_blocks)]
+        self.free_block_queue = FreeBlockQueue(self.blocks)
+        self._cached_blocks: dict[BlockHash, Block] = {}
+        self._events: list[KVCacheEvent] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_queue)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered under a hash, allocated or free."""
+        return len(self._cached_blocks)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached free blocks count as unused)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_new_blocks(self, num_blocks: int) -> list[Block]:
+        """Takes `num_blocks` blocks from the front of the free queue, each with ref_cnt 1.
+
+        A taken block that was still cached is evicted: its hash leaves the map, and one
+        `BlockRemoved` event lists every hash this call evicted.
+        """
+        if not 0 <= num_blocks <= self.num_free_blocks:
+            raise ValueError(
+                f"num_blocks must be in [0, {self.num_free_blocks}] (the free blocks), "
+                f"got {num_blocks}"
+            )
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        evicted_hashes: list[BlockHash] = []
+        for block in blocks:
+            assert block.ref_cnt == 0, f"free block {block.block_id} has references"
+            if block.block_hash is not None:
+                evicted_hashes.append(self._evict(block))
+            block.ref_cnt = 1
+        if evicted_hashes:
+            self._events.append(BlockRemoved(evicted_hashes))
+        return blocks
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Adds a reference to each block (a prefix-cache hit); revives free ones."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[Block]) -> None:
+        """Drops a reference from each block, in the order given (evicted in that order).
+
+        A block reaching ref_cnt 0 keeps its hash and goes to the back of the free queue, to be
+        evicted last. A block without a hash goes to the front instead: nothing can ever hit
+        it, so reusing it first keeps every cached block alive longer.
+        """
+        queue = self.free_block_queue
+        for block in blocks:
+            assert block.ref_cnt > 0, f"freeing block {block.block_id}, which is already free"
+            block.ref_cnt -= 1
+            if block.ref_cnt:
+                continue
+            if block.block_hash is None:
+                queue.appendleft(block)
+            else:
+                queue.append(block)
+
+    def get_cached_block(self, block_hash: BlockHash) -> Block | None:
+        return self._cached_blocks.get(block_hash)
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[Block],
+        block_hashes: Sequence[BlockHash],
+        parent_block_hash: BlockHash | None,
+        token_ids: Sequence[int],
+        block_size: int,
+    ) -> None:
+        """Registers blocks that just became full under their hashes.
+
+        `blocks[i]` holds `token_ids[i * block_size : (i + 1) * block_size]`, hashed
+        `block_hashes[i]`; `parent_block_hash` precedes `block_hashes[0]` in the sequence (None
+        for a sequence's first block). A hash another block already holds keeps that block:
+        the new block stays unregistered and no event repeats the hash. Each run of newly
+        registered blocks is one `BlockStored` event.
+        """
+        assert len(blocks) == len(block_hashes), "one hash per block"
+        assert len(token_ids) == len(blocks) * block_size, "block_size tokens per block"
+        if not self.enable_caching:
+            return
+        run_start = 0
+        for index, (block, block_hash) in enumerate(zip(blocks, block_hashes)):
+            assert block.block_hash is None, f"block {block.block_id} is already cached"
+            if block_hash in self._cached_blocks:
+                self._record_stored(
+                    block_hashes, run_start, index, parent_block_hash, token_ids, block_size
+                )
+                run_start = index + 1
+                continue
+            block.block_hash = block_hash
+            self._cached_blocks[block_hash] = block
+        self._record_stored(
+            block_hashes, run_start, len(blocks), parent_block_hash, token_ids, block_size
+        )
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Returns the events recorded since the last call, oldest first, and forgets them."""
+        events, self._events = self._events, []
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached hash (e.g. after new weights); only when no block is in use.
+
+        Returns False and changes nothing while any request holds blocks: their hashes would
+        be registered again as they fill, mixing KV from before and after the reset.
+        """
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        removed = list(self._cached_blocks)
+        for block in self._cached_blocks.values():
+            block.block_hash = None
+        self._cached_blocks.clear()
+        if removed:
+            self._events.append(BlockRemoved(removed))
+        return True
+
+    def _evict(self, block: Block) -> BlockHash:
+        block_hash = block.block_hash
+        assert block_hash is not None and self._cached_blocks.get(block_hash) is block, (
+            f"hash map does not point to cached block {block.block_id}"
+        )
+        del self._cached_blocks[block_hash]
+        block.block_hash = None
+        return block_hash
+
+    def _record_stored(
+        self,
+        block_hashes: Sequence[BlockHash],
+        start: int,
+        end: int,
+        parent_block_hash: BlockHash | None,
+        token_ids: Sequence[int],
+        block_size: int,
+    ) -> None:
+        """One `BlockStored` for the registered run `block_hashes[start:end]`, if non-empty."""
+        if start == end:
+            return
+        parent = block_hashes[start - 1] if start else parent_block_hash
+        self._events.append(
+            BlockStored(
+                block_hashes=list(block_hashes[start:end]),
+                parent_block_hash=parent,
+                token_ids=list(token_ids[start * block_size : end * block_size]),
+                block_size=block_size,
+            )
+        )

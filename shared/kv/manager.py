@@ -1,0 +1,269 @@
+"""The request-level KV cache API the scheduler talks to: prefix hits, slots, caching, freeing.
+
+A request's blocks cover its tokens in order; block i holds tokens [i * block_size,
+(i + 1) * block_size). At admission:
+
+    | prefix-cache hits (touched) | new blocks for num_new_tokens |
+    0                  computed.num_tokens
+
+and while running:
+
+    | computed (num_computed_tokens) | num_new_tokens (this step) | unallocated |
+
+Who owns what: the scheduler owns `request.num_computed_tokens` (it sets it to
+`computed.num_tokens` after a successful admission, and advances it after each step); this
+manager owns `request.block_hashes`, extended lazily as blocks fill and never recomputed. Not
+thread safe: the engine loop owns it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import TYPE_CHECKING, cast
+
+from shared.config import CacheConfig
+from shared.kv.block import Block
+from shared.kv.block_hash import BlockHash, hash_full_blocks
+from shared.kv.block_pool import BlockPool
+from shared.kv.events import KVCacheEvent
+
+if TYPE_CHECKING:
+    from shared.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class ComputedBlocks:
+    """Cached blocks that hold a prefix of a request's tokens, and how many tokens that is."""
+
+    blocks: tuple[Block, ...] = ()
+    num_tokens: int = 0  # len(blocks) * block_size
+
+
+NO_COMPUTED_BLOCKS = ComputedBlocks()
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Cumulative over admissions; a request counts once per successful admission."""
+
+    num_requests: int = 0
+    num_queried_tokens: int = 0
+    num_hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+
+@dataclass(slots=True)
+class _RequestBlocks:
+    blocks: list[Block] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # mirrors blocks, for get_block_ids
+    # Leading blocks already offered to the pool's hash map (registered, or skipped because
+    # another block holds the same hash); cache_blocks starts after them.
+    num_cached_blocks: int = 0
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        hash_namespace: str = CacheConfig.hash_namespace,
+    ) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        if not isinstance(hash_namespace, str):
+            raise ValueError(f"hash_namespace must be a str, got {hash_namespace!r}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.hash_namespace = hash_namespace
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.prefix_cache_stats = PrefixCacheStats()
+        self._requests: dict[str, _RequestBlocks] = {}
+
+    @classmethod
+    def from_config(cls, cache_config: CacheConfig, num_blocks: int) -> KVCacheManager:
+        return cls(
+            num_blocks,
+            cache_config.block_size,
+            enable_caching=cache_config.enable_prefix_caching,
+            hash_namespace=cache_config.hash_namespace,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """The longest run of cached blocks holding a prefix of the request's tokens.
+
+        Never all of its tokens: the last one must still go through the model to produce
+        logits, so at most (num_tokens - 1) // block_size blocks hit. Pure lookup: no
+        reference is taken (allocate_slots does that) and no stats are recorded, so the
+        scheduler may call it on every admission attempt; call allocate_slots with the result
+        before anything else allocates, or the blocks may be evicted in between.
+        """
+        if not self.enable_caching:
+            return NO_COMPUTED_BLOCKS
+        self._update_block_hashes(request)
+        max_num_blocks = max(0, (request.num_tokens - 1) // self.block_size)
+        blocks: list[Block] = []
+        for block_hash in islice(request.block_hashes, max_num_blocks):
+            block = self.block_pool.get_cached_block(cast(BlockHash, block_hash))
+            if block is None:
+                break
+            blocks.append(block)
+        return ComputedBlocks(tuple(blocks), len(blocks) * self.block_size)
+
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None
+    ) -> bool:
+        """Whether allocate_slots with the same arguments would succeed; changes nothing."""
+        computed = NO_COMPUTED_BLOCKS if computed is None else computed
+        return self._fits(self._num_new_blocks(request, num_new_tokens, computed), computed)
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None
+    ) -> bool:
+        """Gives the request slots for num_computed_tokens + computed + num_new_tokens tokens.
+
+        `computed` (from get_computed_blocks) applies only to an admission, while the request
+        holds no blocks; its blocks are touched and become the request's first blocks, and the
+        admission is counted in prefix_cache_stats. Returns False and changes nothing when not
+        enough blocks are free; the scheduler then preempts or waits. Does not change
+        `request.num_computed_tokens`.
+        """
+        computed = NO_COMPUTED_BLOCKS if computed is None else computed
+        num_new_blocks = self._num_new_blocks(request, num_new_tokens, computed)
+        if not self._fits(num_new_blocks, computed):
+            return False
+        entry = self._requests.get(request.request_id)
+        if entry is None:
+            entry = self._requests[request.request_id] = _RequestBlocks()
+            self._record_admission(request, computed)
+        if computed.blocks:
+            self.block_pool.touch(computed.blocks)
+            self._append_blocks(entry, computed.blocks)
+            entry.num_cached_blocks = len(computed.blocks)
+        self._append_blocks(entry, self.block_pool.get_new_blocks(num_new_blocks))
+        return True
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Registers the request's blocks that are full of computed tokens in the prefix cache.
+
+        Call after the model wrote KV for the first `num_computed_tokens` tokens (prompt and
+        output tokens alike); cheap when no new block filled, so it may run every step.
+        """
+        if not self.enable_caching:
+            return
+        if not 0 <= num_computed_tokens <= request.num_tokens:
+            raise ValueError(
+                f"num_computed_tokens must be in [0, {request.num_tokens}], "
+                f"got {num_computed_tokens}"
+            )
+        entry = self._requests.get(request.request_id)
+        if entry is None:
+            raise ValueError(f"request_id {request.request_id!r} holds no KV blocks")
+        num_full_blocks = min(num_computed_tokens // self.block_size, len(entry.blocks))
+        start = entry.num_cached_blocks
+        if num_full_blocks <= start:
+            return
+        self._update_block_hashes(request)
+        # Request types them as plain bytes; they are BlockHashes made by hash_full_blocks.
+        hashes = cast("list[BlockHash]", request.block_hashes)
+        self.block_pool.cache_full_blocks(
+            entry.blocks[start:num_full_blocks],
+            hashes[start:num_full_blocks],
+            hashes[start - 1] if start else None,
+            request.all_token_ids[start * self.block_size : num_full_blocks * self.block_size],
+            self.block_size,
+        )
+        entry.num_cached_blocks = num_full_blocks
+
+    def free(self, request: Request) -> None:
+        """Returns the request's blocks to the pool and forgets it; a no-op if it holds none.
+
+        Blocks are freed tail first, so a chain's tail is evicted before its parents.
+        """
+        entry = self._requests.pop(request.request_id, None)
+        if entry is not None:
+            self.block_pool.free_blocks(reversed(entry.blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block ids in token order (a copy); [] if it holds none."""
+        entry = self._requests.get(request_id)
+        return list(entry.block_ids) if entry is not None else []
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.block_pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def _num_new_blocks(
+        self, request: Request, num_new_tokens: int, computed: ComputedBlocks
+    ) -> int:
+        if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be an int >= 0, got {num_new_tokens!r}")
+        entry = self._requests.get(request.request_id)
+        num_held = len(entry.blocks) if entry is not None else 0
+        if computed.blocks:
+            if num_held:
+                raise ValueError(
+                    "computed: prefix-cache hits apply only to an admission, but request_id "
+                    f"{request.request_id!r} already holds {num_held} blocks"
+                )
+            self._check_still_cached(request, computed)
+        num_tokens = request.num_computed_tokens + computed.num_tokens + num_new_tokens
+        num_required = -(-num_tokens // self.block_size)
+        return max(0, num_required - num_held - len(computed.blocks))
+
+    def _fits(self, num_new_blocks: int, computed: ComputedBlocks) -> bool:
+        # Hits on free cached blocks leave the free queue when touched: they cost free blocks
+        # just as new ones do, and must not be counted twice.
+        num_revived = sum(1 for block in computed.blocks if block.ref_cnt == 0)
+        return num_new_blocks + num_revived <= self.block_pool.num_free_blocks
+
+    def _check_still_cached(self, request: Request, computed: ComputedBlocks) -> None:
+        assert computed.num_tokens == len(computed.blocks) * self.block_size, (
+            "computed.num_tokens must cover its blocks exactly"
+        )
+        for block, block_hash in zip(computed.blocks, request.block_hashes):
+            assert block.block_hash == block_hash, (
+                f"computed block {block.block_id} was evicted after get_computed_blocks"
+            )
+
+    def _update_block_hashes(self, request: Request) -> None:
+        """Extends request.block_hashes to every full block of its tokens."""
+        if len(request.block_hashes) < request.num_tokens // self.block_size:
+            request.block_hashes.extend(
+                hash_full_blocks(
+                    request.all_token_ids,
+                    self.block_size,
+                    self.hash_namespace,
+                    request.extra_hash_keys,
+                    start_hashes=request.block_hashes,
+                )
+            )
+
+    def _record_admission(self, request: Request, computed: ComputedBlocks) -> None:
+        stats = self.prefix_cache_stats
+        stats.num_requests += 1
+        stats.num_queried_tokens += request.num_tokens
+        stats.num_hit_tokens += computed.num_tokens
+
+    @staticmethod
+    def _append_blocks(entry: _RequestBlocks, blocks: tuple[Block, ...] | list[Block]) -> None:
+        entry.blocks.extend(blocks)
+        entry.block_ids.extend(block.block_id for block in blocks)

@@ -1,0 +1,275 @@
+"""Turns one step's logits into one token per row, honouring each request's `SamplingParams`.
+
+Order of processing, and why:
+
+1. Suppressed tokens -> -inf. A hard constraint (EOS and stop ids before `min_tokens`); done
+   first so that no later step can revive them (every later step keeps -inf at -inf).
+2. Repetition penalty (Hugging Face semantics, over prompt + output tokens): divide positive
+   logits by the penalty, multiply negative ones. It looks at the sign of the logit, so it must
+   see the model's own logits, before any additive penalty could push one across zero.
+3. Frequency and presence penalties (OpenAI semantics, over output tokens only):
+   `logit -= frequency * count + presence * (count > 0)`; defined on logits, so before
+   temperature.
+4. Greedy rows (temperature 0) take the argmax here: the knobs below do not change it.
+5. Divide by temperature, then top-k, top-p, min-p, all on the distribution that is actually
+   sampled from (the nucleus of top-p depends on the temperature). top-k before top-p, as in
+   Hugging Face and vLLM, so top-p measures mass among the k survivors. min-p compares each
+   probability to the largest one; that ratio does not change when top-k/top-p renormalise, so
+   its place among the filters does not matter.
+6. Draw with the row's own generator (exponential race, see `_draw`), always over the
+   vocabulary in token-id order, so a seeded row gives the same token whatever other rows share
+   the batch.
+
+Logprobs are taken from the RAW model logits (log_softmax before penalties, temperature and
+filters), as vLLM reports them by default: they describe the model, not the sampling knobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits: the request it belongs to and what sampling needs of it."""
+
+    params: SamplingParams
+    # Per-request RNG on the logits' device, seeded from params.seed by the caller (see
+    # `make_generator`); None draws from torch's global RNG.
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # Tokens that must not be sampled this step (e.g. EOS / stop ids before min_tokens).
+    # Ids outside the vocabulary are ignored: they could never be sampled anyway.
+    suppressed_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float  # of the sampled token, under the raw model distribution
+    rank: int  # 1 = the model's most likely token
+    # Top-N (token_id, logprob), most likely first; N = params.logprobs (may be 0).
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: list[int]  # row -> token id
+    logprobs: list[TokenLogprobs | None]  # row -> logprobs, None where not asked for
+
+
+def make_generator(
+    params: SamplingParams, device: torch.device | str = "cpu"
+) -> torch.Generator | None:
+    """The per-request generator for `SamplingRow.generator`: None when unseeded."""
+    if params.seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(params.seed)
+    return generator
+
+
+class Sampler:
+    """Stateless; `sample` never mutates the logits it is given."""
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        # logits: [num_rows, vocab_size]
+        assert logits.dim() == 2, f"logits must be [num_rows, vocab], got {tuple(logits.shape)}"
+        assert logits.shape[0] == len(rows), f"{logits.shape[0]} logit rows for {len(rows)} rows"
+        if not rows:
+            return SamplerOutput([], [])
+        logits = logits.float()
+        if _is_plain_greedy(rows):
+            return _greedy_fast_path(logits, rows)
+
+        raw_logits = logits
+        logits = apply_penalties(logits, rows)
+        token_ids = logits.argmax(dim=-1)  # greedy rows keep this
+        random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if random_rows:
+            token_ids[random_rows] = _sample_random(logits, rows, random_rows)
+        sampled = token_ids.tolist()
+        return SamplerOutput(sampled, _compute_logprobs(raw_logits, rows, sampled))
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Steps 1-3 (suppression, repetition, frequency and presence penalties) on a copy of
+    logits [num_rows, vocab]; what greedy rows take the argmax of."""
+    logits = _suppress(logits.float().clone(), rows)
+    logits = _apply_repetition_penalty(logits, rows)
+    return _apply_frequency_presence_penalties(logits, rows)
+
+
+def _is_plain_greedy(rows: list[SamplingRow]) -> bool:
+    return all(
+        r.params.is_greedy and not _has_penalty(r.params) and r.params.logprobs is None
+        for r in rows
+    )
+
+
+def _has_penalty(params: SamplingParams) -> bool:
+    return (
+        params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+    )
+
+
+def _greedy_fast_path(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    if any(r.suppressed_token_ids for r in rows):
+        logits = _suppress(logits.clone(), rows)
+    return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+
+
+def _pair_indices(
+    token_lists: list[list[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row indices, token ids) of every (row, token) pair, to index a [rows, vocab] tensor."""
+    row_idx = [i for i, tokens in enumerate(token_lists) for _ in tokens]
+    tok_idx = [t for tokens in token_lists for t in tokens]
+    return (
+        torch.tensor(row_idx, dtype=torch.long, device=device),
+        torch.tensor(tok_idx, dtype=torch.long, device=device),
+    )
+
+
+def _suppress(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    vocab_size = logits.shape[1]
+    token_lists = [[t for t in r.suppressed_token_ids if 0 <= t < vocab_size] for r in rows]
+    if any(token_lists):
+        row_idx, tok_idx = _pair_indices(token_lists, logits.device)
+        logits[row_idx, tok_idx] = float("-inf")
+    return logits
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    penalised = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if not penalised:
+        return logits
+    # Seen tokens count once, however often they occur: indexing with duplicates is fine here
+    # because every write of the same (row, token) writes the same bool.
+    token_lists = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in penalised]
+    row_idx, tok_idx = _pair_indices(token_lists, logits.device)
+    seen = torch.zeros(len(penalised), logits.shape[1], dtype=torch.bool, device=logits.device)
+    seen[row_idx, tok_idx] = True
+    penalty = _column([rows[i].params.repetition_penalty for i in penalised], logits)
+    sub = logits[penalised]  # [num_penalised, vocab]
+    scaled = torch.where(sub > 0, sub / penalty, sub * penalty)
+    logits[penalised] = torch.where(seen, scaled, sub)
+    return logits
+
+
+def _apply_frequency_presence_penalties(
+    logits: torch.Tensor, rows: list[SamplingRow]
+) -> torch.Tensor:
+    penalised = [
+        i
+        for i, r in enumerate(rows)
+        if r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0
+    ]
+    if not penalised:
+        return logits
+    token_lists = [rows[i].output_token_ids for i in penalised]
+    row_idx, tok_idx = _pair_indices(token_lists, logits.device)
+    counts = torch.zeros(len(penalised), logits.shape[1], dtype=logits.dtype, device=logits.device)
+    counts.index_put_(
+        (row_idx, tok_idx), torch.ones_like(tok_idx, dtype=logits.dtype), accumulate=True
+    )
+    freq = _column([rows[i].params.frequency_penalty for i in penalised], logits)
+    presence = _column([rows[i].params.presence_penalty for i in penalised], logits)
+    logits[penalised] -= freq * counts + presence * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+
+
+def _sample_random(
+    logits: torch.Tensor, rows: list[SamplingRow], random_rows: list[int]
+) -> torch.Tensor:
+    params = [rows[i].params for i in random_rows]
+    sub = logits[random_rows] / _column([p.temperature for p in params], logits)
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        sub = _apply_top_k_top_p(sub, params)
+    probs = torch.softmax(sub, dim=-1)  # [num_random, vocab]
+    if any(p.min_p > 0.0 for p in params):
+        probs = _apply_min_p(probs, params)
+    return _draw(probs, [rows[i].generator for i in random_rows])
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Sets filtered tokens to -inf; rows that ask for neither come back bit for bit unchanged,
+    so a row's result does not depend on whether its batch needed this step."""
+    vocab_size = logits.shape[1]
+    # Stable sort: ties keep token-id order, so the kept set never depends on the batch.
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)
+    positions = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
+    top_k = torch.tensor(
+        [p.top_k if p.top_k > 0 else vocab_size for p in params], device=logits.device
+    ).unsqueeze(1)
+    remove = positions >= top_k
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+
+    top_p = _column([p.top_p for p in params], logits)
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    # Keep the smallest prefix whose mass reaches top_p: drop a token once the tokens before it
+    # already reach it. Rows with top_p == 1 skip this, since float round-off in the cumsum
+    # could otherwise drop their tail; position 0 is always kept.
+    remove_p = (mass_before >= top_p) & (top_p < 1.0)
+    remove_p[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove_p, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def _apply_min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    min_p = _column([p.min_p for p in params], probs)
+    threshold = min_p * probs.max(dim=-1, keepdim=True).values
+    # The most likely token is never below its own threshold (min_p <= 1), so one survives.
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row, P(token) proportional to probs (which need not sum to 1).
+
+    Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i / sum(p).
+    Each row's noise comes from its own generator, so a seeded row's token depends only on its
+    seed and its own probabilities.
+    """
+    noise = torch.empty_like(probs)
+    for i, generator in enumerate(generators):
+        noise[i].exponential_(generator=generator)
+    # exponential_ may return 0; a floor keeps p / E finite (0 for filtered tokens, never NaN).
+    noise.clamp_(min=torch.finfo(probs.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _compute_logprobs(
+    raw_logits: torch.Tensor, rows: list[SamplingRow], sampled: list[int]
+) -> list[TokenLogprobs | None]:
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(rows)
+    if not wanted:
+        return result
+    logprobs = torch.log_softmax(raw_logits[wanted], dim=-1)  # [num_wanted, vocab]
+    token_ids = torch.tensor([sampled[i] for i in wanted], device=raw_logits.device)
+    token_logprobs = logprobs.gather(1, token_ids.unsqueeze(1))  # [num_wanted, 1]
+    ranks = (logprobs > token_logprobs).sum(dim=-1) + 1
+    max_top = max(rows[i].params.logprobs or 0 for i in wanted)
+    top_values, top_ids = logprobs.topk(max_top, dim=-1)  # sorted, most likely first
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(wanted):
+        num_top = rows[i].params.logprobs or 0
+        result[i] = TokenLogprobs(
+            token_id=sampled[i],
+            logprob=float(token_logprobs[j, 0]),
+            rank=int(ranks[j]),
+            top=list(zip(top_ids[j][:num_top], top_values[j][:num_top])),
+        )
+    return result

@@ -1,0 +1,156 @@
+"""An asyncio front for the engine: `async for delta in llm.generate(...)`.
+
+The engine runs in one dedicated thread (torch releases the GIL inside its kernels, so the event
+loop stays responsive). Commands go to it through a thread-safe queue and are applied between
+steps; deltas come back through `loop.call_soon_threadsafe` into one asyncio queue per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from shared.config import EngineConfig
+from shared.engine import EngineCore, EngineStats
+from shared.outputs import StreamDelta
+from shared.prompts import child_sequences
+from shared.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Submit:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    sink: _Sink
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Sink:
+    """Where one request's deltas go: the asyncio queue of the coroutine that reads them."""
+
+    loop: asyncio.AbstractEventLoop
+    deltas: asyncio.Queue = field(default_factory=asyncio.Queue)
+    num_open: int = 1  # sequences not finished yet
+
+    def put(self, item: StreamDelta | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.deltas.put_nowait, item)
+
+
+class AsyncLLM:
+    def __init__(self, model: str | None = None, progress=None, **engine_options: object) -> None:
+        self.config = EngineConfig.from_options(model, **engine_options)
+        self.engine = EngineCore(self.config, progress=progress)
+        self.tokenizer = self.engine.tokenizer
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}  # sequence id -> sink; engine thread only
+        self._ids = itertools.count()
+        self._stats = self.engine.stats()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
+        self._thread.start()
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[StreamDelta]:
+        """Streams the deltas of all n sequences, interleaved; `delta.index` tells them apart.
+
+        Raises ValueError before the first delta for a prompt the engine can never serve.
+        Leaving the loop early (or being cancelled) aborts the request and frees its blocks.
+        """
+        self.engine.validate_prompt(prompt_token_ids)
+        request_id = request_id or f"req-{next(self._ids)}"
+        sink = _Sink(asyncio.get_running_loop(), num_open=params.n)
+        self._commands.put(_Submit(request_id, list(prompt_token_ids), params, priority, sink))
+        try:
+            while sink.num_open:
+                item = await sink.deltas.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    sink.num_open -= 1
+                yield item
+        finally:
+            if sink.num_open:
+                self.abort(request_id, params.n)
+
+    def abort(self, request_id: str, n: int = 1) -> None:
+        for child_id, _ in child_sequences(request_id, SamplingParams(n=n)):
+            self._commands.put(_Abort(child_id))
+
+    def stats(self) -> EngineStats:
+        """A snapshot taken by the engine thread after its latest step."""
+        return self._stats
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._commands.put(None)
+        self._thread.join(timeout=10)
+
+    # ---- the engine thread ------------------------------------------------------------------
+
+    def _engine_loop(self) -> None:
+        while not self._stopped.is_set():
+            idle = not self.engine.has_unfinished_requests()
+            self._apply_commands(block=idle)
+            if self._stopped.is_set():
+                break
+            if self.engine.has_unfinished_requests():
+                self._route(self.engine.step())
+            self._stats = self.engine.stats()
+
+    def _apply_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return
+        while command is not None:
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, command: _Submit | _Abort) -> None:
+        if isinstance(command, _Abort):
+            self._route(self.engine.abort_requests([command.request_id]))
+            return
+        children = child_sequences(command.request_id, command.params)
+        try:
+            for index, (child_id, child_params) in enumerate(children):
+                self.engine.add_request(
+                    child_id, command.prompt_token_ids, child_params, command.priority, index
+                )
+                self._sinks[child_id] = command.sink
+        except ValueError as error:
+            child_ids = [child_id for child_id, _ in children]
+            self.engine.abort_requests(child_ids)
+            for child_id in child_ids:
+                self._sinks.pop(child_id, None)
+            command.sink.put(error)
+
+    def _route(self, deltas: list[StreamDelta]) -> None:
+        for delta in deltas:
+            sink = self._sinks.get(delta.request_id)
+            if sink is None:
+                continue
+            if delta.finished:
+                del self._sinks[delta.request_id]
+            sink.put(delta)

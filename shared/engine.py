@@ -1,0 +1,180 @@
+"""The engine core: validate, schedule, run, sample, detokenize, one step at a time.
+
+    sched_out = scheduler.schedule()         # which requests, how many tokens each
+    model_out = runner.execute(sched_out)    # one batched forward + sampling
+    updates = scheduler.update(sched_out, model_out)
+
+Not thread-safe: one thread drives it (the offline `LLM` or `AsyncLLM`'s engine thread).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from shared.config import EngineConfig
+from shared.kv.manager import KVCacheManager
+from shared.model.kv_cache import KVCacheSpec, allocate_kv_cache, size_kv_cache
+from shared.model.llama import LlamaForCausalLM
+from shared.model.loader import load_checkpoint
+from shared.output_processor import OutputProcessor
+from shared.outputs import StreamDelta
+from shared.request import Request, RequestStatus
+from shared.runner import ModelRunner
+from shared.sampling_params import SamplingParams
+from shared.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_total: int
+    num_kv_blocks_free: int
+    num_preemptions: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.num_kv_blocks_free / self.num_kv_blocks_total
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, progress=None) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        checkpoint = load_checkpoint(config.model.model, progress=progress)
+        self.architecture = checkpoint.architecture
+        self.tokenizer = checkpoint.tokenizer
+        self.model_name = checkpoint.source
+        self.device = torch.device(config.model.device)
+        self.dtype = getattr(torch, config.model.dtype)
+        self.max_model_len = _max_model_len(self.architecture.max_position_embeddings, config)
+        self.eos_token_ids = tuple(
+            sorted(set(self.architecture.eos_token_ids) | set(self.tokenizer.eos_token_ids))
+        )
+        model = LlamaForCausalLM(self.architecture, self.max_model_len, self.device)
+        model.materialize(self.device, self.dtype)
+        model.load_hf_weights(checkpoint.weights)
+        del checkpoint
+        self.kv_spec: KVCacheSpec = size_kv_cache(
+            self.architecture, config.cache, self.dtype, self.device
+        )
+        kv_cache = allocate_kv_cache(self.kv_spec, self.architecture, self.dtype, self.device)
+        self.kv_manager = KVCacheManager(
+            self.kv_spec.num_blocks,
+            config.cache.block_size,
+            enable_caching=config.cache.enable_prefix_caching,
+            hash_namespace=config.cache.hash_namespace,
+        )
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_manager, self.max_model_len, self.eos_token_ids
+        )
+        self.runner = ModelRunner(model, kv_cache, config.cache.block_size, self.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)",
+            self.kv_spec.num_blocks,
+            self.kv_spec.block_size,
+            self.kv_spec.num_tokens,
+            self.kv_spec.total_bytes / 2**20,
+        )
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raises ValueError for a prompt this engine can never serve. Read-only: safe to call
+        from any thread."""
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.architecture.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains ids outside [0, {vocab}): {bad[:5]}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; the context length is "
+                f"{self.max_model_len}, which must leave room for at least one output token"
+            )
+        num_blocks = -(-(len(prompt_token_ids) + 1) // self.kv_spec.block_size)
+        if num_blocks > self.kv_spec.num_blocks:
+            raise ValueError(
+                f"prompt needs {num_blocks} KV blocks but the cache holds only "
+                f"{self.kv_spec.num_blocks}"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        index: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validates and queues one sequence (n > 1 is fanned out by the callers)."""
+        self.validate_prompt(prompt_token_ids)
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        request = Request(request_id, list(prompt_token_ids), params, priority=priority)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        self.scheduler.add_request(request)
+        self.output_processor.add(request, index)
+
+    def abort_requests(self, request_ids: list[str]) -> list[StreamDelta]:
+        finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.runner.release([request.request_id for request in finished])
+        deltas = [self.output_processor.abort(request) for request in finished]
+        return [delta for delta in deltas if delta is not None]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[StreamDelta]:
+        sched = self.scheduler.schedule()
+        deltas = self._close_dropped_requests()
+        if sched.is_empty:
+            return deltas
+        model_out = self.runner.execute(sched)
+        updates = self.scheduler.update(sched, model_out)
+        processed = self.output_processor.process(updates)
+        stopped = self.scheduler.finish_requests(
+            processed.stopped_request_ids, RequestStatus.FINISHED_STOPPED
+        )
+        finished_ids = [u.request.request_id for u in updates if u.finished]
+        self.runner.release(finished_ids + [request.request_id for request in stopped])
+        return deltas + processed.deltas
+
+    def _close_dropped_requests(self) -> list[StreamDelta]:
+        """Requests the scheduler ended on its own (context outgrew the whole cache)."""
+        dropped = self.scheduler.take_dropped()
+        self.runner.release([request.request_id for request in dropped])
+        deltas = [self.output_processor.abort(request) for request in dropped]
+        return [delta for delta in deltas if delta is not None]
+
+    def stats(self) -> EngineStats:
+        prefix = self.kv_manager.prefix_cache_stats
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_kv_blocks_total=self.kv_manager.num_blocks,
+            num_kv_blocks_free=self.kv_manager.num_free_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queried_tokens=prefix.num_queried_tokens,
+            prefix_cache_hit_tokens=prefix.num_hit_tokens,
+        )
+
+
+def _max_model_len(model_limit: int, config: EngineConfig) -> int:
+    if config.model.max_model_len is None:
+        return model_limit
+    return min(model_limit, config.model.max_model_len)

@@ -1,0 +1,97 @@
+"""The offline Python API: `LLM(model=..., **engine_options).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+
+from shared.config import EngineConfig
+from shared.engine import EngineCore, EngineStats
+from shared.outputs import CompletionOutput, RequestOutput, StreamDelta
+from shared.prompts import PromptInput, child_sequences, normalize_prompts
+from shared.sampling_params import SamplingParams
+
+
+class LLM:
+    """Runs the engine in the caller's thread until the submitted requests finish."""
+
+    def __init__(self, model: str | None = None, progress=None, **engine_options: object) -> None:
+        self.config = EngineConfig.from_options(model, **engine_options)
+        self.engine = EngineCore(self.config, progress=progress)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: object,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """One `RequestOutput` per prompt, in input order. All prompts are validated before
+        any is queued, so a bad one raises `ValueError` and none runs."""
+        inputs = normalize_prompts(prompts, self.tokenizer)
+        all_params = _per_prompt(params, len(inputs), SamplingParams(), "params")
+        priorities = _per_prompt(priority, len(inputs), 0, "priority")
+        for prompt in inputs:
+            self.engine.validate_prompt(prompt.token_ids)
+        request_ids = [
+            self._submit(prompt, p, prio) for prompt, p, prio in zip(inputs, all_params, priorities)
+        ]
+        finals = self._run_until_done()
+        return [
+            _request_output(rid, prompt, p, finals)
+            for rid, prompt, p in zip(request_ids, inputs, all_params)
+        ]
+
+    def chat(
+        self, messages: list[dict[str, str]], params: SamplingParams | None = None
+    ) -> RequestOutput:
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.generate([token_ids], params)[0]
+
+    def stream(self, prompt: object, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Yields deltas of one prompt's sequences as the engine produces them."""
+        (single,) = normalize_prompts([prompt], self.tokenizer)
+        self.engine.validate_prompt(single.token_ids)
+        self._submit(single, params or SamplingParams(), 0)
+        while self.engine.has_unfinished_requests():
+            yield from self.engine.step()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def _submit(self, prompt: PromptInput, params: SamplingParams, priority: int) -> str:
+        request_id = f"offline-{next(self._ids)}"
+        for index, (child_id, child_params) in enumerate(child_sequences(request_id, params)):
+            self.engine.add_request(child_id, prompt.token_ids, child_params, priority, index)
+        return request_id
+
+    def _run_until_done(self) -> dict[str, CompletionOutput]:
+        finals: dict[str, CompletionOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for delta in self.engine.step():
+                if delta.final is not None:
+                    finals[delta.request_id] = delta.final
+        return finals
+
+
+def _per_prompt(value, count: int, default, name: str) -> list:
+    if value is None:
+        return [default] * count
+    if not isinstance(value, list | tuple):
+        return [value] * count
+    if len(value) != count:
+        raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
+    return list(value)
+
+
+def _request_output(
+    request_id: str,
+    prompt: PromptInput,
+    params: SamplingParams,
+    finals: dict[str, CompletionOutput],
+) -> RequestOutput:
+    children = child_sequences(request_id, params)
+    outputs = [finals[child_id] for child_id, _ in children]
+    return RequestOutput(request_id, prompt.text, prompt.token_ids, outputs)

@@ -1,0 +1,134 @@
+"""Turns per-step token updates into text deltas, detects stop strings and keeps timings."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from shared.detokenizer import IncrementalDetokenizer
+from shared.outputs import CompletionOutput, RequestTimings, StreamDelta
+from shared.request import Request
+from shared.scheduler import RequestUpdate
+from shared.tokenizer import Tokenizer
+
+
+@dataclass
+class _SequenceState:
+    request: Request
+    index: int
+    detokenizer: IncrementalDetokenizer
+    timings: RequestTimings
+    logprobs: list | None
+
+
+@dataclass
+class ProcessedStep:
+    deltas: list[StreamDelta]
+    # Sequences a stop string ended: the engine must finish them in the scheduler too.
+    stopped_request_ids: list[str]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _SequenceState] = {}
+
+    def add(self, request: Request, index: int) -> None:
+        params = request.sampling_params
+        self._states[request.request_id] = _SequenceState(
+            request=request,
+            index=index,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params),
+            timings=RequestTimings(arrival_time=request.arrival_time),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+
+    def process(self, updates: list[RequestUpdate]) -> ProcessedStep:
+        now = time.monotonic()
+        step = ProcessedStep([], [])
+        for update in updates:
+            state = self._states.get(update.request.request_id)
+            if state is not None:
+                step.deltas.append(self._advance(state, update, now, step))
+        return step
+
+    def _advance(
+        self, state: _SequenceState, update: RequestUpdate, now: float, step: ProcessedStep
+    ) -> StreamDelta:
+        timings = state.timings
+        if timings.first_token_time is None:
+            timings.first_token_time = now
+        timings.token_times.extend(now for _ in update.new_token_ids)
+        if state.logprobs is not None:
+            state.logprobs.extend(update.logprobs)
+        text = ""
+        stop_string = None
+        for token_id in update.new_token_ids:
+            result = state.detokenizer.append(token_id)
+            text += result.text_delta
+            if result.stop_string is not None:
+                stop_string = result.stop_string
+                break
+        request = state.request
+        finished = update.finished or stop_string is not None
+        if stop_string is not None:
+            request.stop_reason = stop_string
+            step.stopped_request_ids.append(request.request_id)
+        elif finished:
+            text += state.detokenizer.flush()
+        finish_reason = "stop" if stop_string is not None else request.status.finish_reason
+        return self._delta(state, text, update, finished, finish_reason, now)
+
+    def _delta(
+        self,
+        state: _SequenceState,
+        text: str,
+        update: RequestUpdate,
+        finished: bool,
+        finish_reason: str | None,
+        now: float,
+    ) -> StreamDelta:
+        request = state.request
+        delta = StreamDelta(
+            request_id=request.request_id,
+            text=text,
+            token_ids=list(update.new_token_ids),
+            logprobs=list(update.logprobs) if state.logprobs is not None else None,
+            finished=finished,
+            index=state.index,
+            finish_reason=finish_reason if finished else None,
+            stop_reason=request.stop_reason if finished else None,
+        )
+        if finished:
+            state.timings.finish_time = now
+            delta.final = self._completion(state, finish_reason)
+            del self._states[request.request_id]
+        return delta
+
+    def abort(self, request: Request) -> StreamDelta | None:
+        """The closing delta of a sequence that was aborted or dropped by the scheduler."""
+        state = self._states.pop(request.request_id, None)
+        if state is None:
+            return None
+        state.timings.finish_time = time.monotonic()
+        reason = request.status.finish_reason
+        delta = StreamDelta(
+            request.request_id, state.detokenizer.flush(), [], None, True, state.index, reason
+        )
+        delta.final = self._completion(state, reason)
+        return delta
+
+    @staticmethod
+    def _completion(state: _SequenceState, finish_reason: str | None) -> CompletionOutput:
+        request = state.request
+        return CompletionOutput(
+            index=state.index,
+            text=state.detokenizer.text,
+            token_ids=list(request.output_token_ids),
+            finish_reason=finish_reason,
+            stop_reason=request.stop_reason,
+            logprobs=state.logprobs,
+            timings=state.timings,
+            num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions,
+        )

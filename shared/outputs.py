@@ -1,0 +1,70 @@
+"""What the engine hands back: per-step deltas for streaming and whole results for `generate`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.sampler import TokenLogprobs
+
+
+@dataclass
+class RequestTimings:
+    """Monotonic-clock seconds, taken when the engine produced each token."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        times = self.token_times
+        return [later - earlier for earlier, later in zip(times, times[1:])]
+
+
+@dataclass
+class StreamDelta:
+    """What one engine step added to one sequence."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finished: bool
+    index: int = 0  # which of the request's n sequences
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    final: CompletionOutput | None = None  # the whole sequence, on its last delta only
+
+
+@dataclass
+class CompletionOutput:
+    index: int  # which of the request's n sequences
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: list[TokenLogprobs] | None
+    timings: RequestTimings
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+    @property
+    def finished(self) -> bool:
+        return all(output.finish_reason is not None for output in self.outputs)

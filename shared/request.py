@@ -1,0 +1,94 @@
+"""A request's state as the engine tracks it, and its ordered status.
+
+Token accounting is token-centric (one loop serves prefill, chunked prefill and decode):
+
+    | computed (KV in cache) | scheduled this step | still to compute |
+    0            num_computed_tokens            num_tokens
+
+`num_tokens` counts prompt plus output tokens; a request is in decode when only its newest token
+is left to compute.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from shared.kv.block_hash import BlockHash
+from shared.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so `status > PREEMPTED` is the whole `is_finished` test."""
+
+    WAITING = 0
+    WAITING_FOR_REMOTE_KV = 1  # disaggregation: blocks allocated, pages arriving from prefill
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = 5  # max_tokens or the context length
+    FINISHED_ABORTED = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # Lower value = more important (vLLM's convention); preemption picks the highest value.
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Mixed into the first block's hash, e.g. a LoRA or multimodal identity; () for plain text.
+    extra_hash_keys: tuple[str, ...] = ()
+
+    # Owned by the scheduler.
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # Tokens whose KV came from the prefix cache at the last admission (for stats).
+    num_cached_tokens: int = 0
+
+    # Owned by the KV cache manager: chained hashes of the full blocks of all_token_ids,
+    # extended as tokens arrive and never recomputed.
+    block_hashes: list[BlockHash] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,264 @@
+"""Continuous batching with chunked prefill, prefix caching, priorities and preemption.
+
+One loop hands out a per-step token budget: running requests first (decodes, then unfinished
+prefill chunks), then waiting requests by (priority, arrival). A request whose blocks cannot be
+allocated preempts the least important running request (highest priority value, then newest) by
+recomputation: its blocks are freed and it waits again with its tokens so far.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from shared.config import SchedulerConfig
+from shared.kv.manager import KVCacheManager
+from shared.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """The tokens one request computes this step."""
+
+    request: Request
+    start_position: int  # = num_computed_tokens when scheduled
+    num_tokens: int
+    block_ids: list[int]  # the request's whole block table after allocation
+    # The chunk reaches the request's newest token, so this step samples its next one.
+    is_sampled: bool
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start_position : self.start_position + self.num_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]  # batch order: decodes first, then prefill chunks
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class ModelOutput:
+    sampled_token_ids: dict[str, int]  # req_id -> token sampled this step
+    logprobs: dict[str, object] = field(default_factory=dict)  # req_id -> TokenLogprobs
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did to one request, for the output processor."""
+
+    request: Request
+    new_token_ids: list[int]
+    logprobs: list[object]
+    finished: bool
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        self.kv = kv_manager
+        self.max_model_len = max_model_len
+        self.running: list[Request] = []
+        # Heap of (priority, arrival_time, tie-break, request).
+        self._waiting: list[tuple[int, float, int, Request]] = []
+        self._tie_break = itertools.count()
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        # Requests ended inside schedule() (their context outgrew the cache), until taken.
+        self._dropped: list[Request] = []
+
+    # ---- admission and removal ------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queues a validated request; the caller checked that its prompt fits the cache."""
+        assert request.request_id not in self.requests, f"duplicate id {request.request_id}"
+        self.requests[request.request_id] = request
+        self._push_waiting(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Ends requests wherever they are (waiting or running) and frees their blocks."""
+        assert status.is_finished, f"{status} is not a finished status"
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self._remove_waiting(request)
+            self.kv.free(request)
+            request.status = status
+            finished.append(request)
+        return finished
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(chunks=[])
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_request_ids:
+            # Admitting while preempting would only thrash: the freed blocks go to running work.
+            self._admit_waiting(out, budget)
+        # Single-token chunks first: the runner attends to them in one batched call.
+        out.chunks.sort(key=lambda chunk: chunk.num_tokens != 1)
+        return out
+
+    def _chunk_size(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        cap = self.config.long_prefill_token_threshold or budget
+        return min(remaining, budget, cap)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # Decodes first: they are one token each and every step they wait adds to their ITL.
+        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for request in order:
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._chunk_size(request, budget)
+            if self._allocate_or_preempt(request, num_new, out):
+                out.chunks.append(self._chunk(request, num_new))
+                budget -= num_new
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Allocates slots for `request`, preempting others until they fit. False if it was
+        preempted itself (or finished because even an empty cache cannot hold it)."""
+        while not self.kv.allocate_slots(request, num_new):
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            if victim is request and len(self.running) == 1:
+                # Alone and still out of blocks: its context has outgrown the whole cache.
+                self._finish_for_capacity(request)
+                return False
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        scheduled = [c for c in out.chunks if c.request is victim]
+        for chunk in scheduled:
+            out.chunks.remove(chunk)  # its budget is not reclaimed: a rare, one-step loss
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted_request_ids.append(victim.request_id)
+        self._push_waiting(victim)
+
+    def _finish_for_capacity(self, request: Request) -> None:
+        self.finish_requests([request.request_id], RequestStatus.FINISHED_LENGTH)
+        self._dropped.append(request)
+
+    def take_dropped(self) -> list[Request]:
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self._waiting[0][3]
+            computed = self.kv.get_computed_blocks(request)
+            remaining = request.num_tokens - computed.num_tokens
+            num_new = min(remaining, budget, self.config.long_prefill_token_threshold or budget)
+            if not self.kv.allocate_slots(request, num_new, computed):
+                break  # admission only when blocks are free; the queue keeps its order
+            heapq.heappop(self._waiting)
+            request.num_computed_tokens = computed.num_tokens
+            request.num_cached_tokens = computed.num_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(
+            request=request,
+            start_position=start,
+            num_tokens=num_new,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            is_sampled=start + num_new == request.num_tokens,
+        )
+
+    # ---- after the forward ------------------------------------------------------------------
+
+    def update(self, sched: SchedulerOutput, model_out: ModelOutput) -> list[RequestUpdate]:
+        """Advances computed-token counts, appends sampled tokens and finishes requests that
+        hit EOS, a stop token, max_tokens or the context length. Stop strings are the output
+        processor's to detect (they need text); it calls `finish_requests`."""
+        updates = []
+        for chunk in sched.chunks:
+            request = chunk.request
+            if request.is_finished:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            if not chunk.is_sampled:
+                continue
+            token_id = model_out.sampled_token_ids[request.request_id]
+            request.append_output_token(token_id)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self.finish_requests([request.request_id], status)
+            logprobs = model_out.logprobs.get(request.request_id)
+            updates.append(
+                RequestUpdate(request, [token_id], [logprobs] if logprobs else [], status is not None)
+            )
+        return updates
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- the waiting heap -------------------------------------------------------------------
+
+    def _push_waiting(self, request: Request) -> None:
+        entry = (request.priority, request.arrival_time, next(self._tie_break), request)
+        heapq.heappush(self._waiting, entry)
+
+    def _remove_waiting(self, request: Request) -> None:
+        self._waiting = [entry for entry in self._waiting if entry[3] is not request]
+        heapq.heapify(self._waiting)

@@ -1,0 +1,181 @@
+"""Scheduler policy with exact expectations: budgets, ordering, admission, preemption, freeing.
+
+The scheduler is driven with a real KV manager; the "model" is the test choosing each sampled
+token, which is all the scheduler sees of a forward pass.
+"""
+
+from __future__ import annotations
+
+import random
+
+from shared.config import SchedulerConfig
+from shared.kv.manager import KVCacheManager
+from shared.request import Request, RequestStatus
+from shared.sampling_params import SamplingParams
+from shared.scheduler import ModelOutput, Scheduler, SchedulerOutput
+
+EOS = 2
+BLOCK = 4
+
+
+def make_scheduler(num_blocks: int = 64, budget: int = 16, max_seqs: int = 8, chunk=None):
+    config = SchedulerConfig(
+        max_num_batched_tokens=budget, max_num_seqs=max_seqs, long_prefill_token_threshold=chunk
+    )
+    kv = KVCacheManager(num_blocks, BLOCK)
+    return Scheduler(config, kv, max_model_len=1024, eos_token_ids=(EOS,))
+
+
+def make_request(rid: str, num_prompt: int, max_tokens: int = 4, priority: int = 0, t=0.0):
+    prompt = [100 + (hash((rid, i)) % 1000) for i in range(num_prompt)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return Request(rid, prompt, params, priority=priority, arrival_time=t)
+
+
+def step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
+    out = sched.schedule()
+    sampled = {c.request.request_id: token for c in out.chunks if c.is_sampled}
+    sched.update(out, ModelOutput(sampled))
+    return out
+
+
+def plan(out: SchedulerOutput) -> list[tuple[str, int]]:
+    return [(c.request.request_id, c.num_tokens) for c in out.chunks]
+
+
+def test_chunked_prefill_splits_long_prompt_under_budget():
+    sched = make_scheduler(budget=16)
+    sched.add_request(make_request("a", 40))
+    assert plan(step(sched)) == [("a", 16)]
+    assert plan(step(sched)) == [("a", 16)]
+    out = step(sched)
+    assert plan(out) == [("a", 8)] and out.chunks[0].is_sampled
+    assert sched.requests["a"].output_token_ids == [7]
+
+
+def test_decodes_come_first_and_prefill_fills_the_rest():
+    sched = make_scheduler(budget=16)
+    sched.add_request(make_request("a", 5, t=0))
+    step(sched)  # a's whole prompt
+    sched.add_request(make_request("b", 30, t=1))
+    out = step(sched)
+    assert plan(out) == [("a", 1), ("b", 15)]
+    out = step(sched)
+    assert plan(out) == [("a", 1), ("b", 15)]  # b's rest; a keeps decoding every step
+
+
+def test_long_prefill_threshold_caps_one_request_per_step():
+    sched = make_scheduler(budget=16, chunk=6)
+    sched.add_request(make_request("a", 10, t=0))
+    sched.add_request(make_request("b", 10, t=1))
+    assert plan(step(sched)) == [("a", 6), ("b", 6)]
+
+
+def test_waiting_order_is_priority_then_arrival():
+    sched = make_scheduler(budget=4, max_seqs=1)
+    sched.add_request(make_request("late-important", 3, priority=-1, t=5))
+    sched.add_request(make_request("early", 3, priority=0, t=1))
+    sched.add_request(make_request("earlier", 3, priority=0, t=0))
+    assert plan(step(sched)) == [("late-important", 3)]
+
+
+def test_admission_waits_for_free_blocks():
+    sched = make_scheduler(num_blocks=4, budget=64)
+    sched.add_request(make_request("a", 12, max_tokens=3, t=0))  # 3 blocks + room to grow
+    sched.add_request(make_request("b", 8, t=1))  # needs 2 blocks, only 1 free
+    assert plan(step(sched)) == [("a", 12)]
+    assert sched.num_waiting == 1
+
+
+def test_preemption_picks_lowest_priority_then_newest_and_recomputes():
+    sched = make_scheduler(num_blocks=6, budget=64)
+    sched.add_request(make_request("old", 8, max_tokens=20, t=0))
+    sched.add_request(make_request("new", 8, max_tokens=20, t=1))
+    sched.add_request(make_request("vip", 7, max_tokens=20, priority=-5, t=2))
+    assert plan(step(sched)) == [("vip", 7), ("old", 8), ("new", 8)]  # all 6 blocks in use
+    # vip's next token still fits its 2 blocks; old needs a third block, so the least important
+    # running request goes: new (same priority as old, but newer). vip is never the victim.
+    out = step(sched)
+    assert out.preempted_request_ids == ["new"]
+    assert plan(out) == [("vip", 1), ("old", 1)]
+    victim = sched.requests["new"]
+    assert victim.status == RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
+    assert victim.output_token_ids == [7]  # recomputed later, not forgotten
+    assert victim.num_preemptions == 1
+
+
+def test_preempted_request_resumes_with_its_output_tokens():
+    sched = make_scheduler(num_blocks=5, budget=64)
+    sched.add_request(make_request("a", 8, max_tokens=10, t=0))
+    sched.add_request(make_request("b", 8, max_tokens=10, t=1))
+    finished: dict[str, Request] = {}
+    for _ in range(200):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        sampled = {c.request.request_id: 7 for c in out.chunks if c.is_sampled}
+        for update in sched.update(out, ModelOutput(sampled)):
+            if update.finished:
+                finished[update.request.request_id] = update.request
+    assert sched.num_preemptions > 0
+    assert {rid: r.num_output_tokens for rid, r in finished.items()} == {"a": 10, "b": 10}
+    assert sched.kv.num_free_blocks == 5
+
+
+def test_finishes_on_eos_stop_token_and_max_tokens():
+    sched = make_scheduler()
+    sched.add_request(make_request("len", 3, max_tokens=2))
+    step(sched)
+    out = sched.schedule()
+    updates = sched.update(out, ModelOutput({"len": 9}))
+    assert updates[0].finished and updates[0].request.status == RequestStatus.FINISHED_LENGTH
+
+    sched.add_request(make_request("eos", 3, max_tokens=5))
+    out = sched.schedule()
+    updates = sched.update(out, ModelOutput({"eos": EOS}))
+    assert updates[0].request.status == RequestStatus.FINISHED_STOPPED
+
+    stop_params = SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=(42,))
+    sched.add_request(Request("stop", [5, 6, 7], stop_params))
+    out = sched.schedule()
+    updates = sched.update(out, ModelOutput({"stop": 42}))
+    assert updates[0].request.stop_reason == 42
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_ignore_eos_and_min_tokens_keep_generating():
+    sched = make_scheduler()
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    sched.add_request(Request("r", [5, 6], params))
+    for _ in range(3):
+        out = sched.schedule()
+        sched.update(out, ModelOutput({"r": EOS}))
+    assert not sched.has_unfinished_requests()
+
+
+def test_abort_anywhere_frees_every_block():
+    rng = random.Random(0)
+    sched = make_scheduler(num_blocks=24, budget=20)
+    for i in range(12):
+        sched.add_request(make_request(f"r{i}", rng.randint(1, 30), max_tokens=50, t=i))
+    for i in range(30):
+        step(sched)
+        if i % 3 == 0 and sched.requests:
+            victim = rng.choice(sorted(sched.requests))
+            sched.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
+    sched.finish_requests(sorted(sched.requests), RequestStatus.FINISHED_ABORTED)
+    assert sched.kv.num_free_blocks == 24
+    assert sched.num_running == 0 and sched.num_waiting == 0
+
+
+def test_request_alone_outgrowing_the_cache_finishes_with_length():
+    sched = make_scheduler(num_blocks=2, budget=64)
+    sched.add_request(make_request("big", 7, max_tokens=100))
+    for _ in range(5):
+        step(sched)
+    dropped = sched.take_dropped()
+    assert [r.request_id for r in dropped] == ["big"]
+    assert dropped[0].status == RequestStatus.FINISHED_LENGTH
+    # 2 blocks of 4 hold positions 0-7; the token sampled at position 8 has no slot for its KV.
+    assert dropped[0].num_tokens == 9
+    assert sched.kv.num_free_blocks == 2

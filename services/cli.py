@@ -20,7 +20,9 @@ def _add_generate(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--prompt", required=True, help="the prompt, or the user message with --chat")
     sub.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     sub.add_argument("--system", default=None, help="system message (with --chat)")
-    sub.add_argument("--model", default=None, help="a .gguf file or HF directory (default: SmolLM2)")
+    sub.add_argument(
+        "--model", default=None, help="a .gguf file or HF directory (default: SmolLM2)"
+    )
     sub.add_argument("--max-tokens", type=int, default=128)
     sub.add_argument("--temperature", type=float, default=0.0)
     sub.add_argument("--top-p", type=float, default=1.0)
@@ -60,8 +62,10 @@ def run_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(delta.text)
         sys.stdout.flush()
     elapsed = time.monotonic() - start
-    print(f"\n[{num_tokens} tokens in {elapsed:.2f} s, {num_tokens / elapsed:.1f} tokens/s]",
-          file=sys.stderr)
+    print(
+        f"\n[{num_tokens} tokens in {elapsed:.2f} s, {num_tokens / elapsed:.1f} tokens/s]",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -79,7 +79,9 @@ class ModelRunner:
         for chunk in chunks:
             row = len(token_ids)
             token_ids.extend(chunk.token_ids)
-            chunk_positions = torch.arange(chunk.start_position, chunk.start_position + chunk.num_tokens)
+            chunk_positions = torch.arange(
+                chunk.start_position, chunk.start_position + chunk.num_tokens
+            )
             positions.append(chunk_positions)
             slots.append(self._slots(chunk.block_ids, chunk_positions))
             if chunk.is_sampled:

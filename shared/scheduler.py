@@ -30,7 +30,9 @@ class ScheduledChunk:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start_position : self.start_position + self.num_tokens]
+        return self.request.all_token_ids[
+            self.start_position : self.start_position + self.num_tokens
+        ]
 
 
 @dataclass
@@ -235,7 +237,9 @@ class Scheduler:
                 self.finish_requests([request.request_id], status)
             logprobs = model_out.logprobs.get(request.request_id)
             updates.append(
-                RequestUpdate(request, [token_id], [logprobs] if logprobs else [], status is not None)
+                RequestUpdate(
+                    request, [token_id], [logprobs] if logprobs else [], status is not None
+                )
             )
         return updates
 

@@ -48,7 +48,11 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer_cache: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> None: ...
 
     def attend(
@@ -60,7 +64,11 @@ class TorchPagedAttention:
     """Gathers each sequence's keys through its slots, then runs SDPA; for the CPU."""
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer_cache: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> None:
         # key, value: [num_tokens, num_kv_heads, head_dim]
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
@@ -85,13 +93,13 @@ class TorchPagedAttention:
     def _decode(
         query: torch.Tensor, flat: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        slots = meta.decode_context_slots
-        # [num_decodes, max_seq_len, num_kv_heads, head_dim] -> heads before positions
-        keys = flat[0][slots].transpose(1, 2)
-        values = flat[1][slots].transpose(1, 2)
+        num_decodes, max_len = meta.decode_context_slots.shape
+        # One index_select fetches keys and values together (advanced indexing is far slower).
+        kv = flat.index_select(1, meta.decode_context_slots.view(-1))
+        kv = kv.view(2, num_decodes, max_len, flat.shape[-2], flat.shape[-1]).transpose(2, 3)
         q = query.unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+            q, kv[0], kv[1], attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
         )
         return out.squeeze(2)
 
@@ -99,8 +107,8 @@ class TorchPagedAttention:
     def _prefill(
         query: torch.Tensor, flat: torch.Tensor, chunk: PrefillChunk, scale: float
     ) -> torch.Tensor:
-        keys = flat[0][chunk.context_slots].transpose(0, 1)  # [num_kv_heads, seq_len, head_dim]
-        values = flat[1][chunk.context_slots].transpose(0, 1)
+        kv = flat.index_select(1, chunk.context_slots).transpose(1, 2)
+        keys, values = kv[0], kv[1]  # [num_kv_heads, seq_len, head_dim]
         q = query.transpose(0, 1)  # [num_heads, query_len, head_dim]
         seq_len = chunk.context_slots.shape[0]
         if seq_len == chunk.query_len:

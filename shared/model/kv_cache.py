@@ -64,7 +64,9 @@ def size_kv_cache(
             f"KV cache budget of {budget} bytes holds {num_blocks} blocks of {per_block} bytes; "
             "at least 2 are needed (raise kv_cache_bytes or kv_cache_memory_fraction)"
         )
-    return KVCacheSpec(num_blocks=num_blocks, block_size=cache.block_size, bytes_per_block=per_block)
+    return KVCacheSpec(
+        num_blocks=num_blocks, block_size=cache.block_size, bytes_per_block=per_block
+    )
 
 
 def allocate_kv_cache(

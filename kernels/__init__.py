@@ -1,0 +1,48 @@
+"""Triton kernels for the engine's hot paths, each beside its PyTorch reference.
+
+`kernels.reference` holds the plain PyTorch versions (what the engine runs on the CPU) and
+imports no Triton. The Triton wrappers below are imported on first use, so `import kernels`
+works where Triton is not installed; `has_triton()` says whether they can be used.
+
+| wrapper                                  | module                    |
+| ---------------------------------------- | ------------------------- |
+| paged_decode_attention                   | kernels.decode_attention  |
+| paged_prefill_attention                  | kernels.prefill_attention |
+| write_kv, pack_kv_pages, unpack_kv_pages | kernels.kv_cache_ops      |
+| fused_add_rms_norm                       | kernels.rms_norm          |
+| rotary_embedding                         | kernels.rotary            |
+
+Module names differ from the wrappers' names on purpose: a submodule imported as
+`kernels.paged_decode_attention` would shadow the function of that name on the package.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_TRITON_WRAPPERS = {
+    "paged_decode_attention": "kernels.decode_attention",
+    "paged_prefill_attention": "kernels.prefill_attention",
+    "write_kv": "kernels.kv_cache_ops",
+    "pack_kv_pages": "kernels.kv_cache_ops",
+    "unpack_kv_pages": "kernels.kv_cache_ops",
+    "fused_add_rms_norm": "kernels.rms_norm",
+    "rotary_embedding": "kernels.rotary",
+}
+
+__all__ = ["has_triton", *_TRITON_WRAPPERS]
+
+
+def has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def __getattr__(name: str) -> object:
+    module_name = _TRITON_WRAPPERS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+    return getattr(importlib.import_module(module_name), name)

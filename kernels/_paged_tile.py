@@ -1,0 +1,95 @@
+"""Triton building blocks shared by the paged attention kernels.
+
+A key tile is `TILE_N` consecutive token positions of one sequence. Each token finds its own
+page through the block table, so a tile may span several pages (or part of one): the tile
+width is a tuning choice independent of the cache's block size.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_kv_tile(
+    cache_ptr,
+    block_table_ptr,  # this sequence's row of the block table
+    toks,  # [TILE_N] token positions in the sequence
+    tok_ok,  # [TILE_N] which positions exist
+    kv_head,
+    dims,  # [HEAD_DIM_PAD]
+    dim_ok,
+    stride_block,
+    stride_tok,
+    stride_head,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Loads `[TILE_N, HEAD_DIM_PAD]` of one kv head; missing positions read as 0."""
+    block_ids = tl.load(block_table_ptr + toks // BLOCK_SIZE, mask=tok_ok, other=0)
+    # int64: block_id * stride overflows int32 for caches past 2^31 elements.
+    rows = (
+        block_ids.to(tl.int64) * stride_block
+        + (toks % BLOCK_SIZE) * stride_tok
+        + kv_head * stride_head
+    )
+    return tl.load(
+        cache_ptr + rows[:, None] + dims[None, :],
+        mask=tok_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def online_softmax_step(
+    q,  # [M, HEAD_DIM_PAD]
+    k,  # [TILE_N, HEAD_DIM_PAD]
+    v,  # [TILE_N, HEAD_DIM_PAD]
+    visible,  # [M, TILE_N] bool, or ignored when APPLY_MASK is False
+    acc,  # [M, HEAD_DIM_PAD] float32, unnormalised output
+    l_i,  # [M] float32, running sum of exp2
+    m_i,  # [M] float32, running max of scores (log2 units)
+    scale_log2,  # softmax scale * log2(e): exp2 is cheaper than exp
+    APPLY_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """One flash-attention step. Every row must see at least one key in its first step, so
+    that `m_i` is finite from then on and no `-inf - -inf` ever happens."""
+    scores = dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2
+    if APPLY_MASK:
+        scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """`tl.dot` with float32 accumulation. UPCAST_DOT exists for Triton's CPU interpreter only,
+    whose `tl.dot` multiplies bfloat16 bit patterns as integers (triton-lang/triton#11584):
+    bfloat16 products are exact in float32, so upcasting first gives the same sums."""
+    if UPCAST_DOT:
+        result = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        result = tl.dot(a, b, input_precision=DOT_PRECISION)
+    return result
+
+
+def dot_meta(dtype: torch.dtype) -> dict[str, object]:
+    """The `dot` constexprs for inputs of `dtype`.
+
+    float32 inputs must not go through tf32 (a 10-bit mantissa): the float32 path promises
+    float32 accuracy. Half-precision inputs ignore the precision setting.
+    """
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    return dict(
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        UPCAST_DOT=interpreting and dtype == torch.bfloat16,
+    )

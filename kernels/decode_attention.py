@@ -1,0 +1,250 @@
+"""Paged decode attention (one query token per sequence), split along the context.
+
+Flash-decoding: one program per (sequence, kv head, context partition) attends all query heads
+of that kv head at once, so each key and value is read from memory exactly once however many
+query heads share it (GQA). When the context is longer than one partition, each partition
+writes its normalised output and log-sum-exp, and a second kernel merges the partitions. A
+batch whose contexts fit one partition skips the merge and writes the output directly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import _checks as checks
+from kernels._paged_tile import dot_meta, load_kv_tile, online_softmax_step
+
+LOG2E = 1.4426950408889634
+DEFAULT_PARTITION_SIZE = 512
+# tl.dot needs at least 16 rows; padding the query-head group costs compute only, and decode
+# is bound by reading K and V.
+MIN_GROUP_ROWS = 16
+
+
+@triton.jit
+def _decode_partition_kernel(
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,  # [num_seqs, num_heads, head_dim], written when IS_SINGLE_PARTITION
+    part_out_ptr,  # [num_seqs, num_heads, num_partitions, HEAD_DIM] float32
+    part_lse_ptr,  # [num_seqs, num_heads, num_partitions] float32, log2 units
+    scale_log2,
+    stride_q_seq,
+    stride_q_head,
+    stride_c_block,
+    stride_c_tok,
+    stride_c_head,
+    stride_bt_seq,
+    stride_o_seq,
+    stride_o_head,
+    num_heads,
+    num_partitions,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+    IS_SINGLE_PARTITION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    part_start = part * PARTITION_SIZE
+    part_end = tl.minimum(part_start + PARTITION_SIZE, seq_len)
+
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + rows
+    row_ok = rows < GROUP
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(
+        query_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    table_ptr = block_tables_ptr + seq * stride_bt_seq
+    # An empty partition (past the end of this sequence) runs no iteration.
+    for tile_start in range(part_start, part_end, TILE_N):
+        toks = tile_start + tl.arange(0, TILE_N)
+        tok_ok = toks < part_end
+        k = load_kv_tile(key_cache_ptr, table_ptr, toks, tok_ok, kv_head, dims, dim_ok,
+                         stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE)
+        v = load_kv_tile(value_cache_ptr, table_ptr, toks, tok_ok, kv_head, dims, dim_ok,
+                         stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE)
+        acc, l_i, m_i = online_softmax_step(q, k, v, tok_ok[None, :], acc, l_i, m_i,
+                                            scale_log2, True, DOT_PRECISION, UPCAST_DOT)
+
+    # A sequence of length 0 (batch padding) has l_i == 0 and acc == 0: its output is 0.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    result = acc / l_safe[:, None]
+    if IS_SINGLE_PARTITION:
+        out_ptrs = out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + dims[None, :]
+        tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & dim_ok[None, :])
+    else:
+        # The merge kernel reads only partitions that hold tokens, so empty ones store nothing.
+        part_row = ((seq * num_heads + heads) * num_partitions + part).to(tl.int64)
+        # A vector, not a scalar: Triton's interpreter mis-types scalar & block masks.
+        store_ok = row_ok & (part_start + tl.zeros_like(rows) < seq_len)
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], result,
+                 mask=store_ok[:, None] & dim_ok[None, :])
+        tl.store(part_lse_ptr + part_row, m_i + tl.log2(l_safe), mask=store_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    seq_lens_ptr,
+    stride_o_seq,
+    stride_o_head,
+    num_heads,
+    num_partitions,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+    PART_TILE: tl.constexpr,
+):
+    """out = sum_p w_p * out_p / sum_p w_p with w_p = 2^(lse_p - max lse)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_used = tl.cdiv(seq_len, PARTITION_SIZE)
+    base = ((seq * num_heads + head) * num_partitions).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+
+    # Pass 1: the largest lse, kept elementwise so no scalar is carried through the loop.
+    m_vec = tl.full([PART_TILE], float("-inf"), dtype=tl.float32)
+    for p0 in range(0, num_used, PART_TILE):
+        parts = p0 + tl.arange(0, PART_TILE)
+        lse = tl.load(part_lse_ptr + base + parts, mask=parts < num_used, other=float("-inf"))
+        m_vec = tl.maximum(m_vec, lse)
+    m = tl.max(m_vec, 0)
+
+    acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
+    denom = tl.zeros([PART_TILE], dtype=tl.float32)
+    for p0 in range(0, num_used, PART_TILE):
+        parts = p0 + tl.arange(0, PART_TILE)
+        part_ok = parts < num_used
+        lse = tl.load(part_lse_ptr + base + parts, mask=part_ok, other=float("-inf"))
+        weight = tl.exp2(lse - m)
+        partial = tl.load(part_out_ptr + (base + parts)[:, None] * HEAD_DIM + dims[None, :],
+                          mask=part_ok[:, None] & dim_ok[None, :], other=0.0)
+        acc += tl.sum(weight[:, None] * partial, 0)
+        denom += weight
+    total = tl.sum(denom, 0)
+    result = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + dims,
+             result.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    partition_size: int = DEFAULT_PARTITION_SIZE,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its whole paged context.
+
+    query: [num_seqs, num_heads, head_dim], the token at position `seq_lens[s] - 1`, whose own
+    key and value are already in the cache. key_cache, value_cache: [num_blocks, block_size,
+    num_kv_heads, head_dim]. block_tables: [num_seqs, max_blocks_per_seq] int32. seq_lens:
+    [num_seqs] int32. Returns `out` (or a new tensor) of query's shape and dtype.
+
+    Preconditions not checked (they would need a device sync): `0 <= seq_lens[s] <=
+    max_blocks_per_seq * block_size` and the first `ceil(seq_lens[s] / block_size)` block ids
+    of each row are valid blocks. A sequence of length 0 gets zeros.
+
+    The context is cut into `partition_size`-token partitions (a power of two >= 16) when
+    `max_blocks_per_seq * block_size` exceeds it: that bound, not the true lengths, sizes the
+    launch, so the call never syncs; slice block_tables to the batch's longest row.
+    """
+    shape = _check_decode_args(query, key_cache, value_cache, block_tables, seq_lens)
+    scale = checks.check_scale(scale)
+    if not checks.is_power_of_two(partition_size) or partition_size < 16:
+        raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
+    out = checks.prepare_out(out, tuple(query.shape), query)
+    num_seqs, num_heads, head_dim = query.shape
+    if num_seqs == 0:
+        return out
+    max_context = block_tables.shape[1] * shape.block_size
+    num_partitions = max(1, math.ceil(max_context / partition_size))
+    group = num_heads // shape.num_kv_heads
+    meta = dict(
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        GROUP=group,
+        GROUP_PAD=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
+        BLOCK_SIZE=shape.block_size,
+        TILE_N=min(64, partition_size),
+        PARTITION_SIZE=partition_size,
+        IS_SINGLE_PARTITION=num_partitions == 1,
+        **dot_meta(query.dtype),
+    )
+    if num_partitions == 1:
+        part_out = part_lse = out  # unused by the single-partition variant
+    else:
+        part_out = torch.empty((num_seqs, num_heads, num_partitions, head_dim),
+                               dtype=torch.float32, device=query.device)
+        part_lse = torch.empty((num_seqs, num_heads, num_partitions),
+                               dtype=torch.float32, device=query.device)
+    _decode_partition_kernel[(num_seqs, shape.num_kv_heads, num_partitions)](
+        query, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_lse,
+        scale * LOG2E, query.stride(0), query.stride(1), key_cache.stride(0),
+        key_cache.stride(1), key_cache.stride(2), block_tables.stride(0), out.stride(0),
+        out.stride(1), num_heads, num_partitions, **meta,
+    )
+    if num_partitions > 1:
+        _decode_merge_kernel[(num_seqs, num_heads)](
+            out, part_out, part_lse, seq_lens, out.stride(0), out.stride(1), num_heads,
+            num_partitions, HEAD_DIM=head_dim, HEAD_DIM_PAD=meta["HEAD_DIM_PAD"],
+            PARTITION_SIZE=partition_size,
+            PART_TILE=min(16, triton.next_power_of_2(num_partitions)),
+        )
+    return out
+
+
+def _check_decode_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> checks.CacheShape:
+    checks.check_tensor("query", query, 3, checks.FLOAT_DTYPES)
+    shape = checks.check_kv_cache_pair(key_cache, value_cache)
+    checks.check_same_dtype("key_cache", key_cache, "query", query)
+    if query.shape[2] != shape.head_dim:
+        raise ValueError(
+            f"query head_dim ({query.shape[2]}) differs from the cache's ({shape.head_dim})"
+        )
+    checks.check_gqa(query.shape[1], shape.num_kv_heads)
+    checks.check_last_dim_contiguous("query", query)
+    checks.check_block_table_args(block_tables, seq_lens, query.shape[0])
+    tensors = dict(query=query, key_cache=key_cache, value_cache=value_cache,
+                   block_tables=block_tables, seq_lens=seq_lens)
+    checks.check_same_device(tensors)
+    return shape

@@ -1,0 +1,188 @@
+"""Plain PyTorch versions of every kernel: the specification the Triton kernels are tested
+against, and what the engine runs on the CPU.
+
+They follow the same contracts as the Triton wrappers (same arguments, same layouts) but favour
+obviousness over speed: one sequence at a time, math in float32, results cast once at the end.
+
+KV layout: per layer a key cache and a value cache `[num_blocks, block_size, num_kv_heads,
+head_dim]` (views `kv[l, 0]`, `kv[l, 1]` of `[num_layers, 2, num_blocks, block_size,
+num_kv_heads, head_dim]`); token `t` of a sequence lives in slot
+`block_tables[s, t // block_size] * block_size + t % block_size`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+
+class AddRMSNormOutput(NamedTuple):
+    normed: torch.Tensor  # [num_tokens, hidden_size], rmsnorm(residual) * weight
+    residual: torch.Tensor  # [num_tokens, hidden_size], x + residual (or x)
+
+
+def gather_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> torch.Tensor:
+    """The first `seq_len` tokens of one sequence, in order: `[seq_len, num_kv_heads, head_dim]`."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    pages = cache[block_table[:num_blocks].long()]  # [num_blocks, block_size, kv_heads, dim]
+    return pages.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def _attend(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, context_len: int
+) -> torch.Tensor:
+    """Causal attention of `query` rows at positions `context_len + i` over `keys`, in float32.
+
+    query: [q_len, num_heads, head_dim]; keys, values: [seq_len, num_kv_heads, head_dim].
+    """
+    q_len, num_heads, head_dim = query.shape
+    seq_len, num_kv_heads, _ = keys.shape
+    group = num_heads // num_kv_heads
+    # Query head h reads kv head h // group, as Hugging Face's repeat_kv arranges them.
+    q = query.float().reshape(q_len, num_kv_heads, group, head_dim)
+    scores = torch.einsum("qhgd,khd->hgqk", q, keys.float()) * scale
+    positions = context_len + torch.arange(q_len, device=query.device)
+    visible = torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("hgqk,khd->qhgd", probs, values.float())
+    return out.reshape(q_len, num_heads, head_dim)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence, at position `seq_lens[s] - 1`, over all its keys.
+
+    query: [num_seqs, num_heads, head_dim]; returns the same shape. A sequence of length 0
+    gets zeros (padding rows of a fixed-size batch).
+    """
+    result = torch.zeros_like(query)
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            continue
+        keys = gather_kv(key_cache, block_tables[s], seq_len)
+        values = gather_kv(value_cache, block_tables[s], seq_len)
+        result[s] = _attend(query[s : s + 1], keys, values, scale, seq_len - 1)[0]
+    return _into(out, result)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached prefix and themselves.
+
+    Sequence s owns query rows `query_start_loc[s]:query_start_loc[s + 1]`:
+
+        | cached prefix (seq_len - q_len) | new tokens (q_len), rows of query |
+
+    and all seq_len keys and values are already in the cache.
+    """
+    result = torch.zeros_like(query)
+    starts = query_start_loc.tolist()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        begin, end = starts[s], starts[s + 1]
+        if end == begin:
+            continue
+        keys = gather_kv(key_cache, block_tables[s], seq_len)
+        values = gather_kv(value_cache, block_tables[s], seq_len)
+        context_len = seq_len - (end - begin)
+        result[begin:end] = _attend(query[begin:end], keys, values, scale, context_len)
+    return _into(out, result)
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes token t's key/value `[num_kv_heads, head_dim]` into slot `slot_mapping[t]`.
+
+    Mutates key_cache and value_cache; slot -1 marks a padding token and is skipped.
+    """
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    block_size = key_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key[keep].to(key_cache.dtype)
+    value_cache[blocks, offsets] = value[keep].to(value_cache.dtype)
+
+
+def pack_kv_pages(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor | Sequence[int]
+) -> torch.Tensor:
+    """Copies blocks out of `[num_layers, 2, num_blocks, ...]` into a contiguous buffer
+    `[n, num_layers, 2, block_size, num_kv_heads, head_dim]` (block-major)."""
+    index = torch.as_tensor(block_ids, device=kv_cache.device).long()
+    return kv_cache[:, :, index].permute(2, 0, 1, 3, 4, 5).contiguous()
+
+
+def unpack_kv_pages(
+    buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor | Sequence[int]
+) -> None:
+    """The inverse of `pack_kv_pages`: mutates `kv_cache` at `block_ids`."""
+    index = torch.as_tensor(block_ids, device=kv_cache.device).long()
+    kv_cache[:, :, index] = buffer.permute(1, 2, 0, 3, 4, 5).to(kv_cache.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> AddRMSNormOutput:
+    """`residual' = x + residual` (rounded to x's dtype, as an unfused add would be), then
+    `rmsnorm(residual') * weight` in float32, cast once. With residual None, residual' is x."""
+    new_residual = x if residual is None else x + residual
+    hidden = new_residual.float()
+    rstd = torch.rsqrt(hidden.pow(2).mean(dim=-1, keepdim=True) + eps)
+    normed = (hidden * rstd * weight.float()).to(x.dtype)
+    return AddRMSNormOutput(normed, new_residual)
+
+
+def rotary_cos_sin_cache(inv_freq: torch.Tensor, max_position: int) -> torch.Tensor:
+    """`[max_position, head_dim]` float32: `[:, :head_dim/2]` = cos, `[:, head_dim/2:]` = sin
+    of `position * inv_freq`, the table `rotary_embedding` reads."""
+    positions = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)
+    freqs = torch.outer(positions, inv_freq.float())  # [max_position, head_dim / 2]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def rotary_embedding(
+    query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> None:
+    """Hugging Face Llama's rotate-half RoPE, in place on query `[T, num_heads, D]` and key
+    `[T, num_kv_heads, D]`: `x * cos + rotate_half(x) * sin` with `rotate_half(x) =
+    cat(-x2, x1)` and cos, sin = the table's halves repeated twice."""
+    half = cos_sin_cache.shape[1] // 2
+    table = cos_sin_cache[positions.long()].float()  # [T, D]
+    cos = torch.cat([table[:, :half], table[:, :half]], dim=-1)[:, None, :]
+    sin = torch.cat([table[:, half:], table[:, half:]], dim=-1)[:, None, :]
+    for x in (query, key):
+        xf = x.float()
+        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+        x.copy_(xf * cos + rotated * sin)
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return result
+    out.copy_(result)
+    return out

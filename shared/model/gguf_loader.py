@@ -1,0 +1,206 @@
+"""Loads a llama-architecture GGUF file into Hugging Face-named float32 tensors.
+
+Three translations happen here:
+- names: llama.cpp's `blk.N.attn_q.weight` becomes `model.layers.N.self_attn.q_proj.weight`;
+- values: quantized blocks are dequantized with the `gguf` package, whole tensor at a time;
+- layout: llama.cpp's converter reorders the rows of q_proj and k_proj so that its interleaved
+  RoPE (rotating row pairs 2i, 2i+1) computes what Hugging Face's rotate-half RoPE computes on the
+  original rows (pairs i, i + head_dim/2). We run rotate-half, so we put the rows back.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf.quants import dequantize
+
+from shared.model.architecture import LoadedCheckpoint, ModelArchitecture, RopeScaling
+from shared.progress import ProgressFn
+from shared.tokenizer import Tokenizer
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+_TOP_LEVEL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def load_gguf(path: str, progress: ProgressFn | None = None) -> LoadedCheckpoint:
+    """Reads architecture, tokenizer and all weights (dequantized to float32) from `path`."""
+    reader = gguf.GGUFReader(path)
+    meta = _Metadata(reader)
+    _check_architecture(meta.require("general.architecture"), path)
+    tokenizer = Tokenizer.from_gguf_reader(reader)
+    architecture = read_architecture(reader, tokenizer)
+    weights = _read_weights(reader, architecture, progress)
+    return LoadedCheckpoint(
+        architecture=architecture, weights=weights, tokenizer=tokenizer, source=os.fspath(path)
+    )
+
+
+def read_architecture(reader: gguf.GGUFReader, tokenizer: Tokenizer) -> ModelArchitecture:
+    """The model's numbers from `llama.*` metadata; token ids come from the tokenizer."""
+    meta = _Metadata(reader)
+    arch = meta.require("general.architecture")
+    hidden_size = int(meta.require(f"{arch}.embedding_length"))
+    num_heads = int(meta.require(f"{arch}.attention.head_count"))
+    num_kv_heads = _scalar(meta.get(f"{arch}.attention.head_count_kv", num_heads), "head_count_kv")
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden_size // num_heads))
+    _check_rope_dim(int(meta.get(f"{arch}.rope.dimension_count", head_dim)), head_dim)
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    vocab_size = _vocab_size(reader, tokenizer)
+    return ModelArchitecture(
+        name=arch,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=int(meta.require(f"{arch}.feed_forward_length")),
+        num_layers=int(meta.require(f"{arch}.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(meta.require(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(meta.require(f"{arch}.context_length")),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_ids=tokenizer.eos_token_ids,
+        rope_scaling=_rope_scaling(meta, arch),
+    )
+
+
+def gguf_to_hf_name(name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _TOP_LEVEL_NAMES:
+        return f"{_TOP_LEVEL_NAMES[parts[0]]}.{parts[1]}"
+    raise ValueError(f"unsupported GGUF tensor {name!r} (no Hugging Face Llama equivalent)")
+
+
+def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's Q/K row order, giving the rows Hugging Face's rotate-half expects.
+
+    Within each head of `head_dim` rows, llama.cpp stores original row `i` (first half) at
+    `2i` and row `i + head_dim/2` (second half) at `2i + 1`: [h, half, 2] in memory. Viewing
+    the rows as [num_heads, head_dim/2, 2, ...] and swapping the two middle axes gives back
+    [num_heads, 2, head_dim/2, ...], i.e. first halves then second halves.
+    """
+    rows = weight.shape[0]
+    assert rows % (2 * num_heads) == 0, f"{rows} rows do not split into {num_heads} heads"
+    half = rows // num_heads // 2
+    # [rows, ...] -> [num_heads, half, 2, ...] -> [num_heads, 2, half, ...] -> [rows, ...]
+    split = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return split.swapaxes(1, 2).reshape(weight.shape)
+
+
+def _read_weights(
+    reader: gguf.GGUFReader, architecture: ModelArchitecture, progress: ProgressFn | None
+) -> dict[str, torch.Tensor]:
+    heads_of = {"attn_q": architecture.num_heads, "attn_k": architecture.num_kv_heads}
+    weights: dict[str, torch.Tensor] = {}
+    for done, tensor in enumerate(reader.tensors, start=1):
+        name = gguf_to_hf_name(tensor.name)
+        values = _dequantize(tensor)
+        kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+        if kind in heads_of:
+            values = unpermute_rope_rows(values, heads_of[kind])
+        weights[name] = torch.from_numpy(np.ascontiguousarray(values))
+        if progress is not None:
+            progress(done, len(reader.tensors), name)
+    return weights
+
+
+def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
+    """float32 values in Hugging Face's [out, in] shape (GGUF lists dimensions innermost first)."""
+    qtype = tensor.tensor_type
+    try:
+        values = dequantize(tensor.data, qtype)
+    except NotImplementedError as exc:
+        raise ValueError(f"GGUF tensor {tensor.name!r} has unsupported type {qtype.name}") from exc
+    shape = tuple(int(dim) for dim in reversed(tensor.shape))
+    values = values.astype(np.float32, copy=False).reshape(shape)
+    # F32 tensors come back as views of the memory-mapped file: copy so the tensor owns
+    # writable memory and the file can be closed.
+    return values if values.flags.writeable and values.flags.owndata else values.copy()
+
+
+def _rope_scaling(meta: _Metadata, arch: str) -> RopeScaling:
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    legacy_linear = meta.get(f"{arch}.rope.scale_linear")
+    if kind is None and legacy_linear is not None:
+        kind, factor = "linear", legacy_linear
+    if kind in (None, "none") or (kind == "linear" and float(factor or 1.0) == 1.0):
+        return RopeScaling()
+    if kind == "linear":
+        return RopeScaling(rope_type="linear", factor=float(factor))
+    raise ValueError(f"unsupported GGUF rope scaling type {kind!r}; supported: none, linear")
+
+
+def _check_architecture(arch: str, path: str) -> None:
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{os.fspath(path)!r} holds a {arch!r} model; supported GGUF architectures: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
+def _check_rope_dim(rope_dim: int, head_dim: int) -> None:
+    if rope_dim != head_dim:
+        raise ValueError(
+            f"partial rotary embeddings (rope dimension {rope_dim} < head_dim {head_dim}) "
+            "are not supported"
+        )
+
+
+def _vocab_size(reader: gguf.GGUFReader, tokenizer: Tokenizer) -> int:
+    # The embedding's row count is what the model can actually score; tokenizers may be smaller
+    # (padded embeddings) but never larger.
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise ValueError("GGUF file has no token_embd.weight tensor")
+    vocab_size = int(embed.shape[-1])
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but the embedding only {vocab_size}"
+        )
+    return vocab_size
+
+
+def _scalar(value: Any, name: str) -> int:
+    if isinstance(value, list):
+        raise ValueError(f"per-layer {name} values are not supported")
+    return int(value)
+
+
+class _Metadata:
+    def __init__(self, reader: gguf.GGUFReader) -> None:
+        self._fields = reader.fields
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self._fields.get(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        field = self._fields.get(key)
+        if field is None:
+            raise ValueError(f"GGUF file lacks required metadata {key!r}")
+        return field.contents()

@@ -1,0 +1,174 @@
+"""Loads a Hugging Face Llama checkpoint directory (config.json + safetensors) as float32.
+
+Accepts single-file and sharded (`model.safetensors.index.json`) safetensors, both spellings of
+RoPE settings (transformers 5's `rope_parameters` with `rope_theta` inside; older `rope_theta` +
+`rope_scaling`), and Mistral configs that describe exactly a Llama (no sliding window).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from shared.model.architecture import LoadedCheckpoint, ModelArchitecture, RopeScaling
+from shared.progress import ProgressFn
+from shared.tokenizer import Tokenizer
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_hf_dir(path: str, progress: ProgressFn | None = None) -> LoadedCheckpoint:
+    """Reads config, tokenizer and weights of the checkpoint in directory `path`."""
+    config = _read_config(path)
+    tokenizer = Tokenizer.from_hf_dir(path)
+    architecture = architecture_from_config(config, tokenizer)
+    weights = _read_weights(path, architecture.tie_word_embeddings, progress)
+    return LoadedCheckpoint(
+        architecture=architecture, weights=weights, tokenizer=tokenizer, source=os.fspath(path)
+    )
+
+
+def architecture_from_config(config: dict[str, Any], tokenizer: Tokenizer) -> ModelArchitecture:
+    """`ModelArchitecture` from a parsed config.json; raises ValueError for non-Llama models."""
+    _check_supported(config)
+    hidden_size = int(config["hidden_size"])
+    num_heads = int(config["num_attention_heads"])
+    rope_theta, rope_scaling = _rope_settings(config)
+    return ModelArchitecture(
+        name=str(config["model_type"]),
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden_size,
+        intermediate_size=int(config["intermediate_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+        head_dim=int(config.get("head_dim") or hidden_size // num_heads),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        max_position_embeddings=int(config["max_position_embeddings"]),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        bos_token_id=_bos_token_id(config, tokenizer),
+        eos_token_ids=_eos_token_ids(config, tokenizer),
+        rope_scaling=rope_scaling,
+    )
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise ValueError(f"{os.fspath(path)!r} has no config.json")
+    with open(config_file, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _check_supported(config: dict[str, Any]) -> None:
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r} (architectures "
+            f"{config.get('architectures')}); supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    # Each of these would change the computation our Llama implementation performs.
+    differences = {
+        "sliding_window": config.get("sliding_window") is not None,
+        "attention_bias": bool(config.get("attention_bias", False)),
+        "mlp_bias": bool(config.get("mlp_bias", False)),
+        "hidden_act": config.get("hidden_act", "silu") != "silu",
+    }
+    unsupported = [name for name, differs in differences.items() if differs]
+    if unsupported:
+        raise ValueError(
+            f"{model_type} config sets {', '.join(unsupported)}, which this Llama "
+            "implementation does not support"
+        )
+
+
+def _rope_settings(config: dict[str, Any]) -> tuple[float, RopeScaling]:
+    params = config.get("rope_parameters")
+    if isinstance(params, dict):  # transformers 5: theta and scaling in one dict
+        theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+        return float(theta), _rope_scaling(params)
+    scaling = config.get("rope_scaling")
+    return float(config.get("rope_theta", 10000.0)), _rope_scaling(scaling or {})
+
+
+def _rope_scaling(params: dict[str, Any]) -> RopeScaling:
+    # Older configs spell the kind "type", newer ones "rope_type".
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope_type {rope_type!r}; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return RopeScaling()
+    defaults = RopeScaling()
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(params.get("factor", defaults.factor)),
+        low_freq_factor=float(params.get("low_freq_factor", defaults.low_freq_factor)),
+        high_freq_factor=float(params.get("high_freq_factor", defaults.high_freq_factor)),
+        original_max_position_embeddings=int(
+            params.get(
+                "original_max_position_embeddings", defaults.original_max_position_embeddings
+            )
+        ),
+    )
+
+
+def _bos_token_id(config: dict[str, Any], tokenizer: Tokenizer) -> int | None:
+    if tokenizer.bos_token_id is not None:
+        return tokenizer.bos_token_id
+    bos = config.get("bos_token_id")
+    return bos if isinstance(bos, int) else None
+
+
+def _eos_token_ids(config: dict[str, Any], tokenizer: Tokenizer) -> tuple[int, ...]:
+    config_eos = config.get("eos_token_id")
+    extra = [config_eos] if isinstance(config_eos, int) else list(config_eos or [])
+    return tuple(dict.fromkeys([*tokenizer.eos_token_ids, *extra]))
+
+
+def _weight_files(path: str) -> list[str]:
+    index_file = os.path.join(path, _INDEX_FILE)
+    if os.path.isfile(index_file):
+        with open(index_file, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, shard) for shard in shards]
+    single = os.path.join(path, _SINGLE_FILE)
+    if os.path.isfile(single):
+        return [single]
+    raise ValueError(f"{os.fspath(path)!r} has neither {_SINGLE_FILE} nor {_INDEX_FILE}")
+
+
+def _is_skipped(name: str, tie_word_embeddings: bool) -> bool:
+    # Rotary inverse frequencies are recomputed from the config; a tied lm_head is the
+    # embedding again, so the weights dict carries it once.
+    is_tied_head = tie_word_embeddings and name == "lm_head.weight"
+    return name.endswith("rotary_emb.inv_freq") or is_tied_head
+
+
+def _read_weights(
+    path: str, tie_word_embeddings: bool, progress: ProgressFn | None
+) -> dict[str, torch.Tensor]:
+    files = _weight_files(path)
+    names_per_file = []
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            names = [n for n in f.keys() if not _is_skipped(n, tie_word_embeddings)]  # noqa: SIM118
+            names_per_file.append(names)
+    total = sum(len(names) for names in names_per_file)
+    weights: dict[str, torch.Tensor] = {}
+    for file, names in zip(files, names_per_file):
+        with safe_open(file, framework="pt") as f:
+            for name in names:
+                weights[name] = f.get_tensor(name).to(torch.float32)
+                if progress is not None:
+                    progress(len(weights), total, name)
+    return weights

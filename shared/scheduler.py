@@ -257,6 +257,47 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    # ---- disaggregation: prompt KV computed by a prefill pod ---------------------------------
+
+    def reserve_remote_kv(self, request: Request) -> int | None:
+        """Allocates blocks for the whole prompt, reusing cached prefix blocks, without
+        scheduling it: a prefill pod fills them. Returns the number of prompt tokens already
+        cached here (their blocks need no pages), or None when the blocks are not free now."""
+        assert request.request_id not in self.requests, f"duplicate id {request.request_id}"
+        computed = self.kv.get_computed_blocks(request)
+        if not self.kv.allocate_slots(request, request.num_tokens - computed.num_tokens, computed):
+            return None
+        request.num_computed_tokens = computed.num_tokens
+        request.num_cached_tokens = computed.num_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        return computed.num_tokens
+
+    def complete_remote_kv(self, request_id: str, first_token_id: int) -> RequestUpdate:
+        """The pages have landed: the prompt counts as computed and the prefill pod's first
+        token is appended; the request joins the running batch unless that token ends it."""
+        request = self.requests[request_id]
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KV, f"{request_id} not remote"
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_blocks(request, request.num_computed_tokens)
+        request.append_output_token(first_token_id)
+        status = self._stop_status(request, first_token_id)
+        if status is not None:
+            self.finish_requests([request_id], status)
+        else:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        return RequestUpdate(request, [first_token_id], [], status is not None)
+
+    def fall_back_to_local_prefill(self, request_id: str) -> None:
+        """The remote prefill failed: free the reserved blocks and queue a normal prefill."""
+        request = self.requests[request_id]
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KV, f"{request_id} not remote"
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self._push_waiting(request)
+
     # ---- the waiting heap -------------------------------------------------------------------
 
     def _push_waiting(self, request: Request) -> None:

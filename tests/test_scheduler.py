@@ -179,3 +179,41 @@ def test_request_alone_outgrowing_the_cache_finishes_with_length():
     # 2 blocks of 4 hold positions 0-7; the token sampled at position 8 has no slot for its KV.
     assert dropped[0].num_tokens == 9
     assert sched.kv.num_free_blocks == 2
+
+
+def test_remote_kv_reserves_blocks_reuses_cached_prefix_and_joins_the_batch():
+    sched = make_scheduler(num_blocks=16, budget=64)
+    local = make_request("local", 9, max_tokens=1)
+    sched.add_request(local)
+    step(sched)  # computes and caches local's first two full blocks, then finishes it
+    assert sched.kv.num_free_blocks == 16
+
+    prompt = local.prompt_token_ids[:8] + [555, 556, 557]
+    remote = Request("remote", prompt, SamplingParams(max_tokens=3, temperature=0.0))
+    assert sched.reserve_remote_kv(remote) == 8  # two cached blocks need no pages
+    assert remote.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    assert len(sched.kv.get_block_ids("remote")) == 3
+    assert sched.schedule().is_empty  # never scheduled while its pages are in flight
+
+    update = sched.complete_remote_kv("remote", 42)
+    assert update.new_token_ids == [42] and not update.finished
+    assert remote.num_computed_tokens == 11 and remote.status == RequestStatus.RUNNING
+    assert plan(step(sched)) == [("remote", 1)]  # decodes the remote prefill's first token
+
+
+def test_remote_kv_fallback_and_abort_free_the_reservation():
+    sched = make_scheduler(num_blocks=4, budget=64)
+    request = make_request("r", 10, max_tokens=2)
+    assert sched.reserve_remote_kv(request) == 0
+    assert sched.kv.num_free_blocks == 1
+    sched.fall_back_to_local_prefill("r")
+    assert sched.kv.num_free_blocks == 4 and request.status == RequestStatus.WAITING
+    assert plan(step(sched)) == [("r", 10)]  # prefilled locally now
+
+    other = make_request("o", 10)
+    assert sched.reserve_remote_kv(other) is None  # r holds 3 of 4 blocks: no room, no change
+    assert sched.kv.num_free_blocks == 1
+    sched.finish_requests(["r"], RequestStatus.FINISHED_ABORTED)
+    assert sched.reserve_remote_kv(other) == 0
+    sched.finish_requests(["o"], RequestStatus.FINISHED_ABORTED)
+    assert sched.kv.num_free_blocks == 4

@@ -14,7 +14,7 @@ from shared.model.attention import (
 )
 from shared.model.llama import LlamaForCausalLM
 from shared.request import Request
-from shared.sampler import Sampler, SamplingRow
+from shared.sampler import Sampler, SamplingRow, advance_generator
 from shared.scheduler import ModelOutput, ScheduledChunk, SchedulerOutput
 
 
@@ -170,5 +170,9 @@ class ModelRunner:
         generator = self._generators.get(request.request_id)
         if generator is None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
+            # Output tokens that exist before this engine's first draw were sampled by a
+            # prefill pod from the same seed: skip its draws.
+            vocab_size = self.model.arch.vocab_size
+            advance_generator(generator, vocab_size, request.num_output_tokens)
             self._generators[request.request_id] = generator
         return generator

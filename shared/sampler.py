@@ -250,6 +250,17 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     return (probs / noise).argmax(dim=-1)
 
 
+def advance_generator(generator: torch.Generator, vocab_size: int, num_draws: int) -> None:
+    """Consumes exactly the random numbers `num_draws` tokens sampled by `_draw` would.
+
+    A decode pod continuing a request whose first token a prefill pod sampled with the same
+    seed skips that draw, so the sequence equals what one engine would have produced.
+    """
+    scratch = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+    for _ in range(num_draws):
+        scratch.exponential_(generator=generator)
+
+
 def _compute_logprobs(
     raw_logits: torch.Tensor, rows: list[SamplingRow], sampled: list[int]
 ) -> list[TokenLogprobs | None]:

@@ -20,8 +20,7 @@ test-slow: deps
 	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -m slow
 
 run: deps
-	$(PYTHON) -m services.cli generate --chat --max-tokens 128 \
-		--prompt "Explain in three sentences why the sky is blue."
+	$(PYTHON) -m services.cli up
 
 bench-engine: deps
 	$(PYTHON) -m benchmarks.engine

@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from services.launcher import add_up_flags, run_up
+
 ENGINE_FLAGS = ("dtype", "block_size", "max_num_batched_tokens", "max_model_len", "num_threads")
 
 
@@ -13,7 +15,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     _add_generate(commands.add_parser("generate", help="stream a completion from the local engine"))
+    _add_up(commands.add_parser("up", help="run gateway, prefill and decode processes here"))
     return parser
+
+
+def _add_up(sub: argparse.ArgumentParser) -> None:
+    add_up_flags(sub)
 
 
 def _add_generate(sub: argparse.ArgumentParser) -> None:
@@ -74,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "up":
+            return run_up(args)
     except ValueError as error:
         print(f"splitserve: error: {error}", file=sys.stderr)
         return 2

@@ -1,0 +1,80 @@
+"""Command-line flags the engine-backed services (decode, prefill) share, and their parsing.
+
+Flag names are rendered into Helm charts as they are, so they stay plain `--kebab-case`
+spellings of the engine's config fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_UNITS = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "134217728", "128MiB", "128Mi", "1.5GB" (binary with i, decimal without)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 134217728 or 128MiB)")
+    number, unit = match.groups()
+    unit = (unit or "").lower().removesuffix("b")
+    scale = _BINARY_UNITS.get(unit) or _UNITS[unit]
+    size = int(float(number) * scale)
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
+    return size
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--model", default=None, help="a .gguf file or HF directory (default: SmolLM2)"
+    )
+    group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    group.add_argument(
+        "--kv-cache-bytes",
+        type=parse_size,
+        default=None,
+        help="KV cache budget, e.g. 128MiB (default: --kv-cache-memory-fraction of free memory)",
+    )
+    group.add_argument("--kv-cache-memory-fraction", type=float, default=0.25)
+    group.add_argument("--max-num-batched-tokens", type=int, default=512)
+    group.add_argument("--max-num-seqs", type=int, default=128)
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    group.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all)")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, object]:
+    """Keyword options for `AsyncLLM(model, **options)` from `add_engine_flags`' flags."""
+    return {
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "kv_cache_bytes": args.kv_cache_bytes,
+        "kv_cache_memory_fraction": args.kv_cache_memory_fraction,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len,
+        "enable_prefix_caching": args.prefix_caching,
+        "num_threads": args.num_threads,
+    }
+
+
+def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind")
+    parser.add_argument("--port", type=int, default=default_port, help="gRPC port")
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+
+
+def setup_logging(level: str, name: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
+    )

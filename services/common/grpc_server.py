@@ -1,0 +1,131 @@
+"""gRPC server bootstrap for every service: the standard `grpc.health.v1` health service, one
+interceptor that maps bad input to INVALID_ARGUMENT, and a clean stop on SIGTERM / Ctrl-C."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+logger = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# Seconds in-flight calls get to finish when the server stops.
+STOP_GRACE_SECONDS = 2.0
+
+
+class StatusError(Exception):
+    """A failure that is not the caller's input (no worker, a worker failed): answered with
+    the status it carries."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """ValueError (bad user input, by house rule) -> INVALID_ARGUMENT with its message;
+    StatusError -> its own status.
+
+    Anything else keeps grpc's default (UNKNOWN, logged): a bug must not look like bad input.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _guard_unary(handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _guard_stream(handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+def _guard_unary(behavior):
+    async def guarded(request, context):
+        try:
+            return await behavior(request, context)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except StatusError as error:
+            await context.abort(error.code, str(error))
+
+    return guarded
+
+
+def _guard_stream(behavior):
+    if not inspect.isasyncgenfunction(behavior):
+        # A handler that writes through context.write (health's Watch) returns a coroutine.
+        return _guard_unary(behavior)
+
+    async def guarded(request, context):
+        try:
+            async for response in behavior(request, context):
+                yield response
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except StatusError as error:
+            await context.abort(error.code, str(error))
+
+    return guarded
+
+
+@dataclass
+class GrpcServer:
+    server: grpc.aio.Server
+    health: HealthServicer
+    port: int  # the bound port (the one asked for, or the one picked for port 0)
+    service_names: tuple[str, ...]  # full names, e.g. "splitserve.v1.DecodeWorker"
+
+    async def set_serving(self, serving: bool) -> None:
+        """Overall health ("") and every named service together."""
+        status = SERVING if serving else NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(STOP_GRACE_SECONDS)
+
+
+async def start_server(
+    host: str, port: int, service_names: Sequence[str], add_servicers
+) -> GrpcServer:
+    """Starts a grpc.aio server, NOT_SERVING until `set_serving(True)`; `add_servicers(server)`
+    registers the service's own servicers before the server starts."""
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    add_servicers(server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC port {host}:{port}")
+    grpc_server = GrpcServer(server, health, bound, tuple(service_names))
+    await grpc_server.set_serving(False)
+    await server.start()
+    return grpc_server
+
+
+def stop_event_on_signals() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT, so `main` can stop servers and exit 0."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop

@@ -1,0 +1,175 @@
+"""Starting, health-checking and stopping a set of service processes on one machine.
+
+Each child runs in its own session (so its own process group): a Ctrl-C in the terminal
+reaches only the supervisor, which then stops the children in order, and stopping a child's
+group also stops anything it started. On Linux a child also gets SIGTERM if the supervisor
+dies without cleaning up (PR_SET_PDEATHSIG), so no pod outlives a killed `splitserve up`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.channels import sync_channel
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+# Resolved here, not in the forked child: a child of a threaded parent (grpc runs threads)
+# must not take the dynamic loader's locks between fork and exec.
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+STOP_GRACE_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class HealthCheck:
+    """What "healthy" means for one process: every check given must pass."""
+
+    grpc_address: str | None = None  # host:port of a grpc.health.v1 server
+    grpc_service: str = ""  # the service name to ask about ("" = the whole server)
+    http_url: str | None = None  # answers 200 when ready
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    name: str  # e.g. "decode-0", for messages
+    argv: list[str]
+    health: HealthCheck
+    env: dict[str, str] = field(default_factory=dict)  # added to the supervisor's environment
+
+
+@dataclass
+class _Child:
+    spec: ProcessSpec
+    process: subprocess.Popen
+    channel: grpc.Channel | None = None
+    healthy: bool = False
+
+
+class ProcessGroupError(RuntimeError):
+    """A child exited on its own, or did not become healthy in time."""
+
+
+class Supervisor:
+    """Owns its children: `stop()` (also run by `with`) leaves none behind."""
+
+    def __init__(self) -> None:
+        self._children: list[_Child] = []
+
+    def __enter__(self) -> Supervisor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def names(self) -> list[str]:
+        return [child.spec.name for child in self._children]
+
+    def start(self, spec: ProcessSpec) -> subprocess.Popen:
+        process = subprocess.Popen(
+            spec.argv,
+            env={**os.environ, **spec.env},
+            start_new_session=True,
+            preexec_fn=_die_with_parent if _PRCTL is not None else None,
+        )
+        child = _Child(spec, process)
+        if spec.health.grpc_address is not None:
+            child.channel = sync_channel(spec.health.grpc_address)
+        self._children.append(child)
+        return process
+
+    def wait_healthy(
+        self,
+        timeout: float,
+        on_progress: Callable[[float, dict[str, bool]], None] | None = None,
+        interval: float = 0.25,
+    ) -> None:
+        """Blocks until every child is healthy; raises ProcessGroupError if one exits or the
+        timeout passes. `on_progress(elapsed, {name: healthy})` is called after each round."""
+        start = time.monotonic()
+        while True:
+            self.check_alive()
+            for child in self._children:
+                child.healthy = child.healthy or _is_healthy(child)
+            elapsed = time.monotonic() - start
+            status = {child.spec.name: child.healthy for child in self._children}
+            if on_progress is not None:
+                on_progress(elapsed, status)
+            if all(status.values()):
+                return
+            if elapsed > timeout:
+                waiting = [name for name, ok in status.items() if not ok]
+                raise ProcessGroupError(f"not healthy after {timeout:.0f} s: {', '.join(waiting)}")
+            time.sleep(interval)
+
+    def check_alive(self) -> None:
+        for child in self._children:
+            code = child.process.poll()
+            if code is not None:
+                raise ProcessGroupError(f"{child.spec.name} exited with status {code}")
+
+    def stop(self) -> None:
+        """Stops the children one by one, last started first (the gateway before the pods it
+        talks to, so it never sees them vanish): SIGTERM to the child's process group, then
+        SIGKILL to whatever is left of the group after the grace period."""
+        for child in reversed(self._children):
+            _signal_group(child.process, signal.SIGTERM)
+            try:
+                child.process.wait(timeout=STOP_GRACE_SECONDS)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in time; killing it", child.spec.name)
+            _signal_group(child.process, signal.SIGKILL)  # also anything the child started
+            child.process.wait()
+            if child.channel is not None:
+                child.channel.close()
+        self._children.clear()
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: ask the kernel for SIGTERM when the parent dies."""
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
+    # The child leads its own session, so its pid is its process group id.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, sig)
+
+
+def _is_healthy(child: _Child) -> bool:
+    health = child.spec.health
+    if child.channel is not None and not _grpc_serving(child.channel, health.grpc_service):
+        return False
+    return health.http_url is None or _http_ok(health.http_url)
+
+
+def _grpc_serving(channel: grpc.Channel, service: str) -> bool:
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+    except grpc.RpcError:
+        return False
+    return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False

@@ -1,0 +1,95 @@
+"""The DecodeWorker gRPC servicer: proto <-> `DecodeWorkerCore` translation, nothing more."""
+
+from __future__ import annotations
+
+import grpc
+from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+
+from services.common.convert import logprobs_to_proto, params_from_options
+from services.decode.worker import DecodeOutput, DecodeWorkerCore, DecodeWorkerStats
+
+
+class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    """Registered before the model loads (so health answers meanwhile); `core` is set once the
+    engine is up, and calls before that are UNAVAILABLE."""
+
+    def __init__(self) -> None:
+        self.core: DecodeWorkerCore | None = None
+
+    async def Decode(self, request: worker_pb2.DecodeRequest, context):
+        core = await self._ready(context)
+        outputs = core.generate(
+            request.request_id,
+            list(request.prompt_token_ids),
+            params_from_options(request.sampling),
+            request.priority,
+            request.prefill_address,
+        )
+        # grpc cancels this handler when the caller goes away; the cancellation unwinds
+        # through `outputs`, whose cleanup aborts the request in the engine.
+        async for output in outputs:
+            yield decode_response(output, core)
+
+    async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResponse:
+        core = await self._ready(context)
+        return worker_pb2.AbortResponse(found=core.abort(request.request_id))
+
+    async def GetStats(self, request: worker_pb2.StatsRequest, context) -> worker_pb2.WorkerStats:
+        core = await self._ready(context)
+        return worker_stats(core.stats())
+
+    async def _ready(self, context) -> DecodeWorkerCore:
+        if self.core is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        return self.core
+
+
+def decode_response(output: DecodeOutput, core: DecodeWorkerCore) -> worker_pb2.DecodeResponse:
+    delta = output.delta
+    response = worker_pb2.DecodeResponse(
+        token_ids=delta.token_ids,
+        text=delta.text,
+        logprobs=logprobs_to_proto(delta.logprobs or [], core.token_text),
+        prefill_mode=output.prefill_mode.value,
+    )
+    if delta.finished:
+        assert delta.final is not None, "a finished delta carries its final output"
+        response.finish_reason = delta.finish_reason or ""
+        response.stop_reason = _stop_reason_text(delta.stop_reason, core)
+        response.usage.CopyFrom(
+            generate_pb2.Usage(
+                prompt_tokens=output.num_prompt_tokens,
+                completion_tokens=len(delta.final.token_ids),
+                cached_tokens=delta.final.num_cached_tokens,
+            )
+        )
+    return response
+
+
+def _stop_reason_text(stop_reason: int | str | None, core: DecodeWorkerCore) -> str:
+    if stop_reason is None:
+        return ""
+    if isinstance(stop_reason, int):  # a stop token id: the proto carries it as text
+        return core.token_text(stop_reason)
+    return stop_reason
+
+
+def worker_stats(stats: DecodeWorkerStats) -> worker_pb2.WorkerStats:
+    identity, engine = stats.identity, stats.engine
+    return worker_pb2.WorkerStats(
+        worker_id=identity.worker_id,
+        role=identity.role,
+        num_running=engine.num_running,
+        num_waiting=engine.num_waiting,
+        kv_blocks_total=engine.num_kv_blocks_total,
+        kv_blocks_free=engine.num_kv_blocks_free,
+        num_preemptions=engine.num_preemptions,
+        prefix_cache_queried_tokens=engine.prefix_cache_queried_tokens,
+        prefix_cache_hit_tokens=engine.prefix_cache_hit_tokens,
+        kv_address=identity.kv_address,
+        model=identity.model_name,
+        max_model_len=stats.max_model_len,
+        block_size=stats.block_size,
+        vocab_size=stats.vocab_size,
+        kv_transport=identity.kv_transport,
+    )

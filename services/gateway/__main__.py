@@ -1,0 +1,145 @@
+"""`python -m services.gateway`: the OpenAI HTTP API and the gRPC Generation API in front of
+the decode (and prefill) pods. Loads the tokenizer and chat template only: no model, no torch."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+
+import uvicorn
+from splitserve.v1 import generate_pb2, generate_pb2_grpc
+
+from services.common.background import in_daemon_thread
+from services.common.flags import setup_logging
+from services.common.grpc_server import GrpcServer, start_server, stop_event_on_signals
+from services.common.model_files import default_model_name, load_tokenizer, resolve_model_path
+from services.gateway.generation import GatewayCore
+from services.gateway.grpc_api import GenerationServicer
+from services.gateway.http_api import create_app
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.workers import POLL_INTERVAL_SECONDS, WorkerPool
+
+logger = logging.getLogger("services.gateway")
+
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_GRPC_PORT = 50051
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind (HTTP and gRPC)")
+    parser.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP port")
+    parser.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="gRPC port")
+    parser.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        metavar="ADDR",
+        help="a decode pod's gRPC address host:port (repeat for more)",
+    )
+    parser.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help="a prefill pod's gRPC address host:port (repeat for more; none = decode prefills)",
+    )
+    parser.add_argument(
+        "--model", default=None, help="the .gguf file or HF directory to take the tokenizer from"
+    )
+    parser.add_argument(
+        "--model-name", default=None, help="served model name (default: the model file's name)"
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    return parser
+
+
+class _HttpServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the gateway's handlers stop HTTP and gRPC
+    together (uvicorn's would re-raise the signal and kill the process before gRPC stops)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+async def serve(args: argparse.Namespace) -> int:
+    stop = stop_event_on_signals()
+    model_path = resolve_model_path(args.model)
+    loading = in_daemon_thread(lambda: load_tokenizer(model_path), "load-tokenizer")
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
+    if not loading.done():
+        return 0  # stopped while loading: nothing was started yet
+    tokenizer = loading.result()
+    model_name = args.model_name or default_model_name(model_path)
+    decode_pool = WorkerPool("decode", args.decode, model_name)
+    prefill_pool = WorkerPool("prefill", args.prefill, model_name) if args.prefill else None
+    for pool in (decode_pool, prefill_pool):
+        if pool is not None:
+            await pool.start()
+    core = GatewayCore(tokenizer, model_name, decode_pool, prefill_pool, GatewayMetrics())
+    grpc_server = await start_server(
+        args.host,
+        args.grpc_port,
+        [SERVICE_NAME],
+        lambda server: generate_pb2_grpc.add_GenerationServicer_to_server(
+            GenerationServicer(core), server
+        ),
+    )
+    health = asyncio.create_task(_follow_decode_health(grpc_server, decode_pool))
+    http = _HttpServer(
+        uvicorn.Config(
+            create_app(core),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=False,
+            lifespan="off",
+        )
+    )
+    http_task = asyncio.create_task(http.serve())
+    logger.info("serving %s: HTTP on %d, gRPC on %d", model_name, args.port, grpc_server.port)
+    await asyncio.wait([http_task, stopping], return_when=asyncio.FIRST_COMPLETED)
+    started = http.started
+    http.should_exit = True
+    await _quietly(http_task)
+    health.cancel()
+    await grpc_server.stop()
+    for pool in (decode_pool, prefill_pool):
+        if pool is not None:
+            await pool.close()
+    logger.info("stopped")
+    return 0 if started else 1
+
+
+async def _follow_decode_health(server: GrpcServer, decode_pool: WorkerPool) -> None:
+    """gRPC health is SERVING while at least one decode pod is available, like /health."""
+    serving = None
+    while True:
+        available = bool(decode_pool.available())
+        if available != serving:
+            await server.set_serving(available)
+            serving = available
+        await asyncio.sleep(POLL_INTERVAL_SECONDS)
+
+
+async def _quietly(task: asyncio.Task) -> None:
+    """Awaits uvicorn's serve task; a failed bind makes it exit the process its own way."""
+    with contextlib.suppress(SystemExit):
+        await task
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level, "gateway")
+    return asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

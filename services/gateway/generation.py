@@ -1,0 +1,324 @@
+"""The gateway's request path, shared by the HTTP and gRPC front ends: validate, pick pods, fan
+n > 1 (and several prompts) out into one DecodeRequest per sequence, merge the streams back.
+
+The child ids and seeds come from `shared.prompts.child_sequences`, the very function the engine
+uses in-process, so a request served through the gateway samples what `LLM.generate` would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from splitserve.v1 import generate_pb2, worker_pb2
+
+from services.common.convert import options_from_params
+from services.common.grpc_server import StatusError
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.workers import Worker, WorkerPool
+from shared.prompts import child_sequences
+from shared.sampling_params import SamplingParams
+from shared.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class NoWorkerError(StatusError):
+    """No decode pod is reachable: HTTP 503 / gRPC UNAVAILABLE."""
+
+    def __init__(self, message: str = "no decode pod is available") -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+
+
+class WorkerError(StatusError):
+    """A decode pod failed the request (not the client's fault)."""
+
+
+class PromptError(ValueError):
+    """The prompt itself is unusable (empty, unknown ids, longer than the context)."""
+
+    def __init__(self, message: str, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.code = code  # OpenAI's error code, e.g. "context_length_exceeded"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompts: list[list[int]]  # token ids; each prompt gets params.n sequences
+    params: SamplingParams
+    priority: int = 0
+
+
+@dataclass
+class SequenceChunk:
+    """What one decode message added to one output sequence (a choice)."""
+
+    index: int  # choice index: prompt_index * n + sequence index
+    text: str
+    token_ids: list[int]
+    logprobs: list[generate_pb2.TokenLogprob]
+    finish_reason: str | None = None  # on the sequence's last chunk only
+    stop_reason: str | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class _Child:
+    """One sequence's decode call."""
+
+    index: int
+    prompt_index: int
+    request: worker_pb2.DecodeRequest
+    worker: Worker
+    call: grpc.aio.UnaryStreamCall | None = None
+    task: asyncio.Task | None = None
+    finished: bool = False
+
+
+_END = object()  # a child's stream ended
+
+
+class GatewayCore:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        model_name: str,
+        decode_pool: WorkerPool,
+        prefill_pool: WorkerPool | None = None,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.decode_pool = decode_pool
+        self.prefill_pool = prefill_pool
+        self.metrics = metrics or GatewayMetrics()
+
+    # ---- prompts ----------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """As `LLM.generate` tokenizes a text prompt (with the model's BOS/EOS rules)."""
+        return self.tokenizer.encode(text)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """As `LLM.chat` does: the chat template, then tokens without extra specials."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    @property
+    def max_model_len(self) -> int:
+        max_model_len = self.decode_pool.max_model_len
+        if max_model_len is None:
+            raise NoWorkerError()
+        return max_model_len
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises PromptError / ValueError (naming the parameter) for a request no pod can
+        serve, NoWorkerError when there is no pod to ask."""
+        max_model_len = self.max_model_len
+        if not prompt_token_ids:
+            raise PromptError("prompt must not be empty")
+        vocab_size = self.tokenizer.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise PromptError(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}")
+        num_tokens = len(prompt_token_ids)
+        if num_tokens >= max_model_len:
+            raise PromptError(
+                f"prompt has {num_tokens} tokens; this model's context length is "
+                f"{max_model_len}, which must leave room for at least one output token",
+                code="context_length_exceeded",
+            )
+        if num_tokens + params.max_tokens > max_model_len:
+            raise ValueError(
+                f"max_tokens is too large: {num_tokens} prompt tokens + {params.max_tokens} "
+                f"max_tokens exceed this model's context length of {max_model_len}"
+            )
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def start(self, request: GenerationRequest) -> Generation:
+        """Validates every prompt, then sends every sequence to a decode pod."""
+        for prompt in request.prompts:
+            self.validate(prompt, request.params)
+        children = [
+            self._child(request, prompt_index, sequence_index, child_id, child_params)
+            for prompt_index, prompt_id in enumerate(_prompt_ids(request))
+            for sequence_index, (child_id, child_params) in enumerate(
+                child_sequences(prompt_id, request.params)
+            )
+        ]
+        num_prompt_tokens = sum(len(prompt) for prompt in request.prompts)
+        return Generation(children, num_prompt_tokens, self.metrics)
+
+    def _child(
+        self,
+        request: GenerationRequest,
+        prompt_index: int,
+        sequence_index: int,
+        child_id: str,
+        child_params: SamplingParams,
+    ) -> _Child:
+        worker = self.decode_pool.pick()
+        if worker is None:
+            raise NoWorkerError()
+        prefill = self.prefill_pool.pick() if self.prefill_pool is not None else None
+        decode_request = worker_pb2.DecodeRequest(
+            request_id=child_id,
+            prompt_token_ids=request.prompts[prompt_index],
+            sampling=options_from_params(child_params),
+            priority=request.priority,
+            prefill_address=prefill.address if prefill is not None else "",
+        )
+        index = prompt_index * request.params.n + sequence_index
+        return _Child(index, prompt_index, decode_request, worker)
+
+
+def _prompt_ids(request: GenerationRequest) -> list[str]:
+    if len(request.prompts) == 1:
+        return [request.request_id]
+    return [f"{request.request_id}-{i}" for i in range(len(request.prompts))]
+
+
+class Generation:
+    """One client request in flight: its sequences' decode calls, merged into one stream.
+
+    `async for chunk in generation` yields chunks as they arrive (sequences interleaved);
+    `usage` is complete once the iteration ends. Raises ValueError (the pod rejected the
+    input) or WorkerError. `cancel()` is synchronous, so it works from inside a task that is
+    being cancelled (a client that went away); it cancels every call, and so every pod aborts
+    its sequence and frees its blocks.
+    """
+
+    def __init__(self, children: list[_Child], num_prompt_tokens: int, metrics: GatewayMetrics):
+        self.usage = Usage(prompt_tokens=num_prompt_tokens)
+        self.num_choices = len(children)
+        self._children = children
+        self._metrics = metrics
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._num_open = len(children)
+        self._start_time = time.monotonic()
+        self._first_token_time: float | None = None
+        self._cached_tokens: dict[int, int] = {}  # prompt index -> cached tokens
+        for child in children:
+            child.task = asyncio.create_task(self._pump(child), name=child.request.request_id)
+
+    @property
+    def is_done(self) -> bool:
+        """Every sequence has finished."""
+        return self._num_open == 0
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> SequenceChunk:
+        while self._num_open:
+            child, item = await self._queue.get()
+            if isinstance(item, Exception):
+                self.cancel()
+                raise _translate(item, child)
+            if item is _END:
+                if not child.finished:
+                    self.cancel()
+                    raise WorkerError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"decode pod {child.worker.address} ended the stream early",
+                    )
+                continue
+            return self._chunk(child, item)
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        for child in self._children:
+            if child.call is not None:
+                child.call.cancel()
+            if child.task is not None:
+                child.task.cancel()
+
+    async def _pump(self, child: _Child) -> None:
+        child.call = child.worker.stub.Decode(child.request)
+        try:
+            async for response in child.call:
+                self._queue.put_nowait((child, response))
+        except Exception as error:  # handed to the reader, which raises it
+            self._queue.put_nowait((child, error))
+            return
+        self._queue.put_nowait((child, _END))
+
+    def _chunk(self, child: _Child, response: worker_pb2.DecodeResponse) -> SequenceChunk:
+        if self._first_token_time is None and response.token_ids:
+            self._first_token_time = time.monotonic()
+            self._metrics.time_to_first_token.observe(self._first_token_time - self._start_time)
+        chunk = SequenceChunk(
+            child.index, response.text, list(response.token_ids), list(response.logprobs)
+        )
+        if response.finish_reason:
+            child.finished = True
+            self._num_open -= 1
+            chunk.finish_reason = response.finish_reason
+            chunk.stop_reason = response.stop_reason or None
+            self._count_usage(child, response.usage)
+        return chunk
+
+    def _count_usage(self, child: _Child, usage: generate_pb2.Usage) -> None:
+        self.usage.completion_tokens += usage.completion_tokens
+        # A prompt is counted once, whatever its n; its sequences may find different amounts
+        # cached (a later one reuses an earlier one's blocks), so report the most.
+        previous = self._cached_tokens.get(child.prompt_index, 0)
+        self._cached_tokens[child.prompt_index] = max(previous, usage.cached_tokens)
+        self.usage.cached_tokens = sum(self._cached_tokens.values())
+        if self._num_open == 0:
+            self._metrics.observe_finished(time.monotonic() - self._start_time, self.usage)
+
+
+def _translate(error: Exception, child: _Child) -> Exception:
+    if not isinstance(error, grpc.aio.AioRpcError):
+        return error
+    if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return ValueError(error.details())
+    return WorkerError(
+        error.code(), f"decode pod {child.worker.address}: {error.code().name}: {error.details()}"
+    )
+
+
+@dataclass
+class CollectedSequence:
+    """A whole sequence, gathered from its chunks (for non-streaming responses)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[generate_pb2.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+    def add(self, chunk: SequenceChunk) -> None:
+        self.text += chunk.text
+        self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        if chunk.finish_reason is not None:
+            self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
+
+
+async def collect(generation: Generation) -> list[CollectedSequence]:
+    """Every sequence of a generation, in choice order."""
+    sequences = [CollectedSequence(index) for index in range(generation.num_choices)]
+    try:
+        async for chunk in generation:
+            sequences[chunk.index].add(chunk)
+    finally:
+        generation.cancel()  # a no-op once every call has ended
+    return sequences

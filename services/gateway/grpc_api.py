@@ -1,0 +1,104 @@
+"""The public gRPC `Generation` service: proto <-> `GatewayCore` translation, nothing more.
+ValueError becomes INVALID_ARGUMENT in the shared interceptor (services.common.grpc_server)."""
+
+from __future__ import annotations
+
+import uuid
+
+from splitserve.v1 import generate_pb2, generate_pb2_grpc
+
+from services.common.convert import params_from_options
+from services.gateway.generation import (
+    CollectedSequence,
+    GatewayCore,
+    Generation,
+    GenerationRequest,
+    SequenceChunk,
+    Usage,
+    collect,
+)
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+    def __init__(self, core: GatewayCore) -> None:
+        self.core = core
+
+    async def Generate(self, request: generate_pb2.GenerateRequest, context):
+        generation, request_id = self._start(request)
+        sequences = await collect(generation)
+        return generate_pb2.GenerateResponse(
+            request_id=request_id,
+            model=self.core.model_name,
+            sequences=[_sequence(sequence) for sequence in sequences],
+            usage=_usage(generation.usage),
+        )
+
+    async def GenerateStream(self, request: generate_pb2.GenerateRequest, context):
+        generation, request_id = self._start(request)
+        try:
+            async for chunk in generation:
+                message = generate_pb2.GenerateStreamResponse(
+                    request_id=request_id, model=self.core.model_name, deltas=[_delta(chunk)]
+                )
+                if generation.is_done:  # the stream's last message carries usage
+                    message.usage.CopyFrom(_usage(generation.usage))
+                yield message
+        finally:
+            generation.cancel()  # the client went away (or a pod failed): abort on the pods
+
+    def _start(self, request: generate_pb2.GenerateRequest) -> tuple[Generation, str]:
+        if request.model and request.model != self.core.model_name:
+            raise ValueError(
+                f"model {request.model!r} does not exist; this server serves "
+                f"{self.core.model_name!r}"
+            )
+        prompt = self._prompt(request)
+        params = params_from_options(request.sampling)
+        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+        generation = self.core.start(
+            GenerationRequest(request_id, [prompt], params, request.priority)
+        )
+        return generation, request_id
+
+    def _prompt(self, request: generate_pb2.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            return self.core.encode(request.text)
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        if kind == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            if not messages:
+                raise ValueError("messages must not be empty")
+            return self.core.encode_chat(messages)
+        raise ValueError("prompt must be set: text, token_ids or chat")
+
+
+def _delta(chunk: SequenceChunk) -> generate_pb2.SequenceDelta:
+    return generate_pb2.SequenceDelta(
+        index=chunk.index,
+        text=chunk.text,
+        token_ids=chunk.token_ids,
+        logprobs=chunk.logprobs,
+        finish_reason=chunk.finish_reason or "",
+        stop_reason=chunk.stop_reason or "",
+    )
+
+
+def _sequence(sequence: CollectedSequence) -> generate_pb2.Sequence:
+    return generate_pb2.Sequence(
+        index=sequence.index,
+        text=sequence.text,
+        token_ids=sequence.token_ids,
+        logprobs=sequence.logprobs,
+        finish_reason=sequence.finish_reason or "",
+        stop_reason=sequence.stop_reason or "",
+    )
+
+
+def _usage(usage: Usage) -> generate_pb2.Usage:
+    return generate_pb2.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_tokens=usage.cached_tokens,
+    )

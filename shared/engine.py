@@ -10,6 +10,7 @@ Not thread-safe: one thread drives it (the offline `LLM` or `AsyncLLM`'s engine 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -88,25 +89,39 @@ class EngineCore:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+    def validate_request(
+        self, prompt_token_ids: object, params: object, priority: object = 0
+    ) -> None:
+        """Raises ValueError for a request this engine can never serve. Read-only: safe to call
+        from any thread, so front ends check a whole batch before queueing any of it."""
+        self.validate_prompt(prompt_token_ids)
+        validate_params(params)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+
+    def validate_prompt(self, prompt_token_ids: object) -> None:
         """Raises ValueError for a prompt this engine can never serve. Read-only: safe to call
         from any thread."""
+        if not isinstance(prompt_token_ids, list | tuple):
+            kind = type(prompt_token_ids).__name__
+            raise ValueError(f"prompt_token_ids must be a list of token ids, got {kind}")
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
         vocab = self.architecture.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in prompt_token_ids if not _is_int(t) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids contains ids outside [0, {vocab}): {bad[:5]}")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens; the context length is "
-                f"{self.max_model_len}, which must leave room for at least one output token"
+                f"prompt has {len(prompt_token_ids)} tokens; the context length "
+                f"(max_model_len) is {self.max_model_len}, which must leave room for at least "
+                "one output token"
             )
         num_blocks = -(-(len(prompt_token_ids) + 1) // self.kv_spec.block_size)
         if num_blocks > self.kv_spec.num_blocks:
             raise ValueError(
                 f"prompt needs {num_blocks} KV blocks but the cache holds only "
-                f"{self.kv_spec.num_blocks}"
+                f"{self.kv_spec.num_blocks} (see kv_cache_bytes)"
             )
 
     def add_request(
@@ -119,7 +134,7 @@ class EngineCore:
         arrival_time: float | None = None,
     ) -> None:
         """Validates and queues one sequence (n > 1 is fanned out by the callers)."""
-        self.validate_prompt(prompt_token_ids)
+        self.validate_request(prompt_token_ids, params, priority)
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, list(prompt_token_ids), params, priority=priority)
@@ -172,6 +187,46 @@ class EngineCore:
             prefix_cache_queried_tokens=prefix.num_queried_tokens,
             prefix_cache_hit_tokens=prefix.num_hit_tokens,
         )
+
+
+# Fields that index, count or seed: a float there passes SamplingParams' range checks but fails
+# inside a batched step, taking every request of the batch down with it.
+_INT_FIELDS = ("n", "max_tokens", "top_k", "min_tokens", "logprobs", "seed")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens")
+# What torch.Generator.manual_seed accepts.
+_SEED_RANGE = (-(2**63), 2**64)
+
+
+def validate_params(params: object) -> None:
+    """What `SamplingParams` does not check yet and a step would trip over: non-integer counts
+    and seeds, NaN, non-bool flags. Raises ValueError naming the field; move these into
+    `SamplingParams.__post_init__` and this shrinks to the type check."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+    for name in _INT_FIELDS:
+        value = getattr(params, name)
+        if value is not None and not _is_int(value):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+    for name in _FLOAT_FIELDS:
+        if math.isnan(getattr(params, name)):
+            raise ValueError(f"{name} must be a number, got nan")
+    for name in _BOOL_FIELDS:
+        if not isinstance(getattr(params, name), bool):
+            raise ValueError(f"{name} must be a bool, got {getattr(params, name)!r}")
+    if params.seed is not None and not _SEED_RANGE[0] <= params.seed < _SEED_RANGE[1]:
+        raise ValueError(f"seed must be in [-2**63, 2**64), got {params.seed}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _max_model_len(model_limit: int, config: EngineConfig) -> int:

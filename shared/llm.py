@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterator, Sequence
 
@@ -28,16 +29,18 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One `RequestOutput` per prompt, in input order. All prompts are validated before
-        any is queued, so a bad one raises `ValueError` and none runs."""
+        any is queued, so a bad one raises `ValueError` and none runs. If the run itself fails
+        (or is interrupted), this call's sequences are aborted so the engine stays usable."""
         inputs = normalize_prompts(prompts, self.tokenizer)
         all_params = _per_prompt(params, len(inputs), SamplingParams(), "params")
         priorities = _per_prompt(priority, len(inputs), 0, "priority")
-        for prompt in inputs:
-            self.engine.validate_prompt(prompt.token_ids)
-        request_ids = [
-            self._submit(prompt, p, prio) for prompt, p, prio in zip(inputs, all_params, priorities)
-        ]
-        finals = self._run_until_done()
+        for prompt, p, prio in zip(inputs, all_params, priorities):
+            self.engine.validate_request(prompt.token_ids, p, prio)
+        request_ids: list[str] = []
+        with self._aborted_on_error(request_ids, all_params):
+            for prompt, p, prio in zip(inputs, all_params, priorities):
+                request_ids.append(self._submit(prompt, p, prio))
+            finals = self._run_until_done()
         return [
             _request_output(rid, prompt, p, finals)
             for rid, prompt, p in zip(request_ids, inputs, all_params)
@@ -51,12 +54,15 @@ class LLM:
         return self.generate([token_ids], params)[0]
 
     def stream(self, prompt: object, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
-        """Yields deltas of one prompt's sequences as the engine produces them."""
+        """Yields deltas of one prompt's sequences as the engine produces them. Closing the
+        iterator early (leaving a `for` loop) aborts the request and frees its blocks."""
         (single,) = normalize_prompts([prompt], self.tokenizer)
-        self.engine.validate_prompt(single.token_ids)
-        self._submit(single, params or SamplingParams(), 0)
-        while self.engine.has_unfinished_requests():
-            yield from self.engine.step()
+        params = params or SamplingParams()
+        self.engine.validate_request(single.token_ids, params)
+        request_ids = [self._submit(single, params, 0)]
+        with self._aborted_on_error(request_ids, [params]):
+            while self.engine.has_unfinished_requests():
+                yield from self.engine.step()
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -74,6 +80,26 @@ class LLM:
                 if delta.final is not None:
                     finals[delta.request_id] = delta.final
         return finals
+
+    @contextlib.contextmanager
+    def _aborted_on_error(
+        self, request_ids: list[str], all_params: list[SamplingParams]
+    ) -> Iterator[None]:
+        """Aborts the sequences of `request_ids` (filled in while the block runs) if the block
+        does not finish: an exception, Ctrl-C, or a stream closed early. Finished sequences are
+        no longer in the engine, so aborting them is a no-op."""
+        completed = False
+        try:
+            yield
+            completed = True
+        finally:
+            if not completed:
+                sequence_ids = [
+                    child_id
+                    for request_id, params in zip(request_ids, all_params)
+                    for child_id, _ in child_sequences(request_id, params)
+                ]
+                self.engine.abort_requests(sequence_ids)
 
 
 def _per_prompt(value, count: int, default, name: str) -> list:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from shared.detokenizer import IncrementalDetokenizer
 from shared.outputs import CompletionOutput, RequestTimings, StreamDelta
-from shared.request import Request
+from shared.request import Request, RequestStatus
 from shared.scheduler import RequestUpdate
 from shared.tokenizer import Tokenizer
 
@@ -63,7 +63,7 @@ class OutputProcessor:
             state.logprobs.extend(update.logprobs)
         text = ""
         stop_string = None
-        for token_id in update.new_token_ids:
+        for token_id in self._text_token_ids(state.request, update):
             result = state.detokenizer.append(token_id)
             text += result.text_delta
             if result.stop_string is not None:
@@ -78,6 +78,15 @@ class OutputProcessor:
             text += state.detokenizer.flush()
         finish_reason = "stop" if stop_string is not None else request.status.finish_reason
         return self._delta(state, text, update, finished, finish_reason, now)
+
+    @staticmethod
+    def _text_token_ids(request: Request, update: RequestUpdate) -> list[int]:
+        """The update's tokens that become text. A token that stopped the sequence (EOS or a
+        stop token id) does not, just as a stop string is cut from the text (vLLM's behaviour
+        too); it stays in `token_ids`."""
+        if update.finished and request.status == RequestStatus.FINISHED_STOPPED:
+            return update.new_token_ids[:-1]
+        return update.new_token_ids
 
     def _delta(
         self,

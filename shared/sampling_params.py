@@ -6,6 +6,7 @@ services map to HTTP 400 / gRPC INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # Top-N logprobs a request may ask for; more would make every step's sort expensive.
@@ -35,30 +36,34 @@ class SamplingParams:
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _check_range("n", self.n, 1, 128)
-        _check_range("max_tokens", self.max_tokens, 1, None)
+        object.__setattr__(self, "stop", _string_tuple("stop", self.stop))
+        object.__setattr__(
+            self, "stop_token_ids", _int_tuple("stop_token_ids", self.stop_token_ids)
+        )
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        _check_int("n", self.n, 1, 128)
+        _check_int("max_tokens", self.max_tokens, 1, None)
         _check_range("temperature", self.temperature, 0.0, 100.0)
+        _check_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_range("top_k", self.top_k, 0, None)
+        _check_int("top_k", self.top_k, 0, None)
         _check_range("min_p", self.min_p, 0.0, 1.0)
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_number("repetition_penalty", self.repetition_penalty)
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise ValueError(
                 f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"
             )
         if self.logprobs is not None:
-            _check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
-        _check_range("min_tokens", self.min_tokens, 0, self.max_tokens)
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop must be a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative integers")
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if self.seed is not None:
+            # What torch.Generator.manual_seed accepts.
+            _check_int("seed", self.seed, -(2**63), 2**64 - 1)
 
     @property
     def is_greedy(self) -> bool:
@@ -69,9 +74,36 @@ class SamplingParams:
         return max((len(s) for s in self.stop), default=0)
 
 
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+
+
 def _check_range(name: str, value: float, low: float, high: float | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+    _check_number(name, value)
     if value < low or (high is not None and value > high):
         bound = f"[{low}, {high}]" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def _check_int(name: str, value: object, low: int, high: int | None) -> None:
+    # Counts index and size tensors: 2.0 would pass a range check and fail inside a step.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    _check_range(name, value, low, high)
+
+
+def _string_tuple(name: str, value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, list | tuple) or any(not isinstance(s, str) or not s for s in value):
+        raise ValueError(f"{name} must be a string or a list of non-empty strings, got {value!r}")
+    return tuple(value)
+
+
+def _int_tuple(name: str, value: object) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple) or any(
+        isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in value
+    ):
+        raise ValueError(f"{name} must be a list of non-negative integers, got {value!r}")
+    return tuple(value)

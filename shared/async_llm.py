@@ -8,20 +8,27 @@ steps; deltas come back through `loop.call_soon_threadsafe` into one asyncio que
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from shared.config import EngineConfig
+from shared.disaggregation import RemotePrefillPlan, RemotePrefillResult
 from shared.engine import EngineCore, EngineStats
 from shared.outputs import StreamDelta
 from shared.prompts import child_sequences
 from shared.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+# A decode pod's way to get a prompt's KV from a prefill pod: given where the pages must go,
+# returns them with the first token, or raises (the request then prefills locally).
+RemotePrefill = Callable[[RemotePrefillPlan], Awaitable[RemotePrefillResult]]
 
 
 @dataclass
@@ -31,6 +38,27 @@ class _Submit:
     params: SamplingParams
     priority: int
     sink: _Sink
+    export_kv_from_block: int | None = None
+
+
+@dataclass
+class _Reserve:
+    """Reserve blocks for a remote prefill; the plan (or None: prefilled locally) goes to
+    `reserved`."""
+
+    submit: _Submit
+    reserved: concurrent.futures.Future
+
+
+@dataclass
+class _CompleteRemote:
+    request_id: str
+    result: RemotePrefillResult
+
+
+@dataclass
+class _FallBack:
+    request_id: str
 
 
 @dataclass
@@ -75,20 +103,35 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        *,
+        remote_prefill: RemotePrefill | None = None,
+        export_kv_from_block: int | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Streams the deltas of all n sequences, interleaved; `delta.index` tells them apart.
 
         Raises ValueError before the first delta for a request the engine can never serve
         (also for a `request_id` still in use). Leaving the loop early (or being cancelled)
         aborts the request and frees its blocks.
+
+        `remote_prefill` (decode pods, n = 1): the prompt's KV comes from a prefill pod into
+        blocks reserved here; if none are free, or the call raises, the prompt is prefilled
+        locally instead. `export_kv_from_block` (prefill pods): see `EngineCore.add_request`.
         """
         if self._stopped.is_set():
             raise RuntimeError("AsyncLLM has been shut down")
         self.engine.validate_request(prompt_token_ids, params, priority)
+        if remote_prefill is not None and params.n != 1:
+            raise ValueError(f"n must be 1 with a remote prefill, got {params.n}")
         request_id = request_id or f"req-{next(self._ids)}"
         sink = _Sink(asyncio.get_running_loop(), num_open=params.n)
-        self._commands.put(_Submit(request_id, list(prompt_token_ids), params, priority, sink))
+        submit = _Submit(
+            request_id, list(prompt_token_ids), params, priority, sink, export_kv_from_block
+        )
         try:
+            if remote_prefill is None:
+                self._commands.put(submit)
+            else:
+                await self._prefill_remotely(submit, remote_prefill)
             while sink.num_open:
                 item = await sink.deltas.get()
                 if isinstance(item, BaseException):
@@ -100,6 +143,28 @@ class AsyncLLM:
         finally:
             if sink.num_open:
                 self.abort(request_id, params.n)
+
+    async def _prefill_remotely(self, submit: _Submit, remote_prefill: RemotePrefill) -> None:
+        reserved: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Reserve(submit, reserved))
+        try:
+            plan = await asyncio.wrap_future(reserved)
+        except ValueError:
+            submit.sink.num_open = 0  # nothing was added, so nothing of ours to abort
+            raise
+        if plan is None:
+            return  # no free blocks for it now: the engine queued a local prefill
+        try:
+            result = await remote_prefill(plan)
+        except Exception as error:  # any failure of the remote path: gRPC, transport, timeout
+            logger.warning(
+                "request %s: remote prefill failed (%r); prefilling locally",
+                submit.request_id,
+                error,
+            )
+            self._commands.put(_FallBack(submit.request_id))
+            return
+        self._commands.put(_CompleteRemote(submit.request_id, result))
 
     def abort(self, request_id: str, n: int = 1) -> None:
         for child_id, _ in child_sequences(request_id, SamplingParams(n=n)):
@@ -159,6 +224,8 @@ class AsyncLLM:
                 return
             if isinstance(command, _Submit):
                 command.sink.put(error)
+            elif isinstance(command, _Reserve):
+                command.reserved.set_exception(error)
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -172,16 +239,46 @@ class AsyncLLM:
             except queue.Empty:
                 return
 
-    def _apply(self, command: _Submit | _Abort) -> None:
+    def _apply(self, command: _Submit | _Reserve | _CompleteRemote | _FallBack | _Abort) -> None:
         if isinstance(command, _Abort):
             self._route(self.engine.abort_requests([command.request_id]))
+        elif isinstance(command, _Reserve):
+            self._reserve(command)
+        elif isinstance(command, _CompleteRemote):
+            self._route(self.engine.complete_remote_prefill(command.request_id, command.result))
+        elif isinstance(command, _FallBack):
+            self.engine.fall_back_to_local_prefill(command.request_id)
+        else:
+            self._submit(command)
+
+    def _reserve(self, command: _Reserve) -> None:
+        submit = command.submit
+        try:
+            plan = self.engine.reserve_remote_prefill(
+                submit.request_id, submit.prompt_token_ids, submit.params, submit.priority
+            )
+            if plan is None:
+                self.engine.add_request(
+                    submit.request_id, submit.prompt_token_ids, submit.params, submit.priority
+                )
+        except ValueError as error:
+            command.reserved.set_exception(error)
             return
+        self._sinks[submit.request_id] = submit.sink
+        command.reserved.set_result(plan)
+
+    def _submit(self, command: _Submit) -> None:
         added: list[str] = []
         try:
             children = child_sequences(command.request_id, command.params)
             for index, (child_id, child_params) in enumerate(children):
                 self.engine.add_request(
-                    child_id, command.prompt_token_ids, child_params, command.priority, index
+                    child_id,
+                    command.prompt_token_ids,
+                    child_params,
+                    command.priority,
+                    index,
+                    export_kv_from_block=command.export_kv_from_block,
                 )
                 added.append(child_id)
                 self._sinks[child_id] = command.sink

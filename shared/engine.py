@@ -15,6 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from shared.config import EngineConfig
+from shared.disaggregation import (
+    RemotePrefillPlan,
+    RemotePrefillResult,
+    pack_pages,
+    page_shape,
+    unpack_pages,
+)
 from shared.kv.manager import KVCacheManager
 from shared.model.kv_cache import KVCacheSpec, allocate_kv_cache, size_kv_cache
 from shared.model.llama import LlamaForCausalLM
@@ -24,7 +31,7 @@ from shared.outputs import StreamDelta
 from shared.request import Request, RequestStatus
 from shared.runner import ModelRunner
 from shared.sampling_params import SamplingParams
-from shared.scheduler import Scheduler
+from shared.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -131,16 +138,83 @@ class EngineCore:
         priority: int = 0,
         index: int = 0,
         arrival_time: float | None = None,
+        export_kv_from_block: int | None = None,
     ) -> None:
-        """Validates and queues one sequence (n > 1 is fanned out by the callers)."""
+        """Validates and queues one sequence (n > 1 is fanned out by the callers).
+
+        `export_kv_from_block` (prefill pods): when the request's first token is sampled, the
+        pages of its prompt blocks from that index on are packed into `final.kv_pages`."""
+        request = self._new_request(request_id, prompt_token_ids, params, priority, arrival_time)
+        request.export_kv_from_block = export_kv_from_block
+        self.scheduler.add_request(request)
+        self.output_processor.add(request, index)
+
+    def _new_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        arrival_time: float | None = None,
+    ) -> Request:
         self.validate_request(prompt_token_ids, params, priority)
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, list(prompt_token_ids), params, priority=priority)
         if arrival_time is not None:
             request.arrival_time = arrival_time
-        self.scheduler.add_request(request)
-        self.output_processor.add(request, index)
+        return request
+
+    # ---- disaggregation (see shared/disaggregation.py) --------------------------------------
+
+    def reserve_remote_prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> RemotePrefillPlan | None:
+        """Allocates the request's blocks for a prefill pod to fill; None when they are not
+        free now (the caller then prefills locally with `add_request`)."""
+        request = self._new_request(request_id, prompt_token_ids, params, priority)
+        num_cached = self.scheduler.reserve_remote_kv(request)
+        if num_cached is None:
+            return None
+        self.output_processor.add(request, 0)
+        first_block = num_cached // self.kv_spec.block_size
+        block_ids = self.kv_manager.get_block_ids(request_id)[first_block:]
+        kv_cache = self.runner.kv_cache
+        return RemotePrefillPlan(
+            request_id,
+            num_cached,
+            first_block,
+            block_ids,
+            page_shape(kv_cache, len(block_ids)),
+            kv_cache.dtype,
+        )
+
+    def complete_remote_prefill(
+        self, request_id: str, result: RemotePrefillResult
+    ) -> list[StreamDelta]:
+        """Writes the received pages into the reserved blocks and appends the prefill pod's
+        first token; the request then decodes here. A request aborted meanwhile is ignored."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            return []
+        first_block = request.num_cached_tokens // self.kv_spec.block_size
+        block_ids = self.kv_manager.get_block_ids(request_id)[first_block:]
+        unpack_pages(result.kv_pages, self.runner.kv_cache, block_ids)
+        update = self.scheduler.complete_remote_kv(request_id, result.first_token_id)
+        if result.first_logprobs is not None:
+            update.logprobs.append(result.first_logprobs)
+        return self.output_processor.process([update]).deltas
+
+    def fall_back_to_local_prefill(self, request_id: str) -> None:
+        """The remote prefill failed: the reserved blocks are freed and the prompt is queued
+        for this engine to prefill. A request aborted meanwhile is ignored."""
+        request = self.scheduler.requests.get(request_id)
+        if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            self.scheduler.fall_back_to_local_prefill(request_id)
 
     def abort_requests(self, request_ids: list[str]) -> list[StreamDelta]:
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -158,15 +232,35 @@ class EngineCore:
         deltas = self._close_dropped_requests()
         if sched.is_empty:
             return deltas
+        exports = self._blocks_to_export(sched)
         model_out = self.runner.execute(sched)
         updates = self.scheduler.update(sched, model_out)
         processed = self.output_processor.process(updates)
+        self._attach_exported_pages(exports, processed.deltas)
         stopped = self.scheduler.finish_requests(
             processed.stopped_request_ids, RequestStatus.FINISHED_STOPPED
         )
         finished_ids = [u.request.request_id for u in updates if u.finished]
         self.runner.release(finished_ids + [request.request_id for request in stopped])
         return deltas + processed.deltas
+
+    def _blocks_to_export(self, sched: SchedulerOutput) -> dict[str, list[int]]:
+        """Blocks of prefill-pod requests sampled this step, read before `update` frees them
+        (their contents stay intact until the next step allocates)."""
+        exports = {}
+        for chunk in sched.chunks:
+            first_block = chunk.request.export_kv_from_block
+            if chunk.is_sampled and first_block is not None:
+                exports[chunk.request.request_id] = chunk.block_ids[first_block:]
+        return exports
+
+    def _attach_exported_pages(
+        self, exports: dict[str, list[int]], deltas: list[StreamDelta]
+    ) -> None:
+        for delta in deltas:
+            block_ids = exports.get(delta.request_id)
+            if block_ids is not None and delta.final is not None:
+                delta.final.kv_pages = pack_pages(self.runner.kv_cache, block_ids)
 
     def _close_dropped_requests(self) -> list[StreamDelta]:
         """Requests the scheduler ended on its own (context outgrew the whole cache)."""

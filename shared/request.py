@@ -65,6 +65,9 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     # Tokens whose KV came from the prefix cache at the last admission (for stats).
     num_cached_tokens: int = 0
+    # Prefill pods: pack the pages of prompt blocks from this index on once the first token
+    # is sampled (set by the engine at admission, never changed).
+    export_kv_from_block: int | None = None
 
     # Owned by the KV cache manager: chained hashes of the full blocks of all_token_ids,
     # extended as tokens arrive and never recomputed.

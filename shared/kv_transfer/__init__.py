@@ -1,0 +1,47 @@
+"""KV page transport between the prefill and decode pods.
+
+- `base`: the contract: `KVTransferDescriptor`, `KVTransferError`, `KVReceiver`, `KVSender`,
+  `KVTransport`.
+- `config`: `KVTransferConfig` (backend, timeouts, UCX tuning).
+- `protocol`: offer / ready / payload / done over any `Channel`; shared by both backends.
+- `ucx`: ucxx backend (`ucx://host:port`); `tcp`: asyncio sockets (`tcp://host:port`).
+- `pages`: pack a request's blocks and send them; receive and scatter into a KV cache.
+
+`create_kv_transport` picks the backend; the ucx module (and ucxx) is imported only when asked
+for, so the tcp backend works where ucxx is not installed.
+"""
+
+from __future__ import annotations
+
+from shared.kv_transfer.base import (
+    KVReceiver,
+    KVSender,
+    KVTransferDescriptor,
+    KVTransferError,
+    KVTransport,
+)
+from shared.kv_transfer.config import KVTransferConfig
+
+__all__ = [
+    "KVReceiver",
+    "KVSender",
+    "KVTransferConfig",
+    "KVTransferDescriptor",
+    "KVTransferError",
+    "KVTransport",
+    "create_kv_transport",
+]
+
+
+def create_kv_transport(config: KVTransferConfig | str = "ucx") -> KVTransport:
+    """The transport for `config.backend` ("ucx" | "tcp"); a bare string is a default config
+    with that backend."""
+    if isinstance(config, str):
+        config = KVTransferConfig(backend=config)
+    if config.backend == "tcp":
+        from shared.kv_transfer.tcp import TcpTransport
+
+        return TcpTransport(config)
+    from shared.kv_transfer.ucx import UcxTransport
+
+    return UcxTransport(config)

@@ -1,0 +1,309 @@
+"""The transfer protocol, written once over a `Channel` that each backend implements.
+
+One transfer on one connection, every step awaited before the next:
+
+    sender                                    receiver
+    offer {descriptor}          ───────▶      claim the destination posted for request_id
+                                ◀───────      ready | reject {error}
+    payload (num_bytes)         ───────▶      lands in the destination's memory
+                                ◀───────      done {ok, error}   (after the checksum)
+
+The offer goes first so a mismatched or unexpected transfer is refused before any payload
+moves, and so the payload never arrives ahead of its destination. Transfers on one connection
+are serialised by the sender; concurrency comes from one connection per peer address.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.kv_transfer.base import (
+    KVReceiver,
+    KVSender,
+    KVTransferDescriptor,
+    KVTransferError,
+    byte_view,
+    compute_checksum,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class ChannelError(KVTransferError):
+    """The connection itself failed or was closed; it cannot carry another transfer."""
+
+
+class Channel(abc.ABC):
+    """One connection: ordered control messages and raw payloads. Failures raise ChannelError."""
+
+    @abc.abstractmethod
+    async def send_message(self, message: dict[str, object]) -> None: ...
+
+    @abc.abstractmethod
+    async def recv_message(self) -> dict[str, object]: ...
+
+    @abc.abstractmethod
+    async def send_payload(self, data: memoryview) -> None: ...
+
+    @abc.abstractmethod
+    async def recv_payload(self, data: memoryview) -> None:
+        """Fills all of `data` (the destination's own memory)."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Breaks the connection now: pending operations fail and no byte is written into a
+        destination after this returns."""
+
+    async def close(self) -> None:
+        self.abort()
+
+
+# --- sender side -----------------------------------------------------------------------------
+
+
+async def push_transfer(
+    channel: Channel, descriptor: KVTransferDescriptor, data: memoryview
+) -> None:
+    """Runs one transfer from the sender's side; KVTransferError if the receiver refuses it."""
+    await channel.send_message({"type": "offer", "descriptor": descriptor.to_json()})
+    reply = await channel.recv_message()
+    if reply["type"] == "reject":
+        raise KVTransferError(
+            f"receiver rejected request {descriptor.request_id}: {reply['error']}"
+        )
+    _expect(reply, "ready")
+    await channel.send_payload(data)
+    reply = await channel.recv_message()
+    _expect(reply, "done")
+    if not reply["ok"]:
+        raise KVTransferError(f"receiver failed request {descriptor.request_id}: {reply['error']}")
+
+
+def _expect(message: dict[str, object], kind: str) -> None:
+    if message["type"] != kind:
+        raise ChannelError(f"protocol error: expected {kind!r}, got {message['type']!r}")
+
+
+class ChannelSender(KVSender):
+    """A KVSender over cached channels; backends supply `_open_channel`."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, Channel] = {}  # address -> open connection
+        self._locks: dict[str, asyncio.Lock] = {}  # address -> one transfer at a time
+
+    @abc.abstractmethod
+    async def _open_channel(self, address: str) -> Channel: ...
+
+    async def send(
+        self,
+        address: str,
+        descriptor: KVTransferDescriptor,
+        buffer: torch.Tensor,
+        timeout: float,
+    ) -> None:
+        data = byte_view(buffer, "buffer")
+        if data.nbytes != descriptor.num_bytes:
+            raise ValueError(
+                f"buffer has {data.nbytes} bytes but the descriptor says {descriptor.num_bytes}"
+            )
+        what = f"sending request {descriptor.request_id} to {address}"
+        try:
+            await asyncio.wait_for(self._send_serialised(address, descriptor, data), timeout)
+        except TimeoutError as exc:
+            # The connection is mid-transfer and out of step: never reuse it.
+            self._drop(address)
+            raise KVTransferError(f"{what}: timed out after {timeout:g} s") from exc
+        except ChannelError as exc:
+            self._drop(address)
+            raise ChannelError(f"{what}: {exc}") from exc
+
+    async def _send_serialised(
+        self, address: str, descriptor: KVTransferDescriptor, data: memoryview
+    ) -> None:
+        async with self._locks.setdefault(address, asyncio.Lock()):
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = await self._open_channel(address)
+            await push_transfer(channel, descriptor, data)
+
+    def _drop(self, address: str) -> None:
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            channel.abort()
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
+
+
+# --- receiver side ---------------------------------------------------------------------------
+
+
+@dataclass
+class _PostedReceive:
+    destination: torch.Tensor
+    done: asyncio.Future[KVTransferDescriptor]
+    # Set once an offer claimed this receive; the payload is arriving over it.
+    channel: Channel | None = None
+
+
+@dataclass
+class PostedReceives:
+    """request_id -> the destination a `receive` posted. Owned by the receiver's event loop."""
+
+    _posted: dict[str, _PostedReceive] = field(default_factory=dict)
+    _changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    async def post(self, request_id: str, destination: torch.Tensor) -> _PostedReceive:
+        if request_id in self._posted:
+            raise ValueError(f"request_id {request_id!r} already has a receive posted")
+        entry = _PostedReceive(destination, asyncio.get_running_loop().create_future())
+        self._posted[request_id] = entry
+        async with self._changed:
+            self._changed.notify_all()
+        return entry
+
+    def remove(self, request_id: str) -> None:
+        self._posted.pop(request_id, None)
+
+    async def claim(
+        self, descriptor: KVTransferDescriptor, channel: Channel, wait_s: float
+    ) -> _PostedReceive:
+        """The posted receive this offer fills, waiting up to `wait_s` for it to be posted."""
+        request_id = descriptor.request_id
+
+        def is_posted() -> bool:
+            return request_id in self._posted
+
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(is_posted), wait_s)
+            except TimeoutError:
+                raise KVTransferError(f"no receive posted for request {request_id}") from None
+        entry = self._posted[request_id]
+        if entry.channel is not None:
+            raise KVTransferError(f"request {request_id} is already being received")
+        try:
+            descriptor.check_destination(entry.destination)
+        except KVTransferError as exc:
+            _settle(entry, exc)
+            raise
+        entry.channel = channel
+        return entry
+
+    def fail_all(self, error: KVTransferError) -> None:
+        for entry in self._posted.values():
+            _settle(entry, error)
+            if entry.channel is not None:
+                entry.channel.abort()
+
+
+def _settle(entry: _PostedReceive, outcome: KVTransferDescriptor | KVTransferError) -> None:
+    if entry.done.done():
+        return
+    if isinstance(outcome, KVTransferError):
+        entry.done.set_exception(outcome)
+    else:
+        entry.done.set_result(outcome)
+
+
+async def serve_channel(channel: Channel, posted: PostedReceives, offer_wait_s: float) -> None:
+    """Answers offers on one connection until the peer goes away."""
+    try:
+        while True:
+            try:
+                message = await channel.recv_message()
+            except ChannelError as exc:
+                logger.debug("kv transfer connection ended: %s", exc)
+                return
+            _expect(message, "offer")
+            await _serve_offer(channel, posted, message, offer_wait_s)
+    except ChannelError as exc:
+        logger.warning("kv transfer connection failed mid-transfer: %s", exc)
+    finally:
+        channel.abort()
+
+
+async def _serve_offer(
+    channel: Channel, posted: PostedReceives, offer: dict[str, object], offer_wait_s: float
+) -> None:
+    try:
+        descriptor = KVTransferDescriptor.from_json(offer["descriptor"])  # type: ignore[arg-type]
+        entry = await posted.claim(descriptor, channel, offer_wait_s)
+    except (KVTransferError, ValueError, TypeError) as exc:
+        await channel.send_message({"type": "reject", "error": str(exc)})
+        return
+    await channel.send_message({"type": "ready"})
+    try:
+        data = byte_view(entry.destination, "destination")
+        await channel.recv_payload(data)
+        await _verify_checksum(descriptor, data)
+    except ChannelError as exc:
+        _settle(entry, exc)
+        raise
+    except KVTransferError as exc:
+        _settle(entry, exc)
+        await channel.send_message({"type": "done", "ok": False, "error": str(exc)})
+        return
+    _settle(entry, descriptor)
+    await channel.send_message({"type": "done", "ok": True})
+
+
+async def _verify_checksum(descriptor: KVTransferDescriptor, data: memoryview) -> None:
+    if descriptor.checksum_algorithm is None:
+        return
+    # Off the event loop: hashing tens of MiB takes milliseconds (zlib releases the GIL).
+    actual = await asyncio.to_thread(compute_checksum, data, descriptor.checksum_algorithm)
+    if actual != descriptor.checksum:
+        raise KVTransferError(
+            f"request {descriptor.request_id}: {descriptor.checksum_algorithm} checksum "
+            f"mismatch (sent {descriptor.checksum:#x}, received {actual:#x})"
+        )
+
+
+class ChannelReceiver(KVReceiver):
+    """A KVReceiver serving channels that a backend's listener hands to `_serve`."""
+
+    def __init__(self, offer_wait_s: float) -> None:
+        self._posted = PostedReceives()
+        self._offer_wait_s = offer_wait_s
+        self._serve_tasks: set[asyncio.Task[None]] = set()
+
+    def _serve(self, channel: Channel) -> None:
+        task = asyncio.get_running_loop().create_task(
+            serve_channel(channel, self._posted, self._offer_wait_s)
+        )
+        self._serve_tasks.add(task)
+        task.add_done_callback(self._serve_tasks.discard)
+
+    async def receive(
+        self, request_id: str, destination: torch.Tensor, timeout: float
+    ) -> KVTransferDescriptor:
+        byte_view(destination, "destination")  # rejects non-CPU / non-contiguous up front
+        entry = await self._posted.post(request_id, destination)
+        try:
+            return await asyncio.wait_for(asyncio.shield(entry.done), timeout)
+        except TimeoutError:
+            entry.done.cancel()  # a late outcome from the serving task is then dropped
+            if entry.channel is not None:
+                # The payload is still arriving: cut it off so the caller may reuse the blocks.
+                entry.channel.abort()
+            raise KVTransferError(
+                f"receiving request {request_id}: timed out after {timeout:g} s"
+            ) from None
+        finally:
+            self._posted.remove(request_id)
+
+    async def _close_channels(self) -> None:
+        self._posted.fail_all(KVTransferError("receiver closed"))
+        for task in list(self._serve_tasks):
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*self._serve_tasks, return_exceptions=True)

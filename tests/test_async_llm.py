@@ -152,10 +152,9 @@ def test_cancelled_consumer_frees_its_blocks(engine, offline):
         ([17, 49152], GREEDY, "prompt_token_ids"),
         ([17] * 8192, GREEDY, "max_model_len"),
         ("Hello", GREEDY, "prompt_token_ids"),
-        ([17, 18], SamplingParams(seed="1"), "seed"),
         ([17, 18], {"max_tokens": 4}, "params"),
     ],
-    ids=["empty", "token-id", "over-context", "text-not-ids", "seed", "params-type"],
+    ids=["empty", "token-id", "over-context", "text-not-ids", "params-type"],
 )
 def test_invalid_request_raises_before_any_delta(engine, offline, prompt, params, pattern):
     prompts, expected = offline

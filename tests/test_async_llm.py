@@ -14,7 +14,6 @@ import asyncio
 import time
 
 import pytest
-import torch
 
 from shared import LLM, AsyncLLM, SamplingParams
 
@@ -39,14 +38,6 @@ TOPICS = [
     "the moon",
     "a bicycle ride through the hills on a summer morning",
 ]
-
-
-@pytest.fixture(scope="module")
-def single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -24,14 +24,6 @@ NUM_STORY_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
 def llm(single_thread) -> LLM:
     return LLM(kv_cache_bytes=128 * 2**20)
 

@@ -43,14 +43,6 @@ CHECKPOINTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(params=list(CHECKPOINTS), scope="module")
 def checkpoint(request, make_tiny_hf_checkpoint) -> str:
     directory = make_tiny_hf_checkpoint(**CHECKPOINTS[request.param])

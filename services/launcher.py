@@ -31,7 +31,22 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no prefill processes: the decode processes prefill locally (the baseline)",
     )
-    sub.add_argument("--transport", default="tcp", choices=["ucx", "tcp"], help="KV transport")
+    sub.add_argument(
+        "--transport",
+        default=None,
+        choices=["ucx", "tcp"],
+        help="KV transport between prefill and decode (default: ucx if ucxx imports, else tcp)",
+    )
+    sub.add_argument(
+        "--local-prefill-threshold",
+        type=int,
+        default=32,
+        metavar="TOKENS",
+        help="decode pods prefill prompts with fewer uncached tokens than this themselves",
+    )
+    sub.add_argument(
+        "--kv-checksum", action="store_true", help="prefill pods CRC-32 every KV page buffer"
+    )
     sub.add_argument("--host", default="127.0.0.1", help="address every process binds")
     sub.add_argument("--port", type=int, default=8000, help="the gateway's HTTP port")
     sub.add_argument("--grpc-port", type=int, default=50051, help="the gateway's gRPC port")
@@ -72,22 +87,28 @@ def plan(args: argparse.Namespace, prefill_available: bool | None = None) -> Pla
     (default: look for it)."""
     if args.decode < 1 or args.prefill < 0:
         raise ValueError("--decode must be >= 1 and --prefill >= 0")
+    if args.local_prefill_threshold < 0:
+        raise ValueError("--local-prefill-threshold must be >= 0")
     if prefill_available is None:
         prefill_available = importlib.util.find_spec("services.prefill") is not None
     colocated, note = _mode(args, prefill_available)
     num_prefill = 0 if colocated else args.prefill
-    threads = args.num_threads or max(1, (os.cpu_count() or 1) // (args.decode + num_prefill))
-    engine_flags = _engine_flags(args, threads)
+    transport, transport_note = _transport(args, colocated)
+    threads = _threads_per_pod(args, args.decode + num_prefill)
+    engine_flags = _engine_flags(args, threads, transport)
     prefill_addresses = [f"{args.host}:{args.prefill_port + i}" for i in range(num_prefill)]
     decode_addresses = [f"{args.host}:{args.decode_port + i}" for i in range(args.decode)]
+    prefill_flags = ["--kv-checksum"] if args.kv_checksum else []
+    decode_flags = [] if colocated else _decode_flags(args)
     specs = [
-        _pod("prefill", i, address, PREFILL_SERVICE, engine_flags, args)
+        _pod("prefill", i, address, PREFILL_SERVICE, engine_flags + prefill_flags, args)
         for i, address in enumerate(prefill_addresses)
     ] + [
-        _pod("decode", i, address, DECODE_SERVICE, engine_flags, args)
+        _pod("decode", i, address, DECODE_SERVICE, engine_flags + decode_flags, args)
         for i, address in enumerate(decode_addresses)
     ]
     specs.append(_gateway(args, decode_addresses, prefill_addresses))
+    note = f"{note}{transport_note}; {threads} torch thread(s) per engine process"
     return Plan(specs, note, f"http://{args.host}:{args.port}", f"{args.host}:{args.grpc_port}")
 
 
@@ -101,12 +122,36 @@ def _mode(args: argparse.Namespace, prefill_available: bool) -> tuple[bool, str]
             "colocated: services/prefill does not exist yet, so no prefill process was "
             "started and each decode process prefills its own prompts"
         )
-    return False, f"disaggregated: {args.prefill} prefill process(es), KV over {args.transport}"
+    return False, f"disaggregated: {args.prefill} prefill process(es)"
 
 
-def _engine_flags(args: argparse.Namespace, threads: int) -> list[str]:
+def _transport(args: argparse.Namespace, colocated: bool) -> tuple[str, str]:
+    """The KV transport, and how it was chosen (for the mode line)."""
+    if args.transport is not None:
+        return args.transport, "" if colocated else f", KV over {args.transport}"
+    if colocated:
+        # No pages travel; decode pods still listen, and a TCP listener costs nothing where
+        # UCX would start a progress thread.
+        return "tcp", ""
+    if importlib.util.find_spec("ucxx") is not None:
+        return "ucx", ", KV over ucx (ucxx found; --transport tcp for plain TCP)"
+    return "tcp", ", KV over tcp (ucxx is not installed)"
+
+
+def _threads_per_pod(args: argparse.Namespace, num_pods: int) -> int:
+    """Torch threads per engine process: the cores shared out, so that the processes together
+    do not oversubscribe them (OpenMP threads fighting over a core make torch many times
+    slower); at least 1."""
+    return args.num_threads or max(1, (os.cpu_count() or 1) // num_pods)
+
+
+def _decode_flags(args: argparse.Namespace) -> list[str]:
+    return ["--local-prefill-threshold", str(args.local_prefill_threshold)]
+
+
+def _engine_flags(args: argparse.Namespace, threads: int, transport: str) -> list[str]:
     flags = ["--kv-cache-bytes", str(args.kv_cache_bytes), "--num-threads", str(threads)]
-    flags += ["--kv-transport", args.transport, "--log-level", args.log_level]
+    flags += ["--kv-transport", transport, "--log-level", args.log_level]
     if args.model is not None:
         flags += ["--model", args.model]
     if args.model_name is not None:

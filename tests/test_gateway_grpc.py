@@ -282,11 +282,12 @@ def test_cancelling_a_decode_call_frees_its_blocks(up, decode):
     assert (stats.num_running, stats.kv_blocks_free) == (0, stats.kv_blocks_total)
 
 
-def test_a_named_prefill_pod_falls_back_to_local_prefill(decode):
-    # No prefill service exists yet: the decode pod prefills itself and says so.
+def test_an_unreachable_prefill_pod_falls_back_to_local_prefill(decode):
+    # Nothing listens at the named address: the decode pod prefills itself and says so. The
+    # prompt is longer than the local-prefill threshold, so the remote path is really tried.
     request = worker_pb2.DecodeRequest(
         request_id="fallback",
-        prompt_token_ids=[1, 2, 3],
+        prompt_token_ids=list(range(100, 140)),
         sampling=_greedy(max_tokens=2),
         prefill_address="127.0.0.1:1",
     )

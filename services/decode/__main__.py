@@ -1,26 +1,22 @@
 """`python -m services.decode`: one decode pod (a gRPC DecodeWorker around the engine).
 
-Today it prefills every prompt itself; the remote-prefill path slots into
-`services.decode.worker.DecodeWorkerCore._prefill`.
+It listens for KV pages on its --kv-transport from the start; a request that names a prefill
+pod and has at least --local-prefill-threshold uncached prompt tokens is prefilled there.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
-import socket
 
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
-from services.common.background import in_daemon_thread
-from services.common.flags import add_engine_flags, add_server_flags, engine_options, setup_logging
-from services.common.grpc_server import start_server, stop_event_on_signals
+from services.common.flags import engine_options, setup_logging
 from services.common.model_files import default_model_name, resolve_model_path
+from services.common.pod import WorkerIdentity, add_pod_flags, reachable_host, serve_pod, worker_id
+from services.decode.remote_prefill import RemotePrefillSettings
 from services.decode.servicer import DecodeWorkerServicer
-from services.decode.worker import DecodeWorkerCore, WorkerIdentity
-
-logger = logging.getLogger("services.decode")
+from services.decode.worker import DecodeWorkerCore
 
 DEFAULT_PORT = 50061
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
@@ -28,62 +24,73 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.decode", description=__doc__)
-    add_server_flags(parser, DEFAULT_PORT)
-    parser.add_argument("--worker-id", default=None, help="name in stats (default: host:port)")
-    parser.add_argument(
-        "--model-name", default=None, help="served model name (default: the model file's name)"
+    add_pod_flags(parser, DEFAULT_PORT)
+    group = parser.add_argument_group("disaggregation")
+    defaults = RemotePrefillSettings()
+    group.add_argument(
+        "--local-prefill-threshold",
+        type=int,
+        default=defaults.local_prefill_threshold,
+        metavar="TOKENS",
+        help="prefill here when fewer prompt tokens than this are uncached on this pod",
     )
-    parser.add_argument(
-        "--kv-transport", default="tcp", choices=["ucx", "tcp"], help="KV page transport"
+    group.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=defaults.timeout_s,
+        metavar="SECONDS",
+        help="a remote prefill (queueing, compute, KV transfer) slower than this falls back",
     )
-    add_engine_flags(parser)
+    group.add_argument(
+        "--kv-host",
+        default=None,
+        help="the address prefill pods send KV pages to (default: --host, or this machine's)",
+    )
+    group.add_argument("--kv-port", type=int, default=0, help="KV receiver port (0 = any free)")
     return parser
 
 
-def build_core(args: argparse.Namespace) -> DecodeWorkerCore:
-    from shared.async_llm import AsyncLLM  # torch: only once the server answers health checks
+def settings_from_args(args: argparse.Namespace) -> RemotePrefillSettings:
+    return RemotePrefillSettings(args.local_prefill_threshold, args.prefill_timeout)
 
+
+def build_core(args: argparse.Namespace) -> DecodeWorkerCore:
+    # torch, ucxx: only once the server answers health checks
+    from shared.async_llm import AsyncLLM
+    from shared.kv_transfer import create_kv_transport
+
+    settings = settings_from_args(args)
+    transport = create_kv_transport(args.kv_transport)
     model_path = resolve_model_path(args.model)
     llm = AsyncLLM(model_path, **engine_options(args))
     identity = WorkerIdentity(
-        worker_id=args.worker_id or f"{socket.gethostname()}:{args.port}",
+        worker_id=worker_id(args),
         role="decode",
         model_name=args.model_name or default_model_name(model_path),
         kv_transport=args.kv_transport,
     )
-    return DecodeWorkerCore(llm, identity)
+    kv_host = args.kv_host or reachable_host(args.host)
+    return DecodeWorkerCore(llm, identity, transport, settings, kv_host, args.kv_port)
 
 
 async def serve(args: argparse.Namespace) -> None:
     servicer = DecodeWorkerServicer()
-    server = await start_server(
-        args.host,
-        args.port,
-        [SERVICE_NAME],
-        lambda grpc_server: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
-            servicer, grpc_server
-        ),
+    await serve_pod(
+        args,
+        SERVICE_NAME,
+        servicer,
+        lambda server: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server),
+        lambda: build_core(args),
     )
-    logger.info("gRPC on port %d; loading the model", server.port)
-    stop = stop_event_on_signals()
-    loading = in_daemon_thread(lambda: build_core(args), "load-model")
-    stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
-    if loading.done():
-        servicer.core = loading.result()
-        await server.set_serving(True)
-        logger.info(
-            "serving %s as %s", servicer.core.identity.model_name, servicer.core.identity.worker_id
-        )
-        await stopping
-    logger.info("stopping")
-    await server.stop()
-    if servicer.core is not None:
-        servicer.core.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings_from_args(args)
+    except ValueError as error:
+        parser.error(str(error))
     setup_logging(args.log_level, args.worker_id or "decode")
     asyncio.run(serve(args))
     return 0

@@ -6,7 +6,8 @@ import grpc
 from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 from services.common.convert import logprobs_to_proto, params_from_options
-from services.decode.worker import DecodeOutput, DecodeWorkerCore, DecodeWorkerStats
+from services.common.pod import worker_stats_to_proto
+from services.decode.worker import DecodeOutput, DecodeWorkerCore
 
 
 class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -36,7 +37,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def GetStats(self, request: worker_pb2.StatsRequest, context) -> worker_pb2.WorkerStats:
         core = await self._ready(context)
-        return worker_stats(core.stats())
+        return worker_stats_to_proto(core.stats())
 
     async def _ready(self, context) -> DecodeWorkerCore:
         if self.core is None:
@@ -72,24 +73,3 @@ def _stop_reason_text(stop_reason: int | str | None, core: DecodeWorkerCore) -> 
     if isinstance(stop_reason, int):  # a stop token id: the proto carries it as text
         return core.token_text(stop_reason)
     return stop_reason
-
-
-def worker_stats(stats: DecodeWorkerStats) -> worker_pb2.WorkerStats:
-    identity, engine = stats.identity, stats.engine
-    return worker_pb2.WorkerStats(
-        worker_id=identity.worker_id,
-        role=identity.role,
-        num_running=engine.num_running,
-        num_waiting=engine.num_waiting,
-        kv_blocks_total=engine.num_kv_blocks_total,
-        kv_blocks_free=engine.num_kv_blocks_free,
-        num_preemptions=engine.num_preemptions,
-        prefix_cache_queried_tokens=engine.prefix_cache_queried_tokens,
-        prefix_cache_hit_tokens=engine.prefix_cache_hit_tokens,
-        kv_address=identity.kv_address,
-        model=identity.model_name,
-        max_model_len=stats.max_model_len,
-        block_size=stats.block_size,
-        vocab_size=stats.vocab_size,
-        kv_transport=identity.kv_transport,
-    )

@@ -1,0 +1,165 @@
+"""What the engine-backed pods (prefill and decode) share: the flags every such pod takes, who it
+is (`WorkerIdentity`), its stats as the `WorkerStats` proto, and the serve loop.
+
+The serve loop answers health checks at once (NOT_SERVING), loads the model in a daemon thread,
+lets the core start its async parts (KV transport) on the event loop, turns SERVING, and on
+SIGTERM / Ctrl-C stops the server before closing the core.
+
+Torch-free like the rest of services/common: the engine is only named for type checking.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from splitserve.v1 import worker_pb2
+
+from services.common.background import in_daemon_thread
+from services.common.flags import add_engine_flags, add_server_flags
+from services.common.grpc_server import start_server, stop_event_on_signals
+
+if TYPE_CHECKING:
+    from shared.async_llm import AsyncLLM
+    from shared.engine import EngineStats
+
+logger = logging.getLogger(__name__)
+
+KV_TRANSPORTS = ("ucx", "tcp")
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """What a pod says about itself in its stats; fixed for the life of the process."""
+
+    worker_id: str
+    role: str  # "prefill" or "decode"
+    model_name: str  # the name the gateway validates requests against
+    kv_transport: str  # "ucx" or "tcp": the KV transport this pod speaks
+    kv_address: str = ""  # where prefill pods send pages (decode pods); empty otherwise
+
+
+@dataclass(frozen=True)
+class PodStats:
+    identity: WorkerIdentity
+    engine: EngineStats
+    max_model_len: int
+    block_size: int
+    vocab_size: int
+
+
+def pod_stats(llm: AsyncLLM, identity: WorkerIdentity) -> PodStats:
+    return PodStats(
+        identity=identity,
+        engine=llm.stats(),
+        max_model_len=llm.engine.max_model_len,
+        block_size=llm.config.cache.block_size,
+        vocab_size=llm.engine.architecture.vocab_size,
+    )
+
+
+def worker_stats_to_proto(stats: PodStats) -> worker_pb2.WorkerStats:
+    identity, engine = stats.identity, stats.engine
+    return worker_pb2.WorkerStats(
+        worker_id=identity.worker_id,
+        role=identity.role,
+        num_running=engine.num_running,
+        num_waiting=engine.num_waiting,
+        kv_blocks_total=engine.num_kv_blocks_total,
+        kv_blocks_free=engine.num_kv_blocks_free,
+        num_preemptions=engine.num_preemptions,
+        prefix_cache_queried_tokens=engine.prefix_cache_queried_tokens,
+        prefix_cache_hit_tokens=engine.prefix_cache_hit_tokens,
+        kv_address=identity.kv_address,
+        model=identity.model_name,
+        max_model_len=stats.max_model_len,
+        block_size=stats.block_size,
+        vocab_size=stats.vocab_size,
+        kv_transport=identity.kv_transport,
+    )
+
+
+def token_text(llm: AsyncLLM, token_id: int) -> str:
+    """The text of one token as a client sees it (special tokens spelled out)."""
+    return llm.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+# ---- flags ----------------------------------------------------------------------------------
+
+
+def add_pod_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
+    """The flags both engine pods take (`splitserve up` passes the same set to each)."""
+    add_server_flags(parser, default_port)
+    parser.add_argument("--worker-id", default=None, help="name in stats (default: host:port)")
+    parser.add_argument(
+        "--model-name", default=None, help="served model name (default: the model file's name)"
+    )
+    parser.add_argument(
+        "--kv-transport", default="tcp", choices=KV_TRANSPORTS, help="KV page transport"
+    )
+    add_engine_flags(parser)
+
+
+def worker_id(args: argparse.Namespace) -> str:
+    return args.worker_id or f"{socket.gethostname()}:{args.port}"
+
+
+def reachable_host(host: str) -> str:
+    """An address peers can dial for a pod bound to `host`: a wildcard bind ("0.0.0.0") is
+    not one, so the machine's own address stands in for it."""
+    if host not in ("", "0.0.0.0", "::"):
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+# ---- serving --------------------------------------------------------------------------------
+
+
+class PodCore(Protocol):
+    """A pod's engine side, built off the event loop and then started on it."""
+
+    async def start(self) -> None:
+        """Starts what must run on the event loop (the KV transport)."""
+
+    async def close(self) -> None:
+        """Stops the transport and the engine; in-flight requests fail."""
+
+
+class PodServicer(Protocol):
+    core: PodCore | None  # None until the model has loaded
+
+
+async def serve_pod(
+    args: argparse.Namespace,
+    service_name: str,
+    servicer: PodServicer,
+    register: Callable[[object], None],
+    load_core: Callable[[], PodCore],
+) -> None:
+    """Serves until SIGTERM / Ctrl-C. `register(server)` adds the servicer to the gRPC server;
+    `load_core()` runs in a daemon thread (it loads the model)."""
+    server = await start_server(args.host, args.port, [service_name], register)
+    logger.info("gRPC on port %d; loading the model", server.port)
+    stop = stop_event_on_signals()
+    loading = in_daemon_thread(load_core, "load-model")
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
+    core = loading.result() if loading.done() else None
+    if core is not None and not stopping.done():
+        await core.start()
+        servicer.core = core
+        await server.set_serving(True)
+        logger.info("serving as %s", worker_id(args))
+        await stopping
+    logger.info("stopping")
+    await server.stop()
+    if core is not None:
+        await core.close()

@@ -1,0 +1,1 @@
+"""The prefill service: a gRPC `PrefillWorker` around the engine (`python -m services.prefill`)."""

@@ -1,0 +1,83 @@
+"""The PrefillWorker gRPC servicer: proto <-> `PrefillWorkerCore` translation, nothing more."""
+
+from __future__ import annotations
+
+import grpc
+from splitserve.v1 import worker_pb2, worker_pb2_grpc
+
+from services.common.convert import logprob_to_proto, params_from_options
+from services.common.pod import worker_stats_to_proto
+from services.prefill.worker import CHECKSUM_ALGORITHM, KVDestination, PrefillWorkerCore
+from shared.kv_transfer import KVTransferDescriptor
+
+
+class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
+    """Registered before the model loads (so health answers meanwhile); `core` is set once the
+    engine is up, and calls before that are UNAVAILABLE."""
+
+    def __init__(self) -> None:
+        self.core: PrefillWorkerCore | None = None
+
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context
+    ) -> worker_pb2.PrefillResponse:
+        core = await self._ready(context)
+        params = params_from_options(request.sampling)
+        # grpc cancels this handler when the decode pod cancels the call (its client went
+        # away); the cancellation aborts the request in the engine.
+        outcome = await core.prefill(
+            request.request_id,
+            list(request.prompt_token_ids),
+            params,
+            destination_from_proto(request.destination),
+        )
+        response = worker_pb2.PrefillResponse(
+            first_token_id=outcome.first_token_id,
+            num_cached_tokens=outcome.num_cached_tokens,
+            transfer=descriptor_to_proto(outcome.transfer),
+            transfer_seconds=outcome.transfer_seconds,
+        )
+        if outcome.first_logprobs is not None:
+            response.first_logprob.CopyFrom(
+                logprob_to_proto(outcome.first_logprobs, core.token_text)
+            )
+        return response
+
+    async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResponse:
+        core = await self._ready(context)
+        return worker_pb2.AbortResponse(found=core.abort(request.request_id))
+
+    async def GetStats(self, request: worker_pb2.StatsRequest, context) -> worker_pb2.WorkerStats:
+        core = await self._ready(context)
+        return worker_stats_to_proto(core.stats())
+
+    async def _ready(self, context) -> PrefillWorkerCore:
+        if self.core is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        return self.core
+
+
+def destination_from_proto(proto: worker_pb2.KVDestination) -> KVDestination:
+    return KVDestination(
+        transport=proto.transport,
+        address=proto.address,
+        block_ids=list(proto.block_ids),
+        first_block_index=proto.first_block_index,
+    )
+
+
+def descriptor_to_proto(descriptor: KVTransferDescriptor) -> worker_pb2.KVTransferDescriptor:
+    # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    _, num_layers, _, block_size, num_kv_heads, head_dim = descriptor.shape
+    is_crc32 = descriptor.checksum_algorithm == CHECKSUM_ALGORITHM
+    return worker_pb2.KVTransferDescriptor(
+        request_id=descriptor.request_id,
+        block_ids=list(descriptor.block_ids),
+        num_layers=num_layers,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=descriptor.dtype,
+        num_bytes=descriptor.num_bytes,
+        checksum=descriptor.checksum if is_crc32 else 0,
+    )

@@ -1,0 +1,203 @@
+"""What a prefill pod does with a request, free of protobuf: `PrefillWorkerCore`.
+
+    Prefill(prompt, destination) ─▶ engine: prefill (chunked, batched with every other prompt
+                                    in flight), sample the first token, pack the pages of the
+                                    destination's blocks
+                                 ─▶ KV sender: pages to the decode pod, which acknowledges them
+                                 ◀─ first token, its logprobs, how the transfer went
+
+The decode pod posts its receive before calling Prefill, so the pages always find it waiting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+
+from services.common.grpc_server import StatusError
+from services.common.pod import PodStats, WorkerIdentity, pod_stats, token_text
+from shared.async_llm import AsyncLLM
+from shared.kv_transfer import KVSender, KVTransferDescriptor, KVTransferError, KVTransport
+from shared.kv_transfer.base import parse_address
+from shared.outputs import CompletionOutput
+from shared.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from shared.sampler import TokenLogprobs
+
+logger = logging.getLogger(__name__)
+
+# The proto's KVTransferDescriptor carries a CRC-32, so that is the checksum pods agree on.
+CHECKSUM_ALGORITHM = "crc32"
+
+
+@dataclass(frozen=True)
+class KVDestination:
+    """Where the pages go: the decode pod's receiver and its blocks for prompt blocks
+    first_block_index, first_block_index + 1, ... (earlier ones it holds already)."""
+
+    transport: str  # "ucx" | "tcp"
+    address: str  # e.g. "ucx://10.0.0.5:41234"
+    block_ids: list[int]
+    first_block_index: int
+
+
+@dataclass(frozen=True)
+class PrefillSettings:
+    # CRC-32 every page buffer, checked by the decode pod before it uses the pages.
+    checksum: bool = False
+    transfer_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.transfer_timeout_s <= 0:
+            raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+
+
+@dataclass(frozen=True)
+class PrefillOutcome:
+    first_token_id: int
+    first_logprobs: TokenLogprobs | None  # None unless the request asked for logprobs
+    num_cached_tokens: int  # prompt tokens found in this pod's own prefix cache
+    transfer: KVTransferDescriptor
+    transfer_seconds: float
+
+
+def first_token_params(params: SamplingParams) -> SamplingParams:
+    """The request's sampling, stopped after its first token. min_tokens stays at 1 if it was
+    set, so EOS is suppressed for that token here exactly as the decode pod would."""
+    return dataclasses.replace(params, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+
+
+class PrefillWorkerCore:
+    """Runs prefills on one `AsyncLLM`; one per process, used from the event loop only.
+    `start()` (on that loop) must run before the first request."""
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        identity: WorkerIdentity,
+        transport: KVTransport,
+        settings: PrefillSettings | None = None,
+    ) -> None:
+        self.llm = llm
+        self.identity = identity
+        self.settings = settings or PrefillSettings()
+        self._transport = transport
+        self._sender: KVSender | None = None
+        self._in_flight: set[str] = set()  # request ids being prefilled, for Abort's answer
+
+    async def start(self) -> None:
+        self._sender = self._transport.create_sender()
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        destination: KVDestination,
+    ) -> PrefillOutcome:
+        """Computes the prompt, sends the destination blocks' pages and returns the first
+        token once the decode pod has acknowledged them.
+
+        Raises ValueError for a request or destination that cannot work, StatusError when the
+        request was aborted or the transfer failed. Cancelling it aborts the request here."""
+        if not request_id:
+            raise ValueError("request_id must not be empty")
+        self._check_destination(destination)
+        if request_id in self._in_flight:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._in_flight.add(request_id)
+        try:
+            final = await self._compute(request_id, prompt_token_ids, params, destination)
+        finally:
+            self._in_flight.discard(request_id)
+        pages = final.kv_pages
+        assert pages is not None, "a request with export_kv_from_block ends with its pages"
+        if pages.shape[0] != len(destination.block_ids):
+            raise ValueError(
+                f"destination.block_ids has {len(destination.block_ids)} blocks but the prompt "
+                f"has {pages.shape[0]} from block {destination.first_block_index} on"
+            )
+        descriptor, seconds = await self._send(request_id, pages, destination)
+        first_logprobs = final.logprobs[0] if final.logprobs else None
+        return PrefillOutcome(
+            final.token_ids[0], first_logprobs, final.num_cached_tokens, descriptor, seconds
+        )
+
+    def _check_destination(self, destination: KVDestination) -> None:
+        if destination.transport != self.identity.kv_transport:
+            raise ValueError(
+                f"destination.transport must be {self.identity.kv_transport!r} (what this "
+                f"prefill pod speaks), got {destination.transport!r}"
+            )
+        try:
+            parse_address(destination.address, destination.transport)
+        except ValueError as error:
+            raise ValueError(f"destination.address: {error}") from None
+        if destination.first_block_index < 0:
+            raise ValueError(
+                f"destination.first_block_index must be >= 0, got {destination.first_block_index}"
+            )
+        if not destination.block_ids or min(destination.block_ids) < 0:
+            raise ValueError(
+                f"destination.block_ids must be non-empty block ids, got {destination.block_ids}"
+            )
+
+    async def _compute(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        destination: KVDestination,
+    ) -> CompletionOutput:
+        final = None
+        async for delta in self.llm.generate(
+            prompt_token_ids,
+            first_token_params(params),
+            request_id,
+            export_kv_from_block=destination.first_block_index,
+        ):
+            final = delta.final or final
+        if final is None or final.finish_reason == "abort" or not final.token_ids:
+            raise StatusError(grpc.StatusCode.ABORTED, f"request {request_id} was aborted")
+        return final
+
+    async def _send(
+        self, request_id: str, pages, destination: KVDestination
+    ) -> tuple[KVTransferDescriptor, float]:
+        assert self._sender is not None, "start() runs before the first request"
+        algorithm = CHECKSUM_ALGORITHM if self.settings.checksum else None
+        descriptor = KVTransferDescriptor.for_buffer(
+            request_id, destination.block_ids, pages, algorithm
+        )
+        start = time.monotonic()
+        try:
+            await self._sender.send(
+                destination.address, descriptor, pages, self.settings.transfer_timeout_s
+            )
+        except KVTransferError as error:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {error}") from None
+        return descriptor, time.monotonic() - start
+
+    def abort(self, request_id: str) -> bool:
+        """Aborts a prefill still computing here; False when there is none by that id."""
+        if request_id not in self._in_flight:
+            return False
+        self.llm.abort(request_id)
+        return True
+
+    def stats(self) -> PodStats:
+        return pod_stats(self.llm, self.identity)
+
+    def token_text(self, token_id: int) -> str:
+        return token_text(self.llm, token_id)
+
+    async def close(self) -> None:
+        if self._sender is not None:
+            await self._sender.close()
+        self.llm.shutdown()

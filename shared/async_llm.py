@@ -27,8 +27,9 @@ logger = logging.getLogger(__name__)
 
 
 # A decode pod's way to get a prompt's KV from a prefill pod: given where the pages must go,
-# returns them with the first token, or raises (the request then prefills locally).
-RemotePrefill = Callable[[RemotePrefillPlan], Awaitable[RemotePrefillResult]]
+# returns them with the first token, None to prefill locally by choice, or raises (a failure:
+# logged, and the request prefills locally too).
+RemotePrefill = Callable[[RemotePrefillPlan], Awaitable[RemotePrefillResult | None]]
 
 
 @dataclass
@@ -164,7 +165,10 @@ class AsyncLLM:
             )
             self._commands.put(_FallBack(submit.request_id))
             return
-        self._commands.put(_CompleteRemote(submit.request_id, result))
+        if result is None:
+            self._commands.put(_FallBack(submit.request_id))
+        else:
+            self._commands.put(_CompleteRemote(submit.request_id, result))
 
     def abort(self, request_id: str, n: int = 1) -> None:
         for child_id, _ in child_sequences(request_id, SamplingParams(n=n)):
@@ -188,11 +192,12 @@ class AsyncLLM:
 
     def _engine_loop(self) -> None:
         while not self._stopped.is_set():
-            idle = not self.engine.has_unfinished_requests()
+            # Requests waiting for remote KV give a step nothing to do: wait for a command.
+            idle = not self.engine.has_schedulable_requests()
             self._apply_commands(block=idle)
             if self._stopped.is_set():
                 break
-            if self.engine.has_unfinished_requests():
+            if self.engine.has_schedulable_requests():
                 self._step()
             self._stats = self.engine.stats()
 

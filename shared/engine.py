@@ -225,6 +225,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_schedulable_requests(self) -> bool:
+        """False when every unfinished request waits for remote KV (a step would do nothing)."""
+        return self.scheduler.has_schedulable_requests()
+
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[StreamDelta]:

@@ -113,7 +113,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Queued requests, and those whose KV a prefill pod is computing."""
+        return len(self.requests) - len(self.running)
 
     @property
     def num_running(self) -> int:
@@ -121,6 +122,9 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_schedulable_requests(self) -> bool:
+        return bool(self.running or self._waiting)
 
     # ---- one step ---------------------------------------------------------------------------
 

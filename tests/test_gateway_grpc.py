@@ -287,7 +287,7 @@ def test_an_unreachable_prefill_pod_falls_back_to_local_prefill(decode):
     # prompt is longer than the local-prefill threshold, so the remote path is really tried.
     request = worker_pb2.DecodeRequest(
         request_id="fallback",
-        prompt_token_ids=list(range(100, 140)),
+        prompt_token_ids=list(range(20000, 20040)),  # no other test caches these
         sampling=_greedy(max_tokens=2),
         prefill_address="127.0.0.1:1",
     )

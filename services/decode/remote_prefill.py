@@ -41,18 +41,6 @@ class PrefillMode(StrEnum):
     LOCAL_FALLBACK = "local-fallback"  # a prefill pod was named but could not be used
 
 
-class RemotePrefillDeclined(Exception):  # noqa: N818 - a decision, not an error
-    """Raised out of a remote prefill attempt that ended without a failure."""
-
-
-class PrefillLocally(RemotePrefillDeclined):
-    """The attempt chose, after reservation, to prefill here: few tokens are uncached."""
-
-
-class PrefillAborted(RemotePrefillDeclined):
-    """The request was aborted while its prompt was being prefilled remotely."""
-
-
 @dataclass(frozen=True)
 class RemotePrefillSettings:
     # Prompts with fewer uncached tokens than this are prefilled here: moving their pages and
@@ -183,14 +171,16 @@ class RemotePrefillAttempt:
         self._call: asyncio.Task[RemotePrefillResult] | None = None  # while prefilling
         self._is_aborted = False
 
-    async def __call__(self, plan: RemotePrefillPlan) -> RemotePrefillResult:
+    async def __call__(self, plan: RemotePrefillPlan) -> RemotePrefillResult | None:
+        """The pages and first token; None when this pod should prefill the prompt itself
+        (few uncached tokens, or the request was aborted meanwhile)."""
         # | cached here (plan.num_cached_tokens) | uncached: worth sending to a prefill pod? |
         num_uncached = len(self._prompt_token_ids) - plan.num_cached_tokens
         if num_uncached < self._threshold:
             self.mode = PrefillMode.LOCAL
-            raise PrefillLocally(f"{num_uncached} uncached prompt tokens")
+            return None
         if self._is_aborted:
-            raise PrefillAborted(self._request_id)
+            return None
         self._call = asyncio.ensure_future(
             self._client.prefill(
                 self._address, self._request_id, self._prompt_token_ids, self._params, plan
@@ -202,7 +192,7 @@ class RemotePrefillAttempt:
             # abort() cancelled the call, not our caller: the request ends as aborted (the
             # engine already knows), instead of its stream being torn down.
             if self._is_aborted and not asyncio.current_task().cancelling():
-                raise PrefillAborted(self._request_id) from None
+                return None
             raise
         finally:
             self._call.cancel()  # our caller was cancelled: so is the Prefill call
@@ -224,18 +214,3 @@ def logprob_from_proto(proto: generate_pb2.TokenLogprob) -> TokenLogprobs:
         rank=proto.rank,
         top=[(top.token_id, top.logprob) for top in proto.top],
     )
-
-
-class _QuietDeclines(logging.Filter):
-    """AsyncLLM logs every remote prefill that raises as a failure (a warning); a prompt this
-    pod chose to prefill itself, or an aborted request, is no failure: its record is dropped."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not any(isinstance(arg, RemotePrefillDeclined) for arg in record.args or ())
-
-
-def quiet_declines() -> None:
-    """Installs the filter once per process (idempotent)."""
-    async_llm_logger = logging.getLogger("shared.async_llm")
-    if not any(isinstance(f, _QuietDeclines) for f in async_llm_logger.filters):
-        async_llm_logger.addFilter(_QuietDeclines())

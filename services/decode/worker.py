@@ -22,7 +22,6 @@ from services.decode.remote_prefill import (
     PrefillMode,
     RemotePrefillAttempt,
     RemotePrefillSettings,
-    quiet_declines,
 )
 from shared.async_llm import AsyncLLM
 from shared.kv_transfer import KVTransport
@@ -70,7 +69,6 @@ class DecodeWorkerCore:
             receiver, self._transport.kind, self.settings.timeout_s
         )
         self.identity = dataclasses.replace(self.identity, kv_address=receiver.address)
-        quiet_declines()
         logger.info("receiving KV pages at %s", receiver.address)
 
     async def generate(

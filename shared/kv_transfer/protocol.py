@@ -249,11 +249,25 @@ async def _serve_offer(
         _settle(entry, exc)
         raise
     except KVTransferError as exc:
-        _settle(entry, exc)
-        await channel.send_message({"type": "done", "ok": False, "error": str(exc)})
+        await _reply_then_settle(channel, entry, exc)
         return
-    _settle(entry, descriptor)
-    await channel.send_message({"type": "done", "ok": True})
+    await _reply_then_settle(channel, entry, descriptor)
+
+
+async def _reply_then_settle(
+    channel: Channel, entry: _PostedReceive, outcome: KVTransferDescriptor | KVTransferError
+) -> None:
+    """Acknowledges before the waiting `receive` returns, so the sender hears the outcome even
+    if the receiving side moves on (or exits) right after. The payload has fully arrived at this
+    point, so the outcome stands even if the acknowledgement cannot be delivered."""
+    if isinstance(outcome, KVTransferError):
+        reply: dict[str, object] = {"type": "done", "ok": False, "error": str(outcome)}
+    else:
+        reply = {"type": "done", "ok": True}
+    try:
+        await channel.send_message(reply)
+    finally:
+        _settle(entry, outcome)
 
 
 async def _verify_checksum(descriptor: KVTransferDescriptor, data: memoryview) -> None:

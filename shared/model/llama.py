@@ -12,7 +12,8 @@ from torch import nn
 
 from shared.model.architecture import ModelArchitecture
 from shared.model.attention import AttentionBackend, AttentionMetadata
-from shared.model.rotary import RotaryEmbedding
+from shared.model.linear import Linear
+from shared.model.rotary import RotaryAngles, RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -39,14 +40,13 @@ class LlamaAttention(nn.Module):
         kv_size = arch.num_kv_heads * arch.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         # q, k and v in one matmul: one pass over the activations instead of three.
-        self.qkv_proj = nn.Linear(arch.hidden_size, q_size + 2 * kv_size, bias=False)
-        self.o_proj = nn.Linear(q_size, arch.hidden_size, bias=False)
+        self.qkv_proj = Linear(arch.hidden_size, q_size + 2 * kv_size)
+        self.o_proj = Linear(q_size, arch.hidden_size)
 
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rotary: RotaryAngles,
         layer_cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
@@ -56,7 +56,7 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary.apply(q, k, positions)
+        q, k = rotary.apply(q, k)
         backend.write_kv(k, v, layer_cache, meta)
         out = backend.attend(q, layer_cache, meta, self.scale)  # [num_tokens, heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, -1))
@@ -66,8 +66,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, arch: ModelArchitecture) -> None:
         super().__init__()
         self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -85,15 +85,12 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rotary: RotaryAngles,
         layer_cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        attn_out = self.self_attn(
-            self.input_layernorm(hidden), positions, rotary, layer_cache, meta, backend
-        )
+        attn_out = self.self_attn(self.input_layernorm(hidden), rotary, layer_cache, meta, backend)
         hidden = hidden + attn_out
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -131,8 +128,9 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [num_sampled] rows whose next token is sampled
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        angles = self.rotary.lookup(positions, hidden.dtype)
         for layer_id, layer in enumerate(self.layers):
-            hidden = layer(hidden, positions, self.rotary, kv_cache[layer_id], meta, backend)
+            hidden = layer(hidden, angles, kv_cache[layer_id], meta, backend)
         # Norm and project only the rows that are sampled: a prefill chunk needs one, not all.
         last = self.norm(hidden[logits_indices])
         return (last @ self._lm_head_t).float()  # [num_sampled, vocab]
@@ -159,6 +157,10 @@ class LlamaForCausalLM(nn.Module):
         # [hidden, vocab]: for the few rows sampled per step, multiplying by the transposed
         # copy ran about twice as fast as F.linear on the CPU (memory-bound vocab projection).
         self._lm_head_t = self.lm_head.weight.detach().t().contiguous()
+        if self._lm_head_t.device.type == "cpu":
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.keep_transposed_copy()
 
 
 def _to_internal_names(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -47,13 +48,21 @@ class RotaryEmbedding:
         self.cos = angles.cos().to(device)  # [max_positions, head_dim]
         self.sin = angles.sin().to(device)
 
-    def apply(
-        self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryAngles:
+        """The step's cos/sin, looked up once and shared by every layer."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)  # [num_tokens, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        return RotaryAngles(cos, sin)
+
+
+@dataclass(frozen=True)
+class RotaryAngles:
+    cos: torch.Tensor  # [num_tokens, 1, head_dim]
+    sin: torch.Tensor
+
+    def apply(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # query: [num_tokens, num_heads, head_dim], key: [num_tokens, num_kv_heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1).to(query.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(query.dtype)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        return _rotate(query, self.cos, self.sin), _rotate(key, self.cos, self.sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -158,7 +158,10 @@ def test_generate_stream_deltas_add_up_to_the_unary_result(generation):
 
 def test_generate_n2_from_token_ids_and_chat(up, generation):
     ids = generate_pb2.TokenIds(ids=[504, 3458, 282, 4649, 314])
-    sampling = generate_pb2.SamplingOptions(n=2, max_tokens=5, temperature=1.0, seed=7)
+    # Greedy, so the two calls must agree token for token: seeded sampling draws the same random
+    # numbers, but the two calls may batch differently, and CPU matmul kernels that differ by
+    # batch shape can move a logit in its last bits, which now and then flips a sampled token.
+    sampling = generate_pb2.SamplingOptions(n=2, max_tokens=5, temperature=0.0)
     request = generate_pb2.GenerateRequest(token_ids=ids, sampling=sampling)
     whole = generation.Generate(request, timeout=60)
     assert [sequence.index for sequence in whole.sequences] == [0, 1]
@@ -166,7 +169,7 @@ def test_generate_n2_from_token_ids_and_chat(up, generation):
     for message in generation.GenerateStream(request, timeout=60):
         for delta in message.deltas:
             streamed[delta.index].extend(delta.token_ids)
-    assert streamed == {s.index: list(s.token_ids) for s in whole.sequences}  # seeded
+    assert streamed == {s.index: list(s.token_ids) for s in whole.sequences}
     assert whole.usage.prompt_tokens == 5  # counted once for both sequences
 
     messages = [generate_pb2.ChatMessage(role="user", content="What is 2+2?")]

@@ -243,6 +243,36 @@ def test_receive_times_out_when_nothing_arrives(
     assert time.monotonic() - start < 2.0
 
 
+async def _queued_send_times_out(ends: Endpoints) -> tuple[BaseException | None, torch.Tensor]:
+    pages = _pages(1)
+    first = KVTransferDescriptor.for_buffer("in-flight", [0], pages)
+    sending_first = asyncio.ensure_future(
+        ends.sender.send(ends.receiver.address, first, pages, TIMEOUT_S)
+    )
+    await asyncio.sleep(0.2)  # the first offer now holds the connection, waiting for a receive
+    queued = replace(first, request_id="queued")
+    try:
+        await ends.sender.send(ends.receiver.address, queued, pages, 0.2)
+        queued_error = None
+    except KVTransferError as exc:
+        queued_error = exc
+    destination = torch.zeros_like(pages)
+    await ends.receiver.receive("in-flight", destination, TIMEOUT_S)
+    await sending_first
+    return queued_error, destination - pages
+
+
+def test_queued_send_timing_out_leaves_the_transfer_in_flight_intact(
+    endpoints: Endpoints, loop_thread: LoopThread
+) -> None:
+    queued_error, difference = loop_thread.run(_queued_send_times_out(endpoints))
+    assert isinstance(queued_error, KVTransferError)
+    assert "sending request queued" in str(queued_error) and "timed out after 0.2 s" in str(
+        queued_error
+    )
+    assert torch.count_nonzero(difference) == 0
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -318,6 +348,16 @@ def test_bad_inputs_raise_value_error_naming_the_parameter() -> None:
     with pytest.raises(ValueError, match="src_block_ids"):
         asyncio.run(
             send_kv_pages(None, "tcp://h:1", "r", torch.zeros(CACHE_SHAPE), [1], [1, 2], 1.0)
+        )
+
+
+def test_buffer_not_matching_its_descriptor_is_rejected(
+    endpoints: Endpoints, loop_thread: LoopThread
+) -> None:
+    descriptor = KVTransferDescriptor.for_buffer("mismatch", [0, 1], _pages(2))
+    with pytest.raises(ValueError, match="buffer is"):
+        loop_thread.run(
+            endpoints.sender.send(endpoints.receiver.address, descriptor, _pages(1), 1.0)
         )
 
 

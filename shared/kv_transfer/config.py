@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 BACKENDS = ("ucx", "tcp")
-UCX_PROGRESS_MODES = ("thread", "polling", "blocking")
+UCX_PROGRESS_MODES = ("thread", "thread-polling", "polling", "blocking")
 
 # Passed to UCX as if they were UCX_* environment variables; a UCX_* variable that is set wins.
 DEFAULT_UCX_OPTIONS: Mapping[str, str] = MappingProxyType(
@@ -39,9 +39,11 @@ class KVTransferConfig:
     offer_wait_s: float = 10.0
     # Opening a connection to a peer (part of, not added to, a send's timeout).
     connect_timeout_s: float = 5.0
-    # "thread": a UCX progress thread, idle when nothing moves (the default: the engine needs
-    # the cores). "polling" is ~2x faster per transfer but keeps one core busy forever;
-    # "blocking" in ucxx 0.52 also ends up spinning after the first message.
+    # "thread": a UCX progress thread that sleeps when idle, completions delivered as asyncio
+    # futures. The default: the engine needs the cores, and the spinning modes ("thread-polling"
+    # spins the progress thread, "polling" the event loop; ucxx 0.52's "blocking" also ends up
+    # spinning after the first message) are faster on an idle machine but collapsed from ~5 to
+    # ~1 GB/s when other processes loaded the cores (docs/benchmarks.md).
     ucx_progress_mode: str = "thread"
     ucx_options: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_UCX_OPTIONS))
 

@@ -30,6 +30,7 @@ from shared.kv_transfer.base import (
     KVTransferError,
     byte_view,
     compute_checksum,
+    dtype_name,
 )
 
 logger = logging.getLogger(__name__)
@@ -108,19 +109,17 @@ class ChannelSender(KVSender):
         timeout: float,
     ) -> None:
         data = byte_view(buffer, "buffer")
-        if data.nbytes != descriptor.num_bytes:
+        if tuple(buffer.shape) != descriptor.shape or dtype_name(buffer.dtype) != descriptor.dtype:
             raise ValueError(
-                f"buffer has {data.nbytes} bytes but the descriptor says {descriptor.num_bytes}"
+                f"buffer is {tuple(buffer.shape)} {dtype_name(buffer.dtype)} but the descriptor "
+                f"says {descriptor.shape} {descriptor.dtype}"
             )
         what = f"sending request {descriptor.request_id} to {address}"
         try:
             await asyncio.wait_for(self._send_serialised(address, descriptor, data), timeout)
         except TimeoutError as exc:
-            # The connection is mid-transfer and out of step: never reuse it.
-            self._drop(address)
             raise KVTransferError(f"{what}: timed out after {timeout:g} s") from exc
         except ChannelError as exc:
-            self._drop(address)
             raise ChannelError(f"{what}: {exc}") from exc
 
     async def _send_serialised(
@@ -130,12 +129,18 @@ class ChannelSender(KVSender):
             channel = self._channels.get(address)
             if channel is None:
                 channel = self._channels[address] = await self._open_channel(address)
-            await push_transfer(channel, descriptor, data)
+            try:
+                await push_transfer(channel, descriptor, data)
+            except (ChannelError, asyncio.CancelledError):
+                # Broken, or cut off mid-transfer by the timeout and now out of step: never
+                # reuse it. (A send still queued on the lock when it times out owns nothing.)
+                self._drop(address, channel)
+                raise
 
-    def _drop(self, address: str) -> None:
-        channel = self._channels.pop(address, None)
-        if channel is not None:
-            channel.abort()
+    def _drop(self, address: str, channel: Channel) -> None:
+        if self._channels.get(address) is channel:
+            del self._channels[address]
+        channel.abort()
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}

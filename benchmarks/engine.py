@@ -144,29 +144,30 @@ def main(argv: list[str] | None = None) -> int:
 
     log("loading our engine")
     llm = LLM(num_threads=threads, kv_cache_bytes=2 * 2**30)
-    log("a. batch-1 decode (ours)")
-    ours_b1 = our_batch1_tokens_per_s(llm, short_prompt, args.decode_tokens)
-    log(f"b. {args.requests} requests, continuous batching (ours)")
-    ours_tput = our_continuous_tokens_per_s(llm, work)
-    log("c. TTFT cold and with a 960-token cached prefix (ours)")
-    cold, warm = our_ttfts(llm, args.seed)
-    rows = [
-        ("a. batch-1 decode tokens/s", ours_b1),
-        (f"b. {args.requests}-request output tokens/s", ours_tput),
-        ("c. TTFT 1024-token prompt (s)", cold),
-        ("c. TTFT sharing 960 cached tokens (s)", warm),
+    model = None if args.skip_transformers else load_transformers()
+    names = [
+        "a. batch-1 decode tokens/s",
+        f"b. {args.requests}-request output tokens/s",
+        "c. TTFT 1024-token prompt (s)",
+        "c. TTFT sharing 960 cached tokens (s)",
     ]
+    # Each measure runs ours and then the peer back to back, so both see the same machine.
+    ours: dict[str, float] = {}
     peers: dict[str, float] = {}
-    if not args.skip_transformers:
-        del llm
-        log("loading transformers")
-        model = load_transformers()
-        log("a. batch-1 decode (transformers)")
-        peers[rows[0][0]] = hf_batch1_tokens_per_s(model, short_prompt, args.decode_tokens)
-        log("b. static batches of 16 (transformers)")
-        peers[rows[1][0]] = hf_static_batches_tokens_per_s(model, work, 16)
-        log("c. TTFT (transformers)")
-        peers[rows[2][0]] = hf_ttft(model, random_prompt(random.Random(args.seed + 1), 1024))
+    log("a. batch-1 decode")
+    ours[names[0]] = our_batch1_tokens_per_s(llm, short_prompt, args.decode_tokens)
+    if model is not None:
+        peers[names[0]] = hf_batch1_tokens_per_s(model, short_prompt, args.decode_tokens)
+    log(f"b. {args.requests} requests: continuous batching, then static batches of 16")
+    ours[names[1]] = our_continuous_tokens_per_s(llm, work)
+    if model is not None:
+        peers[names[1]] = hf_static_batches_tokens_per_s(model, work, 16)
+    log("c. TTFT cold and with a 960-token cached prefix")
+    cold, warm = our_ttfts(llm, args.seed)
+    ours[names[2]], ours[names[3]] = cold, warm
+    if model is not None:
+        peers[names[2]] = hf_ttft(model, random_prompt(random.Random(args.seed + 1), 1024))
+    rows = [(name, ours[name]) for name in names]
     print_table(rows, peers, threads)
     print(f"cached / uncached TTFT: {warm / cold:.3f} (target <= 0.2)")
     return 0

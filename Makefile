@@ -1,7 +1,7 @@
 PYTHON ?= python3
 DEPS_STAMP := .deps.stamp
 
-.PHONY: deps test test-slow lint run bench-engine clean
+.PHONY: deps test test-slow lint run bench-engine bench-serve clean
 
 # Re-run the installer only when what it installs changed.
 $(DEPS_STAMP): pyproject.toml scripts/install_deps.sh
@@ -24,6 +24,12 @@ run: deps
 
 bench-engine: deps
 	$(PYTHON) -m benchmarks.engine
+
+# Disaggregated against colocated under the same open-loop load (~15 min; BENCH_ARGS=--quick
+# for ~3). Its client and plots need the `bench` extra, installed here when missing.
+bench-serve: deps
+	$(PYTHON) -c "import aiohttp, matplotlib" 2>/dev/null || $(PYTHON) -m pip install -q -e ".[bench]"
+	$(PYTHON) -m benchmarks.serve $(BENCH_ARGS)
 
 clean:
 	rm -f $(DEPS_STAMP)

@@ -58,6 +58,12 @@ def _foreign(cores: float) -> str:
     return f"{cores:.2f}" + (" (NOISY)" if cores > NOISY_FOREIGN_CORES else "")
 
 
+def swept_rates(systems: list[SystemResults]) -> list[float]:
+    """Every rate some system ran at, in order (a system may have been left out)."""
+    rates = {p.rate for s in systems for p in s.points or [] if p.rate is not None}
+    return sorted(rates)
+
+
 def _ms(seconds: float) -> str:
     return "-" if math.isnan(seconds) else f"{seconds * 1e3:.0f}"
 
@@ -106,9 +112,8 @@ def full_report(colocated: SystemResults, disaggregated: SystemResults, slo: Slo
     blocks.append(
         side_by_side("unloaded (one request at a time)", systems, [s.unloaded for s in systems])
     )
-    for point in colocated.points or []:
-        rate = point.rate
-        assert rate is not None, "swept points have a rate"
+    for rate in swept_rates(systems):
+        point = next(p for p in (s.at(rate) for s in systems) if p is not None)
         mark = (
             f"   <== colocated ITL p90 >= {KNEE_FACTOR:g}x its unloaded value"
             if rate == knee
@@ -130,9 +135,10 @@ def summary_table(
     )
     lines = ["summary", header]
     rows = [(None, colocated.unloaded, disaggregated.unloaded)]
-    rows += [(p.rate, p, disaggregated.at(p.rate)) for p in colocated.points or []]
+    rates = swept_rates([colocated, disaggregated])
+    rows += [(rate, colocated.at(rate), disaggregated.at(rate)) for rate in rates]
     for rate, c, d in rows:
-        if c is None or d is None:
+        if c is None or d is None:  # one system was left out: its own lines say it all
             continue
         name = "unloaded" if rate is None else f"{rate:g}"
         mark = "  <== knee" if rate is not None and rate == knee else ""
@@ -274,13 +280,13 @@ def plot_distributions(
 
 
 def _plain_log_labels(axis) -> None:
-    """Milliseconds as plain numbers on a log axis: every decade, and 2x and 5x between (so
-    a range narrower than a decade still has labels, and a wide one is not crowded)."""
+    """Milliseconds as plain numbers on a log axis: every decade, and 2x, 3x and 5x between
+    (so a range narrower than a decade still has labels, and a wide one is not crowded)."""
     from matplotlib.ticker import FuncFormatter
 
     def minor(value: float, _) -> str:
         leading = f"{value:.0e}"[0]
-        return f"{value:g}" if leading in "25" else ""
+        return f"{value:g}" if leading in "235" else ""
 
     axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     axis.set_minor_formatter(FuncFormatter(minor))

@@ -7,6 +7,16 @@ PYTHON=${PYTHON:-python3}
 
 have_module() { "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)"; }
 
+# Redis holds the prefix-cache index and the pod registry; tests and `make run` start their
+# own redis-server, so the binary must be on the machine (Debian package).
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "[deps] installing redis-server (apt)"
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -q >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q redis-server >/dev/null
+fi
+
 if ! "$PYTHON" -c "import torch, sys; sys.exit(not torch.__version__.startswith('2.13.0'))" 2>/dev/null; then
   echo "[deps] installing torch==2.13.0 (CPU wheel)"
   "$PYTHON" -m pip install -q torch==2.13.0

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from shared.config import EngineConfig
 from shared.disaggregation import RemotePrefillPlan, RemotePrefillResult
 from shared.engine import EngineCore, EngineStats
+from shared.kv.block_hash import BlockHash
+from shared.kv.events import KVCacheEvent
 from shared.outputs import StreamDelta
 from shared.prompts import child_sequences
 from shared.sampling_params import SamplingParams
@@ -68,6 +70,17 @@ class _Abort:
 
 
 @dataclass
+class _SnapshotCache:
+    """Every cached block hash now; events recorded before it are dropped (it supersedes
+    them), so `take_kv_events` afterwards returns only later changes."""
+
+    hashes: concurrent.futures.Future
+
+
+_Command = _Submit | _Reserve | _CompleteRemote | _FallBack | _Abort | _SnapshotCache
+
+
+@dataclass
 class _Sink:
     """Where one request's deltas go: the asyncio queue of the coroutine that reads them."""
 
@@ -94,6 +107,11 @@ class AsyncLLM:
         self._sinks: dict[str, _Sink] = {}  # sequence id -> sink; engine thread only
         self._ids = itertools.count()
         self._stats = self.engine.stats()
+        # Prefix-cache events for a publisher (the Redis index); kept only once one asked
+        # for them, so a pod without an index does not hoard them.
+        self._kv_events: list[KVCacheEvent] = []
+        self._kv_events_lock = threading.Lock()
+        self._is_keeping_kv_events = False
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
         self._thread.start()
@@ -178,6 +196,23 @@ class AsyncLLM:
         """A snapshot taken by the engine thread after its latest step."""
         return self._stats
 
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The prefix-cache events since the last call (or snapshot), oldest first. The first
+        call starts the keeping; until then events are dropped. Any thread."""
+        with self._kv_events_lock:
+            self._is_keeping_kv_events = True
+            events, self._kv_events = self._kv_events, []
+        return events
+
+    async def snapshot_cached_blocks(self) -> list[BlockHash]:
+        """Every block hash the cache holds, taken between two steps; pending events are
+        dropped, so later `take_kv_events` calls continue exactly from this state."""
+        hashes: concurrent.futures.Future = concurrent.futures.Future()
+        with self._kv_events_lock:
+            self._is_keeping_kv_events = True
+        self._commands.put(_SnapshotCache(hashes))
+        return await asyncio.wrap_future(hashes)
+
     def shutdown(self) -> None:
         """Stops the engine thread; requests still streaming end with a RuntimeError."""
         self._stopped.set()
@@ -200,6 +235,14 @@ class AsyncLLM:
             if self.engine.has_schedulable_requests():
                 self._step()
             self._stats = self.engine.stats()
+            self._keep_kv_events(self.engine.kv_manager.take_events())
+
+    def _keep_kv_events(self, events: list[KVCacheEvent]) -> None:
+        if not events:
+            return
+        with self._kv_events_lock:
+            if self._is_keeping_kv_events:
+                self._kv_events.extend(events)
 
     def _step(self) -> None:
         try:
@@ -231,6 +274,8 @@ class AsyncLLM:
                 command.sink.put(error)
             elif isinstance(command, _Reserve):
                 command.reserved.set_exception(error)
+            elif isinstance(command, _SnapshotCache):
+                command.hashes.set_exception(error)
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -244,8 +289,10 @@ class AsyncLLM:
             except queue.Empty:
                 return
 
-    def _apply(self, command: _Submit | _Reserve | _CompleteRemote | _FallBack | _Abort) -> None:
-        if isinstance(command, _Abort):
+    def _apply(self, command: _Command) -> None:
+        if isinstance(command, _SnapshotCache):
+            self._snapshot_cache(command)
+        elif isinstance(command, _Abort):
             self._route(self.engine.abort_requests([command.request_id]))
         elif isinstance(command, _Reserve):
             self._reserve(command)
@@ -255,6 +302,12 @@ class AsyncLLM:
             self.engine.fall_back_to_local_prefill(command.request_id)
         else:
             self._submit(command)
+
+    def _snapshot_cache(self, command: _SnapshotCache) -> None:
+        self.engine.kv_manager.take_events()
+        with self._kv_events_lock:
+            self._kv_events.clear()
+        command.hashes.set_result(self.engine.kv_manager.cached_block_hashes())
 
     def _reserve(self, command: _Reserve) -> None:
         submit = command.submit

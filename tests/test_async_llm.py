@@ -224,3 +224,23 @@ def test_a_failing_step_fails_its_requests_not_the_engine(engine, offline, monke
 
     deltas = _run(main())
     assert _final(deltas).token_ids == expected[10].token_ids
+
+
+def test_kv_events_follow_the_cache_and_a_snapshot_lists_it(engine, offline):
+    """A publisher sees each newly cached block once; a snapshot equals the pool's hashes and
+    supersedes earlier events."""
+    from shared.kv.events import BlockStored
+
+    prompts, _ = offline
+    engine.take_kv_events()  # start keeping; what came before is not ours
+    long_prompt = prompts[15] * 4  # several full blocks
+    _run(_collect(engine, long_prompt, GREEDY))
+    stored = [
+        h for e in engine.take_kv_events() if isinstance(e, BlockStored) for h in e.block_hashes
+    ]
+    assert len(stored) >= len(long_prompt) // engine.config.cache.block_size
+    assert len(set(stored)) == len(stored)
+    snapshot = _run(engine.snapshot_cached_blocks())
+    assert set(stored) <= set(snapshot)
+    assert len(snapshot) == len(set(snapshot))
+    assert engine.take_kv_events() == []  # the snapshot dropped nothing newer than itself

@@ -137,6 +137,11 @@ class BlockPool:
         events, self._events = self._events, []
         return events
 
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Every hash the cache holds now (allocated or free): what an index rebuilt from
+        scratch must list for this pool. O(num_cached_blocks): for rare resyncs, not steps."""
+        return list(self._cached_blocks)
+
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached hash (e.g. after new weights); only when no block is in use.
 

@@ -3,13 +3,13 @@
 Each child runs in its own session (so its own process group): a Ctrl-C in the terminal
 reaches only the supervisor, which then stops the children in order, and stopping a child's
 group also stops anything it started. On Linux a child also gets SIGTERM if the supervisor
-dies without cleaning up (PR_SET_PDEATHSIG), so no pod outlives a killed `splitserve up`.
+dies without cleaning up (PR_SET_PDEATHSIG, armed by services.common.die_with_parent before it
+execs the child's program), so no pod outlives a killed `splitserve up`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -28,10 +28,6 @@ from services.common.channels import sync_channel
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
-# Resolved here, not in the forked child: a child of a threaded parent (grpc runs threads)
-# must not take the dynamic loader's locks between fork and exec.
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 STOP_GRACE_SECONDS = 10.0
 
 
@@ -82,10 +78,9 @@ class Supervisor:
 
     def start(self, spec: ProcessSpec) -> subprocess.Popen:
         process = subprocess.Popen(
-            spec.argv,
+            _dying_with_us(spec.argv),
             env={**os.environ, **spec.env},
             start_new_session=True,
-            preexec_fn=_die_with_parent if _PRCTL is not None else None,
         )
         child = _Child(spec, process)
         if spec.health.grpc_address is not None:
@@ -140,9 +135,12 @@ class Supervisor:
         self._children.clear()
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: ask the kernel for SIGTERM when the parent dies."""
-    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _dying_with_us(argv: list[str]) -> list[str]:
+    """`argv` behind the wrapper that arms PR_SET_PDEATHSIG (Linux only) and execs it."""
+    if sys.platform != "linux":
+        return list(argv)
+    wrapper = [sys.executable, "-m", "services.common.die_with_parent", str(os.getpid())]
+    return wrapper + list(argv)
 
 
 def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -25,8 +26,10 @@ import grpc
 import torch
 from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
+from services.common import tracing
 from services.common.channels import aio_channel
 from services.common.convert import options_from_params
+from services.common.pod_metrics import PodMetrics
 from shared.disaggregation import RemotePrefillPlan, RemotePrefillResult
 from shared.kv_transfer import KVReceiver, KVTransferError
 from shared.sampler import TokenLogprobs
@@ -62,10 +65,17 @@ class PrefillClient:
     """Talks to prefill pods for one decode pod: a gRPC channel per prefill pod (opened on
     first use) and this pod's KV receiver. Used from the event loop only."""
 
-    def __init__(self, receiver: KVReceiver, transport: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        receiver: KVReceiver,
+        transport: str,
+        timeout_s: float,
+        metrics: PodMetrics | None = None,
+    ) -> None:
         self.receiver = receiver
         self.transport = transport
         self.timeout_s = timeout_s
+        self.metrics = metrics  # KV transfers received, when given
         self._channels: dict[str, grpc.aio.Channel] = {}  # prefill pod address -> channel
 
     async def prefill(
@@ -75,13 +85,56 @@ class PrefillClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         plan: RemotePrefillPlan,
+        trace_parent: tracing.Span = tracing.NO_SPAN,
     ) -> RemotePrefillResult:
         """Has the prefill pod at `address` fill `plan`'s blocks; raises on any failure.
 
         The receive is posted before the Prefill call, so the pages never arrive ahead of
         their destination. Cancelling this (the client went away) cancels the Prefill call,
-        which aborts the request on the prefill pod too.
+        which aborts the request on the prefill pod too. The call is traced as
+        `decode.remote_prefill` under `trace_parent`, whose context the prefill pod gets.
         """
+        attributes = {
+            tracing.REQUEST_ID: request_id,
+            "splitserve.prefill.address": address,
+            "splitserve.kv.transport": self.transport,
+            "splitserve.kv.num_blocks": len(plan.block_ids),
+            tracing.CACHED_TOKENS: plan.num_cached_tokens,
+        }
+        span = tracing.start_span(
+            "decode.remote_prefill", trace_parent, attributes, tracing.SpanKind.CLIENT
+        )
+        try:
+            result, response = await self._prefill(
+                address, request_id, prompt_token_ids, params, plan, span
+            )
+        except BaseException as error:
+            tracing.end_span(span, error)
+            raise
+        self._observe_transfer(response, span)
+        tracing.end_span(span)
+        return result
+
+    def _observe_transfer(self, response: worker_pb2.PrefillResponse, span: tracing.Span) -> None:
+        num_bytes = response.transfer.num_bytes
+        if self.metrics is not None:
+            self.metrics.observe_kv_transfer(
+                self.transport, "receive", num_bytes, response.transfer_seconds
+            )
+        if span.is_recording():
+            span.set_attribute("splitserve.kv.bytes", num_bytes)
+            span.set_attribute("splitserve.kv.seconds", response.transfer_seconds)
+            span.set_attribute("splitserve.prefill.cached_tokens", response.num_cached_tokens)
+
+    async def _prefill(
+        self,
+        address: str,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        plan: RemotePrefillPlan,
+        span: tracing.Span,
+    ) -> tuple[RemotePrefillResult, worker_pb2.PrefillResponse]:
         # [len(plan.block_ids), num_layers, 2, block_size, num_kv_heads, head_dim]
         staging = torch.empty(plan.page_shape, dtype=plan.dtype)
         receiving = asyncio.ensure_future(
@@ -89,7 +142,9 @@ class PrefillClient:
         )
         try:
             response = await self._stub(address).Prefill(
-                self._request(request_id, prompt_token_ids, params, plan), timeout=self.timeout_s
+                self._request(request_id, prompt_token_ids, params, plan),
+                timeout=self.timeout_s,
+                metadata=tracing.grpc_metadata(span),
             )
             descriptor = await receiving
         finally:
@@ -109,7 +164,7 @@ class PrefillClient:
             if response.HasField("first_logprob")
             else None
         )
-        return RemotePrefillResult(response.first_token_id, first_logprobs, staging)
+        return RemotePrefillResult(response.first_token_id, first_logprobs, staging), response
 
     def _request(
         self,
@@ -160,8 +215,11 @@ class RemotePrefillAttempt:
         prompt_token_ids: list[int],
         params: SamplingParams,
         local_prefill_threshold: int,
+        trace_parent: tracing.Span = tracing.NO_SPAN,
     ) -> None:
         self.mode = PrefillMode.LOCAL_FALLBACK
+        self.reserved_time: float | None = None  # time.monotonic() when the blocks were ready
+        self._trace_parent = trace_parent
         self._client = client
         self._address = address
         self._request_id = request_id
@@ -174,6 +232,7 @@ class RemotePrefillAttempt:
     async def __call__(self, plan: RemotePrefillPlan) -> RemotePrefillResult | None:
         """The pages and first token; None when this pod should prefill the prompt itself
         (few uncached tokens, or the request was aborted meanwhile)."""
+        self.reserved_time = time.monotonic()
         # | cached here (plan.num_cached_tokens) | uncached: worth sending to a prefill pod? |
         num_uncached = len(self._prompt_token_ids) - plan.num_cached_tokens
         if num_uncached < self._threshold:
@@ -183,7 +242,12 @@ class RemotePrefillAttempt:
             return None
         self._call = asyncio.ensure_future(
             self._client.prefill(
-                self._address, self._request_id, self._prompt_token_ids, self._params, plan
+                self._address,
+                self._request_id,
+                self._prompt_token_ids,
+                self._params,
+                plan,
+                self._trace_parent,
             )
         )
         try:

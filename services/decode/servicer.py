@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
+from services.common import tracing
 from services.common.convert import logprobs_to_proto, params_from_options
 from services.common.pod import worker_stats_to_proto
 from services.decode.worker import DecodeOutput, DecodeWorkerCore
@@ -25,6 +26,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             params_from_options(request.sampling),
             request.priority,
             request.prefill_address,
+            trace_parent=tracing.context_from_grpc(context),
         )
         # grpc cancels this handler when the caller goes away; the cancellation unwinds
         # through `outputs`, whose cleanup aborts the request in the engine.

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from services.common import tracing
 from services.common.pod import PodStats, WorkerIdentity, pod_stats, token_text
+from services.common.pod_metrics import FinishedRequest, PodMetrics
 from services.decode.remote_prefill import (
     PrefillClient,
     PrefillMode,
@@ -25,8 +29,12 @@ from services.decode.remote_prefill import (
 )
 from shared.async_llm import AsyncLLM
 from shared.kv_transfer import KVTransport
-from shared.outputs import StreamDelta
+from shared.outputs import CompletionOutput, StreamDelta
 from shared.sampling_params import SamplingParams
+from shared.telemetry import record_engine_steps
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +46,24 @@ class DecodeOutput:
     delta: StreamDelta
     prefill_mode: PrefillMode
     num_prompt_tokens: int
+
+
+@dataclass
+class _Progress:
+    """How far one request got here, for its metrics and spans (time.monotonic() seconds)."""
+
+    received_time: float
+    num_prompt_tokens: int
+    first_token_time: float | None = None
+    final: CompletionOutput | None = None
+    is_reported: bool = False  # its metrics and spans are out
+
+    def see(self, delta: StreamDelta, span: tracing.Span) -> None:
+        if self.first_token_time is None and delta.token_ids:
+            self.first_token_time = time.monotonic()
+            span.add_event("first_token")
+        if delta.final is not None:
+            self.final = delta.final
 
 
 class DecodeWorkerCore:
@@ -52,10 +78,13 @@ class DecodeWorkerCore:
         settings: RemotePrefillSettings | None = None,
         kv_host: str = "127.0.0.1",
         kv_port: int = 0,
+        metrics: PodMetrics | None = None,
     ) -> None:
         self.llm = llm
         self.identity = identity
         self.settings = settings or RemotePrefillSettings()
+        self.metrics = metrics or PodMetrics("decode", identity.model_name, llm.stats)
+        self._steps = record_engine_steps(llm.engine)  # queue time and chunks, per request
         self._transport = transport
         self._kv_bind = (kv_host, kv_port)
         self._prefill_client: PrefillClient | None = None
@@ -66,7 +95,7 @@ class DecodeWorkerCore:
         """Starts the KV receiver; its address goes into this pod's stats."""
         receiver = await self._transport.start_receiver(*self._kv_bind)
         self._prefill_client = PrefillClient(
-            receiver, self._transport.kind, self.settings.timeout_s
+            receiver, self._transport.kind, self.settings.timeout_s, self.metrics
         )
         self.identity = dataclasses.replace(self.identity, kv_address=receiver.address)
         logger.info("receiving KV pages at %s", receiver.address)
@@ -78,30 +107,80 @@ class DecodeWorkerCore:
         params: SamplingParams,
         priority: int = 0,
         prefill_address: str = "",
+        trace_parent: Context | None = None,
     ) -> AsyncIterator[DecodeOutput]:
         """Streams the request's deltas; the last one has `finished` set and a `final`.
 
         Raises ValueError before the first output for a request this pod can never serve.
         Closing the iterator early (the caller went away, or was cancelled) aborts the request
-        here and on the prefill pod, and frees its blocks on both.
+        here and on the prefill pod, and frees its blocks on both. `trace_parent`: the
+        caller's trace context (the gateway's span).
         """
+        progress = _Progress(time.monotonic(), len(prompt_token_ids))
         if not request_id:
             raise ValueError("request_id must not be empty")
         if params.n != 1:
             raise ValueError(f"n must be 1 on a decode pod (the gateway fans out), got {params.n}")
         if request_id in self._in_flight:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        attempt = self._remote_prefill(request_id, prompt_token_ids, params, prefill_address)
+        span = tracing.start_span(
+            "decode.request",
+            trace_parent,
+            {tracing.REQUEST_ID: request_id, tracing.INPUT_TOKENS: len(prompt_token_ids)},
+            tracing.SpanKind.SERVER,
+            progress.received_time,
+        )
+        attempt = self._remote_prefill(request_id, prompt_token_ids, params, prefill_address, span)
         self._in_flight[request_id] = attempt
+        self._steps.watch(request_id)
+        error: BaseException | None = None
         try:
             deltas = self.llm.generate(
                 prompt_token_ids, params, request_id, priority, remote_prefill=attempt
             )
             async for delta in deltas:
+                progress.see(delta, span)
                 mode = PrefillMode.LOCAL if attempt is None else attempt.mode
+                if delta.finished:  # counted before the caller can see the end
+                    self._report(request_id, progress, attempt, span, None)
                 yield DecodeOutput(delta, mode, len(prompt_token_ids))
+        except BaseException as caught:  # also a consumer that went away (GeneratorExit)
+            error = caught
+            raise
         finally:
             del self._in_flight[request_id]
+            if not progress.is_reported:
+                self._report(request_id, progress, attempt, span, error)
+
+    def _report(
+        self,
+        request_id: str,
+        progress: _Progress,
+        attempt: RemotePrefillAttempt | None,
+        span: tracing.Span,
+        error: BaseException | None,
+    ) -> None:
+        """Metrics and spans of one request that ended here, however it ended."""
+        progress.is_reported = True
+        finished_time = time.monotonic()
+        steps = self._steps.take(request_id)
+        queue_end_time = steps.first_scheduled_time if steps is not None else None
+        if attempt is not None and attempt.mode == PrefillMode.REMOTE:
+            queue_end_time = attempt.reserved_time  # then the prefill pod computed it
+        mode = PrefillMode.LOCAL if attempt is None else attempt.mode
+        self.metrics.observe_prefill_mode(mode.value)
+        finished = FinishedRequest(
+            received_time=progress.received_time,
+            first_token_time=progress.first_token_time,
+            finished_time=finished_time,
+            queue_end_time=queue_end_time,
+            num_prompt_tokens=progress.num_prompt_tokens,
+            output=progress.final,
+            steps=steps,
+        )
+        self.metrics.observe_finished(finished)
+        if span.is_recording():
+            _finish_span(span, finished, mode, error)
 
     def _remote_prefill(
         self,
@@ -109,6 +188,7 @@ class DecodeWorkerCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prefill_address: str,
+        trace_parent: tracing.Span,
     ) -> RemotePrefillAttempt | None:
         """The remote prefill to try, or None to prefill here without reserving first.
 
@@ -126,6 +206,7 @@ class DecodeWorkerCore:
             prompt_token_ids,
             params,
             threshold,
+            trace_parent,
         )
 
     def abort(self, request_id: str) -> bool:
@@ -148,3 +229,31 @@ class DecodeWorkerCore:
         if self._prefill_client is not None:
             await self._prefill_client.close()
         self.llm.shutdown()
+
+
+def _finish_span(
+    span: tracing.Span,
+    finished: FinishedRequest,
+    mode: PrefillMode,
+    error: BaseException | None,
+) -> None:
+    steps, final = finished.steps, finished.output
+    tracing.record_engine_spans(
+        "decode", span, steps, finished.received_time, finished.queue_end_time
+    )
+    span.set_attribute("splitserve.prefill_mode", mode.value)
+    if final is not None:
+        span.set_attribute(tracing.OUTPUT_TOKENS, len(final.token_ids))
+        span.set_attribute(tracing.CACHED_TOKENS, final.num_cached_tokens)
+        span.set_attribute("splitserve.finish_reason", final.finish_reason or "")
+        span.add_event("finish", {"splitserve.finish_reason": final.finish_reason or ""})
+    if finished.first_token_time is not None:
+        # | queue | prefill (here or remote) | decode: first token .. last token |
+        tracing.record_span(
+            "decode.decode",
+            span,
+            finished.first_token_time,
+            finished.finished_time,
+            {tracing.OUTPUT_TOKENS: len(final.token_ids) if final is not None else 0},
+        )
+    tracing.end_span(span, error, finished.finished_time)

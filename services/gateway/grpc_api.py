@@ -4,9 +4,12 @@ ValueError becomes INVALID_ARGUMENT in the shared interceptor (services.common.g
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 from splitserve.v1 import generate_pb2, generate_pb2_grpc
 
+from services.common import tracing
 from services.common.convert import params_from_options
 from services.gateway.generation import (
     CollectedSequence,
@@ -17,6 +20,7 @@ from services.gateway.generation import (
     Usage,
     collect,
 )
+from services.gateway.metrics import route_span
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -24,40 +28,54 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.core = core
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context):
-        generation, request_id = self._start(request)
-        sequences = await collect(generation)
-        return generate_pb2.GenerateResponse(
-            request_id=request_id,
-            model=self.core.model_name,
-            sequences=[_sequence(sequence) for sequence in sequences],
-            usage=_usage(generation.usage),
-        )
+        with _server_span("Generate", context):
+            generation, request_id = await self._start(request, context)
+            sequences = await collect(generation)
+            _annotate_usage(generation.usage)
+            return generate_pb2.GenerateResponse(
+                request_id=request_id,
+                model=self.core.model_name,
+                sequences=[_sequence(sequence) for sequence in sequences],
+                usage=_usage(generation.usage),
+            )
 
     async def GenerateStream(self, request: generate_pb2.GenerateRequest, context):
-        generation, request_id = self._start(request)
-        try:
-            async for chunk in generation:
-                message = generate_pb2.GenerateStreamResponse(
-                    request_id=request_id, model=self.core.model_name, deltas=[_delta(chunk)]
-                )
-                if generation.is_done:  # the stream's last message carries usage
-                    message.usage.CopyFrom(_usage(generation.usage))
-                yield message
-        finally:
-            generation.cancel()  # the client went away (or a pod failed): abort on the pods
+        with _server_span("GenerateStream", context):
+            generation, request_id = await self._start(request, context)
+            try:
+                async for chunk in generation:
+                    message = generate_pb2.GenerateStreamResponse(
+                        request_id=request_id, model=self.core.model_name, deltas=[_delta(chunk)]
+                    )
+                    if generation.is_done:  # the stream's last message carries usage
+                        message.usage.CopyFrom(_usage(generation.usage))
+                        _annotate_usage(generation.usage)
+                    yield message
+            finally:
+                generation.cancel()  # the client went away (or a pod failed): abort on the pods
 
-    def _start(self, request: generate_pb2.GenerateRequest) -> tuple[Generation, str]:
+    async def _start(
+        self, request: generate_pb2.GenerateRequest, context
+    ) -> tuple[Generation, str]:
         if request.model and request.model != self.core.model_name:
             raise ValueError(
                 f"model {request.model!r} does not exist; this server serves "
                 f"{self.core.model_name!r}"
             )
-        prompt = self._prompt(request)
-        params = params_from_options(request.sampling)
+        with tracing.child_span("gateway.tokenize", None):
+            prompt = self._prompt(request)
+        with tracing.child_span("gateway.validate", None):
+            params = params_from_options(request.sampling)
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-        generation = self.core.start(
-            GenerationRequest(request_id, [prompt], params, request.priority)
-        )
+        tracing.current_span().set_attribute(tracing.REQUEST_ID, request_id)
+        metadata = dict(context.invocation_metadata() or ())
+        generation_request = GenerationRequest(request_id, [prompt], params, request.priority)
+        with route_span(self.core.metrics, generation_request) as observe:
+            generation = await self.core.start(
+                generation_request,
+                metadata.get("x-splitserve-region", ""),
+            )
+            observe(generation)
         return generation, request_id
 
     def _prompt(self, request: generate_pb2.GenerateRequest) -> list[int]:
@@ -72,6 +90,39 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 raise ValueError("messages must not be empty")
             return self.core.encode_chat(messages)
         raise ValueError("prompt must be set: text, token_ids or chat")
+
+
+def _server_span(method: str, context):
+    """The call's server span (child of the caller's trace context), current for the block;
+    nothing at all while tracing is off."""
+    if not tracing.is_enabled():
+        return nullcontext()
+    return _traced_call(f"splitserve.v1.Generation/{method}", context)
+
+
+@contextmanager
+def _traced_call(name: str, context) -> Iterator[None]:
+    span = tracing.start_span(
+        name,
+        tracing.context_from_grpc(context),
+        {"rpc.system": "grpc", "rpc.method": name},
+        tracing.SpanKind.SERVER,
+    )
+    try:
+        with tracing.use_span(span):
+            yield
+    except BaseException as error:
+        tracing.end_span(span, error)
+        raise
+    tracing.end_span(span)
+
+
+def _annotate_usage(usage: Usage) -> None:
+    span = tracing.current_span()
+    if span.is_recording():
+        span.set_attribute(tracing.INPUT_TOKENS, usage.prompt_tokens)
+        span.set_attribute(tracing.OUTPUT_TOKENS, usage.completion_tokens)
+        span.set_attribute(tracing.CACHED_TOKENS, usage.cached_tokens)
 
 
 def _delta(chunk: SequenceChunk) -> generate_pb2.SequenceDelta:

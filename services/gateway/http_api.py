@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from services.common import tracing
 from services.common.grpc_server import StatusError
 from services.gateway.generation import (
     GatewayCore,
@@ -26,7 +27,7 @@ from services.gateway.generation import (
     PromptError,
     collect,
 )
-from services.gateway.metrics import CONTENT_TYPE
+from services.gateway.metrics import CONTENT_TYPE, route_span
 from services.gateway.openai_protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatFormat,
@@ -50,7 +51,10 @@ _HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
 }
+# The client's region, for routing it to pods nearby (gRPC: metadata of the same name).
+REGION_HEADER = "x-splitserve-region"
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")  # traced when tracing is on
 
 
 class ClientDisconnected(Exception):
@@ -77,12 +81,17 @@ class _Routes:
 
     async def completions(self, request: Request) -> Response:
         core = self.core
-        parsed = parse_completion(await _json_body(request), core.model_name)
-        prompts = [core.encode(p) if isinstance(p, str) else p for p in parsed.prompts]
+        with tracing.child_span("gateway.validate", None):
+            parsed = parse_completion(await _json_body(request), core.model_name)
+        with tracing.child_span("gateway.tokenize", None):
+            prompts = [core.encode(p) if isinstance(p, str) else p for p in parsed.prompts]
         params = parsed.options.params(DEFAULT_COMPLETION_MAX_TOKENS)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        generation = _start(
-            core, GenerationRequest(request_id, prompts, params, parsed.options.priority), "prompt"
+        generation = await _start(
+            core,
+            GenerationRequest(request_id, prompts, params, parsed.options.priority),
+            "prompt",
+            request.headers.get(REGION_HEADER, ""),
         )
         envelope = Envelope(request_id, core.model_name, int(time.time()))
         fmt = CompletionFormat(envelope, params.logprobs is not None, parsed.options)
@@ -90,18 +99,21 @@ class _Routes:
 
     async def chat_completions(self, request: Request) -> Response:
         core = self.core
-        parsed = parse_chat(await _json_body(request), core.model_name)
+        with tracing.child_span("gateway.validate", None):
+            parsed = parse_chat(await _json_body(request), core.model_name)
         try:
-            prompt = core.encode_chat(parsed.messages)
+            with tracing.child_span("gateway.tokenize", None):
+                prompt = core.encode_chat(parsed.messages)
         except ValueError as error:  # a template that rejects the conversation
             raise RequestError(str(error), "messages") from None
         # Unset max_tokens means "until the context is full", as OpenAI and vLLM do for chat.
         params = parsed.options.params(max(core.max_model_len - len(prompt), 1))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generation = _start(
+        generation = await _start(
             core,
             GenerationRequest(request_id, [prompt], params, parsed.options.priority),
             "messages",
+            request.headers.get(REGION_HEADER, ""),
         )
         envelope = Envelope(request_id, core.model_name, int(time.time()))
         fmt = ChatFormat(envelope, parsed.logprobs, parsed.options)
@@ -151,9 +163,17 @@ async def _json_body(request: Request) -> object:
         ) from None
 
 
-def _start(core: GatewayCore, request: GenerationRequest, prompt_param: str) -> Generation:
+async def _start(
+    core: GatewayCore, request: GenerationRequest, prompt_param: str, client_region: str = ""
+) -> Generation:
+    tracing.current_span().set_attribute(tracing.REQUEST_ID, request.request_id)
     try:
-        return core.start(request)
+        # Not current while it runs: the decode calls started in there are the request's
+        # children, beside the route span, not under it.
+        with route_span(core.metrics, request) as observe:
+            generation = await core.start(request, client_region)
+            observe(generation)
+            return generation
     except PromptError as error:
         raise RequestError(str(error), prompt_param, error.code) from None
 
@@ -163,6 +183,7 @@ async def _respond(
 ) -> Response:
     if not options.stream:
         sequences = await _unless_disconnected(request, collect(generation), generation)
+        _annotate_usage(generation)
         return JSONResponse(fmt.response(sequences, generation.usage))
     # Wait for the first chunk before answering 200: a request the pod rejects still gets
     # its 400, and the headers go out together with the first token.
@@ -206,9 +227,20 @@ async def _events(
         _, body = _error_response(error)
         yield _sse(body)
     else:
+        _annotate_usage(generation)
         if include_usage:
             yield _sse(fmt.usage_chunk(generation.usage))
     yield "data: [DONE]\n\n"
+
+
+def _annotate_usage(generation: Generation) -> None:
+    """The request span (current while a handler or its stream runs) gets the token counts."""
+    span = tracing.current_span()
+    if span.is_recording():
+        usage = generation.usage
+        span.set_attribute(tracing.INPUT_TOKENS, usage.prompt_tokens)
+        span.set_attribute(tracing.OUTPUT_TOKENS, usage.completion_tokens)
+        span.set_attribute(tracing.CACHED_TOKENS, usage.cached_tokens)
 
 
 def _sse(payload: dict) -> str:
@@ -273,7 +305,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 class _CountRequests:
     """ASGI middleware counting responses by endpoint and status (streams count at their
-    start); a plain ASGI wrapper, not BaseHTTPMiddleware, which would buffer the streams."""
+    start), and, with tracing on, wrapping each generation request in its server span (a
+    child of the client's `traceparent`, when it sent one), current until the response's
+    last byte. A plain ASGI wrapper, not BaseHTTPMiddleware, which would buffer the streams."""
 
     def __init__(self, app, core: GatewayCore) -> None:
         self.app = app
@@ -285,10 +319,32 @@ class _CountRequests:
             return
         path = scope.get("path", "")
         endpoint = path if path in ENDPOINTS else "other"  # bounded label values
+        span = tracing.NO_SPAN
+        if tracing.is_enabled() and path in GENERATION_ENDPOINTS:
+            span = _server_span(scope, endpoint)
 
         async def counting_send(message) -> None:
             if message["type"] == "http.response.start":
                 self.core.metrics.requests.labels(endpoint, str(message["status"])).inc()
+                span.set_attribute("http.response.status_code", message["status"])
+                if message["status"] >= 500:  # a 4xx is the client's error, not the span's
+                    span.set_status(tracing.Status(tracing.StatusCode.ERROR))
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            with tracing.use_span(span):
+                await self.app(scope, receive, counting_send)
+        except BaseException as error:
+            tracing.end_span(span, error)
+            raise
+        tracing.end_span(span)
+
+
+def _server_span(scope, endpoint: str) -> tracing.Span:
+    headers = {key.decode("latin-1"): value.decode("latin-1") for key, value in scope["headers"]}
+    return tracing.start_span(
+        f"POST {endpoint}",
+        tracing.context_from_headers(headers),
+        {"http.request.method": scope.get("method", ""), "url.path": endpoint},
+        tracing.SpanKind.SERVER,
+    )

@@ -1,14 +1,28 @@
-"""The gateway's Prometheus metrics (served at GET /metrics)."""
+"""The gateway's Prometheus metrics (served at GET /metrics), and its route span.
+
+The `splitserve_*` series are the gateway's view of whole requests (from dispatch, through
+every pod). Routing has vLLM-style `splitserve:` names beside the pods' (services/common/
+pod_metrics.py): `splitserve:routing_decisions_total` by reason and policy, and
+`splitserve:routing_cached_prefix_tokens_total` over `splitserve:routing_prompt_tokens_total`,
+the prefix-cache hit rate the router expected when it chose (the pods' own
+`prefix_cache_hits_total` say what they found).
+"""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from services.common import tracing
+
 if TYPE_CHECKING:
-    from services.gateway.generation import Usage
+    from services.gateway.generation import Generation, GenerationRequest, Usage
+    from services.gateway.routing import RoutingDecision
     from services.gateway.workers import WorkerPool
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -68,6 +82,30 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
+        self.routing_decisions = Counter(
+            "splitserve:routing_decisions",
+            "Pod choices (one per sequence) by the reason the winner won, and the policy.",
+            ["reason", "policy"],
+            registry=self.registry,
+        )
+        self.routing_prompt_tokens = Counter(
+            "splitserve:routing_prompt_tokens",
+            "Prompt tokens of routed sequences.",
+            registry=self.registry,
+        )
+        self.routing_cached_prefix_tokens = Counter(
+            "splitserve:routing_cached_prefix_tokens",
+            "Of those, tokens the index said the chosen pod had cached.",
+            registry=self.registry,
+        )
+
+    def observe_routing(self, decision: RoutingDecision, num_prompt_tokens: int) -> None:
+        """Counts one routing decision (the hook for services/gateway/routing.py's)."""
+        policy = getattr(decision, "policy", "")
+        self.routing_decisions.labels(decision.reason, policy).inc()
+        self.routing_prompt_tokens.inc(num_prompt_tokens)
+        self.routing_cached_prefix_tokens.inc(decision.cached_prefix_tokens)
+
     def observe_finished(self, seconds: float, usage: Usage) -> None:
         self.e2e_latency.observe(seconds)
         self.prompt_tokens.inc(usage.prompt_tokens)
@@ -89,3 +127,54 @@ class GatewayMetrics:
             self.worker_queued.labels(*labels, "waiting").set(stats.num_waiting)
             used = 1.0 - stats.kv_blocks_free / max(stats.kv_blocks_total, 1)
             self.worker_kv_usage.labels(*labels).set(used)
+
+
+# ---- the route span ---------------------------------------------------------------------------
+
+
+@contextmanager
+def route_span(
+    metrics: GatewayMetrics, request: GenerationRequest
+) -> Iterator[Callable[[Generation], None]]:
+    """`with route_span(metrics, request) as observe: ... observe(generation)`: a
+    `gateway.route` span (child of the current span, never current itself) around choosing
+    the pods; `observe` counts the decisions and puts them on the span."""
+    start_time = time.monotonic()
+    span = tracing.start_span("gateway.route", None, start_time=start_time)
+
+    def observe(generation: Generation) -> None:
+        decisions = list(getattr(generation, "decisions", ()))
+        n = max(request.params.n, 1)
+        for index, decision in enumerate(decisions):
+            metrics.observe_routing(decision, len(request.prompts[index // n]))
+        if span.is_recording():
+            _annotate_route(span, decisions)
+
+    try:
+        yield observe
+    except BaseException as error:
+        tracing.end_span(span, error)
+        raise
+    tracing.end_span(span)
+
+
+def _annotate_route(span: tracing.Span, decisions: list[RoutingDecision]) -> None:
+    """One attribute list per RoutingDecision field (one entry per sequence), and an event per
+    decision with every candidate's score."""
+    span.set_attribute(
+        "splitserve.route.decode_worker_ids", [d.decode_worker_id for d in decisions]
+    )
+    span.set_attribute("splitserve.route.decode_addresses", [d.decode_address for d in decisions])
+    span.set_attribute(
+        "splitserve.route.prefill_worker_ids", [d.prefill_worker_id or "" for d in decisions]
+    )
+    span.set_attribute(
+        "splitserve.route.prefill_addresses", [d.prefill_address or "" for d in decisions]
+    )
+    span.set_attribute("splitserve.route.reasons", [d.reason for d in decisions])
+    span.set_attribute(
+        "splitserve.route.cached_prefix_tokens", [d.cached_prefix_tokens for d in decisions]
+    )
+    for decision in decisions:
+        scores = {f"score.{worker}": value for worker, value in decision.scores.items()}
+        span.add_event("routing_decision", {"reason": decision.reason, **scores})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
+from services.common import tracing
 from services.common.convert import logprob_to_proto, params_from_options
 from services.common.pod import worker_stats_to_proto
 from services.prefill.worker import CHECKSUM_ALGORITHM, KVDestination, PrefillWorkerCore
@@ -30,6 +31,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             list(request.prompt_token_ids),
             params,
             destination_from_proto(request.destination),
+            trace_parent=tracing.context_from_grpc(context),
         )
         response = worker_pb2.PrefillResponse(
             first_token_id=outcome.first_token_id,

@@ -19,15 +19,20 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from services.common import tracing
 from services.common.grpc_server import StatusError
 from services.common.pod import PodStats, WorkerIdentity, pod_stats, token_text
+from services.common.pod_metrics import FinishedRequest, PodMetrics
 from shared.async_llm import AsyncLLM
 from shared.kv_transfer import KVSender, KVTransferDescriptor, KVTransferError, KVTransport
 from shared.kv_transfer.base import parse_address
 from shared.outputs import CompletionOutput
 from shared.sampling_params import SamplingParams
+from shared.telemetry import record_engine_steps
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context
+
     from shared.sampler import TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -83,13 +88,16 @@ class PrefillWorkerCore:
         identity: WorkerIdentity,
         transport: KVTransport,
         settings: PrefillSettings | None = None,
+        metrics: PodMetrics | None = None,
     ) -> None:
         self.llm = llm
         self.identity = identity
         self.settings = settings or PrefillSettings()
+        self.metrics = metrics or PodMetrics("prefill", identity.model_name, llm.stats)
         self._transport = transport
         self._sender: KVSender | None = None
         self._in_flight: set[str] = set()  # request ids being prefilled, for Abort's answer
+        self._steps = record_engine_steps(llm.engine)  # queue time and chunks, per request
 
     async def start(self) -> None:
         self._sender = self._transport.create_sender()
@@ -100,22 +108,49 @@ class PrefillWorkerCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         destination: KVDestination,
+        trace_parent: Context | None = None,
     ) -> PrefillOutcome:
         """Computes the prompt, sends the destination blocks' pages and returns the first
         token once the decode pod has acknowledged them.
 
         Raises ValueError for a request or destination that cannot work, StatusError when the
-        request was aborted or the transfer failed. Cancelling it aborts the request here."""
+        request was aborted or the transfer failed. Cancelling it aborts the request here.
+        `trace_parent`: the caller's trace context (the decode pod's span)."""
+        received_time = time.monotonic()
         if not request_id:
             raise ValueError("request_id must not be empty")
         self._check_destination(destination)
         if request_id in self._in_flight:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        span = tracing.start_span(
+            "prefill.request",
+            trace_parent,
+            {tracing.REQUEST_ID: request_id, tracing.INPUT_TOKENS: len(prompt_token_ids)},
+            tracing.SpanKind.SERVER,
+            received_time,
+        )
         self._in_flight.add(request_id)
+        self._steps.watch(request_id)
+        final: CompletionOutput | None = None
         try:
             final = await self._compute(request_id, prompt_token_ids, params, destination)
+            self._in_flight.discard(request_id)
+            outcome = await self._send_pages(request_id, final, destination, span)
+        except BaseException as error:
+            self._report(request_id, len(prompt_token_ids), received_time, final, span, error)
+            raise
         finally:
             self._in_flight.discard(request_id)
+        self._report(request_id, len(prompt_token_ids), received_time, final, span, None)
+        return outcome
+
+    async def _send_pages(
+        self,
+        request_id: str,
+        final: CompletionOutput,
+        destination: KVDestination,
+        span: tracing.Span,
+    ) -> PrefillOutcome:
         pages = final.kv_pages
         assert pages is not None, "a request with export_kv_from_block ends with its pages"
         if pages.shape[0] != len(destination.block_ids):
@@ -123,7 +158,7 @@ class PrefillWorkerCore:
                 f"destination.block_ids has {len(destination.block_ids)} blocks but the prompt "
                 f"has {pages.shape[0]} from block {destination.first_block_index} on"
             )
-        descriptor, seconds = await self._send(request_id, pages, destination)
+        descriptor, seconds = await self._send(request_id, pages, destination, span)
         first_logprobs = final.logprobs[0] if final.logprobs else None
         return PrefillOutcome(
             final.token_ids[0], first_logprobs, final.num_cached_tokens, descriptor, seconds
@@ -168,21 +203,69 @@ class PrefillWorkerCore:
         return final
 
     async def _send(
-        self, request_id: str, pages, destination: KVDestination
+        self, request_id: str, pages, destination: KVDestination, parent: tracing.Span
     ) -> tuple[KVTransferDescriptor, float]:
         assert self._sender is not None, "start() runs before the first request"
         algorithm = CHECKSUM_ALGORITHM if self.settings.checksum else None
         descriptor = KVTransferDescriptor.for_buffer(
             request_id, destination.block_ids, pages, algorithm
         )
+        attributes = {
+            tracing.REQUEST_ID: request_id,
+            "splitserve.kv.transport": destination.transport,
+            "splitserve.kv.destination": destination.address,
+            "splitserve.kv.bytes": descriptor.num_bytes,
+            "splitserve.kv.num_blocks": len(destination.block_ids),
+        }
         start = time.monotonic()
-        try:
-            await self._sender.send(
-                destination.address, descriptor, pages, self.settings.transfer_timeout_s
+        with tracing.child_span("kv_transfer.send", parent, attributes) as span:
+            try:
+                await self._sender.send(
+                    destination.address, descriptor, pages, self.settings.transfer_timeout_s
+                )
+            except KVTransferError as error:
+                raise StatusError(
+                    grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {error}"
+                ) from None
+            seconds = time.monotonic() - start
+            span.set_attribute("splitserve.kv.seconds", seconds)
+        self.metrics.observe_kv_transfer(
+            destination.transport, "send", descriptor.num_bytes, seconds
+        )
+        return descriptor, seconds
+
+    def _report(
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        received_time: float,
+        final: CompletionOutput | None,
+        span: tracing.Span,
+        error: BaseException | None,
+    ) -> None:
+        """Metrics and spans of one prefill that ended, however it ended."""
+        steps = self._steps.take(request_id)
+        queue_end_time = steps.first_scheduled_time if steps is not None else None
+        self.metrics.observe_finished(
+            FinishedRequest(
+                received_time=received_time,
+                first_token_time=final.timings.first_token_time if final is not None else None,
+                finished_time=time.monotonic(),
+                queue_end_time=queue_end_time,
+                num_prompt_tokens=num_prompt_tokens,
+                output=final,
+                steps=steps,
             )
-        except KVTransferError as error:
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {error}") from None
-        return descriptor, time.monotonic() - start
+        )
+        if not span.is_recording():
+            return
+        tracing.record_engine_spans("prefill", span, steps, received_time, queue_end_time)
+        if steps is not None:
+            span.set_attribute("splitserve.num_chunks", len(steps.prefill_chunks))
+        if final is not None:
+            span.set_attribute(tracing.CACHED_TOKENS, final.num_cached_tokens)
+            span.set_attribute(tracing.OUTPUT_TOKENS, len(final.token_ids))
+        tracing.end_span(span, error)
 
     def abort(self, request_id: str) -> bool:
         """Aborts a prefill still computing here; False when there is none by that id."""

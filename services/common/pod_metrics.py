@@ -1,0 +1,259 @@
+"""Prometheus metrics of the engine pods (prefill and decode), served as text at
+http://<host>:<--metrics-port>/metrics (0, the default, serves nothing).
+
+Names follow vLLM's under our prefix, so a vLLM dashboard maps by replacing `vllm:` with
+`splitserve:`: `time_to_first_token_seconds`, `inter_token_latency_seconds`,
+`e2e_request_latency_seconds`, `request_queue_time_seconds`, `request_prefill_time_seconds`,
+`prompt_tokens_total`, `generation_tokens_total`, `request_success_total`,
+`num_requests_running`, `num_requests_waiting`, `kv_cache_usage_perc` (and the older
+`gpu_cache_usage_perc`), `num_preemptions_total`, `prefix_cache_queries_total`,
+`prefix_cache_hits_total`, `spec_decode_num_drafts_total`, `spec_decode_num_draft_tokens_total`,
+`spec_decode_num_accepted_tokens_total`. Ours alone: `num_kv_blocks_used` / `_total`,
+`kv_transfer_bytes_total` and `kv_transfer_time_seconds` (by transport and direction), and
+`remote_prefill_requests_total` (decode pods, by how the prompt was prefilled).
+
+Every series carries `model_name` (as vLLM's do) and `role` (prefill / decode). Latencies are
+measured on the pod, from when its gRPC handler received the request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from shared.engine import EngineStats
+    from shared.outputs import CompletionOutput
+    from shared.telemetry import RequestSteps
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "splitserve:"
+LABELS = ("model_name", "role")
+# Seconds; CPU serving of a small model spans milliseconds to tens of seconds (as the gateway's).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """What a pod measured of one request it served, in time.monotonic() seconds."""
+
+    received_time: float  # the gRPC handler got it
+    first_token_time: float | None  # None: it ended before any token (aborted)
+    finished_time: float
+    queue_end_time: float | None  # the engine first computed it (or reserved its blocks)
+    num_prompt_tokens: int
+    output: CompletionOutput | None  # the engine's final output; None if it never had one
+    steps: RequestSteps | None
+
+
+class PodMetrics:
+    """One pod's metrics in their own registry (several pods in one test process never
+    collide). Engine gauges and counters are read from `engine_stats()` at scrape time."""
+
+    def __init__(self, role: str, model_name: str, engine_stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry()
+        self.labels = (model_name, role)
+        self._histograms = _Histograms(self.registry)
+        counter_labels = (*LABELS, "finished_reason")
+        self._success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            counter_labels,
+            registry=self.registry,
+        )
+        self._prompt_tokens = _counter(self.registry, "prompt_tokens", "Prompt tokens served.")
+        self._generation_tokens = _counter(
+            self.registry, "generation_tokens", "Tokens generated (a prefill pod's first ones)."
+        )
+        transfer_labels = (*LABELS, "transport", "direction")
+        self._transfer_bytes = Counter(
+            PREFIX + "kv_transfer_bytes",
+            "KV page bytes moved between pods (direction: send on prefill, receive on decode).",
+            transfer_labels,
+            registry=self.registry,
+        )
+        self._transfer_time = Histogram(
+            PREFIX + "kv_transfer_time_seconds",
+            "Seconds from the first page byte sent to the receiver's acknowledgement.",
+            transfer_labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._prefill_modes = Counter(
+            PREFIX + "remote_prefill_requests",
+            "Decode pod requests by where their prompt was prefilled "
+            "(local, remote, local-fallback).",
+            (*LABELS, "mode"),
+            registry=self.registry,
+        )
+        self.registry.register(_EngineCollector(engine_stats, self.labels))
+
+    def observe_finished(self, request: FinishedRequest) -> None:
+        labels = self.labels
+        hist = self._histograms
+        hist.e2e.labels(*labels).observe(request.finished_time - request.received_time)
+        if request.first_token_time is not None:
+            ttft = request.first_token_time - request.received_time
+            hist.ttft.labels(*labels).observe(ttft)
+        if request.queue_end_time is not None:
+            queue = max(request.queue_end_time - request.received_time, 0.0)
+            hist.queue.labels(*labels).observe(queue)
+        if request.steps is not None and request.steps.prefill_chunks:
+            hist.prefill.labels(*labels).observe(request.steps.prefill_seconds)
+        self._prompt_tokens.labels(*labels).inc(request.num_prompt_tokens)
+        output = request.output
+        if output is None:
+            self._success.labels(*labels, "abort").inc()
+            return
+        self._generation_tokens.labels(*labels).inc(len(output.token_ids))
+        self._success.labels(*labels, output.finish_reason or "abort").inc()
+        itl = hist.itl.labels(*labels)
+        for seconds in output.timings.inter_token_latencies:
+            itl.observe(seconds)
+
+    def observe_kv_transfer(
+        self, transport: str, direction: str, num_bytes: int, seconds: float
+    ) -> None:
+        self._transfer_bytes.labels(*self.labels, transport, direction).inc(num_bytes)
+        self._transfer_time.labels(*self.labels, transport, direction).observe(seconds)
+
+    def observe_prefill_mode(self, mode: str) -> None:
+        self._prefill_modes.labels(*self.labels, mode).inc()
+
+
+class _Histograms:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def histogram(name: str, text: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, text, LABELS, buckets=buckets, registry=registry)
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds",
+            "From the request reaching this pod to its first token.",
+            LATENCY_BUCKETS,
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds",
+            "Between consecutive tokens of a request, as the engine produced them.",
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds",
+            "From the request reaching this pod to its end here.",
+            LATENCY_BUCKETS,
+        )
+        self.queue = histogram(
+            "request_queue_time_seconds",
+            "From the request reaching this pod to the engine first computing it (or, for "
+            "a remote prefill, reserving its KV blocks).",
+            LATENCY_BUCKETS,
+        )
+        self.prefill = histogram(
+            "request_prefill_time_seconds",
+            "From the start of a request's first prefill chunk to the end of its last.",
+            LATENCY_BUCKETS,
+        )
+
+
+def _counter(registry: CollectorRegistry, name: str, text: str) -> Counter:
+    return Counter(PREFIX + name, text, LABELS, registry=registry)
+
+
+class _EngineCollector:
+    """The engine's own counts, read when scraped: nothing to keep in step on the hot path."""
+
+    def __init__(self, engine_stats: Callable[[], EngineStats], labels: tuple[str, str]) -> None:
+        self._engine_stats = engine_stats
+        self._labels = list(labels)
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._engine_stats()
+        used = stats.num_kv_blocks_total - stats.num_kv_blocks_free
+        usage = used / max(stats.num_kv_blocks_total, 1)
+        gauges = {
+            "num_requests_running": ("Requests in the running batch.", stats.num_running),
+            "num_requests_waiting": ("Requests waiting to be scheduled.", stats.num_waiting),
+            "kv_cache_usage_perc": ("Fraction of KV blocks in use (1 = full).", usage),
+            "gpu_cache_usage_perc": ("vLLM's older name of kv_cache_usage_perc.", usage),
+            "num_kv_blocks_used": ("KV blocks held by requests.", used),
+            "num_kv_blocks_total": ("KV blocks in the cache.", stats.num_kv_blocks_total),
+        }
+        for name, (text, value) in gauges.items():
+            yield self._family(GaugeMetricFamily, name, text, value)
+        counters = {
+            "num_preemptions": ("Requests preempted (recomputed later).", stats.num_preemptions),
+            "prefix_cache_queries": (
+                "Prompt tokens looked up in the prefix cache.",
+                stats.prefix_cache_queried_tokens,
+            ),
+            "prefix_cache_hits": (
+                "Prompt tokens found in the prefix cache.",
+                stats.prefix_cache_hit_tokens,
+            ),
+            # getattr: the speculative-decoding counters are newer than EngineStats' others.
+            "spec_decode_num_drafts": (
+                "Verification steps of speculative decoding.",
+                getattr(stats, "num_spec_verify_steps", 0),
+            ),
+            "spec_decode_num_draft_tokens": (
+                "Draft tokens proposed.",
+                getattr(stats, "num_spec_proposed_tokens", 0),
+            ),
+            "spec_decode_num_accepted_tokens": (
+                "Draft tokens accepted.",
+                getattr(stats, "num_spec_accepted_tokens", 0),
+            ),
+        }
+        for name, (text, value) in counters.items():
+            yield self._family(CounterMetricFamily, name, text, value)
+
+    def _family(self, kind, name: str, text: str, value: float) -> Metric:
+        family = kind(PREFIX + name, text, labels=LABELS)
+        family.add_metric(self._labels, value)
+        return family
+
+
+# ---- serving ----------------------------------------------------------------------------------
+
+
+class _LateCollector:
+    """Serves the pod's metrics once its core exists (the model loads after the endpoint is
+    up, so a scrape meanwhile gets an empty, valid answer instead of a refused connection)."""
+
+    def __init__(self, get_metrics: Callable[[], PodMetrics | None]) -> None:
+        self._get_metrics = get_metrics
+
+    def collect(self) -> Iterator[Metric]:
+        metrics = self._get_metrics()
+        if metrics is not None:
+            yield from metrics.registry.collect()
+
+
+class MetricsServer:
+    """The HTTP endpoint in a daemon thread; `close()` stops it."""
+
+    def __init__(self, host: str, port: int, get_metrics: Callable[[], PodMetrics | None]):
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_LateCollector(get_metrics))
+        self._server, self._thread = start_http_server(port, host, registry)
+        self.port = self._server.server_port
+        logger.info("metrics on http://%s:%d/metrics", host or "0.0.0.0", self.port)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def serve_pod_metrics(host: str, port: int, core_getter: Callable[[], object]) -> MetricsServer:
+    """Serves the metrics of the core `core_getter()` returns (None while loading)."""
+
+    def get_metrics() -> PodMetrics | None:
+        return getattr(core_getter(), "metrics", None)
+
+    return MetricsServer(host, port, get_metrics)

@@ -7,15 +7,18 @@ health-checking and stopping them is services.common.supervisor's job.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass
 
+from services.common.redis_server import RedisServer
 from services.common.supervisor import HealthCheck, ProcessGroupError, ProcessSpec, Supervisor
 
 DECODE_SERVICE = "splitserve.v1.DecodeWorker"
@@ -65,6 +68,20 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
         default=None,
         help="torch threads per engine process (default: the cores shared out between them)",
     )
+    sub.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL") or None,
+        help="the Redis for the registry and prefix index (default: $REDIS_URL, else a "
+        "redis-server started here on a free port)",
+    )
+    sub.add_argument(
+        "--no-redis", action="store_true", help="no registry: route by load only (static pods)"
+    )
+    sub.add_argument(
+        "--routing-policy",
+        default="cache_aware",
+        choices=["cache_aware", "least_load", "round_robin"],
+    )
     sub.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
     sub.add_argument(
         "--log-level",
@@ -82,9 +99,11 @@ class Plan:
     grpc_address: str
 
 
-def plan(args: argparse.Namespace, prefill_available: bool | None = None) -> Plan:
+def plan(
+    args: argparse.Namespace, prefill_available: bool | None = None, redis_url: str | None = None
+) -> Plan:
     """The processes to start. `prefill_available` says whether services/prefill exists
-    (default: look for it)."""
+    (default: look for it); `redis_url` is passed to every process (None: no registry)."""
     if args.decode < 1 or args.prefill < 0:
         raise ValueError("--decode must be >= 1 and --prefill >= 0")
     if args.local_prefill_threshold < 0:
@@ -96,6 +115,8 @@ def plan(args: argparse.Namespace, prefill_available: bool | None = None) -> Pla
     transport, transport_note = _transport(args, colocated)
     threads = _threads_per_pod(args, args.decode + num_prefill)
     engine_flags = _engine_flags(args, threads, transport)
+    redis_flags = ["--redis-url", redis_url] if redis_url else []
+    engine_flags += redis_flags
     prefill_addresses = [f"{args.host}:{args.prefill_port + i}" for i in range(num_prefill)]
     decode_addresses = [f"{args.host}:{args.decode_port + i}" for i in range(args.decode)]
     prefill_flags = ["--kv-checksum"] if args.kv_checksum else []
@@ -107,8 +128,9 @@ def plan(args: argparse.Namespace, prefill_available: bool | None = None) -> Pla
         _pod("decode", i, address, DECODE_SERVICE, engine_flags + decode_flags, args)
         for i, address in enumerate(decode_addresses)
     ]
-    specs.append(_gateway(args, decode_addresses, prefill_addresses))
+    specs.append(_gateway(args, decode_addresses, prefill_addresses, redis_flags))
     note = f"{note}{transport_note}; {threads} torch thread(s) per engine process"
+    note += f"; routing {args.routing_policy}" + (f" (Redis {redis_url})" if redis_url else "")
     return Plan(specs, note, f"http://{args.host}:{args.port}", f"{args.host}:{args.grpc_port}")
 
 
@@ -175,10 +197,14 @@ def _pod(
 
 
 def _gateway(
-    args: argparse.Namespace, decode_addresses: list[str], prefill_addresses: list[str]
+    args: argparse.Namespace,
+    decode_addresses: list[str],
+    prefill_addresses: list[str],
+    redis_flags: list[str],
 ) -> ProcessSpec:
     argv = [sys.executable, "-m", "services.gateway", "--host", args.host]
     argv += ["--port", str(args.port), "--grpc-port", str(args.grpc_port)]
+    argv += ["--routing-policy", args.routing_policy, *redis_flags]
     argv += ["--log-level", args.log_level]
     for address in decode_addresses:
         argv += ["--decode", address]
@@ -198,7 +224,26 @@ def _gateway(
 
 def run_up(args: argparse.Namespace) -> int:
     """Starts everything, waits for health, then supervises until Ctrl-C / SIGTERM."""
-    the_plan = plan(args)
+    with contextlib.ExitStack() as stack:
+        redis_url = _redis_url(args, stack)
+        return _run_plan(args, plan(args, redis_url=redis_url))
+
+
+def _redis_url(args: argparse.Namespace, stack: contextlib.ExitStack) -> str | None:
+    """--redis-url, else a redis-server child (stopped when `stack` closes), else None."""
+    if args.no_redis:
+        return None
+    if args.redis_url:
+        return args.redis_url
+    if shutil.which("redis-server") is None:
+        print("[up] redis-server is not installed: routing by load only", file=sys.stderr)
+        return None
+    server = stack.enter_context(RedisServer(host=args.host))
+    print(f"[up] started redis-server on {server.url}", flush=True)
+    return server.url
+
+
+def _run_plan(args: argparse.Namespace, the_plan: Plan) -> int:
     stop_requested = _StopFlag()
     with Supervisor() as supervisor:
         print(f"[up] {the_plan.mode_note}", flush=True)

@@ -23,6 +23,9 @@ from splitserve.v1 import worker_pb2
 from services.common.background import in_daemon_thread
 from services.common.flags import add_engine_flags, add_server_flags
 from services.common.grpc_server import start_server, stop_event_on_signals
+from services.common.pod_metrics import serve_pod_metrics
+from services.common.pod_registry import add_registry_flags, start_registry
+from services.common.tracing import configure_tracing, shutdown_tracing
 
 if TYPE_CHECKING:
     from shared.async_llm import AsyncLLM
@@ -42,6 +45,8 @@ class WorkerIdentity:
     model_name: str  # the name the gateway validates requests against
     kv_transport: str  # "ucx" or "tcp": the KV transport this pod speaks
     kv_address: str = ""  # where prefill pods send pages (decode pods); empty otherwise
+    region: str = ""  # where the pod runs, for proximity routing ("" = unknown)
+    zone: str = ""
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,11 @@ def worker_stats_to_proto(stats: PodStats) -> worker_pb2.WorkerStats:
         block_size=stats.block_size,
         vocab_size=stats.vocab_size,
         kv_transport=identity.kv_transport,
+        region=identity.region,
+        zone=identity.zone,
+        spec_proposed_tokens=engine.num_spec_proposed_tokens,
+        spec_accepted_tokens=engine.num_spec_accepted_tokens,
+        spec_verify_steps=engine.num_spec_verify_steps,
     )
 
 
@@ -101,6 +111,13 @@ def add_pod_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
     )
     parser.add_argument(
         "--kv-transport", default="tcp", choices=KV_TRANSPORTS, help="KV page transport"
+    )
+    add_registry_flags(parser)
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = off)",
     )
     add_engine_flags(parser)
 
@@ -126,6 +143,11 @@ def reachable_host(host: str) -> str:
 class PodCore(Protocol):
     """A pod's engine side, built off the event loop and then started on it."""
 
+    llm: AsyncLLM  # the registry publisher drains its prefix-cache events
+
+    def stats(self) -> PodStats:
+        """Identity and load now (for GetStats and the registry record)."""
+
     async def start(self) -> None:
         """Starts what must run on the event loop (the KV transport)."""
 
@@ -146,7 +168,11 @@ async def serve_pod(
 ) -> None:
     """Serves until SIGTERM / Ctrl-C. `register(server)` adds the servicer to the gRPC server;
     `load_core()` runs in a daemon thread (it loads the model)."""
+    configure_tracing(_trace_service_name(service_name))
     server = await start_server(args.host, args.port, [service_name], register)
+    metrics = None
+    if args.metrics_port:
+        metrics = serve_pod_metrics(args.host, args.metrics_port, lambda: servicer.core)
     logger.info("gRPC on port %d; loading the model", server.port)
     stop = stop_event_on_signals()
     loading = in_daemon_thread(load_core, "load-model")
@@ -156,10 +182,22 @@ async def serve_pod(
     if core is not None and not stopping.done():
         await core.start()
         servicer.core = core
+        registry = await start_registry(args, core, server.port)
         await server.set_serving(True)
         logger.info("serving as %s", worker_id(args))
         await stopping
+        if registry is not None:
+            await registry.close()  # out of the registry before the server stops answering
     logger.info("stopping")
     await server.stop()
     if core is not None:
         await core.close()
+    if metrics is not None:
+        metrics.close()
+    shutdown_tracing()  # flushes the spans still batched
+
+
+def _trace_service_name(service_name: str) -> str:
+    """OTEL_SERVICE_NAME's default: "splitserve.v1.DecodeWorker" -> "splitserve-decode"."""
+    role = service_name.rsplit(".", 1)[-1].removesuffix("Worker").lower()
+    return f"splitserve-{role}"

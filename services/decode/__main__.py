@@ -14,6 +14,7 @@ from splitserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.flags import engine_options, setup_logging
 from services.common.model_files import default_model_name, resolve_model_path
 from services.common.pod import WorkerIdentity, add_pod_flags, reachable_host, serve_pod, worker_id
+from services.common.pod_registry import pod_place
 from services.decode.remote_prefill import RemotePrefillSettings
 from services.decode.servicer import DecodeWorkerServicer
 from services.decode.worker import DecodeWorkerCore
@@ -63,11 +64,14 @@ def build_core(args: argparse.Namespace) -> DecodeWorkerCore:
     transport = create_kv_transport(args.kv_transport)
     model_path = resolve_model_path(args.model)
     llm = AsyncLLM(model_path, **engine_options(args))
+    place = pod_place(args)
     identity = WorkerIdentity(
         worker_id=worker_id(args),
         role="decode",
         model_name=args.model_name or default_model_name(model_path),
         kv_transport=args.kv_transport,
+        region=place.region,
+        zone=place.zone,
     )
     kv_host = args.kv_host or reachable_host(args.host)
     return DecodeWorkerCore(llm, identity, transport, settings, kv_host, args.kv_port)

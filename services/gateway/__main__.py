@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 
 import uvicorn
 from splitserve.v1 import generate_pb2, generate_pb2_grpc
@@ -15,10 +16,13 @@ from services.common.background import in_daemon_thread
 from services.common.flags import setup_logging
 from services.common.grpc_server import GrpcServer, start_server, stop_event_on_signals
 from services.common.model_files import default_model_name, load_tokenizer, resolve_model_path
+from services.common.tracing import configure_tracing
 from services.gateway.generation import GatewayCore
 from services.gateway.grpc_api import GenerationServicer
 from services.gateway.http_api import create_app
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.router import Router, RouterSettings
+from services.gateway.routing import POLICIES, LatencyMatrix, Location, RoutingWeights
 from services.gateway.workers import POLL_INTERVAL_SECONDS, WorkerPool
 
 logger = logging.getLogger("services.gateway")
@@ -36,9 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--decode",
         action="append",
-        required=True,
+        default=[],
         metavar="ADDR",
-        help="a decode pod's gRPC address host:port (repeat for more)",
+        help="a decode pod's gRPC address host:port (repeat for more; required without Redis)",
     )
     parser.add_argument(
         "--prefill",
@@ -56,7 +60,71 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
+    add_routing_flags(parser)
     return parser
+
+
+def add_routing_flags(parser: argparse.ArgumentParser) -> None:
+    """How pods are found and chosen (README "Routing" explains the score)."""
+    group = parser.add_argument_group("routing")
+    group.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL") or None,
+        help="discover pods and their cached prefixes here (default: $REDIS_URL, else the "
+        "--decode/--prefill addresses only); password from $REDIS_PASSWORD",
+    )
+    group.add_argument("--region", default=os.environ.get("SPLITSERVE_REGION", ""))
+    group.add_argument("--zone", default=os.environ.get("SPLITSERVE_ZONE", ""))
+    group.add_argument("--routing-policy", default="cache_aware", choices=POLICIES)
+    defaults = RoutingWeights()
+    for name, help_text in WEIGHT_FLAGS.items():
+        group.add_argument(
+            f"--weight-{name}",
+            type=float,
+            default=getattr(defaults, name),
+            metavar="W",
+            help=f"{help_text} (default {getattr(defaults, name)})",
+        )
+    group.add_argument(
+        "--max-queue",
+        type=int,
+        default=defaults.max_queue,
+        help="requests queued on a pod at which it counts as saturated (spill-over)",
+    )
+    group.add_argument(
+        "--region-latency-file",
+        default=None,
+        metavar="JSON",
+        help='region-to-region round trips in ms: {"us-east": {"eu-west": 80}}',
+    )
+
+
+WEIGHT_FLAGS = {
+    "prefix": "weight of the prompt fraction a pod has cached",
+    "load": "weight of 1 / (1 + requests queued on the pod)",
+    "kv": "weight of the pod's free KV fraction",
+    "proximity": "weight of nearness to the client (zone, region, latency, round trip)",
+    "pair": "weight of a decode pod's nearness to the chosen prefill pod",
+}
+
+
+def router_settings(args: argparse.Namespace) -> RouterSettings:
+    """Raises ValueError (naming the flag) for bad weights or a bad latency file."""
+    weights = RoutingWeights(
+        **{name: getattr(args, f"weight_{name}") for name in WEIGHT_FLAGS},
+        max_queue=args.max_queue,
+    )
+    latency = LatencyMatrix()
+    if args.region_latency_file:
+        with open(args.region_latency_file) as file:
+            latency = LatencyMatrix.from_json(file.read())
+    return RouterSettings(
+        policy=args.routing_policy,
+        weights=weights,
+        latency=latency,
+        place=Location(args.region, args.zone),
+        redis_url=args.redis_url,
+    )
 
 
 class _HttpServer(uvicorn.Server):
@@ -79,11 +147,15 @@ async def serve(args: argparse.Namespace) -> int:
     tokenizer = loading.result()
     model_name = args.model_name or default_model_name(model_path)
     decode_pool = WorkerPool("decode", args.decode, model_name)
-    prefill_pool = WorkerPool("prefill", args.prefill, model_name) if args.prefill else None
+    # With a registry, prefill pods may join at any time: keep a pool to follow them.
+    has_prefill = bool(args.prefill or args.redis_url)
+    prefill_pool = WorkerPool("prefill", args.prefill, model_name) if has_prefill else None
     for pool in (decode_pool, prefill_pool):
         if pool is not None:
             await pool.start()
-    core = GatewayCore(tokenizer, model_name, decode_pool, prefill_pool, GatewayMetrics())
+    router = Router(decode_pool, prefill_pool, router_settings(args))
+    await router.start()
+    core = GatewayCore(tokenizer, model_name, decode_pool, prefill_pool, GatewayMetrics(), router)
     grpc_server = await start_server(
         args.host,
         args.grpc_port,
@@ -111,6 +183,7 @@ async def serve(args: argparse.Namespace) -> int:
     await _quietly(http_task)
     health.cancel()
     await grpc_server.stop()
+    await router.close()
     for pool in (decode_pool, prefill_pool):
         if pool is not None:
             await pool.close()
@@ -136,8 +209,19 @@ async def _quietly(task: asyncio.Task) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.decode and not args.redis_url:
+        parser.error("give --decode ADDR (repeatable) or --redis-url to discover pods")
+    try:
+        router_settings(args)
+    except (OSError, ValueError) as error:
+        parser.error(str(error))
     setup_logging(args.log_level, "gateway")
+    try:
+        configure_tracing("splitserve-gateway")  # from OTEL_* (see services/common/tracing.py)
+    except ValueError as error:
+        parser.error(str(error))
     return asyncio.run(serve(args))
 
 

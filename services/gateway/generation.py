@@ -17,7 +17,10 @@ from splitserve.v1 import generate_pb2, worker_pb2
 
 from services.common.convert import options_from_params
 from services.common.grpc_server import StatusError
+from services.common.tracing import grpc_metadata
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.router import Router
+from services.gateway.routing import RoutingDecision
 from services.gateway.workers import Worker, WorkerPool
 from shared.prompts import child_sequences
 from shared.sampling_params import SamplingParams
@@ -84,6 +87,7 @@ class _Child:
     prompt_index: int
     request: worker_pb2.DecodeRequest
     worker: Worker
+    decision: RoutingDecision  # which pods and why (for logs, spans and metrics)
     call: grpc.aio.UnaryStreamCall | None = None
     task: asyncio.Task | None = None
     finished: bool = False
@@ -100,12 +104,16 @@ class GatewayCore:
         decode_pool: WorkerPool,
         prefill_pool: WorkerPool | None = None,
         metrics: GatewayMetrics | None = None,
+        router: Router | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.decode_pool = decode_pool
         self.prefill_pool = prefill_pool
         self.metrics = metrics or GatewayMetrics()
+        # Picks the pods of every sequence (services/gateway/router.py); without one given,
+        # static pods by load and proximity.
+        self.router = router or Router(decode_pool, prefill_pool)
 
     # ---- prompts ----------------------------------------------------------------------------
 
@@ -150,12 +158,15 @@ class GatewayCore:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def start(self, request: GenerationRequest) -> Generation:
-        """Validates every prompt, then sends every sequence to a decode pod."""
+    async def start(self, request: GenerationRequest, client_region: str = "") -> Generation:
+        """Validates every prompt, then sends every sequence to the pods the router picks
+        (`client_region`: the client's region, from `x-splitserve-region`, "" if unknown)."""
         for prompt in request.prompts:
             self.validate(prompt, request.params)
         children = [
-            self._child(request, prompt_index, sequence_index, child_id, child_params)
+            await self._child(
+                request, prompt_index, sequence_index, child_id, child_params, client_region
+            )
             for prompt_index, prompt_id in enumerate(_prompt_ids(request))
             for sequence_index, (child_id, child_params) in enumerate(
                 child_sequences(prompt_id, request.params)
@@ -164,27 +175,27 @@ class GatewayCore:
         num_prompt_tokens = sum(len(prompt) for prompt in request.prompts)
         return Generation(children, num_prompt_tokens, self.metrics)
 
-    def _child(
+    async def _child(
         self,
         request: GenerationRequest,
         prompt_index: int,
         sequence_index: int,
         child_id: str,
         child_params: SamplingParams,
+        client_region: str,
     ) -> _Child:
-        worker = self.decode_pool.pick()
-        if worker is None:
+        picked = await self.router.pick(request.prompts[prompt_index], client_region)
+        if picked is None:
             raise NoWorkerError()
-        prefill = self.prefill_pool.pick() if self.prefill_pool is not None else None
         decode_request = worker_pb2.DecodeRequest(
             request_id=child_id,
             prompt_token_ids=request.prompts[prompt_index],
             sampling=options_from_params(child_params),
             priority=request.priority,
-            prefill_address=prefill.address if prefill is not None else "",
+            prefill_address=picked.prefill.address if picked.prefill is not None else "",
         )
         index = prompt_index * request.params.n + sequence_index
-        return _Child(index, prompt_index, decode_request, worker)
+        return _Child(index, prompt_index, decode_request, picked.decode, picked.decision)
 
 
 def _prompt_ids(request: GenerationRequest) -> list[str]:
@@ -215,6 +226,11 @@ class Generation:
         self._cached_tokens: dict[int, int] = {}  # prompt index -> cached tokens
         for child in children:
             child.task = asyncio.create_task(self._pump(child), name=child.request.request_id)
+
+    @property
+    def decisions(self) -> list[RoutingDecision]:
+        """Each sequence's routing decision, in choice order (for metrics and spans)."""
+        return [child.decision for child in self._children]
 
     @property
     def is_done(self) -> bool:
@@ -249,7 +265,8 @@ class Generation:
                 child.task.cancel()
 
     async def _pump(self, child: _Child) -> None:
-        child.call = child.worker.stub.Decode(child.request)
+        # The trace context is the one current when the Generation was made (the request's).
+        child.call = child.worker.stub.Decode(child.request, metadata=grpc_metadata())
         try:
             async for response in child.call:
                 self._queue.put_nowait((child, response))

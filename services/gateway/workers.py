@@ -1,21 +1,27 @@
-"""The gateway's view of the worker pods: a gRPC channel each, their latest stats (polled), and
-a least-load pick. The routing issue (prefix-cache index, proximity) replaces `pick`."""
+"""The gateway's view of the worker pods: a gRPC channel each, their latest stats (polled, with
+the round trip of each poll averaged for proximity), and what scoring sees of each
+(`Worker.view`). Pods come from --decode/--prefill addresses or from the Redis registry
+(`WorkerPool.apply_records`); services/gateway/router.py chooses among them."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 from services.common.channels import aio_channel
+from services.common.registry import PodRecord
+from services.gateway.routing import Location, PodView
 
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_SECONDS = 0.5
 STATS_TIMEOUT_SECONDS = 2.0
+RTT_SMOOTHING = 0.2  # weight of the newest round trip in the moving average
 
 
 @dataclass
@@ -28,6 +34,35 @@ class Worker:
     # without them every request between two polls would land on the same pod.
     num_dispatched: int = 0
     is_serving_model: bool = False  # stats name the gateway's model
+    # The pod's registry entry; None for a pod given by address (no prefix index for it).
+    record: PodRecord | None = None
+    rtt_ms: float | None = None  # moving average of GetStats round trips
+
+    @property
+    def worker_id(self) -> str:
+        if self.record is not None:
+            return self.record.worker_id
+        return self.stats.worker_id if self.stats is not None else self.address
+
+    @property
+    def location(self) -> Location:
+        stats, record = self.stats, self.record
+        region = (stats.region if stats else "") or (record.region if record else "")
+        zone = (stats.zone if stats else "") or (record.zone if record else "")
+        node = (record.node if record else "") or self.address.rsplit(":", 1)[0]
+        return Location(region, zone, node)
+
+    def view(self, cached_tokens: int = 0) -> PodView:
+        queued, kv_usage = self.load
+        return PodView(
+            self.worker_id,
+            self.address,
+            self.location,
+            queued,
+            kv_usage,
+            cached_tokens,
+            self.rtt_ms,
+        )
 
     @property
     def is_available(self) -> bool:
@@ -44,46 +79,64 @@ class Worker:
 
 
 class WorkerPool:
-    """One role's pods. Owned by one event loop: `start` there, then `pick` from handlers."""
+    """One role's pods. Owned by one event loop: `start` there; the router reads `available()`."""
 
     def __init__(self, role: str, addresses: list[str], model_name: str) -> None:
         self.role = role
         self.model_name = model_name
         self.addresses = list(addresses)
         self.workers: list[Worker] = []
-        self._channels: list[grpc.aio.Channel] = []
+        self._channels: dict[str, grpc.aio.Channel] = {}  # address -> its channel
         self._poller: asyncio.Task | None = None
 
     async def start(self) -> None:
+        for address in self.addresses:
+            self._add(address)
+        await self.poll()
+        self._poller = asyncio.create_task(self._poll_forever(), name=f"poll-{self.role}")
+
+    def _add(self, address: str, record: PodRecord | None = None) -> Worker:
         stub_class = (
             worker_pb2_grpc.DecodeWorkerStub
             if self.role == "decode"
             else worker_pb2_grpc.PrefillWorkerStub
         )
-        for address in self.addresses:
-            channel = aio_channel(address)
-            self._channels.append(channel)
-            self.workers.append(Worker(address, stub_class(channel)))
-        await self.poll()
-        self._poller = asyncio.create_task(self._poll_forever(), name=f"poll-{self.role}")
+        channel = aio_channel(address)
+        self._channels[address] = channel
+        worker = Worker(address, stub_class(channel), record=record)
+        self.workers.append(worker)
+        return worker
+
+    async def apply_records(self, records: list[PodRecord]) -> None:
+        """Follows the registry: adds this role's new pods (polled at once), drops the ones
+        that left it; pods given by address stay whatever the registry says."""
+        mine = {record.address: record for record in records if record.role == self.role}
+        new = []
+        for worker in list(self.workers):
+            if worker.address in mine:
+                worker.record = mine.pop(worker.address)
+            elif worker.address in self.addresses:
+                worker.record = None  # given by address: stays, without its index entries
+            elif worker.record is not None:
+                logger.info("%s pod %s left the registry", self.role, worker.address)
+                self.workers.remove(worker)
+                await self._channels.pop(worker.address).close()
+        for address, record in mine.items():
+            logger.info("%s pod %s joined (%s)", self.role, address, record.worker_id)
+            new.append(self._add(address, record))
+        await asyncio.gather(*(self._poll_one(worker) for worker in new))
+
+    def by_worker_id(self) -> dict[str, Worker]:
+        return {worker.worker_id: worker for worker in self.available()}
 
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
-        for channel in self._channels:
+        for channel in self._channels.values():
             await channel.close()
 
     def available(self) -> list[Worker]:
         return [worker for worker in self.workers if worker.is_available]
-
-    def pick(self) -> Worker | None:
-        """The least loaded available worker (counted as dispatched), or None."""
-        candidates = self.available()
-        if not candidates:
-            return None
-        worker = min(candidates, key=lambda w: w.load)
-        worker.num_dispatched += 1
-        return worker
 
     @property
     def max_model_len(self) -> int | None:
@@ -92,7 +145,7 @@ class WorkerPool:
         return min(lengths) if lengths else None
 
     async def poll(self) -> None:
-        await asyncio.gather(*(self._poll_one(worker) for worker in self.workers))
+        await asyncio.gather(*(self._poll_one(worker) for worker in list(self.workers)))
 
     async def _poll_forever(self) -> None:
         while True:
@@ -100,6 +153,7 @@ class WorkerPool:
             await self.poll()
 
     async def _poll_one(self, worker: Worker) -> None:
+        start = time.perf_counter()
         try:
             stats = await worker.stub.GetStats(
                 worker_pb2.StatsRequest(), timeout=STATS_TIMEOUT_SECONDS
@@ -123,3 +177,8 @@ class WorkerPool:
                 self.model_name,
             )
         worker.stats, worker.num_dispatched, worker.is_serving_model = stats, 0, serving
+        rtt_ms = (time.perf_counter() - start) * 1000
+        previous = worker.rtt_ms
+        worker.rtt_ms = (
+            rtt_ms if previous is None else previous + RTT_SMOOTHING * (rtt_ms - previous)
+        )

@@ -16,6 +16,7 @@ from splitserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.flags import engine_options, setup_logging
 from services.common.model_files import default_model_name, resolve_model_path
 from services.common.pod import WorkerIdentity, add_pod_flags, serve_pod, worker_id
+from services.common.pod_registry import pod_place
 from services.prefill.servicer import PrefillWorkerServicer
 from services.prefill.worker import PrefillSettings, PrefillWorkerCore
 
@@ -58,11 +59,14 @@ def build_core(args: argparse.Namespace) -> PrefillWorkerCore:
     transport = create_kv_transport(args.kv_transport)
     model_path = resolve_model_path(args.model)
     llm = AsyncLLM(model_path, **engine_options(args))
+    place = pod_place(args)
     identity = WorkerIdentity(
         worker_id=worker_id(args),
         role="prefill",
         model_name=args.model_name or default_model_name(model_path),
         kv_transport=args.kv_transport,
+        region=place.region,
+        zone=place.zone,
     )
     return PrefillWorkerCore(llm, identity, transport, settings)
 

@@ -1,0 +1,104 @@
+"""A `redis-server` child process on a free loopback port, for tests and `splitserve up`.
+
+Nothing is persisted (no RDB snapshots, no AOF): the index is rebuilt from the pods whenever
+Redis comes back empty, so a restart here behaves like a real Redis that lost its data, which
+is exactly what the routing must survive. `restart()` keeps the port, so clients reconnect.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+STARTUP_TIMEOUT_SECONDS = 10.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class RedisServer:
+    """Owns one redis-server process. Use as a context manager, or `start()` / `stop()`."""
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self._process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def start(self) -> RedisServer:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError(
+                "redis-server is not on PATH (scripts/install_deps.sh installs it), or pass "
+                "--redis-url / set REDIS_URL to use a running Redis"
+            )
+        argv = [binary, "--port", str(self.port), "--bind", self.host, "--save", ""]
+        argv += ["--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"]
+        self._process = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        )
+        self._wait_until_answering()
+        return self
+
+    def _wait_until_answering(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
+        while not _answers_ping(self.host, self.port):
+            assert self._process is not None, "start() set the process"
+            if self._process.poll() is not None:
+                error = self._process.stderr.read().decode(errors="replace").strip()
+                raise RuntimeError(f"redis-server exited at start on port {self.port}: {error}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"redis-server did not answer on port {self.port} in time")
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: clients see their connections drop."""
+        self._signal_and_wait(signal.SIGKILL)
+
+    def stop(self) -> None:
+        self._signal_and_wait(signal.SIGTERM)
+
+    def restart(self) -> RedisServer:
+        """A fresh, empty server on the same port."""
+        self.kill()
+        return self.start()
+
+    def _signal_and_wait(self, sig: signal.Signals) -> None:
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(sig)
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _answers_ping(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.2) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False

@@ -1,0 +1,187 @@
+"""The pod registry and prefix-cache index in Redis: key layout, the record a pod publishes about
+itself, and the reads the gateway makes. Torch-free; the gateway and the pods both import it.
+
+Key layout (every key under one prefix, so a Redis can be shared):
+
+    {prefix}:pods                       ZSET  worker_id -> expiry (Redis clock, ms)
+    {prefix}:pod:{worker_id}            HASH  the pod's `PodRecord`, PEXPIRE ttl
+    {prefix}:gen:{worker_id}            STRING the newest generation that heartbeated
+    {prefix}:blocks:{worker_id}:{gen}   SET   block hashes (16 raw bytes) + the sentinel b""
+
+Why one block SET per pod and generation, not one SET of pods per block hash:
+- a pod's entries expire with it (one PEXPIRE per heartbeat), never one by one;
+- a stale writer (an older process with the same worker id, or a publisher that lost a race)
+  writes into its own generation's SET, which the gateway never reads, because the record
+  names the live generation; `HEARTBEAT_SCRIPT` refuses a generation older than the newest;
+- the gateway's lookup is one script call over every pod's SET: one round trip per prompt.
+The sentinel member b"" tells a SET rebuilt from snapshot apart from one that Redis lost (a
+restart) and that later events partly re-created: without it the pod republishes everything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from shared.kv.block_hash import BLOCK_HASH_NUM_BYTES
+
+DEFAULT_KEY_PREFIX = "splitserve"
+SENTINEL = b""  # always in a pod's block SET once it is complete (see the module docstring)
+
+# KEYS: gen, pod, pods, blocks. ARGV: generation, ttl_ms, worker_id, field, value, ...
+# Returns 0 when a newer generation owns the worker id (this writer is stale), 2 when the
+# block SET is missing or incomplete (the publisher must resync it), 1 otherwise.
+HEARTBEAT_SCRIPT = """
+local newest = tonumber(redis.call('GET', KEYS[1]) or '0')
+local mine = tonumber(ARGV[1])
+if newest > mine then return 0 end
+local ttl = tonumber(ARGV[2])
+redis.call('SET', KEYS[1], ARGV[1], 'PX', 86400000)
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], unpack(ARGV, 4))
+redis.call('PEXPIRE', KEYS[2], ttl)
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
+redis.call('ZADD', KEYS[3], now_ms + ttl, ARGV[3])
+if redis.call('SISMEMBER', KEYS[4], '') == 0 then return 2 end
+redis.call('PEXPIRE', KEYS[4], ttl)
+return 1
+"""
+HEARTBEAT_FENCED, HEARTBEAT_OK, HEARTBEAT_RESYNC = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class RegistryKeys:
+    prefix: str = DEFAULT_KEY_PREFIX
+
+    @property
+    def pods(self) -> str:
+        return f"{self.prefix}:pods"
+
+    def pod(self, worker_id: str) -> str:
+        return f"{self.prefix}:pod:{worker_id}"
+
+    def generation(self, worker_id: str) -> str:
+        return f"{self.prefix}:gen:{worker_id}"
+
+    def blocks(self, worker_id: str, generation: int) -> str:
+        return f"{self.prefix}:blocks:{worker_id}:{generation}"
+
+
+@dataclass(frozen=True)
+class PodRecord:
+    """What a pod publishes about itself at every heartbeat (strings and ints only)."""
+
+    worker_id: str
+    role: str  # "prefill" or "decode"
+    address: str  # host:port others dial for the pod's gRPC
+    generation: int  # this process's fencing token: later processes have larger ones
+    model: str = ""
+    kv_address: str = ""  # decode pods: where prefill pods send KV pages
+    kv_transport: str = ""
+    region: str = ""
+    zone: str = ""
+    node: str = ""  # the machine (Kubernetes node): pods on one node exchange pages fastest
+    block_size: int = 16
+    hash_namespace: str = ""  # with block_size, what the gateway must hash prompts with
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+
+    def to_fields(self) -> dict[str, str]:
+        return {field.name: str(getattr(self, field.name)) for field in dataclasses.fields(self)}
+
+    @classmethod
+    def from_fields(cls, fields: dict[bytes | str, bytes | str]) -> PodRecord | None:
+        """The record from HGETALL's answer; None for an empty (expired) or foreign hash."""
+        text = {_text(key): _text(value) for key, value in fields.items()}
+        try:
+            values = {
+                field.name: int(text[field.name]) if field.type == "int" else text[field.name]
+                for field in dataclasses.fields(cls)
+                if field.name in text
+            }
+            return cls(**values)
+        except (TypeError, ValueError):
+            return None
+
+    def blocks_key(self, keys: RegistryKeys) -> str:
+        return keys.blocks(self.worker_id, self.generation)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+async def read_pods(client, keys: RegistryKeys) -> list[PodRecord]:
+    """Every live pod's record, in two round trips. Raises redis errors."""
+    worker_ids = await client.zrange(keys.pods, 0, -1)
+    if not worker_ids:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for worker_id in worker_ids:
+        pipe.hgetall(keys.pod(_text(worker_id)))
+    records = [PodRecord.from_fields(fields) for fields in await pipe.execute()]
+    return [record for record in records if record is not None]
+
+
+# KEYS: block SETs; ARGV[i]: the prompt's block hashes for KEYS[i], concatenated (16 bytes
+# each). Returns, per key, how many leading hashes the SET holds. Server side, so a 4k-token
+# prompt costs one command with a few arguments instead of thousands, and stops at a miss.
+LOOKUP_SCRIPT = """
+local counts = {}
+for i, key in ipairs(KEYS) do
+  local blob = ARGV[i]
+  local n = 0
+  for start = 1, #blob, 16 do
+    if redis.call('SISMEMBER', key, string.sub(blob, start, start + 15)) == 0 then break end
+    n = n + 1
+  end
+  counts[i] = n
+end
+return counts
+"""
+
+
+async def longest_cached_prefixes(client, queries: list[tuple[str, list[bytes]]]) -> list[int]:
+    """For each (block SET key, the prompt's chained block hashes), how many leading hashes
+    the SET holds: the pod's longest cached prefix, in blocks. One round trip.
+
+    A pod evicts tail blocks before their parents, so its hits form a prefix; the first miss
+    ends the count."""
+    if not queries:
+        return []
+    assert all(len(h) == BLOCK_HASH_NUM_BYTES for _, hashes in queries for h in hashes), (
+        "block hashes are 16 bytes"
+    )
+    keys = [key for key, _ in queries]
+    blobs = [b"".join(hashes) for _, hashes in queries]
+    counts = await _lookup_script(client)(keys=keys, args=blobs)
+    return [int(count) for count in counts]
+
+
+def _lookup_script(client):
+    # register_script runs EVALSHA and re-sends the script after NOSCRIPT (a restarted Redis).
+    script = getattr(client, "_splitserve_lookup", None)
+    if script is None:
+        script = client.register_script(LOOKUP_SCRIPT)
+        client._splitserve_lookup = script
+    return script
+
+
+def connect(url: str, timeout_s: float = 0.5):
+    """An asyncio Redis client for `url`; the password comes from $REDIS_PASSWORD when set.
+    Short timeouts: a Redis that is down must cost a request milliseconds, not seconds."""
+    import os
+
+    import redis.asyncio
+
+    return redis.asyncio.Redis.from_url(
+        url,
+        password=os.environ.get("REDIS_PASSWORD") or None,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry_on_timeout=False,
+    )

@@ -1,0 +1,185 @@
+"""The gateway's pod picking: follows the Redis registry, asks the prefix index how much of a
+prompt each pod holds, and hands the rest to services/gateway/routing.py's scoring.
+
+    pick(prompt) ─▶ hash the prompt's full blocks (per block size and namespace the pods use)
+                 ─▶ one round trip (LOOKUP_SCRIPT over every pod) ─▶ cached tokens per pod
+                 ─▶ routing.decide(prefill views, decode views)   ─▶ RoutingDecision
+
+Without --redis-url the pods are the static addresses and no index exists (load and proximity
+only). While Redis is unreachable the registry is kept as last seen, lookups are skipped
+(reason "redis_down") and a background refresh notices when Redis is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+from redis.exceptions import RedisError
+
+from services.common.registry import (
+    RegistryKeys,
+    connect,
+    longest_cached_prefixes,
+    read_pods,
+)
+from services.gateway.routing import (
+    LatencyMatrix,
+    Location,
+    RoutingContext,
+    RoutingDecision,
+    RoutingWeights,
+    decide,
+)
+from services.gateway.workers import Worker, WorkerPool
+from shared.kv.block_hash import hash_full_blocks
+
+logger = logging.getLogger(__name__)
+
+REGISTRY_REFRESH_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    policy: str = "cache_aware"
+    weights: RoutingWeights = field(default_factory=RoutingWeights)
+    latency: LatencyMatrix = field(default_factory=LatencyMatrix)
+    place: Location = field(default_factory=Location)  # the gateway's region and zone
+    redis_url: str | None = None
+
+
+@dataclass(frozen=True)
+class PickedPods:
+    decision: RoutingDecision
+    decode: Worker
+    prefill: Worker | None
+
+
+class Router:
+    """Owned by the gateway's event loop: `start()` there, `pick()` from handlers."""
+
+    def __init__(
+        self,
+        decode_pool: WorkerPool,
+        prefill_pool: WorkerPool | None,
+        settings: RouterSettings | None = None,
+        keys: RegistryKeys | None = None,
+    ) -> None:
+        self.decode_pool = decode_pool
+        self.prefill_pool = prefill_pool
+        self.settings = settings or RouterSettings()
+        self.keys = keys or RegistryKeys()
+        self.redis = connect(self.settings.redis_url) if self.settings.redis_url else None
+        self.is_redis_up = False
+        self._turns = itertools.count()
+        self._refresher: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        if self.redis is None:
+            return
+        await self.refresh_registry()
+        self._refresher = asyncio.create_task(self._refresh_forever(), name="registry")
+
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+        if self.redis is not None:
+            await self.redis.aclose()
+
+    # ---- registry ---------------------------------------------------------------------------
+
+    async def refresh_registry(self) -> None:
+        assert self.redis is not None, "only with --redis-url"
+        try:
+            records = await read_pods(self.redis, self.keys)
+        except (RedisError, OSError) as error:
+            self._redis_failed(error)
+            return
+        if not self.is_redis_up:
+            logger.info("Redis registry reachable: %d pod(s)", len(records))
+        self.is_redis_up = True
+        for pool in (self.decode_pool, self.prefill_pool):
+            if pool is not None:
+                await pool.apply_records(records)
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REGISTRY_REFRESH_SECONDS)
+            await self.refresh_registry()
+
+    def _redis_failed(self, error: Exception) -> None:
+        if self.is_redis_up:
+            logger.warning("Redis is unreachable (%s): routing by load and proximity", error)
+        self.is_redis_up = False
+
+    # ---- picking ----------------------------------------------------------------------------
+
+    async def pick(self, prompt_token_ids: list[int], client_region: str = "") -> PickedPods | None:
+        """The pods for one prompt (counted as dispatched to), or None without a decode pod."""
+        decode_workers = self.decode_pool.available()
+        if not decode_workers:
+            return None
+        prefill_workers = self.prefill_pool.available() if self.prefill_pool else []
+        cached = await self.cached_tokens(prompt_token_ids, [*prefill_workers, *decode_workers])
+        place = self.settings.place
+        ctx = RoutingContext(
+            num_prompt_tokens=len(prompt_token_ids),
+            client=Location(client_region) if client_region else Location(place.region, place.zone),
+            weights=self.settings.weights,
+            latency=self.settings.latency,
+            policy=self.settings.policy,
+            is_index_available=self.redis is None or self.is_redis_up,
+            round_robin_turn=next(self._turns),
+        )
+        decision = decide(
+            [w.view(cached.get(w.worker_id, 0)) for w in prefill_workers],
+            [w.view(cached.get(w.worker_id, 0)) for w in decode_workers],
+            ctx,
+        )
+        logger.debug("routing decision: %s", decision)
+        return self._dispatch(decision, prefill_workers, decode_workers)
+
+    def _dispatch(
+        self, decision: RoutingDecision, prefill: list[Worker], decode: list[Worker]
+    ) -> PickedPods:
+        decode_worker = next(w for w in decode if w.worker_id == decision.decode_worker_id)
+        decode_worker.num_dispatched += 1
+        prefill_worker = next(
+            (w for w in prefill if w.worker_id == decision.prefill_worker_id), None
+        )
+        if prefill_worker is not None:
+            prefill_worker.num_dispatched += 1
+        return PickedPods(decision, decode_worker, prefill_worker)
+
+    async def cached_tokens(self, prompt: list[int], workers: list[Worker]) -> dict[str, int]:
+        """worker id -> tokens of `prompt` cached there, per the index ({} without one)."""
+        indexed = [w for w in workers if w.record is not None]
+        uses_index = self.settings.policy == "cache_aware" and self.is_redis_up
+        if self.redis is None or not uses_index or not indexed:
+            return {}
+        hashes = _prompt_hashes(prompt, indexed)
+        queries = [
+            (w.record.blocks_key(self.keys), hashes[(w.record.block_size, w.record.hash_namespace)])
+            for w in indexed
+        ]
+        try:
+            num_blocks = await longest_cached_prefixes(self.redis, queries)
+        except (RedisError, OSError) as error:
+            self._redis_failed(error)
+            return {}
+        return {
+            w.worker_id: n * w.record.block_size for w, n in zip(indexed, num_blocks, strict=True)
+        }
+
+
+def _prompt_hashes(prompt: list[int], workers: list[Worker]) -> dict[tuple[int, str], list[bytes]]:
+    """The prompt's block hashes once per (block size, namespace) among the pods. A prompt's
+    last token is never served from cache (it must be computed to sample), so a prompt of
+    whole blocks is looked up without its last block, as the engine would."""
+    groups = {(w.record.block_size, w.record.hash_namespace) for w in workers}
+    return {
+        (block_size, namespace): hash_full_blocks(prompt[:-1], block_size, namespace)
+        for block_size, namespace in groups
+    }

@@ -80,11 +80,71 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 1")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft", "self")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (shared/spec_decode/): who proposes tokens and how many."""
+
+    # None = off; "ngram" = prompt lookup; "draft" = a smaller model sharing the tokenizer;
+    # "self" = the target's first `speculative_draft_layers` layers and its head.
+    speculative_method: str | None = None
+    # The most draft tokens one request verifies per step (adaptive k stays at or below it).
+    num_speculative_tokens: int = 4
+    speculative_draft_model: str | None = None  # for "draft": a .gguf file or HF directory
+    speculative_draft_layers: int | None = None  # for "self"
+    # Speculation pauses in steps with more decoding requests than this: a large batch already
+    # keeps the CPU busy, so verifying 1 + k tokens per request costs more than it saves
+    # (measured with benchmarks/speculative.py, see docs/benchmarks.md).
+    speculative_max_batch_size: int = 4
+    # k follows each request's acceptance rate; False = always num_speculative_tokens.
+    speculative_adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        method = self.speculative_method
+        if method is not None and method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method must be one of {SPECULATIVE_METHODS} or None, got {method!r}"
+            )
+        _check_count("num_speculative_tokens", self.num_speculative_tokens, 1)
+        _check_count("speculative_max_batch_size", self.speculative_max_batch_size, 0)
+        if not isinstance(self.speculative_adaptive, bool):
+            raise ValueError(
+                f"speculative_adaptive must be a bool, got {self.speculative_adaptive!r}"
+            )
+        self._check_draft_options()
+
+    def _check_draft_options(self) -> None:
+        method, path = self.speculative_method, self.speculative_draft_model
+        if method == "draft" and not (isinstance(path, str) and path):
+            raise ValueError("speculative_draft_model (a path) is required with method 'draft'")
+        if method != "draft" and path is not None:
+            raise ValueError("speculative_draft_model is only used with method 'draft'")
+        layers = self.speculative_draft_layers
+        if method == "self":
+            if layers is None:
+                raise ValueError("speculative_draft_layers is required with method 'self'")
+            _check_count("speculative_draft_layers", layers, 1)
+        elif layers is not None:
+            raise ValueError("speculative_draft_layers is only used with method 'self'")
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.speculative_method is not None
+
+
+def _check_count(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # torch intra-op threads; None = all cores.
     num_threads: int | None = None
 
@@ -106,6 +166,7 @@ class EngineConfig:
             model=ModelConfig(**groups.get(ModelConfig, {})),
             cache=CacheConfig(**groups.get(CacheConfig, {})),
             scheduler=SchedulerConfig(**groups.get(SchedulerConfig, {})),
+            speculative=SpeculativeConfig(**groups.get(SpeculativeConfig, {})),
             num_threads=num_threads,  # type: ignore[arg-type]
         )
 
@@ -118,5 +179,6 @@ _OPTION_OWNERS: dict[str, type] = {
     **{name: ModelConfig for name in _field_names(ModelConfig)},
     **{name: CacheConfig for name in _field_names(CacheConfig)},
     **{name: SchedulerConfig for name in _field_names(SchedulerConfig)},
+    **{name: SpeculativeConfig for name in _field_names(SpeculativeConfig)},
     "num_threads": EngineConfig,
 }

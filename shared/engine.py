@@ -32,6 +32,7 @@ from shared.request import Request, RequestStatus
 from shared.runner import ModelRunner
 from shared.sampling_params import SamplingParams
 from shared.scheduler import Scheduler, SchedulerOutput
+from shared.spec_decode.speculator import build_policy, build_speculator
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,24 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
+    # Speculative decoding, cumulative (0 without a proposer): draft tokens proposed and
+    # accepted, and verifications (one per request per step that verified drafts).
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_spec_verify_steps: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        if not self.num_spec_proposed_tokens:
+            return 0.0
+        return self.num_spec_accepted_tokens / self.num_spec_proposed_tokens
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Draft tokens accepted per verification (the bonus token not counted)."""
+        if not self.num_spec_verify_steps:
+            return 0.0
+        return self.num_spec_accepted_tokens / self.num_spec_verify_steps
 
     @property
     def kv_usage(self) -> float:
@@ -80,10 +99,20 @@ class EngineCore:
             enable_caching=config.cache.enable_prefix_caching,
             hash_namespace=config.cache.hash_namespace,
         )
+        self.speculation = build_policy(config.speculative)
         self.scheduler = Scheduler(
-            config.scheduler, self.kv_manager, self.max_model_len, self.eos_token_ids
+            config.scheduler,
+            self.kv_manager,
+            self.max_model_len,
+            self.eos_token_ids,
+            self.speculation,
         )
         self.runner = ModelRunner(model, kv_cache, config.cache.block_size, self.eos_token_ids)
+        self.speculator = None
+        if self.speculation is not None:
+            self.speculator = build_speculator(
+                config, self.speculation, self.runner, self.max_model_len
+            )
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)",
@@ -237,6 +266,8 @@ class EngineCore:
         if sched.is_empty:
             return deltas
         exports = self._blocks_to_export(sched)
+        if self.speculator is not None:
+            self.speculator.propose(sched)
         model_out = self.runner.execute(sched)
         updates = self.scheduler.update(sched, model_out)
         processed = self.output_processor.process(updates)
@@ -283,7 +314,18 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queried_tokens=prefix.num_queried_tokens,
             prefix_cache_hit_tokens=prefix.num_hit_tokens,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, int]:
+        if self.speculation is None:
+            return {}
+        spec = self.speculation.stats
+        return {
+            "num_spec_proposed_tokens": spec.num_proposed_tokens,
+            "num_spec_accepted_tokens": spec.num_accepted_tokens,
+            "num_spec_verify_steps": spec.num_verify_steps,
+        }
 
 
 def validate_params(params: object) -> None:

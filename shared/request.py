@@ -68,6 +68,13 @@ class Request:
     # Prefill pods: pack the pages of prompt blocks from this index on once the first token
     # is sampled (set by the engine at admission, never changed).
     export_kv_from_block: int | None = None
+    # Speculative decoding with a separate draft model: leading tokens whose draft-model KV
+    # is in the cache. The proposer advances it; the scheduler cuts it back to
+    # num_computed_tokens after a verification and to 0 on preemption.
+    num_draft_computed_tokens: int = 0
+    # Speculative decoding: the request's acceptance statistics (shared.spec_decode.adaptive
+    # owns it; None until the request first speculates).
+    spec_state: object | None = None
 
     # Owned by the KV cache manager: chained hashes of the full blocks of all_token_ids,
     # extended as tokens arrive and never recomputed.

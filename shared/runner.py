@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +15,9 @@ from shared.model.attention import (
 )
 from shared.model.llama import LlamaForCausalLM
 from shared.request import Request
-from shared.sampler import Sampler, SamplingRow, advance_generator
+from shared.sampler import Sampler, SamplingRow, advance_generator, compute_logprobs
 from shared.scheduler import ModelOutput, ScheduledChunk, SchedulerOutput
+from shared.spec_decode.rejection import Verification, verify
 
 
 @dataclass
@@ -23,8 +25,9 @@ class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampled]: last row of each sampled chunk
-    sampled_requests: list[Request]  # row i of the logits belongs to sampled_requests[i]
+    # [num_logits]: the last row of each sampled chunk; every row of a verification chunk.
+    logits_indices: torch.Tensor
+    sampled_requests: list[Request]  # chunks with logits, in row order
 
 
 class ModelRunner:
@@ -47,7 +50,26 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         inputs = self.prepare_inputs(sched.chunks)
-        logits = self.model(
+        logits = self.forward(inputs)  # [num_logits, vocab]
+        plain_rows: list[int] = []
+        plain_requests: list[Request] = []
+        verifications: list[tuple[ScheduledChunk, int]] = []  # (chunk, its first logits row)
+        row = 0
+        for chunk in sched.chunks:  # the order prepare_inputs laid the rows out in
+            if chunk.is_verification:
+                verifications.append((chunk, row))
+            elif chunk.num_logits:
+                plain_rows.append(row)
+                plain_requests.append(chunk.request)
+            row += chunk.num_logits
+        out = self._sample_plain(logits[plain_rows], plain_requests)
+        if verifications:
+            self._verify(logits, verifications, out)
+        return out
+
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """One batched forward over the paged cache; logits of `inputs.logits_indices` rows."""
+        return self.model(
             inputs.input_ids,
             inputs.positions,
             self.kv_cache,
@@ -55,11 +77,42 @@ class ModelRunner:
             self.backend,
             inputs.logits_indices,
         )
-        rows = [self._sampling_row(request) for request in inputs.sampled_requests]
+
+    def _sample_plain(self, logits: torch.Tensor, requests: list[Request]) -> ModelOutput:
+        rows = [self.sampling_row(request) for request in requests]
         sampled = self.sampler.sample(logits, rows)
-        ids = [request.request_id for request in inputs.sampled_requests]
+        ids = [request.request_id for request in requests]
         logprobs = {rid: lp for rid, lp in zip(ids, sampled.logprobs) if lp is not None}
         return ModelOutput(dict(zip(ids, sampled.sampled_token_ids)), logprobs)
+
+    def _verify(
+        self,
+        logits: torch.Tensor,
+        verifications: list[tuple[ScheduledChunk, int]],
+        out: ModelOutput,
+    ) -> None:
+        """Rejection sampling of every verification chunk's drafts (shared/spec_decode)."""
+        row_ids = [r for c, start in verifications for r in range(start, start + c.num_logits)]
+        sub = logits[row_ids]  # [sum(k_i + 1), vocab]
+        batch = [self._verification(chunk) for chunk, _ in verifications]
+        results = verify(sub, batch)
+        start = 0
+        for (chunk, _), item, token_ids in zip(verifications, batch, results):
+            request_id = chunk.request.request_id
+            out.verified_token_ids[request_id] = token_ids
+            num_rows = len(item.rows)
+            if chunk.request.sampling_params.logprobs is not None:
+                rows = item.rows[: len(token_ids)]
+                raw = sub[start : start + len(token_ids)]
+                out.verified_logprobs[request_id] = compute_logprobs(raw, rows, token_ids)
+            start += num_rows
+
+    def _verification(self, chunk: ScheduledChunk) -> Verification:
+        drafts = chunk.draft_token_ids
+        rows = [self.sampling_row(chunk.request, drafts[:j]) for j in range(len(drafts) + 1)]
+        probs = chunk.draft_probs
+        assert probs is None or isinstance(probs, torch.Tensor), "draft_probs is a tensor"
+        return Verification(drafts, probs, rows, self.generator(chunk.request))
 
     def release(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -84,8 +137,8 @@ class ModelRunner:
             )
             positions.append(chunk_positions)
             slots.append(self._slots(chunk.block_ids, chunk_positions))
-            if chunk.is_sampled:
-                logits_rows.append(row + chunk.num_tokens - 1)
+            end = row + chunk.num_tokens
+            logits_rows.extend(range(end - chunk.num_logits, end))
             if chunk.num_tokens > 1:
                 seq_len = chunk.start_position + chunk.num_tokens
                 used = torch.tensor(chunk.block_ids[: -(-seq_len // self.block_size)])
@@ -150,20 +203,25 @@ class ModelRunner:
 
     # ---- sampling ---------------------------------------------------------------------------
 
-    def _sampling_row(self, request: Request) -> SamplingRow:
+    def sampling_row(self, request: Request, draft_token_ids: Sequence[int] = ()) -> SamplingRow:
+        """What sampling the request's next token needs; with `draft_token_ids`, the token
+        after those drafts (speculative decoding: penalties and min_tokens count them)."""
         params = request.sampling_params
         suppressed: tuple[int, ...] = ()
-        if request.num_output_tokens < params.min_tokens:
+        if request.num_output_tokens + len(draft_token_ids) < params.min_tokens:
             suppressed = tuple(self.eos_token_ids) + tuple(params.stop_token_ids)
+        output_token_ids = request.output_token_ids
+        if draft_token_ids:
+            output_token_ids = output_token_ids + list(draft_token_ids)
         return SamplingRow(
             params=params,
-            generator=self._generator(request),
+            generator=self.generator(request),
             prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
+            output_token_ids=output_token_ids,
             suppressed_token_ids=suppressed,
         )
 
-    def _generator(self, request: Request) -> torch.Generator | None:
+    def generator(self, request: Request) -> torch.Generator | None:
         seed = request.sampling_params.seed
         if seed is None or request.sampling_params.is_greedy:
             return None

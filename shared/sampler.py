@@ -105,6 +105,37 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return _apply_frequency_presence_penalties(logits, rows)
 
 
+def sampling_distribution(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """[num_rows, vocab] float32: the distribution `sample` draws each row's token from (steps
+    1-5), normalised; greedy rows are one-hot at their argmax. Speculative decoding verifies
+    drafts against it (and a draft model proposes from it), so the tokens it keeps follow
+    exactly what `sample` would have drawn."""
+    logits = apply_penalties(logits, rows)
+    probs = torch.zeros_like(logits)
+    greedy_rows = [i for i, row in enumerate(rows) if row.params.is_greedy]
+    if greedy_rows:
+        argmax = logits[greedy_rows].argmax(dim=-1, keepdim=True)
+        probs[greedy_rows] = probs[greedy_rows].scatter_(1, argmax, 1.0)
+    random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+    if random_rows:
+        filtered = _filtered_probs(logits, [rows[i].params for i in random_rows], random_rows)
+        probs[random_rows] = filtered / filtered.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of probs [num_rows, vocab] (need not be normalised), each row with its
+    own generator: the same draw `sample` makes."""
+    return _draw(probs, generators)
+
+
+def compute_logprobs(
+    raw_logits: torch.Tensor, rows: list[SamplingRow], token_ids: list[int]
+) -> list[TokenLogprobs | None]:
+    """Logprobs of `token_ids` (one per row) under the raw logits, for rows that ask for them."""
+    return _compute_logprobs(raw_logits.float(), rows, token_ids)
+
+
 def _is_plain_greedy(rows: list[SamplingRow]) -> bool:
     return all(
         r.params.is_greedy and not _has_penalty(r.params) and r.params.logprobs is None
@@ -194,13 +225,22 @@ def _sample_random(
     logits: torch.Tensor, rows: list[SamplingRow], random_rows: list[int]
 ) -> torch.Tensor:
     params = [rows[i].params for i in random_rows]
+    probs = _filtered_probs(logits, params, random_rows)
+    return _draw(probs, [rows[i].generator for i in random_rows])
+
+
+def _filtered_probs(
+    logits: torch.Tensor, params: list[SamplingParams], random_rows: list[int]
+) -> torch.Tensor:
+    """Step 5 for the random rows: [num_random, vocab] probabilities, zero where filtered (not
+    renormalised after min-p)."""
     sub = logits[random_rows] / _column([p.temperature for p in params], logits)
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         sub = _apply_top_k_top_p(sub, params)
     probs = torch.softmax(sub, dim=-1)  # [num_random, vocab]
     if any(p.min_p > 0.0 for p in params):
         probs = _apply_min_p(probs, params)
-    return _draw(probs, [rows[i].generator for i in random_rows])
+    return probs
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -1,5 +1,12 @@
 """Continuous batching with chunked prefill, prefix caching, priorities and preemption.
 
+Speculative decoding rides the same loop: a decoding request that speculates is scheduled as
+1 + k tokens (its newest token and k draft slots, all counted against the budget), the engine's
+proposer fills the drafts in, and `update` keeps what verification accepted:
+
+    | computed | newest token | d1 .. dk (drafts) |      before the step
+    | computed ...... | accepted drafts | next token |  after: the rejected slots are rolled back
+
 One loop hands out a per-step token budget: running requests first (decodes, then unfinished
 prefill chunks), then waiting requests by (priority, arrival). A request whose blocks cannot be
 allocated preempts the least important running request (highest priority value, then newest) by
@@ -11,10 +18,14 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shared.config import SchedulerConfig
 from shared.kv.manager import KVCacheManager
 from shared.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from shared.spec_decode.adaptive import SpeculationPolicy
 
 
 @dataclass
@@ -27,12 +38,36 @@ class ScheduledChunk:
     block_ids: list[int]  # the request's whole block table after allocation
     # The chunk reaches the request's newest token, so this step samples its next one.
     is_sampled: bool
+    # Speculative decoding: slots allocated past the newest token for draft tokens (the
+    # scheduler sets it), and the drafts the proposer put there (<= num_draft_slots of them;
+    # `attach_drafts` adds them to num_tokens).
+    num_draft_slots: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
+    # [num_drafts, vocab] torch tensor: the proposer's distribution each draft was drawn from;
+    # None for a deterministic proposer (n-gram: a point mass on the draft).
+    draft_probs: object | None = None
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[
-            self.start_position : self.start_position + self.num_tokens
-        ]
+        num_known = self.num_tokens - len(self.draft_token_ids)
+        known = self.request.all_token_ids[self.start_position : self.start_position + num_known]
+        return known + self.draft_token_ids
+
+    @property
+    def is_verification(self) -> bool:
+        return bool(self.draft_token_ids)
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of this chunk whose logits the step needs: one per draft plus the next token."""
+        return 1 + len(self.draft_token_ids) if self.is_sampled else 0
+
+    def attach_drafts(self, token_ids: list[int], probs: object | None = None) -> None:
+        assert not self.draft_token_ids, "drafts are attached once"
+        assert len(token_ids) <= self.num_draft_slots, "more drafts than slots"
+        self.draft_token_ids = list(token_ids)
+        self.draft_probs = probs
+        self.num_tokens += len(token_ids)
 
 
 @dataclass
@@ -53,6 +88,10 @@ class SchedulerOutput:
 class ModelOutput:
     sampled_token_ids: dict[str, int]  # req_id -> token sampled this step
     logprobs: dict[str, object] = field(default_factory=dict)  # req_id -> TokenLogprobs
+    # Verification chunks: req_id -> the accepted drafts followed by one token the target
+    # chose (the bonus token, or the correction of the first rejected draft).
+    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[str, list[object]] = field(default_factory=dict)  # one per token
 
 
 @dataclass
@@ -72,8 +111,10 @@ class Scheduler:
         kv_manager: KVCacheManager,
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
+        speculation: SpeculationPolicy | None = None,
     ) -> None:
         self.config = config
+        self.speculation = speculation
         self.eos_token_ids = eos_token_ids
         self.kv = kv_manager
         self.max_model_len = max_model_len
@@ -146,17 +187,42 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # Decodes first: they are one token each and every step they wait adds to their ITL.
-        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        order = sorted(self.running, key=lambda r: not _is_decoding(r))
+        speculating = self._is_speculating(order)
         for request in order:
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = self._chunk_size(request, budget)
-            if self._allocate_or_preempt(request, num_new, out):
-                out.chunks.append(self._chunk(request, num_new))
-                budget -= num_new
+            num_drafts = self._num_draft_slots(request, budget) if speculating else 0
+            if self._allocate_or_preempt(request, num_new + num_drafts, out):
+                chunk = self._chunk(request, num_new)
+                chunk.num_draft_slots = num_drafts
+                out.chunks.append(chunk)
+                budget -= num_new + num_drafts
         return budget
+
+    def _is_speculating(self, running: list[Request]) -> bool:
+        if self.speculation is None:
+            return False
+        return self.speculation.is_active(sum(1 for r in running if _is_decoding(r)))
+
+    def _num_draft_slots(self, request: Request, budget: int) -> int:
+        """k for a decoding request: what its acceptance rate earns, capped so the drafts fit
+        the budget, max_tokens (the bonus token needs room too) and the context; 0 when its
+        slots are not free, since drafts never preempt anybody."""
+        assert self.speculation is not None, "only called while speculating"
+        if not _is_decoding(request):
+            return 0
+        num_left = request.sampling_params.max_tokens - request.num_output_tokens - 1
+        room = min(budget - 1, num_left, self.max_model_len - request.num_tokens)
+        if room <= 0:
+            return 0
+        k = min(self.speculation.num_draft_tokens(request), room)
+        if k and not self.kv.can_allocate(request, 1 + k):
+            return 0
+        return k
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocates slots for `request`, preempting others until they fit. False if it was
@@ -180,6 +246,7 @@ class Scheduler:
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.num_draft_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted_request_ids.append(victim.request_id)
@@ -230,6 +297,9 @@ class Scheduler:
             request = chunk.request
             if request.is_finished:
                 continue  # aborted while the step ran
+            if chunk.is_verification:
+                updates.append(self._update_verified(chunk, model_out))
+                continue
             request.num_computed_tokens += chunk.num_tokens
             self.kv.cache_blocks(request, request.num_computed_tokens)
             if not chunk.is_sampled:
@@ -246,6 +316,35 @@ class Scheduler:
                 )
             )
         return updates
+
+    def _update_verified(self, chunk: ScheduledChunk, model_out: ModelOutput) -> RequestUpdate:
+        """Appends the accepted drafts and the target's next token, stopping at the first that
+        ends the request; the KV of everything after the accepted run is rolled back (those
+        slots are simply written again next step, and never reach the prefix cache)."""
+        request = chunk.request
+        token_ids = model_out.verified_token_ids[request.request_id]
+        num_accepted = len(token_ids) - 1
+        assert self.speculation is not None, "verification needs a speculation policy"
+        self.speculation.record(request, len(chunk.draft_token_ids), num_accepted)
+        status = None
+        num_appended = 0
+        for token_id in token_ids:
+            request.append_output_token(token_id)
+            num_appended += 1
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                break
+        # KV is valid for every token but the newest one (which the next step computes).
+        request.num_computed_tokens = request.num_tokens - 1
+        request.num_draft_computed_tokens = min(
+            request.num_draft_computed_tokens, request.num_computed_tokens
+        )
+        self.kv.cache_blocks(request, request.num_computed_tokens)
+        if status is not None:
+            self.finish_requests([request.request_id], status)
+        logprobs = model_out.verified_logprobs.get(request.request_id, [])
+        new_token_ids = token_ids[:num_appended]
+        return RequestUpdate(request, new_token_ids, logprobs[:num_appended], status is not None)
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -311,3 +410,8 @@ class Scheduler:
     def _remove_waiting(self, request: Request) -> None:
         self._waiting = [entry for entry in self._waiting if entry[3] is not request]
         heapq.heapify(self._waiting)
+
+
+def _is_decoding(request: Request) -> bool:
+    """Only the newest token is left to compute."""
+    return request.num_tokens - request.num_computed_tokens == 1

@@ -48,6 +48,27 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     group.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all)")
+    _add_speculative_flags(parser)
+
+
+def _add_speculative_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("speculative decoding")
+    group.add_argument(
+        "--speculative-method",
+        choices=["ngram", "draft", "self"],
+        default=None,
+        help="propose tokens by n-gram prompt lookup, a draft model, or the model's first "
+        "layers (default: off)",
+    )
+    group.add_argument(
+        "--num-speculative-tokens", type=int, default=4, help="most draft tokens per step"
+    )
+    group.add_argument(
+        "--speculative-draft-model", default=None, help="draft .gguf or HF directory (draft)"
+    )
+    group.add_argument(
+        "--speculative-draft-layers", type=int, default=None, help="draft layers (self)"
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
@@ -62,6 +83,10 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": args.prefix_caching,
         "num_threads": args.num_threads,
+        "speculative_method": args.speculative_method,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "speculative_draft_model": args.speculative_draft_model,
+        "speculative_draft_layers": args.speculative_draft_layers,
     }
 
 

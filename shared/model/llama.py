@@ -126,10 +126,11 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # [num_sampled] rows whose next token is sampled
+        num_layers: int | None = None,  # only the first layers (a self-speculative draft)
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         angles = self.rotary.lookup(positions, hidden.dtype)
-        for layer_id, layer in enumerate(self.layers):
+        for layer_id, layer in enumerate(self.layers[:num_layers]):
             hidden = layer(hidden, angles, kv_cache[layer_id], meta, backend)
         # Norm and project only the rows that are sampled: a prefill chunk needs one, not all.
         last = self.norm(hidden[logits_indices])

@@ -1,0 +1,250 @@
+"""Speculative decoding parts on their own: n-gram lookup, greedy acceptance, rejection
+sampling's output distribution (chi-square against the exact target), the adaptive k policy
+and the option validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.config import EngineConfig
+from shared.request import Request
+from shared.sampler import SamplingRow
+from shared.sampling_params import SamplingParams
+from shared.spec_decode.adaptive import SpeculationPolicy
+from shared.spec_decode.ngram import propose_ngram
+from shared.spec_decode.rejection import Verification, accept_greedy, verify
+
+# ---- n-gram ----------------------------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_latest_match():
+    tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 6, 1, 2, 3]
+    # "1 2 3" occurred twice before; the latest (followed by 7 8 6) wins.
+    assert propose_ngram(tokens, 3) == [7, 8, 6]
+    assert propose_ngram(tokens, 1) == [7]
+
+
+def test_ngram_prefers_the_longest_suffix():
+    # The bigram "5 6" last occurred before 0, but the 3-gram "4 5 6" only before 7.
+    tokens = [4, 5, 6, 7, 1, 5, 6, 0, 2, 4, 5, 6]
+    assert propose_ngram(tokens, 2) == [7, 1]
+
+
+def test_ngram_without_a_repeat_proposes_nothing():
+    assert propose_ngram([1, 2, 3, 4, 5], 4) == []
+    assert propose_ngram([1, 1], 4) == []  # unigrams are below the minimum n
+    assert propose_ngram([1, 2, 1, 2], 0) == []
+
+
+def test_ngram_stops_at_the_end_of_the_context():
+    assert propose_ngram([1, 2, 3, 1, 2], 5) == [3, 1, 2]
+
+
+# ---- greedy acceptance -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("drafts", "targets", "expected"),
+    [
+        ([5, 6, 7], [5, 6, 7, 8], [5, 6, 7, 8]),  # all accepted + bonus
+        ([5, 6, 7], [5, 9, 7, 8], [5, 9]),  # first mismatch replaced, run ends
+        ([5, 6, 7], [4, 6, 7, 8], [4]),
+    ],
+)
+def test_greedy_accepts_the_longest_agreeing_prefix(drafts, targets, expected):
+    assert accept_greedy(drafts, targets) == expected
+
+
+# ---- rejection sampling ----------------------------------------------------------------------
+
+VOCAB = 12
+
+
+def _row(params: SamplingParams, generator: torch.Generator) -> SamplingRow:
+    return SamplingRow(params, generator, [0], [])
+
+
+def _chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    """P(statistic >= observed) under the null, pooling categories expected below 5."""
+    keep = expected >= 5
+    observed = torch.cat([counts[keep], counts[~keep].sum().unsqueeze(0)])
+    wanted = torch.cat([expected[keep], expected[~keep].sum().unsqueeze(0)])
+    if wanted[-1] < 5:  # pooled tail still too small: fold it into the largest category
+        observed, wanted = observed[:-1].clone(), wanted[:-1].clone()
+        observed[wanted.argmax()] += counts[~keep].sum()
+        wanted[wanted.argmax()] += expected[~keep].sum()
+    statistic = ((observed - wanted) ** 2 / wanted).sum()
+    dof = torch.tensor(float(len(wanted) - 1), dtype=torch.float64)
+    return float(torch.special.gammaincc(dof / 2, statistic.double() / 2))
+
+
+def _peaked_logits(num_rows: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(num_rows, VOCAB, generator=generator) * 2.0
+
+
+def _target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    from shared.sampler import sampling_distribution
+
+    rows = [_row(params, torch.Generator()) for _ in range(logits.shape[0])]
+    return sampling_distribution(logits, rows)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=6, top_p=0.9),
+    ],
+    ids=["t1", "t0.7-topk6-topp0.9"],
+)
+@pytest.mark.parametrize("proposer", ["draft_model", "point_mass"])
+def test_rejection_sampling_emits_the_target_distribution(params, proposer):
+    """Over many seeds, the first emitted token follows p_0 and, after an accepted first
+    draft, the second follows p_1: whatever q proposed."""
+    num_trials = 4000
+    k = 2
+    target_logits = _peaked_logits(k + 1, seed=1)
+    p = _target_probs(target_logits, params)
+    # A draft distribution deliberately different from p (another random model).
+    q = _target_probs(_peaked_logits(k, seed=2), params)
+    first = torch.zeros(VOCAB)
+    second = torch.zeros(VOCAB)
+    fixed_first_draft = int(p[0].argmax())  # a good guess, so p_1 gets tested too
+    for seed in range(num_trials):
+        generator = torch.Generator().manual_seed(seed)
+        if proposer == "draft_model":
+            drafts = [int(torch.multinomial(q[j], 1, generator=generator)) for j in range(k)]
+            draft_probs = q
+        else:  # an n-gram-like proposer: always the same guess
+            drafts, draft_probs = [fixed_first_draft, int(p[1].argmax())], None
+        rows = [_row(params, generator) for _ in range(k + 1)]
+        (emitted,) = verify(target_logits, [Verification(drafts, draft_probs, rows, generator)])
+        first[emitted[0]] += 1
+        if drafts[0] == emitted[0] and len(emitted) > 1:
+            second[emitted[1]] += 1
+    assert _chi_square_p_value(first, p[0] * num_trials) > 1e-3
+    assert second.sum() > 400, "the first draft should be accepted often enough to test p_1"
+    assert _chi_square_p_value(second, p[1] * second.sum()) > 1e-3
+
+
+def test_rejection_sampling_test_would_notice_a_wrong_distribution():
+    """The same statistic rejects draws from q where p was due (the test has power)."""
+    params = SamplingParams(temperature=1.0)
+    p = _target_probs(_peaked_logits(1, seed=1), params)[0]
+    q = _target_probs(_peaked_logits(1, seed=2), params)[0]
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.multinomial(q, 6000, replacement=True, generator=generator)
+    counts = torch.bincount(draws, minlength=VOCAB).float()
+    assert _chi_square_p_value(counts, p * 6000) < 1e-6
+
+
+def test_greedy_rows_ignore_the_draft_distribution():
+    logits = _peaked_logits(3, seed=3)
+    targets = logits.argmax(dim=-1).tolist()
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.0)
+    rows = [_row(params, torch.Generator()) for _ in range(3)]
+    drafts = [targets[0], (targets[1] + 1) % VOCAB]
+    q = torch.full((2, VOCAB), 1.0 / VOCAB)
+    (emitted,) = verify(logits, [Verification(drafts, q, rows, None)])
+    assert emitted == [targets[0], targets[1]]
+
+
+# ---- adaptive k and the batch switch ---------------------------------------------------------
+
+
+def _request() -> Request:
+    return Request("r", [1, 2, 3], SamplingParams())
+
+
+def test_k_shrinks_with_acceptance_then_pauses_and_probes():
+    policy = SpeculationPolicy(max_draft_tokens=5, max_batch_size=4, min_marginal_acceptance=0.2)
+    request = _request()
+    assert policy.num_draft_tokens(request) == 5  # no history: optimistic
+    for _ in range(10):
+        policy.record(request, 5, 5)
+    assert policy.num_draft_tokens(request) == 5
+    for _ in range(10):
+        policy.record(request, 5, 1)  # alpha drifts towards 1/2
+    assert 1 <= policy.num_draft_tokens(request) < 5
+    for _ in range(20):
+        policy.record(request, 2, 0)
+    ks = [policy.num_draft_tokens(request) for _ in range(9)]
+    assert ks[:8] == [0] * 8, "paused while acceptance is hopeless"
+    assert ks[8] == 1, "then one probe with k = 1"
+    assert policy.stats.num_verify_steps == 40
+    assert policy.stats.num_proposed_tokens == 10 * 5 + 10 * 5 + 20 * 2
+    assert policy.stats.num_accepted_tokens == 50 + 10
+
+
+def test_fixed_k_when_not_adaptive():
+    policy = SpeculationPolicy(max_draft_tokens=3, max_batch_size=4, adaptive=False)
+    request = _request()
+    for _ in range(10):
+        policy.record(request, 3, 0)
+    assert policy.num_draft_tokens(request) == 3
+
+
+def test_batch_switch():
+    policy = SpeculationPolicy(max_draft_tokens=3, max_batch_size=4)
+    assert policy.is_active(4) and not policy.is_active(5)
+
+
+# ---- options ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "name"),
+    [
+        ({"speculative_method": "medusa"}, "speculative_method"),
+        ({"speculative_method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"speculative_method": "ngram", "num_speculative_tokens": 2.0}, "num_speculative_tokens"),
+        ({"speculative_method": "draft"}, "speculative_draft_model"),
+        (
+            {"speculative_method": "ngram", "speculative_draft_model": "x"},
+            "speculative_draft_model",
+        ),
+        ({"speculative_method": "self"}, "speculative_draft_layers"),
+        ({"speculative_method": "self", "speculative_draft_layers": 0}, "speculative_draft_layers"),
+        ({"speculative_draft_layers": 3}, "speculative_draft_layers"),
+        ({"speculative_max_batch_size": -1}, "speculative_max_batch_size"),
+    ],
+)
+def test_bad_speculative_options_are_named(options, name):
+    with pytest.raises(ValueError, match=name):
+        EngineConfig.from_options(**options)
+
+
+# ---- pod flags and stats ---------------------------------------------------------------------
+
+
+def test_pod_flags_map_to_engine_options():
+    import argparse
+
+    from services.common.flags import add_engine_flags, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    args = parser.parse_args(
+        ["--speculative-method", "self", "--num-speculative-tokens", "6"]
+        + ["--speculative-draft-layers", "10"]
+    )
+    config = EngineConfig.from_options(**engine_options(args))
+    assert config.speculative.speculative_method == "self"
+    assert config.speculative.num_speculative_tokens == 6
+    assert config.speculative.speculative_draft_layers == 10
+    default = EngineConfig.from_options(**engine_options(parser.parse_args([])))
+    assert not default.speculative.is_enabled
+
+
+def test_worker_stats_carry_the_speculation_counters():
+    from services.common.pod import PodStats, WorkerIdentity, worker_stats_to_proto
+    from shared.engine import EngineStats
+
+    engine = EngineStats(1, 0, 10, 9, 0, 0, 0, 40, 30, 12)
+    identity = WorkerIdentity("w", "decode", "m", "tcp")
+    proto = worker_stats_to_proto(PodStats(identity, engine, 2048, 16, 49152))
+    assert (proto.spec_proposed_tokens, proto.spec_accepted_tokens) == (40, 30)
+    assert proto.spec_verify_steps == 12
+    assert engine.spec_acceptance_rate == 0.75 and engine.spec_mean_accepted_length == 2.5

@@ -3,16 +3,30 @@
     python -m benchmarks.routing [--seed 0]
 
 For each policy a fresh stack starts (redis-server, two prefill pods, a decode pod, the
-gateway with --routing-policy), then two seeded synthetic workloads run through its HTTP API:
+gateway with --routing-policy), then two seeded synthetic workloads run through its HTTP API
+(4 output tokens per request, 2 requests in flight):
 
-- shared system prompts: requests each start with one of a few long system prompts (more than
-  one prefill pod's KV cache holds, so where a prompt goes decides whether it stays cached);
-- multi-turn chat: conversations whose every turn re-sends the whole history.
+- shared system prompts: 8 system prompts of 256 tokens (16 blocks each), 8 rounds; each round
+  sends every prompt once, in a seeded random order, with a fresh 16-token user message;
+- multi-turn chat: 8 conversations of 5 turns, 256 tokens first, each turn re-sending the whole
+  history plus 32 new tokens (the reply and the next user message); round t sends turn t of
+  every conversation in a seeded random order, after round t - 1 has finished.
 
-Printed per workload and policy: client-side TTFT p50/p90 and the prompt tokens the prefill pods
-actually computed (queried minus prefix-cache hits, from their stats), then the ratios.
-The decode pod runs with --local-prefill-threshold 0, so every prompt goes to a prefill pod and
-the routing choice is what is measured.
+Why the sizes: each prefill pod gets 80 MiB of KV cache (113 blocks of 16 tokens in float32).
+The working set of either workload (8 x 16 = 128 blocks of system prompts; 8 conversations of
+up to 24 blocks = 192 blocks) is more than one pod's cache holds and less than two hold. That is
+the case cache-aware routing exists for: it partitions the prefixes between the pods, so their
+caches together hold everything, while round robin sends every prefix to both pods, so each
+pod's cache must hold the whole working set and its LRU order evicts a prefix before it comes
+back (every other prefix is used in between). Arrivals are interleaved for the same reason.
+
+Printed per workload and policy: client-side TTFT p50/p90 and the prompt tokens computed,
+counted where they are computed: queried minus prefix-cache-hit tokens on the prefill pods (from
+their stats), and the prompts the decode pod prefilled itself (from its metrics). The decode pod
+runs with --local-prefill-threshold 0, so every prompt goes to a prefill pod, which computes all
+of it except its own cached prefix: the decode pod's prefix cache only saves page transfers, not
+prefill work, and hides nothing from the count. A decode pod prefill would only be a fallback
+after a failed remote prefill; the column shows there were none.
 """
 
 from __future__ import annotations
@@ -34,13 +48,18 @@ from services.common.supervisor import HealthCheck, ProcessSpec, Supervisor
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 VOCAB = range(1000, 40000)  # ordinary tokens, clear of the special ones
 POLICIES = ("round_robin", "cache_aware")
+PREFILL_KV_CACHE = "80MiB"  # 113 blocks: less than either workload's working set (see above)
+DECODE_KV_CACHE = "256MiB"
+CONCURRENCY = 2
+OUTPUT_TOKENS = 4
 
 
 @dataclass(frozen=True)
 class Figures:
     ttft_p50_ms: float
     ttft_p90_ms: float
-    prefill_tokens: int
+    prefill_tokens: int  # computed on the prefill pods
+    num_decode_prefills: int  # prompts the decode pod prefilled itself (fallbacks)
     num_errors: int
 
 
@@ -55,23 +74,26 @@ def tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.choice(VOCAB) for _ in range(n)]
 
 
-def system_prompt_requests(seed: int, num_prompts=6, prompt_len=384, num_requests=24):
+def system_prompt_rounds(seed: int, num_prompts=8, prompt_len=256, num_rounds=8, user_len=16):
+    """Rounds of requests: each round every system prompt once, shuffled, + a user message."""
     rng = random.Random(seed)
     systems = [tokens(rng, prompt_len) for _ in range(num_prompts)]
-    return [rng.choice(systems) + tokens(rng, 24) for _ in range(num_requests)]
+    rounds = []
+    for _ in range(num_rounds):
+        order = rng.sample(systems, len(systems))
+        rounds.append([system + tokens(rng, user_len) for system in order])
+    return rounds
 
 
-def conversations(seed: int, num_conversations=4, num_turns=4, first_len=256, turn_len=48):
-    """Each conversation's prompts, turn by turn: history + reply + the next user message."""
+def chat_rounds(seed: int, num_conversations=8, num_turns=5, first_len=256, turn_len=32):
+    """Round t: turn t of every conversation (its history + `turn_len` new tokens), shuffled."""
     rng = random.Random(seed + 1)
-    result = []
-    for _ in range(num_conversations):
-        prompt, turns = tokens(rng, first_len), []
-        for _ in range(num_turns):
-            turns.append(prompt)
-            prompt = prompt + tokens(rng, turn_len)
-        result.append(turns)
-    return result
+    histories = [tokens(rng, first_len) for _ in range(num_conversations)]
+    rounds = []
+    for _ in range(num_turns):
+        rounds.append(rng.sample(histories, len(histories)))
+        histories = [history + tokens(rng, turn_len) for history in histories]
+    return rounds
 
 
 # ---- the stack ------------------------------------------------------------------------------
@@ -83,6 +105,7 @@ class Stack:
     redis: RedisServer
     http_port: int
     prefill_addresses: list[str]
+    decode_metrics_url: str
 
     def stop(self) -> None:
         self.supervisor.stop()
@@ -94,8 +117,10 @@ def start_stack(policy: str) -> Stack:
     supervisor = Supervisor()
     common = ["--num-threads", "1", "--kv-transport", "tcp", "--log-level", "warning"]
     common += ["--redis-url", redis.url]
-    pods = [("prefill-0", "64MiB", []), ("prefill-1", "64MiB", [])]
-    pods.append(("decode-0", "256MiB", ["--local-prefill-threshold", "0"]))
+    pods = [("prefill-0", PREFILL_KV_CACHE, []), ("prefill-1", PREFILL_KV_CACHE, [])]
+    metrics_port = free_port()
+    decode_flags = ["--local-prefill-threshold", "0", "--metrics-port", str(metrics_port)]
+    pods.append(("decode-0", DECODE_KV_CACHE, decode_flags))
     addresses = {}
     for name, cache, extra in pods:
         role, port = name.split("-")[0], free_port()
@@ -111,7 +136,9 @@ def start_stack(policy: str) -> Stack:
     health = HealthCheck(http_url=f"http://127.0.0.1:{http_port}/health")
     supervisor.start(ProcessSpec("gateway", argv, health))
     supervisor.wait_healthy(300.0)
-    stack = Stack(supervisor, redis, http_port, [addresses["prefill-0"], addresses["prefill-1"]])
+    prefill_addresses = [addresses["prefill-0"], addresses["prefill-1"]]
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    stack = Stack(supervisor, redis, http_port, prefill_addresses, metrics_url)
     _wait_for_pods(stack)
     return stack
 
@@ -143,61 +170,72 @@ def prefill_tokens_computed(stack: Stack) -> int:
     return total
 
 
+def decode_pod_prefills(stack: Stack) -> int:
+    """Prompts the decode pod prefilled itself (modes local and local-fallback)."""
+    with urllib.request.urlopen(stack.decode_metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    total = 0
+    for line in text.splitlines():
+        if line.startswith("splitserve:remote_prefill_requests_total{") and (
+            'mode="local"' in line or 'mode="local-fallback"' in line
+        ):
+            total += int(float(line.rsplit(" ", 1)[1]))
+    return total
+
+
 # ---- running --------------------------------------------------------------------------------
 
 
 async def _send(session, target: Target, prompt: list[int]):
-    return await stream_one(session, target, RequestSpec(0.0, prompt, 4), time.perf_counter())
+    spec = RequestSpec(0.0, prompt, OUTPUT_TOKENS)
+    return await stream_one(session, target, spec, time.perf_counter())
 
 
-async def run_system_prompts(target: Target, prompts: list[list[int]], concurrency=2):
+async def _drain(session, target: Target, queue: list[list[int]], results: list) -> None:
+    """One client: sends the queue's prompts one after another until it is empty."""
+    while queue:
+        results.append(await _send(session, target, queue.pop(0)))
+
+
+async def run_rounds(target: Target, rounds: list[list[list[int]]], label: str):
+    """Each round's prompts through CONCURRENCY clients; a round starts when the last ended."""
     import aiohttp
 
-    queue = list(prompts)
     results = []
+    start = time.monotonic()
     async with aiohttp.ClientSession() as session:
-
-        async def worker():
-            while queue:
-                results.append(await _send(session, target, queue.pop(0)))
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        for number, prompts in enumerate(rounds, 1):
+            queue = list(prompts)
+            clients = (_drain(session, target, queue, results) for _ in range(CONCURRENCY))
+            await asyncio.gather(*clients)
+            elapsed = time.monotonic() - start
+            log(f"{label}: round {number}/{len(rounds)} done ({elapsed:.0f} s)")
     return results
 
 
-async def run_conversations(target: Target, chats: list[list[list[int]]]):
-    import aiohttp
-
-    async with aiohttp.ClientSession() as session:
-
-        async def converse(turns):
-            return [await _send(session, target, prompt) for prompt in turns]
-
-        per_chat = await asyncio.gather(*(converse(turns) for turns in chats))
-    return [result for results in per_chat for result in results]
-
-
-def measure(stack: Stack, run) -> Figures:
+def measure(stack: Stack, rounds: list[list[list[int]]], label: str) -> Figures:
     target = Target(f"http://127.0.0.1:{stack.http_port}/v1/completions", MODEL)
-    before = prefill_tokens_computed(stack)
-    results = asyncio.run(run(target))
+    before = prefill_tokens_computed(stack), decode_pod_prefills(stack)
+    results = asyncio.run(run_rounds(target, rounds, label))
     time.sleep(0.5)  # the stats a pod reports are taken after its step
-    computed = prefill_tokens_computed(stack) - before
+    computed = prefill_tokens_computed(stack) - before[0]
+    decode_prefills = decode_pod_prefills(stack) - before[1]
     ttfts = sorted(r.ttft_s * 1000 for r in results if r.ok and r.ttft_s is not None)
     deciles = statistics.quantiles(ttfts, n=10)
-    return Figures(statistics.median(ttfts), deciles[8], computed, sum(not r.ok for r in results))
+    num_errors = sum(not r.ok for r in results)
+    return Figures(statistics.median(ttfts), deciles[8], computed, decode_prefills, num_errors)
 
 
 def run_policy(policy: str, seed: int) -> dict[str, Figures]:
     log(f"{policy}: starting redis-server, 2 prefill pods, 1 decode pod and the gateway")
     stack = start_stack(policy)
     try:
-        prompts = system_prompt_requests(seed)
-        log(f"{policy}: shared system prompts, {len(prompts)} requests")
-        shared = measure(stack, lambda t: run_system_prompts(t, prompts))
-        chats = conversations(seed)
-        log(f"{policy}: multi-turn chat, {sum(len(c) for c in chats)} turns")
-        chat = measure(stack, lambda t: run_conversations(t, chats))
+        shared_rounds = system_prompt_rounds(seed)
+        log(f"{policy}: shared system prompts, {sum(map(len, shared_rounds))} requests")
+        shared = measure(stack, shared_rounds, f"{policy} system prompts")
+        chats = chat_rounds(seed)
+        log(f"{policy}: multi-turn chat, {sum(map(len, chats))} turns")
+        chat = measure(stack, chats, f"{policy} chat")
     finally:
         stack.stop()
     return {"shared system prompts": shared, "multi-turn chat": chat}
@@ -205,15 +243,16 @@ def run_policy(policy: str, seed: int) -> dict[str, Figures]:
 
 def report(results: dict[str, dict[str, Figures]]) -> str:
     lines = [
-        "| workload | policy | TTFT p50 (ms) | TTFT p90 (ms) | prefill tokens computed | errors |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| workload | policy | TTFT p50 (ms) | TTFT p90 (ms) | prefill tokens computed "
+        "| decode-pod prefills | errors |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for workload in results[POLICIES[0]]:
         for policy in POLICIES:
             f = results[policy][workload]
             lines.append(
                 f"| {workload} | {policy} | {f.ttft_p50_ms:.0f} | {f.ttft_p90_ms:.0f} | "
-                f"{f.prefill_tokens} | {f.num_errors} |"
+                f"{f.prefill_tokens} | {f.num_decode_prefills} | {f.num_errors} |"
             )
     lines.append("")
     for workload in results[POLICIES[0]]:

@@ -99,9 +99,11 @@ class GrpcServer:
         for name in ("", *self.service_names):
             await self.health.set(name, status)
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float = STOP_GRACE_SECONDS) -> None:
+        """Turns NOT_SERVING and refuses new calls at once; calls in flight get `grace_s`
+        seconds to finish before they are cancelled."""
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(STOP_GRACE_SECONDS)
+        await self.server.stop(grace_s)
 
 
 async def start_server(

@@ -3,7 +3,10 @@ is (`WorkerIdentity`), its stats as the `WorkerStats` proto, and the serve loop.
 
 The serve loop answers health checks at once (NOT_SERVING), loads the model in a daemon thread,
 lets the core start its async parts (KV transport) on the event loop, turns SERVING, and on
-SIGTERM / Ctrl-C stops the server before closing the core.
+SIGTERM / Ctrl-C drains:
+
+    leave the registry (routers stop picking the pod) ─▶ NOT_SERVING, refuse new calls
+    ─▶ in-flight calls get --drain-timeout seconds to finish ─▶ cancel the rest, close the core
 
 Torch-free like the rest of services/common: the engine is only named for type checking.
 """
@@ -23,7 +26,7 @@ from splitserve.v1 import worker_pb2
 from services.common.background import in_daemon_thread
 from services.common.flags import add_engine_flags, add_server_flags
 from services.common.grpc_server import start_server, stop_event_on_signals
-from services.common.pod_metrics import serve_pod_metrics
+from services.common.pod_metrics import PodMetrics, serve_pod_metrics
 from services.common.pod_registry import add_registry_flags, start_registry
 from services.common.tracing import configure_tracing, shutdown_tracing
 
@@ -34,6 +37,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 KV_TRANSPORTS = ("ucx", "tcp")
+# Local runs (`splitserve up`, Ctrl-C) should not wait long; the Helm chart sets its own.
+DEFAULT_DRAIN_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -114,12 +119,30 @@ def add_pod_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
     )
     add_registry_flags(parser)
     parser.add_argument(
+        "--drain-timeout",
+        type=_seconds,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="on SIGTERM, after leaving the registry, in-flight requests get this long to "
+        f"finish before they are cancelled (default {DEFAULT_DRAIN_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         default=0,
         help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = off)",
     )
     add_engine_flags(parser)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (value >= 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
 
 
 def worker_id(args: argparse.Namespace) -> str:
@@ -144,6 +167,7 @@ class PodCore(Protocol):
     """A pod's engine side, built off the event loop and then started on it."""
 
     llm: AsyncLLM  # the registry publisher drains its prefix-cache events
+    metrics: PodMetrics  # Prometheus series and the recent latencies the registry publishes
 
     def stats(self) -> PodStats:
         """Identity and load now (for GetStats and the registry record)."""
@@ -188,8 +212,9 @@ async def serve_pod(
         await stopping
         if registry is not None:
             await registry.close()  # out of the registry before the server stops answering
+    logger.info("draining: in-flight requests get up to %g s", args.drain_timeout)
+    await server.stop(args.drain_timeout)
     logger.info("stopping")
-    await server.stop()
     if core is not None:
         await core.close()
     if metrics is not None:

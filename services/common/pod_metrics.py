@@ -14,6 +14,10 @@ Names follow vLLM's under our prefix, so a vLLM dashboard maps by replacing `vll
 
 Every series carries `model_name` (as vLLM's do) and `role` (prefill / decode). Latencies are
 measured on the pod, from when its gRPC handler received the request.
+
+Beside the histograms, `PodMetrics.recent_ttft` and `recent_itl` keep exponentially weighted
+averages of the latest requests, which the pod publishes in its registry record (Redis) at every
+heartbeat, for routers and the planner that cannot scrape every pod.
 """
 
 from __future__ import annotations
@@ -51,6 +55,24 @@ class FinishedRequest:
     num_prompt_tokens: int
     output: CompletionOutput | None  # the engine's final output; None if it never had one
     steps: RequestSteps | None
+
+
+class RecentAverage:
+    """An exponentially weighted moving average of the latest samples: each new sample gets
+    `weight`, the history the rest. It keeps its value while no samples come (an idle pod
+    reports how it last served); `value` is None until the first sample."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        if not 0 < weight <= 1:
+            raise ValueError(f"weight must be in (0, 1], got {weight}")
+        self.weight = weight
+        self.value: float | None = None
+
+    def add(self, sample: float) -> None:
+        if self.value is None:
+            self.value = sample
+        else:
+            self.value += self.weight * (sample - self.value)
 
 
 class PodMetrics:
@@ -94,6 +116,8 @@ class PodMetrics:
             registry=self.registry,
         )
         self.registry.register(_EngineCollector(engine_stats, self.labels))
+        self.recent_ttft = RecentAverage()  # seconds, per request
+        self.recent_itl = RecentAverage()  # seconds, each request's mean inter-token latency
 
     def observe_finished(self, request: FinishedRequest) -> None:
         labels = self.labels
@@ -102,6 +126,7 @@ class PodMetrics:
         if request.first_token_time is not None:
             ttft = request.first_token_time - request.received_time
             hist.ttft.labels(*labels).observe(ttft)
+            self.recent_ttft.add(ttft)
         if request.queue_end_time is not None:
             queue = max(request.queue_end_time - request.received_time, 0.0)
             hist.queue.labels(*labels).observe(queue)
@@ -115,8 +140,12 @@ class PodMetrics:
         self._generation_tokens.labels(*labels).inc(len(output.token_ids))
         self._success.labels(*labels, output.finish_reason or "abort").inc()
         itl = hist.itl.labels(*labels)
-        for seconds in output.timings.inter_token_latencies:
+        latencies = output.timings.inter_token_latencies
+        for seconds in latencies:
             itl.observe(seconds)
+        if latencies:
+            # One sample per request, so a long answer does not flush out every other one.
+            self.recent_itl.add(sum(latencies) / len(latencies))
 
     def observe_kv_transfer(
         self, transport: str, direction: str, num_bytes: int, seconds: float

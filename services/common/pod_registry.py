@@ -104,6 +104,8 @@ async def start_registry(
             kv_blocks_free=engine.num_kv_blocks_free,
             num_running=engine.num_running,
             num_waiting=engine.num_waiting,
+            recent_ttft_s=core.metrics.recent_ttft.value or 0.0,
+            recent_itl_s=core.metrics.recent_itl.value or 0.0,
         )
 
     publisher = RegistryPublisher(connect(args.redis_url), core.llm, record)

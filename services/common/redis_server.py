@@ -3,6 +3,11 @@
 Nothing is persisted (no RDB snapshots, no AOF): the index is rebuilt from the pods whenever
 Redis comes back empty, so a restart here behaves like a real Redis that lost its data, which
 is exactly what the routing must survive. `restart()` keeps the port, so clients reconnect.
+
+On Linux the server is started through services.common.die_with_parent (as the supervisor's
+children are), so it gets SIGTERM when the process that started it dies, even by SIGKILL: a
+killed `splitserve up` or test run leaves no redis-server behind. The kernel ties that signal to
+the starting thread, so start it from a thread that lives as long as the server should.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import signal
 import socket
 import subprocess
 import time
+
+from services.common.supervisor import _dying_with_us as dying_with_us
 
 STARTUP_TIMEOUT_SECONDS = 10.0
 
@@ -48,7 +55,10 @@ class RedisServer:
         argv = [binary, "--port", str(self.port), "--bind", self.host, "--save", ""]
         argv += ["--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"]
         self._process = subprocess.Popen(
-            argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+            dying_with_us(argv),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
         )
         self._wait_until_answering()
         return self

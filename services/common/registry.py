@@ -71,7 +71,7 @@ class RegistryKeys:
 
 @dataclass(frozen=True)
 class PodRecord:
-    """What a pod publishes about itself at every heartbeat (strings and ints only)."""
+    """What a pod publishes about itself at every heartbeat (strings and numbers only)."""
 
     worker_id: str
     role: str  # "prefill" or "decode"
@@ -89,6 +89,10 @@ class PodRecord:
     kv_blocks_free: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    # Exponentially weighted averages over the latest requests (services/common/pod_metrics.py),
+    # in seconds; 0.0 until the pod has served one. A prefill pod's ITL stays 0.0.
+    recent_ttft_s: float = 0.0
+    recent_itl_s: float = 0.0
 
     def to_fields(self) -> dict[str, str]:
         return {field.name: str(getattr(self, field.name)) for field in dataclasses.fields(self)}
@@ -99,7 +103,7 @@ class PodRecord:
         text = {_text(key): _text(value) for key, value in fields.items()}
         try:
             values = {
-                field.name: int(text[field.name]) if field.type == "int" else text[field.name]
+                field.name: _PARSERS.get(field.type, str)(text[field.name])
                 for field in dataclasses.fields(cls)
                 if field.name in text
             }
@@ -109,6 +113,9 @@ class PodRecord:
 
     def blocks_key(self, keys: RegistryKeys) -> str:
         return keys.blocks(self.worker_id, self.generation)
+
+
+_PARSERS = {"int": int, "float": float}  # by annotation (a string: annotations are postponed)
 
 
 def _text(value: bytes | str) -> str:

@@ -41,8 +41,20 @@ so the ConfigMap is the one place they are written. */}}
 - --redis-url
 - $(REDIS_URL)
 {{- include "splitserve.worker.topologyArgs" $root }}
+- --drain-timeout
+- {{ include "splitserve.worker.drainTimeout" . | quote }}
 - --log-level
 - {{ $values.logLevel }}
+{{- end -}}
+
+{{/* Seconds in-flight requests get after SIGTERM. Kubernetes counts the preStop sleep in
+terminationGracePeriodSeconds, so both must fit in it, with time left to close the engine. */}}
+{{- define "splitserve.worker.drainTimeout" -}}
+{{- $values := index .root.Values .component -}}
+{{- if ge (add $values.drainSeconds $values.drainTimeoutSeconds) (int $values.terminationGracePeriodSeconds) -}}
+{{- fail (printf "%s: drainSeconds + drainTimeoutSeconds (%d + %d) must stay below terminationGracePeriodSeconds (%d)" .component (int $values.drainSeconds) (int $values.drainTimeoutSeconds) (int $values.terminationGracePeriodSeconds)) -}}
+{{- end -}}
+{{- $values.drainTimeoutSeconds -}}
 {{- end -}}
 
 {{/* Static region/zone when the values give them; otherwise the node's name, whose topology

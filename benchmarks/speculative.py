@@ -2,8 +2,9 @@
 
 Two workloads, each at batch 1 and batch 16, on the shipped SmolLM2-135M:
 
-a. repetitive: rewrite a given code snippet (rename a variable, keep the rest): the output
-   copies its prompt, so n-gram lookup proposes long runs the model accepts;
+a. repetitive: rewrite a given code snippet (rename a variable, keep the rest), the answer
+   prefilled with a code fence: the output copies its prompt, so n-gram lookup proposes long
+   runs the model accepts;
 b. chat: open-ended questions sampled at temperature 0.8: little to copy, where the adaptive k
    and the batch switch must keep speculation from costing time.
 
@@ -116,8 +117,14 @@ def repetitive(llm: LLM, batch: int, max_tokens: int) -> Workload:
     for i in range(batch):
         snippet = SNIPPETS[i % len(SNIPPETS)]
         old, new = RENAMES[i % len(RENAMES)]
-        request = f"Rewrite this code, renaming `{old}` to `{new}`:\n```python\n{snippet}```"
-        prompts.append(chat_prompt(llm, request))
+        request = (
+            f"Rewrite this code, renaming `{old}` to `{new}`. Reply with the whole code only."
+            f"\n```python\n{snippet}```"
+        )
+        # The answer starts with the code fence, as editing tools prefill it: the 135M model
+        # otherwise often answers in prose about the code instead of rewriting it.
+        fence = llm.tokenizer.encode("```python\n", add_special_tokens=False)
+        prompts.append(chat_prompt(llm, request) + fence)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     return Workload("rewrite code", prompts, [params] * batch)
 

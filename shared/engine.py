@@ -10,6 +10,7 @@ Not thread-safe: one thread drives it (the offline `LLM` or `AsyncLLM`'s engine 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -268,7 +269,9 @@ class EngineCore:
         exports = self._blocks_to_export(sched)
         if self.speculator is not None:
             self.speculator.propose(sched)
+        started = time.perf_counter()
         model_out = self.runner.execute(sched)
+        self._observe_step_cost(sched, time.perf_counter() - started)
         updates = self.scheduler.update(sched, model_out)
         processed = self.output_processor.process(updates)
         self._attach_exported_pages(exports, processed.deltas)
@@ -278,6 +281,17 @@ class EngineCore:
         finished_ids = [u.request.request_id for u in updates if u.finished]
         self.runner.release(finished_ids + [request.request_id for request in stopped])
         return deltas + processed.deltas
+
+    def _observe_step_cost(self, sched: SchedulerOutput, seconds: float) -> None:
+        """Feeds the speculation policy's cost curve with decode-only steps: a prefill chunk
+        in the batch would price rows by attention over a whole prompt."""
+        if self.speculation is None:
+            return
+        is_decode_only = all(
+            chunk.num_tokens == 1 + len(chunk.draft_token_ids) for chunk in sched.chunks
+        )
+        if is_decode_only:
+            self.speculation.observe_step(sched.total_num_tokens, seconds)
 
     def _blocks_to_export(self, sched: SchedulerOutput) -> dict[str, list[int]]:
         """Blocks of prefill-pod requests sampled this step, read before `update` frees them

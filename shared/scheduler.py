@@ -25,7 +25,7 @@ from shared.kv.manager import KVCacheManager
 from shared.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from shared.spec_decode.adaptive import SpeculationPolicy
+    from shared.spec_decode.adaptive import SpeculationPolicy, StepPlan
 
 
 @dataclass
@@ -188,14 +188,14 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # Decodes first: they are one token each and every step they wait adds to their ITL.
         order = sorted(self.running, key=lambda r: not _is_decoding(r))
-        speculating = self._is_speculating(order)
+        plan = self._speculation_plan(order)
         for request in order:
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = self._chunk_size(request, budget)
-            num_drafts = self._num_draft_slots(request, budget) if speculating else 0
+            num_drafts = self._num_draft_slots(request, budget, plan) if plan else 0
             if self._allocate_or_preempt(request, num_new + num_drafts, out):
                 chunk = self._chunk(request, num_new)
                 chunk.num_draft_slots = num_drafts
@@ -203,12 +203,16 @@ class Scheduler:
                 budget -= num_new + num_drafts
         return budget
 
-    def _is_speculating(self, running: list[Request]) -> bool:
+    def _speculation_plan(self, running: list[Request]) -> StepPlan | None:
+        """The step's verification plan, or None when this step does not speculate."""
         if self.speculation is None:
-            return False
-        return self.speculation.is_active(sum(1 for r in running if _is_decoding(r)))
+            return None
+        num_decoding = sum(1 for r in running if _is_decoding(r))
+        if not num_decoding or not self.speculation.is_active(num_decoding):
+            return None
+        return self.speculation.plan_step(num_decoding)
 
-    def _num_draft_slots(self, request: Request, budget: int) -> int:
+    def _num_draft_slots(self, request: Request, budget: int, plan: StepPlan) -> int:
         """k for a decoding request: what its acceptance rate earns, capped so the drafts fit
         the budget, max_tokens (the bonus token needs room too) and the context; 0 when its
         slots are not free, since drafts never preempt anybody."""
@@ -219,10 +223,10 @@ class Scheduler:
         room = min(budget - 1, num_left, self.max_model_len - request.num_tokens)
         if room <= 0:
             return 0
-        k = min(self.speculation.num_draft_tokens(request), room)
-        if k and not self.kv.can_allocate(request, 1 + k):
+        limit = min(room, self.speculation.max_draft_tokens)
+        if not self.kv.can_allocate(request, 1 + limit):
             return 0
-        return k
+        return self.speculation.num_draft_tokens(request, plan, limit)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocates slots for `request`, preempting others until they fit. False if it was

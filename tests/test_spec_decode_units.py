@@ -186,6 +186,79 @@ def test_fixed_k_when_not_adaptive():
     assert policy.num_draft_tokens(request) == 3
 
 
+def _policy_with_costs(costs: dict[int, float], max_draft_tokens: int = 8):
+    policy = SpeculationPolicy(max_draft_tokens=max_draft_tokens, max_batch_size=64)
+    for rows, seconds in costs.items():
+        policy.observe_step(rows, seconds)
+    return policy
+
+
+def _request_with_alpha(policy: SpeculationPolicy, accepted: int, proposed: int) -> Request:
+    request = _request()
+    for _ in range(30):  # long enough for the moving estimate to settle on accepted/judged
+        policy.record(request, proposed, accepted)
+    return request
+
+
+def test_cost_aware_k_takes_the_cheap_batch_shape():
+    # A CPU-like curve: 1 row is a memory-bound GEMV; 2-7 rows cost twice as much, and 8 rows
+    # no more than 2; 9 rows are dear again.
+    costs = {1: 1.0, 2: 2.0, 3: 2.0, 4: 2.0, 5: 2.0, 6: 2.0, 7: 2.0, 8: 2.0, 9: 3.0}
+    policy = _policy_with_costs(costs)
+    request = _request_with_alpha(policy, accepted=9, proposed=10)  # alpha = 9/10
+    plan = policy.plan_step(num_decoding=1)
+    assert policy.num_draft_tokens(request, plan) == 7  # 8 rows: the most tokens per second
+    assert plan.num_rows == 8
+    assert plan.expected_tokens == pytest.approx(1 + sum(0.9**j for j in range(1, 8)))
+
+
+def test_linear_costs_make_speculation_lose_and_pause():
+    policy = _policy_with_costs({rows: float(rows) for rows in range(1, 20)})
+    request = _request_with_alpha(policy, accepted=8, proposed=10)  # alpha < 1: never pays
+    plan = policy.plan_step(num_decoding=1)
+    assert policy.num_draft_tokens(request, plan) == 0
+    assert plan.num_rows == 1
+    assert request.spec_state.num_paused_steps == 1
+
+
+def test_big_batch_gets_no_drafts_where_one_request_would():
+    # Flat up to 8 rows, then linear: one request may use the spare rows, 16 may not.
+    costs = {rows: 1.0 for rows in range(1, 9)} | {rows: rows / 8 for rows in range(9, 40)}
+    policy = _policy_with_costs(costs)
+    request = _request_with_alpha(policy, accepted=8, proposed=10)
+    assert policy.num_draft_tokens(request, policy.plan_step(1)) == 7
+    request = _request_with_alpha(policy, accepted=8, proposed=10)
+    assert policy.num_draft_tokens(request, policy.plan_step(16)) == 0
+
+
+def test_failed_probes_double_the_pause():
+    policy = _policy_with_costs({rows: float(rows) for rows in range(1, 20)})
+    request = _request_with_alpha(policy, accepted=0, proposed=4)
+    pauses = []
+    for _ in range(3):
+        ks = []
+        while not ks or ks[-1] != 1:  # zeros until the probe
+            ks.append(policy.num_draft_tokens(request, policy.plan_step(1)))
+        pauses.append(len(ks) - 1)
+        policy.record(request, 1, 0)  # the probe fails
+    assert pauses == [8, 16, 32]
+
+
+def test_step_cost_model_prices_unmeasured_rows_optimistically():
+    from shared.spec_decode.step_cost import OPTIMISTIC_ROW_COST, StepCostModel
+
+    model = StepCostModel()
+    assert model.cost(1) == 1.0 and model.cost(3) == pytest.approx(1 + 2 * OPTIMISTIC_ROW_COST)
+    model.observe(1, 0.030)
+    model.observe(8, 0.060)
+    assert model.cost(1) == 0.030
+    assert model.cost(2) == pytest.approx(0.030 * (1 + OPTIMISTIC_ROW_COST))  # below the line
+    assert model.cost(16) == pytest.approx(0.060 * (1 + 8 * OPTIMISTIC_ROW_COST))
+    model.observe(8, 0.070)
+    assert model.cost(8) == pytest.approx(0.8 * 0.060 + 0.2 * 0.070)  # a moving average
+    assert not model.is_measured(4) and model.is_measured(8)
+
+
 def test_batch_switch():
     policy = SpeculationPolicy(max_draft_tokens=3, max_batch_size=4)
     assert policy.is_active(4) and not policy.is_active(5)

@@ -1,14 +1,19 @@
 """How many draft tokens each request verifies: per-request adaptive k and the batch switch.
 
 Each request keeps a moving estimate of alpha, the chance that its next draft token is
-accepted given the ones before it were. The j-th draft token is only worth verifying when it
-is likely to survive (alpha ** j >= the policy's threshold), so k shrinks as alpha falls; when
-even one token is not worth it, the request stops speculating for a few steps and then probes
-with k = 1, so a request whose text turns repetitive later wins speculation back.
+accepted given the ones before it were. k drafts are then expected to yield
+1 + alpha + ... + alpha ** k tokens. What they cost comes from the measured step-cost curve
+(`StepCostModel`): a step planned with R rows expecting T tokens takes, per request in turn,
+the k that maximises (T + alpha + ... + alpha ** k) / cost(R + k), i.e. tokens per second of
+the whole step. So k shrinks as alpha falls or as extra rows get dear, and a big batch, whose
+forward is already compute-bound, gives every request k = 0 on its own.
 
-The batch switch: a step with more decoding requests than `max_batch_size` speculates for
-nobody. On a busy batch the forward is already compute-bound, so the extra verification
-tokens cost about as much as the tokens they save.
+When k = 0 wins, the request pauses speculation and later probes with k = 1, waiting twice as
+long after each probe that fails, so a request whose text turns repetitive wins speculation
+back while one that never does costs almost nothing.
+
+The batch switch (`max_batch_size`) remains as a hard cap on the decoding requests a
+speculating step may have.
 """
 
 from __future__ import annotations
@@ -17,11 +22,14 @@ import math
 from dataclasses import dataclass
 
 from shared.request import Request
+from shared.spec_decode.step_cost import StepCostModel
 
 # Weight of the past in the moving acceptance estimate, per verification.
 _DECAY = 0.8
-# Steps a request sits out after its acceptance fell too low, before it probes with k = 1.
+# Steps a request sits out after its acceptance fell too low, before it probes with k = 1;
+# doubled after every failed probe up to the maximum.
 _PAUSE_STEPS = 8
+_MAX_PAUSE_STEPS = 128
 
 
 @dataclass(slots=True)
@@ -31,6 +39,8 @@ class AcceptanceState:
     num_accepted: float = 0.0  # draft tokens accepted
     num_judged: float = 0.0  # draft tokens the verifier looked at (accepted + first rejected)
     num_paused_steps: int = 0  # steps since speculation paused; 0 = not paused
+    pause_length: int = _PAUSE_STEPS  # steps the current pause lasts
+    is_probing: bool = False  # the latest k came from a probe after a pause
 
     @property
     def acceptance_rate(self) -> float:
@@ -57,6 +67,19 @@ class SpeculationStats:
         return self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else 0.0
 
 
+@dataclass(slots=True)
+class StepPlan:
+    """One step's verification rows as the scheduler hands out draft slots, request by request."""
+
+    num_rows: int  # one per decoding request plus every draft slot granted so far
+    expected_tokens: float  # what those rows are expected to yield
+
+
+def expected_accepted(alpha: float, k: int) -> float:
+    """alpha + alpha ** 2 + ... + alpha ** k: the drafts expected to survive verification."""
+    return sum(alpha**j for j in range(1, k + 1))
+
+
 class SpeculationPolicy:
     """Decides k per request and step; records what verification accepted. Engine-thread only."""
 
@@ -73,27 +96,72 @@ class SpeculationPolicy:
         self.adaptive = adaptive
         self.min_marginal_acceptance = min_marginal_acceptance
         self.stats = SpeculationStats()
+        self.step_costs = StepCostModel()
 
     def is_active(self, num_decoding: int) -> bool:
         """The batch switch: whether this step speculates at all."""
         return num_decoding <= self.max_batch_size
 
-    def num_draft_tokens(self, request: Request) -> int:
-        """k for this request this step (0 = plain decode); advances its pause counter."""
+    def plan_step(self, num_decoding: int) -> StepPlan:
+        """The plan a step starts from: every decoding request is one row and one token."""
+        return StepPlan(num_rows=num_decoding, expected_tokens=float(num_decoding))
+
+    def observe_step(self, num_rows: int, seconds: float) -> None:
+        """A decode-only forward of `num_rows` rows took `seconds` (verification included)."""
+        self.step_costs.observe(num_rows, seconds)
+
+    def num_draft_tokens(
+        self, request: Request, plan: StepPlan | None = None, limit: int | None = None
+    ) -> int:
+        """k for this request this step (0 = plain decode, at most `limit`); advances its pause
+        counter and, when a plan is given, adds the granted rows to it."""
         state = request.spec_state
         if not self.adaptive or state is None:
-            return self.max_draft_tokens
-        assert isinstance(state, AcceptanceState), "spec_state belongs to this policy"
+            k = self.max_draft_tokens
+            alpha = 1.0
+        else:
+            assert isinstance(state, AcceptanceState), "spec_state belongs to this policy"
+            alpha = state.acceptance_rate
+            k = self._adaptive_k(state, plan)
+        if limit is not None:
+            k = min(k, limit)
+        if plan is not None:
+            plan.num_rows += k
+            plan.expected_tokens += expected_accepted(alpha, k)
+        return k
+
+    def _adaptive_k(self, state: AcceptanceState, plan: StepPlan | None) -> int:
         if state.num_paused_steps:
             state.num_paused_steps += 1
-            if state.num_paused_steps <= _PAUSE_STEPS:
+            if state.num_paused_steps <= state.pause_length:
                 return 0
             state.num_paused_steps = 0
-            return 1  # the probe
-        k = self._worthwhile_k(state.acceptance_rate)
+            state.is_probing = True
+            return 1
+        alpha = state.acceptance_rate
+        if plan is None:
+            k = self._worthwhile_k(alpha)
+        else:
+            k = min(self._worthwhile_k(alpha), self._cheapest_k(alpha, plan))
         if k == 0:
+            if state.is_probing:
+                state.pause_length = min(2 * state.pause_length, _MAX_PAUSE_STEPS)
             state.num_paused_steps = 1
+        else:
+            state.pause_length = _PAUSE_STEPS
+        state.is_probing = False
         return k
+
+    def _cheapest_k(self, alpha: float, plan: StepPlan) -> int:
+        """The k with the most expected tokens per second of the whole step."""
+        costs = self.step_costs
+        best_k, best_rate = 0, plan.expected_tokens / costs.cost(plan.num_rows)
+        for k in range(1, self.max_draft_tokens + 1):
+            tokens = plan.expected_tokens + expected_accepted(alpha, k)
+            rate = tokens / costs.cost(plan.num_rows + k)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
 
     def _worthwhile_k(self, alpha: float) -> int:
         if alpha >= 1.0:

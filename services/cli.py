@@ -16,11 +16,19 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _add_generate(commands.add_parser("generate", help="stream a completion from the local engine"))
     _add_up(commands.add_parser("up", help="run gateway, prefill and decode processes here"))
+    _add_plan(commands.add_parser("plan", help="capacity planner and autoscaler"))
     return parser
 
 
 def _add_up(sub: argparse.ArgumentParser) -> None:
     add_up_flags(sub)
+
+
+def _add_plan(sub: argparse.ArgumentParser) -> None:
+    # The planner owns its flags: `splitserve plan X` is `python -m services.planner X`.
+    from services.planner.__main__ import add_plan_subcommands
+
+    add_plan_subcommands(sub)
 
 
 def _add_generate(sub: argparse.ArgumentParser) -> None:
@@ -89,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_generate(args)
         if args.command == "up":
             return run_up(args)
+        if args.command == "plan":
+            from services.planner.__main__ import run_plan
+
+            return run_plan(args)
     except ValueError as error:
         print(f"splitserve: error: {error}", file=sys.stderr)
         return 2

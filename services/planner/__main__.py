@@ -1,0 +1,267 @@
+"""`python -m services.planner` (also `splitserve plan`): profile, simulate, recommend,
+validate, autoscale."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+
+from services.planner.autoscaler import add_autoscale_flags, run_autoscale
+
+DEFAULT_PROFILE = "planner_profile.json"
+DEFAULT_PLOT = "docs/planner_goodput_vs_ratio.png"
+
+
+def build_parser(prog: str = "python -m services.planner") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
+    add_plan_subcommands(parser)
+    return parser
+
+
+def add_plan_subcommands(parser: argparse.ArgumentParser) -> None:
+    """The subcommands, on `parser` (the planner's own, or `splitserve plan`'s)."""
+    commands = parser.add_subparsers(dest="plan_command", required=True)
+    _add_profile(commands.add_parser("profile", help="measure a pod on this machine"))
+    simulate = commands.add_parser("simulate", help="simulate P prefill + D decode pods")
+    _add_simulation_flags(simulate)
+    simulate.add_argument("--prefill", type=int, default=1, metavar="P", help="0 = colocated")
+    simulate.add_argument("--decode", type=int, default=1, metavar="D")
+    simulate.add_argument("--json", default=None, metavar="PATH", help="also write the result")
+    recommend = commands.add_parser("recommend", help="search (P, D) for a rate and SLOs")
+    _add_simulation_flags(recommend)
+    _add_recommend_flags(recommend)
+    validate = commands.add_parser("validate", help="simulated against measured, on this machine")
+    _add_validate_flags(validate)
+    add_autoscale_flags(commands.add_parser("autoscale", help="scale Deployments to the load"))
+
+
+def _add_profile(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("--output", default=DEFAULT_PROFILE, metavar="PATH")
+    sub.add_argument(
+        "--model", default=None, help="a .gguf file or HF directory (default: SmolLM2)"
+    )
+    sub.add_argument("--num-threads", type=int, default=1, help="torch threads, as a pod runs")
+    sub.add_argument("--kv-cache-bytes", default="256MiB", help="a pod's KV cache (as `up`'s)")
+    sub.add_argument("--max-num-batched-tokens", type=int, default=512)
+    sub.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx"])
+    sub.add_argument("--repeats", type=int, default=3, help="timed steps per point")
+    sub.add_argument("--quick", action="store_true", help="a smaller grid (about 30 s)")
+
+
+def _add_simulation_flags(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("--profile", default=DEFAULT_PROFILE, metavar="PATH")
+    sub.add_argument("--trace", default=None, metavar="PATH", help="JSONL requests (else Poisson)")
+    sub.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals, requests/s")
+    sub.add_argument("--num-requests", type=int, default=400)
+    sub.add_argument("--input-lens", default="64-512", help="uniform range, or one length")
+    sub.add_argument("--output-lens", default="32-128")
+    sub.add_argument("--prefix-groups", type=int, default=0, help="requests share prefixes")
+    sub.add_argument("--prefix-len", type=int, default=0, help="tokens shared in a group")
+    sub.add_argument("--seed", type=int, default=0)
+    sub.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
+    sub.add_argument("--itl-slo", type=float, default=0.2, help="seconds (a request's mean)")
+    sub.add_argument("--local-prefill-threshold", type=int, default=32)
+    sub.add_argument("--max-num-batched-tokens", type=int, default=None)
+    sub.add_argument("--kv-blocks", type=int, default=None, help="per pod (default: profile's)")
+
+
+def _add_recommend_flags(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("--attainment", type=float, default=0.9, help="share meeting both SLOs")
+    sub.add_argument("--max-pods", type=int, default=8)
+    sub.add_argument("--ratio-max-pods", type=int, default=4, help="pods in the ratio sweep")
+    sub.add_argument("--no-colocated", action="store_true", help="leave out P = 0")
+    sub.add_argument("--plot", default=DEFAULT_PLOT, metavar="PATH", help="'' for none")
+
+
+def _add_validate_flags(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("--profile", default=DEFAULT_PROFILE, metavar="PATH")
+    sub.add_argument("--duration", type=float, default=60.0, help="seconds per measured run")
+    sub.add_argument(
+        "--fresh-profile", action="store_true", help="measure --profile first (quick grid)"
+    )
+    sub.add_argument("--only", nargs="*", default=None, help="configurations to run, by name")
+    sub.add_argument("--seed", type=int, default=0)
+    sub.add_argument("--json", default=None, metavar="PATH", help="also write the figures")
+    sub.add_argument("--plot", default=None, metavar="PATH", help="measured vs simulated PNG")
+
+
+# ---- the commands ---------------------------------------------------------------------------
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from services.common.flags import parse_size
+    from services.planner.profiler import QUICK_GRID, ProfileSettings, measure_profile
+
+    settings = ProfileSettings(
+        num_threads=args.num_threads,
+        kv_cache_bytes=_size(parse_size, args.kv_cache_bytes),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        model=args.model,
+        kv_transport=args.kv_transport,
+        repeats=args.repeats,
+        **(QUICK_GRID if args.quick else {}),
+    )
+    profile = measure_profile(settings)
+    profile.save(args.output)
+    a, b, c = profile.prefill_coefficients
+    print(f"wrote {args.output}: {profile.description}")
+    print(f"  prefill s = {a * 1e3:.1f} ms + {b * 1e3:.3f} ms/token + {c * 1e6:.4f} us/token^2")
+    grid = profile.decode
+    print(
+        f"  decode step {grid.seconds[0][0] * 1e3:.1f} ms (batch {grid.batch_sizes[0]}, "
+        f"context {grid.context_lens[0]}) .. {grid.seconds[-1][-1] * 1e3:.1f} ms (batch "
+        f"{grid.batch_sizes[-1]}, context {grid.context_lens[-1]})"
+    )
+    print(
+        f"  KV: {profile.num_kv_blocks} blocks of {profile.block_size} tokens; transfer "
+        f"{profile.kv_transfer.bandwidth_bytes_per_s / 1e9:.2f} GB/s + "
+        f"{profile.kv_transfer.latency_s * 1e3:.2f} ms"
+    )
+    return 0
+
+
+def _size(parse, text: str) -> int:
+    try:
+        return parse(text)
+    except argparse.ArgumentTypeError as error:
+        raise ValueError(f"--kv-cache-bytes: {error}") from None
+
+
+def _requests(args: argparse.Namespace, rate: float | None = None):
+    from services.planner.workload import (
+        load_trace,
+        poisson_requests,
+    )
+
+    if args.trace:
+        return load_trace(args.trace)
+    return poisson_requests(_workload_spec(args, rate), args.seed)
+
+
+def _workload_spec(args: argparse.Namespace, rate: float | None = None):
+    from services.planner.workload import LengthDistribution, WorkloadSpec
+
+    return WorkloadSpec(
+        rate=args.rate if rate is None else rate,
+        num_requests=args.num_requests,
+        input_lens=LengthDistribution.parse(args.input_lens, "--input-lens"),
+        output_lens=LengthDistribution.parse(args.output_lens, "--output-lens"),
+        num_prefix_groups=args.prefix_groups,
+        prefix_len=args.prefix_len,
+    )
+
+
+def _slo(args: argparse.Namespace):
+    from services.planner.sim_results import Slo
+
+    return Slo(args.ttft_slo, args.itl_slo)
+
+
+def _cluster(args: argparse.Namespace, num_prefill: int, num_decode: int):
+    from services.planner.simulator import ClusterConfig
+
+    return ClusterConfig(
+        num_prefill,
+        num_decode,
+        local_prefill_threshold=args.local_prefill_threshold,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_kv_blocks=args.kv_blocks,
+    )
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from services.planner.profile import load_profile
+    from services.planner.simulator import simulate
+
+    profile = load_profile(args.profile)
+    cluster = _cluster(args, args.prefill, args.decode)
+    requests = _requests(args)
+    started = time.monotonic()
+    result = simulate(profile, cluster, requests, _slo(args))
+    elapsed = time.monotonic() - started
+    print(f"{cluster.label}, {len(requests)} requests ({elapsed:.1f} s to simulate)")
+    for name, figures in (("TTFT", result.ttft), ("ITL ", result.itl)):
+        print(f"  {name}  p50 {_ms(figures.p50)}  p90 {_ms(figures.p90)}  p99 {_ms(figures.p99)}")
+    print(
+        f"  throughput {result.request_throughput:.2f} req/s, {result.output_throughput:.1f} "
+        f"tok/s; goodput {result.goodput:.2f} req/s ({result.attainment:.0%} meet {_slo(args)})"
+    )
+    busy = ", ".join(f"{role} {share:.0%}" for role, share in result.utilization.items())
+    print(f"  busy: {busy}; preemptions {result.num_preemptions}")
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(asdict(result), file, indent=2)
+    return 0
+
+
+def run_recommend(args: argparse.Namespace) -> int:
+    from services.planner.plot import plot_goodput_vs_ratio
+    from services.planner.profile import load_profile
+    from services.planner.recommend import SearchSpec, format_table, helm_values, recommend
+
+    if args.trace:
+        raise ValueError("recommend searches over Poisson rates: use --rate, not --trace")
+    profile = load_profile(args.profile)
+    spec = SearchSpec(
+        workload=_workload_spec(args),
+        slo=_slo(args),
+        attainment=args.attainment,
+        max_pods=args.max_pods,
+        ratio_max_pods=args.ratio_max_pods,
+        include_colocated=not args.no_colocated,
+        seed=args.seed,
+        local_prefill_threshold=args.local_prefill_threshold,
+    )
+    recommendation = recommend(profile, spec, _progress)
+    print(format_table(recommendation, spec))
+    if args.plot:
+        plot_goodput_vs_ratio(recommendation, spec, args.plot)
+        print(f"\nwrote {args.plot}")
+    if recommendation.best is None:
+        print(f"\nno configuration of up to {args.max_pods} pods meets the target")
+        return 1
+    print("\nHelm values:\n" + helm_values(recommendation.best))
+    return 0
+
+
+def _progress(message: str) -> None:
+    print(f"  [plan] {message}", file=sys.stderr, flush=True)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:7.1f} ms"
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    from services.planner.validate import run_validation
+
+    return run_validation(args)
+
+
+COMMANDS = {
+    "profile": run_profile,
+    "simulate": run_simulate,
+    "recommend": run_recommend,
+    "validate": run_validate,
+    "autoscale": run_autoscale,
+}
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Runs the parsed subcommand; bad input is a one-line error and exit status 2."""
+    try:
+        return COMMANDS[args.plan_command](args)
+    except ValueError as error:
+        print(f"splitserve plan {args.plan_command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_plan(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""What a simulation (or a measured run) adds up to: TTFT and ITL percentiles, throughput, and
+goodput, the requests per second that met both SLOs (the definition `benchmarks/serve.py` uses:
+TTFT within its bound and the request's own mean inter-token latency within its bound)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from services.planner.workload import SimRequest
+
+if TYPE_CHECKING:
+    from services.planner.sim_pod import SimPod
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float
+    itl_s: float  # bound on each request's mean inter-token latency
+
+    def __post_init__(self) -> None:
+        if self.ttft_s <= 0 or self.itl_s <= 0:
+            raise ValueError(f"SLOs must be > 0 seconds, got TTFT {self.ttft_s}, ITL {self.itl_s}")
+
+    def __str__(self) -> str:
+        return f"TTFT <= {self.ttft_s * 1e3:.0f} ms, mean ITL <= {self.itl_s * 1e3:.0f} ms"
+
+
+@dataclass
+class RequestRecord:
+    request: SimRequest
+    ttft_s: float | None = None
+    itls_s: list[float] = field(default_factory=list)  # gaps between successive tokens
+    finish_s: float | None = None
+    is_dropped: bool = False  # ended for capacity before all its tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_s is not None and not self.is_dropped
+
+    @property
+    def mean_itl_s(self) -> float:
+        return sum(self.itls_s) / len(self.itls_s) if self.itls_s else 0.0
+
+    def meets(self, slo: Slo) -> bool:
+        return (
+            self.is_finished
+            and self.ttft_s is not None
+            and self.ttft_s <= slo.ttft_s
+            and self.mean_itl_s <= slo.itl_s
+        )
+
+
+@dataclass(frozen=True)
+class Percentiles:
+    p50: float
+    p90: float
+    p99: float
+    mean: float
+
+    @classmethod
+    def of(cls, samples: list[float]) -> Percentiles:
+        if not samples:
+            nan = float("nan")
+            return cls(nan, nan, nan, nan)
+        p50, p90, p99 = np.percentile(samples, [50, 90, 99])
+        return cls(float(p50), float(p90), float(p99), float(np.mean(samples)))
+
+
+@dataclass(frozen=True)
+class SimResult:
+    num_requests: int
+    num_finished: int
+    duration_s: float  # first arrival to last finish
+    ttft: Percentiles
+    itl: Percentiles  # every token gap of every finished request, pooled
+    request_throughput: float  # finished requests / s
+    output_throughput: float  # output tokens of finished requests / s
+    goodput: float  # requests meeting both SLOs / s
+    attainment: float  # fraction of all requests meeting both SLOs
+    num_preemptions: int
+    utilization: dict[str, float]  # role -> busy fraction of its pods, averaged
+
+
+def summarize(records: list[RequestRecord], slo: Slo, pods: list[SimPod]) -> SimResult:
+    finished = [record for record in records if record.is_finished]
+    start = min((record.request.arrival_s for record in records), default=0.0)
+    end = max((record.finish_s for record in finished), default=start)
+    duration = max(end - start, 1e-9)
+    num_good = sum(record.meets(slo) for record in records)
+    return SimResult(
+        num_requests=len(records),
+        num_finished=len(finished),
+        duration_s=duration,
+        ttft=Percentiles.of([r.ttft_s for r in finished if r.ttft_s is not None]),
+        itl=Percentiles.of([gap for r in finished for gap in r.itls_s]),
+        request_throughput=len(finished) / duration,
+        output_throughput=sum(r.request.output_len for r in finished) / duration,
+        goodput=num_good / duration,
+        attainment=num_good / max(len(records), 1),
+        num_preemptions=sum(pod.num_preemptions for pod in pods),
+        utilization=_utilization(pods, duration),
+    )
+
+
+def _utilization(pods: list[SimPod], duration_s: float) -> dict[str, float]:
+    by_role: dict[str, list[float]] = {}
+    for pod in pods:
+        role = pod.name.rsplit("-", 1)[0]
+        by_role.setdefault(role, []).append(min(pod.busy_s / duration_s, 1.0))
+    return {role: sum(values) / len(values) for role, values in by_role.items()}

@@ -1,0 +1,240 @@
+"""The discrete-event simulation of gateway + P prefill pods + D decode pods.
+
+A request goes the way `docs/structure.md` walks it through the services:
+
+1. at its arrival the gateway picks the decode pod holding its prefix (else the least loaded)
+   and the least loaded prefill pod;
+2. the decode pod prefills locally when fewer than `local_prefill_threshold` prompt tokens are
+   uncached there, when there are no prefill pods (colocated, P = 0), or when the prompt's
+   blocks are not free; otherwise it reserves the blocks and the prefill pod computes the
+   prompt in its own batches (chunked prefill);
+3. when the prefill pod samples the first token, the KV pages travel (the profile's transfer
+   time) and the first token reaches the client as they land;
+4. the decode pod joins the request to its running batch; each step emits one token per
+   running request, until `output_len` tokens.
+
+Events are (time, phase, order, kind, payload) in a heap; a pod runs one step at a time, and
+work that arrives mid-step waits for the next one, as on the real engine thread. An idle pod
+starts its step after every other event of the same instant (phase 1), so requests that
+arrive together are scheduled together.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from services.planner.profile import Profile
+from services.planner.sim_pod import PodLimits, ScheduledStep, SimPod, SimSeq
+from services.planner.sim_results import RequestRecord, SimResult, Slo, summarize
+from services.planner.workload import SimRequest
+
+ARRIVAL, STEP_DONE, KV_LANDED, KICK = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    num_prefill: int  # 0 = colocated: decode pods prefill everything themselves
+    num_decode: int
+    local_prefill_threshold: int = 32  # as `splitserve up --local-prefill-threshold`
+    # Engine limits; None = the profile's.
+    max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int | None = None
+    num_kv_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 0 or self.num_decode < 1:
+            raise ValueError(
+                f"need prefill pods >= 0 and decode pods >= 1, got {self.num_prefill}, "
+                f"{self.num_decode}"
+            )
+        if self.local_prefill_threshold < 0:
+            raise ValueError("local_prefill_threshold must be >= 0")
+        for name in ("max_num_batched_tokens", "long_prefill_token_threshold", "num_kv_blocks"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+    @property
+    def label(self) -> str:
+        if self.num_prefill == 0:
+            return f"{self.num_decode} colocated"
+        return f"{self.num_prefill}P+{self.num_decode}D"
+
+    def limits(self, profile: Profile) -> PodLimits:
+        return PodLimits(
+            max_num_batched_tokens=self.max_num_batched_tokens or profile.max_num_batched_tokens,
+            max_num_seqs=profile.max_num_seqs,
+            num_kv_blocks=self.num_kv_blocks or profile.num_kv_blocks,
+            block_size=profile.block_size,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+        )
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One request across the cluster: its decode-side sequence and client-side timings."""
+
+    record: RequestRecord
+    decode_pod: SimPod
+    decode_seq: SimSeq
+    last_token_s: float = 0.0
+    num_emitted: int = 0
+
+
+@dataclass
+class Simulation:
+    profile: Profile
+    cluster: ClusterConfig
+    prefill_pods: list[SimPod] = field(default_factory=list)
+    decode_pods: list[SimPod] = field(default_factory=list)
+    _events: list[tuple[float, int, int, int, object]] = field(default_factory=list)
+    _kick_pending: set[str] = field(default_factory=set)  # pod names with a KICK queued
+    _order: itertools.count = field(default_factory=itertools.count)
+    _flights: dict[int, _Flight] = field(default_factory=dict)  # request_id -> flight
+    _in_flight_step: dict[str, ScheduledStep] = field(default_factory=dict)  # pod name -> step
+
+    def __post_init__(self) -> None:
+        limits = self.cluster.limits(self.profile)
+        self.prefill_pods = [
+            SimPod(f"prefill-{i}", limits, self.profile) for i in range(self.cluster.num_prefill)
+        ]
+        self.decode_pods = [
+            SimPod(f"decode-{i}", limits, self.profile) for i in range(self.cluster.num_decode)
+        ]
+
+    def run(self, requests: list[SimRequest], slo: Slo) -> SimResult:
+        self._check_fits(requests)
+        for request in requests:
+            self._push(request.arrival_s, ARRIVAL, request)
+        handlers: dict[int, Callable[[float, object], None]] = {
+            ARRIVAL: self._on_arrival,
+            STEP_DONE: self._on_step_done,
+            KV_LANDED: self._on_kv_landed,
+            KICK: self._on_kick,
+        }
+        while self._events:
+            now, _, _, kind, payload = heapq.heappop(self._events)
+            handlers[kind](now, payload)
+        records = [flight.record for flight in self._flights.values()]
+        pods = self.prefill_pods + self.decode_pods
+        return summarize(records, slo, pods)
+
+    def _check_fits(self, requests: list[SimRequest]) -> None:
+        limits = self.cluster.limits(self.profile)
+        for request in requests:
+            if -(-(request.input_len + 1) // limits.block_size) > limits.num_kv_blocks:
+                raise ValueError(
+                    f"request {request.request_id} ({request.input_len} input tokens) needs "
+                    f"more KV blocks than a pod holds ({limits.num_kv_blocks})"
+                )
+
+    def _push(self, time_s: float, kind: int, payload: object) -> None:
+        phase = 1 if kind == KICK else 0
+        heapq.heappush(self._events, (time_s, phase, next(self._order), kind, payload))
+
+    # ---- the gateway and the decode pod's choice --------------------------------------------
+
+    def _on_arrival(self, now: float, request: SimRequest) -> None:
+        decode_pod = min(self.decode_pods, key=lambda pod: _route_key(pod, request))
+        seq = SimSeq(request, num_tokens=request.input_len)
+        self._flights[request.request_id] = _Flight(RequestRecord(request), decode_pod, seq)
+        uncached = request.input_len - decode_pod.num_cached_tokens(request)
+        is_local = (
+            not self.prefill_pods
+            or uncached < self.cluster.local_prefill_threshold
+            or not decode_pod.try_reserve(seq)
+        )
+        if is_local:
+            decode_pod.add(seq)
+            self._kick(decode_pod, now)
+            return
+        prefill_pod = min(self.prefill_pods, key=lambda pod: _route_key(pod, request))
+        prefill_seq = SimSeq(request, num_tokens=request.input_len, is_prefill_only=True)
+        prefill_pod.add(prefill_seq)
+        self._kick(prefill_pod, now)
+
+    # ---- engine steps -----------------------------------------------------------------------
+
+    def _kick(self, pod: SimPod, now: float) -> None:
+        """Starts a step on an idle pod, once this instant's other events are in."""
+        if not pod.is_busy and pod.name not in self._kick_pending:
+            self._kick_pending.add(pod.name)
+            self._push(now, KICK, pod)
+
+    def _on_kick(self, now: float, pod: SimPod) -> None:
+        self._kick_pending.discard(pod.name)
+        if pod.is_busy or not pod.has_work():
+            return
+        step = pod.schedule()
+        self._end_dropped(pod, now)
+        if not step.chunks:
+            return  # everything waits for blocks that only a finishing request frees
+        pod.is_busy = True
+        pod.busy_s += step.duration_s
+        self._in_flight_step[pod.name] = step
+        self._push(now + step.duration_s, STEP_DONE, pod)
+
+    def _on_step_done(self, now: float, pod: SimPod) -> None:
+        pod.is_busy = False
+        step = self._in_flight_step.pop(pod.name)
+        for seq in pod.apply(step):
+            if seq.is_prefill_only:
+                self._send_kv(pod, seq, now)
+            else:
+                self._emit_token(pod, seq, now)
+        self._kick(pod, now)
+
+    def _end_dropped(self, pod: SimPod, now: float) -> None:
+        for seq in pod.dropped:
+            self._flights[seq.request.request_id].record.is_dropped = True
+        pod.dropped.clear()
+
+    # ---- prefill pod -> decode pod ----------------------------------------------------------
+
+    def _send_kv(self, prefill_pod: SimPod, seq: SimSeq, now: float) -> None:
+        prefill_pod.finish(seq)
+        if seq.request.prefix_group is not None:
+            prefill_pod.cached_groups.add(seq.request.prefix_group)
+        flight = self._flights[seq.request.request_id]
+        num_tokens = seq.request.input_len - flight.decode_seq.num_computed
+        self._push(now + self.profile.transfer_s(num_tokens), KV_LANDED, flight)
+
+    def _on_kv_landed(self, now: float, flight: _Flight) -> None:
+        pod, seq = flight.decode_pod, flight.decode_seq
+        pod.complete_reserved(seq)
+        self._emit_token(pod, seq, now)
+        self._kick(pod, now)
+
+    # ---- tokens to the client ---------------------------------------------------------------
+
+    def _emit_token(self, pod: SimPod, seq: SimSeq, now: float) -> None:
+        flight = self._flights[seq.request.request_id]
+        record = flight.record
+        if flight.num_emitted == 0:
+            record.ttft_s = now - seq.request.arrival_s + self.profile.request_overhead_s
+            if seq.request.prefix_group is not None:
+                pod.cached_groups.add(seq.request.prefix_group)
+        else:
+            record.itls_s.append(now - flight.last_token_s)
+        flight.num_emitted += 1
+        flight.last_token_s = now
+        if flight.num_emitted >= seq.request.output_len:
+            record.finish_s = now
+            pod.finish(seq)
+        else:
+            seq.num_tokens += 1
+
+
+def _route_key(pod: SimPod, request: SimRequest) -> tuple[bool, int, float]:
+    """A pod holding the request's prefix first, then the lighter load."""
+    queued, kv_usage = pod.load
+    return pod.num_cached_tokens(request) == 0, queued, kv_usage
+
+
+def simulate(
+    profile: Profile, cluster: ClusterConfig, requests: list[SimRequest], slo: Slo
+) -> SimResult:
+    return Simulation(profile, cluster).run(requests, slo)

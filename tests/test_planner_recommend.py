@@ -1,0 +1,101 @@
+"""`recommend` on a crafted profile, the planner's command line, and profile files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.cli import main as splitserve_main
+from services.planner.__main__ import main as plan_main
+from services.planner.profile import Profile, load_profile, synthetic_profile
+from services.planner.recommend import SearchSpec, recommend
+from services.planner.sim_results import Slo
+from services.planner.workload import LengthDistribution, WorkloadSpec
+
+
+def _prefill_bound_profile() -> Profile:
+    # Each prompt takes 1 s of prefill on its own step (64-token budget, 64-token prompts); a
+    # decode step takes 20 ms whatever the batch. At 2.5 req/s prefill needs 3 pods (2 would
+    # be 125% busy); one decode pod is plenty; colocating puts 1 s prefill steps between the
+    # decode steps, which breaks a 100 ms mean-ITL SLO.
+    return synthetic_profile(1.0, decode_step_s=0.02, max_num_batched_tokens=64)
+
+
+def _spec(max_pods: int = 4) -> SearchSpec:
+    workload = WorkloadSpec(2.5, 300, LengthDistribution(64, 64), LengthDistribution(32, 32))
+    return SearchSpec(workload, Slo(ttft_s=8.0, itl_s=0.1), max_pods=max_pods, ratio_max_pods=3)
+
+
+def test_recommend_finds_the_prefill_heavy_ratio() -> None:
+    recommendation = recommend(_prefill_bound_profile(), _spec())
+    best = recommendation.best
+    assert best is not None
+    assert (best.cluster.num_prefill, best.cluster.num_decode) == (3, 1)
+    failing = {
+        (c.cluster.num_prefill, c.cluster.num_decode)
+        for c in recommendation.candidates
+        if not c.meets
+    }
+    assert {(2, 1), (2, 2), (1, 3), (0, 4)} <= failing
+    # The ratio sweep (up to 3 pods) puts its best goodput per pod on 2 prefill : 1 decode.
+    ratio = recommendation.best_ratio
+    assert (ratio.cluster.num_prefill, ratio.cluster.num_decode) == (2, 1)
+
+
+def test_recommend_command_prints_table_plot_and_helm_values(tmp_path, capsys) -> None:
+    profile_path = tmp_path / "profile.json"
+    _prefill_bound_profile().save(str(profile_path))
+    plot_path = tmp_path / "ratio.png"
+    status = splitserve_main(
+        [
+            "plan", "recommend", "--profile", str(profile_path), "--rate", "2.5",
+            "--num-requests", "300", "--input-lens", "64", "--output-lens", "32",
+            "--ttft-slo", "8", "--itl-slo", "0.1", "--max-pods", "4", "--ratio-max-pods", "3",
+            "--plot", str(plot_path),
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "3P+1D" in out and "<== fewest pods" in out
+    assert "prefill:\n  replicas: 3\ndecode:\n  replicas: 1" in out
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_command(tmp_path, capsys) -> None:
+    profile_path = tmp_path / "profile.json"
+    synthetic_profile(0.05, prefill_per_token_s=0.001).save(str(profile_path))
+    result_path = tmp_path / "result.json"
+    status = plan_main(
+        ["simulate", "--profile", str(profile_path), "--prefill", "1", "--decode", "2",
+         "--rate", "2", "--num-requests", "50", "--json", str(result_path)]
+    )  # fmt: skip
+    assert status == 0
+    assert "1P+2D, 50 requests" in capsys.readouterr().out
+    assert json.loads(result_path.read_text())["num_finished"] == 50
+
+
+def test_bad_input_is_a_clear_error(tmp_path, capsys) -> None:
+    missing = tmp_path / "nope.json"
+    assert plan_main(["simulate", "--profile", str(missing)]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    not_a_profile = tmp_path / "bad.json"
+    not_a_profile.write_text(json.dumps({"prefill": []}))
+    assert plan_main(["simulate", "--profile", str(not_a_profile)]) == 2
+    assert "not a planner profile" in capsys.readouterr().err
+    profile_path = tmp_path / "profile.json"
+    synthetic_profile(0.05).save(str(profile_path))
+    assert plan_main(["simulate", "--profile", str(profile_path), "--input-lens", "9-2"]) == 2
+    assert "--input-lens" in capsys.readouterr().err
+    assert plan_main(["simulate", "--profile", str(profile_path), "--decode", "0"]) == 2
+    assert "decode pods >= 1" in capsys.readouterr().err
+
+
+def test_profile_json_round_trip(tmp_path) -> None:
+    profile = synthetic_profile(0.1, prefill_per_token_s=0.002, decode_per_seq_s=0.001)
+    path = tmp_path / "p.json"
+    profile.save(str(path))
+    loaded = load_profile(str(path))
+    assert loaded == profile
+    assert loaded.prefill_s(100) == pytest.approx(0.1 + 0.2)
+    assert loaded.decode.step_s(10, 500) == pytest.approx(0.02 + 0.01)

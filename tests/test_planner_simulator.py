@@ -1,0 +1,185 @@
+"""The planner's simulator against closed-form cases, and its behaviour as pods are added."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from services.planner.profile import synthetic_profile
+from services.planner.sim_results import Slo
+from services.planner.simulator import ClusterConfig, simulate
+from services.planner.workload import (
+    LengthDistribution,
+    SimRequest,
+    WorkloadSpec,
+    load_trace,
+    poisson_requests,
+    write_trace,
+)
+
+LOOSE = Slo(ttft_s=1e9, itl_s=1e9)
+
+
+def _poisson(rate: float, n: int, inputs: str, outputs: str, seed: int = 0) -> list[SimRequest]:
+    spec = WorkloadSpec(
+        rate,
+        n,
+        LengthDistribution.parse(inputs, "inputs"),
+        LengthDistribution.parse(outputs, "outputs"),
+    )
+    return poisson_requests(spec, seed)
+
+
+@pytest.mark.parametrize(
+    "cluster",
+    [ClusterConfig(1, 1, local_prefill_threshold=0), ClusterConfig(0, 1)],
+    ids=["prefill-pod", "colocated"],
+)
+def test_one_prefill_server_at_fixed_service_time_is_md1(cluster: ClusterConfig) -> None:
+    # Prompts of 64 tokens under a 64-token budget: one prompt per step, each taking exactly
+    # `service` seconds; one output token, so the first token ends the request. An M/D/1
+    # queue: mean wait = rho * service / (2 (1 - rho)) (Pollaczek-Khinchine).
+    service, rate = 0.1, 7.0
+    profile = synthetic_profile(service, max_num_batched_tokens=64)
+    rho = rate * service
+    expected = service + rho * service / (2 * (1 - rho))
+    means = []
+    for seed in (1, 2):
+        requests = _poisson(rate, 25_000, "64", "1", seed)
+        result = simulate(profile, cluster, requests, LOOSE)
+        assert result.num_finished == len(requests)
+        means.append(result.ttft.mean)
+    assert sum(means) / len(means) == pytest.approx(expected, rel=0.03)
+
+
+def test_decode_at_a_fixed_batch_matches_the_step_time() -> None:
+    # 8 requests at once: one prefill step holds all 8 prompts, then every step decodes the
+    # whole batch of 8 until all have their 20 tokens.
+    prefill_s, step_s, per_seq_s = 0.05, 0.01, 0.002
+    profile = synthetic_profile(prefill_s, decode_step_s=step_s, decode_per_seq_s=per_seq_s)
+    requests = [SimRequest(i, 0.0, 16, 20) for i in range(8)]
+    result = simulate(profile, ClusterConfig(0, 1), requests, LOOSE)
+    itl = step_s + 8 * per_seq_s
+    assert result.ttft.p50 == pytest.approx(prefill_s)
+    assert result.ttft.p99 == pytest.approx(prefill_s)
+    assert result.itl.p50 == pytest.approx(itl)
+    assert result.itl.p99 == pytest.approx(itl)
+    finish = prefill_s + 19 * itl
+    assert result.duration_s == pytest.approx(finish)
+    assert result.output_throughput == pytest.approx(8 * 20 / finish)
+
+
+def test_kv_transfer_time_adds_to_ttft() -> None:
+    profile = synthetic_profile(
+        0.2, kv_bytes_per_token=1000, transfer_bandwidth=1e6, transfer_latency_s=0.01
+    )
+    requests = [SimRequest(0, 0.0, 100, 1)]
+    result = simulate(profile, ClusterConfig(1, 1, local_prefill_threshold=0), requests, LOOSE)
+    assert result.ttft.p50 == pytest.approx(0.2 + 0.01 + 100 * 1000 / 1e6)
+
+
+def test_short_prompts_prefill_on_the_decode_pod() -> None:
+    # Below the local-prefill threshold no KV travels, so the transfer latency never shows.
+    profile = synthetic_profile(0.2, transfer_latency_s=0.5)
+    short = [SimRequest(0, 0.0, 20, 1)]
+    result = simulate(profile, ClusterConfig(1, 1, local_prefill_threshold=32), short, LOOSE)
+    assert result.ttft.p50 == pytest.approx(0.2)
+    long = [SimRequest(0, 0.0, 40, 1)]
+    result = simulate(profile, ClusterConfig(1, 1, local_prefill_threshold=32), long, LOOSE)
+    assert result.ttft.p50 == pytest.approx(0.7)
+
+
+def test_a_small_kv_cache_preempts_and_still_finishes_everything() -> None:
+    profile = synthetic_profile(0.05, decode_step_s=0.01)
+    requests = [SimRequest(i, 0.0, 32, 60) for i in range(8)]  # 6 blocks each at the end
+    roomy = simulate(profile, ClusterConfig(0, 1), requests, LOOSE)
+    tight = simulate(profile, ClusterConfig(0, 1, num_kv_blocks=20), requests, LOOSE)
+    assert roomy.num_preemptions == 0
+    assert tight.num_preemptions > 0
+    assert tight.num_finished == len(requests)
+    assert tight.duration_s > roomy.duration_s
+
+
+def test_prefix_hits_shorten_ttft() -> None:
+    profile = synthetic_profile(0.01, prefill_per_token_s=0.002)
+    base = _poisson(1.0, 200, "512", "4")
+    shared = [
+        SimRequest(r.request_id, r.arrival_s, r.input_len, r.output_len, "system", 448)
+        for r in base
+    ]
+    cold = simulate(profile, ClusterConfig(1, 1), base, LOOSE)
+    warm = simulate(profile, ClusterConfig(1, 1), shared, LOOSE)
+    # 448 of 512 tokens come from the cache after the first request: about 7x less prefill.
+    assert warm.ttft.p50 < cold.ttft.p50 / 3
+
+
+def test_a_request_larger_than_a_pods_cache_is_refused() -> None:
+    profile = synthetic_profile(0.1, num_kv_blocks=4)
+    with pytest.raises(ValueError, match="more KV blocks"):
+        simulate(profile, ClusterConfig(0, 1), [SimRequest(0, 0.0, 100, 4)], LOOSE)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_more_pods_are_never_worse(seed: int) -> None:
+    profile = synthetic_profile(
+        0.02, prefill_per_token_s=0.0015, decode_step_s=0.02, decode_per_seq_s=0.004
+    )
+    requests = _poisson(3.0, 300, "64-512", "16-64", seed)
+    slo = Slo(ttft_s=1.0, itl_s=0.06)
+
+    def run(p: int, d: int):
+        return simulate(profile, ClusterConfig(p, d), requests, slo)
+
+    by_prefill = [run(p, 2) for p in (1, 2, 3)]
+    by_decode = [run(2, d) for d in (1, 2, 3)]
+    for fewer, more in zip(by_prefill, by_prefill[1:]):
+        assert more.ttft.mean <= fewer.ttft.mean * 1.01
+        assert more.goodput >= fewer.goodput * 0.99
+    for fewer, more in zip(by_decode, by_decode[1:]):
+        assert more.itl.mean <= fewer.itl.mean * 1.01
+        assert more.goodput >= fewer.goodput * 0.99
+    # And the sweep is not flat: the first prefill pod and the first decode pod were short.
+    assert by_prefill[0].ttft.mean > 1.5 * by_prefill[-1].ttft.mean
+    assert by_decode[0].itl.mean > 1.2 * by_decode[-1].itl.mean
+
+
+def test_trace_round_trip_and_bad_lines(tmp_path) -> None:
+    requests = _poisson(2.0, 20, "10-50", "1-9")
+    path = tmp_path / "trace.jsonl"
+    write_trace(str(path), requests)
+    loaded = load_trace(str(path))
+    assert [(r.input_len, r.output_len) for r in loaded] == [
+        (r.input_len, r.output_len) for r in requests
+    ]
+    assert [r.arrival_s for r in loaded] == pytest.approx([r.arrival_s for r in requests], abs=1e-6)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"arrival_s": 0, "input_len": 5, "output_len": 1}) + "\n{oops\n")
+    with pytest.raises(ValueError, match="line 2"):
+        load_trace(str(bad))
+    bad.write_text(json.dumps({"arrival_s": 0, "input_len": 0, "output_len": 1}) + "\n")
+    with pytest.raises(ValueError, match="input_len"):
+        load_trace(str(bad))
+    bad.write_text(json.dumps({"arrival_s": 0, "output_len": 1}) + "\n")
+    with pytest.raises(ValueError, match="missing 'input_len'"):
+        load_trace(str(bad))
+
+
+def test_bad_cluster_and_workload_values_name_the_parameter() -> None:
+    with pytest.raises(ValueError, match="decode pods >= 1"):
+        ClusterConfig(1, 0)
+    with pytest.raises(ValueError, match="--input-lens"):
+        LengthDistribution.parse("ten", "--input-lens")
+    with pytest.raises(ValueError, match="rate"):
+        WorkloadSpec(0, 10, LengthDistribution(1, 2), LengthDistribution(1, 2))
+
+
+def test_serving_overheads_add_to_every_step_and_request() -> None:
+    bare = synthetic_profile(0.05, decode_step_s=0.01)
+    served = replace(bare, step_overhead_s=0.004, request_overhead_s=0.03)
+    requests = [SimRequest(0, 0.0, 16, 5)]
+    before = simulate(bare, ClusterConfig(0, 1), requests, LOOSE)
+    after = simulate(served, ClusterConfig(0, 1), requests, LOOSE)
+    assert after.itl.p50 == pytest.approx(before.itl.p50 + 0.004)
+    assert after.ttft.p50 == pytest.approx(before.ttft.p50 + 0.004 + 0.03)

@@ -151,6 +151,23 @@ def decode_rate(llm: LLM, workload: Workload, batch: int) -> tuple[float, int]:
     return num_tokens / seconds, num_tokens
 
 
+def alternating_rates(
+    plain: LLM, peer: LLM, workload: Workload, batch: int, rounds: int
+) -> tuple[float, float]:
+    """(plain, peer) decode tokens/s over `rounds` alternating runs of the workload: on a
+    shared machine, load that comes and goes then falls on both sides alike."""
+    totals = {"plain": [0, 0.0], "peer": [0, 0.0]}  # name -> [tokens, seconds]
+    for _ in range(rounds):
+        for name, llm in (("plain", plain), ("peer", peer)):
+            rate, tokens = decode_rate(llm, workload, batch)
+            totals[name][0] += tokens
+            totals[name][1] += tokens / rate
+    return (
+        totals["plain"][0] / totals["plain"][1],
+        totals["peer"][0] / totals["peer"][1],
+    )
+
+
 def spec_summary(llm: LLM, before) -> str:
     stats = llm.stats()
     proposed = stats.num_spec_proposed_tokens - before.num_spec_proposed_tokens
@@ -168,6 +185,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-speculative-tokens", type=int, default=8)
     parser.add_argument("--num-threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="alternating plain/speculative runs per row"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
     common = {"kv_cache_bytes": 256 * 2**20, "num_threads": args.num_threads}
@@ -189,17 +209,15 @@ def main() -> None:
             num_prompts = 4 if batch == 1 else 16
             workload = make(plain, num_prompts, args.max_tokens)
             peers = ["ngram"] if batch == 1 else ["ngram", "ngram, switch off"]
-            log(f"{workload.name}, batch {batch}: plain")
-            base_rate, base_tokens = decode_rate(plain, workload, batch)
             for peer in peers:
                 llm = engines[peer]
-                log(f"{workload.name}, batch {batch}: {peer}")
+                log(f"{workload.name}, batch {batch}: plain and {peer}, alternating")
                 before = llm.stats()
-                rate, tokens = decode_rate(llm, workload, batch)
+                base_rate, rate = alternating_rates(plain, llm, workload, batch, args.rounds)
                 rows.append(
                     (workload.name, batch, peer, base_rate, rate, spec_summary(llm, before))
                 )
-                log(f"  {base_rate:.1f} -> {rate:.1f} tok/s ({base_tokens} vs {tokens} tokens)")
+                log(f"  {base_rate:.1f} -> {rate:.1f} tok/s")
     print(
         f"\nSmolLM2-135M, {args.num_threads} torch thread(s), {args.max_tokens} max tokens, "
         f"k <= {args.num_speculative_tokens}, batch switch at {switch} decoding requests"

@@ -209,7 +209,9 @@ def test_cost_aware_k_takes_the_cheap_batch_shape():
     plan = policy.plan_step(num_decoding=1)
     assert policy.num_draft_tokens(request, plan) == 7  # 8 rows: the most tokens per second
     assert plan.num_rows == 8
-    assert plan.expected_tokens == pytest.approx(1 + sum(0.9**j for j in range(1, 8)))
+    alpha = request.spec_state.acceptance_rate
+    assert alpha == pytest.approx(0.9, abs=1e-3)
+    assert plan.expected_tokens == pytest.approx(1 + sum(alpha**j for j in range(1, 8)))
 
 
 def test_linear_costs_make_speculation_lose_and_pause():
@@ -229,6 +231,18 @@ def test_big_batch_gets_no_drafts_where_one_request_would():
     assert policy.num_draft_tokens(request, policy.plan_step(1)) == 7
     request = _request_with_alpha(policy, accepted=8, proposed=10)
     assert policy.num_draft_tokens(request, policy.plan_step(16)) == 0
+
+
+def test_new_requests_start_from_the_pooled_acceptance():
+    costs = {1: 1.0, 2: 1.5, 3: 1.7, 4: 1.7, 5: 2.0, 6: 2.0, 7: 2.0, 8: 2.0, 9: 2.5}
+    hopeless = _policy_with_costs(costs)
+    for _ in range(5):
+        _request_with_alpha(hopeless, accepted=0, proposed=8)  # drafts keep failing
+    assert hopeless.num_draft_tokens(_request(), hopeless.plan_step(1)) == 0
+    promising = _policy_with_costs(costs)
+    for _ in range(5):
+        _request_with_alpha(promising, accepted=8, proposed=8)
+    assert promising.num_draft_tokens(_request(), promising.plan_step(1)) >= 7
 
 
 def test_failed_probes_double_the_pause():

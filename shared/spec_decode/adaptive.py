@@ -26,6 +26,11 @@ from shared.spec_decode.step_cost import StepCostModel
 
 # Weight of the past in the moving acceptance estimate, per verification.
 _DECAY = 0.8
+# The engine-wide estimate a new request starts from: slower, since it pools every request.
+_POOLED_DECAY = 0.98
+# How many judged draft tokens that starting estimate counts for: a request's own first
+# verifications soon outweigh it.
+_PRIOR_WEIGHT = 2.0
 # Steps a request sits out after its acceptance fell too low, before it probes with k = 1;
 # doubled after every failed probe up to the maximum.
 _PAUSE_STEPS = 8
@@ -97,6 +102,9 @@ class SpeculationPolicy:
         self.min_marginal_acceptance = min_marginal_acceptance
         self.stats = SpeculationStats()
         self.step_costs = StepCostModel()
+        # Every request's verifications pooled: a new request starts from it, so on a
+        # workload where drafts keep failing, fresh requests do not open with k = max.
+        self.pooled = AcceptanceState()
 
     def is_active(self, num_decoding: int) -> bool:
         """The batch switch: whether this step speculates at all."""
@@ -115,8 +123,10 @@ class SpeculationPolicy:
     ) -> int:
         """k for this request this step (0 = plain decode, at most `limit`); advances its pause
         counter and, when a plan is given, adds the granted rows to it."""
+        if self.adaptive and request.spec_state is None:
+            request.spec_state = self._starting_state()
         state = request.spec_state
-        if not self.adaptive or state is None:
+        if not self.adaptive:
             k = self.max_draft_tokens
             alpha = 1.0
         else:
@@ -129,6 +139,10 @@ class SpeculationPolicy:
             plan.num_rows += k
             plan.expected_tokens += expected_accepted(alpha, k)
         return k
+
+    def _starting_state(self) -> AcceptanceState:
+        alpha = self.pooled.acceptance_rate
+        return AcceptanceState(num_accepted=_PRIOR_WEIGHT * alpha, num_judged=_PRIOR_WEIGHT)
 
     def _adaptive_k(self, state: AcceptanceState, plan: StepPlan | None) -> int:
         if state.num_paused_steps:
@@ -180,9 +194,12 @@ class SpeculationPolicy:
         self.stats.num_accepted_tokens += num_accepted
         self.stats.num_verify_steps += 1
         if request.spec_state is None:
-            request.spec_state = AcceptanceState()
+            request.spec_state = self._starting_state()
         state = request.spec_state
         assert isinstance(state, AcceptanceState), "spec_state belongs to this policy"
         num_judged = min(num_accepted + 1, num_proposed)
         state.num_accepted = _DECAY * state.num_accepted + num_accepted
         state.num_judged = _DECAY * state.num_judged + num_judged
+        pooled = self.pooled
+        pooled.num_accepted = _POOLED_DECAY * pooled.num_accepted + num_accepted
+        pooled.num_judged = _POOLED_DECAY * pooled.num_judged + num_judged

@@ -6,15 +6,16 @@ For each policy a fresh stack starts (redis-server, two prefill pods, a decode p
 gateway with --routing-policy), then two seeded synthetic workloads run through its HTTP API
 (4 output tokens per request, 2 requests in flight):
 
-- shared system prompts: 8 system prompts of 256 tokens (16 blocks each), 8 rounds; each round
+- shared system prompts: 8 system prompts of 512 tokens (32 blocks each), 8 rounds; each round
   sends every prompt once, in a seeded random order, with a fresh 16-token user message;
-- multi-turn chat: 8 conversations of 5 turns, 256 tokens first, each turn re-sending the whole
+- multi-turn chat: 8 conversations of 5 turns, 512 tokens first, each turn re-sending the whole
   history plus 32 new tokens (the reply and the next user message); round t sends turn t of
   every conversation in a seeded random order, after round t - 1 has finished.
 
-Why the sizes: each prefill pod gets 80 MiB of KV cache (113 blocks of 16 tokens in float32).
-The working set of either workload (8 x 16 = 128 blocks of system prompts; 8 conversations of
-up to 24 blocks = 192 blocks) is more than one pod's cache holds and less than two hold. That is
+Why the sizes: each prefill pod gets 120 MiB of KV cache (170 blocks of 16 tokens in float32).
+The working set of either workload (8 x 33 = 264 blocks of system prompts with their newest user
+block; 8 conversations of up to 40 blocks = 320 blocks) is more than one pod's cache holds and
+no more than two hold. That is
 the case cache-aware routing exists for: it partitions the prefixes between the pods, so their
 caches together hold everything, while round robin sends every prefix to both pods, so each
 pod's cache must hold the whole working set and its LRU order evicts a prefix before it comes
@@ -48,7 +49,7 @@ from services.common.supervisor import HealthCheck, ProcessSpec, Supervisor
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 VOCAB = range(1000, 40000)  # ordinary tokens, clear of the special ones
 POLICIES = ("round_robin", "cache_aware")
-PREFILL_KV_CACHE = "80MiB"  # 113 blocks: less than either workload's working set (see above)
+PREFILL_KV_CACHE = "120MiB"  # 170 blocks: less than either workload's working set (see above)
 DECODE_KV_CACHE = "256MiB"
 CONCURRENCY = 2
 OUTPUT_TOKENS = 4
@@ -74,7 +75,7 @@ def tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.choice(VOCAB) for _ in range(n)]
 
 
-def system_prompt_rounds(seed: int, num_prompts=8, prompt_len=256, num_rounds=8, user_len=16):
+def system_prompt_rounds(seed: int, num_prompts=8, prompt_len=512, num_rounds=8, user_len=16):
     """Rounds of requests: each round every system prompt once, shuffled, + a user message."""
     rng = random.Random(seed)
     systems = [tokens(rng, prompt_len) for _ in range(num_prompts)]
@@ -85,7 +86,7 @@ def system_prompt_rounds(seed: int, num_prompts=8, prompt_len=256, num_rounds=8,
     return rounds
 
 
-def chat_rounds(seed: int, num_conversations=8, num_turns=5, first_len=256, turn_len=32):
+def chat_rounds(seed: int, num_conversations=8, num_turns=5, first_len=512, turn_len=32):
     """Round t: turn t of every conversation (its history + `turn_len` new tokens), shuffled."""
     rng = random.Random(seed + 1)
     histories = [tokens(rng, first_len) for _ in range(num_conversations)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -36,6 +37,12 @@ from shared.scheduler import Scheduler, SchedulerOutput
 from shared.spec_decode.speculator import build_policy, build_speculator
 
 logger = logging.getLogger(__name__)
+
+
+class StepObserver(Protocol):
+    def observe(self, sched: SchedulerOutput, start_time: float, end_time: float) -> None:
+        """One forward pass computed `sched` between the two time.monotonic() readings. Runs
+        on the engine thread, inside the step: keep it cheap."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,9 @@ class EngineCore:
                 config, self.speculation, self.runner, self.max_model_len
             )
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Called after every forward pass with what it computed and when (time.monotonic()):
+        # per-request timings for a pod's metrics and spans (shared/telemetry.py).
+        self.step_observers: list[StepObserver] = []
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)",
             self.kv_spec.num_blocks,
@@ -269,9 +279,12 @@ class EngineCore:
         exports = self._blocks_to_export(sched)
         if self.speculator is not None:
             self.speculator.propose(sched)
-        started = time.perf_counter()
+        start_time = time.monotonic()
         model_out = self.runner.execute(sched)
-        self._observe_step_cost(sched, time.perf_counter() - started)
+        end_time = time.monotonic()
+        self._observe_step_cost(sched, end_time - start_time)
+        for observer in self.step_observers:
+            observer.observe(sched, start_time, end_time)
         updates = self.scheduler.update(sched, model_out)
         processed = self.output_processor.process(updates)
         self._attach_exported_pages(exports, processed.deltas)

@@ -10,7 +10,6 @@ the recorder holds nothing for requests nobody asked about.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -88,19 +87,7 @@ class StepRecorder:
 
 
 def record_engine_steps(engine: EngineCore) -> StepRecorder:
-    """A recorder fed by every forward pass of `engine` from now on.
-
-    The engine has no step hook yet, so this wraps its runner's `execute` (the one call per
-    step that sees the schedule); once EngineCore takes observers, this becomes a
-    registration and nothing else changes."""
+    """A recorder fed by every forward pass of `engine` from now on."""
     recorder = StepRecorder()
-    execute = engine.runner.execute
-
-    def timed_execute(sched, *args, **kwargs):
-        start_time = time.monotonic()
-        output = execute(sched, *args, **kwargs)
-        recorder.observe(sched, start_time, time.monotonic())
-        return output
-
-    engine.runner.execute = timed_execute
+    engine.step_observers.append(recorder)
     return recorder

@@ -166,6 +166,36 @@ def test_one_trace_links_gateway_decode_and_prefill(traced_stack):
         assert child["end_time_unix_nano"] <= parent["end_time_unix_nano"]
 
 
+def test_a_short_prompt_prefilled_on_the_decode_pod_has_its_chunks_there(traced_stack):
+    """Below the local-prefill threshold the decode pod computes the prompt itself: its own
+    queue and chunk spans, and no prefill pod in the trace."""
+    stack, span_file = traced_stack
+    trace_id, parent_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    short_prompt = list(range(2000, 2010))  # 10 tokens: under the threshold of 32
+    body = {"model": MODEL_NAME, "prompt": short_prompt, "max_tokens": 2, "ignore_eos": True}
+    request = urllib.request.Request(
+        f"{stack.base_url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={
+            "Content-Type": "application/json",
+            "traceparent": f"00-{trace_id}-{parent_id}-01",
+        },
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert json.load(response)["usage"]["completion_tokens"] == 2
+
+    spans = _wait_for_trace(span_file, trace_id, {"POST /v1/completions", "decode.request"})
+    by_name = _by_name(spans)
+    assert {span["service"] for span in spans} == {"splitserve-gateway", "splitserve-decode"}
+    decode = _one(by_name, "decode.request", "splitserve-decode")
+    assert decode["attributes"]["splitserve.prefill_mode"] == "local"
+    assert _one(by_name, "decode.queue", "splitserve-decode")["parent_span_id"] == decode["span_id"]
+    chunks = by_name["decode.chunk"]
+    assert all(chunk["parent_span_id"] == decode["span_id"] for chunk in chunks)
+    assert sum(c["attributes"]["splitserve.chunk.num_tokens"] for c in chunks) == len(short_prompt)
+    assert "decode.remote_prefill" not in by_name
+
+
 def _wait_for_trace(path: str, trace_id: str, names: set[str], timeout: float = 15.0):
     """The trace's spans once every span named in `names` has been written (each process
     writes a span when it ends, and the servers' spans end just after their last answer)."""

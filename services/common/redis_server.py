@@ -18,7 +18,7 @@ import socket
 import subprocess
 import time
 
-from services.common.supervisor import _dying_with_us as dying_with_us
+from services.common.supervisor import dying_with_us
 
 STARTUP_TIMEOUT_SECONDS = 10.0
 

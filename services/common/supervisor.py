@@ -78,7 +78,7 @@ class Supervisor:
 
     def start(self, spec: ProcessSpec) -> subprocess.Popen:
         process = subprocess.Popen(
-            _dying_with_us(spec.argv),
+            dying_with_us(spec.argv),
             env={**os.environ, **spec.env},
             start_new_session=True,
         )
@@ -135,7 +135,7 @@ class Supervisor:
         self._children.clear()
 
 
-def _dying_with_us(argv: list[str]) -> list[str]:
+def dying_with_us(argv: list[str]) -> list[str]:
     """`argv` behind the wrapper that arms PR_SET_PDEATHSIG (Linux only) and execs it."""
     if sys.platform != "linux":
         return list(argv)

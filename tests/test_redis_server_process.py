@@ -8,11 +8,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 from services.common.redis_server import RedisServer
+from tests.process_util import wait_until_gone
 
 _STARTER_SCRIPT = textwrap.dedent(
     """
@@ -23,23 +23,6 @@ _STARTER_SCRIPT = textwrap.dedent(
     time.sleep(60)
     """
 )
-
-
-def _is_running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
-
-
-def _wait_until_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not _is_running(pid):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _program(pid: int) -> str:
@@ -58,7 +41,7 @@ def test_redis_server_dies_when_its_starter_is_killed():
         assert _program(redis_pid) == "redis-server"
         os.kill(starter.pid, signal.SIGKILL)  # no cleanup runs in the starter
         starter.wait()
-        assert _wait_until_gone(redis_pid, timeout=10.0), "redis-server outlived its starter"
+        assert wait_until_gone(redis_pid, timeout=10.0), "redis-server outlived its starter"
     finally:
         starter.kill()
 
@@ -69,6 +52,6 @@ def test_restart_keeps_the_port_and_stop_leaves_no_process():
         server.restart()
         second_pid = server._process.pid
         assert server.port == port and second_pid != first_pid
-        assert _wait_until_gone(first_pid, timeout=5.0)
+        assert wait_until_gone(first_pid, timeout=5.0)
         assert _program(second_pid) == "redis-server"
-    assert _wait_until_gone(second_pid, timeout=5.0)
+    assert wait_until_gone(second_pid, timeout=5.0)

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from services.common.supervisor import HealthCheck, ProcessSpec, Supervisor
+from tests.process_util import is_running, wait_until_gone
 
 _SUPERVISOR_SCRIPT = textwrap.dedent(
     """
@@ -25,23 +26,6 @@ _SUPERVISOR_SCRIPT = textwrap.dedent(
 )
 
 
-def _is_running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
-
-
-def _wait_until_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not _is_running(pid):
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux only")
 def test_child_dies_when_the_supervisor_is_killed():
     supervisor = subprocess.Popen(
@@ -49,10 +33,10 @@ def test_child_dies_when_the_supervisor_is_killed():
     )
     try:
         child_pid = int(supervisor.stdout.readline())
-        assert _is_running(child_pid)
+        assert is_running(child_pid)
         os.kill(supervisor.pid, signal.SIGKILL)  # no cleanup runs in the supervisor
         supervisor.wait()
-        assert _wait_until_gone(child_pid, timeout=10.0), "the child outlived its supervisor"
+        assert wait_until_gone(child_pid, timeout=10.0), "the child outlived its supervisor"
     finally:
         supervisor.kill()
 
@@ -68,8 +52,8 @@ def test_stop_ends_every_child_and_its_group(tmp_path):
             assert time.monotonic() < deadline, "the shell never started its grandchild"
             time.sleep(0.05)
         grandchild_pid = int(pid_file.read_text())
-        assert _is_running(grandchild_pid)
+        assert is_running(grandchild_pid)
         assert supervisor.names == ["shell"]
     assert shell.poll() is not None
-    assert _wait_until_gone(grandchild_pid, timeout=5.0)
+    assert wait_until_gone(grandchild_pid, timeout=5.0)
     assert supervisor.names == []

@@ -270,6 +270,14 @@ class Generation:
         try:
             async for response in child.call:
                 self._queue.put_nowait((child, response))
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # this Generation was cancelled: nobody reads the queue any more
+            # The call was cut from outside (its channel closed): the reader must hear of it,
+            # or it waits for chunks that never come. Ends like a stream that stopped early.
+            self._queue.put_nowait((child, _END))
+            return
         except Exception as error:  # handed to the reader, which raises it
             self._queue.put_nowait((child, error))
             return

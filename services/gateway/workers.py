@@ -20,6 +20,9 @@ from services.gateway.routing import Location, PodView
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_SECONDS = 0.5
+# How long the streams of a pod that left the registry (it is draining) may go on through this
+# gateway: longer than any pod's --drain-timeout.
+LEAVING_POD_GRACE_SECONDS = 600.0
 STATS_TIMEOUT_SECONDS = 2.0
 RTT_SMOOTHING = 0.2  # weight of the newest round trip in the moving average
 
@@ -87,6 +90,8 @@ class WorkerPool:
         self.addresses = list(addresses)
         self.workers: list[Worker] = []
         self._channels: dict[str, grpc.aio.Channel] = {}  # address -> its channel
+        # Channels of pods that left the registry, closing once their calls end.
+        self._leaving: dict[asyncio.Task, grpc.aio.Channel] = {}
         self._poller: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -120,11 +125,19 @@ class WorkerPool:
             elif worker.record is not None:
                 logger.info("%s pod %s left the registry", self.role, worker.address)
                 self.workers.remove(worker)
-                await self._channels.pop(worker.address).close()
+                self._close_when_idle(self._channels.pop(worker.address))
         for address, record in mine.items():
             logger.info("%s pod %s joined (%s)", self.role, address, record.worker_id)
             new.append(self._add(address, record))
         await asyncio.gather(*(self._poll_one(worker) for worker in new))
+
+    def _close_when_idle(self, channel: grpc.aio.Channel) -> None:
+        """A pod that left the registry is draining: its streams in flight must finish, so
+        its channel closes once they have (or after the grace), never at once: closing a
+        grpc.aio channel cancels every call on it."""
+        task = asyncio.create_task(channel.close(grace=LEAVING_POD_GRACE_SECONDS))
+        self._leaving[task] = channel
+        task.add_done_callback(self._leaving.pop)
 
     def by_worker_id(self) -> dict[str, Worker]:
         return {worker.worker_id: worker for worker in self.available()}
@@ -132,6 +145,9 @@ class WorkerPool:
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
+        for task, channel in list(self._leaving.items()):
+            task.cancel()
+            await channel.close()  # the gateway is stopping: no grace for its streams
         for channel in self._channels.values():
             await channel.close()
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shared.detokenizer import IncrementalDetokenizer
 from shared.outputs import CompletionOutput, RequestTimings, StreamDelta
@@ -19,6 +19,9 @@ class _SequenceState:
     detokenizer: IncrementalDetokenizer
     timings: RequestTimings
     logprobs: list | None
+    # Tokens a verification step accepted after the one that completed a stop string: they
+    # are in the request's output but not the client's (text, token ids, logprobs alike).
+    num_dropped_tokens: int = 0
 
 
 @dataclass
@@ -55,20 +58,23 @@ class OutputProcessor:
     def _advance(
         self, state: _SequenceState, update: RequestUpdate, now: float, step: ProcessedStep
     ) -> StreamDelta:
+        text = ""
+        stop_string = None
+        num_kept = len(update.new_token_ids)
+        for position, token_id in enumerate(self._text_token_ids(state.request, update)):
+            result = state.detokenizer.append(token_id)
+            text += result.text_delta
+            if result.stop_string is not None:
+                stop_string = result.stop_string
+                num_kept = position + 1  # speculation may have accepted more after it
+                break
+        update = self._cut(state, update, num_kept)
         timings = state.timings
         if timings.first_token_time is None:
             timings.first_token_time = now
         timings.token_times.extend(now for _ in update.new_token_ids)
         if state.logprobs is not None:
             state.logprobs.extend(update.logprobs)
-        text = ""
-        stop_string = None
-        for token_id in self._text_token_ids(state.request, update):
-            result = state.detokenizer.append(token_id)
-            text += result.text_delta
-            if result.stop_string is not None:
-                stop_string = result.stop_string
-                break
         request = state.request
         finished = update.finished or stop_string is not None
         if stop_string is not None:
@@ -78,6 +84,19 @@ class OutputProcessor:
             text += state.detokenizer.flush()
         finish_reason = "stop" if stop_string is not None else request.status.finish_reason
         return self._delta(state, text, update, finished, finish_reason, now)
+
+    @staticmethod
+    def _cut(state: _SequenceState, update: RequestUpdate, num_kept: int) -> RequestUpdate:
+        """The update without its tokens past `num_kept` (counted as dropped on `state`)."""
+        num_dropped = len(update.new_token_ids) - num_kept
+        if num_dropped == 0:
+            return update
+        state.num_dropped_tokens += num_dropped
+        return replace(
+            update,
+            new_token_ids=update.new_token_ids[:num_kept],
+            logprobs=update.logprobs[:num_kept],
+        )
 
     @staticmethod
     def _text_token_ids(request: Request, update: RequestUpdate) -> list[int]:
@@ -133,7 +152,9 @@ class OutputProcessor:
         return CompletionOutput(
             index=state.index,
             text=state.detokenizer.text,
-            token_ids=list(request.output_token_ids),
+            token_ids=list(request.output_token_ids)[
+                : len(request.output_token_ids) - state.num_dropped_tokens
+            ],
             finish_reason=finish_reason,
             stop_reason=request.stop_reason,
             logprobs=state.logprobs,

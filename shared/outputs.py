@@ -28,8 +28,13 @@ class RequestTimings:
 
     @property
     def inter_token_latencies(self) -> list[float]:
-        times = self.token_times
-        return [later - earlier for earlier, later in zip(times, times[1:])]
+        """Gaps between the steps that produced tokens, one per step as vLLM counts them: a
+        verification step that accepts several tokens gives them one timestamp, and zero gaps
+        inside it would drag every ITL percentile down."""
+        step_times = [
+            t for i, t in enumerate(self.token_times) if i == 0 or t != self.token_times[i - 1]
+        ]
+        return [later - earlier for earlier, later in zip(step_times, step_times[1:])]
 
 
 @dataclass

@@ -9,7 +9,7 @@ import pytest
 
 from services.planner.profile import synthetic_profile
 from services.planner.sim_results import Slo
-from services.planner.simulator import ClusterConfig, simulate
+from services.planner.simulator import ClusterConfig, Simulation, simulate
 from services.planner.workload import (
     LengthDistribution,
     SimRequest,
@@ -183,3 +183,22 @@ def test_serving_overheads_add_to_every_step_and_request() -> None:
     after = simulate(served, ClusterConfig(0, 1), requests, LOOSE)
     assert after.itl.p50 == pytest.approx(before.itl.p50 + 0.004)
     assert after.ttft.p50 == pytest.approx(before.ttft.p50 + 0.004 + 0.03)
+
+
+def test_the_gateway_routes_from_stats_polled_every_interval() -> None:
+    # Two colocated pods; each request takes one 50 ms step and ends (one output token), long
+    # before the next arrives. The snapshot polled at 0 s shows both pods idle until the poll
+    # at 0.5 s, so the pick goes by the requests sent since: pod 0 (tie by name), then pod 1,
+    # 0, 1; the request at 0.6 s sees the fresh poll (both idle, counts reset) and gets pod 0.
+    # Seeing exact loads, every request finds both pods idle and takes pod 0.
+    profile = synthetic_profile(0.05)
+    arrivals = (0.0, 0.1, 0.2, 0.3, 0.6)
+    requests = [SimRequest(i, t, 16, 1) for i, t in enumerate(arrivals)]
+    polled = [f"decode-{pod}" for pod in (0, 1, 0, 1, 0)]
+    for interval, expected in ((0.5, polled), (0.0, ["decode-0"] * len(requests))):
+        sim = Simulation(profile, ClusterConfig(0, 2, gateway_poll_interval_s=interval))
+        result = sim.run(requests, LOOSE)
+        assert result.num_finished == len(requests)
+        assert [sim.decode_pod_name(r.request_id) for r in requests] == expected
+    with pytest.raises(ValueError, match="gateway_poll_interval_s"):
+        ClusterConfig(0, 2, gateway_poll_interval_s=-1.0)

@@ -251,3 +251,29 @@ def test_sampling_follows_the_target_distribution(method, peaked_tiny_checkpoint
 def test_homogeneity_test_has_power(plain_samples):
     shifted = [token + 1 for token in plain_samples[0]]
     assert _homogeneity_p_value(shifted, plain_samples[0]) < 1e-6
+
+
+def test_a_stop_string_inside_an_accepted_run_cuts_tokens_and_text_alike(baseline_llm, prompts):
+    """Verification can accept several tokens past the one that completes a stop string:
+    text, token ids and logprobs must all end where the stop string ends, as without
+    speculation."""
+    rewrite = prompts[-1]
+    plain = baseline_llm.generate([rewrite], GREEDY)[0].outputs[0]
+    # A stop string from the middle of what the model writes, so it lands inside a long
+    # accepted run of copied code.
+    stop = plain.text[len(plain.text) // 2 :][:12]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[stop], logprobs=1)
+    expected = baseline_llm.generate([rewrite], params)[0].outputs[0]
+    llm = LLM(
+        kv_cache_bytes=128 * 2**20,
+        speculative_method="ngram",
+        num_speculative_tokens=8,
+        speculative_max_batch_size=16,
+    )
+    got = llm.generate([rewrite], params)[0].outputs[0]
+    _assert_speculated(llm, min_acceptance=0.2)
+    assert got.finish_reason == expected.finish_reason == "stop"
+    assert got.text == expected.text
+    assert got.token_ids == expected.token_ids
+    assert len(got.logprobs) == len(got.token_ids)
+    _assert_all_blocks_free(llm)

@@ -335,3 +335,11 @@ def test_worker_stats_carry_the_speculation_counters():
     assert (proto.spec_proposed_tokens, proto.spec_accepted_tokens) == (40, 30)
     assert proto.spec_verify_steps == 12
     assert engine.spec_acceptance_rate == 0.75 and engine.spec_mean_accepted_length == 2.5
+
+
+def test_inter_token_latency_is_one_sample_per_step():
+    from shared.outputs import RequestTimings
+
+    # Tokens 2-4 came from one verification step: one gap to it, one gap after it.
+    timings = RequestTimings(0.0, 1.0, [1.0, 1.5, 1.5, 1.5, 2.25])
+    assert timings.inter_token_latencies == [0.5, 0.75]

@@ -204,6 +204,35 @@ def test_stopped_pod_expires_and_newer_process_fences_older(redis_server, llm):
     assert blocks_left == 0
 
 
+def test_a_stale_process_closing_leaves_the_live_record(redis_server, llm):
+    """The old process closes before any heartbeat told it a newer one took its worker id:
+    its deregistration must not remove the newer process's record."""
+    keys = RegistryKeys("t-stale-close")
+
+    async def scenario():
+        client = connect(redis_server.url)
+        old = _publisher(llm, redis_server.url, keys, "pod-s", generation=100)
+        await old.start()
+        await _eventually(lambda: _ids(client, keys), ["pod-s"])
+        old._task.cancel()  # no heartbeat of the old one sees the newer generation
+        new = _publisher(llm, redis_server.url, keys, "pod-s", generation=200)
+        await new.start()
+        await _eventually(lambda: _generations(client, keys), [200])
+        assert not old.is_fenced
+        await old.close()
+        after = await _generations(client, keys)
+        old_blocks = await client.exists(keys.blocks("pod-s", 100))
+        await new.close()
+        gone = await _ids(client, keys)
+        await client.aclose()
+        return after, old_blocks, gone
+
+    after, old_blocks, gone = _run(scenario())
+    assert after == [200], "the stale process removed the live record"
+    assert old_blocks == 0  # its own block set goes
+    assert gone == []  # the live process deregisters itself
+
+
 async def _ids(client, keys) -> list[str]:
     return sorted(record.worker_id for record in await read_pods(client, keys))
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from redis.exceptions import RedisError
 
 from services.common.registry import (
+    DEREGISTER_SCRIPT,
     HEARTBEAT_FENCED,
     HEARTBEAT_RESYNC,
     HEARTBEAT_SCRIPT,
@@ -121,10 +122,13 @@ class RegistryPublisher:
         await self.client.aclose()
 
     async def _deregister(self) -> None:
-        pipe = self.client.pipeline(transaction=True)
-        pipe.zrem(self.keys.pods, self.worker_id)
-        pipe.delete(self.keys.pod(self.worker_id), self.blocks_key)
-        await pipe.execute()
+        keys = [
+            self.keys.generation(self.worker_id),
+            self.keys.pod(self.worker_id),
+            self.keys.pods,
+            self.blocks_key,
+        ]
+        await self.client.eval(DEREGISTER_SCRIPT, len(keys), *keys, self.generation, self.worker_id)
 
     async def _run(self) -> None:
         next_heartbeat = 0.0

@@ -50,6 +50,18 @@ return 1
 """
 HEARTBEAT_FENCED, HEARTBEAT_OK, HEARTBEAT_RESYNC = 0, 1, 2
 
+# KEYS: gen, pod, pods, blocks. ARGV: generation, worker_id. Takes the pod out of the registry
+# only while this generation is still the newest: a stale process shutting down must not
+# remove the record of the live one that replaced it. Its own block SET goes either way.
+DEREGISTER_SCRIPT = """
+redis.call('DEL', KEYS[4])
+local newest = tonumber(redis.call('GET', KEYS[1]) or '0')
+if newest > tonumber(ARGV[1]) then return 0 end
+redis.call('ZREM', KEYS[3], ARGV[2])
+redis.call('DEL', KEYS[2])
+return 1
+"""
+
 
 @dataclass(frozen=True)
 class RegistryKeys:

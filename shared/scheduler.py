@@ -224,9 +224,16 @@ class Scheduler:
         if room <= 0:
             return 0
         limit = min(room, self.speculation.max_draft_tokens)
-        if not self.kv.can_allocate(request, 1 + limit):
+        if not self.kv.can_allocate(request, 1 + limit) or self._drafts_would_crowd(limit):
             return 0
         return self.speculation.num_draft_tokens(request, plan, limit)
+
+    def _drafts_would_crowd(self, num_drafts: int) -> bool:
+        """Whether draft slots could take blocks a running request needs for its own next
+        token this step: drafts must never cause a preemption. Keeps one block per running
+        request in reserve (a decode needs at most one new block per step)."""
+        draft_blocks = -(-num_drafts // self.kv.block_size) + 1  # a boundary can add one
+        return self.kv.num_free_blocks - draft_blocks < len(self.running)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocates slots for `request`, preempting others until they fit. False if it was

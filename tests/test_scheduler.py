@@ -217,3 +217,21 @@ def test_remote_kv_fallback_and_abort_free_the_reservation():
     assert sched.reserve_remote_kv(other) == 0
     sched.finish_requests(["o"], RequestStatus.FINISHED_ABORTED)
     assert sched.kv.num_free_blocks == 4
+
+
+def test_draft_slots_never_take_the_block_another_decode_needs():
+    """One free block left: a's draft slots would take it and b, whose next token starts a
+    new block, would be preempted. Drafts must wait instead."""
+    from shared.spec_decode.adaptive import SpeculationPolicy
+
+    config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8)
+    policy = SpeculationPolicy(max_draft_tokens=4, max_batch_size=8, adaptive=False)
+    sched = Scheduler(config, KVCacheManager(5, BLOCK), 1024, (EOS,), speculation=policy)
+    sched.add_request(make_request("a", 7, max_tokens=16, t=0))  # 8 tokens after one step
+    sched.add_request(make_request("b", 8, max_tokens=16, t=1))  # 9: its next needs a block
+    step(sched)
+    assert sched.kv.num_free_blocks == 1
+    out = step(sched)
+    assert plan(out) == [("a", 1), ("b", 1)]
+    assert [c.num_draft_slots for c in out.chunks] == [0, 0]
+    assert sched.num_preemptions == 0

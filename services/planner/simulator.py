@@ -3,7 +3,8 @@
 A request goes the way `docs/structure.md` walks it through the services:
 
 1. at its arrival the gateway picks the decode pod holding its prefix (else the least loaded)
-   and the least loaded prefill pod;
+   and the least loaded prefill pod, from the pods' stats at its last poll plus what it sent
+   since (`sim_gateway.py`), as the real gateway does;
 2. the decode pod prefills locally when fewer than `local_prefill_threshold` prompt tokens are
    uncached there, when there are no prefill pods (colocated, P = 0), or when the prompt's
    blocks are not free; otherwise it reserves the blocks and the prefill pod computes the
@@ -23,15 +24,18 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from services.gateway.workers import POLL_INTERVAL_SECONDS
 from services.planner.profile import Profile
+from services.planner.sim_gateway import SimGateway
 from services.planner.sim_pod import PodLimits, ScheduledStep, SimPod, SimSeq
 from services.planner.sim_results import RequestRecord, SimResult, Slo, summarize
 from services.planner.workload import SimRequest
 
-ARRIVAL, STEP_DONE, KV_LANDED, KICK = 0, 1, 2, 3
+ARRIVAL, STEP_DONE, KV_LANDED, KICK, POLL = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,9 @@ class ClusterConfig:
     max_num_batched_tokens: int | None = None
     long_prefill_token_threshold: int | None = None
     num_kv_blocks: int | None = None
+    # How often the gateway refreshes its pod stats (the real gateway's constant); 0 = it sees
+    # every pod's exact load at each arrival.
+    gateway_poll_interval_s: float = POLL_INTERVAL_SECONDS
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -56,6 +63,9 @@ class ClusterConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        interval = self.gateway_poll_interval_s
+        if not (math.isfinite(interval) and interval >= 0):
+            raise ValueError(f"gateway_poll_interval_s must be >= 0 seconds, got {interval}")
 
     @property
     def label(self) -> str:
@@ -95,6 +105,8 @@ class Simulation:
     _order: itertools.count = field(default_factory=itertools.count)
     _flights: dict[int, _Flight] = field(default_factory=dict)  # request_id -> flight
     _in_flight_step: dict[str, ScheduledStep] = field(default_factory=dict)  # pod name -> step
+    gateway: SimGateway = field(init=False)
+    _num_pending_arrivals: int = 0  # polls go on while requests are still to come
 
     def __post_init__(self) -> None:
         limits = self.cluster.limits(self.profile)
@@ -104,16 +116,24 @@ class Simulation:
         self.decode_pods = [
             SimPod(f"decode-{i}", limits, self.profile) for i in range(self.cluster.num_decode)
         ]
+        self.gateway = SimGateway(
+            self.prefill_pods, self.decode_pods, self.cluster.gateway_poll_interval_s
+        )
 
     def run(self, requests: list[SimRequest], slo: Slo) -> SimResult:
         self._check_fits(requests)
+        if requests and self.cluster.gateway_poll_interval_s > 0:
+            # Polls start with the first arrival: the pods are idle before it.
+            self._push(min(request.arrival_s for request in requests), POLL, None)
         for request in requests:
             self._push(request.arrival_s, ARRIVAL, request)
+        self._num_pending_arrivals = len(requests)
         handlers: dict[int, Callable[[float, object], None]] = {
             ARRIVAL: self._on_arrival,
             STEP_DONE: self._on_step_done,
             KV_LANDED: self._on_kv_landed,
             KICK: self._on_kick,
+            POLL: self._on_poll,
         }
         while self._events:
             now, _, _, kind, payload = heapq.heappop(self._events)
@@ -121,6 +141,10 @@ class Simulation:
         records = [flight.record for flight in self._flights.values()]
         pods = self.prefill_pods + self.decode_pods
         return summarize(records, slo, pods)
+
+    def decode_pod_name(self, request_id: int) -> str:
+        """The decode pod the gateway sent a request to (after `run`)."""
+        return self._flights[request_id].decode_pod.name
 
     def _check_fits(self, requests: list[SimRequest]) -> None:
         limits = self.cluster.limits(self.profile)
@@ -137,13 +161,19 @@ class Simulation:
 
     # ---- the gateway and the decode pod's choice --------------------------------------------
 
+    def _on_poll(self, now: float, _: object) -> None:
+        self.gateway.poll()
+        if self._num_pending_arrivals > 0:
+            self._push(now + self.cluster.gateway_poll_interval_s, POLL, None)
+
     def _on_arrival(self, now: float, request: SimRequest) -> None:
-        decode_pod = min(self.decode_pods, key=lambda pod: _route_key(pod, request))
+        self._num_pending_arrivals -= 1
+        prefill_pod, decode_pod = self.gateway.pick(request)
         seq = SimSeq(request, num_tokens=request.input_len)
         self._flights[request.request_id] = _Flight(RequestRecord(request), decode_pod, seq)
         uncached = request.input_len - decode_pod.num_cached_tokens(request)
         is_local = (
-            not self.prefill_pods
+            prefill_pod is None
             or uncached < self.cluster.local_prefill_threshold
             or not decode_pod.try_reserve(seq)
         )
@@ -151,7 +181,6 @@ class Simulation:
             decode_pod.add(seq)
             self._kick(decode_pod, now)
             return
-        prefill_pod = min(self.prefill_pods, key=lambda pod: _route_key(pod, request))
         prefill_seq = SimSeq(request, num_tokens=request.input_len, is_prefill_only=True)
         prefill_pod.add(prefill_seq)
         self._kick(prefill_pod, now)
@@ -226,12 +255,6 @@ class Simulation:
             pod.finish(seq)
         else:
             seq.num_tokens += 1
-
-
-def _route_key(pod: SimPod, request: SimRequest) -> tuple[bool, int, float]:
-    """A pod holding the request's prefix first, then the lighter load."""
-    queued, kv_usage = pod.load
-    return pod.num_cached_tokens(request) == 0, queued, kv_usage
 
 
 def simulate(

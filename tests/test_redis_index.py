@@ -48,7 +48,7 @@ def llm(single_thread, tiny_hf_checkpoint):
     engine.shutdown()
 
 
-def _run(coroutine, timeout: float = 60.0):
+def _run(coroutine, timeout: float = 120.0):
     return asyncio.run(asyncio.wait_for(coroutine, timeout))
 
 

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SNAPSHOT_CHUNK = 4096  # hashes per SADD when resyncing
+# How long close() waits for the publishing loop to end before deregistering anyway.
+CLOSE_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,7 @@ class RegistryPublisher:
         self.is_fenced = False  # a newer process owns the worker id: stop writing
         self._is_synced = False  # the block SET matches the cache (else resync first)
         self._is_redis_down = False
+        self._is_closing = False
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -111,9 +114,12 @@ class RegistryPublisher:
 
     async def close(self) -> None:
         """Stops publishing and takes the pod out of the registry at once (best effort)."""
+        self._is_closing = True
         if self._task is not None:
+            # The flag ends the loop even if the redis client swallows the cancellation (it
+            # can, mid-command, turning it into a connection error the loop survives).
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await asyncio.wait([self._task], timeout=CLOSE_TIMEOUT_S)
         if not self.is_fenced:
             try:
                 await self._deregister()
@@ -132,7 +138,7 @@ class RegistryPublisher:
 
     async def _run(self) -> None:
         next_heartbeat = 0.0
-        while not self.is_fenced:
+        while not self.is_fenced and not self._is_closing:
             try:
                 if time.monotonic() >= next_heartbeat:
                     next_heartbeat = time.monotonic() + self.settings.heartbeat_interval_s

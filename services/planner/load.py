@@ -23,7 +23,8 @@ from typing import Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
-METRIC_PREFIX = "splitserve:"
+from services.common.pod_metrics import PREFIX as METRIC_PREFIX  # the pods' own metric names
+
 SCRAPE_TIMEOUT_S = 2.0
 
 

@@ -3,6 +3,11 @@ n > 1 (and several prompts) out into one DecodeRequest per sequence, merge the s
 
 The child ids and seeds come from `shared.prompts.child_sequences`, the very function the engine
 uses in-process, so a request served through the gateway samples what `LLM.generate` would.
+
+A sequence whose decode pod cannot be reached (UNAVAILABLE: connection refused or reset, the pod
+gone or draining) before that pod streamed anything for it is routed again without that pod and
+resent, with the same request id and seed, at most MAX_DECODE_RETRIES times. Once a response
+has come back the sequence is never resent: the client may have seen its tokens.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -19,7 +25,7 @@ from services.common.convert import options_from_params
 from services.common.grpc_server import StatusError
 from services.common.tracing import grpc_metadata
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.router import Router
+from services.gateway.router import PickedPods, Router
 from services.gateway.routing import RoutingDecision
 from services.gateway.workers import Worker, WorkerPool
 from shared.prompts import child_sequences
@@ -27,6 +33,10 @@ from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+# Resends of one sequence to other decode pods after its pod was unreachable (3 calls at most):
+# enough to step over a pod or two that went away before the gateway's view caught up.
+MAX_DECODE_RETRIES = 2
 
 
 class NoWorkerError(StatusError):
@@ -91,9 +101,17 @@ class _Child:
     call: grpc.aio.UnaryStreamCall | None = None
     task: asyncio.Task | None = None
     finished: bool = False
+    client_region: str = ""  # for routing a retry as the first call was routed
+    # A response of this sequence was queued for the client: from then on it is never resent.
+    has_output: bool = False
+    num_retries: int = 0
+    failed_addresses: set[str] = field(default_factory=set)  # decode pods that were unreachable
 
 
 _END = object()  # a child's stream ended
+
+# Routes a sequence again after its decode pod was unreachable (None: no other pod is left).
+Reroute = Callable[[_Child], Awaitable[PickedPods | None]]
 
 
 class GatewayCore:
@@ -173,7 +191,7 @@ class GatewayCore:
             )
         ]
         num_prompt_tokens = sum(len(prompt) for prompt in request.prompts)
-        return Generation(children, num_prompt_tokens, self.metrics)
+        return Generation(children, num_prompt_tokens, self.metrics, self._reroute)
 
     async def _child(
         self,
@@ -195,7 +213,21 @@ class GatewayCore:
             prefill_address=picked.prefill.address if picked.prefill is not None else "",
         )
         index = prompt_index * request.params.n + sequence_index
-        return _Child(index, prompt_index, decode_request, picked.decode, picked.decision)
+        return _Child(
+            index,
+            prompt_index,
+            decode_request,
+            picked.decode,
+            picked.decision,
+            client_region=client_region,
+        )
+
+    async def _reroute(self, child: _Child) -> PickedPods | None:
+        """The pods for a sequence whose decode pod was unreachable: that pod cools down in
+        the pool (other requests skip it too), and the sequence's failed pods are left out."""
+        self.decode_pool.mark_unreachable(child.worker)
+        prompt = list(child.request.prompt_token_ids)
+        return await self.router.pick(prompt, child.client_region, child.failed_addresses)
 
 
 def _prompt_ids(request: GenerationRequest) -> list[str]:
@@ -211,14 +243,22 @@ class Generation:
     `usage` is complete once the iteration ends. Raises ValueError (the pod rejected the
     input) or WorkerError. `cancel()` is synchronous, so it works from inside a task that is
     being cancelled (a client that went away); it cancels every call, and so every pod aborts
-    its sequence and frees its blocks.
+    its sequence and frees its blocks, and it stops a retry that is still choosing its pod.
+    `reroute` (None: no retries) picks another pod for a sequence whose pod was unreachable.
     """
 
-    def __init__(self, children: list[_Child], num_prompt_tokens: int, metrics: GatewayMetrics):
+    def __init__(
+        self,
+        children: list[_Child],
+        num_prompt_tokens: int,
+        metrics: GatewayMetrics,
+        reroute: Reroute | None = None,
+    ):
         self.usage = Usage(prompt_tokens=num_prompt_tokens)
         self.num_choices = len(children)
         self._children = children
         self._metrics = metrics
+        self._reroute = reroute
         self._queue: asyncio.Queue = asyncio.Queue()
         self._num_open = len(children)
         self._start_time = time.monotonic()
@@ -265,10 +305,21 @@ class Generation:
                 child.task.cancel()
 
     async def _pump(self, child: _Child) -> None:
+        """Streams one sequence into the queue, resending it to another pod while its pod is
+        unreachable before any output; ends by queueing _END or the error it failed with."""
+        outcome = await self._stream(child)
+        while self._can_retry(child, outcome) and await self._move_elsewhere(child, outcome):
+            outcome = await self._stream(child)
+        self._queue.put_nowait((child, outcome))
+
+    async def _stream(self, child: _Child) -> object:
+        """One decode call on `child.worker`, its responses queued as they come; returns _END
+        once the stream ended, or the exception the call failed with."""
         # The trace context is the one current when the Generation was made (the request's).
         child.call = child.worker.stub.Decode(child.request, metadata=grpc_metadata())
         try:
             async for response in child.call:
+                child.has_output = True
                 self._queue.put_nowait((child, response))
         except asyncio.CancelledError:
             current = asyncio.current_task()
@@ -276,12 +327,50 @@ class Generation:
                 raise  # this Generation was cancelled: nobody reads the queue any more
             # The call was cut from outside (its channel closed): the reader must hear of it,
             # or it waits for chunks that never come. Ends like a stream that stopped early.
-            self._queue.put_nowait((child, _END))
-            return
+            return _END
         except Exception as error:  # handed to the reader, which raises it
-            self._queue.put_nowait((child, error))
-            return
-        self._queue.put_nowait((child, _END))
+            return error
+        return _END
+
+    def _can_retry(self, child: _Child, outcome: object) -> bool:
+        """The pod was unreachable and nothing of the sequence was streamed: safe to resend
+        (the pod is gone or never took the call, so it holds no blocks of it to free)."""
+        return (
+            self._reroute is not None
+            and isinstance(outcome, grpc.aio.AioRpcError)
+            and outcome.code() == grpc.StatusCode.UNAVAILABLE
+            and not child.has_output
+            and child.num_retries < MAX_DECODE_RETRIES
+        )
+
+    async def _move_elsewhere(self, child: _Child, error: grpc.aio.AioRpcError) -> bool:
+        """Points `child` at another pod (same request id and seed); False if none is left."""
+        assert self._reroute is not None, "only called when retries are on"
+        request_id, failed = child.request.request_id, child.worker.address
+        child.failed_addresses.add(failed)
+        picked = await self._reroute(child)
+        if picked is None:
+            logger.warning(
+                "%s: decode pod %s is unreachable (%s) and no other decode pod is left",
+                request_id,
+                failed,
+                error.details(),
+            )
+            return False
+        child.num_retries += 1
+        child.worker, child.decision = picked.decode, picked.decision
+        child.request.prefill_address = picked.prefill.address if picked.prefill else ""
+        self._metrics.routing_retries.inc()
+        logger.warning(
+            "%s: decode pod %s is unreachable (%s); retry %d of %d on %s",
+            request_id,
+            failed,
+            error.details(),
+            child.num_retries,
+            MAX_DECODE_RETRIES,
+            picked.decode.address,
+        )
+        return True
 
     def _chunk(self, child: _Child, response: worker_pb2.DecodeResponse) -> SequenceChunk:
         if self._first_token_time is None and response.token_ids:

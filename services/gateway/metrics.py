@@ -5,7 +5,8 @@ every pod). Routing has vLLM-style `splitserve:` names beside the pods' (service
 pod_metrics.py): `splitserve:routing_decisions_total` by reason and policy, and
 `splitserve:routing_cached_prefix_tokens_total` over `splitserve:routing_prompt_tokens_total`,
 the prefix-cache hit rate the router expected when it chose (the pods' own
-`prefix_cache_hits_total` say what they found).
+`prefix_cache_hits_total` say what they found), and `splitserve:routing_retries_total`, the
+sequences sent to another decode pod because theirs was unreachable before any output.
 """
 
 from __future__ import annotations
@@ -96,6 +97,12 @@ class GatewayMetrics:
         self.routing_cached_prefix_tokens = Counter(
             "splitserve:routing_cached_prefix_tokens",
             "Of those, tokens the index said the chosen pod had cached.",
+            registry=self.registry,
+        )
+        self.routing_retries = Counter(
+            "splitserve:routing_retries",
+            "Sequences routed again, to another decode pod, because theirs could not be "
+            "reached (UNAVAILABLE) before it streamed anything.",
             registry=self.registry,
         )
 

@@ -8,6 +8,9 @@ prompt each pod holds, and hands the rest to services/gateway/routing.py's scori
 Without --redis-url the pods are the static addresses and no index exists (load and proximity
 only). While Redis is unreachable the registry is kept as last seen, lookups are skipped
 (reason "redis_down") and a background refresh notices when Redis is back.
+
+A sequence whose decode pod could not be reached before it streamed anything is picked again
+without that pod (`pick(..., exclude=...)`; services/gateway/generation.py retries it).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
@@ -116,9 +120,16 @@ class Router:
 
     # ---- picking ----------------------------------------------------------------------------
 
-    async def pick(self, prompt_token_ids: list[int], client_region: str = "") -> PickedPods | None:
-        """The pods for one prompt (counted as dispatched to), or None without a decode pod."""
-        decode_workers = self.decode_pool.available()
+    async def pick(
+        self,
+        prompt_token_ids: list[int],
+        client_region: str = "",
+        exclude: Collection[str] = (),
+    ) -> PickedPods | None:
+        """The pods for one prompt (counted as dispatched to), or None without a decode pod.
+        `exclude`: addresses of decode pods not to choose (a retry leaves out the pods the
+        sequence already failed on)."""
+        decode_workers = [w for w in self.decode_pool.available() if w.address not in exclude]
         if not decode_workers:
             return None
         prefill_workers = self.prefill_pool.available() if self.prefill_pool else []

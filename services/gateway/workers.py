@@ -1,7 +1,11 @@
 """The gateway's view of the worker pods: a gRPC channel each, their latest stats (polled, with
 the round trip of each poll averaged for proximity), and what scoring sees of each
 (`Worker.view`). Pods come from --decode/--prefill addresses or from the Redis registry
-(`WorkerPool.apply_records`); services/gateway/router.py chooses among them."""
+(`WorkerPool.apply_records`); services/gateway/router.py chooses among them.
+
+A pod a call found unreachable (`WorkerPool.mark_unreachable`) is left out of routing for a
+short cooldown: the registry and the stats polls notice a pod that went away only within a
+poll, and requests routed to it meanwhile would fail too."""
 
 from __future__ import annotations
 
@@ -25,6 +29,10 @@ POLL_INTERVAL_SECONDS = 0.5
 LEAVING_POD_GRACE_SECONDS = 600.0
 STATS_TIMEOUT_SECONDS = 2.0
 RTT_SMOOTHING = 0.2  # weight of the newest round trip in the moving average
+# How long routing skips a pod a call found unreachable, unless a stats poll begun after the
+# failure succeeds sooner: longer than a poll interval plus a poll's timeout, by which time a
+# pod that is gone has failed its polls (or left the registry) and is unavailable anyway.
+UNREACHABLE_COOLDOWN_SECONDS = 5.0
 
 
 @dataclass
@@ -40,6 +48,10 @@ class Worker:
     # The pod's registry entry; None for a pod given by address (no prefix index for it).
     record: PodRecord | None = None
     rtt_ms: float | None = None  # moving average of GetStats round trips
+    # When a call last found the pod unreachable (time.monotonic()), and until when routing
+    # skips it for that; set by WorkerPool.mark_unreachable, cleared by a later good poll.
+    unreachable_since: float | None = None
+    unreachable_until: float = 0.0
 
     @property
     def worker_id(self) -> str:
@@ -69,7 +81,12 @@ class Worker:
 
     @property
     def is_available(self) -> bool:
-        return self.stats is not None and self.is_serving_model
+        return self.stats is not None and self.is_serving_model and not self.is_cooling_down
+
+    @property
+    def is_cooling_down(self) -> bool:
+        """A call found the pod unreachable a moment ago: do not route to it yet."""
+        return time.monotonic() < self.unreachable_until
 
     @property
     def load(self) -> tuple[int, float]:
@@ -84,10 +101,19 @@ class Worker:
 class WorkerPool:
     """One role's pods. Owned by one event loop: `start` there; the router reads `available()`."""
 
-    def __init__(self, role: str, addresses: list[str], model_name: str) -> None:
+    def __init__(
+        self,
+        role: str,
+        addresses: list[str],
+        model_name: str,
+        poll_interval_s: float = POLL_INTERVAL_SECONDS,
+        unreachable_cooldown_s: float = UNREACHABLE_COOLDOWN_SECONDS,
+    ) -> None:
         self.role = role
         self.model_name = model_name
         self.addresses = list(addresses)
+        self.poll_interval_s = poll_interval_s  # between the background stats polls
+        self.unreachable_cooldown_s = unreachable_cooldown_s
         self.workers: list[Worker] = []
         self._channels: dict[str, grpc.aio.Channel] = {}  # address -> its channel
         # Channels of pods that left the registry, closing once their calls end.
@@ -154,6 +180,20 @@ class WorkerPool:
     def available(self) -> list[Worker]:
         return [worker for worker in self.workers if worker.is_available]
 
+    def mark_unreachable(self, worker: Worker) -> None:
+        """A call could not reach `worker` (connection refused or reset, the pod gone): routing
+        skips it for the cooldown, or until a stats poll begun after now succeeds."""
+        if not worker.is_cooling_down:  # once per episode, not once per failed call
+            logger.warning(
+                "%s pod %s is unreachable: not routing to it for up to %g s",
+                self.role,
+                worker.address,
+                self.unreachable_cooldown_s,
+            )
+        now = time.monotonic()
+        worker.unreachable_since = now
+        worker.unreachable_until = now + self.unreachable_cooldown_s
+
     @property
     def max_model_len(self) -> int | None:
         """The context every available pod can serve: the smallest of theirs."""
@@ -165,10 +205,11 @@ class WorkerPool:
 
     async def _poll_forever(self) -> None:
         while True:
-            await asyncio.sleep(POLL_INTERVAL_SECONDS)
+            await asyncio.sleep(self.poll_interval_s)
             await self.poll()
 
     async def _poll_one(self, worker: Worker) -> None:
+        started = time.monotonic()  # a good answer to a poll begun later than a failure ends it
         start = time.perf_counter()
         try:
             stats = await worker.stub.GetStats(
@@ -193,8 +234,20 @@ class WorkerPool:
                 self.model_name,
             )
         worker.stats, worker.num_dispatched, worker.is_serving_model = stats, 0, serving
+        _end_cooldown_if_answered_since(worker, started)
         rtt_ms = (time.perf_counter() - start) * 1000
         previous = worker.rtt_ms
         worker.rtt_ms = (
             rtt_ms if previous is None else previous + RTT_SMOOTHING * (rtt_ms - previous)
         )
+
+
+def _end_cooldown_if_answered_since(worker: Worker, poll_started: float) -> None:
+    """The pod answered a poll sent after a call failed to reach it: it is reachable again
+    (a blip, or a pod back at the same address), so routing need not wait out the cooldown."""
+    since = worker.unreachable_since
+    if since is None or poll_started <= since:
+        return
+    if worker.is_cooling_down:
+        logger.info("pod %s is reachable again", worker.address)
+    worker.unreachable_since, worker.unreachable_until = None, 0.0

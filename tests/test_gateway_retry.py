@@ -1,0 +1,263 @@
+"""A sequence whose decode pod is gone before it streamed anything is retried on another pod;
+one that already streamed tokens is not.
+
+Three real decode pods (separate processes serving the tiny random checkpoint, so they start in
+seconds) and the gateway's request path in this process: its `GatewayCore`, `Router` and
+`WorkerPool`, the code `python -m services.gateway` runs. Each gateway here polls its pods once
+and then no more, so a pod killed with SIGKILL stays "available" to its router, as a vanished
+pod does in a running gateway until its next stats poll (up to 0.5 s): the window in which a
+request is routed to a pod that is gone, held open for as long as the test needs instead of
+raced against.
+
+Round robin takes pods in worker-id order from turn 0: the first request of a gateway over
+(decode-0, decode-2) goes to decode-0, over (decode-1, decode-2) to decode-1. The first test
+kills decode-0, the second decode-1, and decode-2 stays up, in whatever order they run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from services.common.model_files import default_model_name, load_tokenizer
+from services.common.supervisor import HealthCheck, ProcessSpec, Supervisor
+from services.gateway.generation import GatewayCore, GenerationRequest, WorkerError, collect
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.router import Router, RouterSettings
+from services.gateway.workers import WorkerPool
+from shared.sampling_params import SamplingParams
+from shared.tokenizer import Tokenizer
+from tests.services_util import STARTUP_TIMEOUT_SECONDS, free_port, wait_until_idle
+
+POD_NAMES = ("decode-0", "decode-1", "decode-2")
+# No background polls and no end to a pod's cooldown while a test runs.
+FROZEN_SECONDS = 3600.0
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at"]
+SEEDED = SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+# Long enough to be killed or cancelled mid-stream (the tiny model takes milliseconds a step).
+LONG = SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class Pod:
+    address: str
+    process: subprocess.Popen
+
+    def kill(self) -> None:
+        """SIGKILL: no deregistration, no drain; its connections are reset."""
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def pods(tiny_hf_checkpoint: str):
+    """decode-0..2 serving the tiny checkpoint; name -> Pod. Prefix caching is off so that a
+    request computes the same shapes however often it is sent (seeded outputs compare)."""
+    supervisor = Supervisor()
+    flags = ["--model", tiny_hf_checkpoint, "--no-prefix-caching", "--kv-cache-bytes", "16MiB"]
+    flags += ["--num-threads", "1", "--kv-transport", "tcp", "--log-level", "warning"]
+    started = {}
+    try:
+        for name in POD_NAMES:
+            port = free_port()
+            argv = [sys.executable, "-m", "services.decode", "--host", "127.0.0.1"]
+            argv += ["--port", str(port), "--worker-id", name, *flags]
+            address = f"127.0.0.1:{port}"
+            health = HealthCheck(address, "splitserve.v1.DecodeWorker")
+            started[name] = Pod(address, supervisor.start(ProcessSpec(name, argv, health)))
+        supervisor.wait_healthy(STARTUP_TIMEOUT_SECONDS)
+        yield started
+    finally:
+        supervisor.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_hf_checkpoint: str) -> Tokenizer:
+    return load_tokenizer(tiny_hf_checkpoint)
+
+
+@dataclass(frozen=True)
+class Served:
+    first_address: str  # the decode pod the request was first routed to
+    final_address: str  # the one that served it
+    token_ids: list[int]
+
+
+class Gateway:
+    """The gateway's request path over static decode pods, round robin, view frozen after
+    its first poll."""
+
+    def __init__(self, tokenizer: Tokenizer, model_name: str, pods: list[Pod]) -> None:
+        self.addresses = [pod.address for pod in pods]
+        self.pool = WorkerPool(
+            "decode",
+            self.addresses,
+            model_name,
+            poll_interval_s=FROZEN_SECONDS,
+            unreachable_cooldown_s=FROZEN_SECONDS,
+        )
+        router = Router(self.pool, None, RouterSettings(policy="round_robin"))
+        self.core = GatewayCore(tokenizer, model_name, self.pool, None, GatewayMetrics(), router)
+
+    async def __aenter__(self) -> Gateway:
+        await self.pool.start()
+        available = {worker.address for worker in self.pool.available()}
+        assert available == set(self.addresses), "every pod must be up before the test kills one"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.pool.close()
+
+    @property
+    def num_retries(self) -> float:
+        return self.core.metrics.registry.get_sample_value("splitserve:routing_retries_total")
+
+    def request(self, request_id: str, text: str, params: SamplingParams) -> GenerationRequest:
+        return GenerationRequest(request_id, [self.core.encode(text)], params)
+
+    async def serve(self, request_id: str, text: str, params: SamplingParams) -> Served:
+        generation = await self.core.start(self.request(request_id, text, params))
+        # The calls start once this coroutine waits: these are the first routing decisions.
+        (first,) = generation.decisions
+        (sequence,) = await collect(generation)
+        (final,) = generation.decisions
+        assert sequence.finish_reason == "length", "every request here runs to max_tokens"
+        return Served(first.decode_address, final.decode_address, sequence.token_ids)
+
+
+def _gateway(tokenizer: Tokenizer, tiny_hf_checkpoint: str, *pods: Pod) -> Gateway:
+    return Gateway(tokenizer, default_model_name(tiny_hf_checkpoint), list(pods))
+
+
+def _run(coroutine, timeout: float = 60.0):
+    return asyncio.run(asyncio.wait_for(coroutine, timeout))
+
+
+def test_requests_routed_to_a_killed_pod_are_retried_on_another_pod(
+    pods, tokenizer, tiny_hf_checkpoint
+):
+    dead, live = pods["decode-0"], pods["decode-2"]
+
+    async def scenario():
+        # Every gateway polls while both pods are up, so each still routes to `dead` after it.
+        async with (
+            _gateway(tokenizer, tiny_hf_checkpoint, dead, live) as single,
+            _gateway(tokenizer, tiny_hf_checkpoint, dead, live) as burst,
+            _gateway(tokenizer, tiny_hf_checkpoint, dead, live) as cancelling,
+            _gateway(tokenizer, tiny_hf_checkpoint, dead) as alone,
+        ):
+            dead.kill()
+            await _a_seeded_request_is_retried_with_its_seed(single, dead, live)
+            await _a_burst_completes_with_one_retry_per_request_sent_to_the_dead_pod(
+                burst, dead, live
+            )
+            await _cancelling_a_retried_request_frees_its_blocks(cancelling, live)
+            await _without_another_pod_the_request_fails_unavailable(alone, dead)
+
+    _run(scenario())
+
+
+async def _a_seeded_request_is_retried_with_its_seed(
+    gateway: Gateway, dead: Pod, live: Pod
+) -> None:
+    served = await gateway.serve("seeded", PROMPTS[0], SEEDED)
+    assert (served.first_address, served.final_address) == (dead.address, live.address)
+    assert len(served.token_ids) == SEEDED.max_tokens
+    assert gateway.num_retries == 1
+    # The dead pod cools down: the same request id and seed now go straight to the live pod,
+    # and sample the very same tokens, so the retry was the same request.
+    again = await gateway.serve("seeded", PROMPTS[0], SEEDED)
+    assert again.first_address == live.address
+    assert gateway.num_retries == 1
+    assert again.token_ids == served.token_ids
+
+
+async def _a_burst_completes_with_one_retry_per_request_sent_to_the_dead_pod(
+    gateway: Gateway, dead: Pod, live: Pod
+) -> None:
+    # Three prompts twice each: turns 0-5 alternate the pods, so each prompt is served once
+    # after a retry and once straight.
+    prompts = [PROMPTS[i % 3] for i in range(6)]
+    requests = [gateway.serve(f"burst-{i}", text, GREEDY) for i, text in enumerate(prompts)]
+    served = await asyncio.gather(*requests)
+    num_sent_to_dead = sum(s.first_address == dead.address for s in served)
+    assert num_sent_to_dead == 3  # round robin over two pods, all routed before any call ran
+    assert gateway.num_retries == num_sent_to_dead
+    assert all(s.final_address == live.address for s in served)
+    assert all(len(s.token_ids) == GREEDY.max_tokens for s in served)
+    # Greedy: a retried request answers what the same prompt sent straight to the live pod does.
+    for text in set(prompts):
+        pair = [s for s, p in zip(served, prompts, strict=True) if p == text]
+        assert {s.first_address for s in pair} == {dead.address, live.address}
+        assert pair[0].token_ids == pair[1].token_ids
+
+
+async def _cancelling_a_retried_request_frees_its_blocks(gateway: Gateway, live: Pod) -> None:
+    generation = await gateway.core.start(gateway.request("cancelled", PROMPTS[1], LONG))
+    first_chunk = await anext(generation)  # served by the live pod, after the retry
+    assert first_chunk.token_ids
+    assert gateway.num_retries == 1
+    generation.cancel()  # what a client going away does
+    stats = await asyncio.to_thread(wait_until_idle, live.address)
+    assert stats.num_running == 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+async def _without_another_pod_the_request_fails_unavailable(gateway: Gateway, dead: Pod) -> None:
+    with pytest.raises(WorkerError, match=dead.address) as failure:
+        await gateway.serve("alone", PROMPTS[2], GREEDY)
+    assert failure.value.code == grpc.StatusCode.UNAVAILABLE  # HTTP 503
+    assert gateway.num_retries == 0
+
+
+def test_a_stream_that_produced_tokens_is_not_retried_when_its_pod_dies(
+    pods, tokenizer, tiny_hf_checkpoint
+):
+    doomed, other = pods["decode-1"], pods["decode-2"]
+
+    async def scenario():
+        async with _gateway(tokenizer, tiny_hf_checkpoint, doomed, other) as gateway:
+            generation = await gateway.core.start(gateway.request("streaming", PROMPTS[3], LONG))
+            assert generation.decisions[0].decode_address == doomed.address
+            num_tokens = len((await anext(generation)).token_ids)
+            assert num_tokens > 0  # the client has seen output: resending would repeat it
+            doomed.kill()
+            with pytest.raises(WorkerError, match=doomed.address):
+                async for chunk in generation:
+                    num_tokens += len(chunk.token_ids)
+            assert num_tokens < LONG.max_tokens
+            assert gateway.num_retries == 0
+            assert generation.decisions[0].decode_address == doomed.address
+            # The other pod never got the sequence.
+            stats = await asyncio.to_thread(wait_until_idle, other.address)
+            assert stats.num_running == 0
+
+    _run(scenario())
+
+
+def test_a_pod_marked_unreachable_is_skipped_until_it_answers_a_later_poll(
+    pods, tiny_hf_checkpoint
+):
+    pod = pods["decode-2"]  # never killed
+    model_name = default_model_name(tiny_hf_checkpoint)
+
+    async def scenario():
+        pool = WorkerPool("decode", [pod.address], model_name, poll_interval_s=FROZEN_SECONDS)
+        await pool.start()
+        try:
+            assert [w.address for w in pool.available()] == [pod.address]
+            pool.mark_unreachable(pool.workers[0])
+            assert pool.available() == []  # skipped: the cooldown has seconds to run
+            await pool.poll()  # begun after the failure and answered: reachable again
+            return [w.address for w in pool.available()]
+        finally:
+            await pool.close()
+
+    assert _run(scenario()) == [pod.address]

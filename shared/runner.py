@@ -13,6 +13,7 @@ from shared.model.attention import (
     PrefillChunk,
     select_attention_backend,
 )
+from shared.model.decode_groups import group_decodes
 from shared.model.llama import LlamaForCausalLM
 from shared.request import Request
 from shared.sampler import Sampler, SamplingRow, advance_generator, compute_logprobs
@@ -42,6 +43,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = kv_cache.device
+        # One layer's keys and values of one block: kv_cache is [layers, 2, blocks, ...].
+        self._block_bytes = kv_cache[0, :, 0].numel() * kv_cache.element_size()
         self.backend: AttentionBackend = select_attention_backend(self.device)
         self.sampler = Sampler()
         self.eos_token_ids = eos_token_ids
@@ -143,12 +146,17 @@ class ModelRunner:
                 seq_len = chunk.start_position + chunk.num_tokens
                 used = torch.tensor(chunk.block_ids[: -(-seq_len // self.block_size)])
                 prefills.append(PrefillChunk(row, chunk.num_tokens, seq_len, used.to(self.device)))
-        decode_block_ids, decode_mask = self._decode_blocks(chunks[:num_decodes])
+        decodes = chunks[:num_decodes]
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots).to(self.device),
             num_decodes=num_decodes,
-            decode_block_ids=decode_block_ids,
-            decode_mask=decode_mask,
+            decode_groups=group_decodes(
+                [chunk.start_position + 1 for chunk in decodes],
+                [chunk.block_ids for chunk in decodes],
+                self.block_size,
+                self._block_bytes,
+                self.device,
+            ),
             prefills=prefills,
         )
         if self.backend.uses_block_tables:
@@ -177,29 +185,6 @@ class ModelRunner:
     def _slots(self, block_ids: list[int], positions: torch.Tensor) -> torch.Tensor:
         table = torch.tensor(block_ids, dtype=torch.int64)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
-
-    def _decode_blocks(
-        self, decodes: list[ScheduledChunk]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Flattened padded block table of the decoding sequences, and its padding mask."""
-        if not decodes:
-            return torch.empty(0, dtype=torch.int64, device=self.device), None
-        seq_lens = torch.tensor([chunk.start_position + 1 for chunk in decodes])
-        max_blocks = -(-int(seq_lens.max()) // self.block_size)
-        # Padding entries point at block 0: valid memory, masked out below.
-        table = torch.zeros(len(decodes), max_blocks, dtype=torch.int64)
-        for i, chunk in enumerate(decodes):
-            ids = chunk.block_ids[:max_blocks]
-            table[i, : len(ids)] = torch.tensor(ids)
-        max_len = max_blocks * self.block_size
-        mask = None
-        if int(seq_lens.min()) != max_len:
-            positions = torch.arange(max_len)
-            mask = (positions.unsqueeze(0) < seq_lens.unsqueeze(1)).view(
-                len(decodes), 1, 1, max_len
-            )
-            mask = mask.to(self.device)
-        return table.view(-1).to(self.device), mask
 
     # ---- sampling ---------------------------------------------------------------------------
 

@@ -5,8 +5,9 @@ The batch is flattened and ordered decodes first:
     | decode tokens (1 per seq) | prefill chunk of seq a | prefill chunk of seq b | ...
     0                    num_decodes
 
-Decodes attend in one padded, batched call; each prefill chunk attends causally to its cached
-prefix plus itself. `select_attention_backend` is the one place that picks this path or the
+Decodes attend in a few padded, batched calls, one per group of similar context lengths
+(`shared.model.decode_groups`); each prefill chunk attends causally to its cached prefix plus
+itself. `select_attention_backend` is the one place that picks this path or the
 Triton kernels; both read the same cache layout:
 `kv_cache[layer]` is `[2, num_blocks, block_size, num_kv_heads, head_dim]`.
 """
@@ -18,6 +19,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from shared.model.decode_groups import DecodeGroup
 
 
 @dataclass
@@ -34,11 +37,8 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
     num_decodes: int
-    # Block table of the decoding sequences, padded with block 0 to the longest, flattened:
-    # row i's keys are blocks [i * max_blocks, (i + 1) * max_blocks) of the gathered tensor.
-    decode_block_ids: torch.Tensor  # [num_decodes * max_blocks] int64
-    # False at positions past a row's length (padding); None when no row is padded.
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    # The decode rows split by context length; together they cover every decode row once.
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
     # Block-table form of the same positions, for kernels that walk blocks themselves.
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32
@@ -113,28 +113,46 @@ class TorchPagedAttention:
         return out
 
     def _gather_blocks(self, layer_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        """[2, len(block_ids) * block_size, num_kv_heads, head_dim], valid until the next call."""
+        """[2, num_kv_heads, len(block_ids) * block_size, head_dim], valid until the next call.
+
+        Heads come first so each head's positions are contiguous, the layout SDPA reads
+        fastest; the copy that gathers the blocks puts them there at no extra cost."""
         _, _, block_size, num_kv_heads, head_dim = layer_cache.shape
-        shape = (2, block_ids.shape[0], block_size, num_kv_heads, head_dim)
+        by_head = layer_cache.permute(0, 3, 1, 2, 4)  # [2, kv_heads, blocks, block_size, dim]
+        shape = (2, num_kv_heads, block_ids.shape[0], block_size, head_dim)
         numel = 2 * block_ids.shape[0] * block_size * num_kv_heads * head_dim
         if self._buffer.numel() < numel or self._buffer.dtype != layer_cache.dtype:
             self._buffer = torch.empty(numel, dtype=layer_cache.dtype, device=layer_cache.device)
         gathered = self._buffer[:numel].view(shape)
-        torch.index_select(layer_cache, 1, block_ids, out=gathered)
-        return gathered.view(2, -1, num_kv_heads, head_dim)
+        torch.index_select(by_head, 2, block_ids, out=gathered)
+        return gathered.view(2, num_kv_heads, -1, head_dim)
 
     def _decode(
         self, query: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        num_decodes = query.shape[0]
-        kv = self._gather_blocks(layer_cache, meta.decode_block_ids)
-        # [2, num_decodes, max_len, num_kv_heads, head_dim] -> heads before positions
-        kv = kv.view(2, num_decodes, -1, kv.shape[-2], kv.shape[-1]).transpose(2, 3)
+        # query: [num_decodes, num_heads, head_dim]
+        if len(meta.decode_groups) == 1:
+            return self._decode_group(query, layer_cache, meta.decode_groups[0], scale)
+        out = torch.empty_like(query)
+        for group in meta.decode_groups:
+            rows = group.rows
+            assert rows is not None, "only a lone group covers the rows implicitly"
+            group_out = self._decode_group(query.index_select(0, rows), layer_cache, group, scale)
+            out.index_copy_(0, rows, group_out)
+        return out
+
+    def _decode_group(
+        self, query: torch.Tensor, layer_cache: torch.Tensor, group: DecodeGroup, scale: float
+    ) -> torch.Tensor:
+        num_rows = query.shape[0]
+        kv = self._gather_blocks(layer_cache, group.block_ids)
+        # [2, kv_heads, num_rows * max_len, dim] -> [2, num_rows, kv_heads, max_len, dim]
+        kv = kv.view(2, kv.shape[1], num_rows, -1, kv.shape[-1]).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             query.unsqueeze(2),
             kv[0],
             kv[1],
-            attn_mask=meta.decode_mask,
+            attn_mask=group.mask,
             scale=scale,
             enable_gqa=True,
         )
@@ -143,7 +161,7 @@ class TorchPagedAttention:
     def _prefill(
         self, query: torch.Tensor, layer_cache: torch.Tensor, chunk: PrefillChunk, scale: float
     ) -> torch.Tensor:
-        kv = self._gather_blocks(layer_cache, chunk.block_ids)[:, : chunk.seq_len].transpose(1, 2)
+        kv = self._gather_blocks(layer_cache, chunk.block_ids)[:, :, : chunk.seq_len]
         keys, values = kv[0], kv[1]  # [num_kv_heads, seq_len, head_dim]
         q = query.transpose(0, 1)  # [num_heads, query_len, head_dim]
         if chunk.seq_len == chunk.query_len:

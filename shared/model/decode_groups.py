@@ -59,9 +59,9 @@ def group_decodes(
     row_groups = _rows_by_length(seq_lens, block_size, max_group_blocks)
     if len(row_groups) == 1:
         rows = list(range(len(seq_lens)))  # every row, in batch order
-        return [_padded_group(None, rows, seq_lens, block_tables, block_size, device)]
+        return [padded_group(None, rows, seq_lens, block_tables, block_size, device)]
     return [
-        _padded_group(
+        padded_group(
             torch.tensor(rows, device=device), rows, seq_lens, block_tables, block_size, device
         )
         for rows in row_groups
@@ -89,7 +89,7 @@ def _rows_by_length(seq_lens: list[int], block_size: int, max_group_blocks: int)
     return groups
 
 
-def _padded_group(
+def padded_group(
     row_index: torch.Tensor | None,
     rows: list[int],
     seq_lens: list[int],

@@ -146,21 +146,24 @@ class ModelRunner:
                 seq_len = chunk.start_position + chunk.num_tokens
                 used = torch.tensor(chunk.block_ids[: -(-seq_len // self.block_size)])
                 prefills.append(PrefillChunk(row, chunk.num_tokens, seq_len, used.to(self.device)))
-        decodes = chunks[:num_decodes]
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots).to(self.device),
             num_decodes=num_decodes,
-            decode_groups=group_decodes(
+            prefills=prefills,
+        )
+        if self.backend.uses_block_tables:
+            self._add_block_tables(meta, chunks)
+        else:
+            # Only the PyTorch path reads groups; building them for the GPU path would add
+            # host-to-device copies to every step.
+            decodes = chunks[:num_decodes]
+            meta.decode_groups = group_decodes(
                 [chunk.start_position + 1 for chunk in decodes],
                 [chunk.block_ids for chunk in decodes],
                 self.block_size,
                 self._block_bytes,
                 self.device,
-            ),
-            prefills=prefills,
-        )
-        if self.backend.uses_block_tables:
-            self._add_block_tables(meta, chunks)
+            )
         return ModelInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
             positions=torch.cat(positions).to(self.device),

@@ -21,6 +21,7 @@ import torch  # noqa: E402
 
 from shared import LLM, SamplingParams  # noqa: E402
 from shared.model.attention import TorchPagedAttention, select_attention_backend  # noqa: E402
+from shared.model.decode_groups import group_decodes  # noqa: E402
 from shared.model.triton_attention import TritonPagedAttention  # noqa: E402
 from shared.request import Request  # noqa: E402
 from shared.scheduler import ScheduledChunk  # noqa: E402
@@ -137,6 +138,16 @@ def test_attend_matches_torch_backend_on_a_mixed_step(triton_llm):
     num_tokens = sum(num_new for _, num_new, _ in MIXED_BATCH)
     gen = torch.Generator().manual_seed(0)
     num_heads, num_kv_heads, head_dim = 4, 2, 16
+    # The Triton runner leaves out the decode groups only the PyTorch path reads; add them so
+    # both backends attend over the very same metadata.
+    decodes = MIXED_BATCH[: meta.num_decodes]
+    meta.decode_groups = group_decodes(
+        [seq_len for seq_len, _, _ in decodes],
+        [block_ids for _, _, block_ids in decodes],
+        BLOCK_SIZE,
+        2 * BLOCK_SIZE * num_kv_heads * head_dim * 4,
+        torch.device(DEVICE),
+    )
     # Every slot random, the cached prefixes included; then this step's tokens written on top.
     cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
     key, value = torch.randn(2, num_tokens, num_kv_heads, head_dim, generator=gen)

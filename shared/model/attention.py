@@ -14,7 +14,7 @@ Triton kernels; both read the same cache layout:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -37,9 +37,10 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
     num_decodes: int
-    # The decode rows split by context length; together they cover every decode row once.
-    decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    # The decode rows split by context length, together covering every decode row once; built
+    # only for backends that gather blocks themselves (uses_block_tables False).
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     # Block-table form of the same positions, for kernels that walk blocks themselves.
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor | None = None  # [num_seqs] int32
@@ -71,9 +72,9 @@ class AttentionBackend(Protocol):
 class TorchPagedAttention:
     """Copies each sequence's blocks into one reused buffer, then runs SDPA; for the CPU.
 
-    Whole blocks are gathered (one contiguous run of block_size * kv_heads * head_dim values
-    each), not single slots: far fewer, longer copies. The buffer is kept across layers and
-    steps because a fresh multi-megabyte tensor per layer costs its page faults every time.
+    Whole blocks are gathered (per kv head, one run of block_size * head_dim values written
+    contiguously), not single slots: far fewer, longer copies. The buffer is kept across layers
+    and steps because a fresh multi-megabyte tensor per layer costs its page faults every time.
     """
 
     uses_block_tables = False
@@ -116,12 +117,18 @@ class TorchPagedAttention:
         """[2, num_kv_heads, len(block_ids) * block_size, head_dim], valid until the next call.
 
         Heads come first so each head's positions are contiguous, the layout SDPA reads
-        fastest; the copy that gathers the blocks puts them there at no extra cost."""
+        fastest; the gather writes that layout directly (it reads head_dim-long runs instead of
+        whole blocks, which measured no slower: docs/benchmarks.md)."""
         _, _, block_size, num_kv_heads, head_dim = layer_cache.shape
         by_head = layer_cache.permute(0, 3, 1, 2, 4)  # [2, kv_heads, blocks, block_size, dim]
         shape = (2, num_kv_heads, block_ids.shape[0], block_size, head_dim)
         numel = 2 * block_ids.shape[0] * block_size * num_kv_heads * head_dim
-        if self._buffer.numel() < numel or self._buffer.dtype != layer_cache.dtype:
+        buffer = self._buffer
+        if (
+            buffer.numel() < numel
+            or buffer.dtype != layer_cache.dtype
+            or buffer.device != layer_cache.device
+        ):
             self._buffer = torch.empty(numel, dtype=layer_cache.dtype, device=layer_cache.device)
         gathered = self._buffer[:numel].view(shape)
         torch.index_select(by_head, 2, block_ids, out=gathered)
@@ -131,6 +138,7 @@ class TorchPagedAttention:
         self, query: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         # query: [num_decodes, num_heads, head_dim]
+        assert meta.decode_groups, "the runner builds decode groups for this backend"
         if len(meta.decode_groups) == 1:
             return self._decode_group(query, layer_cache, meta.decode_groups[0], scale)
         out = torch.empty_like(query)

@@ -58,14 +58,21 @@ def group_decodes(
     max_group_blocks = max(1, GROUP_BYTES // block_bytes)
     row_groups = _rows_by_length(seq_lens, block_size, max_group_blocks)
     if len(row_groups) == 1:
-        rows = list(range(len(seq_lens)))  # every row, in batch order
-        return [padded_group(None, rows, seq_lens, block_tables, block_size, device)]
+        return [whole_batch_group(seq_lens, block_tables, block_size, device)]
     return [
-        padded_group(
-            torch.tensor(rows, device=device), rows, seq_lens, block_tables, block_size, device
+        _padded_group(
+            rows, torch.tensor(rows, device=device), seq_lens, block_tables, block_size, device
         )
         for rows in row_groups
     ]
+
+
+def whole_batch_group(
+    seq_lens: list[int], block_tables: list[list[int]], block_size: int, device: torch.device
+) -> DecodeGroup:
+    """Every decode row in one group, in batch order, padded to the longest (`rows` None)."""
+    rows = list(range(len(seq_lens)))
+    return _padded_group(rows, None, seq_lens, block_tables, block_size, device)
 
 
 def _rows_by_length(seq_lens: list[int], block_size: int, max_group_blocks: int) -> list[list[int]]:
@@ -89,14 +96,16 @@ def _rows_by_length(seq_lens: list[int], block_size: int, max_group_blocks: int)
     return groups
 
 
-def padded_group(
-    row_index: torch.Tensor | None,
+def _padded_group(
     rows: list[int],
+    row_index: torch.Tensor | None,
     seq_lens: list[int],
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
 ) -> DecodeGroup:
+    """The group of decode `rows` (`row_index`: the same rows on the device, or None for all
+    rows in order): their block table padded to the longest and its mask."""
     lens = torch.tensor([seq_lens[row] for row in rows])
     max_blocks = -(-int(lens.max()) // block_size)
     table = torch.zeros(len(rows), max_blocks, dtype=torch.int64)

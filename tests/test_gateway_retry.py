@@ -1,22 +1,27 @@
 """A sequence whose decode pod is gone before it streamed anything is retried on another pod;
-one that already streamed tokens is not.
+one that already streamed tokens is not. A pod found unreachable cools down even when no retry
+follows, and a retry prefers a prefill pod other than the failed attempt's.
 
-Three real decode pods (separate processes serving the tiny random checkpoint, so they start in
-seconds) and the gateway's request path in this process: its `GatewayCore`, `Router` and
-`WorkerPool`, the code `python -m services.gateway` runs. Each gateway here polls its pods once
+Three real decode pods and two prefill pods (separate processes serving the tiny random
+checkpoint, so they start in seconds) and the gateway's request path in this process: its
+`GatewayCore`, `Router` and `WorkerPool`, the code `python -m services.gateway` runs. The
+prompts are shorter than a decode pod's local-prefill threshold, so the prefill pods are only
+routed to, never called. Each gateway here polls its pods once
 and then no more, so a pod killed with SIGKILL stays "available" to its router, as a vanished
 pod does in a running gateway until its next stats poll (up to 0.5 s): the window in which a
 request is routed to a pod that is gone, held open for as long as the test needs instead of
 raced against.
 
-Round robin takes pods in worker-id order from turn 0: the first request of a gateway over
-(decode-0, decode-2) goes to decode-0, over (decode-1, decode-2) to decode-1. The first test
+Round robin takes pods in worker-id order from turn 0, both roles by the same turn: the first
+request of a gateway over (decode-0, decode-2) goes to decode-0 (and prefill-0), over
+(decode-1, decode-2) to decode-1. The first test
 kills decode-0, the second decode-1, and decode-2 stays up, in whatever order they run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import signal
 import subprocess
 import sys
@@ -27,6 +32,7 @@ import pytest
 
 from services.common.model_files import default_model_name, load_tokenizer
 from services.common.supervisor import HealthCheck, ProcessSpec, Supervisor
+from services.gateway import generation as generation_module
 from services.gateway.generation import GatewayCore, GenerationRequest, WorkerError, collect
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Router, RouterSettings
@@ -35,7 +41,8 @@ from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 from tests.services_util import STARTUP_TIMEOUT_SECONDS, free_port, wait_until_idle
 
-POD_NAMES = ("decode-0", "decode-1", "decode-2")
+DECODE_POD_NAMES = ("decode-0", "decode-1", "decode-2")
+PREFILL_POD_NAMES = ("prefill-0", "prefill-1")
 # No background polls and no end to a pod's cooldown while a test runs.
 FROZEN_SECONDS = 3600.0
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at"]
@@ -58,19 +65,22 @@ class Pod:
 
 @pytest.fixture(scope="module")
 def pods(tiny_hf_checkpoint: str):
-    """decode-0..2 serving the tiny checkpoint; name -> Pod. Prefix caching is off so that a
-    request computes the same shapes however often it is sent (seeded outputs compare)."""
+    """decode-0..2 and prefill-0..1 serving the tiny checkpoint; name -> Pod. Prefix caching
+    is off so that a request computes the same shapes however often it is sent (seeded outputs
+    compare)."""
     supervisor = Supervisor()
     flags = ["--model", tiny_hf_checkpoint, "--no-prefix-caching", "--kv-cache-bytes", "16MiB"]
     flags += ["--num-threads", "1", "--kv-transport", "tcp", "--log-level", "warning"]
+    roles = [("decode", "DecodeWorker", name) for name in DECODE_POD_NAMES]
+    roles += [("prefill", "PrefillWorker", name) for name in PREFILL_POD_NAMES]
     started = {}
     try:
-        for name in POD_NAMES:
+        for role, service, name in roles:
             port = free_port()
-            argv = [sys.executable, "-m", "services.decode", "--host", "127.0.0.1"]
+            argv = [sys.executable, "-m", f"services.{role}", "--host", "127.0.0.1"]
             argv += ["--port", str(port), "--worker-id", name, *flags]
             address = f"127.0.0.1:{port}"
-            health = HealthCheck(address, "splitserve.v1.DecodeWorker")
+            health = HealthCheck(address, f"splitserve.v1.{service}")
             started[name] = Pod(address, supervisor.start(ProcessSpec(name, argv, health)))
         supervisor.wait_healthy(STARTUP_TIMEOUT_SECONDS)
         yield started
@@ -88,32 +98,39 @@ class Served:
     first_address: str  # the decode pod the request was first routed to
     final_address: str  # the one that served it
     token_ids: list[int]
+    first_prefill_address: str | None = None  # the prefill pods named to those decode pods
+    final_prefill_address: str | None = None
 
 
 class Gateway:
-    """The gateway's request path over static decode pods, round robin, view frozen after
-    its first poll."""
+    """The gateway's request path over static decode (and prefill) pods, round robin, view
+    frozen after its first poll."""
 
-    def __init__(self, tokenizer: Tokenizer, model_name: str, pods: list[Pod]) -> None:
-        self.addresses = [pod.address for pod in pods]
-        self.pool = WorkerPool(
-            "decode",
-            self.addresses,
-            model_name,
-            poll_interval_s=FROZEN_SECONDS,
-            unreachable_cooldown_s=FROZEN_SECONDS,
+    def __init__(
+        self, tokenizer: Tokenizer, model_name: str, pods: list[Pod], prefill_pods: list[Pod]
+    ) -> None:
+        self.pool = _frozen_pool("decode", pods, model_name)
+        self.prefill_pool = _frozen_pool("prefill", prefill_pods, model_name)
+        router = Router(self.pool, self.prefill_pool, RouterSettings(policy="round_robin"))
+        self.core = GatewayCore(
+            tokenizer, model_name, self.pool, self.prefill_pool, GatewayMetrics(), router
         )
-        router = Router(self.pool, None, RouterSettings(policy="round_robin"))
-        self.core = GatewayCore(tokenizer, model_name, self.pool, None, GatewayMetrics(), router)
 
     async def __aenter__(self) -> Gateway:
-        await self.pool.start()
-        available = {worker.address for worker in self.pool.available()}
-        assert available == set(self.addresses), "every pod must be up before the test kills one"
+        for pool in (self.pool, self.prefill_pool):
+            await pool.start()
+            available = {worker.address for worker in pool.available()}
+            assert available == set(pool.addresses), "every pod must be up before any is killed"
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.pool.close()
+        await self.prefill_pool.close()
+
+    @property
+    def available_addresses(self) -> set[str]:
+        """The decode pods routing may choose now."""
+        return {worker.address for worker in self.pool.available()}
 
     @property
     def num_retries(self) -> float:
@@ -129,11 +146,29 @@ class Gateway:
         (sequence,) = await collect(generation)
         (final,) = generation.decisions
         assert sequence.finish_reason == "length", "every request here runs to max_tokens"
-        return Served(first.decode_address, final.decode_address, sequence.token_ids)
+        return Served(
+            first.decode_address,
+            final.decode_address,
+            sequence.token_ids,
+            first.prefill_address,
+            final.prefill_address,
+        )
 
 
-def _gateway(tokenizer: Tokenizer, tiny_hf_checkpoint: str, *pods: Pod) -> Gateway:
-    return Gateway(tokenizer, default_model_name(tiny_hf_checkpoint), list(pods))
+def _frozen_pool(role: str, pods: list[Pod], model_name: str) -> WorkerPool:
+    return WorkerPool(
+        role,
+        [pod.address for pod in pods],
+        model_name,
+        poll_interval_s=FROZEN_SECONDS,
+        unreachable_cooldown_s=FROZEN_SECONDS,
+    )
+
+
+def _gateway(
+    tokenizer: Tokenizer, tiny_hf_checkpoint: str, *pods: Pod, prefill: tuple[Pod, ...] = ()
+) -> Gateway:
+    return Gateway(tokenizer, default_model_name(tiny_hf_checkpoint), list(pods), list(prefill))
 
 
 def _run(coroutine, timeout: float = 60.0):
@@ -144,14 +179,19 @@ def test_requests_routed_to_a_killed_pod_are_retried_on_another_pod(
     pods, tokenizer, tiny_hf_checkpoint
 ):
     dead, live = pods["decode-0"], pods["decode-2"]
+    prefill = (pods["prefill-0"], pods["prefill-1"])
+    gateway = functools.partial(_gateway, tokenizer, tiny_hf_checkpoint)
 
     async def scenario():
         # Every gateway polls while both pods are up, so each still routes to `dead` after it.
         async with (
-            _gateway(tokenizer, tiny_hf_checkpoint, dead, live) as single,
-            _gateway(tokenizer, tiny_hf_checkpoint, dead, live) as burst,
-            _gateway(tokenizer, tiny_hf_checkpoint, dead, live) as cancelling,
-            _gateway(tokenizer, tiny_hf_checkpoint, dead) as alone,
+            gateway(dead, live) as single,
+            gateway(dead, live) as burst,
+            gateway(dead, live) as cancelling,
+            gateway(dead) as alone,
+            gateway(dead, live) as without_retries,
+            gateway(dead, live, prefill=prefill) as disaggregated,
+            gateway(dead, live, prefill=prefill[:1]) as one_prefill,
         ):
             dead.kill()
             await _a_seeded_request_is_retried_with_its_seed(single, dead, live)
@@ -160,6 +200,11 @@ def test_requests_routed_to_a_killed_pod_are_retried_on_another_pod(
             )
             await _cancelling_a_retried_request_frees_its_blocks(cancelling, live)
             await _without_another_pod_the_request_fails_unavailable(alone, dead)
+            await _the_pod_of_the_last_allowed_attempt_cools_down_too(without_retries, dead, live)
+            await _a_retry_prefers_another_prefill_pod_than_the_failed_attempts(
+                disaggregated, dead, live, prefill
+            )
+            await _a_retry_keeps_the_only_prefill_pod(one_prefill, dead, live, prefill[0])
 
     _run(scenario())
 
@@ -215,6 +260,54 @@ async def _without_another_pod_the_request_fails_unavailable(gateway: Gateway, d
         await gateway.serve("alone", PROMPTS[2], GREEDY)
     assert failure.value.code == grpc.StatusCode.UNAVAILABLE  # HTTP 503
     assert gateway.num_retries == 0
+    assert gateway.available_addresses == set()  # the dead pod cools down
+
+
+async def _the_pod_of_the_last_allowed_attempt_cools_down_too(
+    gateway: Gateway, dead: Pod, live: Pod
+) -> None:
+    # With no retries allowed the first attempt is the last: its pod must cool down all the
+    # same, or every request routed to it meanwhile fails too. Marking it picks nothing.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(generation_module, "MAX_DECODE_RETRIES", 0)
+        with pytest.raises(WorkerError, match=dead.address) as failure:
+            await gateway.serve("last-attempt", PROMPTS[2], GREEDY)
+    assert failure.value.code == grpc.StatusCode.UNAVAILABLE
+    assert gateway.num_retries == 0
+    assert gateway.available_addresses == {live.address}
+    dispatched = {worker.address: worker.num_dispatched for worker in gateway.pool.workers}
+    assert dispatched == {dead.address: 1, live.address: 0}
+    # Round robin's next turn is the dead pod's, but routing skips it now.
+    served = await gateway.serve("after-last-attempt", PROMPTS[2], GREEDY)
+    assert (served.first_address, served.final_address) == (live.address, live.address)
+    assert gateway.num_retries == 0
+
+
+async def _a_retry_prefers_another_prefill_pod_than_the_failed_attempts(
+    gateway: Gateway, dead: Pod, live: Pod, prefill: tuple[Pod, Pod]
+) -> None:
+    # Both requests are routed before either call runs: turn 0 takes (dead, prefill-0), turn 1
+    # (live, prefill-1). The retry comes at turn 2, prefill-0's turn; but prefill-0 may still
+    # hold the first attempt under the same request id and refuse the resend's prefill.
+    retried, straight = await asyncio.gather(
+        gateway.serve("disaggregated-0", PROMPTS[0], GREEDY),
+        gateway.serve("disaggregated-1", PROMPTS[1], GREEDY),
+    )
+    first, second = (pod.address for pod in prefill)
+    assert (straight.first_address, straight.first_prefill_address) == (live.address, second)
+    assert (retried.first_address, retried.first_prefill_address) == (dead.address, first)
+    assert (retried.final_address, retried.final_prefill_address) == (live.address, second)
+    assert gateway.num_retries == 1
+    assert len(retried.token_ids) == len(straight.token_ids) == GREEDY.max_tokens
+
+
+async def _a_retry_keeps_the_only_prefill_pod(
+    gateway: Gateway, dead: Pod, live: Pod, prefill: Pod
+) -> None:
+    served = await gateway.serve("one-prefill", PROMPTS[3], GREEDY)
+    assert (served.first_address, served.first_prefill_address) == (dead.address, prefill.address)
+    assert (served.final_address, served.final_prefill_address) == (live.address, prefill.address)
+    assert gateway.num_retries == 1
 
 
 def test_a_stream_that_produced_tokens_is_not_retried_when_its_pod_dies(

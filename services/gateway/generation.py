@@ -7,7 +7,8 @@ uses in-process, so a request served through the gateway samples what `LLM.gener
 A sequence whose decode pod cannot be reached (UNAVAILABLE: connection refused or reset, the pod
 gone or draining) before that pod streamed anything for it is routed again without that pod and
 resent, with the same request id and seed, at most MAX_DECODE_RETRIES times. Once a response
-has come back the sequence is never resent: the client may have seen its tokens.
+has come back the sequence is never resent: the client may have seen its tokens. Every such
+pod cools down in the pool, whether a retry follows or not (the last attempt's pod too).
 """
 
 from __future__ import annotations
@@ -106,12 +107,18 @@ class _Child:
     has_output: bool = False
     num_retries: int = 0
     failed_addresses: set[str] = field(default_factory=set)  # decode pods that were unreachable
+    # Prefill pods named in those failed attempts: one may still hold the sequence under its
+    # request id (until it sees the dead decode pod's connection go) and refuse the resend's
+    # remote prefill as a duplicate, so a retry prefers another (services/prefill/worker.py).
+    earlier_prefill_addresses: set[str] = field(default_factory=set)
 
 
 _END = object()  # a child's stream ended
 
 # Routes a sequence again after its decode pod was unreachable (None: no other pod is left).
 Reroute = Callable[[_Child], Awaitable[PickedPods | None]]
+# Takes a decode pod a call could not reach out of routing for a while, for every request.
+MarkUnreachable = Callable[[Worker], None]
 
 
 class GatewayCore:
@@ -191,7 +198,13 @@ class GatewayCore:
             )
         ]
         num_prompt_tokens = sum(len(prompt) for prompt in request.prompts)
-        return Generation(children, num_prompt_tokens, self.metrics, self._reroute)
+        return Generation(
+            children,
+            num_prompt_tokens,
+            self.metrics,
+            self._reroute,
+            self.decode_pool.mark_unreachable,
+        )
 
     async def _child(
         self,
@@ -223,11 +236,15 @@ class GatewayCore:
         )
 
     async def _reroute(self, child: _Child) -> PickedPods | None:
-        """The pods for a sequence whose decode pod was unreachable: that pod cools down in
-        the pool (other requests skip it too), and the sequence's failed pods are left out."""
-        self.decode_pool.mark_unreachable(child.worker)
+        """The pods for a sequence whose decode pod was unreachable: the decode pods it failed
+        on are left out, and so are its failed attempts' prefill pods while others remain."""
         prompt = list(child.request.prompt_token_ids)
-        return await self.router.pick(prompt, child.client_region, child.failed_addresses)
+        return await self.router.pick(
+            prompt,
+            child.client_region,
+            exclude=child.failed_addresses,
+            avoid_prefill=child.earlier_prefill_addresses,
+        )
 
 
 def _prompt_ids(request: GenerationRequest) -> list[str]:
@@ -244,7 +261,8 @@ class Generation:
     input) or WorkerError. `cancel()` is synchronous, so it works from inside a task that is
     being cancelled (a client that went away); it cancels every call, and so every pod aborts
     its sequence and frees its blocks, and it stops a retry that is still choosing its pod.
-    `reroute` (None: no retries) picks another pod for a sequence whose pod was unreachable.
+    `reroute` (None: no retries) picks another pod for a sequence whose pod was unreachable;
+    `mark_unreachable` (None: nobody to tell) takes such a pod out of routing for a while.
     """
 
     def __init__(
@@ -253,12 +271,14 @@ class Generation:
         num_prompt_tokens: int,
         metrics: GatewayMetrics,
         reroute: Reroute | None = None,
+        mark_unreachable: MarkUnreachable | None = None,
     ):
         self.usage = Usage(prompt_tokens=num_prompt_tokens)
         self.num_choices = len(children)
         self._children = children
         self._metrics = metrics
         self._reroute = reroute
+        self._mark_unreachable = mark_unreachable
         self._queue: asyncio.Queue = asyncio.Queue()
         self._num_open = len(children)
         self._start_time = time.monotonic()
@@ -308,7 +328,10 @@ class Generation:
         """Streams one sequence into the queue, resending it to another pod while its pod is
         unreachable before any output; ends by queueing _END or the error it failed with."""
         outcome = await self._stream(child)
-        while self._can_retry(child, outcome) and await self._move_elsewhere(child, outcome):
+        while _is_unreachable_before_output(child, outcome):
+            self._leave_out(child)
+            if not (self._can_retry(child) and await self._move_elsewhere(child, outcome)):
+                break
             outcome = await self._stream(child)
         self._queue.put_nowait((child, outcome))
 
@@ -332,22 +355,22 @@ class Generation:
             return error
         return _END
 
-    def _can_retry(self, child: _Child, outcome: object) -> bool:
-        """The pod was unreachable and nothing of the sequence was streamed: safe to resend
-        (the pod is gone or never took the call, so it holds no blocks of it to free)."""
-        return (
-            self._reroute is not None
-            and isinstance(outcome, grpc.aio.AioRpcError)
-            and outcome.code() == grpc.StatusCode.UNAVAILABLE
-            and not child.has_output
-            and child.num_retries < MAX_DECODE_RETRIES
-        )
+    def _leave_out(self, child: _Child) -> None:
+        """The one place an unreachable decode pod is noted, whether a retry follows or not:
+        it cools down for every request, and this sequence never goes back to it."""
+        if self._mark_unreachable is not None:
+            self._mark_unreachable(child.worker)
+        child.failed_addresses.add(child.worker.address)
+        if child.request.prefill_address:
+            child.earlier_prefill_addresses.add(child.request.prefill_address)
+
+    def _can_retry(self, child: _Child) -> bool:
+        return self._reroute is not None and child.num_retries < MAX_DECODE_RETRIES
 
     async def _move_elsewhere(self, child: _Child, error: grpc.aio.AioRpcError) -> bool:
         """Points `child` at another pod (same request id and seed); False if none is left."""
         assert self._reroute is not None, "only called when retries are on"
         request_id, failed = child.request.request_id, child.worker.address
-        child.failed_addresses.add(failed)
         picked = await self._reroute(child)
         if picked is None:
             logger.warning(
@@ -396,6 +419,16 @@ class Generation:
         self.usage.cached_tokens = sum(self._cached_tokens.values())
         if self._num_open == 0:
             self._metrics.observe_finished(time.monotonic() - self._start_time, self.usage)
+
+
+def _is_unreachable_before_output(child: _Child, outcome: object) -> bool:
+    """The call could not reach the pod and nothing of the sequence was streamed: safe to
+    resend (the pod is gone or never took the call, so it holds no blocks of it to free)."""
+    return (
+        isinstance(outcome, grpc.aio.AioRpcError)
+        and outcome.code() == grpc.StatusCode.UNAVAILABLE
+        and not child.has_output
+    )
 
 
 def _translate(error: Exception, child: _Child) -> Exception:

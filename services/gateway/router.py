@@ -10,7 +10,8 @@ only). While Redis is unreachable the registry is kept as last seen, lookups are
 (reason "redis_down") and a background refresh notices when Redis is back.
 
 A sequence whose decode pod could not be reached before it streamed anything is picked again
-without that pod (`pick(..., exclude=...)`; services/gateway/generation.py retries it).
+without that pod (`pick(..., exclude=...)`; services/gateway/generation.py retries it), and
+away from the prefill pod of that attempt when another is available (`avoid_prefill`).
 """
 
 from __future__ import annotations
@@ -125,14 +126,16 @@ class Router:
         prompt_token_ids: list[int],
         client_region: str = "",
         exclude: Collection[str] = (),
+        avoid_prefill: Collection[str] = (),
     ) -> PickedPods | None:
         """The pods for one prompt (counted as dispatched to), or None without a decode pod.
         `exclude`: addresses of decode pods not to choose (a retry leaves out the pods the
-        sequence already failed on)."""
+        sequence already failed on). `avoid_prefill`: addresses of prefill pods to choose only
+        when no other is available (the ones a retry's failed attempts named)."""
         decode_workers = [w for w in self.decode_pool.available() if w.address not in exclude]
         if not decode_workers:
             return None
-        prefill_workers = self.prefill_pool.available() if self.prefill_pool else []
+        prefill_workers = self._prefill_candidates(avoid_prefill)
         cached = await self.cached_tokens(prompt_token_ids, [*prefill_workers, *decode_workers])
         place = self.settings.place
         ctx = RoutingContext(
@@ -151,6 +154,11 @@ class Router:
         )
         logger.debug("routing decision: %s", decision)
         return self._dispatch(decision, prefill_workers, decode_workers)
+
+    def _prefill_candidates(self, avoid: Collection[str]) -> list[Worker]:
+        available = self.prefill_pool.available() if self.prefill_pool else []
+        preferred = [w for w in available if w.address not in avoid]
+        return preferred or available
 
     def _dispatch(
         self, decision: RoutingDecision, prefill: list[Worker], decode: list[Worker]

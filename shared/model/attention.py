@@ -170,8 +170,10 @@ class TorchPagedAttention:
         self, query: torch.Tensor, layer_cache: torch.Tensor, chunk: PrefillChunk, scale: float
     ) -> torch.Tensor:
         kv = self._gather_blocks(layer_cache, chunk.block_ids)[:, :, : chunk.seq_len]
-        keys, values = kv[0], kv[1]  # [num_kv_heads, seq_len, head_dim]
-        q = query.transpose(0, 1)  # [num_heads, query_len, head_dim]
+        # A batch dimension of 1 throughout: with 3-D inputs SDPA on the CPU falls back to its
+        # unfused math path, which measured 3x slower on a 512-token chunk than the fused one.
+        keys, values = kv[0, None], kv[1, None]  # [1, num_kv_heads, seq_len, head_dim]
+        q = query.transpose(0, 1).unsqueeze(0)  # [1, num_heads, query_len, head_dim]
         if chunk.seq_len == chunk.query_len:
             out = F.scaled_dot_product_attention(
                 q, keys, values, is_causal=True, scale=scale, enable_gqa=True
@@ -181,7 +183,7 @@ class TorchPagedAttention:
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
             )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
 
 def _prefix_causal_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Tensor:

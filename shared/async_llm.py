@@ -273,9 +273,9 @@ class AsyncLLM:
             if isinstance(command, _Submit):
                 command.sink.put(error)
             elif isinstance(command, _Reserve):
-                command.reserved.set_exception(error)
+                _settle(command.reserved, error=error)
             elif isinstance(command, _SnapshotCache):
-                command.hashes.set_exception(error)
+                _settle(command.hashes, error=error)
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -283,7 +283,12 @@ class AsyncLLM:
         except queue.Empty:
             return
         while command is not None:
-            self._apply(command)
+            try:
+                self._apply(command)
+            except Exception:
+                # One broken command must not end the thread: every later request of the
+                # process would wait for it forever.
+                logger.exception("engine command %s failed", type(command).__name__)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -307,7 +312,7 @@ class AsyncLLM:
         self.engine.kv_manager.take_events()
         with self._kv_events_lock:
             self._kv_events.clear()
-        command.hashes.set_result(self.engine.kv_manager.cached_block_hashes())
+        _settle(command.hashes, result=self.engine.kv_manager.cached_block_hashes())
 
     def _reserve(self, command: _Reserve) -> None:
         submit = command.submit
@@ -320,10 +325,12 @@ class AsyncLLM:
                     submit.request_id, submit.prompt_token_ids, submit.params, submit.priority
                 )
         except ValueError as error:
-            command.reserved.set_exception(error)
+            _settle(command.reserved, error=error)
             return
         self._sinks[submit.request_id] = submit.sink
-        command.reserved.set_result(plan)
+        # If the caller gave up (its task was cancelled), its abort is queued behind this
+        # command and frees what was just reserved.
+        _settle(command.reserved, result=plan)
 
     def _submit(self, command: _Submit) -> None:
         added: list[str] = []
@@ -356,3 +363,17 @@ class AsyncLLM:
             if delta.finished:
                 del self._sinks[delta.request_id]
             sink.put(delta)
+
+
+def _settle(
+    future: concurrent.futures.Future, *, result: object = None, error: BaseException | None = None
+) -> None:
+    """Completes a future that its coroutine may have stopped waiting for. Cancelling the
+    awaiting task cancels the future too, and completing a cancelled future raises, which in
+    the engine thread would end the thread; a cancelled one is passed over."""
+    if not future.set_running_or_notify_cancel():
+        return  # cancelled: nobody reads it
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -244,3 +244,24 @@ def test_kv_events_follow_the_cache_and_a_snapshot_lists_it(engine, offline):
     assert set(stored) <= set(snapshot)
     assert len(snapshot) == len(set(snapshot))
     assert engine.take_kv_events() == []  # the snapshot dropped nothing newer than itself
+
+
+def test_snapshots_given_up_on_leave_the_engine_serving(engine, offline):
+    """A coroutine that stops waiting for a cache snapshot (a registry publisher closed in the
+    middle of a resync) cancels the snapshot's future. The engine thread must pass over it: it
+    used to die completing it, and every later request of the pod then waited forever."""
+    prompts, expected = offline
+
+    async def main():
+        for attempt in range(200):
+            snapshot = asyncio.ensure_future(engine.snapshot_cached_blocks())
+            for _ in range(attempt % 4):  # cancel at different points of the hand-over
+                await asyncio.sleep(0)
+            snapshot.cancel()
+        return await _collect(engine, prompts[0], GREEDY)
+
+    deltas = _run(main(), timeout=60)
+    assert _final(deltas).token_ids == expected[0].token_ids
+    hashes = _run(engine.snapshot_cached_blocks())  # a snapshot nobody cancels still answers
+    assert hashes
+    _run(_wait_idle(engine))

@@ -3,6 +3,12 @@
 The engine runs in one dedicated thread (torch releases the GIL inside its kernels, so the event
 loop stays responsive). Commands go to it through a thread-safe queue and are applied between
 steps; deltas come back through `loop.call_soon_threadsafe` into one asyncio queue per request.
+
+Disaggregation adds two plain entry points; where a prompt is prefilled is the pod's decision,
+never made here:
+- decode pods: `reserve_remote_prefill` -> a `RemotePrefillReservation` whose blocks a prefill
+  pod fills; the pod then calls `complete(result)` or `fall_back()` and reads `deltas()`;
+- prefill pods: `prefill_and_export` -> the first token and the packed prompt pages.
 """
 
 from __future__ import annotations
@@ -13,11 +19,11 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from shared.config import EngineConfig
-from shared.disaggregation import RemotePrefillPlan, RemotePrefillResult
+from shared.disaggregation import ExportedPrefill, RemotePrefillPlan, RemotePrefillResult
 from shared.engine import EngineCore, EngineStats
 from shared.kv.block_hash import BlockHash
 from shared.kv.events import KVCacheEvent
@@ -26,12 +32,6 @@ from shared.prompts import child_sequences
 from shared.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-# A decode pod's way to get a prompt's KV from a prefill pod: given where the pages must go,
-# returns them with the first token, None to prefill locally by choice, or raises (a failure:
-# logged, and the request prefills locally too).
-RemotePrefill = Callable[[RemotePrefillPlan], Awaitable[RemotePrefillResult | None]]
 
 
 @dataclass
@@ -98,6 +98,40 @@ class _Sink:
                 raise
 
 
+class RemotePrefillReservation:
+    """A decode pod's request whose prompt KV a prefill pod computes into reserved blocks.
+    Used from the event loop that reserved it."""
+
+    def __init__(
+        self, llm: AsyncLLM, request_id: str, plan: RemotePrefillPlan | None, sink: _Sink
+    ) -> None:
+        self.request_id = request_id
+        # Where the pages go; None when no blocks were free and the engine prefills it here.
+        self.plan = plan
+        self._llm = llm
+        self._sink = sink
+
+    def complete(self, result: RemotePrefillResult) -> None:
+        """The pages and first token arrived: they go into the blocks and the request joins the
+        running batch. Ignored for a request aborted meanwhile."""
+        self._llm._commands.put(_CompleteRemote(self.request_id, result))
+
+    def fall_back(self) -> None:
+        """The remote prefill is not happening: the blocks are freed and the prompt is queued
+        for a local prefill. Ignored for a request aborted meanwhile."""
+        self._llm._commands.put(_FallBack(self.request_id))
+
+    def deltas(self) -> AsyncIterator[StreamDelta]:
+        """The request's deltas; leaving early (or being cancelled) aborts it."""
+        return self._llm._stream(self._sink, self.request_id, 1)
+
+    def abort(self) -> None:
+        """Ends a reservation whose deltas will not be read (nothing happens if it ended)."""
+        if self._sink.num_open:
+            self._sink.num_open = 0
+            self._llm.abort(self.request_id)
+
+
 class AsyncLLM:
     def __init__(self, model: str | None = None, progress=None, **engine_options: object) -> None:
         self.config = EngineConfig.from_options(model, **engine_options)
@@ -122,35 +156,91 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
-        *,
-        remote_prefill: RemotePrefill | None = None,
-        export_kv_from_block: int | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Streams the deltas of all n sequences, interleaved; `delta.index` tells them apart.
 
         Raises ValueError before the first delta for a request the engine can never serve
         (also for a `request_id` still in use). Leaving the loop early (or being cancelled)
         aborts the request and frees its blocks.
-
-        `remote_prefill` (decode pods, n = 1): the prompt's KV comes from a prefill pod into
-        blocks reserved here; if none are free, or the call raises, the prompt is prefilled
-        locally instead. `export_kv_from_block` (prefill pods): see `EngineCore.add_request`.
         """
-        if self._stopped.is_set():
-            raise RuntimeError("AsyncLLM has been shut down")
+        async for delta in self._submit_and_stream(prompt_token_ids, params, request_id, priority):
+            yield delta
+
+    async def prefill_and_export(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        export_kv_from_block: int,
+    ) -> ExportedPrefill | None:
+        """Prefill pods: computes the prompt (batched with everything else in flight), samples
+        its first token under `params` (which should stop there: max_tokens=1) and packs the
+        pages of prompt blocks `export_kv_from_block`.. for a decode pod. None when the request
+        was aborted first. Raises ValueError as `generate` does; cancelling aborts it."""
+        final = None
+        try:
+            deltas = self._submit_and_stream(
+                prompt_token_ids, params, request_id, 0, export_kv_from_block
+            )
+            async for delta in deltas:
+                final = delta.final or final
+        finally:
+            pages = self.engine.take_exported_pages(request_id)
+        if final is None or final.finish_reason == "abort" or pages is None:
+            return None
+        return ExportedPrefill(final, pages)
+
+    async def reserve_remote_prefill(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> RemotePrefillReservation:
+        """Decode pods: allocates the prompt's blocks (reusing this cache's prefix) for a
+        prefill pod to fill. When they are not free now, the request is queued for a local
+        prefill instead and the reservation's `plan` is None. Raises ValueError for a request
+        the engine can never serve; n must be 1. The caller must end the reservation: read
+        `deltas()` to the end, or `abort()` it."""
+        self._check_running()
         self.engine.validate_request(prompt_token_ids, params, priority)
-        if remote_prefill is not None and params.n != 1:
+        if params.n != 1:
             raise ValueError(f"n must be 1 with a remote prefill, got {params.n}")
+        sink = _Sink(asyncio.get_running_loop())
+        reserved: concurrent.futures.Future = concurrent.futures.Future()
+        submit = _Submit(request_id, list(prompt_token_ids), params, priority, sink)
+        self._commands.put(_Reserve(submit, reserved))
+        try:
+            plan = await asyncio.wrap_future(reserved)
+        except ValueError:
+            raise  # nothing was added, so nothing of ours to abort
+        except BaseException:
+            self.abort(request_id)  # the caller gave up: free what may have been reserved
+            raise
+        return RemotePrefillReservation(self, request_id, plan, sink)
+
+    async def _submit_and_stream(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None,
+        priority: int,
+        export_kv_from_block: int | None = None,
+    ) -> AsyncIterator[StreamDelta]:
+        self._check_running()
+        self.engine.validate_request(prompt_token_ids, params, priority)
         request_id = request_id or f"req-{next(self._ids)}"
         sink = _Sink(asyncio.get_running_loop(), num_open=params.n)
         submit = _Submit(
             request_id, list(prompt_token_ids), params, priority, sink, export_kv_from_block
         )
+        self._commands.put(submit)
+        async for delta in self._stream(sink, request_id, params.n):
+            yield delta
+
+    async def _stream(self, sink: _Sink, request_id: str, n: int) -> AsyncIterator[StreamDelta]:
+        """The deltas `sink` receives until all n sequences finished; leaving early aborts."""
         try:
-            if remote_prefill is None:
-                self._commands.put(submit)
-            else:
-                await self._prefill_remotely(submit, remote_prefill)
             while sink.num_open:
                 item = await sink.deltas.get()
                 if isinstance(item, BaseException):
@@ -161,32 +251,11 @@ class AsyncLLM:
                 yield item
         finally:
             if sink.num_open:
-                self.abort(request_id, params.n)
+                self.abort(request_id, n)
 
-    async def _prefill_remotely(self, submit: _Submit, remote_prefill: RemotePrefill) -> None:
-        reserved: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Reserve(submit, reserved))
-        try:
-            plan = await asyncio.wrap_future(reserved)
-        except ValueError:
-            submit.sink.num_open = 0  # nothing was added, so nothing of ours to abort
-            raise
-        if plan is None:
-            return  # no free blocks for it now: the engine queued a local prefill
-        try:
-            result = await remote_prefill(plan)
-        except Exception as error:  # any failure of the remote path: gRPC, transport, timeout
-            logger.warning(
-                "request %s: remote prefill failed (%r); prefilling locally",
-                submit.request_id,
-                error,
-            )
-            self._commands.put(_FallBack(submit.request_id))
-            return
-        if result is None:
-            self._commands.put(_FallBack(submit.request_id))
-        else:
-            self._commands.put(_CompleteRemote(submit.request_id, result))
+    def _check_running(self) -> None:
+        if self._stopped.is_set():
+            raise RuntimeError("AsyncLLM has been shut down")
 
     def abort(self, request_id: str, n: int = 1) -> None:
         for child_id, _ in child_sequences(request_id, SamplingParams(n=n)):

@@ -1,23 +1,36 @@
 """The engine's side of disaggregated serving: what a decode pod reserves for a remote prefill,
-what comes back from the prefill pod, and moving KV pages in and out of the paged cache.
+what a prefill pod exports, and moving KV pages between the paged cache and a transport.
 
     decode pod                                   prefill pod
     reserve_remote_prefill -> RemotePrefillPlan  add_request(export_kv_from_block=k)
         (blocks allocated, cached prefix kept)       ... prefill, sample the first token
-    <----- pages of blocks k.. + first token ----    final.kv_pages = pack_pages(...)
+                                                     KVPageExporter packs blocks k.. (a step
+                                                     observer, before the blocks are freed)
+    receive_pages(plan) <--- pages + descriptor ---- send_pages(exported pages)
     complete_remote_prefill(RemotePrefillResult)
         (pages unpacked, joins the running batch)
+
+The cache is `[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`, so one block's pages
+are `num_layers * 2` separate runs in memory; a transfer therefore moves one packed, block-major
+buffer `[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]`, and the receiver pays one
+scatter copy from it into its cache.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from shared.kv_transfer.base import KVReceiver, KVSender, KVTransferDescriptor, KVTransferError
+
 if TYPE_CHECKING:
+    from shared.outputs import CompletionOutput
     from shared.sampler import TokenLogprobs
+    from shared.step import StepResult
 
 
 @dataclass(frozen=True)
@@ -35,9 +48,70 @@ class RemotePrefillPlan:
 
 @dataclass
 class RemotePrefillResult:
+    """What a decode pod takes from a prefill pod: the first token and the prompt's pages."""
+
     first_token_id: int
     first_logprobs: TokenLogprobs | None
     kv_pages: torch.Tensor  # RemotePrefillPlan.page_shape, on any device
+
+
+@dataclass(frozen=True)
+class ExportedPrefill:
+    """What a prefill pod's engine produced for one request: its one-token output and the
+    packed pages of the prompt blocks the decode pod asked for."""
+
+    output: CompletionOutput  # token_ids[0] is the first token; num_cached_tokens, timings
+    kv_pages: torch.Tensor  # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
+
+    @property
+    def first_token_id(self) -> int:
+        return self.output.token_ids[0]
+
+    @property
+    def first_logprobs(self) -> TokenLogprobs | None:
+        """None unless the request asked for logprobs."""
+        return self.output.logprobs[0] if self.output.logprobs else None
+
+
+class KVPageExporter:
+    """A step observer that packs the prompt pages of requests marked `export_kv_from_block`
+    in the step that samples their first token: it runs before `Scheduler.update` frees the
+    blocks. Pages wait here until `take`n. `observe` runs on the engine thread, `take` on any."""
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+        self._lock = threading.Lock()
+        self._pages: dict[str, torch.Tensor] = {}  # request id -> packed pages
+
+    def observe(self, step: StepResult) -> None:
+        for chunk in step.sched.chunks:
+            request = chunk.request
+            first_block = request.export_kv_from_block
+            # The chunk that completes the prompt is the one whose pages are wanted.
+            if first_block is None or not chunk.is_sampled or request.num_output_tokens:
+                continue
+            pages = pack_pages(self.kv_cache, chunk.block_ids[first_block:])
+            with self._lock:
+                self._pages[request.request_id] = pages
+
+    def take(self, request_id: str) -> torch.Tensor | None:
+        """The request's pages (None if none were exported); forgets them."""
+        with self._lock:
+            return self._pages.pop(request_id, None)
+
+
+# ---- pages in and out of the paged cache ---------------------------------------------------
+
+
+def page_shape(kv_cache: torch.Tensor, num_blocks: int) -> tuple[int, ...]:
+    """`[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]` for this cache."""
+    if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+        raise ValueError(
+            "kv_cache must be [num_layers, 2, num_blocks, block_size, kv_heads, head_dim], "
+            f"got {tuple(kv_cache.shape)}"
+        )
+    num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    return (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
 
 
 def pack_pages(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
@@ -59,6 +133,42 @@ def unpack_pages(pages: torch.Tensor, kv_cache: torch.Tensor, block_ids: list[in
     unpack_kv_pages(pages, kv_cache, block_ids)
 
 
-def page_shape(kv_cache: torch.Tensor, num_blocks: int) -> tuple[int, ...]:
-    num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    return (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+# ---- pages over a KV transport -------------------------------------------------------------
+
+
+async def send_pages(
+    sender: KVSender,
+    address: str,
+    request_id: str,
+    pages: torch.Tensor,
+    dst_block_ids: Sequence[int],
+    timeout: float,
+    checksum_algorithm: str | None = None,
+) -> KVTransferDescriptor:
+    """Sends packed `pages` to be stored at the receiver's `dst_block_ids` (one id per page
+    block, same order). Returns the descriptor that was sent; raises KVTransferError."""
+    if pages.shape[0] != len(dst_block_ids):
+        raise ValueError(
+            f"the pages hold {pages.shape[0]} blocks but dst_block_ids names "
+            f"{len(dst_block_ids)} (src_block_ids and dst_block_ids must have the same length)"
+        )
+    descriptor = KVTransferDescriptor.for_buffer(
+        request_id, dst_block_ids, pages, checksum_algorithm
+    )
+    await sender.send(address, descriptor, pages, timeout)
+    return descriptor
+
+
+async def receive_pages(
+    receiver: KVReceiver, plan: RemotePrefillPlan, timeout: float
+) -> tuple[torch.Tensor, KVTransferDescriptor]:
+    """Receives `plan.request_id`'s pages into a new host buffer of `plan.page_shape` (checked
+    against its checksum when it has one, and against the plan's blocks)."""
+    staging = torch.empty(plan.page_shape, dtype=plan.dtype)
+    descriptor = await receiver.receive(plan.request_id, staging, timeout)
+    if list(descriptor.block_ids) != list(plan.block_ids):
+        raise KVTransferError(
+            f"request {plan.request_id}: pages for blocks {list(descriptor.block_ids)}, "
+            f"expected {list(plan.block_ids)}"
+        )
+    return staging, descriptor

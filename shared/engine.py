@@ -1,8 +1,12 @@
 """The engine core: validate, schedule, run, sample, detokenize, one step at a time.
 
-    sched_out = scheduler.schedule()         # which requests, how many tokens each
-    model_out = runner.execute(sched_out)    # one batched forward + sampling
-    updates = scheduler.update(sched_out, model_out)
+    sched = scheduler.schedule()          # which requests, how many tokens each
+    model_out = runner.execute(sched)     # one batched forward + sampling
+    updates = scheduler.update(sched, model_out)
+
+The types of the step are in `shared.step`. What else happens around a forward pass (telemetry,
+the speculation policy's cost curve, exporting a prefill pod's pages) is a `StepObserver` of the
+`StepResult`; the step itself stays these lines.
 
 Not thread-safe: one thread drives it (the offline `LLM` or `AsyncLLM`'s engine thread).
 """
@@ -12,15 +16,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from shared.config import EngineConfig
 from shared.disaggregation import (
+    KVPageExporter,
     RemotePrefillPlan,
     RemotePrefillResult,
-    pack_pages,
     page_shape,
     unpack_pages,
 )
@@ -33,16 +36,11 @@ from shared.outputs import StreamDelta
 from shared.request import Request, RequestStatus
 from shared.runner import ModelRunner
 from shared.sampling_params import SamplingParams
-from shared.scheduler import Scheduler, SchedulerOutput
+from shared.scheduler import Scheduler
 from shared.spec_decode.speculator import build_policy, build_speculator
+from shared.step import ModelOutput, SchedulerOutput, StepObserver, StepResult
 
 logger = logging.getLogger(__name__)
-
-
-class StepObserver(Protocol):
-    def observe(self, sched: SchedulerOutput, start_time: float, end_time: float) -> None:
-        """One forward pass computed `sched` between the two time.monotonic() readings. Runs
-        on the engine thread, inside the step: keep it cheap."""
 
 
 @dataclass(frozen=True)
@@ -122,9 +120,13 @@ class EngineCore:
                 config, self.speculation, self.runner, self.max_model_len
             )
         self.output_processor = OutputProcessor(self.tokenizer)
-        # Called after every forward pass with what it computed and when (time.monotonic()):
-        # per-request timings for a pod's metrics and spans (shared/telemetry.py).
-        self.step_observers: list[StepObserver] = []
+        # Prefill pods: the pages of requests added with export_kv_from_block, until taken.
+        self.kv_exporter = KVPageExporter(kv_cache)
+        # Called after every forward pass with what it computed and when: the exporter, the
+        # speculation policy's step-cost curve, a pod's per-request timings (shared/telemetry).
+        self.step_observers: list[StepObserver] = [self.kv_exporter]
+        if self.speculator is not None:
+            self.step_observers.append(self.speculator)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)",
             self.kv_spec.num_blocks,
@@ -183,7 +185,7 @@ class EngineCore:
         """Validates and queues one sequence (n > 1 is fanned out by the callers).
 
         `export_kv_from_block` (prefill pods): when the request's first token is sampled, the
-        pages of its prompt blocks from that index on are packed into `final.kv_pages`."""
+        pages of its prompt blocks from that index on are packed for `take_exported_pages`."""
         request = self._new_request(request_id, prompt_token_ids, params, priority, arrival_time)
         request.export_kv_from_block = export_kv_from_block
         self.scheduler.add_request(request)
@@ -259,6 +261,8 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> list[StreamDelta]:
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         self.runner.release([request.request_id for request in finished])
+        for request_id in request_ids:  # pages exported before the abort: nobody takes them
+            self.kv_exporter.take(request_id)
         deltas = [self.output_processor.abort(request) for request in finished]
         return [delta for delta in deltas if delta is not None]
 
@@ -271,23 +275,25 @@ class EngineCore:
 
     # ---- the step ---------------------------------------------------------------------------
 
+    def take_exported_pages(self, request_id: str) -> torch.Tensor | None:
+        """The packed prompt pages of a request added with `export_kv_from_block`, once its
+        first token was sampled (None before, or if already taken). Any thread."""
+        return self.kv_exporter.take(request_id)
+
     def step(self) -> list[StreamDelta]:
         sched = self.scheduler.schedule()
         deltas = self._close_dropped_requests()
         if sched.is_empty:
             return deltas
-        exports = self._blocks_to_export(sched)
         if self.speculator is not None:
-            self.speculator.propose(sched)
+            sched = sched.with_drafts(self.speculator.propose(sched))
         start_time = time.monotonic()
-        model_out = self.runner.execute(sched)
-        end_time = time.monotonic()
-        self._observe_step_cost(sched, end_time - start_time)
+        model_out = self._execute(sched)
+        step = StepResult(sched, model_out, start_time, time.monotonic())
         for observer in self.step_observers:
-            observer.observe(sched, start_time, end_time)
+            observer.observe(step)
         updates = self.scheduler.update(sched, model_out)
         processed = self.output_processor.process(updates)
-        self._attach_exported_pages(exports, processed.deltas)
         stopped = self.scheduler.finish_requests(
             processed.stopped_request_ids, RequestStatus.FINISHED_STOPPED
         )
@@ -295,34 +301,12 @@ class EngineCore:
         self.runner.release(finished_ids + [request.request_id for request in stopped])
         return deltas + processed.deltas
 
-    def _observe_step_cost(self, sched: SchedulerOutput, seconds: float) -> None:
-        """Feeds the speculation policy's cost curve with decode-only steps: a prefill chunk
-        in the batch would price rows by attention over a whole prompt."""
-        if self.speculation is None:
-            return
-        is_decode_only = all(
-            chunk.num_tokens == 1 + len(chunk.draft_token_ids) for chunk in sched.chunks
-        )
-        if is_decode_only:
-            self.speculation.observe_step(sched.total_num_tokens, seconds)
-
-    def _blocks_to_export(self, sched: SchedulerOutput) -> dict[str, list[int]]:
-        """Blocks of prefill-pod requests sampled this step, read before `update` frees them
-        (their contents stay intact until the next step allocates)."""
-        exports = {}
-        for chunk in sched.chunks:
-            first_block = chunk.request.export_kv_from_block
-            if chunk.is_sampled and first_block is not None:
-                exports[chunk.request.request_id] = chunk.block_ids[first_block:]
-        return exports
-
-    def _attach_exported_pages(
-        self, exports: dict[str, list[int]], deltas: list[StreamDelta]
-    ) -> None:
-        for delta in deltas:
-            block_ids = exports.get(delta.request_id)
-            if block_ids is not None and delta.final is not None:
-                delta.final.kv_pages = pack_pages(self.runner.kv_cache, block_ids)
+    def _execute(self, sched: SchedulerOutput) -> ModelOutput:
+        """The forward pass, and the verification of any drafts in it."""
+        model_out = self.runner.execute(sched)
+        if self.speculator is not None:
+            model_out = self.speculator.verify(sched, model_out)
+        return model_out
 
     def _close_dropped_requests(self) -> list[StreamDelta]:
         """Requests the scheduler ended on its own (context outgrew the whole cache)."""

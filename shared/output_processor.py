@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from shared.detokenizer import IncrementalDetokenizer
 from shared.outputs import CompletionOutput, RequestTimings, StreamDelta
 from shared.request import Request, RequestStatus
-from shared.scheduler import RequestUpdate
+from shared.step import RequestUpdate
 from shared.tokenizer import Tokenizer
 
 

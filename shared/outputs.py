@@ -6,8 +6,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import torch
-
     from shared.sampler import TokenLogprobs
 
 
@@ -63,8 +61,6 @@ class CompletionOutput:
     timings: RequestTimings
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
-    # Prefill pods: the exported prompt pages (see EngineCore.add_request), else None.
-    kv_pages: torch.Tensor | None = None
 
 
 @dataclass

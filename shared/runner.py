@@ -7,18 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.model.attention import (
-    AttentionBackend,
-    AttentionMetadata,
-    PrefillChunk,
-    select_attention_backend,
-)
+from shared.model.attention_backend import select_attention_backend
+from shared.model.attention_metadata import AttentionBackend, AttentionMetadata, PrefillChunk
 from shared.model.decode_groups import group_decodes
 from shared.model.llama import LlamaForCausalLM
 from shared.request import Request
-from shared.sampler import Sampler, SamplingRow, advance_generator, compute_logprobs
-from shared.scheduler import ModelOutput, ScheduledChunk, SchedulerOutput
-from shared.spec_decode.rejection import Verification, verify
+from shared.sampler import Sampler, SamplingRow, advance_generator
+from shared.step import ModelOutput, ScheduledChunk, SchedulerOutput
 
 
 @dataclass
@@ -28,7 +23,6 @@ class ModelInputs:
     meta: AttentionMetadata
     # [num_logits]: the last row of each sampled chunk; every row of a verification chunk.
     logits_indices: torch.Tensor
-    sampled_requests: list[Request]  # chunks with logits, in row order
 
 
 class ModelRunner:
@@ -52,22 +46,23 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        """One forward over `sched`; samples every plain sampled chunk. A verification chunk's
+        logits rows come back unsampled in `verification_logits`, for the speculator."""
         inputs = self.prepare_inputs(sched.chunks)
         logits = self.forward(inputs)  # [num_logits, vocab]
         plain_rows: list[int] = []
         plain_requests: list[Request] = []
-        verifications: list[tuple[ScheduledChunk, int]] = []  # (chunk, its first logits row)
+        verification_logits: dict[str, torch.Tensor] = {}
         row = 0
         for chunk in sched.chunks:  # the order prepare_inputs laid the rows out in
             if chunk.is_verification:
-                verifications.append((chunk, row))
+                verification_logits[chunk.request.request_id] = logits[row : row + chunk.num_logits]
             elif chunk.num_logits:
                 plain_rows.append(row)
                 plain_requests.append(chunk.request)
             row += chunk.num_logits
         out = self._sample_plain(logits[plain_rows], plain_requests)
-        if verifications:
-            self._verify(logits, verifications, out)
+        out.verification_logits = verification_logits
         return out
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
@@ -87,35 +82,6 @@ class ModelRunner:
         ids = [request.request_id for request in requests]
         logprobs = {rid: lp for rid, lp in zip(ids, sampled.logprobs) if lp is not None}
         return ModelOutput(dict(zip(ids, sampled.sampled_token_ids)), logprobs)
-
-    def _verify(
-        self,
-        logits: torch.Tensor,
-        verifications: list[tuple[ScheduledChunk, int]],
-        out: ModelOutput,
-    ) -> None:
-        """Rejection sampling of every verification chunk's drafts (shared/spec_decode)."""
-        row_ids = [r for c, start in verifications for r in range(start, start + c.num_logits)]
-        sub = logits[row_ids]  # [sum(k_i + 1), vocab]
-        batch = [self._verification(chunk) for chunk, _ in verifications]
-        results = verify(sub, batch)
-        start = 0
-        for (chunk, _), item, token_ids in zip(verifications, batch, results):
-            request_id = chunk.request.request_id
-            out.verified_token_ids[request_id] = token_ids
-            num_rows = len(item.rows)
-            if chunk.request.sampling_params.logprobs is not None:
-                rows = item.rows[: len(token_ids)]
-                raw = sub[start : start + len(token_ids)]
-                out.verified_logprobs[request_id] = compute_logprobs(raw, rows, token_ids)
-            start += num_rows
-
-    def _verification(self, chunk: ScheduledChunk) -> Verification:
-        drafts = chunk.draft_token_ids
-        rows = [self.sampling_row(chunk.request, drafts[:j]) for j in range(len(drafts) + 1)]
-        probs = chunk.draft_probs
-        assert probs is None or isinstance(probs, torch.Tensor), "draft_probs is a tensor"
-        return Verification(drafts, probs, rows, self.generator(chunk.request))
 
     def release(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -169,7 +135,6 @@ class ModelRunner:
             positions=torch.cat(positions).to(self.device),
             meta=meta,
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
-            sampled_requests=[chunk.request for chunk in chunks if chunk.is_sampled],
         )
 
     def _add_block_tables(self, meta: AttentionMetadata, chunks: list[ScheduledChunk]) -> None:

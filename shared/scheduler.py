@@ -17,91 +17,15 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from shared.config import SchedulerConfig
 from shared.kv.manager import KVCacheManager
 from shared.request import Request, RequestStatus
+from shared.step import ModelOutput, RequestUpdate, ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
     from shared.spec_decode.adaptive import SpeculationPolicy, StepPlan
-
-
-@dataclass
-class ScheduledChunk:
-    """The tokens one request computes this step."""
-
-    request: Request
-    start_position: int  # = num_computed_tokens when scheduled
-    num_tokens: int
-    block_ids: list[int]  # the request's whole block table after allocation
-    # The chunk reaches the request's newest token, so this step samples its next one.
-    is_sampled: bool
-    # Speculative decoding: slots allocated past the newest token for draft tokens (the
-    # scheduler sets it), and the drafts the proposer put there (<= num_draft_slots of them;
-    # `attach_drafts` adds them to num_tokens).
-    num_draft_slots: int = 0
-    draft_token_ids: list[int] = field(default_factory=list)
-    # [num_drafts, vocab] torch tensor: the proposer's distribution each draft was drawn from;
-    # None for a deterministic proposer (n-gram: a point mass on the draft).
-    draft_probs: object | None = None
-
-    @property
-    def token_ids(self) -> list[int]:
-        num_known = self.num_tokens - len(self.draft_token_ids)
-        known = self.request.all_token_ids[self.start_position : self.start_position + num_known]
-        return known + self.draft_token_ids
-
-    @property
-    def is_verification(self) -> bool:
-        return bool(self.draft_token_ids)
-
-    @property
-    def num_logits(self) -> int:
-        """Rows of this chunk whose logits the step needs: one per draft plus the next token."""
-        return 1 + len(self.draft_token_ids) if self.is_sampled else 0
-
-    def attach_drafts(self, token_ids: list[int], probs: object | None = None) -> None:
-        assert not self.draft_token_ids, "drafts are attached once"
-        assert len(token_ids) <= self.num_draft_slots, "more drafts than slots"
-        self.draft_token_ids = list(token_ids)
-        self.draft_probs = probs
-        self.num_tokens += len(token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk]  # batch order: decodes first, then prefill chunks
-    preempted_request_ids: list[str] = field(default_factory=list)
-
-    @property
-    def total_num_tokens(self) -> int:
-        return sum(chunk.num_tokens for chunk in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
-
-
-@dataclass
-class ModelOutput:
-    sampled_token_ids: dict[str, int]  # req_id -> token sampled this step
-    logprobs: dict[str, object] = field(default_factory=dict)  # req_id -> TokenLogprobs
-    # Verification chunks: req_id -> the accepted drafts followed by one token the target
-    # chose (the bonus token, or the correction of the first rejected draft).
-    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    verified_logprobs: dict[str, list[object]] = field(default_factory=dict)  # one per token
-
-
-@dataclass
-class RequestUpdate:
-    """What one step did to one request, for the output processor."""
-
-    request: Request
-    new_token_ids: list[int]
-    logprobs: list[object]
-    finished: bool
 
 
 class Scheduler:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from shared.engine import EngineCore
-    from shared.scheduler import SchedulerOutput
+    from shared.step import StepResult
 
 
 @dataclass(frozen=True)
@@ -61,11 +61,12 @@ class StepRecorder:
         with self._lock:
             return self._watched.pop(request_id, None)
 
-    def observe(self, sched: SchedulerOutput, start_time: float, end_time: float) -> None:
-        """Records one forward pass that computed `sched`."""
+    def observe(self, step: StepResult) -> None:
+        """Records one forward pass (a step observer)."""
         with self._lock:
             if not self._watched:
                 return
+            sched, start_time, end_time = step.sched, step.start_time, step.end_time
             batch_num_tokens = sched.total_num_tokens
             for chunk in sched.chunks:
                 steps = self._watched.get(chunk.request.request_id)

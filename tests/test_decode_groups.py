@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kernels import reference
-from shared.model.attention import AttentionMetadata, TorchPagedAttention
+from shared.model.attention import TorchPagedAttention
+from shared.model.attention_metadata import AttentionMetadata
 from shared.model.decode_groups import (
     GROUP_BYTES,
     MAX_PADDING_FRACTION,

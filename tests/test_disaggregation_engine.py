@@ -39,9 +39,11 @@ def prefill_remotely(prefill: EngineCore, decode: EngineCore, rid, prompt, param
     first_only = SamplingParams(**{**params.__dict__, "max_tokens": 1, "min_tokens": 0})
     prefill.add_request(rid, prompt, first_only, export_kv_from_block=plan.first_block_index)
     final = run_until_done(prefill)[rid]
-    assert tuple(final.kv_pages.shape) == plan.page_shape
+    pages = prefill.take_exported_pages(rid)
+    assert tuple(pages.shape) == plan.page_shape
+    assert prefill.take_exported_pages(rid) is None  # handed over once, not kept
     first_logprobs = final.logprobs[0] if final.logprobs else None
-    result = RemotePrefillResult(final.token_ids[0], first_logprobs, final.kv_pages)
+    result = RemotePrefillResult(final.token_ids[0], first_logprobs, pages)
     return plan, decode.complete_remote_prefill(rid, result)
 
 

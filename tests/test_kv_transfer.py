@@ -23,6 +23,14 @@ from typing import Any
 import pytest
 import torch
 
+from shared.disaggregation import (
+    RemotePrefillPlan,
+    pack_pages,
+    page_shape,
+    receive_pages,
+    send_pages,
+    unpack_pages,
+)
 from shared.kv_transfer import (
     KVTransferConfig,
     KVTransferDescriptor,
@@ -30,7 +38,6 @@ from shared.kv_transfer import (
     create_kv_transport,
 )
 from shared.kv_transfer.base import parse_address
-from shared.kv_transfer.pages import receive_kv_pages, send_kv_pages
 
 BACKENDS = [
     "tcp",
@@ -111,9 +118,8 @@ def _sender_child(backend: str, address: str, seed: int, results: Any) -> None:
     async def main() -> None:
         kv_cache = _source_cache(seed)
         sender = create_kv_transport(_config(backend)).create_sender()
-        await send_kv_pages(
-            sender, address, "exact", kv_cache, SRC_BLOCK_IDS, DST_BLOCK_IDS, TIMEOUT_S, "crc32"
-        )
+        pages = pack_pages(kv_cache, SRC_BLOCK_IDS)
+        await send_pages(sender, address, "exact", pages, DST_BLOCK_IDS, TIMEOUT_S, "crc32")
         results.put(("exact", "ok"))
         pages = kv_cache[:, :, SRC_BLOCK_IDS].permute(2, 0, 1, 3, 4, 5).contiguous()
         descriptor = KVTransferDescriptor.for_buffer("corrupt", DST_BLOCK_IDS, pages, "crc32")
@@ -137,11 +143,22 @@ class CrossProcessRun:
     child_results: dict[str, str]
 
 
+async def _receive_into(
+    receiver: Any, request_id: str, kv_cache: torch.Tensor
+) -> None:
+    """What a decode pod does: receive the packed pages, then scatter them into its cache
+    (only once the whole payload arrived and passed its checksum)."""
+    shape = page_shape(kv_cache, len(DST_BLOCK_IDS))
+    plan = RemotePrefillPlan(request_id, 0, 0, DST_BLOCK_IDS, shape, kv_cache.dtype)
+    pages, _ = await receive_pages(receiver, plan, TIMEOUT_S)
+    unpack_pages(pages, kv_cache, DST_BLOCK_IDS)
+
+
 async def _receive_both(ends: Endpoints, destination: torch.Tensor) -> list[Any]:
     scratch = torch.zeros_like(destination)
     return await asyncio.gather(
-        receive_kv_pages(ends.receiver, "exact", destination, DST_BLOCK_IDS, TIMEOUT_S),
-        receive_kv_pages(ends.receiver, "corrupt", scratch, DST_BLOCK_IDS, TIMEOUT_S),
+        _receive_into(ends.receiver, "exact", destination),
+        _receive_into(ends.receiver, "corrupt", scratch),
         return_exceptions=True,
     )
 
@@ -346,9 +363,8 @@ def test_bad_inputs_raise_value_error_naming_the_parameter() -> None:
     with pytest.raises(ValueError, match="checksum"):
         KVTransferDescriptor("r", (0,), (1, 4), "float32", num_bytes=16, checksum=1)
     with pytest.raises(ValueError, match="src_block_ids"):
-        asyncio.run(
-            send_kv_pages(None, "tcp://h:1", "r", torch.zeros(CACHE_SHAPE), [1], [1, 2], 1.0)
-        )
+        pages = pack_pages(torch.zeros(CACHE_SHAPE), [1])
+        asyncio.run(send_pages(None, "tcp://h:1", "r", pages, [1, 2], 1.0))
 
 
 def test_buffer_not_matching_its_descriptor_is_rejected(

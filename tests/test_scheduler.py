@@ -12,7 +12,8 @@ from shared.config import SchedulerConfig
 from shared.kv.manager import KVCacheManager
 from shared.request import Request, RequestStatus
 from shared.sampling_params import SamplingParams
-from shared.scheduler import ModelOutput, Scheduler, SchedulerOutput
+from shared.scheduler import Scheduler
+from shared.step import ModelOutput, SchedulerOutput
 
 EOS = 2
 BLOCK = 4

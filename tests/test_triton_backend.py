@@ -20,11 +20,12 @@ pytest.importorskip("triton")  # Triton wheels exist for Linux only
 import torch  # noqa: E402
 
 from shared import LLM, SamplingParams  # noqa: E402
-from shared.model.attention import TorchPagedAttention, select_attention_backend  # noqa: E402
+from shared.model.attention import TorchPagedAttention  # noqa: E402
+from shared.model.attention_backend import select_attention_backend  # noqa: E402
 from shared.model.decode_groups import group_decodes  # noqa: E402
 from shared.model.triton_attention import TritonPagedAttention  # noqa: E402
 from shared.request import Request  # noqa: E402
-from shared.scheduler import ScheduledChunk  # noqa: E402
+from shared.step import ScheduledChunk  # noqa: E402
 
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] == "0" else "cpu"
 BACKEND_ENV = "SPLITSERVE_ATTENTION_BACKEND"

@@ -1,16 +1,22 @@
-"""A decode pod's side of disaggregated prefill: ask a prefill pod to compute a prompt straight
-into blocks reserved here, and take the pages and the first token it sends back.
+"""A decode pod's side of disaggregated prefill: where each prompt is prefilled is decided here,
+once (`PromptPrefill`), and a prefill pod is asked to compute it straight into blocks reserved
+in this pod's cache (`PrefillClient`).
 
-    AsyncLLM.generate(remote_prefill=attempt)
-      engine reserves blocks ──plan──▶ attempt(plan)
-                                         post receive(request_id, staging buffer)
-                                         PrefillWorker.Prefill(destination = our blocks)
-                                            prefill pod ──KV pages (ucx / tcp)──▶ staging
-                                         ◀── first token (after the pages have landed)
-      engine unpacks staging into the blocks, request joins the batch ◀── RemotePrefillResult
+    PromptPrefill.deltas()
+      no prefill pod named, or a short prompt ─────────────▶ llm.generate: prefill here ("local")
+      llm.reserve_remote_prefill ──plan──▶ uncached part still >= threshold?
+          no: reservation.fall_back() ────────────────────▶ prefill here ("local")
+          yes: post receive(request_id, staging buffer)
+               PrefillWorker.Prefill(destination = our blocks)
+                  prefill pod ──KV pages (ucx / tcp)──▶ staging
+               ◀── first token (after the pages have landed)
+               reservation.complete(pages + first token) ──▶ joins the batch ("remote")
+          RPC, transfer or timeout failure: reservation.fall_back() ▶ prefill here
+                                                                       ("local-fallback")
+      reservation.deltas() ──▶ the caller
 
-Anything that goes wrong raises out of `attempt`, and AsyncLLM then frees the reserved blocks
-and prefills locally: no request is lost, whatever the prefill pod or the network does.
+No request is lost, whatever the prefill pod or the network does; any other exception (a bug)
+fails the request and frees its blocks instead of hiding behind a fallback.
 """
 
 from __future__ import annotations
@@ -19,23 +25,29 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from enum import StrEnum
 
 import grpc
-import torch
 from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 from services.common import tracing
 from services.common.channels import aio_channel
 from services.common.convert import options_from_params
 from services.common.pod_metrics import PodMetrics
-from shared.disaggregation import RemotePrefillPlan, RemotePrefillResult
+from shared.async_llm import AsyncLLM, RemotePrefillReservation
+from shared.disaggregation import RemotePrefillPlan, RemotePrefillResult, receive_pages
 from shared.kv_transfer import KVReceiver, KVTransferError
+from shared.outputs import StreamDelta
 from shared.sampler import TokenLogprobs
 from shared.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# The failures of the remote path that a local prefill recovers from: the prefill pod is gone,
+# refuses or errs (gRPC), the pages do not arrive intact (transfer), or it all takes too long.
+REMOTE_PREFILL_ERRORS = (grpc.RpcError, KVTransferError, TimeoutError, OSError)
 
 
 class PrefillMode(StrEnum):
@@ -135,36 +147,27 @@ class PrefillClient:
         plan: RemotePrefillPlan,
         span: tracing.Span,
     ) -> tuple[RemotePrefillResult, worker_pb2.PrefillResponse]:
-        # [len(plan.block_ids), num_layers, 2, block_size, num_kv_heads, head_dim]
-        staging = torch.empty(plan.page_shape, dtype=plan.dtype)
-        receiving = asyncio.ensure_future(
-            self.receiver.receive(request_id, staging, self.timeout_s)
-        )
+        receiving = asyncio.ensure_future(receive_pages(self.receiver, plan, self.timeout_s))
         try:
             response = await self._stub(address).Prefill(
                 self._request(request_id, prompt_token_ids, params, plan),
                 timeout=self.timeout_s,
                 metadata=tracing.grpc_metadata(span),
             )
-            descriptor = await receiving
+            pages, _ = await receiving
         finally:
             if not receiving.done():
                 # No pages will be taken for this request any more; a payload already under
-                # way lands in `staging`, which nothing reads.
+                # way lands in the staging buffer, which nothing reads.
                 receiving.cancel()
                 with contextlib.suppress(asyncio.CancelledError, KVTransferError):
                     await receiving
-        if list(descriptor.block_ids) != plan.block_ids:
-            raise KVTransferError(
-                f"request {request_id}: pages for blocks {list(descriptor.block_ids)}, "
-                f"expected {plan.block_ids}"
-            )
         first_logprobs = (
             logprob_from_proto(response.first_logprob)
             if response.HasField("first_logprob")
             else None
         )
-        return RemotePrefillResult(response.first_token_id, first_logprobs, staging), response
+        return RemotePrefillResult(response.first_token_id, first_logprobs, pages), response
 
     def _request(
         self,
@@ -199,59 +202,100 @@ class PrefillClient:
         await self.receiver.close()
 
 
-class RemotePrefillAttempt:
-    """One request's `remote_prefill` callable for AsyncLLM, which remembers what happened.
+class PromptPrefill:
+    """Where one request's prompt is prefilled, decided once, and the request's deltas.
 
-    `mode` stays LOCAL_FALLBACK unless the attempt is called and succeeds (REMOTE) or decides
-    the prompt is short enough to prefill here (LOCAL): AsyncLLM also prefills locally without
-    calling it when it cannot reserve the blocks now.
-    """
+    `mode` says what happened: LOCAL by choice, REMOTE once a prefill pod's pages landed, and
+    LOCAL_FALLBACK while undecided or when the remote path could not be used (no blocks free to
+    reserve, a failure, an abort)."""
 
     def __init__(
         self,
-        client: PrefillClient,
-        address: str,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        local_prefill_threshold: int,
+        llm: AsyncLLM,
+        client: PrefillClient | None,
+        settings: RemotePrefillSettings,
+        prefill_address: str,
         trace_parent: tracing.Span = tracing.NO_SPAN,
     ) -> None:
         self.mode = PrefillMode.LOCAL_FALLBACK
         self.reserved_time: float | None = None  # time.monotonic() when the blocks were ready
-        self._trace_parent = trace_parent
+        self._llm = llm
         self._client = client
-        self._address = address
-        self._request_id = request_id
-        self._prompt_token_ids = prompt_token_ids
-        self._params = params
-        self._threshold = local_prefill_threshold
+        self._settings = settings
+        self._address = prefill_address
+        self._trace_parent = trace_parent
         self._call: asyncio.Task[RemotePrefillResult] | None = None  # while prefilling
         self._is_aborted = False
 
-    async def __call__(self, plan: RemotePrefillPlan) -> RemotePrefillResult | None:
-        """The pages and first token; None when this pod should prefill the prompt itself
-        (few uncached tokens, or the request was aborted meanwhile)."""
-        self.reserved_time = time.monotonic()
-        # | cached here (plan.num_cached_tokens) | uncached: worth sending to a prefill pod? |
-        num_uncached = len(self._prompt_token_ids) - plan.num_cached_tokens
-        if num_uncached < self._threshold:
+    async def deltas(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int
+    ) -> AsyncIterator[StreamDelta]:
+        """The request's deltas, however its prompt gets prefilled. Raises ValueError before
+        the first for a request this pod can never serve; closing early aborts it."""
+        if not self._address or len(prompt_token_ids) < self._settings.local_prefill_threshold:
+            # The prompt's length bounds its uncached part: short ones are local at no cost.
             self.mode = PrefillMode.LOCAL
-            return None
+            deltas = self._llm.generate(prompt_token_ids, params, request_id, priority)
+        else:
+            reservation = await self._llm.reserve_remote_prefill(
+                prompt_token_ids, params, request_id, priority
+            )
+            self.reserved_time = time.monotonic()
+            try:
+                await self._fill(reservation, prompt_token_ids, params)
+            except BaseException:
+                reservation.abort()
+                raise
+            deltas = reservation.deltas()
+        async for delta in deltas:
+            yield delta
+
+    async def _fill(
+        self,
+        reservation: RemotePrefillReservation,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
+        """Has a prefill pod fill the reserved blocks, or hands the prompt back to a local
+        prefill; decides which from what this pod's prefix cache already holds."""
         if self._is_aborted:
-            return None
+            # An abort that came before the reservation found nothing to abort yet.
+            self._llm.abort(reservation.request_id)
+            return
+        plan = reservation.plan
+        if plan is None:
+            return  # no blocks free now: the engine queued a local prefill
+        # | cached here (plan.num_cached_tokens) | uncached: worth sending to a prefill pod? |
+        num_uncached = len(prompt_token_ids) - plan.num_cached_tokens
+        if num_uncached < self._settings.local_prefill_threshold:
+            self.mode = PrefillMode.LOCAL
+            reservation.fall_back()
+            return
+        assert self._client is not None, "a pod that names prefill pods has a client"
+        try:
+            result = await self._prefill_remotely(plan, prompt_token_ids, params)
+        except REMOTE_PREFILL_ERRORS as error:
+            logger.warning(
+                "request %s: remote prefill failed (%r); prefilling locally", plan.request_id, error
+            )
+            reservation.fall_back()
+            return
+        if result is not None:
+            self.mode = PrefillMode.REMOTE
+            reservation.complete(result)
+
+    async def _prefill_remotely(
+        self, plan: RemotePrefillPlan, prompt_token_ids: list[int], params: SamplingParams
+    ) -> RemotePrefillResult | None:
+        """The prefill pod's pages and first token; None when `abort` stopped it."""
+        assert self._client is not None, "checked by the caller"
         self._call = asyncio.ensure_future(
             self._client.prefill(
-                self._address,
-                self._request_id,
-                self._prompt_token_ids,
-                self._params,
-                plan,
-                self._trace_parent,
+                self._address, plan.request_id, prompt_token_ids, params, plan, self._trace_parent
             )
         )
         try:
-            result = await self._call
+            return await self._call
         except asyncio.CancelledError:
             # abort() cancelled the call, not our caller: the request ends as aborted (the
             # engine already knows), instead of its stream being torn down.
@@ -261,8 +305,6 @@ class RemotePrefillAttempt:
         finally:
             self._call.cancel()  # our caller was cancelled: so is the Prefill call
             self._call = None
-        self.mode = PrefillMode.REMOTE
-        return result
 
     def abort(self) -> None:
         """Stops a remote prefill under way (the prefill pod aborts its part too)."""

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import grpc
 from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 from services.common import tracing
 from services.common.convert import logprobs_to_proto, params_from_options
-from services.common.pod import worker_stats_to_proto
+from services.common.pod_core import PodServicerBase
 from services.decode.worker import DecodeOutput, DecodeWorkerCore
 
 
-class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    """Registered before the model loads (so health answers meanwhile); `core` is set once the
-    engine is up, and calls before that are UNAVAILABLE."""
+class DecodeWorkerServicer(PodServicerBase, worker_pb2_grpc.DecodeWorkerServicer):
+    """Decode calls; readiness, Abort and GetStats come from `PodServicerBase`."""
 
-    def __init__(self) -> None:
-        self.core: DecodeWorkerCore | None = None
+    core: DecodeWorkerCore | None
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context):
         core = await self._ready(context)
@@ -32,19 +29,6 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # through `outputs`, whose cleanup aborts the request in the engine.
         async for output in outputs:
             yield decode_response(output, core)
-
-    async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResponse:
-        core = await self._ready(context)
-        return worker_pb2.AbortResponse(found=core.abort(request.request_id))
-
-    async def GetStats(self, request: worker_pb2.StatsRequest, context) -> worker_pb2.WorkerStats:
-        core = await self._ready(context)
-        return worker_stats_to_proto(core.stats())
-
-    async def _ready(self, context) -> DecodeWorkerCore:
-        if self.core is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        return self.core
 
 
 def decode_response(output: DecodeOutput, core: DecodeWorkerCore) -> worker_pb2.DecodeResponse:

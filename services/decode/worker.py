@@ -1,12 +1,8 @@
 """What a decode pod does with a request, free of protobuf: `DecodeWorkerCore`.
 
 The servicer (services/decode/servicer.py) only translates proto <-> these dataclasses. Where
-the prompt gets prefilled is decided in one place, `DecodeWorkerCore._remote_prefill`:
-
-- no prefill pod named, or a prompt shorter than the threshold: prefill here ("local");
-- otherwise reserve the blocks, and if the prompt's uncached part (what this pod's own prefix
-  cache does not hold) is still at least the threshold, a prefill pod fills them ("remote");
-- a prefill pod that fails, times out or is not there: prefill here ("local-fallback").
+the prompt gets prefilled is decided in one place, `PromptPrefill`
+(services/decode/remote_prefill.py); this module streams the outcome and reports it.
 """
 
 from __future__ import annotations
@@ -19,19 +15,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.common import tracing
-from services.common.pod import PodStats, WorkerIdentity, pod_stats, token_text
+from services.common.pod import WorkerIdentity
+from services.common.pod_core import EnginePodCore
 from services.common.pod_metrics import FinishedRequest, PodMetrics
 from services.decode.remote_prefill import (
     PrefillClient,
     PrefillMode,
-    RemotePrefillAttempt,
+    PromptPrefill,
     RemotePrefillSettings,
 )
 from shared.async_llm import AsyncLLM
 from shared.kv_transfer import KVTransport
 from shared.outputs import CompletionOutput, StreamDelta
 from shared.sampling_params import SamplingParams
-from shared.telemetry import record_engine_steps
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -66,9 +62,11 @@ class _Progress:
             self.final = delta.final
 
 
-class DecodeWorkerCore:
-    """Runs requests on one `AsyncLLM`; one per process, used from the event loop only.
-    `start()` (on that loop) must run before the first request: it listens for KV pages."""
+class DecodeWorkerCore(EnginePodCore):
+    """Runs requests on one `AsyncLLM`; `start()` listens for KV pages. In flight: request id
+    -> its `PromptPrefill`, which an abort stops too."""
+
+    role = "decode"
 
     def __init__(
         self,
@@ -80,16 +78,11 @@ class DecodeWorkerCore:
         kv_port: int = 0,
         metrics: PodMetrics | None = None,
     ) -> None:
-        self.llm = llm
-        self.identity = identity
+        super().__init__(llm, identity, metrics)
         self.settings = settings or RemotePrefillSettings()
-        self.metrics = metrics or PodMetrics("decode", identity.model_name, llm.stats)
-        self._steps = record_engine_steps(llm.engine)  # queue time and chunks, per request
         self._transport = transport
         self._kv_bind = (kv_host, kv_port)
         self._prefill_client: PrefillClient | None = None
-        # request id -> its remote prefill attempt (None: prefilled here), while it streams
-        self._in_flight: dict[str, RemotePrefillAttempt | None] = {}
 
     async def start(self) -> None:
         """Starts the KV receiver; its address goes into this pod's stats."""
@@ -117,12 +110,9 @@ class DecodeWorkerCore:
         caller's trace context (the gateway's span).
         """
         progress = _Progress(time.monotonic(), len(prompt_token_ids))
-        if not request_id:
-            raise ValueError("request_id must not be empty")
+        self._check_new_request_id(request_id)
         if params.n != 1:
             raise ValueError(f"n must be 1 on a decode pod (the gateway fans out), got {params.n}")
-        if request_id in self._in_flight:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         span = tracing.start_span(
             "decode.request",
             trace_parent,
@@ -130,33 +120,31 @@ class DecodeWorkerCore:
             tracing.SpanKind.SERVER,
             progress.received_time,
         )
-        attempt = self._remote_prefill(request_id, prompt_token_ids, params, prefill_address, span)
-        self._in_flight[request_id] = attempt
+        prefill = PromptPrefill(
+            self.llm, self._prefill_client, self.settings, prefill_address, span
+        )
+        self._in_flight[request_id] = prefill
         self._steps.watch(request_id)
         error: BaseException | None = None
         try:
-            deltas = self.llm.generate(
-                prompt_token_ids, params, request_id, priority, remote_prefill=attempt
-            )
-            async for delta in deltas:
+            async for delta in prefill.deltas(request_id, prompt_token_ids, params, priority):
                 progress.see(delta, span)
-                mode = PrefillMode.LOCAL if attempt is None else attempt.mode
                 if delta.finished:  # counted before the caller can see the end
-                    self._report(request_id, progress, attempt, span, None)
-                yield DecodeOutput(delta, mode, len(prompt_token_ids))
+                    self._report(request_id, progress, prefill, span, None)
+                yield DecodeOutput(delta, prefill.mode, len(prompt_token_ids))
         except BaseException as caught:  # also a consumer that went away (GeneratorExit)
             error = caught
             raise
         finally:
             del self._in_flight[request_id]
             if not progress.is_reported:
-                self._report(request_id, progress, attempt, span, error)
+                self._report(request_id, progress, prefill, span, error)
 
     def _report(
         self,
         request_id: str,
         progress: _Progress,
-        attempt: RemotePrefillAttempt | None,
+        prefill: PromptPrefill,
         span: tracing.Span,
         error: BaseException | None,
     ) -> None:
@@ -165,9 +153,9 @@ class DecodeWorkerCore:
         finished_time = time.monotonic()
         steps = self._steps.take(request_id)
         queue_end_time = steps.first_scheduled_time if steps is not None else None
-        if attempt is not None and attempt.mode == PrefillMode.REMOTE:
-            queue_end_time = attempt.reserved_time  # then the prefill pod computed it
-        mode = PrefillMode.LOCAL if attempt is None else attempt.mode
+        mode = prefill.mode
+        if mode == PrefillMode.REMOTE:
+            queue_end_time = prefill.reserved_time  # then the prefill pod computed it
         self.metrics.observe_prefill_mode(mode.value)
         finished = FinishedRequest(
             received_time=progress.received_time,
@@ -182,53 +170,9 @@ class DecodeWorkerCore:
         if span.is_recording():
             _finish_span(span, finished, mode, error)
 
-    def _remote_prefill(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prefill_address: str,
-        trace_parent: tracing.Span,
-    ) -> RemotePrefillAttempt | None:
-        """The remote prefill to try, or None to prefill here without reserving first.
-
-        The prompt's length bounds its uncached part from above, so a prompt shorter than the
-        threshold is local at no cost; a longer one is decided once the reservation has told
-        how much of it this pod holds already (`RemotePrefillAttempt`)."""
-        threshold = self.settings.local_prefill_threshold
-        if not prefill_address or len(prompt_token_ids) < threshold:
-            return None
-        assert self._prefill_client is not None, "start() runs before the first request"
-        return RemotePrefillAttempt(
-            self._prefill_client,
-            prefill_address,
-            request_id,
-            prompt_token_ids,
-            params,
-            threshold,
-            trace_parent,
-        )
-
-    def abort(self, request_id: str) -> bool:
-        """Aborts a request still streaming here; False when there is none by that id."""
-        if request_id not in self._in_flight:
-            return False
-        self.llm.abort(request_id)
-        attempt = self._in_flight[request_id]
-        if attempt is not None:
-            attempt.abort()
-        return True
-
-    def stats(self) -> PodStats:
-        return pod_stats(self.llm, self.identity)
-
-    def token_text(self, token_id: int) -> str:
-        return token_text(self.llm, token_id)
-
-    async def close(self) -> None:
+    async def _close_transport(self) -> None:
         if self._prefill_client is not None:
             await self._prefill_client.close()
-        self.llm.shutdown()
 
 
 def _finish_span(

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import grpc
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 from services.common import tracing
 from services.common.convert import logprob_to_proto, params_from_options
-from services.common.pod import worker_stats_to_proto
+from services.common.pod_core import PodServicerBase
 from services.prefill.worker import CHECKSUM_ALGORITHM, KVDestination, PrefillWorkerCore
 from shared.kv_transfer import KVTransferDescriptor
 
 
-class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    """Registered before the model loads (so health answers meanwhile); `core` is set once the
-    engine is up, and calls before that are UNAVAILABLE."""
+class PrefillWorkerServicer(PodServicerBase, worker_pb2_grpc.PrefillWorkerServicer):
+    """Prefill calls; readiness, Abort and GetStats come from `PodServicerBase`."""
 
-    def __init__(self) -> None:
-        self.core: PrefillWorkerCore | None = None
+    core: PrefillWorkerCore | None
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context
@@ -44,19 +41,6 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 logprob_to_proto(outcome.first_logprobs, core.token_text)
             )
         return response
-
-    async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResponse:
-        core = await self._ready(context)
-        return worker_pb2.AbortResponse(found=core.abort(request.request_id))
-
-    async def GetStats(self, request: worker_pb2.StatsRequest, context) -> worker_pb2.WorkerStats:
-        core = await self._ready(context)
-        return worker_stats_to_proto(core.stats())
-
-    async def _ready(self, context) -> PrefillWorkerCore:
-        if self.core is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        return self.core
 
 
 def destination_from_proto(proto: worker_pb2.KVDestination) -> KVDestination:

@@ -21,14 +21,15 @@ import grpc
 
 from services.common import tracing
 from services.common.grpc_server import StatusError
-from services.common.pod import PodStats, WorkerIdentity, pod_stats, token_text
+from services.common.pod import WorkerIdentity
+from services.common.pod_core import EnginePodCore
 from services.common.pod_metrics import FinishedRequest, PodMetrics
 from shared.async_llm import AsyncLLM
+from shared.disaggregation import ExportedPrefill, send_pages
 from shared.kv_transfer import KVSender, KVTransferDescriptor, KVTransferError, KVTransport
 from shared.kv_transfer.base import parse_address
 from shared.outputs import CompletionOutput
 from shared.sampling_params import SamplingParams
-from shared.telemetry import record_engine_steps
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -78,9 +79,11 @@ def first_token_params(params: SamplingParams) -> SamplingParams:
     return dataclasses.replace(params, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1))
 
 
-class PrefillWorkerCore:
-    """Runs prefills on one `AsyncLLM`; one per process, used from the event loop only.
-    `start()` (on that loop) must run before the first request."""
+class PrefillWorkerCore(EnginePodCore):
+    """Runs prefills on one `AsyncLLM`; `start()` opens the KV sender. A request is in flight
+    while its prompt computes (Abort's answer); its pages' send is not abortable."""
+
+    role = "prefill"
 
     def __init__(
         self,
@@ -90,14 +93,10 @@ class PrefillWorkerCore:
         settings: PrefillSettings | None = None,
         metrics: PodMetrics | None = None,
     ) -> None:
-        self.llm = llm
-        self.identity = identity
+        super().__init__(llm, identity, metrics)
         self.settings = settings or PrefillSettings()
-        self.metrics = metrics or PodMetrics("prefill", identity.model_name, llm.stats)
         self._transport = transport
         self._sender: KVSender | None = None
-        self._in_flight: set[str] = set()  # request ids being prefilled, for Abort's answer
-        self._steps = record_engine_steps(llm.engine)  # queue time and chunks, per request
 
     async def start(self) -> None:
         self._sender = self._transport.create_sender()
@@ -117,11 +116,8 @@ class PrefillWorkerCore:
         request was aborted or the transfer failed. Cancelling it aborts the request here.
         `trace_parent`: the caller's trace context (the decode pod's span)."""
         received_time = time.monotonic()
-        if not request_id:
-            raise ValueError("request_id must not be empty")
+        self._check_new_request_id(request_id)
         self._check_destination(destination)
-        if request_id in self._in_flight:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         span = tracing.start_span(
             "prefill.request",
             trace_parent,
@@ -129,39 +125,38 @@ class PrefillWorkerCore:
             tracing.SpanKind.SERVER,
             received_time,
         )
-        self._in_flight.add(request_id)
+        self._in_flight[request_id] = None
         self._steps.watch(request_id)
-        final: CompletionOutput | None = None
+        exported: ExportedPrefill | None = None
         try:
-            final = await self._compute(request_id, prompt_token_ids, params, destination)
-            self._in_flight.discard(request_id)
-            outcome = await self._send_pages(request_id, final, destination, span)
+            exported = await self._compute(request_id, prompt_token_ids, params, destination)
+            self._in_flight.pop(request_id, None)
+            outcome = await self._send_pages(request_id, exported, destination, span)
         except BaseException as error:
+            final = exported.output if exported is not None else None
             self._report(request_id, len(prompt_token_ids), received_time, final, span, error)
             raise
         finally:
-            self._in_flight.discard(request_id)
-        self._report(request_id, len(prompt_token_ids), received_time, final, span, None)
+            self._in_flight.pop(request_id, None)
+        self._report(
+            request_id, len(prompt_token_ids), received_time, exported.output, span, None
+        )
         return outcome
 
     async def _send_pages(
         self,
         request_id: str,
-        final: CompletionOutput,
+        exported: ExportedPrefill,
         destination: KVDestination,
         span: tracing.Span,
     ) -> PrefillOutcome:
-        pages = final.kv_pages
-        assert pages is not None, "a request with export_kv_from_block ends with its pages"
-        if pages.shape[0] != len(destination.block_ids):
-            raise ValueError(
-                f"destination.block_ids has {len(destination.block_ids)} blocks but the prompt "
-                f"has {pages.shape[0]} from block {destination.first_block_index} on"
-            )
-        descriptor, seconds = await self._send(request_id, pages, destination, span)
-        first_logprobs = final.logprobs[0] if final.logprobs else None
+        descriptor, seconds = await self._send(request_id, exported.kv_pages, destination, span)
         return PrefillOutcome(
-            final.token_ids[0], first_logprobs, final.num_cached_tokens, descriptor, seconds
+            exported.first_token_id,
+            exported.first_logprobs,
+            exported.output.num_cached_tokens,
+            descriptor,
+            seconds,
         )
 
     def _check_destination(self, destination: KVDestination) -> None:
@@ -189,39 +184,40 @@ class PrefillWorkerCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         destination: KVDestination,
-    ) -> CompletionOutput:
-        final = None
-        async for delta in self.llm.generate(
+    ) -> ExportedPrefill:
+        exported = await self.llm.prefill_and_export(
             prompt_token_ids,
             first_token_params(params),
             request_id,
-            export_kv_from_block=destination.first_block_index,
-        ):
-            final = delta.final or final
-        if final is None or final.finish_reason == "abort" or not final.token_ids:
+            destination.first_block_index,
+        )
+        if exported is None:
             raise StatusError(grpc.StatusCode.ABORTED, f"request {request_id} was aborted")
-        return final
+        return exported
 
     async def _send(
         self, request_id: str, pages, destination: KVDestination, parent: tracing.Span
     ) -> tuple[KVTransferDescriptor, float]:
         assert self._sender is not None, "start() runs before the first request"
         algorithm = CHECKSUM_ALGORITHM if self.settings.checksum else None
-        descriptor = KVTransferDescriptor.for_buffer(
-            request_id, destination.block_ids, pages, algorithm
-        )
         attributes = {
             tracing.REQUEST_ID: request_id,
             "splitserve.kv.transport": destination.transport,
             "splitserve.kv.destination": destination.address,
-            "splitserve.kv.bytes": descriptor.num_bytes,
+            "splitserve.kv.bytes": pages.numel() * pages.element_size(),
             "splitserve.kv.num_blocks": len(destination.block_ids),
         }
         start = time.monotonic()
         with tracing.child_span("kv_transfer.send", parent, attributes) as span:
             try:
-                await self._sender.send(
-                    destination.address, descriptor, pages, self.settings.transfer_timeout_s
+                descriptor = await send_pages(
+                    self._sender,
+                    destination.address,
+                    request_id,
+                    pages,
+                    destination.block_ids,
+                    self.settings.transfer_timeout_s,
+                    algorithm,
                 )
             except KVTransferError as error:
                 raise StatusError(
@@ -267,20 +263,6 @@ class PrefillWorkerCore:
             span.set_attribute(tracing.OUTPUT_TOKENS, len(final.token_ids))
         tracing.end_span(span, error)
 
-    def abort(self, request_id: str) -> bool:
-        """Aborts a prefill still computing here; False when there is none by that id."""
-        if request_id not in self._in_flight:
-            return False
-        self.llm.abort(request_id)
-        return True
-
-    def stats(self) -> PodStats:
-        return pod_stats(self.llm, self.identity)
-
-    def token_text(self, token_id: int) -> str:
-        return token_text(self.llm, token_id)
-
-    async def close(self) -> None:
+    async def _close_transport(self) -> None:
         if self._sender is not None:
             await self._sender.close()
-        self.llm.shutdown()

@@ -5,8 +5,8 @@
 - `config`: `KVTransferConfig` (backend, timeouts, UCX tuning).
 - `protocol`: offer / ready / payload / done over any `Channel`; shared by both backends.
 - `ucx`: ucxx backend (`ucx://host:port`); `tcp`: asyncio sockets (`tcp://host:port`).
-- `pages`: pack a request's blocks and send them; receive and scatter into a KV cache.
 
+Packing pages out of a KV cache and into it is the engine's (`shared.disaggregation`).
 `create_kv_transport` picks the backend; the ucx module (and ucxx) is imported only when asked
 for, so the tcp backend works where ucxx is not installed.
 """

@@ -7,66 +7,18 @@ The batch is flattened and ordered decodes first:
 
 Decodes attend in a few padded, batched calls, one per group of similar context lengths
 (`shared.model.decode_groups`); each prefill chunk attends causally to its cached prefix plus
-itself. `select_attention_backend` is the one place that picks this path or the
+itself. `shared.model.attention_backend.select_attention_backend` picks this path or the
 Triton kernels; both read the same cache layout:
 `kv_cache[layer]` is `[2, num_blocks, block_size, num_kv_heads, head_dim]`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 
+from shared.model.attention_metadata import AttentionMetadata, PrefillChunk
 from shared.model.decode_groups import DecodeGroup
-
-
-@dataclass
-class PrefillChunk:
-    query_start: int  # first row of this chunk in the flattened batch
-    query_len: int
-    seq_len: int  # keys this chunk attends to: | cached prefix | this chunk |
-    block_ids: torch.Tensor  # [ceil(seq_len / block_size)] int64, the blocks holding them
-
-
-@dataclass
-class AttentionMetadata:
-    """Built once per step by the runner and shared by every layer."""
-
-    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
-    num_decodes: int
-    prefills: list[PrefillChunk]
-    # The decode rows split by context length, together covering every decode row once; built
-    # only for backends that gather blocks themselves (uses_block_tables False).
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
-    # Block-table form of the same positions, for kernels that walk blocks themselves.
-    block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32
-    seq_lens: torch.Tensor | None = None  # [num_seqs] int32
-    query_start_loc: torch.Tensor | None = None  # [num_seqs + 1] int32
-
-
-class AttentionBackend(Protocol):
-    # True when `attend` reads meta.block_tables / seq_lens / query_start_loc (the runner only
-    # builds them then).
-    uses_block_tables: bool
-
-    def write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        layer_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> None: ...
-
-    def attend(
-        self,
-        query: torch.Tensor,
-        layer_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor: ...
 
 
 class TorchPagedAttention:
@@ -191,24 +143,3 @@ def _prefix_causal_mask(query_len: int, seq_len: int, device: torch.device) -> t
     query_pos = torch.arange(seq_len - query_len, seq_len, device=device).unsqueeze(1)
     key_pos = torch.arange(seq_len, device=device).unsqueeze(0)
     return key_pos <= query_pos  # [query_len, seq_len]
-
-
-def select_attention_backend(device: torch.device) -> AttentionBackend:
-    """The one place that picks the attention implementation for a device.
-
-    The environment variable SPLITSERVE_ATTENTION_BACKEND=triton|torch overrides the choice:
-    tests force the Triton path on the CPU under TRITON_INTERPRET=1, and a GPU run can fall
-    back to the PyTorch path to compare the two.
-    """
-    import os  # local: keeps this override self-contained
-
-    choice = os.environ.get("SPLITSERVE_ATTENTION_BACKEND", "")
-    if choice not in ("", "triton", "torch"):
-        raise ValueError(
-            f"SPLITSERVE_ATTENTION_BACKEND must be 'triton' or 'torch', got {choice!r}"
-        )
-    if choice == "triton" or (not choice and device.type == "cuda"):
-        from shared.model.triton_attention import TritonPagedAttention
-
-        return TritonPagedAttention()
-    return TorchPagedAttention()

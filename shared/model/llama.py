@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model.architecture import ModelArchitecture
-from shared.model.attention import AttentionBackend, AttentionMetadata
+from shared.model.attention_metadata import AttentionBackend, AttentionMetadata
 from shared.model.linear import Linear
 from shared.model.rotary import RotaryAngles, RotaryEmbedding
 

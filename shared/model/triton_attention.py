@@ -18,7 +18,7 @@ import torch
 from kernels.decode_attention import paged_decode_attention
 from kernels.kv_cache_ops import write_kv
 from kernels.prefill_attention import paged_prefill_attention
-from shared.model.attention import AttentionMetadata
+from shared.model.attention_metadata import AttentionMetadata
 
 
 class TritonPagedAttention:

@@ -30,7 +30,7 @@ from shared.model.loader import load_checkpoint
 from shared.request import Request
 from shared.runner import ModelRunner
 from shared.sampler import draw, sampling_distribution
-from shared.scheduler import ScheduledChunk
+from shared.step import Drafts, ScheduledChunk
 
 
 class EarlyExitModel:
@@ -117,7 +117,7 @@ class DraftModelProposer:
         self.target_runner = target_runner
         self.shares_target_kv = shares_target_kv
 
-    def propose(self, chunks: list[ScheduledChunk]) -> None:
+    def propose(self, chunks: list[ScheduledChunk]) -> dict[str, Drafts]:
         drafting = [_Drafting(chunk, [], []) for chunk in chunks if chunk.num_draft_slots]
         active = drafting
         step_chunks = [self._catch_up_chunk(d.chunk) for d in drafting]
@@ -125,15 +125,14 @@ class DraftModelProposer:
             self._draft_one_token(active, step_chunks)
             active = [d for d in active if len(d.token_ids) < d.chunk.num_draft_slots]
             step_chunks = [self._next_chunk(d) for d in active]
+        drafts = {}
         for d in drafting:
             request = d.chunk.request
             # Written: every token before the newest, the newest, and all drafts but the last.
             request.num_draft_computed_tokens = request.num_tokens - 1 + len(d.token_ids)
             probs = torch.stack(d.probs) if d.probs else None
-            d.chunk.attach_drafts(d.token_ids, probs)
-
-    def release(self, request_ids: list[str]) -> None:
-        """Nothing is kept per request (the draft's progress lives on the Request)."""
+            drafts[request.request_id] = Drafts(d.token_ids, probs)
+        return drafts
 
     def _catch_up_chunk(self, chunk: ScheduledChunk) -> _DraftChunk:
         request = chunk.request

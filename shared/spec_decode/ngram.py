@@ -8,7 +8,7 @@ occurrence wins, since recent text predicts best what comes next.
 
 from __future__ import annotations
 
-from shared.scheduler import ScheduledChunk
+from shared.step import Drafts, ScheduledChunk
 
 # The n-gram sizes tried, longest first.
 MAX_NGRAM = 4
@@ -50,11 +50,10 @@ def _latest_earlier_match(tokens: list[int], n: int) -> int | None:
 class NgramProposer:
     """Fills each chunk's draft slots from its own request's tokens (no model, no state)."""
 
-    def propose(self, chunks: list[ScheduledChunk]) -> None:
+    def propose(self, chunks: list[ScheduledChunk]) -> dict[str, Drafts]:
+        drafts = {}
         for chunk in chunks:
-            drafts = propose_ngram(chunk.request.all_token_ids, chunk.num_draft_slots)
-            if drafts:
-                chunk.attach_drafts(drafts)
-
-    def release(self, request_ids: list[str]) -> None:
-        """Nothing is kept per request."""
+            token_ids = propose_ngram(chunk.request.all_token_ids, chunk.num_draft_slots)
+            if token_ids:
+                drafts[chunk.request.request_id] = Drafts(token_ids)
+        return drafts

@@ -1,0 +1,108 @@
+"""What the prefill and decode pods share around their engine, as one base class each side:
+
+- `EnginePodCore`: the engine-backed request handler of a pod, free of protobuf: identity,
+  metrics, per-request step timings, the requests in flight, abort, stats, close. The role's
+  core adds its request path (`prefill` or `generate`) and its end of the KV transport.
+- `PodServicerBase`: the gRPC side every engine pod answers the same way (readiness while the
+  model loads, Abort, GetStats); the role's servicer adds its one request method.
+
+Torch-free like the rest of services/common: the engine is only named for type checking.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+import grpc
+from splitserve.v1 import worker_pb2
+
+from services.common.pod import (
+    PodStats,
+    WorkerIdentity,
+    pod_stats,
+    token_text,
+    worker_stats_to_proto,
+)
+from services.common.pod_metrics import PodMetrics
+from shared.telemetry import record_engine_steps
+
+if TYPE_CHECKING:
+    from shared.async_llm import AsyncLLM
+
+
+class Abortable(Protocol):
+    def abort(self) -> None:
+        """Stops what a request has under way outside the engine (a remote prefill)."""
+
+
+class EnginePodCore:
+    """One per process, used from the event loop only. `start()` (on that loop) must run
+    before the first request."""
+
+    role: ClassVar[str]  # "prefill" or "decode"
+
+    def __init__(
+        self, llm: AsyncLLM, identity: WorkerIdentity, metrics: PodMetrics | None = None
+    ) -> None:
+        self.llm = llm
+        self.identity = identity
+        self.metrics = metrics or PodMetrics(self.role, identity.model_name, llm.stats)
+        self._steps = record_engine_steps(llm.engine)  # queue time and chunks, per request
+        # request id -> what besides the engine an abort must stop (None: nothing), while the
+        # request is in flight here
+        self._in_flight: dict[str, Abortable | None] = {}
+
+    def _check_new_request_id(self, request_id: str) -> None:
+        if not request_id:
+            raise ValueError("request_id must not be empty")
+        if request_id in self._in_flight:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+
+    async def start(self) -> None:
+        """Starts what must run on the event loop (the role's end of the KV transport)."""
+
+    def abort(self, request_id: str) -> bool:
+        """Aborts a request in flight here; False when there is none by that id."""
+        if request_id not in self._in_flight:
+            return False
+        self.llm.abort(request_id)
+        under_way = self._in_flight[request_id]
+        if under_way is not None:
+            under_way.abort()
+        return True
+
+    def stats(self) -> PodStats:
+        return pod_stats(self.llm, self.identity)
+
+    def token_text(self, token_id: int) -> str:
+        return token_text(self.llm, token_id)
+
+    async def close(self) -> None:
+        """Stops the transport, then the engine; requests still in flight fail."""
+        await self._close_transport()
+        self.llm.shutdown()
+
+    async def _close_transport(self) -> None:
+        """Closes the role's end of the KV transport, if it opened one."""
+
+
+class PodServicerBase:
+    """Registered before the model loads (so health answers meanwhile); `core` is set once the
+    engine is up, and calls before that are UNAVAILABLE. Put it before the generated servicer
+    class in the bases, so these methods answer instead of its UNIMPLEMENTED ones."""
+
+    def __init__(self) -> None:
+        self.core: EnginePodCore | None = None
+
+    async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResponse:
+        core = await self._ready(context)
+        return worker_pb2.AbortResponse(found=core.abort(request.request_id))
+
+    async def GetStats(self, request: worker_pb2.StatsRequest, context) -> worker_pb2.WorkerStats:
+        core = await self._ready(context)
+        return worker_stats_to_proto(core.stats())
+
+    async def _ready(self, context) -> EnginePodCore:
+        if self.core is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        return self.core

@@ -1,0 +1,97 @@
+"""The one entry point of the engine pods: `run_pod(role, argv)` parses the flags every pod takes
+plus the role's own, checks them, sets up logging and serves (services/common/pod.py) until
+SIGTERM. `python -m services.prefill` and `python -m services.decode` are a `PodRole` each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from services.common.flags import engine_options, setup_logging
+from services.common.model_files import default_model_name, resolve_model_path
+from services.common.pod import PodServicer, WorkerIdentity, add_pod_flags, serve_pod, worker_id
+from services.common.pod_registry import pod_place
+
+if TYPE_CHECKING:
+    from services.common.pod_core import EnginePodCore
+    from shared.async_llm import AsyncLLM
+    from shared.kv_transfer import KVTransport
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What every pod core is built from: the engine, who the pod is, its KV transport."""
+
+    llm: AsyncLLM
+    identity: WorkerIdentity
+    transport: KVTransport
+
+
+@dataclass(frozen=True)
+class PodRole:
+    name: str  # "prefill" | "decode": the role in stats, logs and the registry
+    description: str  # the module's docstring, for --help
+    default_port: int
+    service_name: str  # the gRPC service's full name, e.g. "splitserve.v1.DecodeWorker"
+    add_flags: Callable[[argparse.ArgumentParser], None]  # the role's own flags
+    # Raises ValueError for flag values that cannot work (reported as a usage error).
+    check_flags: Callable[[argparse.Namespace], object]
+    build_core: Callable[[argparse.Namespace, EngineParts], EnginePodCore]
+    make_servicer: Callable[[], PodServicer]
+    add_servicer: Callable[[PodServicer, object], None]  # (servicer, grpc server)
+
+
+def build_pod_parser(role: PodRole) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m services.{role.name}", description=role.description
+    )
+    add_pod_flags(parser, role.default_port)
+    role.add_flags(parser.add_argument_group("disaggregation"))
+    return parser
+
+
+def run_pod(role: PodRole, argv: list[str] | None = None) -> int:
+    parser = build_pod_parser(role)
+    args = parser.parse_args(argv)
+    try:
+        role.check_flags(args)
+    except ValueError as error:
+        parser.error(str(error))
+    setup_logging(args.log_level, args.worker_id or role.name)
+    asyncio.run(_serve(role, args))
+    return 0
+
+
+async def _serve(role: PodRole, args: argparse.Namespace) -> None:
+    servicer = role.make_servicer()
+    await serve_pod(
+        args,
+        role.service_name,
+        servicer,
+        lambda server: role.add_servicer(servicer, server),
+        lambda: role.build_core(args, _engine_parts(role, args)),
+    )
+
+
+def _engine_parts(role: PodRole, args: argparse.Namespace) -> EngineParts:
+    """Loads the model; runs off the event loop, once the server answers health checks."""
+    from shared.async_llm import AsyncLLM  # torch and ucxx: only once serving has started
+    from shared.kv_transfer import create_kv_transport
+
+    transport = create_kv_transport(args.kv_transport)
+    model_path = resolve_model_path(args.model)
+    llm = AsyncLLM(model_path, **engine_options(args))
+    place = pod_place(args)
+    identity = WorkerIdentity(
+        worker_id=worker_id(args),
+        role=role.name,
+        model_name=args.model_name or default_model_name(model_path),
+        kv_transport=args.kv_transport,
+        region=place.region,
+        zone=place.zone,
+    )
+    return EngineParts(llm, identity, transport)

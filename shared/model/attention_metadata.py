@@ -1,0 +1,59 @@
+"""What every attention implementation reads each step: the metadata the runner builds once per
+step and the `AttentionBackend` interface. Its own module so the PyTorch path
+(`shared.model.attention`), the Triton path (`shared.model.triton_attention`) and the runner
+share these types without importing one another."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from shared.model.decode_groups import DecodeGroup
+
+
+@dataclass
+class PrefillChunk:
+    query_start: int  # first row of this chunk in the flattened batch
+    query_len: int
+    seq_len: int  # keys this chunk attends to: | cached prefix | this chunk |
+    block_ids: torch.Tensor  # [ceil(seq_len / block_size)] int64, the blocks holding them
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the runner and shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
+    num_decodes: int
+    prefills: list[PrefillChunk]
+    # The decode rows split by context length, together covering every decode row once; built
+    # only for backends that gather blocks themselves (uses_block_tables False).
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    # Block-table form of the same positions, for kernels that walk blocks themselves.
+    block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor | None = None  # [num_seqs] int32
+    query_start_loc: torch.Tensor | None = None  # [num_seqs + 1] int32
+
+
+class AttentionBackend(Protocol):
+    # True when `attend` reads meta.block_tables / seq_lens / query_start_loc (the runner only
+    # builds them then).
+    uses_block_tables: bool
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None: ...
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        layer_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 from shared.config import CacheConfig
 from shared.kv.block import Block
@@ -28,8 +28,19 @@ from shared.kv.block_hash import BlockHash, hash_full_blocks
 from shared.kv.block_pool import BlockPool
 from shared.kv.events import KVCacheEvent
 
-if TYPE_CHECKING:
-    from shared.request import Request
+
+class Request(Protocol):
+    """What this manager reads of the engine's `shared.request.Request` (and writes: only
+    `block_hashes`). A protocol, so the KV package needs nothing from the engine's modules."""
+
+    request_id: str
+    num_computed_tokens: int
+    all_token_ids: list[int]
+    extra_hash_keys: tuple[str, ...]
+    block_hashes: list[BlockHash]
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,163 @@
+"""Where a decode step's time goes, at batch 1, 2, 4, 8 and 16, beside the floor it aims at.
+
+    python -m benchmarks.step_breakdown [--batches 1 2 4 8 16] [--steps 40] [--threads 2]
+
+For each batch size, that many requests with different ~128-token prompts are prefilled, then
+`--steps` decode steps are timed. Each engine part is timed by wrapping its entry point in this
+process only (the engine has no timers of its own): the layers' matrix products, attention,
+the KV write, the rest of the forward (embedding, norms, rotary, activations, the vocabulary
+projection), input preparation, sampling, the scheduler, and output processing (incremental
+detokenization, stop strings). The peer figure is the floor: one read of the weights a decode
+step multiplies by, at the copy bandwidth measured in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from shared import LLM, SamplingParams
+from shared.model.linear import Linear
+
+PARTS = (
+    "matmul",
+    "attention",
+    "kv_write",
+    "forward_rest",
+    "prepare",
+    "sampling",
+    "schedule",
+    "update",
+    "output",
+    "other",
+)
+
+
+@dataclass
+class StageClock:
+    """Seconds spent in each wrapped part since the last `reset`."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def wrap(self, part: str, function: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - start
+
+        return timed
+
+    def reset(self) -> None:
+        self.seconds.clear()
+
+
+def instrument(llm: LLM, clock: StageClock) -> None:
+    """Wraps the engine's parts in `clock` (this process only)."""
+    engine = llm.engine
+    runner, backend = engine.runner, engine.runner.backend
+    Linear.forward = clock.wrap("matmul", Linear.forward)
+    backend.attend = clock.wrap("attention", backend.attend)
+    backend.write_kv = clock.wrap("kv_write", backend.write_kv)
+    runner.forward = clock.wrap("forward", runner.forward)
+    runner.prepare_inputs = clock.wrap("prepare", runner.prepare_inputs)
+    runner.sampler.sample = clock.wrap("sampling", runner.sampler.sample)
+    engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
+    engine.scheduler.update = clock.wrap("update", engine.scheduler.update)
+    engine.output_processor.process = clock.wrap("output", engine.output_processor.process)
+    engine.step = clock.wrap("step", engine.step)
+
+
+def breakdown(clock: StageClock, num_steps: int) -> dict[str, float]:
+    """Milliseconds per step of each part; `other` is what no wrapper covers."""
+    s = clock.seconds
+    inside_forward = s["matmul"] + s["attention"] + s["kv_write"]
+    per_step = {
+        "matmul": s["matmul"],
+        "attention": s["attention"],
+        "kv_write": s["kv_write"],
+        "forward_rest": s["forward"] - inside_forward,
+        "prepare": s["prepare"],
+        "sampling": s["sampling"],
+        "schedule": s["schedule"],
+        "update": s["update"],
+        "output": s["output"],
+    }
+    per_step["other"] = s["step"] - sum(per_step.values())
+    per_step["total"] = s["step"]
+    return {part: 1000 * seconds / num_steps for part, seconds in per_step.items()}
+
+
+def time_decode_steps(llm: LLM, clock: StageClock, batch: int, num_steps: int) -> dict[str, float]:
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=num_steps + 8, ignore_eos=True)
+    for i in range(batch):
+        prompt = llm.tokenizer.encode(f"Request {batch}-{i}: " + "a story about the sea. " * 20)
+        engine.add_request(f"b{batch}-{i}", prompt[:128], params)
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+        engine.step()  # prefill (and warm-up) outside the timed steps
+    engine.step()
+    clock.reset()
+    for _ in range(num_steps):
+        engine.step()
+    figures = breakdown(clock, num_steps)
+    engine.abort_requests(list(engine.scheduler.requests))
+    return figures
+
+
+def weight_read_floor_ms(llm: LLM) -> tuple[float, float]:
+    """(ms to read once every weight a decode step multiplies by, GB/s measured here)."""
+    model = llm.engine.runner.model
+    num_bytes = sum(
+        m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, Linear)
+    )
+    num_bytes += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    source = torch.empty(64 * 2**20, dtype=torch.float32)  # 256 MiB: far past the caches
+    source.fill_(1.0)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    bandwidth = 2 * source.numel() * 4 / best  # a copy reads and writes every byte
+    return 1000 * num_bytes / bandwidth, bandwidth / 1e9
+
+
+def print_table(rows: dict[int, dict[str, float]], floor_ms: float, bandwidth: float) -> None:
+    header = ["batch", *PARTS, "total", "floor", "total/floor"]
+    print(" ".join(f"{h:>12}" for h in header))
+    for batch, figures in rows.items():
+        cells = [f"{batch:>12}"] + [f"{figures[p]:>12.2f}" for p in (*PARTS, "total")]
+        cells += [f"{floor_ms:>12.2f}", f"{figures['total'] / floor_ms:>12.2f}"]
+        print(" ".join(cells))
+    print(f"(ms per decode step; floor = weights read once at {bandwidth:.1f} GB/s copy bandwidth)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    print(f"loading the model ({args.threads} threads)...", flush=True)
+    llm = LLM(num_threads=args.threads, kv_cache_bytes=256 * 2**20)
+    clock = StageClock()
+    instrument(llm, clock)
+    floor_ms, bandwidth = weight_read_floor_ms(llm)
+    rows = {}
+    for batch in args.batches:
+        print(f"batch {batch}: {args.steps} decode steps...", flush=True)
+        rows[batch] = time_decode_steps(llm, clock, batch, args.steps)
+    print_table(rows, floor_ms, bandwidth)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -12,23 +12,19 @@ from typing import TYPE_CHECKING
 
 from splitserve.v1 import generate_pb2
 
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import (
+    FIELD_TYPES,
+    SamplingParams,
+    is_sequence_field,
+    value_type,
+)
 
 if TYPE_CHECKING:
     from shared.sampler import TokenLogprobs
 
-# SamplingOptions fields that are `optional` scalars, named as in SamplingParams.
-_INT_FIELDS = ("n", "max_tokens", "top_k", "seed", "logprobs", "min_tokens")
-_FLOAT_FIELDS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
-_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens")
-_SCALAR_FIELDS = _INT_FIELDS + _FLOAT_FIELDS + _BOOL_FIELDS
+# Every SamplingParams field travels in SamplingOptions under the same name: a tuple field as a
+# repeated field, any other as an `optional` scalar (unset = the receiver's default).
+# tests/test_sampling_fields.py checks that the proto and SamplingParams agree.
 _INT64_RANGE = (-(2**63), 2**63)
 
 # Turns a token id into the text it stands for (special tokens included).
@@ -39,14 +35,13 @@ def params_from_options(options: generate_pb2.SamplingOptions) -> SamplingParams
     """Unset fields keep SamplingParams' defaults. Raises ValueError (naming the parameter)
     for out-of-range values, exactly as SamplingParams does."""
     kwargs: dict[str, object] = {}
-    for name in _SCALAR_FIELDS:
-        if options.HasField(name):
+    for name in FIELD_TYPES:
+        if is_sequence_field(name):
+            if getattr(options, name):
+                kwargs[name] = tuple(getattr(options, name))
+        elif options.HasField(name):
             value = getattr(options, name)
-            kwargs[name] = _from_float32(value) if name in _FLOAT_FIELDS else value
-    if options.stop:
-        kwargs["stop"] = tuple(options.stop)
-    if options.stop_token_ids:
-        kwargs["stop_token_ids"] = tuple(options.stop_token_ids)
+            kwargs[name] = _from_float32(value) if value_type(name) is float else value
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
 
 
@@ -54,12 +49,12 @@ def options_from_params(params: SamplingParams) -> generate_pb2.SamplingOptions:
     """Every field set explicitly, so the receiver never depends on its own defaults."""
     if params.seed is not None and not _INT64_RANGE[0] <= params.seed < _INT64_RANGE[1]:
         raise ValueError(f"seed must be in [-2**63, 2**63), got {params.seed}")
-    options = generate_pb2.SamplingOptions(
-        stop=list(params.stop), stop_token_ids=list(params.stop_token_ids)
-    )
-    for name in _SCALAR_FIELDS:
+    options = generate_pb2.SamplingOptions()
+    for name in FIELD_TYPES:
         value = getattr(params, name)
-        if value is not None:
+        if is_sequence_field(name):
+            getattr(options, name).extend(value)
+        elif value is not None:
             setattr(options, name, value)
     return options
 

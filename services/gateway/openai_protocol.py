@@ -15,7 +15,13 @@ from typing import Any
 from splitserve.v1 import generate_pb2
 
 from services.gateway.generation import CollectedSequence, SequenceChunk, Usage
-from shared.sampling_params import MAX_LOGPROBS, SamplingParams
+from shared.sampling_params import (
+    FIELD_TYPES,
+    MAX_LOGPROBS,
+    SamplingParams,
+    is_sequence_field,
+    value_type,
+)
 
 # The OpenAI API's default for completions; chat defaults to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -23,7 +29,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 MIN_LOGPROB = -9999.0
 _INT64 = (-(2**63), 2**63)
 
-SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
+SAMPLING_FIELDS = frozenset(FIELD_TYPES)
 
 
 class RequestError(ValueError):
@@ -209,29 +215,30 @@ def _common(
     )
 
 
-_NUMBER_FIELDS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
-_INT_FIELDS = ("n", "top_k", "seed", "min_tokens")
-_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens")
+# Each endpoint spells these its own way (max_completion_tokens; logprobs as a count or a flag
+# beside top_logprobs) and parses them itself; every other SamplingParams field is a body field
+# of the same name.
+_PER_ENDPOINT_FIELDS = frozenset({"max_tokens", "logprobs"})
+
+
+def _json_kind(name: str) -> str:
+    """The `_CHECKS` kind a SamplingParams field's JSON value must have."""
+    if is_sequence_field(name):
+        return "stop" if value_type(name) is str else "int_list"
+    return {float: "number", int: "int", bool: "bool"}[value_type(name)]
+
+
+_SAMPLING_KINDS = {
+    name: _json_kind(name) for name in FIELD_TYPES if name not in _PER_ENDPOINT_FIELDS
+}
 
 
 def _sampling(body: _Body) -> dict[str, object]:
     """SamplingParams keyword arguments from the fields that are set; ranges are left to
     SamplingParams, so every API rejects the same values with the same message."""
-    kinds = {
-        **dict.fromkeys(_NUMBER_FIELDS, "number"),
-        **dict.fromkeys(_INT_FIELDS, "int"),
-        **dict.fromkeys(_BOOL_FIELDS, "bool"),
-        "stop": "stop",
-        "stop_token_ids": "int_list",
+    sampling = {
+        name: body.get(name, kind) for name, kind in _SAMPLING_KINDS.items() if body.has(name)
     }
-    sampling = {name: body.get(name, kind) for name, kind in kinds.items() if body.has(name)}
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = (sampling["stop"],)
     if sampling.get("top_k") == -1:  # vLLM's spelling of "off"

@@ -108,13 +108,8 @@ def _traced_call(name: str, context) -> Iterator[None]:
         {"rpc.system": "grpc", "rpc.method": name},
         tracing.SpanKind.SERVER,
     )
-    try:
-        with tracing.use_span(span):
-            yield
-    except BaseException as error:
-        tracing.end_span(span, error)
-        raise
-    tracing.end_span(span)
+    with tracing.span_scope(span), tracing.use_span(span):
+        yield
 
 
 def _annotate_usage(usage: Usage) -> None:

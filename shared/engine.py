@@ -102,12 +102,7 @@ class EngineCore:
             self.architecture, config.cache, self.dtype, self.device
         )
         kv_cache = allocate_kv_cache(self.kv_spec, self.architecture, self.dtype, self.device)
-        self.kv_manager = KVCacheManager(
-            self.kv_spec.num_blocks,
-            config.cache.block_size,
-            enable_caching=config.cache.enable_prefix_caching,
-            hash_namespace=config.cache.hash_namespace,
-        )
+        self.kv_manager = KVCacheManager.from_config(config.cache, self.kv_spec.num_blocks)
         self.speculation = build_policy(config.speculative)
         self.scheduler = Scheduler(
             config.scheduler,

@@ -28,7 +28,6 @@ class ModelInputs:
     meta: AttentionMetadata
     # [num_logits]: the last row of each sampled chunk; every row of a verification chunk.
     logits_indices: torch.Tensor
-    sampled_requests: list[Request]  # chunks with logits, in row order
 
 
 class ModelRunner:
@@ -169,7 +168,6 @@ class ModelRunner:
             positions=torch.cat(positions).to(self.device),
             meta=meta,
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
-            sampled_requests=[chunk.request for chunk in chunks if chunk.is_sampled],
         )
 
     def _add_block_tables(self, meta: AttentionMetadata, chunks: list[ScheduledChunk]) -> None:

@@ -336,6 +336,26 @@ class Envelope:
         }
 
 
+def _choice(
+    part: SequenceChunk | CollectedSequence,
+    content: dict[str, object],
+    logprobs: dict | None,
+    options: CommonOptions,
+) -> dict:
+    """One choice of a response or chunk: the endpoint's `content` fields (text, delta or
+    message) between the index and the logprobs, the finish, and the token ids when asked."""
+    choice = {
+        "index": part.index,
+        **content,
+        "logprobs": logprobs,
+        "finish_reason": part.finish_reason,
+        "stop_reason": part.stop_reason,
+    }
+    if options.return_token_ids:
+        choice["token_ids"] = part.token_ids
+    return choice
+
+
 @dataclass
 class CompletionFormat:
     """Completion objects and chunks for one request."""
@@ -346,15 +366,8 @@ class CompletionFormat:
     _offsets: dict[int, int] = field(default_factory=dict)  # choice -> text offset so far
 
     def chunk(self, chunk: SequenceChunk) -> dict:
-        choice = {
-            "index": chunk.index,
-            "text": chunk.text,
-            "logprobs": self._logprobs(chunk.index, chunk.logprobs),
-            "finish_reason": chunk.finish_reason,
-            "stop_reason": chunk.stop_reason,
-        }
-        if self.options.return_token_ids:
-            choice["token_ids"] = chunk.token_ids
+        logprobs = self._logprobs(chunk.index, chunk.logprobs)
+        choice = _choice(chunk, {"text": chunk.text}, logprobs, self.options)
         extra = {"usage": None} if self.options.include_usage else {}
         return self.envelope.wrap("text_completion", [choice], **extra)
 
@@ -362,18 +375,15 @@ class CompletionFormat:
         return self.envelope.wrap("text_completion", [], usage=usage_json(usage))
 
     def response(self, sequences: list[CollectedSequence], usage: Usage) -> dict:
-        choices = []
-        for sequence in sequences:
-            choice = {
-                "index": sequence.index,
-                "text": sequence.text,
-                "logprobs": self._logprobs(sequence.index, sequence.logprobs),
-                "finish_reason": sequence.finish_reason,
-                "stop_reason": sequence.stop_reason,
-            }
-            if self.options.return_token_ids:
-                choice["token_ids"] = sequence.token_ids
-            choices.append(choice)
+        choices = [
+            _choice(
+                sequence,
+                {"text": sequence.text},
+                self._logprobs(sequence.index, sequence.logprobs),
+                self.options,
+            )
+            for sequence in sequences
+        ]
         return self.envelope.wrap("text_completion", choices, usage=usage_json(usage))
 
     def _logprobs(self, index: int, entries: list[generate_pb2.TokenLogprob]) -> dict | None:
@@ -414,15 +424,7 @@ class ChatFormat:
         if chunk.index not in self._started:
             self._started.add(chunk.index)
             delta = {"role": "assistant", **delta}
-        choice = {
-            "index": chunk.index,
-            "delta": delta,
-            "logprobs": self._logprobs(chunk.logprobs),
-            "finish_reason": chunk.finish_reason,
-            "stop_reason": chunk.stop_reason,
-        }
-        if self.options.return_token_ids:
-            choice["token_ids"] = chunk.token_ids
+        choice = _choice(chunk, {"delta": delta}, self._logprobs(chunk.logprobs), self.options)
         extra = {"usage": None} if self.options.include_usage else {}
         return self.envelope.wrap("chat.completion.chunk", [choice], **extra)
 
@@ -430,18 +432,15 @@ class ChatFormat:
         return self.envelope.wrap("chat.completion.chunk", [], usage=usage_json(usage))
 
     def response(self, sequences: list[CollectedSequence], usage: Usage) -> dict:
-        choices = []
-        for sequence in sequences:
-            choice = {
-                "index": sequence.index,
-                "message": {"role": "assistant", "content": sequence.text},
-                "logprobs": self._logprobs(sequence.logprobs),
-                "finish_reason": sequence.finish_reason,
-                "stop_reason": sequence.stop_reason,
-            }
-            if self.options.return_token_ids:
-                choice["token_ids"] = sequence.token_ids
-            choices.append(choice)
+        choices = [
+            _choice(
+                sequence,
+                {"message": {"role": "assistant", "content": sequence.text}},
+                self._logprobs(sequence.logprobs),
+                self.options,
+            )
+            for sequence in sequences
+        ]
         return self.envelope.wrap("chat.completion", choices, usage=usage_json(usage))
 
     def _logprobs(self, entries: list[generate_pb2.TokenLogprob]) -> dict | None:

@@ -41,7 +41,7 @@ class SamplingParams:
         object.__setattr__(
             self, "stop_token_ids", _int_tuple("stop_token_ids", self.stop_token_ids)
         )
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("n", self.n, 1, 128)
@@ -79,6 +79,7 @@ class SamplingParams:
 # order. The proto conversion and the OpenAI parser derive their field lists from it, so a new
 # field is declared here once (and in SamplingOptions: tests/test_sampling_fields.py checks).
 FIELD_TYPES: dict[str, object] = typing.get_type_hints(SamplingParams)
+_BOOL_FIELDS = tuple(name for name, hint in FIELD_TYPES.items() if hint is bool)
 
 
 def is_sequence_field(name: str) -> bool:

@@ -1,6 +1,11 @@
 """Proto <-> engine conversions shared by the services: `SamplingOptions` <-> `SamplingParams`
 and the engine's `TokenLogprobs` -> proto `TokenLogprob`.
 
+Every SamplingParams field travels in SamplingOptions under the same name: a tuple field as a
+repeated field, any other as an `optional` scalar (unset = the receiver's default). The
+conversions walk SamplingParams' fields, so a new field needs no code here;
+tests/test_sampling_fields.py checks that the proto declares it alike.
+
 Torch-free on purpose (the gateway imports it): `TokenLogprobs` is only named for type checking.
 """
 
@@ -22,13 +27,14 @@ from shared.sampling_params import (
 if TYPE_CHECKING:
     from shared.sampler import TokenLogprobs
 
-# Every SamplingParams field travels in SamplingOptions under the same name: a tuple field as a
-# repeated field, any other as an `optional` scalar (unset = the receiver's default).
-# tests/test_sampling_fields.py checks that the proto and SamplingParams agree.
-_INT64_RANGE = (-(2**63), 2**63)
-
 # Turns a token id into the text it stands for (special tokens included).
 TokenText = Callable[[int], str]
+
+
+def is_int64(value: int) -> bool:
+    """Whether `value` fits the proto's int64 seed (SamplingParams takes up to 2**64 - 1, as
+    torch does, so a seed for the wire is checked again)."""
+    return -(2**63) <= value < 2**63
 
 
 def params_from_options(options: generate_pb2.SamplingOptions) -> SamplingParams:
@@ -47,7 +53,7 @@ def params_from_options(options: generate_pb2.SamplingOptions) -> SamplingParams
 
 def options_from_params(params: SamplingParams) -> generate_pb2.SamplingOptions:
     """Every field set explicitly, so the receiver never depends on its own defaults."""
-    if params.seed is not None and not _INT64_RANGE[0] <= params.seed < _INT64_RANGE[1]:
+    if params.seed is not None and not is_int64(params.seed):
         raise ValueError(f"seed must be in [-2**63, 2**63), got {params.seed}")
     options = generate_pb2.SamplingOptions()
     for name in FIELD_TYPES:

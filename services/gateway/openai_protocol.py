@@ -14,6 +14,7 @@ from typing import Any
 
 from splitserve.v1 import generate_pb2
 
+from services.common.convert import is_int64
 from services.gateway.generation import CollectedSequence, SequenceChunk, Usage
 from shared.sampling_params import (
     FIELD_TYPES,
@@ -27,7 +28,6 @@ from shared.sampling_params import (
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # JSON has no -inf; OpenAI-compatible servers clamp to this instead.
 MIN_LOGPROB = -9999.0
-_INT64 = (-(2**63), 2**63)
 
 SAMPLING_FIELDS = frozenset(FIELD_TYPES)
 
@@ -244,7 +244,7 @@ def _sampling(body: _Body) -> dict[str, object]:
     if sampling.get("top_k") == -1:  # vLLM's spelling of "off"
         sampling["top_k"] = 0
     seed = sampling.get("seed")
-    if seed is not None and not _INT64[0] <= seed < _INT64[1]:
+    if seed is not None and not is_int64(seed):
         raise RequestError(f"seed must be a 64-bit signed integer, got {seed}", "seed")
     return sampling
 

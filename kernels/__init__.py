@@ -12,6 +12,9 @@ works where Triton is not installed; `has_triton()` says whether they can be use
 | fused_add_rms_norm                       | kernels.rms_norm          |
 | rotary_embedding                         | kernels.rotary            |
 
+The engine uses the attention and KV wrappers on CUDA; `kernels/README.md` says which module
+serves whom, and why RMSNorm and rotary are not wired into the model yet.
+
 Module names differ from the wrappers' names on purpose: a submodule imported as
 `kernels.paged_decode_attention` would shadow the function of that name on the package.
 """

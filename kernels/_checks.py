@@ -102,6 +102,22 @@ def check_kv_cache_pair(key_cache: object, value_cache: object) -> CacheShape:
     return CacheShape(*key_cache.shape)
 
 
+def check_query_and_cache(query: object, key_cache: object, value_cache: object) -> CacheShape:
+    """The attention kernels' query `[num_tokens, num_heads, head_dim]` against the per-layer
+    caches: same dtype and head_dim, whole query heads per kv head. Returns the cache's shape."""
+    check_tensor("query", query, 3, FLOAT_DTYPES)
+    assert isinstance(query, torch.Tensor)
+    shape = check_kv_cache_pair(key_cache, value_cache)
+    check_same_dtype("key_cache", key_cache, "query", query)  # type: ignore[arg-type]
+    if query.shape[2] != shape.head_dim:
+        raise ValueError(
+            f"query head_dim ({query.shape[2]}) differs from the cache's ({shape.head_dim})"
+        )
+    check_gqa(query.shape[1], shape.num_kv_heads)
+    check_last_dim_contiguous("query", query)
+    return shape
+
+
 def check_block_table_args(block_tables: object, seq_lens: object, num_seqs: int) -> None:
     """block_tables `[num_seqs, max_blocks_per_seq]` int32, seq_lens `[num_seqs]` int32."""
     check_tensor("block_tables", block_tables, 2, (torch.int32,))

@@ -175,15 +175,7 @@ def _check_prefill_args(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
 ) -> checks.CacheShape:
-    checks.check_tensor("query", query, 3, checks.FLOAT_DTYPES)
-    shape = checks.check_kv_cache_pair(key_cache, value_cache)
-    checks.check_same_dtype("key_cache", key_cache, "query", query)
-    if query.shape[2] != shape.head_dim:
-        raise ValueError(
-            f"query head_dim ({query.shape[2]}) differs from the cache's ({shape.head_dim})"
-        )
-    checks.check_gqa(query.shape[1], shape.num_kv_heads)
-    checks.check_last_dim_contiguous("query", query)
+    shape = checks.check_query_and_cache(query, key_cache, value_cache)
     checks.check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
     num_seqs = seq_lens.shape[0]
     checks.check_block_table_args(block_tables, seq_lens, num_seqs)

@@ -33,6 +33,7 @@ from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import load_checkpoint
 from shared.output_processor import OutputProcessor
 from shared.outputs import StreamDelta
+from shared.prompts import check_prompt
 from shared.request import Request, RequestStatus
 from shared.runner import ModelRunner
 from shared.sampling_params import SamplingParams
@@ -99,12 +100,7 @@ class EngineCore:
             self.architecture, config.cache, self.dtype, self.device
         )
         kv_cache = allocate_kv_cache(self.kv_spec, self.architecture, self.dtype, self.device)
-        self.kv_manager = KVCacheManager(
-            self.kv_spec.num_blocks,
-            config.cache.block_size,
-            enable_caching=config.cache.enable_prefix_caching,
-            hash_namespace=config.cache.hash_namespace,
-        )
+        self.kv_manager = KVCacheManager.from_config(config.cache, self.kv_spec.num_blocks)
         self.speculation = build_policy(config.speculative)
         self.scheduler = Scheduler(
             config.scheduler,
@@ -150,27 +146,13 @@ class EngineCore:
     def validate_prompt(self, prompt_token_ids: object) -> None:
         """Raises ValueError for a prompt this engine can never serve. Read-only: safe to call
         from any thread."""
-        if not isinstance(prompt_token_ids, list | tuple):
-            kind = type(prompt_token_ids).__name__
-            raise ValueError(f"prompt_token_ids must be a list of token ids, got {kind}")
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.architecture.vocab_size
-        bad = [t for t in prompt_token_ids if not _is_int(t) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids contains ids outside [0, {vocab}): {bad[:5]}")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens; the context length "
-                f"(max_model_len) is {self.max_model_len}, which must leave room for at least "
-                "one output token"
-            )
-        num_blocks = -(-(len(prompt_token_ids) + 1) // self.kv_spec.block_size)
-        if num_blocks > self.kv_spec.num_blocks:
-            raise ValueError(
-                f"prompt needs {num_blocks} KV blocks but the cache holds only "
-                f"{self.kv_spec.num_blocks} (see kv_cache_bytes)"
-            )
+        check_prompt(
+            prompt_token_ids,
+            self.architecture.vocab_size,
+            self.max_model_len,
+            block_size=self.kv_spec.block_size,
+            num_kv_blocks=self.kv_spec.num_blocks,
+        )
 
     def add_request(
         self,
@@ -343,10 +325,6 @@ def validate_params(params: object) -> None:
     """SamplingParams checks its own values; a front end may still pass something else."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _max_model_len(model_limit: int, config: EngineConfig) -> int:

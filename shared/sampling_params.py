@@ -7,6 +7,7 @@ services map to HTTP 400 / gRPC INVALID_ARGUMENT.
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import dataclass
 
 # Top-N logprobs a request may ask for; more would make every step's sort expensive.
@@ -40,7 +41,7 @@ class SamplingParams:
         object.__setattr__(
             self, "stop_token_ids", _int_tuple("stop_token_ids", self.stop_token_ids)
         )
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("n", self.n, 1, 128)
@@ -72,6 +73,25 @@ class SamplingParams:
     @property
     def max_stop_string_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
+
+
+# Each field's resolved annotation (`int`, `int | None`, `tuple[str, ...]`, ...), in declaration
+# order. The proto conversion and the OpenAI parser derive their field lists from it, so a new
+# field is declared here once (and in SamplingOptions: tests/test_sampling_fields.py checks).
+FIELD_TYPES: dict[str, object] = typing.get_type_hints(SamplingParams)
+_BOOL_FIELDS = tuple(name for name, hint in FIELD_TYPES.items() if hint is bool)
+
+
+def is_sequence_field(name: str) -> bool:
+    """A `tuple[T, ...]` field (a repeated proto field, a JSON list)."""
+    return typing.get_origin(FIELD_TYPES[name]) is tuple
+
+
+def value_type(name: str) -> type:
+    """The type of one value of the field: `int` for `int`, `int | None` and `tuple[int, ...]`."""
+    hint = FIELD_TYPES[name]
+    args = [arg for arg in typing.get_args(hint) if arg not in (type(None), Ellipsis)]
+    return args[0] if args else hint  # type: ignore[return-value]
 
 
 def _check_number(name: str, value: object) -> None:

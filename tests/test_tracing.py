@@ -83,6 +83,18 @@ def test_child_span_records_the_error(memory_exporter):
     assert tracing.span_record(span)["status"] == "ERROR"
 
 
+def test_span_scope_ends_the_span_failed_or_plain(memory_exporter):
+    failed = tracing.start_span("failed")
+    with pytest.raises(KeyError), tracing.span_scope(failed):
+        raise KeyError("boom")
+    with tracing.span_scope(tracing.start_span("plain")) as plain:
+        assert plain.is_recording(), "ended only when the block leaves"
+    finished = memory_exporter.get_finished_spans()
+    records = {span.name: tracing.span_record(span) for span in finished}
+    assert records["failed"]["status"] == "ERROR"
+    assert records["plain"]["status"] != "ERROR"
+
+
 # ---- the real stack ---------------------------------------------------------------------------
 
 

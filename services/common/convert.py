@@ -1,6 +1,11 @@
 """Proto <-> engine conversions shared by the services: `SamplingOptions` <-> `SamplingParams`
 and the engine's `TokenLogprobs` -> proto `TokenLogprob`.
 
+Every SamplingParams field travels in SamplingOptions under the same name: a tuple field as a
+repeated field, any other as an `optional` scalar (unset = the receiver's default). The
+conversions walk SamplingParams' fields, so a new field needs no code here;
+tests/test_sampling_fields.py checks that the proto declares it alike.
+
 Torch-free on purpose (the gateway imports it): `TokenLogprobs` is only named for type checking.
 """
 
@@ -12,54 +17,50 @@ from typing import TYPE_CHECKING
 
 from splitserve.v1 import generate_pb2
 
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import (
+    FIELD_TYPES,
+    SamplingParams,
+    is_sequence_field,
+    value_type,
+)
 
 if TYPE_CHECKING:
     from shared.sampler import TokenLogprobs
 
-# SamplingOptions fields that are `optional` scalars, named as in SamplingParams.
-_INT_FIELDS = ("n", "max_tokens", "top_k", "seed", "logprobs", "min_tokens")
-_FLOAT_FIELDS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
-_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens")
-_SCALAR_FIELDS = _INT_FIELDS + _FLOAT_FIELDS + _BOOL_FIELDS
-_INT64_RANGE = (-(2**63), 2**63)
-
 # Turns a token id into the text it stands for (special tokens included).
 TokenText = Callable[[int], str]
+
+
+def is_int64(value: int) -> bool:
+    """Whether `value` fits the proto's int64 seed (SamplingParams takes up to 2**64 - 1, as
+    torch does, so a seed for the wire is checked again)."""
+    return -(2**63) <= value < 2**63
 
 
 def params_from_options(options: generate_pb2.SamplingOptions) -> SamplingParams:
     """Unset fields keep SamplingParams' defaults. Raises ValueError (naming the parameter)
     for out-of-range values, exactly as SamplingParams does."""
     kwargs: dict[str, object] = {}
-    for name in _SCALAR_FIELDS:
-        if options.HasField(name):
+    for name in FIELD_TYPES:
+        if is_sequence_field(name):
+            if getattr(options, name):
+                kwargs[name] = tuple(getattr(options, name))
+        elif options.HasField(name):
             value = getattr(options, name)
-            kwargs[name] = _from_float32(value) if name in _FLOAT_FIELDS else value
-    if options.stop:
-        kwargs["stop"] = tuple(options.stop)
-    if options.stop_token_ids:
-        kwargs["stop_token_ids"] = tuple(options.stop_token_ids)
+            kwargs[name] = _from_float32(value) if value_type(name) is float else value
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
 
 
 def options_from_params(params: SamplingParams) -> generate_pb2.SamplingOptions:
     """Every field set explicitly, so the receiver never depends on its own defaults."""
-    if params.seed is not None and not _INT64_RANGE[0] <= params.seed < _INT64_RANGE[1]:
+    if params.seed is not None and not is_int64(params.seed):
         raise ValueError(f"seed must be in [-2**63, 2**63), got {params.seed}")
-    options = generate_pb2.SamplingOptions(
-        stop=list(params.stop), stop_token_ids=list(params.stop_token_ids)
-    )
-    for name in _SCALAR_FIELDS:
+    options = generate_pb2.SamplingOptions()
+    for name in FIELD_TYPES:
         value = getattr(params, name)
-        if value is not None:
+        if is_sequence_field(name):
+            getattr(options, name).extend(value)
+        elif value is not None:
             setattr(options, name, value)
     return options
 

@@ -215,10 +215,18 @@ def child_span(name: str, parent: Parent, attributes: Attributes | None = None):
     exception) when it leaves; not made current."""
     if _tracer is None:
         return nullcontext(NO_SPAN)
-    return _SpanBlock(start_span(name, parent, attributes))
+    return span_scope(start_span(name, parent, attributes))
 
 
-class _SpanBlock:
+def span_scope(span: Span) -> AbstractContextManager[Span]:
+    """`with span_scope(span):` ends an already started `span` when the block leaves: marked
+    failed with the exception if one escapes it (cancellation included), plain otherwise. The
+    one place the services end a span around a block; it does not make the span current
+    (`use_span` inside it does)."""
+    return _SpanScope(span)
+
+
+class _SpanScope:
     def __init__(self, span: Span) -> None:
         self.span = span
 

@@ -29,7 +29,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import PickedPods, Router
 from services.gateway.routing import RoutingDecision
 from services.gateway.workers import Worker, WorkerPool
-from shared.prompts import child_sequences
+from shared.prompts import check_prompt, child_sequences
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 
@@ -49,14 +49,6 @@ class NoWorkerError(StatusError):
 
 class WorkerError(StatusError):
     """A decode pod failed the request (not the client's fault)."""
-
-
-class PromptError(ValueError):
-    """The prompt itself is unusable (empty, unknown ids, longer than the context)."""
-
-    def __init__(self, message: str, code: str = "invalid_value") -> None:
-        super().__init__(message)
-        self.code = code  # OpenAI's error code, e.g. "context_length_exceeded"
 
 
 @dataclass(frozen=True)
@@ -162,19 +154,9 @@ class GatewayCore:
         """Raises PromptError / ValueError (naming the parameter) for a request no pod can
         serve, NoWorkerError when there is no pod to ask."""
         max_model_len = self.max_model_len
-        if not prompt_token_ids:
-            raise PromptError("prompt must not be empty")
-        vocab_size = self.tokenizer.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise PromptError(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}")
+        # The engine's own check, less the KV cache's size, which only the pod knows.
+        check_prompt(prompt_token_ids, self.tokenizer.vocab_size, max_model_len)
         num_tokens = len(prompt_token_ids)
-        if num_tokens >= max_model_len:
-            raise PromptError(
-                f"prompt has {num_tokens} tokens; this model's context length is "
-                f"{max_model_len}, which must leave room for at least one output token",
-                code="context_length_exceeded",
-            )
         if num_tokens + params.max_tokens > max_model_len:
             raise ValueError(
                 f"max_tokens is too large: {num_tokens} prompt tokens + {params.max_tokens} "

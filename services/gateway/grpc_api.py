@@ -108,13 +108,8 @@ def _traced_call(name: str, context) -> Iterator[None]:
         {"rpc.system": "grpc", "rpc.method": name},
         tracing.SpanKind.SERVER,
     )
-    try:
-        with tracing.use_span(span):
-            yield
-    except BaseException as error:
-        tracing.end_span(span, error)
-        raise
-    tracing.end_span(span)
+    with tracing.span_scope(span), tracing.use_span(span):
+        yield
 
 
 def _annotate_usage(usage: Usage) -> None:
@@ -126,25 +121,23 @@ def _annotate_usage(usage: Usage) -> None:
 
 
 def _delta(chunk: SequenceChunk) -> generate_pb2.SequenceDelta:
-    return generate_pb2.SequenceDelta(
-        index=chunk.index,
-        text=chunk.text,
-        token_ids=chunk.token_ids,
-        logprobs=chunk.logprobs,
-        finish_reason=chunk.finish_reason or "",
-        stop_reason=chunk.stop_reason or "",
-    )
+    return generate_pb2.SequenceDelta(**_sequence_fields(chunk))
 
 
 def _sequence(sequence: CollectedSequence) -> generate_pb2.Sequence:
-    return generate_pb2.Sequence(
-        index=sequence.index,
-        text=sequence.text,
-        token_ids=sequence.token_ids,
-        logprobs=sequence.logprobs,
-        finish_reason=sequence.finish_reason or "",
-        stop_reason=sequence.stop_reason or "",
-    )
+    return generate_pb2.Sequence(**_sequence_fields(sequence))
+
+
+def _sequence_fields(part: SequenceChunk | CollectedSequence) -> dict[str, object]:
+    """What `Sequence` and `SequenceDelta` share: all their fields; unset reasons are ""."""
+    return {
+        "index": part.index,
+        "text": part.text,
+        "token_ids": part.token_ids,
+        "logprobs": part.logprobs,
+        "finish_reason": part.finish_reason or "",
+        "stop_reason": part.stop_reason or "",
+    }
 
 
 def _usage(usage: Usage) -> generate_pb2.Usage:

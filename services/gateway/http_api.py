@@ -24,7 +24,6 @@ from services.gateway.generation import (
     GatewayCore,
     Generation,
     GenerationRequest,
-    PromptError,
     collect,
 )
 from services.gateway.metrics import CONTENT_TYPE, route_span
@@ -40,6 +39,7 @@ from services.gateway.openai_protocol import (
     parse_chat,
     parse_completion,
 )
+from shared.prompts import PromptError
 
 logger = logging.getLogger(__name__)
 
@@ -331,13 +331,8 @@ class _CountRequests:
                     span.set_status(tracing.Status(tracing.StatusCode.ERROR))
             await send(message)
 
-        try:
-            with tracing.use_span(span):
-                await self.app(scope, receive, counting_send)
-        except BaseException as error:
-            tracing.end_span(span, error)
-            raise
-        tracing.end_span(span)
+        with tracing.span_scope(span), tracing.use_span(span):
+            await self.app(scope, receive, counting_send)
 
 
 def _server_span(scope, endpoint: str) -> tracing.Span:

@@ -157,12 +157,8 @@ def route_span(
         if span.is_recording():
             _annotate_route(span, decisions)
 
-    try:
+    with tracing.span_scope(span):
         yield observe
-    except BaseException as error:
-        tracing.end_span(span, error)
-        raise
-    tracing.end_span(span)
 
 
 def _annotate_route(span: tracing.Span, decisions: list[RoutingDecision]) -> None:

@@ -14,16 +14,22 @@ from typing import Any
 
 from splitserve.v1 import generate_pb2
 
+from services.common.convert import is_int64
 from services.gateway.generation import CollectedSequence, SequenceChunk, Usage
-from shared.sampling_params import MAX_LOGPROBS, SamplingParams
+from shared.sampling_params import (
+    FIELD_TYPES,
+    MAX_LOGPROBS,
+    SamplingParams,
+    is_sequence_field,
+    value_type,
+)
 
 # The OpenAI API's default for completions; chat defaults to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # JSON has no -inf; OpenAI-compatible servers clamp to this instead.
 MIN_LOGPROB = -9999.0
-_INT64 = (-(2**63), 2**63)
 
-SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
+SAMPLING_FIELDS = frozenset(FIELD_TYPES)
 
 
 class RequestError(ValueError):
@@ -209,35 +215,36 @@ def _common(
     )
 
 
-_NUMBER_FIELDS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
-_INT_FIELDS = ("n", "top_k", "seed", "min_tokens")
-_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens")
+# Each endpoint spells these its own way (max_completion_tokens; logprobs as a count or a flag
+# beside top_logprobs) and parses them itself; every other SamplingParams field is a body field
+# of the same name.
+_PER_ENDPOINT_FIELDS = frozenset({"max_tokens", "logprobs"})
+
+
+def _json_kind(name: str) -> str:
+    """The `_CHECKS` kind a SamplingParams field's JSON value must have."""
+    if is_sequence_field(name):
+        return "stop" if value_type(name) is str else "int_list"
+    return {float: "number", int: "int", bool: "bool"}[value_type(name)]
+
+
+_SAMPLING_KINDS = {
+    name: _json_kind(name) for name in FIELD_TYPES if name not in _PER_ENDPOINT_FIELDS
+}
 
 
 def _sampling(body: _Body) -> dict[str, object]:
     """SamplingParams keyword arguments from the fields that are set; ranges are left to
     SamplingParams, so every API rejects the same values with the same message."""
-    kinds = {
-        **dict.fromkeys(_NUMBER_FIELDS, "number"),
-        **dict.fromkeys(_INT_FIELDS, "int"),
-        **dict.fromkeys(_BOOL_FIELDS, "bool"),
-        "stop": "stop",
-        "stop_token_ids": "int_list",
+    sampling = {
+        name: body.get(name, kind) for name, kind in _SAMPLING_KINDS.items() if body.has(name)
     }
-    sampling = {name: body.get(name, kind) for name, kind in kinds.items() if body.has(name)}
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = (sampling["stop"],)
     if sampling.get("top_k") == -1:  # vLLM's spelling of "off"
         sampling["top_k"] = 0
     seed = sampling.get("seed")
-    if seed is not None and not _INT64[0] <= seed < _INT64[1]:
+    if seed is not None and not is_int64(seed):
         raise RequestError(f"seed must be a 64-bit signed integer, got {seed}", "seed")
     return sampling
 
@@ -329,6 +336,26 @@ class Envelope:
         }
 
 
+def _choice(
+    part: SequenceChunk | CollectedSequence,
+    content: dict[str, object],
+    logprobs: dict | None,
+    options: CommonOptions,
+) -> dict:
+    """One choice of a response or chunk: the endpoint's `content` fields (text, delta or
+    message) between the index and the logprobs, the finish, and the token ids when asked."""
+    choice = {
+        "index": part.index,
+        **content,
+        "logprobs": logprobs,
+        "finish_reason": part.finish_reason,
+        "stop_reason": part.stop_reason,
+    }
+    if options.return_token_ids:
+        choice["token_ids"] = part.token_ids
+    return choice
+
+
 @dataclass
 class CompletionFormat:
     """Completion objects and chunks for one request."""
@@ -339,15 +366,8 @@ class CompletionFormat:
     _offsets: dict[int, int] = field(default_factory=dict)  # choice -> text offset so far
 
     def chunk(self, chunk: SequenceChunk) -> dict:
-        choice = {
-            "index": chunk.index,
-            "text": chunk.text,
-            "logprobs": self._logprobs(chunk.index, chunk.logprobs),
-            "finish_reason": chunk.finish_reason,
-            "stop_reason": chunk.stop_reason,
-        }
-        if self.options.return_token_ids:
-            choice["token_ids"] = chunk.token_ids
+        logprobs = self._logprobs(chunk.index, chunk.logprobs)
+        choice = _choice(chunk, {"text": chunk.text}, logprobs, self.options)
         extra = {"usage": None} if self.options.include_usage else {}
         return self.envelope.wrap("text_completion", [choice], **extra)
 
@@ -355,18 +375,15 @@ class CompletionFormat:
         return self.envelope.wrap("text_completion", [], usage=usage_json(usage))
 
     def response(self, sequences: list[CollectedSequence], usage: Usage) -> dict:
-        choices = []
-        for sequence in sequences:
-            choice = {
-                "index": sequence.index,
-                "text": sequence.text,
-                "logprobs": self._logprobs(sequence.index, sequence.logprobs),
-                "finish_reason": sequence.finish_reason,
-                "stop_reason": sequence.stop_reason,
-            }
-            if self.options.return_token_ids:
-                choice["token_ids"] = sequence.token_ids
-            choices.append(choice)
+        choices = [
+            _choice(
+                sequence,
+                {"text": sequence.text},
+                self._logprobs(sequence.index, sequence.logprobs),
+                self.options,
+            )
+            for sequence in sequences
+        ]
         return self.envelope.wrap("text_completion", choices, usage=usage_json(usage))
 
     def _logprobs(self, index: int, entries: list[generate_pb2.TokenLogprob]) -> dict | None:
@@ -407,15 +424,7 @@ class ChatFormat:
         if chunk.index not in self._started:
             self._started.add(chunk.index)
             delta = {"role": "assistant", **delta}
-        choice = {
-            "index": chunk.index,
-            "delta": delta,
-            "logprobs": self._logprobs(chunk.logprobs),
-            "finish_reason": chunk.finish_reason,
-            "stop_reason": chunk.stop_reason,
-        }
-        if self.options.return_token_ids:
-            choice["token_ids"] = chunk.token_ids
+        choice = _choice(chunk, {"delta": delta}, self._logprobs(chunk.logprobs), self.options)
         extra = {"usage": None} if self.options.include_usage else {}
         return self.envelope.wrap("chat.completion.chunk", [choice], **extra)
 
@@ -423,18 +432,15 @@ class ChatFormat:
         return self.envelope.wrap("chat.completion.chunk", [], usage=usage_json(usage))
 
     def response(self, sequences: list[CollectedSequence], usage: Usage) -> dict:
-        choices = []
-        for sequence in sequences:
-            choice = {
-                "index": sequence.index,
-                "message": {"role": "assistant", "content": sequence.text},
-                "logprobs": self._logprobs(sequence.logprobs),
-                "finish_reason": sequence.finish_reason,
-                "stop_reason": sequence.stop_reason,
-            }
-            if self.options.return_token_ids:
-                choice["token_ids"] = sequence.token_ids
-            choices.append(choice)
+        choices = [
+            _choice(
+                sequence,
+                {"message": {"role": "assistant", "content": sequence.text}},
+                self._logprobs(sequence.logprobs),
+                self.options,
+            )
+            for sequence in sequences
+        ]
         return self.envelope.wrap("chat.completion", choices, usage=usage_json(usage))
 
     def _logprobs(self, entries: list[generate_pb2.TokenLogprob]) -> dict | None:

@@ -165,9 +165,6 @@ class WorkerPool:
         self._leaving[task] = channel
         task.add_done_callback(self._leaving.pop)
 
-    def by_worker_id(self) -> dict[str, Worker]:
-        return {worker.worker_id: worker for worker in self.available()}
-
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()

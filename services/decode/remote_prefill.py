@@ -116,15 +116,11 @@ class PrefillClient:
         span = tracing.start_span(
             "decode.remote_prefill", trace_parent, attributes, tracing.SpanKind.CLIENT
         )
-        try:
+        with tracing.span_scope(span):
             result, response = await self._prefill(
                 address, request_id, prompt_token_ids, params, plan, span
             )
-        except BaseException as error:
-            tracing.end_span(span, error)
-            raise
-        self._observe_transfer(response, span)
-        tracing.end_span(span)
+            self._observe_transfer(response, span)
         return result
 
     def _observe_transfer(self, response: worker_pb2.PrefillResponse, span: tracing.Span) -> None:

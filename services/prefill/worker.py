@@ -128,20 +128,15 @@ class PrefillWorkerCore(EnginePodCore):
         self._in_flight[request_id] = None
         self._steps.watch(request_id)
         exported: ExportedPrefill | None = None
-        try:
-            exported = await self._compute(request_id, prompt_token_ids, params, destination)
-            self._in_flight.pop(request_id, None)
-            outcome = await self._send_pages(request_id, exported, destination, span)
-        except BaseException as error:
-            final = exported.output if exported is not None else None
-            self._report(request_id, len(prompt_token_ids), received_time, final, span, error)
-            raise
-        finally:
-            self._in_flight.pop(request_id, None)
-        self._report(
-            request_id, len(prompt_token_ids), received_time, exported.output, span, None
-        )
-        return outcome
+        with tracing.span_scope(span):
+            try:
+                exported = await self._compute(request_id, prompt_token_ids, params, destination)
+                self._in_flight.pop(request_id, None)
+                return await self._send_pages(request_id, exported, destination, span)
+            finally:
+                self._in_flight.pop(request_id, None)
+                final = exported.output if exported is not None else None
+                self._report(request_id, len(prompt_token_ids), received_time, final, span)
 
     async def _send_pages(
         self,
@@ -237,9 +232,9 @@ class PrefillWorkerCore(EnginePodCore):
         received_time: float,
         final: CompletionOutput | None,
         span: tracing.Span,
-        error: BaseException | None,
     ) -> None:
-        """Metrics and spans of one prefill that ended, however it ended."""
+        """Metrics and span attributes of one prefill that ended, however it ended (the
+        caller ends the span)."""
         steps = self._steps.take(request_id)
         queue_end_time = steps.first_scheduled_time if steps is not None else None
         self.metrics.observe_finished(
@@ -261,7 +256,6 @@ class PrefillWorkerCore(EnginePodCore):
         if final is not None:
             span.set_attribute(tracing.CACHED_TOKENS, final.num_cached_tokens)
             span.set_attribute(tracing.OUTPUT_TOKENS, len(final.token_ids))
-        tracing.end_span(span, error)
 
     async def _close_transport(self) -> None:
         if self._sender is not None:

@@ -14,7 +14,7 @@ from splitserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.flags import engine_options, setup_logging
 from services.common.model_files import default_model_name, resolve_model_path
 from services.common.pod import WorkerIdentity, add_pod_flags, reachable_host, serve_pod, worker_id
-from services.common.pod_registry import pod_place
+from services.common.registry_publisher import pod_place
 from services.decode.remote_prefill import RemotePrefillSettings
 from services.decode.servicer import DecodeWorkerServicer
 from services.decode.worker import DecodeWorkerCore

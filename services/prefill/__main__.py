@@ -16,7 +16,7 @@ from splitserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.flags import engine_options, setup_logging
 from services.common.model_files import default_model_name, resolve_model_path
 from services.common.pod import WorkerIdentity, add_pod_flags, serve_pod, worker_id
-from services.common.pod_registry import pod_place
+from services.common.registry_publisher import pod_place
 from services.prefill.servicer import PrefillWorkerServicer
 from services.prefill.worker import PrefillSettings, PrefillWorkerCore
 

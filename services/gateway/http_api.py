@@ -137,7 +137,7 @@ class _Routes:
         body = {
             "status": "ok" if is_ok else "unavailable",
             "model": core.model_name,
-            "workers": {
+            "workers": {  # the older word: clients and scripts read this key
                 pool.role: {pod.address: pod.is_available for pod in pool.pods}
                 for pool in _pools(core)
             },

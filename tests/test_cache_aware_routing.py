@@ -164,8 +164,8 @@ def test_shared_system_prompt_goes_to_the_pod_that_holds_it(pods, redis_server, 
         assert decision.cached_prefix_tokens >= num_system_tokens - 32
         assert decision.scores[holder] > max(
             score
-            for worker_id, score in decision.scores.items()
-            if worker_id.startswith("prefill") and worker_id != holder
+            for pod_id, score in decision.scores.items()
+            if pod_id.startswith("prefill") and pod_id != holder
         )
     assert new_hits >= sum(decision.cached_prefix_tokens for decision in later)
 

@@ -12,7 +12,7 @@ pod does in a running gateway until its next stats poll (up to 0.5 s): the windo
 request is routed to a pod that is gone, held open for as long as the test needs instead of
 raced against.
 
-Round robin takes pods in worker-id order from turn 0, both roles by the same turn: the first
+Round robin takes pods in pod-id order from turn 0, both roles by the same turn: the first
 request of a gateway over (decode-0, decode-2) goes to decode-0 (and prefill-0), over
 (decode-1, decode-2) to decode-1. The first test
 kills decode-0, the second decode-1, and decode-2 stays up, in whatever order they run.

@@ -23,8 +23,8 @@ from services.common.model_files import load_tokenizer, resolve_model_path
 from services.common.redis_server import RedisServer
 from services.common.supervisor import HealthCheck, ProcessSpec, Supervisor
 from services.gateway.generation import GatewayCore, GenerationRequest, collect
+from services.gateway.pods import PodPool
 from services.gateway.router import Router, RouterSettings
-from services.gateway.workers import WorkerPool
 from shared.sampling_params import SamplingParams
 from tests.services_util import MODEL_NAME, STARTUP_TIMEOUT_SECONDS, free_port, prefill_stats
 
@@ -80,8 +80,8 @@ class Gateway:
     """The gateway's routing core, discovering pods from Redis only (no static addresses)."""
 
     def __init__(self, tokenizer, redis_url: str) -> None:
-        self.decode_pool = WorkerPool("decode", [], MODEL_NAME)
-        self.prefill_pool = WorkerPool("prefill", [], MODEL_NAME)
+        self.decode_pool = PodPool("decode", [], MODEL_NAME)
+        self.prefill_pool = PodPool("prefill", [], MODEL_NAME)
         self.router = Router(
             self.decode_pool, self.prefill_pool, RouterSettings(redis_url=redis_url)
         )
@@ -123,11 +123,11 @@ class Gateway:
 
     def available(self) -> set[str]:
         pools = (self.decode_pool, self.prefill_pool)
-        return {worker.worker_id for pool in pools for worker in pool.available()}
+        return {pod.pod_id for pool in pools for pod in pool.available()}
 
     async def cached(self, question: str) -> dict[str, int]:
-        workers = [*self.prefill_pool.available(), *self.decode_pool.available()]
-        return await self.router.cached_tokens(self.prompt(question), workers)
+        pods = [*self.prefill_pool.available(), *self.decode_pool.available()]
+        return await self.router.cached_tokens(self.prompt(question), pods)
 
 
 def _run(coroutine, timeout: float = 240.0):
@@ -142,7 +142,7 @@ def test_shared_system_prompt_goes_to_the_pod_that_holds_it(pods, redis_server, 
             everyone = {"prefill-0", "prefill-1", "decode-0"}
             assert await gateway.wait_for(lambda: gateway.available() == everyone)
             first, _ = await gateway.ask(QUESTIONS[0], "cache-0")
-            holder = first.prefill_worker_id
+            holder = first.prefill_pod_id
             # The holder's blocks reach the index a few milliseconds after its step.
             for _ in range(100):
                 if (await gateway.cached(QUESTIONS[1])).get(holder, 0) > 0:
@@ -154,18 +154,18 @@ def test_shared_system_prompt_goes_to_the_pod_that_holds_it(pods, redis_server, 
             return first, holder, later, hits_after - hits_before
 
     first, holder, later, new_hits = _run(scenario())
-    assert first.prefill_worker_id in ("prefill-0", "prefill-1")
-    assert first.decode_worker_id == "decode-0"
+    assert first.prefill_pod_id in ("prefill-0", "prefill-1")
+    assert first.decode_pod_id == "decode-0"
     assert first.cached_prefix_tokens == 0
     num_system_tokens = len(tokenizer.encode(SYSTEM, add_special_tokens=False))
     for decision in later:
-        assert decision.prefill_worker_id == holder
+        assert decision.prefill_pod_id == holder
         assert decision.reason == "prefix_cache"
         assert decision.cached_prefix_tokens >= num_system_tokens - 32
         assert decision.scores[holder] > max(
             score
-            for worker_id, score in decision.scores.items()
-            if worker_id.startswith("prefill") and worker_id != holder
+            for pod_id, score in decision.scores.items()
+            if pod_id.startswith("prefill") and pod_id != holder
         )
     assert new_hits >= sum(decision.cached_prefix_tokens for decision in later)
 
@@ -202,12 +202,12 @@ def test_killed_prefill_pod_leaves_the_registry(pods, redis_server, tokenizer):
             assert await gateway.wait_for(lambda: len(gateway.available()) == 3)
             processes["prefill-1"].send_signal(signal.SIGKILL)
             left = await gateway.wait_for(
-                lambda: "prefill-1" not in {w.worker_id for w in gateway.prefill_pool.workers}
+                lambda: "prefill-1" not in {p.pod_id for p in gateway.prefill_pool.pods}
             )
             decision, text = await gateway.ask(QUESTIONS[3], "after-kill")
             return left, decision, text
 
     left, decision, text = _run(scenario())
     assert left
-    assert decision.prefill_worker_id == "prefill-0"
+    assert decision.prefill_pod_id == "prefill-0"
     assert text

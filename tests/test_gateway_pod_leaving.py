@@ -1,7 +1,7 @@
 """A decode pod leaving the registry (it got SIGTERM and is draining) must not cut the streams
 the gateway has open to it; a stream cut from outside must end the client's request with an
 error, never leave it waiting. A real grpc.aio server stands in for the decode pod's Decode
-stream; the gateway side is its real WorkerPool and Generation."""
+stream; the gateway side is its real PodPool and Generation."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import grpc
 import pytest
 from splitserve.v1 import worker_pb2
 
-from services.common.registry import PodRecord
-from services.gateway.generation import Generation, WorkerError, _Child
+from services.common.registry_schema import PodRecord
+from services.gateway.generation import Generation, PodError, _Child
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.workers import WorkerPool
+from services.gateway.pods import PodPool
 
 NUM_CHUNKS = 30
 
@@ -40,11 +40,11 @@ async def _serve_decode_stream() -> tuple[grpc.aio.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
-async def _generation_on_a_registered_pod(address: str) -> tuple[WorkerPool, Generation]:
-    pool = WorkerPool("decode", [], "model")
+async def _generation_on_a_registered_pod(address: str) -> tuple[PodPool, Generation]:
+    pool = PodPool("decode", [], "model")
     await pool.apply_records([PodRecord("decode-0", "decode", address, generation=1)])
-    (worker,) = pool.workers
-    child = _Child(0, 0, worker_pb2.DecodeRequest(request_id="r"), worker, None)
+    (pod,) = pool.pods
+    child = _Child(0, 0, worker_pb2.DecodeRequest(request_id="r"), pod, None)
     return pool, Generation([child], 4, GatewayMetrics())
 
 
@@ -60,7 +60,7 @@ def test_a_stream_outlives_its_pod_leaving_the_registry():
             reading = asyncio.create_task(_count_chunks(generation))
             await asyncio.sleep(0.15)
             await pool.apply_records([])  # the pod deregistered: it is draining
-            assert pool.workers == []
+            assert pool.pods == []
             return await asyncio.wait_for(reading, 10)
         finally:
             await pool.close()
@@ -82,5 +82,5 @@ def test_a_stream_cut_from_outside_fails_the_request_instead_of_hanging():
             await pool.close()
             await server.stop(0)
 
-    with pytest.raises(WorkerError, match="ended the stream early"):
+    with pytest.raises(PodError, match="ended the stream early"):
         asyncio.run(scenario())

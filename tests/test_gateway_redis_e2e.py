@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 from services.common.redis_server import RedisServer
-from services.common.registry import PodRecord, RegistryKeys, connect, read_pods
+from services.common.registry_schema import PodRecord, RegistryKeys, connect, read_pods
 from services.common.supervisor import HealthCheck, ProcessSpec, Supervisor
 from tests.services_util import MODEL_NAME, STARTUP_TIMEOUT_SECONDS, free_port, get_json
 

@@ -4,7 +4,7 @@ follows, and a retry prefers a prefill pod other than the failed attempt's.
 
 Three real decode pods and two prefill pods (separate processes serving the tiny random
 checkpoint, so they start in seconds) and the gateway's request path in this process: its
-`GatewayCore`, `Router` and `WorkerPool`, the code `python -m services.gateway` runs. The
+`GatewayCore`, `Router` and `PodPool`, the code `python -m services.gateway` runs. The
 prompts are shorter than a decode pod's local-prefill threshold, so the prefill pods are only
 routed to, never called. Each gateway here polls its pods once
 and then no more, so a pod killed with SIGKILL stays "available" to its router, as a vanished
@@ -12,7 +12,7 @@ pod does in a running gateway until its next stats poll (up to 0.5 s): the windo
 request is routed to a pod that is gone, held open for as long as the test needs instead of
 raced against.
 
-Round robin takes pods in worker-id order from turn 0, both roles by the same turn: the first
+Round robin takes pods in pod-id order from turn 0, both roles by the same turn: the first
 request of a gateway over (decode-0, decode-2) goes to decode-0 (and prefill-0), over
 (decode-1, decode-2) to decode-1. The first test
 kills decode-0, the second decode-1, and decode-2 stays up, in whatever order they run.
@@ -33,10 +33,10 @@ import pytest
 from services.common.model_files import default_model_name, load_tokenizer
 from services.common.supervisor import HealthCheck, ProcessSpec, Supervisor
 from services.gateway import generation as generation_module
-from services.gateway.generation import GatewayCore, GenerationRequest, WorkerError, collect
+from services.gateway.generation import GatewayCore, GenerationRequest, PodError, collect
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.pods import PodPool
 from services.gateway.router import Router, RouterSettings
-from services.gateway.workers import WorkerPool
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
 from tests.services_util import STARTUP_TIMEOUT_SECONDS, free_port, wait_until_idle
@@ -119,7 +119,7 @@ class Gateway:
     async def __aenter__(self) -> Gateway:
         for pool in (self.pool, self.prefill_pool):
             await pool.start()
-            available = {worker.address for worker in pool.available()}
+            available = {pod.address for pod in pool.available()}
             assert available == set(pool.addresses), "every pod must be up before any is killed"
         return self
 
@@ -130,7 +130,7 @@ class Gateway:
     @property
     def available_addresses(self) -> set[str]:
         """The decode pods routing may choose now."""
-        return {worker.address for worker in self.pool.available()}
+        return {pod.address for pod in self.pool.available()}
 
     @property
     def num_retries(self) -> float:
@@ -155,8 +155,8 @@ class Gateway:
         )
 
 
-def _frozen_pool(role: str, pods: list[Pod], model_name: str) -> WorkerPool:
-    return WorkerPool(
+def _frozen_pool(role: str, pods: list[Pod], model_name: str) -> PodPool:
+    return PodPool(
         role,
         [pod.address for pod in pods],
         model_name,
@@ -256,7 +256,7 @@ async def _cancelling_a_retried_request_frees_its_blocks(gateway: Gateway, live:
 
 
 async def _without_another_pod_the_request_fails_unavailable(gateway: Gateway, dead: Pod) -> None:
-    with pytest.raises(WorkerError, match=dead.address) as failure:
+    with pytest.raises(PodError, match=dead.address) as failure:
         await gateway.serve("alone", PROMPTS[2], GREEDY)
     assert failure.value.code == grpc.StatusCode.UNAVAILABLE  # HTTP 503
     assert gateway.num_retries == 0
@@ -270,12 +270,12 @@ async def _the_pod_of_the_last_allowed_attempt_cools_down_too(
     # same, or every request routed to it meanwhile fails too. Marking it picks nothing.
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(generation_module, "MAX_DECODE_RETRIES", 0)
-        with pytest.raises(WorkerError, match=dead.address) as failure:
+        with pytest.raises(PodError, match=dead.address) as failure:
             await gateway.serve("last-attempt", PROMPTS[2], GREEDY)
     assert failure.value.code == grpc.StatusCode.UNAVAILABLE
     assert gateway.num_retries == 0
     assert gateway.available_addresses == {live.address}
-    dispatched = {worker.address: worker.num_dispatched for worker in gateway.pool.workers}
+    dispatched = {pod.address: pod.num_dispatched for pod in gateway.pool.pods}
     assert dispatched == {dead.address: 1, live.address: 0}
     # Round robin's next turn is the dead pod's, but routing skips it now.
     served = await gateway.serve("after-last-attempt", PROMPTS[2], GREEDY)
@@ -322,7 +322,7 @@ def test_a_stream_that_produced_tokens_is_not_retried_when_its_pod_dies(
             num_tokens = len((await anext(generation)).token_ids)
             assert num_tokens > 0  # the client has seen output: resending would repeat it
             doomed.kill()
-            with pytest.raises(WorkerError, match=doomed.address):
+            with pytest.raises(PodError, match=doomed.address):
                 async for chunk in generation:
                     num_tokens += len(chunk.token_ids)
             assert num_tokens < LONG.max_tokens
@@ -342,11 +342,11 @@ def test_a_pod_marked_unreachable_is_skipped_until_it_answers_a_later_poll(
     model_name = default_model_name(tiny_hf_checkpoint)
 
     async def scenario():
-        pool = WorkerPool("decode", [pod.address], model_name, poll_interval_s=FROZEN_SECONDS)
+        pool = PodPool("decode", [pod.address], model_name, poll_interval_s=FROZEN_SECONDS)
         await pool.start()
         try:
             assert [w.address for w in pool.available()] == [pod.address]
-            pool.mark_unreachable(pool.workers[0])
+            pool.mark_unreachable(pool.pods[0])
             assert pool.available() == []  # skipped: the cooldown has seconds to run
             await pool.poll()  # begun after the failure and answered: reachable again
             return [w.address for w in pool.available()]

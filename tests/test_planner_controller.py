@@ -374,25 +374,26 @@ def test_histogram_quantile_interpolates_in_its_bucket() -> None:
 def test_redis_source_sums_the_registry_records() -> None:
     import redis
 
+    from services.common.pod_load import PodLoad
     from services.common.redis_server import RedisServer
-    from services.common.registry import HEARTBEAT_SCRIPT, PodRecord, RegistryKeys
+    from services.common.registry_schema import HEARTBEAT_SCRIPT, PodRecord, RegistryKeys
 
     keys = RegistryKeys()
     with RedisServer() as server:
         client = redis.Redis.from_url(server.url)
         pods = [
-            PodRecord("prefill-0", "prefill", "10.0.0.1:50071", 1, kv_blocks_total=100,
-                      kv_blocks_free=40, num_running=2, num_waiting=3),
-            PodRecord("decode-0", "decode", "10.0.0.2:50061", 1, kv_blocks_total=200,
-                      kv_blocks_free=50, num_running=7, num_waiting=1),
-            PodRecord("decode-1", "decode", "10.0.0.3:50061", 1, kv_blocks_total=200,
-                      kv_blocks_free=150, num_running=3, num_waiting=0),
+            PodRecord("prefill-0", "prefill", "10.0.0.1:50071", 1, load=PodLoad(
+                      kv_blocks_total=100, kv_blocks_free=40, num_running=2, num_waiting=3)),
+            PodRecord("decode-0", "decode", "10.0.0.2:50061", 1, load=PodLoad(
+                      kv_blocks_total=200, kv_blocks_free=50, num_running=7, num_waiting=1)),
+            PodRecord("decode-1", "decode", "10.0.0.3:50061", 1, load=PodLoad(
+                      kv_blocks_total=200, kv_blocks_free=150, num_running=3, num_waiting=0)),
         ]  # fmt: skip
         for pod in pods:
             fields = [item for pair in pod.to_fields().items() for item in pair]
             client.eval(
-                HEARTBEAT_SCRIPT, 4, keys.generation(pod.worker_id), keys.pod(pod.worker_id),
-                keys.pods, pod.blocks_key(keys), pod.generation, 60_000, pod.worker_id, *fields,
+                HEARTBEAT_SCRIPT, 4, keys.generation(pod.pod_id), keys.pod(pod.pod_id),
+                keys.pods, pod.blocks_key(keys), pod.generation, 60_000, pod.pod_id, *fields,
             )  # fmt: skip
         source = RedisLoadSource(server.url)
         load = source.read()

@@ -16,7 +16,7 @@ from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 from services.common.channels import sync_channel
 from services.common.redis_server import RedisServer
-from services.common.registry import RegistryKeys, connect, read_pods
+from services.common.registry_schema import RegistryKeys, connect, read_pods
 from services.common.supervisor import HealthCheck, ProcessSpec, Supervisor
 from tests.services_util import STARTUP_TIMEOUT_SECONDS, free_port
 
@@ -53,7 +53,7 @@ def _registered(redis_url: str) -> set[str]:
     async def read() -> set[str]:
         client = connect(redis_url)
         try:
-            return {pod.worker_id for pod in await read_pods(client, RegistryKeys())}
+            return {pod.pod_id for pod in await read_pods(client, RegistryKeys())}
         finally:
             await client.aclose()
 

@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from services.common.kv_event_publisher import PublisherSettings, RegistryPublisher
 from services.common.pod_metrics import FinishedRequest, PodMetrics, RecentAverage
 from services.common.redis_server import RedisServer
-from services.common.registry import PodRecord, RegistryKeys, connect, read_pods
+from services.common.registry_publisher import PublisherSettings, RegistryPublisher
+from services.common.registry_schema import PodRecord, RegistryKeys, connect, read_pods
 from shared import AsyncLLM
 from shared.engine import EngineStats
 from shared.outputs import CompletionOutput, RequestTimings

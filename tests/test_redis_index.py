@@ -12,14 +12,15 @@ import time
 import pytest
 from redis.exceptions import RedisError
 
-from services.common.kv_event_publisher import (
+from services.common.pod_load import PodLoad
+from services.common.redis_server import RedisServer
+from services.common.registry_publisher import (
     PublisherSettings,
     RegistryPublisher,
     event_commands,
     new_generation,
 )
-from services.common.redis_server import RedisServer
-from services.common.registry import (
+from services.common.registry_schema import (
     PodRecord,
     RegistryKeys,
     connect,
@@ -55,15 +56,13 @@ def _run(coroutine, timeout: float = 120.0):
 def _record(llm: AsyncLLM, worker_id: str, generation: int) -> PodRecord:
     stats = llm.stats()
     return PodRecord(
-        worker_id=worker_id,
+        pod_id=worker_id,
         role="prefill",
         address=f"10.0.0.1:{len(worker_id)}",
         generation=generation,
         block_size=BLOCK_SIZE,
         hash_namespace=llm.config.cache.hash_namespace,
-        kv_blocks_total=stats.num_kv_blocks_total,
-        kv_blocks_free=stats.num_kv_blocks_free,
-        num_running=stats.num_running,
+        load=PodLoad.from_engine(stats),
     )
 
 
@@ -80,7 +79,7 @@ async def _prefill(llm: AsyncLLM, prompt: list[int], request_id: str) -> None:
 
 
 async def _cached_blocks(client, keys, worker_id: str, prompt: list[int], llm) -> int:
-    records = {record.worker_id: record for record in await read_pods(client, keys)}
+    records = {record.pod_id: record for record in await read_pods(client, keys)}
     if worker_id not in records:
         return -1
     hashes = hash_full_blocks(prompt, BLOCK_SIZE, llm.config.cache.hash_namespace)
@@ -234,7 +233,7 @@ def test_a_stale_process_closing_leaves_the_live_record(redis_server, llm):
 
 
 async def _ids(client, keys) -> list[str]:
-    return sorted(record.worker_id for record in await read_pods(client, keys))
+    return sorted(record.pod_id for record in await read_pods(client, keys))
 
 
 async def _generations(client, keys) -> list[int]:

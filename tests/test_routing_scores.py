@@ -1,4 +1,4 @@
-"""Routing scores (services/gateway/routing.py) with exact expectations: proximity tiers and
+"""Routing scores (services/gateway/scoring.py) with exact expectations: proximity tiers and
 the latency matrix, the round-trip refinement, load imbalance, cached prefixes, spill-over out
 of a saturated client region, and the P-D pair preference."""
 
@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.routing import (
+from services.common.pod_load import PodLoad
+from services.gateway.scoring import (
     LatencyMatrix,
     Location,
     PodView,
@@ -26,8 +27,10 @@ WEST = Location("us-west", "us-west-a", "node-4")
 MATRIX = LatencyMatrix({"us-east": {"us-west": 60.0}})
 
 
-def pod(worker_id, location=EAST_A, queued=0, kv=0.0, cached=0, rtt=None) -> PodView:
-    return PodView(worker_id, f"{worker_id}:1", location, queued, kv, cached, rtt)
+def pod(pod_id, location=EAST_A, queued=0, kv=0.0, cached=0, rtt=None) -> PodView:
+    # kv: the fraction of 100 blocks in use
+    load = PodLoad(num_waiting=queued, kv_blocks_total=100, kv_blocks_free=round(100 * (1 - kv)))
+    return PodView(pod_id, f"{pod_id}:1", location, load, cached_tokens=cached, rtt_ms=rtt)
 
 
 def ctx(**overrides) -> RoutingContext:
@@ -120,8 +123,8 @@ def test_decode_pod_near_the_prefill_pod_is_preferred():
     prefill = [pod("p", EAST_A)]
     decode = [pod("d-far", WEST), pod("d-near", EAST_A2)]
     decision = decide(prefill, decode, ctx(client=Location(), latency=MATRIX))
-    assert decision.prefill_worker_id == "p"
-    assert decision.decode_worker_id == "d-near"
+    assert decision.prefill_pod_id == "p"
+    assert decision.decode_pod_id == "d-near"
     assert decision.decode_address == "d-near:1"
     assert decision.reason == "only_candidate"  # P's reason
     # d-near: load 1.5 + 0.5 * 0.5 (client unknown) + 0.5 * 0.8 (same zone as P)
@@ -132,17 +135,17 @@ def test_decode_pod_near_the_prefill_pod_is_preferred():
 def test_decide_without_prefill_pods_and_round_robin():
     decode = [pod("d1", cached=32), pod("d0")]
     decision = decide([], decode, ctx())
-    assert (decision.prefill_worker_id, decision.prefill_address) == (None, None)
-    assert decision.decode_worker_id == "d1"
+    assert (decision.prefill_pod_id, decision.prefill_address) == (None, None)
+    assert decision.decode_pod_id == "d1"
     assert decision.cached_prefix_tokens == 32
     turns = [decide([], decode, ctx(policy="round_robin", round_robin_turn=t)) for t in range(3)]
-    assert [d.decode_worker_id for d in turns] == ["d0", "d1", "d0"]
+    assert [d.decode_pod_id for d in turns] == ["d0", "d1", "d0"]
     assert {d.reason for d in turns} == {"round_robin"}
 
 
 def test_redis_down_is_the_reason_while_the_index_is_unavailable():
     choice = choose([pod("a"), pod("b", queued=1)], ctx(is_index_available=False))
-    assert choice.pod.worker_id == "a"
+    assert choice.pod.pod_id == "a"
     assert choice.reason == "redis_down"
 
 

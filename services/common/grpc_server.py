@@ -23,7 +23,7 @@ STOP_GRACE_SECONDS = 2.0
 
 
 class StatusError(Exception):
-    """A failure that is not the caller's input (no worker, a worker failed): answered with
+    """A failure that is not the caller's input (no pod, a pod failed): answered with
     the status it carries."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:

@@ -26,8 +26,9 @@ from splitserve.v1 import worker_pb2
 from services.common.background import in_daemon_thread
 from services.common.flags import add_engine_flags, add_server_flags
 from services.common.grpc_server import start_server, stop_event_on_signals
+from services.common.pod_load import PodLoad
 from services.common.pod_metrics import PodMetrics, serve_pod_metrics
-from services.common.pod_registry import add_registry_flags, start_registry
+from services.common.registry_publisher import add_registry_flags, start_registry
 from services.common.tracing import configure_tracing, shutdown_tracing
 
 if TYPE_CHECKING:
@@ -62,6 +63,11 @@ class PodStats:
     block_size: int
     vocab_size: int
 
+    @property
+    def load(self) -> PodLoad:
+        """What GetStats and the registry record report as the pod's load."""
+        return PodLoad.from_engine(self.engine)
+
 
 def pod_stats(llm: AsyncLLM, identity: WorkerIdentity) -> PodStats:
     return PodStats(
@@ -78,10 +84,7 @@ def worker_stats_to_proto(stats: PodStats) -> worker_pb2.WorkerStats:
     return worker_pb2.WorkerStats(
         worker_id=identity.worker_id,
         role=identity.role,
-        num_running=engine.num_running,
-        num_waiting=engine.num_waiting,
-        kv_blocks_total=engine.num_kv_blocks_total,
-        kv_blocks_free=engine.num_kv_blocks_free,
+        **stats.load.as_fields(),
         num_preemptions=engine.num_preemptions,
         prefix_cache_queried_tokens=engine.prefix_cache_queried_tokens,
         prefix_cache_hit_tokens=engine.prefix_cache_hit_tokens,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from services.common.flags import engine_options, setup_logging
 from services.common.model_files import default_model_name, resolve_model_path
 from services.common.pod import PodServicer, WorkerIdentity, add_pod_flags, serve_pod, worker_id
-from services.common.pod_registry import pod_place
+from services.common.registry_publisher import pod_place
 
 if TYPE_CHECKING:
     from services.common.pod_core import EnginePodCore

@@ -17,7 +17,7 @@ measured on the pod, from when its gRPC handler received the request.
 
 Beside the histograms, `PodMetrics.recent_ttft` and `recent_itl` keep exponentially weighted
 averages of the latest requests, which the pod publishes in its registry record (Redis) at every
-heartbeat, for routers and the planner that cannot scrape every pod.
+heartbeat, for readers of the registry that do not scrape every pod.
 """
 
 from __future__ import annotations

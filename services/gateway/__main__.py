@@ -21,9 +21,9 @@ from services.gateway.generation import GatewayCore
 from services.gateway.grpc_api import GenerationServicer
 from services.gateway.http_api import create_app
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.pods import POLL_INTERVAL_SECONDS, PodPool
 from services.gateway.router import Router, RouterSettings
-from services.gateway.routing import POLICIES, LatencyMatrix, Location, RoutingWeights
-from services.gateway.workers import POLL_INTERVAL_SECONDS, WorkerPool
+from services.gateway.scoring import POLICIES, LatencyMatrix, Location, RoutingWeights
 
 logger = logging.getLogger("services.gateway")
 
@@ -146,10 +146,10 @@ async def serve(args: argparse.Namespace) -> int:
         return 0  # stopped while loading: nothing was started yet
     tokenizer = loading.result()
     model_name = args.model_name or default_model_name(model_path)
-    decode_pool = WorkerPool("decode", args.decode, model_name)
+    decode_pool = PodPool("decode", args.decode, model_name)
     # With a registry, prefill pods may join at any time: keep a pool to follow them.
     has_prefill = bool(args.prefill or args.redis_url)
-    prefill_pool = WorkerPool("prefill", args.prefill, model_name) if has_prefill else None
+    prefill_pool = PodPool("prefill", args.prefill, model_name) if has_prefill else None
     for pool in (decode_pool, prefill_pool):
         if pool is not None:
             await pool.start()
@@ -191,7 +191,7 @@ async def serve(args: argparse.Namespace) -> int:
     return 0 if started else 1
 
 
-async def _follow_decode_health(server: GrpcServer, decode_pool: WorkerPool) -> None:
+async def _follow_decode_health(server: GrpcServer, decode_pool: PodPool) -> None:
     """gRPC health is SERVING while at least one decode pod is available, like /health."""
     serving = None
     while True:

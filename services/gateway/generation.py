@@ -26,9 +26,9 @@ from services.common.convert import options_from_params
 from services.common.grpc_server import StatusError
 from services.common.tracing import grpc_metadata
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.pods import Pod, PodPool
 from services.gateway.router import PickedPods, Router
-from services.gateway.routing import RoutingDecision
-from services.gateway.workers import Worker, WorkerPool
+from services.gateway.scoring import RoutingDecision
 from shared.prompts import check_prompt, child_sequences
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
@@ -40,14 +40,14 @@ logger = logging.getLogger(__name__)
 MAX_DECODE_RETRIES = 2
 
 
-class NoWorkerError(StatusError):
+class NoPodError(StatusError):
     """No decode pod is reachable: HTTP 503 / gRPC UNAVAILABLE."""
 
     def __init__(self, message: str = "no decode pod is available") -> None:
         super().__init__(grpc.StatusCode.UNAVAILABLE, message)
 
 
-class WorkerError(StatusError):
+class PodError(StatusError):
     """A decode pod failed the request (not the client's fault)."""
 
 
@@ -89,7 +89,7 @@ class _Child:
     index: int
     prompt_index: int
     request: worker_pb2.DecodeRequest
-    worker: Worker
+    pod: Pod  # the decode pod
     decision: RoutingDecision  # which pods and why (for logs, spans and metrics)
     call: grpc.aio.UnaryStreamCall | None = None
     task: asyncio.Task | None = None
@@ -110,7 +110,7 @@ _END = object()  # a child's stream ended
 # Routes a sequence again after its decode pod was unreachable (None: no other pod is left).
 Reroute = Callable[[_Child], Awaitable[PickedPods | None]]
 # Takes a decode pod a call could not reach out of routing for a while, for every request.
-MarkUnreachable = Callable[[Worker], None]
+MarkUnreachable = Callable[[Pod], None]
 
 
 class GatewayCore:
@@ -118,8 +118,8 @@ class GatewayCore:
         self,
         tokenizer: Tokenizer,
         model_name: str,
-        decode_pool: WorkerPool,
-        prefill_pool: WorkerPool | None = None,
+        decode_pool: PodPool,
+        prefill_pool: PodPool | None = None,
         metrics: GatewayMetrics | None = None,
         router: Router | None = None,
     ) -> None:
@@ -147,12 +147,12 @@ class GatewayCore:
     def max_model_len(self) -> int:
         max_model_len = self.decode_pool.max_model_len
         if max_model_len is None:
-            raise NoWorkerError()
+            raise NoPodError()
         return max_model_len
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises PromptError / ValueError (naming the parameter) for a request no pod can
-        serve, NoWorkerError when there is no pod to ask."""
+        serve, NoPodError when there is no pod to ask."""
         max_model_len = self.max_model_len
         # The engine's own check, less the KV cache's size, which only the pod knows.
         check_prompt(prompt_token_ids, self.tokenizer.vocab_size, max_model_len)
@@ -199,7 +199,7 @@ class GatewayCore:
     ) -> _Child:
         picked = await self.router.pick(request.prompts[prompt_index], client_region)
         if picked is None:
-            raise NoWorkerError()
+            raise NoPodError()
         decode_request = worker_pb2.DecodeRequest(
             request_id=child_id,
             prompt_token_ids=request.prompts[prompt_index],
@@ -240,7 +240,7 @@ class Generation:
 
     `async for chunk in generation` yields chunks as they arrive (sequences interleaved);
     `usage` is complete once the iteration ends. Raises ValueError (the pod rejected the
-    input) or WorkerError. `cancel()` is synchronous, so it works from inside a task that is
+    input) or PodError. `cancel()` is synchronous, so it works from inside a task that is
     being cancelled (a client that went away); it cancels every call, and so every pod aborts
     its sequence and frees its blocks, and it stops a retry that is still choosing its pod.
     `reroute` (None: no retries) picks another pod for a sequence whose pod was unreachable;
@@ -291,9 +291,9 @@ class Generation:
             if item is _END:
                 if not child.finished:
                     self.cancel()
-                    raise WorkerError(
+                    raise PodError(
                         grpc.StatusCode.UNAVAILABLE,
-                        f"decode pod {child.worker.address} ended the stream early",
+                        f"decode pod {child.pod.address} ended the stream early",
                     )
                 continue
             return self._chunk(child, item)
@@ -318,10 +318,10 @@ class Generation:
         self._queue.put_nowait((child, outcome))
 
     async def _stream(self, child: _Child) -> object:
-        """One decode call on `child.worker`, its responses queued as they come; returns _END
+        """One decode call on `child.pod`, its responses queued as they come; returns _END
         once the stream ended, or the exception the call failed with."""
         # The trace context is the one current when the Generation was made (the request's).
-        child.call = child.worker.stub.Decode(child.request, metadata=grpc_metadata())
+        child.call = child.pod.stub.Decode(child.request, metadata=grpc_metadata())
         try:
             async for response in child.call:
                 child.has_output = True
@@ -341,8 +341,8 @@ class Generation:
         """The one place an unreachable decode pod is noted, whether a retry follows or not:
         it cools down for every request, and this sequence never goes back to it."""
         if self._mark_unreachable is not None:
-            self._mark_unreachable(child.worker)
-        child.failed_addresses.add(child.worker.address)
+            self._mark_unreachable(child.pod)
+        child.failed_addresses.add(child.pod.address)
         if child.request.prefill_address:
             child.earlier_prefill_addresses.add(child.request.prefill_address)
 
@@ -352,7 +352,7 @@ class Generation:
     async def _move_elsewhere(self, child: _Child, error: grpc.aio.AioRpcError) -> bool:
         """Points `child` at another pod (same request id and seed); False if none is left."""
         assert self._reroute is not None, "only called when retries are on"
-        request_id, failed = child.request.request_id, child.worker.address
+        request_id, failed = child.request.request_id, child.pod.address
         picked = await self._reroute(child)
         if picked is None:
             logger.warning(
@@ -363,7 +363,7 @@ class Generation:
             )
             return False
         child.num_retries += 1
-        child.worker, child.decision = picked.decode, picked.decision
+        child.pod, child.decision = picked.decode, picked.decision
         child.request.prefill_address = picked.prefill.address if picked.prefill else ""
         self._metrics.routing_retries.inc()
         logger.warning(
@@ -418,8 +418,8 @@ def _translate(error: Exception, child: _Child) -> Exception:
         return error
     if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
         return ValueError(error.details())
-    return WorkerError(
-        error.code(), f"decode pod {child.worker.address}: {error.code().name}: {error.details()}"
+    return PodError(
+        error.code(), f"decode pod {child.pod.address}: {error.code().name}: {error.details()}"
     )
 
 

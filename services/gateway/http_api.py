@@ -137,8 +137,8 @@ class _Routes:
         body = {
             "status": "ok" if is_ok else "unavailable",
             "model": core.model_name,
-            "workers": {
-                pool.role: {w.address: w.is_available for w in pool.workers}
+            "workers": {  # the older word: clients and scripts read this key
+                pool.role: {pod.address: pod.is_available for pod in pool.pods}
                 for pool in _pools(core)
             },
             # The gateway must never load model code: a test and an operator can check.

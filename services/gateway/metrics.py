@@ -23,8 +23,8 @@ from services.common import tracing
 
 if TYPE_CHECKING:
     from services.gateway.generation import Generation, GenerationRequest, Usage
-    from services.gateway.routing import RoutingDecision
-    from services.gateway.workers import WorkerPool
+    from services.gateway.pods import PodPool
+    from services.gateway.scoring import RoutingDecision
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Seconds; CPU serving of a small model spans milliseconds to tens of seconds.
@@ -64,21 +64,22 @@ class GatewayMetrics:
             "Generated tokens of finished requests.",
             registry=self.registry,
         )
-        self.worker_queued = Gauge(
+        # The pod series keep their older "worker" names: dashboards and alerts query them.
+        self.pod_queued = Gauge(
             "splitserve_worker_requests",
-            "Requests on a worker pod by state, from its latest stats.",
+            "Requests on a pod by state, from its latest stats.",
             ["role", "address", "state"],
             registry=self.registry,
         )
-        self.worker_kv_usage = Gauge(
+        self.pod_kv_usage = Gauge(
             "splitserve_worker_kv_cache_usage",
-            "Fraction of a worker pod's KV blocks in use, from its latest stats.",
+            "Fraction of a pod's KV blocks in use, from its latest stats.",
             ["role", "address"],
             registry=self.registry,
         )
-        self.worker_up = Gauge(
+        self.pod_up = Gauge(
             "splitserve_worker_up",
-            "1 when the worker pod answered its latest stats poll.",
+            "1 when the pod answered its latest stats poll.",
             ["role", "address"],
             registry=self.registry,
         )
@@ -107,7 +108,7 @@ class GatewayMetrics:
         )
 
     def observe_routing(self, decision: RoutingDecision, num_prompt_tokens: int) -> None:
-        """Counts one routing decision (the hook for services/gateway/routing.py's)."""
+        """Counts one routing decision (services/gateway/scoring.py's `RoutingDecision`)."""
         policy = getattr(decision, "policy", "")
         self.routing_decisions.labels(decision.reason, policy).inc()
         self.routing_prompt_tokens.inc(num_prompt_tokens)
@@ -118,22 +119,21 @@ class GatewayMetrics:
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.generation_tokens.inc(usage.completion_tokens)
 
-    def render(self, pools: list[WorkerPool]) -> bytes:
+    def render(self, pools: list[PodPool]) -> bytes:
         for pool in pools:
-            self._update_workers(pool)
+            self._update_pods(pool)
         return generate_latest(self.registry)
 
-    def _update_workers(self, pool: WorkerPool) -> None:
-        for worker in pool.workers:
-            labels = (pool.role, worker.address)
-            self.worker_up.labels(*labels).set(1 if worker.stats is not None else 0)
-            if worker.stats is None:
+    def _update_pods(self, pool: PodPool) -> None:
+        for pod in pool.pods:
+            labels = (pool.role, pod.address)
+            self.pod_up.labels(*labels).set(1 if pod.stats is not None else 0)
+            if pod.stats is None:
                 continue
-            stats = worker.stats
-            self.worker_queued.labels(*labels, "running").set(stats.num_running)
-            self.worker_queued.labels(*labels, "waiting").set(stats.num_waiting)
-            used = 1.0 - stats.kv_blocks_free / max(stats.kv_blocks_total, 1)
-            self.worker_kv_usage.labels(*labels).set(used)
+            load = pod.load
+            self.pod_queued.labels(*labels, "running").set(load.num_running)
+            self.pod_queued.labels(*labels, "waiting").set(load.num_waiting)
+            self.pod_kv_usage.labels(*labels).set(load.kv_usage)
 
 
 # ---- the route span ---------------------------------------------------------------------------
@@ -163,13 +163,12 @@ def route_span(
 
 def _annotate_route(span: tracing.Span, decisions: list[RoutingDecision]) -> None:
     """One attribute list per RoutingDecision field (one entry per sequence), and an event per
-    decision with every candidate's score."""
-    span.set_attribute(
-        "splitserve.route.decode_worker_ids", [d.decode_worker_id for d in decisions]
-    )
+    decision with every candidate's score. The `*_worker_ids` attributes keep their older
+    names, which trace queries use."""
+    span.set_attribute("splitserve.route.decode_worker_ids", [d.decode_pod_id for d in decisions])
     span.set_attribute("splitserve.route.decode_addresses", [d.decode_address for d in decisions])
     span.set_attribute(
-        "splitserve.route.prefill_worker_ids", [d.prefill_worker_id or "" for d in decisions]
+        "splitserve.route.prefill_worker_ids", [d.prefill_pod_id or "" for d in decisions]
     )
     span.set_attribute(
         "splitserve.route.prefill_addresses", [d.prefill_address or "" for d in decisions]
@@ -179,5 +178,5 @@ def _annotate_route(span: tracing.Span, decisions: list[RoutingDecision]) -> Non
         "splitserve.route.cached_prefix_tokens", [d.cached_prefix_tokens for d in decisions]
     )
     for decision in decisions:
-        scores = {f"score.{worker}": value for worker, value in decision.scores.items()}
+        scores = {f"score.{pod_id}": value for pod_id, value in decision.scores.items()}
         span.add_event("routing_decision", {"reason": decision.reason, **scores})

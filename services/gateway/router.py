@@ -1,5 +1,5 @@
-"""The gateway's pod picking: follows the Redis registry, asks the prefix index how much of a
-prompt each pod holds, and hands the rest to services/gateway/routing.py's scoring.
+"""Picking the pods for a prompt: follows the Redis registry, asks the prefix index how much of
+a prompt each pod holds, and hands the rest to services/gateway/scoring.py.
 
     pick(prompt) ─▶ hash the prompt's full blocks (per block size and namespace the pods use)
                  ─▶ one round trip (LOOKUP_SCRIPT over every pod) ─▶ cached tokens per pod
@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
 
-from services.common.registry import (
+from services.common.registry_schema import (
     RegistryKeys,
     connect,
     longest_cached_prefixes,
     read_pods,
 )
-from services.gateway.routing import (
+from services.gateway.pods import Pod, PodPool
+from services.gateway.scoring import (
     LatencyMatrix,
     Location,
     RoutingContext,
@@ -38,7 +39,6 @@ from services.gateway.routing import (
     RoutingWeights,
     decide,
 )
-from services.gateway.workers import Worker, WorkerPool
 from shared.kv.block_hash import hash_full_blocks
 
 logger = logging.getLogger(__name__)
@@ -58,8 +58,8 @@ class RouterSettings:
 @dataclass(frozen=True)
 class PickedPods:
     decision: RoutingDecision
-    decode: Worker
-    prefill: Worker | None
+    decode: Pod
+    prefill: Pod | None
 
 
 class Router:
@@ -67,8 +67,8 @@ class Router:
 
     def __init__(
         self,
-        decode_pool: WorkerPool,
-        prefill_pool: WorkerPool | None,
+        decode_pool: PodPool,
+        prefill_pool: PodPool | None,
         settings: RouterSettings | None = None,
         keys: RegistryKeys | None = None,
     ) -> None:
@@ -132,11 +132,11 @@ class Router:
         `exclude`: addresses of decode pods not to choose (a retry leaves out the pods the
         sequence already failed on). `avoid_prefill`: addresses of prefill pods to choose only
         when no other is available (the ones a retry's failed attempts named)."""
-        decode_workers = [w for w in self.decode_pool.available() if w.address not in exclude]
-        if not decode_workers:
+        decode_pods = [p for p in self.decode_pool.available() if p.address not in exclude]
+        if not decode_pods:
             return None
-        prefill_workers = self._prefill_candidates(avoid_prefill)
-        cached = await self.cached_tokens(prompt_token_ids, [*prefill_workers, *decode_workers])
+        prefill_pods = self._prefill_candidates(avoid_prefill)
+        cached = await self.cached_tokens(prompt_token_ids, [*prefill_pods, *decode_pods])
         place = self.settings.place
         ctx = RoutingContext(
             num_prompt_tokens=len(prompt_token_ids),
@@ -148,56 +148,52 @@ class Router:
             round_robin_turn=next(self._turns),
         )
         decision = decide(
-            [w.view(cached.get(w.worker_id, 0)) for w in prefill_workers],
-            [w.view(cached.get(w.worker_id, 0)) for w in decode_workers],
+            [p.view(cached.get(p.pod_id, 0)) for p in prefill_pods],
+            [p.view(cached.get(p.pod_id, 0)) for p in decode_pods],
             ctx,
         )
         logger.debug("routing decision: %s", decision)
-        return self._dispatch(decision, prefill_workers, decode_workers)
+        return self._dispatch(decision, prefill_pods, decode_pods)
 
-    def _prefill_candidates(self, avoid: Collection[str]) -> list[Worker]:
+    def _prefill_candidates(self, avoid: Collection[str]) -> list[Pod]:
         available = self.prefill_pool.available() if self.prefill_pool else []
-        preferred = [w for w in available if w.address not in avoid]
+        preferred = [p for p in available if p.address not in avoid]
         return preferred or available
 
     def _dispatch(
-        self, decision: RoutingDecision, prefill: list[Worker], decode: list[Worker]
+        self, decision: RoutingDecision, prefill: list[Pod], decode: list[Pod]
     ) -> PickedPods:
-        decode_worker = next(w for w in decode if w.worker_id == decision.decode_worker_id)
-        decode_worker.num_dispatched += 1
-        prefill_worker = next(
-            (w for w in prefill if w.worker_id == decision.prefill_worker_id), None
-        )
-        if prefill_worker is not None:
-            prefill_worker.num_dispatched += 1
-        return PickedPods(decision, decode_worker, prefill_worker)
+        decode_pod = next(p for p in decode if p.pod_id == decision.decode_pod_id)
+        decode_pod.num_dispatched += 1
+        prefill_pod = next((p for p in prefill if p.pod_id == decision.prefill_pod_id), None)
+        if prefill_pod is not None:
+            prefill_pod.num_dispatched += 1
+        return PickedPods(decision, decode_pod, prefill_pod)
 
-    async def cached_tokens(self, prompt: list[int], workers: list[Worker]) -> dict[str, int]:
-        """worker id -> tokens of `prompt` cached there, per the index ({} without one)."""
-        indexed = [w for w in workers if w.record is not None]
+    async def cached_tokens(self, prompt: list[int], pods: list[Pod]) -> dict[str, int]:
+        """pod id -> tokens of `prompt` cached there, per the index ({} without one)."""
+        indexed = [p for p in pods if p.record is not None]
         uses_index = self.settings.policy == "cache_aware" and self.is_redis_up
         if self.redis is None or not uses_index or not indexed:
             return {}
         hashes = _prompt_hashes(prompt, indexed)
         queries = [
-            (w.record.blocks_key(self.keys), hashes[(w.record.block_size, w.record.hash_namespace)])
-            for w in indexed
+            (p.record.blocks_key(self.keys), hashes[(p.record.block_size, p.record.hash_namespace)])
+            for p in indexed
         ]
         try:
             num_blocks = await longest_cached_prefixes(self.redis, queries)
         except (RedisError, OSError) as error:
             self._redis_failed(error)
             return {}
-        return {
-            w.worker_id: n * w.record.block_size for w, n in zip(indexed, num_blocks, strict=True)
-        }
+        return {p.pod_id: n * p.record.block_size for p, n in zip(indexed, num_blocks, strict=True)}
 
 
-def _prompt_hashes(prompt: list[int], workers: list[Worker]) -> dict[tuple[int, str], list[bytes]]:
+def _prompt_hashes(prompt: list[int], pods: list[Pod]) -> dict[tuple[int, str], list[bytes]]:
     """The prompt's block hashes once per (block size, namespace) among the pods. A prompt's
     last token is never served from cache (it must be computed to sample), so a prompt of
     whole blocks is looked up without its last block, as the engine would."""
-    groups = {(w.record.block_size, w.record.hash_namespace) for w in workers}
+    groups = {(p.record.block_size, p.record.hash_namespace) for p in pods}
     return {
         (block_size, namespace): hash_full_blocks(prompt[:-1], block_size, namespace)
         for block_size, namespace in groups

@@ -2,9 +2,9 @@
 
 `LoadSource` is the contract the controller reads through. Two implementations:
 
-- `RedisLoadSource`: the pod registry (`services/common/registry.py`): every live pod's role,
-  running and waiting requests and KV blocks, from the records pods heartbeat with an expiry
-  (a dead pod drops out by itself);
+- `RedisLoadSource`: the pod registry (`services/common/registry_schema.py`): every live pod's
+  role and `PodLoad` (running and waiting requests, KV blocks), from the records pods heartbeat
+  with an expiry (a dead pod drops out by itself);
 - `MetricsLoadSource`: the pods' Prometheus `/metrics` (`services/common/pod_metrics.py`
   names): the same gauges, plus recent TTFT and ITL (p90 of the histogram buckets observed
   since the previous scrape) and the arrival of requests and tokens per second (counter deltas).
@@ -19,11 +19,14 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.pod_metrics import PREFIX as METRIC_PREFIX  # the pods' own metric names
+
+if TYPE_CHECKING:
+    from services.common.pod_load import PodLoad
 
 SCRAPE_TIMEOUT_S = 2.0
 
@@ -45,6 +48,10 @@ class RoleLoad:
     @property
     def waiting_per_pod(self) -> float:
         return self.num_waiting / self.num_pods if self.num_pods else 0.0
+
+    @classmethod
+    def of_pod(cls, load: PodLoad) -> RoleLoad:
+        return cls(1, load.num_running, load.num_waiting, load.kv_blocks_used, load.kv_blocks_total)
 
     def plus(self, other: RoleLoad) -> RoleLoad:
         return RoleLoad(
@@ -82,26 +89,24 @@ class RedisLoadSource:
     def __init__(self, url: str, key_prefix: str | None = None) -> None:
         import redis
 
-        from services.common.registry import DEFAULT_KEY_PREFIX, RegistryKeys
+        from services.common.registry_schema import DEFAULT_KEY_PREFIX, RegistryKeys
 
         self._client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
         self._keys = RegistryKeys(key_prefix or DEFAULT_KEY_PREFIX)
 
     def read(self) -> LoadSnapshot:
-        from services.common.registry import PodRecord
+        from services.common.registry_schema import PodRecord
 
-        worker_ids = self._client.zrange(self._keys.pods, 0, -1)
+        pod_ids = self._client.zrange(self._keys.pods, 0, -1)
         pipe = self._client.pipeline(transaction=False)
-        for worker_id in worker_ids:
-            pipe.hgetall(self._keys.pod(_text(worker_id)))
+        for pod_id in pod_ids:
+            pipe.hgetall(self._keys.pod(_text(pod_id)))
         roles = {"prefill": RoleLoad(), "decode": RoleLoad()}
-        for fields in pipe.execute() if worker_ids else []:
+        for fields in pipe.execute() if pod_ids else []:
             record = PodRecord.from_fields(fields)
             if record is None or record.role not in roles:
                 continue  # expired between the two reads, or not an engine pod
-            used = record.kv_blocks_total - record.kv_blocks_free
-            pod = RoleLoad(1, record.num_running, record.num_waiting, used, record.kv_blocks_total)
-            roles[record.role] = roles[record.role].plus(pod)
+            roles[record.role] = roles[record.role].plus(RoleLoad.of_pod(record.load))
         return LoadSnapshot(prefill=roles["prefill"], decode=roles["decode"])
 
     def pod_hosts(self) -> list[str]:
@@ -109,12 +114,11 @@ class RedisLoadSource:
         return [address.rsplit(":", 1)[0] for address in self._addresses()]
 
     def _addresses(self) -> list[str]:
-        from services.common.registry import PodRecord
+        from services.common.registry_schema import PodRecord
 
-        worker_ids = self._client.zrange(self._keys.pods, 0, -1)
+        pod_ids = self._client.zrange(self._keys.pods, 0, -1)
         records = [
-            PodRecord.from_fields(self._client.hgetall(self._keys.pod(_text(w))))
-            for w in worker_ids
+            PodRecord.from_fields(self._client.hgetall(self._keys.pod(_text(p)))) for p in pod_ids
         ]
         return [record.address for record in records if record is not None]
 

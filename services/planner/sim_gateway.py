@@ -1,11 +1,11 @@
 """The simulated gateway: it routes from the same information the real one has.
 
-The real gateway (services/gateway/workers.py) polls each pod's stats every
+The real gateway (services/gateway/pods.py) polls each pod's stats every
 `POLL_INTERVAL_SECONDS` and, between polls, adds the requests it dispatched since; it never sees
 a pod's exact load at an arrival. Routing on exact loads would send long prompts to a pod that is
 already prefilling less often than the real gateway does (its ITL tail would come out too low),
 so this keeps a per-pod snapshot, refreshed by the simulation's POLL events, plus dispatch counts,
-and scores them with the real policy (services/gateway/routing.py `decide`, cache_aware: prefix,
+and scores them with the real policy (services/gateway/scoring.py `decide`, cache_aware: prefix,
 then 1 / (1 + queued) and KV headroom, ties by pod name).
 """
 
@@ -13,17 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.gateway.routing import Location, PodView, RoutingContext, decide
+from services.common.pod_load import PodLoad
+from services.gateway.scoring import Location, PodView, RoutingContext, decide
 from services.planner.sim_pod import SimPod
 from services.planner.workload import SimRequest
-
-
-@dataclass(frozen=True)
-class PodSnapshot:
-    """A pod's stats at the last poll, as GetStats answers them."""
-
-    num_queued: int  # running + waiting (KV reservations included)
-    kv_usage: float
 
 
 @dataclass
@@ -32,13 +25,13 @@ class SimGateway:
     decode_pods: list[SimPod]
     # 0 = a fresh snapshot at every arrival (the exact view).
     poll_interval_s: float
-    _snapshots: dict[str, PodSnapshot] = field(default_factory=dict)  # pod name -> last poll
+    _snapshots: dict[str, PodLoad] = field(default_factory=dict)  # pod name -> last poll
     _num_dispatched: dict[str, int] = field(default_factory=dict)  # pod name -> since the poll
 
     def poll(self) -> None:
         """Every pod's stats now; the dispatch counts restart, as the poll answers count them."""
         for pod in (*self.prefill_pods, *self.decode_pods):
-            self._snapshots[pod.name] = PodSnapshot(*pod.load)
+            self._snapshots[pod.name] = pod.load
             self._num_dispatched[pod.name] = 0
 
     def pick(self, request: SimRequest) -> tuple[SimPod | None, SimPod]:
@@ -54,18 +47,17 @@ class SimGateway:
             [self._view(pod, request) for pod in self.decode_pods],
             ctx,
         )
-        decode_pod = self._dispatch(self.decode_pods, decision.decode_worker_id)
+        decode_pod = self._dispatch(self.decode_pods, decision.decode_pod_id)
         prefill_pod = None
-        if decision.prefill_worker_id is not None:
-            prefill_pod = self._dispatch(self.prefill_pods, decision.prefill_worker_id)
+        if decision.prefill_pod_id is not None:
+            prefill_pod = self._dispatch(self.prefill_pods, decision.prefill_pod_id)
         return prefill_pod, decode_pod
 
     def _view(self, pod: SimPod, request: SimRequest) -> PodView:
-        snapshot = self._snapshots[pod.name]
-        num_queued = snapshot.num_queued + self._num_dispatched[pod.name]
         # The prefix index is written as pods compute blocks: close to exact, so no staleness.
         cached = pod.num_cached_tokens(request)
-        return PodView(pod.name, pod.name, Location(), num_queued, snapshot.kv_usage, cached)
+        load, num_dispatched = self._snapshots[pod.name], self._num_dispatched[pod.name]
+        return PodView(pod.name, pod.name, Location(), load, num_dispatched, cached)
 
     def _dispatch(self, pods: list[SimPod], name: str) -> SimPod:
         self._num_dispatched[name] += 1

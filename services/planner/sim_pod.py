@@ -19,6 +19,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+from services.common.pod_load import PodLoad
 from services.planner.profile import Profile
 from services.planner.workload import SimRequest
 
@@ -84,9 +85,14 @@ class SimPod:
         return len(self._waiting) + self.num_reserved
 
     @property
-    def load(self) -> tuple[int, float]:
-        queued = len(self.running) + self.num_waiting
-        return queued, 1.0 - self.num_free_blocks / self.limits.num_kv_blocks
+    def load(self) -> PodLoad:
+        """What the pod's GetStats would answer now."""
+        return PodLoad(
+            num_running=len(self.running),
+            num_waiting=self.num_waiting,
+            kv_blocks_total=self.limits.num_kv_blocks,
+            kv_blocks_free=self.num_free_blocks,
+        )
 
     def has_work(self) -> bool:
         return bool(self.running or self._waiting)

@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.gateway.workers import POLL_INTERVAL_SECONDS
+from services.gateway.pods import POLL_INTERVAL_SECONDS
 from services.planner.profile import Profile
 from services.planner.sim_gateway import SimGateway
 from services.planner.sim_pod import PodLimits, ScheduledStep, SimPod, SimSeq

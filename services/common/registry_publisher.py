@@ -1,5 +1,6 @@
-"""A pod's side of the Redis registry: heartbeats its `PodRecord` (with its load) and publishes
-its prefix-cache events into its block SET (layout in services/common/registry.py).
+"""A pod's side of the Redis registry: its registry flags, and the `RegistryPublisher` that
+heartbeats its `PodRecord` and publishes its prefix-cache events into its block SET (the layout
+is services/common/registry_schema.py's).
 
     every publish_interval:   take_kv_events() ─▶ one pipeline: SADD / SREM runs, PEXPIRE
     every heartbeat_interval: HEARTBEAT_SCRIPT (fence, record, registry, TTLs)
@@ -8,12 +9,20 @@ its prefix-cache events into its block SET (layout in services/common/registry.p
 Redis trouble never reaches serving: a failed write is logged (once per outage), the events
 taken meanwhile are dropped, and the next heartbeat that gets through resyncs from a snapshot,
 which is how the index refills after Redis restarts empty.
+
+Flags (the Helm chart renders them as spelled here) and their defaults: `--redis-url`
+($REDIS_URL, else no registry; password from $REDIS_PASSWORD), `--region` / `--zone`
+($SPLITSERVE_REGION / $SPLITSERVE_ZONE, else the node's topology labels when `--node-name`
+($NODE_NAME) is given, else ""), `--advertise-host` (the address others dial for this pod's
+gRPC: $POD_IP, else the bind host made reachable).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
-from services.common.registry import (
+from services.common.registry_schema import (
     DEREGISTER_SCRIPT,
     HEARTBEAT_FENCED,
     HEARTBEAT_RESYNC,
@@ -29,10 +38,12 @@ from services.common.registry import (
     SENTINEL,
     PodRecord,
     RegistryKeys,
+    connect,
 )
 from shared.kv.events import BlockRemoved, BlockStored, KVCacheEvent
 
 if TYPE_CHECKING:
+    from services.common.pod import PodCore
     from shared.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
@@ -57,7 +68,7 @@ class PublisherSettings:
 
 def new_generation() -> int:
     """A fencing token: microseconds since the epoch, so a process started later (a restarted
-    pod with the same worker id) always outranks an older one, with no Redis round trip."""
+    pod with the same pod id) always outranks an older one, with no Redis round trip."""
     return time.time_ns() // 1000
 
 
@@ -100,9 +111,9 @@ class RegistryPublisher:
         self.settings = settings or PublisherSettings()
         self._record = record
         first = record()
-        self.worker_id, self.generation = first.worker_id, first.generation
-        self.blocks_key = self.keys.blocks(self.worker_id, self.generation)
-        self.is_fenced = False  # a newer process owns the worker id: stop writing
+        self.pod_id, self.generation = first.pod_id, first.generation
+        self.blocks_key = self.keys.blocks(self.pod_id, self.generation)
+        self.is_fenced = False  # a newer process owns the pod id: stop writing
         self._is_synced = False  # the block SET matches the cache (else resync first)
         self._is_redis_down = False
         self._is_closing = False
@@ -129,12 +140,12 @@ class RegistryPublisher:
 
     async def _deregister(self) -> None:
         keys = [
-            self.keys.generation(self.worker_id),
-            self.keys.pod(self.worker_id),
+            self.keys.generation(self.pod_id),
+            self.keys.pod(self.pod_id),
             self.keys.pods,
             self.blocks_key,
         ]
-        await self.client.eval(DEREGISTER_SCRIPT, len(keys), *keys, self.generation, self.worker_id)
+        await self.client.eval(DEREGISTER_SCRIPT, len(keys), *keys, self.generation, self.pod_id)
 
     async def _run(self) -> None:
         next_heartbeat = 0.0
@@ -152,19 +163,19 @@ class RegistryPublisher:
     async def heartbeat(self) -> None:
         record = self._record()
         keys = [
-            self.keys.generation(self.worker_id),
-            self.keys.pod(self.worker_id),
+            self.keys.generation(self.pod_id),
+            self.keys.pod(self.pod_id),
             self.keys.pods,
             self.blocks_key,
         ]
         ttl_ms = int(self.settings.ttl_s * 1000)
         fields = [item for pair in record.to_fields().items() for item in pair]
-        args = [self.generation, ttl_ms, self.worker_id, *fields]
+        args = [self.generation, ttl_ms, self.pod_id, *fields]
         status = await self.client.eval(HEARTBEAT_SCRIPT, len(keys), *keys, *args)
         if status == HEARTBEAT_FENCED:
             logger.error(
-                "worker id %s is registered by a newer process; this one stops publishing",
-                self.worker_id,
+                "pod id %s is registered by a newer process; this one stops publishing",
+                self.pod_id,
             )
             self.is_fenced = True
         elif status == HEARTBEAT_RESYNC or not self._is_synced:
@@ -208,3 +219,93 @@ class RegistryPublisher:
         if self._is_redis_down:
             logger.warning("Redis is reachable again; index resynced")
         self._is_redis_down = False
+
+
+# ---- flags, and starting the publisher ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Place:
+    region: str
+    zone: str
+
+
+def add_registry_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("registry (Redis)")
+    group.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL") or None,
+        help="register here and publish prefix-cache events (default: $REDIS_URL, else none)",
+    )
+    group.add_argument("--region", default=os.environ.get("SPLITSERVE_REGION", ""))
+    group.add_argument("--zone", default=os.environ.get("SPLITSERVE_ZONE", ""))
+    group.add_argument(
+        "--node-name",
+        default=os.environ.get("NODE_NAME") or None,
+        help="Kubernetes node: its topology labels fill an empty --region/--zone",
+    )
+    group.add_argument(
+        "--advertise-host",
+        default=os.environ.get("POD_IP") or None,
+        help="the address others dial for this pod's gRPC (default: $POD_IP, else --host)",
+    )
+
+
+def pod_place(args: argparse.Namespace) -> Place:
+    """--region/--zone, with the node's topology labels filling whichever is empty."""
+    region, zone = args.region or "", args.zone or ""
+    if (region and zone) or not args.node_name:
+        return Place(region, zone)
+    try:
+        from services.common.topology import discover_topology
+    except ImportError:
+        return Place(region, zone)
+    try:
+        topology = discover_topology(args.node_name)
+    except Exception as error:  # the Kubernetes API is optional: any failure keeps ""
+        logger.warning("no topology labels for node %s: %s", args.node_name, error)
+        return Place(region, zone)
+    return Place(region or topology.region, zone or topology.zone)
+
+
+def advertise_address(args: argparse.Namespace, port: int) -> str:
+    from services.common.pod import reachable_host
+
+    return f"{args.advertise_host or reachable_host(args.host)}:{port}"
+
+
+async def start_registry(
+    args: argparse.Namespace, core: PodCore, port: int
+) -> RegistryPublisher | None:
+    """Starts heartbeating and publishing when --redis-url is set; None otherwise."""
+    if not args.redis_url:
+        return None
+    address = advertise_address(args, port)
+    generation = new_generation()
+    node = args.node_name or address.rsplit(":", 1)[0]
+
+    def record() -> PodRecord:
+        stats = core.stats()
+        identity = stats.identity
+        return PodRecord(
+            pod_id=identity.worker_id,
+            role=identity.role,
+            address=address,
+            generation=generation,
+            model=identity.model_name,
+            kv_address=identity.kv_address,
+            kv_transport=identity.kv_transport,
+            region=identity.region,
+            zone=identity.zone,
+            node=node,
+            block_size=stats.block_size,
+            hash_namespace=core.llm.config.cache.hash_namespace,
+            load=stats.load,
+            recent_ttft_s=core.metrics.recent_ttft.value or 0.0,
+            recent_itl_s=core.metrics.recent_itl.value or 0.0,
+        )
+
+    publisher = RegistryPublisher(connect(args.redis_url), core.llm, record)
+    await publisher.start()
+    logger.info("registering in Redis as %s (generation %d)", address, generation)
+    return publisher

@@ -1,35 +1,39 @@
-"""The pod registry and prefix-cache index in Redis: key layout, the record a pod publishes about
-itself, and the reads the gateway makes. Torch-free; the gateway and the pods both import it.
+"""The Redis registry's schema, shared by the pods (writers) and the gateway and autoscaler
+(readers): key layout, the `PodRecord` a pod heartbeats, the Lua scripts, the reads. Torch-free.
 
 Key layout (every key under one prefix, so a Redis can be shared):
 
-    {prefix}:pods                       ZSET  worker_id -> expiry (Redis clock, ms)
-    {prefix}:pod:{worker_id}            HASH  the pod's `PodRecord`, PEXPIRE ttl
-    {prefix}:gen:{worker_id}            STRING the newest generation that heartbeated
-    {prefix}:blocks:{worker_id}:{gen}   SET   block hashes (16 raw bytes) + the sentinel b""
+    {prefix}:pods                    ZSET  pod_id -> expiry (Redis clock, ms)
+    {prefix}:pod:{pod_id}            HASH  the pod's `PodRecord`, PEXPIRE ttl
+    {prefix}:gen:{pod_id}            STRING the newest generation that heartbeated
+    {prefix}:blocks:{pod_id}:{gen}   SET   block hashes (16 raw bytes) + the sentinel b""
 
 Why one block SET per pod and generation, not one SET of pods per block hash:
 - a pod's entries expire with it (one PEXPIRE per heartbeat), never one by one;
-- a stale writer (an older process with the same worker id, or a publisher that lost a race)
+- a stale writer (an older process with the same pod id, or a publisher that lost a race)
   writes into its own generation's SET, which the gateway never reads, because the record
   names the live generation; `HEARTBEAT_SCRIPT` refuses a generation older than the newest;
 - the gateway's lookup is one script call over every pod's SET: one round trip per prompt.
 The sentinel member b"" tells a SET rebuilt from snapshot apart from one that Redis lost (a
 restart) and that later events partly re-created: without it the pod republishes everything.
+
+The hash's field names are a contract with pods and readers of other versions (a rolling
+upgrade runs both): the pod id is stored as "worker_id", the word the proto also keeps.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from services.common.pod_load import PodLoad
 from shared.kv.block_hash import BLOCK_HASH_NUM_BYTES
 
 DEFAULT_KEY_PREFIX = "splitserve"
 SENTINEL = b""  # always in a pod's block SET once it is complete (see the module docstring)
 
-# KEYS: gen, pod, pods, blocks. ARGV: generation, ttl_ms, worker_id, field, value, ...
-# Returns 0 when a newer generation owns the worker id (this writer is stale), 2 when the
+# KEYS: gen, pod, pods, blocks. ARGV: generation, ttl_ms, pod_id, field, value, ...
+# Returns 0 when a newer generation owns the pod id (this writer is stale), 2 when the
 # block SET is missing or incomplete (the publisher must resync it), 1 otherwise.
 HEARTBEAT_SCRIPT = """
 local newest = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -50,7 +54,7 @@ return 1
 """
 HEARTBEAT_FENCED, HEARTBEAT_OK, HEARTBEAT_RESYNC = 0, 1, 2
 
-# KEYS: gen, pod, pods, blocks. ARGV: generation, worker_id. Takes the pod out of the registry
+# KEYS: gen, pod, pods, blocks. ARGV: generation, pod_id. Takes the pod out of the registry
 # only while this generation is still the newest: a stale process shutting down must not
 # remove the record of the live one that replaced it. Its own block SET goes either way.
 DEREGISTER_SCRIPT = """
@@ -71,21 +75,21 @@ class RegistryKeys:
     def pods(self) -> str:
         return f"{self.prefix}:pods"
 
-    def pod(self, worker_id: str) -> str:
-        return f"{self.prefix}:pod:{worker_id}"
+    def pod(self, pod_id: str) -> str:
+        return f"{self.prefix}:pod:{pod_id}"
 
-    def generation(self, worker_id: str) -> str:
-        return f"{self.prefix}:gen:{worker_id}"
+    def generation(self, pod_id: str) -> str:
+        return f"{self.prefix}:gen:{pod_id}"
 
-    def blocks(self, worker_id: str, generation: int) -> str:
-        return f"{self.prefix}:blocks:{worker_id}:{generation}"
+    def blocks(self, pod_id: str, generation: int) -> str:
+        return f"{self.prefix}:blocks:{pod_id}:{generation}"
 
 
 @dataclass(frozen=True)
 class PodRecord:
     """What a pod publishes about itself at every heartbeat (strings and numbers only)."""
 
-    worker_id: str
+    pod_id: str
     role: str  # "prefill" or "decode"
     address: str  # host:port others dial for the pod's gRPC
     generation: int  # this process's fencing token: later processes have larger ones
@@ -97,37 +101,50 @@ class PodRecord:
     node: str = ""  # the machine (Kubernetes node): pods on one node exchange pages fastest
     block_size: int = 16
     hash_namespace: str = ""  # with block_size, what the gateway must hash prompts with
-    kv_blocks_total: int = 0
-    kv_blocks_free: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
+    # For the autoscaler (services/planner/load.py), which reads pods only from here; the
+    # gateway takes load from its GetStats polls instead (services/gateway/pods.py).
+    load: PodLoad = field(default_factory=PodLoad)
     # Exponentially weighted averages over the latest requests (services/common/pod_metrics.py),
     # in seconds; 0.0 until the pod has served one. A prefill pod's ITL stays 0.0.
     recent_ttft_s: float = 0.0
     recent_itl_s: float = 0.0
 
     def to_fields(self) -> dict[str, str]:
-        return {field.name: str(getattr(self, field.name)) for field in dataclasses.fields(self)}
+        """The HASH fields: this record's scalars and its load's, flat."""
+        scalars = {
+            _WIRE_NAMES.get(name, name): value
+            for name, value in vars(self).items()
+            if name != "load"
+        }
+        return {name: str(value) for name, value in {**scalars, **self.load.as_fields()}.items()}
 
     @classmethod
     def from_fields(cls, fields: dict[bytes | str, bytes | str]) -> PodRecord | None:
         """The record from HGETALL's answer; None for an empty (expired) or foreign hash."""
         text = {_text(key): _text(value) for key, value in fields.items()}
         try:
-            values = {
-                field.name: _PARSERS.get(field.type, str)(text[field.name])
-                for field in dataclasses.fields(cls)
-                if field.name in text
-            }
-            return cls(**values)
+            return cls(**_parsed(cls, text), load=PodLoad(**_parsed(PodLoad, text)))
         except (TypeError, ValueError):
             return None
 
     def blocks_key(self, keys: RegistryKeys) -> str:
-        return keys.blocks(self.worker_id, self.generation)
+        return keys.blocks(self.pod_id, self.generation)
 
 
-_PARSERS = {"int": int, "float": float}  # by annotation (a string: annotations are postponed)
+# Field -> its name in the HASH, where that differs (see the module docstring).
+_WIRE_NAMES = {"pod_id": "worker_id"}
+# By annotation (a string: annotations are postponed); other types (the load) are not scalars.
+_PARSERS = {"str": str, "int": int, "float": float}
+
+
+def _parsed(cls, text: dict[str, str]) -> dict[str, object]:
+    """`cls`'s scalar fields that the HASH holds, parsed; absent ones keep their defaults."""
+    values = {}
+    for item in dataclasses.fields(cls):
+        name = _WIRE_NAMES.get(item.name, item.name)
+        if name in text and item.type in _PARSERS:
+            values[item.name] = _PARSERS[item.type](text[name])
+    return values
 
 
 def _text(value: bytes | str) -> str:
@@ -136,12 +153,12 @@ def _text(value: bytes | str) -> str:
 
 async def read_pods(client, keys: RegistryKeys) -> list[PodRecord]:
     """Every live pod's record, in two round trips. Raises redis errors."""
-    worker_ids = await client.zrange(keys.pods, 0, -1)
-    if not worker_ids:
+    pod_ids = await client.zrange(keys.pods, 0, -1)
+    if not pod_ids:
         return []
     pipe = client.pipeline(transaction=False)
-    for worker_id in worker_ids:
-        pipe.hgetall(keys.pod(_text(worker_id)))
+    for pod_id in pod_ids:
+        pipe.hgetall(keys.pod(_text(pod_id)))
     records = [PodRecord.from_fields(fields) for fields in await pipe.execute()]
     return [record for record in records if record is not None]
 

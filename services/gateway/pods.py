@@ -1,9 +1,17 @@
-"""The gateway's view of the worker pods: a gRPC channel each, their latest stats (polled, with
-the round trip of each poll averaged for proximity), and what scoring sees of each
-(`Worker.view`). Pods come from --decode/--prefill addresses or from the Redis registry
-(`WorkerPool.apply_records`); services/gateway/router.py chooses among them.
+"""The gateway's view of the prefill and decode pods: a `PodPool` per role, a `Pod` each (gRPC
+channel, latest stats and load, round trip) and what scoring sees of it (`Pod.view`).
 
-A pod a call found unreachable (`WorkerPool.mark_unreachable`) is left out of routing for a
+Where each piece comes from, one source each:
+- which pods exist: the --decode/--prefill addresses, plus with --redis-url the Redis registry
+  (`PodPool.apply_records`), which also gives a pod's node and its prefix index keys;
+- load, liveness, served model, context length and round trip: this gateway's own GetStats
+  polls (every POLL_INTERVAL_SECONDS), with or without Redis. The registry record carries the
+  pod's load too, but only for the autoscaler: polls are needed anyway (static pods, liveness,
+  round trips), answer fresher than a heartbeat read through a registry refresh, and keep
+  routing by load while Redis is down.
+services/gateway/router.py chooses among the available pods.
+
+A pod a call found unreachable (`PodPool.mark_unreachable`) is left out of routing for a
 short cooldown: the registry and the stats polls notice a pod that went away only within a
 poll, and requests routed to it meanwhile would fail too."""
 
@@ -18,8 +26,9 @@ import grpc
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 from services.common.channels import aio_channel
-from services.common.registry import PodRecord
-from services.gateway.routing import Location, PodView
+from services.common.pod_load import PodLoad
+from services.common.registry_schema import PodRecord
+from services.gateway.scoring import Location, PodView
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +45,7 @@ UNREACHABLE_COOLDOWN_SECONDS = 5.0
 
 
 @dataclass
-class Worker:
+class Pod:
     address: str  # "host:port" of the pod's gRPC server
     stub: worker_pb2_grpc.DecodeWorkerStub | worker_pb2_grpc.PrefillWorkerStub
     # The latest answer to GetStats; None before the first one and after a failed poll.
@@ -49,14 +58,14 @@ class Worker:
     record: PodRecord | None = None
     rtt_ms: float | None = None  # moving average of GetStats round trips
     # When a call last found the pod unreachable (time.monotonic()), and until when routing
-    # skips it for that; set by WorkerPool.mark_unreachable, cleared by a later good poll.
+    # skips it for that; set by PodPool.mark_unreachable, cleared by a later good poll.
     unreachable_since: float | None = None
     unreachable_until: float = 0.0
 
     @property
-    def worker_id(self) -> str:
+    def pod_id(self) -> str:
         if self.record is not None:
-            return self.record.worker_id
+            return self.record.pod_id
         return self.stats.worker_id if self.stats is not None else self.address
 
     @property
@@ -68,13 +77,12 @@ class Worker:
         return Location(region, zone, node)
 
     def view(self, cached_tokens: int = 0) -> PodView:
-        queued, kv_usage = self.load
         return PodView(
-            self.worker_id,
+            self.pod_id,
             self.address,
             self.location,
-            queued,
-            kv_usage,
+            self.load,
+            self.num_dispatched,
             cached_tokens,
             self.rtt_ms,
         )
@@ -89,16 +97,13 @@ class Worker:
         return time.monotonic() < self.unreachable_until
 
     @property
-    def load(self) -> tuple[int, float]:
-        """Queued work first, then KV cache use; lower is lighter."""
-        assert self.stats is not None, "only available workers have a load"
-        stats = self.stats
-        queued = stats.num_running + stats.num_waiting + self.num_dispatched
-        kv_usage = 1.0 - stats.kv_blocks_free / max(stats.kv_blocks_total, 1)
-        return queued, kv_usage
+    def load(self) -> PodLoad:
+        """As the latest poll answered it (`num_dispatched` is what it does not count yet)."""
+        assert self.stats is not None, "only a pod that answered a poll has a load"
+        return PodLoad.from_proto(self.stats)
 
 
-class WorkerPool:
+class PodPool:
     """One role's pods. Owned by one event loop: `start` there; the router reads `available()`."""
 
     def __init__(
@@ -114,7 +119,7 @@ class WorkerPool:
         self.addresses = list(addresses)
         self.poll_interval_s = poll_interval_s  # between the background stats polls
         self.unreachable_cooldown_s = unreachable_cooldown_s
-        self.workers: list[Worker] = []
+        self.pods: list[Pod] = []
         self._channels: dict[str, grpc.aio.Channel] = {}  # address -> its channel
         # Channels of pods that left the registry, closing once their calls end.
         self._leaving: dict[asyncio.Task, grpc.aio.Channel] = {}
@@ -126,7 +131,7 @@ class WorkerPool:
         await self.poll()
         self._poller = asyncio.create_task(self._poll_forever(), name=f"poll-{self.role}")
 
-    def _add(self, address: str, record: PodRecord | None = None) -> Worker:
+    def _add(self, address: str, record: PodRecord | None = None) -> Pod:
         stub_class = (
             worker_pb2_grpc.DecodeWorkerStub
             if self.role == "decode"
@@ -134,28 +139,28 @@ class WorkerPool:
         )
         channel = aio_channel(address)
         self._channels[address] = channel
-        worker = Worker(address, stub_class(channel), record=record)
-        self.workers.append(worker)
-        return worker
+        pod = Pod(address, stub_class(channel), record=record)
+        self.pods.append(pod)
+        return pod
 
     async def apply_records(self, records: list[PodRecord]) -> None:
         """Follows the registry: adds this role's new pods (polled at once), drops the ones
         that left it; pods given by address stay whatever the registry says."""
         mine = {record.address: record for record in records if record.role == self.role}
         new = []
-        for worker in list(self.workers):
-            if worker.address in mine:
-                worker.record = mine.pop(worker.address)
-            elif worker.address in self.addresses:
-                worker.record = None  # given by address: stays, without its index entries
-            elif worker.record is not None:
-                logger.info("%s pod %s left the registry", self.role, worker.address)
-                self.workers.remove(worker)
-                self._close_when_idle(self._channels.pop(worker.address))
+        for pod in list(self.pods):
+            if pod.address in mine:
+                pod.record = mine.pop(pod.address)
+            elif pod.address in self.addresses:
+                pod.record = None  # given by address: stays, without its index entries
+            elif pod.record is not None:
+                logger.info("%s pod %s left the registry", self.role, pod.address)
+                self.pods.remove(pod)
+                self._close_when_idle(self._channels.pop(pod.address))
         for address, record in mine.items():
-            logger.info("%s pod %s joined (%s)", self.role, address, record.worker_id)
+            logger.info("%s pod %s joined (%s)", self.role, address, record.pod_id)
             new.append(self._add(address, record))
-        await asyncio.gather(*(self._poll_one(worker) for worker in new))
+        await asyncio.gather(*(self._poll_one(pod) for pod in new))
 
     def _close_when_idle(self, channel: grpc.aio.Channel) -> None:
         """A pod that left the registry is draining: its streams in flight must finish, so
@@ -174,77 +179,73 @@ class WorkerPool:
         for channel in self._channels.values():
             await channel.close()
 
-    def available(self) -> list[Worker]:
-        return [worker for worker in self.workers if worker.is_available]
+    def available(self) -> list[Pod]:
+        return [pod for pod in self.pods if pod.is_available]
 
-    def mark_unreachable(self, worker: Worker) -> None:
-        """A call could not reach `worker` (connection refused or reset, the pod gone): routing
+    def mark_unreachable(self, pod: Pod) -> None:
+        """A call could not reach `pod` (connection refused or reset, the pod gone): routing
         skips it for the cooldown, or until a stats poll begun after now succeeds."""
-        if not worker.is_cooling_down:  # once per episode, not once per failed call
+        if not pod.is_cooling_down:  # once per episode, not once per failed call
             logger.warning(
                 "%s pod %s is unreachable: not routing to it for up to %g s",
                 self.role,
-                worker.address,
+                pod.address,
                 self.unreachable_cooldown_s,
             )
         now = time.monotonic()
-        worker.unreachable_since = now
-        worker.unreachable_until = now + self.unreachable_cooldown_s
+        pod.unreachable_since = now
+        pod.unreachable_until = now + self.unreachable_cooldown_s
 
     @property
     def max_model_len(self) -> int | None:
         """The context every available pod can serve: the smallest of theirs."""
-        lengths = [worker.stats.max_model_len for worker in self.available()]
+        lengths = [pod.stats.max_model_len for pod in self.available()]
         return min(lengths) if lengths else None
 
     async def poll(self) -> None:
-        await asyncio.gather(*(self._poll_one(worker) for worker in list(self.workers)))
+        await asyncio.gather(*(self._poll_one(pod) for pod in list(self.pods)))
 
     async def _poll_forever(self) -> None:
         while True:
             await asyncio.sleep(self.poll_interval_s)
             await self.poll()
 
-    async def _poll_one(self, worker: Worker) -> None:
+    async def _poll_one(self, pod: Pod) -> None:
         started = time.monotonic()  # a good answer to a poll begun later than a failure ends it
         start = time.perf_counter()
         try:
-            stats = await worker.stub.GetStats(
+            stats = await pod.stub.GetStats(
                 worker_pb2.StatsRequest(), timeout=STATS_TIMEOUT_SECONDS
             )
         except grpc.aio.AioRpcError as error:
-            if worker.stats is not None:
-                logger.warning(
-                    "%s pod %s is unreachable: %s", self.role, worker.address, error.code()
-                )
-            worker.stats = None
+            if pod.stats is not None:
+                logger.warning("%s pod %s is unreachable: %s", self.role, pod.address, error.code())
+            pod.stats = None
             return
-        if worker.stats is None:
-            logger.info("%s pod %s is up (%s)", self.role, worker.address, stats.worker_id)
+        if pod.stats is None:
+            logger.info("%s pod %s is up (%s)", self.role, pod.address, stats.worker_id)
         serving = stats.model == self.model_name
-        if not serving and (worker.stats is None or worker.is_serving_model):
+        if not serving and (pod.stats is None or pod.is_serving_model):
             logger.warning(
                 "%s pod %s serves %r, not %r: not routing to it",
                 self.role,
-                worker.address,
+                pod.address,
                 stats.model,
                 self.model_name,
             )
-        worker.stats, worker.num_dispatched, worker.is_serving_model = stats, 0, serving
-        _end_cooldown_if_answered_since(worker, started)
+        pod.stats, pod.num_dispatched, pod.is_serving_model = stats, 0, serving
+        _end_cooldown_if_answered_since(pod, started)
         rtt_ms = (time.perf_counter() - start) * 1000
-        previous = worker.rtt_ms
-        worker.rtt_ms = (
-            rtt_ms if previous is None else previous + RTT_SMOOTHING * (rtt_ms - previous)
-        )
+        previous = pod.rtt_ms
+        pod.rtt_ms = rtt_ms if previous is None else previous + RTT_SMOOTHING * (rtt_ms - previous)
 
 
-def _end_cooldown_if_answered_since(worker: Worker, poll_started: float) -> None:
+def _end_cooldown_if_answered_since(pod: Pod, poll_started: float) -> None:
     """The pod answered a poll sent after a call failed to reach it: it is reachable again
     (a blip, or a pod back at the same address), so routing need not wait out the cooldown."""
-    since = worker.unreachable_since
+    since = pod.unreachable_since
     if since is None or poll_started <= since:
         return
-    if worker.is_cooling_down:
-        logger.info("pod %s is reachable again", worker.address)
-    worker.unreachable_since, worker.unreachable_until = None, 0.0
+    if pod.is_cooling_down:
+        logger.info("pod %s is reachable again", pod.address)
+    pod.unreachable_since, pod.unreachable_until = None, 0.0

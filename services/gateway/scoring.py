@@ -1,6 +1,7 @@
-"""Choosing a prefill pod P and a decode pod D for one prompt: pure functions over frozen
-dataclasses, so every rule here is unit-tested with exact numbers (tests/test_routing_scores.py).
-Gathering the inputs (stats, Redis lookups) is services/gateway/router.py's job.
+"""Pod scores: choosing a prefill pod P and a decode pod D for one prompt, as pure functions
+over frozen dataclasses, so every rule here is unit-tested with exact numbers
+(tests/test_routing_scores.py). Gathering the inputs (stats, Redis lookups) is
+services/gateway/router.py's job.
 
 Scores (higher wins; every term lies in [0, 1] before its weight):
 
@@ -26,6 +27,8 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
+
+from services.common.pod_load import PodLoad
 
 POLICIES = ("cache_aware", "least_load", "round_robin")
 # Why a pod won, in order of precedence; the last four name the score term that favoured the
@@ -58,13 +61,23 @@ class Location:
 class PodView:
     """What scoring sees of one available pod."""
 
-    worker_id: str
+    pod_id: str
     address: str
     location: Location
-    num_queued: int  # running + waiting + sent by this gateway since its last stats
-    kv_usage: float  # fraction of KV blocks in use, in [0, 1]
+    load: PodLoad  # as the pod last reported it
+    # Requests this gateway sent since that report: the load does not count them yet.
+    num_dispatched: int = 0
     cached_tokens: int = 0  # this prompt's longest prefix cached on the pod (from the index)
     rtt_ms: float | None = None  # moving average of gateway -> pod round trips
+
+    @property
+    def num_queued(self) -> int:
+        """Running + waiting + sent by this gateway since the pod's last report."""
+        return self.load.num_queued + self.num_dispatched
+
+    @property
+    def kv_usage(self) -> float:
+        return self.load.kv_usage
 
 
 @dataclass(frozen=True)
@@ -138,12 +151,12 @@ class RoutingContext:
 
 @dataclass(frozen=True)
 class RoutingDecision:
-    decode_worker_id: str
+    decode_pod_id: str
     decode_address: str
-    prefill_worker_id: str | None  # None: the decode pod prefills itself
+    prefill_pod_id: str | None  # None: the decode pod prefills itself
     prefill_address: str | None
     reason: str  # one of REASONS
-    scores: dict[str, float]  # worker id -> score, for every candidate of both roles
+    scores: dict[str, float]  # pod id -> score, for every candidate of both roles
     cached_prefix_tokens: int  # on the chosen prefill pod (decode pod without one)
     policy: str = "cache_aware"
 
@@ -221,12 +234,12 @@ def choose(pods: list[PodView], ctx: RoutingContext, prefill: PodView | None = N
     """The best pod of one role; `prefill` is the chosen prefill pod when choosing decode."""
     assert pods, "choose needs at least one pod"
     if ctx.policy == "round_robin":
-        ordered = sorted(pods, key=lambda pod: pod.worker_id)
+        ordered = sorted(pods, key=lambda pod: pod.pod_id)
         return Choice(ordered[ctx.round_robin_turn % len(ordered)], "round_robin", {})
     pool, spilled = candidates(pods, ctx)
-    terms = {pod.worker_id: score_terms(pod, ctx, prefill) for pod in pods}
-    scores = {worker_id: round(sum(t.values()), 6) for worker_id, t in terms.items()}
-    ranked = sorted(pool, key=lambda pod: (-scores[pod.worker_id], pod.worker_id))
+    terms = {pod.pod_id: score_terms(pod, ctx, prefill) for pod in pods}
+    scores = {pod_id: round(sum(t.values()), 6) for pod_id, t in terms.items()}
+    ranked = sorted(pool, key=lambda pod: (-scores[pod.pod_id], pod.pod_id))
     winner = ranked[0]
     if spilled:
         reason = "spill_over"
@@ -235,7 +248,7 @@ def choose(pods: list[PodView], ctx: RoutingContext, prefill: PodView | None = N
     elif len(ranked) == 1:
         reason = "only_candidate"
     else:
-        reason = _deciding_term(terms[winner.worker_id], terms[ranked[1].worker_id])
+        reason = _deciding_term(terms[winner.pod_id], terms[ranked[1].pod_id])
     return Choice(winner, reason, scores)
 
 
@@ -255,9 +268,9 @@ def decide(
     decode = choose(decode_pods, ctx, prefill.pod if prefill is not None else None)
     lead = prefill or decode
     return RoutingDecision(
-        decode_worker_id=decode.pod.worker_id,
+        decode_pod_id=decode.pod.pod_id,
         decode_address=decode.pod.address,
-        prefill_worker_id=prefill.pod.worker_id if prefill else None,
+        prefill_pod_id=prefill.pod.pod_id if prefill else None,
         prefill_address=prefill.pod.address if prefill else None,
         reason=lead.reason,
         scores={**(prefill.scores if prefill else {}), **decode.scores},

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.gateway.routing import Location, PodView, RoutingContext, decide
+from services.loadgen.workload import SimRequest
 from services.planner.sim_pod import SimPod
-from services.planner.workload import SimRequest
 
 
 @dataclass(frozen=True)

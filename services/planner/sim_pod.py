@@ -19,8 +19,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+from services.loadgen.workload import SimRequest
 from services.planner.profile import Profile
-from services.planner.workload import SimRequest
 
 
 @dataclass(eq=False)

@@ -106,7 +106,7 @@ def _request(rng: random.Random, arrival_s: float, shape: WorkloadShape) -> Requ
     return RequestSpec(arrival_s, prompt, shape.output_lens.draw(rng))
 
 
-# ---- what the simulator serves -------------------------------------------------------------
+# ---- what the simulator serves --------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,13 @@ Two workloads, both seeded Poisson arrivals with exact output lengths (EOS ignor
 rate of each is set from the profile so that one pod is about half busy. With `--fresh-profile`
 the profile is measured first, pinned to the core the pods will use, so that both see the
 machine in the same state (on a shared machine, a profile from another hour is another
-machine). Each run is measured
-client-side with the open-loop streaming client of `services/loadgen` (TTFT, every
-inter-token gap), then the same requests (arrival times and lengths) are simulated with the
-profile, and the percentiles are printed side by side, twice: with the bare engine's profile,
-and with the serving path's fixed costs added (a per-step and a per-request overhead, measured
-on each running stack from four requests sent one at a time before the loaded runs: what the
-engine profile cannot see, such as gRPC streaming and the gateway).
+machine). Each run is measured client-side with the open-loop streaming client of
+`services/loadgen` (TTFT, every inter-token gap), then the same requests (arrival times and
+lengths) are simulated with the profile, and the percentiles are printed side by side, twice:
+with the bare engine's profile, and with the serving path's fixed costs added (a per-step and a
+per-request overhead, measured on each running stack from four requests sent one at a time
+before the loaded runs: what the engine profile cannot see, such as gRPC streaming and the
+gateway).
 """
 
 from __future__ import annotations

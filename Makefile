@@ -26,10 +26,8 @@ bench-engine: deps
 	$(PYTHON) -m benchmarks.engine
 
 # Disaggregated against colocated under the same open-loop load (~10-15 min; BENCH_ARGS=--quick
-# for ~3-4). Its client and plots need the `bench` extra, installed here when missing.
+# for ~3-4).
 bench-serve: deps
-	$(PYTHON) -c "import aiohttp, matplotlib" 2>/dev/null \
-		|| $(PYTHON) -m pip install -q -e ".[bench]"
 	$(PYTHON) -m benchmarks.serve $(BENCH_ARGS)
 
 clean:

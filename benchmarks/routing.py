@@ -41,10 +41,10 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from benchmarks.serving.loadgen import Target, stream_one
-from benchmarks.serving.workload import RequestSpec
 from services.common.redis_server import RedisServer, free_port
 from services.common.supervisor import HealthCheck, ProcessSpec, Supervisor
+from services.loadgen.client import Target, stream_one
+from services.loadgen.workload import RequestSpec
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 VOCAB = range(1000, 40000)  # ordinary tokens, clear of the special ones

@@ -26,13 +26,6 @@ import sys
 import time
 from dataclasses import asdict
 
-from benchmarks.serving.cpu import ForeignLoad, idle_foreign_load
-from benchmarks.serving.loadgen import (
-    Target,
-    print_progress,
-    run_open_loop,
-    run_sequential,
-)
 from benchmarks.serving.options import BenchConfig, build_parser, config_from_args
 from benchmarks.serving.report import (
     NOISY_FOREIGN_CORES,
@@ -43,16 +36,17 @@ from benchmarks.serving.report import (
     plot_distributions,
     plot_vs_rate,
 )
-from benchmarks.serving.stacks import (
-    RunningStack,
-    SystemSetup,
-    colocated,
-    disaggregated,
-    usable_cores,
+from services.loadgen.client import (
+    Target,
+    print_progress,
+    run_open_loop,
+    run_sequential,
 )
-from benchmarks.serving.stats import summarize
-from benchmarks.serving.workload import (
-    LengthRange,
+from services.loadgen.cpu import ForeignLoad, idle_foreign_load
+from services.loadgen.stacks import RunningStack, SystemSetup, usable_cores
+from services.loadgen.stats import summarize
+from services.loadgen.workload import (
+    LengthDistribution,
     WorkloadShape,
     poisson_workload,
     sequential_workload,
@@ -63,6 +57,27 @@ IDLE_TIMEOUT_S = 30.0
 
 
 # ---- running ----------------------------------------------------------------------------------
+
+
+def disaggregated(cores: tuple[int, int], transport: str | None) -> SystemSetup:
+    flags = ["--prefill", "1", "--decode", "1", "--num-threads", "1"]
+    if transport is not None:
+        flags += ["--transport", transport]
+    return SystemSetup(
+        "disaggregated",
+        flags,
+        {"prefill-0": {cores[0]}, "decode-0": {cores[1]}},
+        f"prefill-0 on CPU {cores[0]}, decode-0 on CPU {cores[1]}, 1 torch thread each",
+    )
+
+
+def colocated(cores: tuple[int, int]) -> SystemSetup:
+    return SystemSetup(
+        "colocated",
+        ["--colocated", "--decode", "1", "--num-threads", "2"],
+        {"decode-0": set(cores)},
+        f"decode-0 prefills and decodes on CPUs {cores[0]},{cores[1]}, 2 torch threads",
+    )
 
 
 def log(message: str) -> None:
@@ -77,7 +92,7 @@ def run_system(setup: SystemSetup, config: BenchConfig) -> SystemResults:
         log(f"{setup.name} up in {time.monotonic() - started:.0f} s ({stack.plan.mode_note})")
         target = Target(f"{stack.base_url}/v1/completions", stack.model_name())
         # The first requests after start-up pay one-off costs (allocation, first calls).
-        warm_up_shape = WorkloadShape(config.shape.prompt_lens, LengthRange(8, 8))
+        warm_up_shape = WorkloadShape(config.shape.prompt_lens, LengthDistribution(8, 8))
         warm_up = sequential_workload(f"{config.seed}/warm-up", WARM_UP_REQUESTS, warm_up_shape)
         asyncio.run(run_sequential(target, warm_up))
         results = SystemResults(setup.name, setup.description, points=[])
@@ -139,7 +154,8 @@ def _measure(
         run = asyncio.run(run_open_loop(target, workload, config.drain_timeout_s, progress))
     foreign_cores = foreign.cores()
     stack.check_alive()
-    _wait_idle(stack)
+    if not stack.wait_idle(IDLE_TIMEOUT_S):
+        log("WARNING: the pods were still busy after the run; going on")
     share = _remote_share(stack, tokens_before, workload)
     point = Point(rate, len(workload), run, summarize(run, config.slo), share, foreign_cores)
     log(f"{label}: {_one_line(point)}")
@@ -160,18 +176,6 @@ def _remote_share(stack: RunningStack, before: int | None, workload) -> float | 
     if before is None or after is None:
         return None
     return (after - before) / sum(len(spec.prompt_token_ids) for spec in workload)
-
-
-def _wait_idle(stack: RunningStack) -> None:
-    """Until every pod has nothing running or waiting: requests cancelled at the deadline
-    must not load the next rate's run."""
-    deadline = time.monotonic() + IDLE_TIMEOUT_S
-    while time.monotonic() < deadline:
-        stats = stack.pod_stats().values()
-        if all(s.num_running == 0 and s.num_waiting == 0 for s in stats):
-            return
-        time.sleep(0.2)
-    log("WARNING: the pods were still busy after the run; going on")
 
 
 def _one_line(point: Point) -> str:

@@ -7,11 +7,11 @@ import json
 import pytest
 
 from services.cli import main as splitserve_main
+from services.loadgen.stats import Slo
+from services.loadgen.workload import LengthDistribution, WorkloadSpec
 from services.planner.__main__ import main as plan_main
 from services.planner.profile import Profile, load_profile, synthetic_profile
 from services.planner.recommend import SearchSpec, recommend
-from services.planner.sim_results import Slo
-from services.planner.workload import LengthDistribution, WorkloadSpec
 
 
 def _prefill_bound_profile() -> Profile:

@@ -7,10 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from services.planner.profile import synthetic_profile
-from services.planner.sim_results import Slo
-from services.planner.simulator import ClusterConfig, Simulation, simulate
-from services.planner.workload import (
+from services.loadgen.stats import Slo
+from services.loadgen.workload import (
     LengthDistribution,
     SimRequest,
     WorkloadSpec,
@@ -18,6 +16,8 @@ from services.planner.workload import (
     poisson_requests,
     write_trace,
 )
+from services.planner.profile import synthetic_profile
+from services.planner.simulator import ClusterConfig, Simulation, simulate
 
 LOOSE = Slo(ttft_s=1e9, itl_s=1e9)
 

@@ -1,2 +1,2 @@
-"""Pieces of `make bench-serve` (benchmarks/serve.py): the seeded workload, the open-loop
-streaming client, latency statistics, the pinned stacks under test, and the report."""
+"""Pieces of `make bench-serve` (benchmarks/serve.py): its flags and its report. The workload,
+the client, the statistics and the pinned stacks are installed code, in services/loadgen."""

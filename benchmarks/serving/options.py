@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from benchmarks.serving.stats import Slo
-from benchmarks.serving.workload import LengthRange, WorkloadShape
+from services.loadgen.stats import Slo
+from services.loadgen.workload import LengthDistribution, WorkloadShape
 
 # On this 2-core machine one decode core streams ~45 output tokens/s at most (a decode step
 # costs ~15 ms more per running sequence), so with outputs of 80 tokens on average the
@@ -129,8 +129,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         drain_timeout_s=_pick(args.drain_timeout, args.quick, 45.0, 20.0),
         num_unloaded=_pick(args.unloaded_requests, args.quick, 6, 3),
         shape=WorkloadShape(
-            LengthRange.parse(args.prompt_lens, "prompt_lens"),
-            LengthRange.parse(args.output_lens, "output_lens"),
+            LengthDistribution.parse(args.prompt_lens, "prompt_lens"),
+            LengthDistribution.parse(args.output_lens, "output_lens"),
         ),
         seed=args.seed,
         slo=Slo(args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3),

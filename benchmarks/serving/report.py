@@ -7,8 +7,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from benchmarks.serving.loadgen import RunResult
-from benchmarks.serving.stats import Slo, Summary
+from services.loadgen.client import RunResult
+from services.loadgen.stats import Slo, Summary
 
 # The goal: at the rate where colocated's ITL p90 reaches this many times its
 # unloaded value, disaggregated's ITL p90 should be clearly lower.
@@ -195,20 +195,14 @@ def plot_vs_rate(colocated: SystemResults, disaggregated: SystemResults, path: s
         color, marker = _STYLE[system.name]
         points = system.points or []
         rates = [p.rate for p in points]
-        itl_axes.plot(
-            rates,
-            [p.summary.itl.p90 * 1e3 for p in points],
-            marker=marker,
-            color=color,
-            label=f"{system.name} ITL p90",
-        )
-        ttft_axes.plot(
-            rates,
-            [p.summary.ttft.p90 * 1e3 for p in points],
-            marker=marker,
-            color=color,
-            label=f"{system.name} TTFT p90",
-        )
+        for axes, figure_name in ((itl_axes, "itl"), (ttft_axes, "ttft")):
+            axes.plot(
+                rates,
+                [getattr(p.summary, figure_name).p90 * 1e3 for p in points],
+                marker=marker,
+                color=color,
+                label=f"{system.name} {figure_name.upper()} p90",
+            )
         if system.unloaded is not None:
             itl_axes.axhline(
                 system.unloaded.summary.itl.p90 * 1e3,

@@ -131,7 +131,7 @@ def _size(parse, text: str) -> int:
 
 
 def _requests(args: argparse.Namespace, rate: float | None = None):
-    from services.planner.workload import (
+    from services.loadgen.workload import (
         load_trace,
         poisson_requests,
     )
@@ -142,7 +142,7 @@ def _requests(args: argparse.Namespace, rate: float | None = None):
 
 
 def _workload_spec(args: argparse.Namespace, rate: float | None = None):
-    from services.planner.workload import LengthDistribution, WorkloadSpec
+    from services.loadgen.workload import LengthDistribution, WorkloadSpec
 
     return WorkloadSpec(
         rate=args.rate if rate is None else rate,
@@ -155,7 +155,7 @@ def _workload_spec(args: argparse.Namespace, rate: float | None = None):
 
 
 def _slo(args: argparse.Namespace):
-    from services.planner.sim_results import Slo
+    from services.loadgen.stats import Slo
 
     return Slo(args.ttft_slo, args.itl_slo)
 

@@ -17,12 +17,12 @@ the simulator. It keeps the raw measurements, and the model derived from them:
 
 from __future__ import annotations
 
+import itertools
 import json
 from bisect import bisect_right
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-from scipy.optimize import nnls
 
 PROFILE_VERSION = 1
 
@@ -178,9 +178,34 @@ def _fit_prefill(samples: list[PrefillSample]) -> tuple[float, float, float]:
     features = np.stack([np.ones_like(tokens), tokens, tokens * tokens], axis=1)
     # Relative residuals: short prompts matter as much as long ones.
     weights = 1.0 / np.maximum(seconds, 1e-6)
-    coefficients, _ = nnls(features * weights[:, None], seconds * weights)
+    coefficients = nonnegative_least_squares(features * weights[:, None], seconds * weights)
     a, b, c = (float(value) for value in coefficients)
     return a, b, c
+
+
+def nonnegative_least_squares(matrix: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """argmin ||matrix @ x - target|| over x >= 0, for a few columns (what scipy's `nnls`
+    computes, without scipy: it is not a dependency, and the autoscaler loads profiles).
+
+    Exact by enumeration: the optimum is the unconstrained least-squares solution on its own
+    support (the columns where it is > 0), so among the 2^n supports the best one whose
+    solution comes out non-negative is it. 8 small solves for the prefill fit's 3 columns."""
+    num_columns = matrix.shape[1]
+    best = np.zeros(num_columns)
+    best_residual = float(np.linalg.norm(target))  # the empty support: x = 0
+    for support in itertools.product((False, True), repeat=num_columns):
+        columns = np.flatnonzero(support)
+        if columns.size == 0:
+            continue
+        solution = np.linalg.lstsq(matrix[:, columns], target, rcond=None)[0]
+        if (solution < 0).any():
+            continue
+        candidate = np.zeros(num_columns)
+        candidate[columns] = solution
+        residual = float(np.linalg.norm(matrix @ candidate - target))
+        if residual < best_residual:
+            best, best_residual = candidate, residual
+    return best
 
 
 def _interpolate(xs: list[int], ys: list[float], x: float) -> float:

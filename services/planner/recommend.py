@@ -19,10 +19,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from services.loadgen.stats import Slo
+from services.loadgen.workload import WorkloadSpec, poisson_requests
 from services.planner.profile import Profile
-from services.planner.sim_results import SimResult, Slo
+from services.planner.sim_results import SimResult
 from services.planner.simulator import ClusterConfig, simulate
-from services.planner.workload import WorkloadSpec, poisson_requests
 
 RATE_SEARCH_STEPS = 7
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from services.common.pod_load import PodLoad
 from services.gateway.scoring import Location, PodView, RoutingContext, decide
+from services.loadgen.workload import SimRequest
 from services.planner.sim_pod import SimPod
-from services.planner.workload import SimRequest
 
 
 @dataclass

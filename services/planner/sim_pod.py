@@ -20,8 +20,8 @@ import itertools
 from dataclasses import dataclass, field
 
 from services.common.pod_load import PodLoad
+from services.loadgen.workload import SimRequest
 from services.planner.profile import Profile
-from services.planner.workload import SimRequest
 
 
 @dataclass(eq=False)

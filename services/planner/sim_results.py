@@ -1,31 +1,17 @@
-"""What a simulation (or a measured run) adds up to: TTFT and ITL percentiles, throughput, and
-goodput, the requests per second that met both SLOs (the definition `benchmarks/serve.py` uses:
-TTFT within its bound and the request's own mean inter-token latency within its bound)."""
+"""What a simulation adds up to: TTFT and ITL percentiles, throughput, goodput and pod
+utilization, with the `Slo` and `Percentiles` of a measured run (services/loadgen/stats.py), so
+simulated and measured figures mean the same."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from services.planner.workload import SimRequest
+from services.loadgen.stats import Percentiles, Slo
+from services.loadgen.workload import SimRequest
 
 if TYPE_CHECKING:
     from services.planner.sim_pod import SimPod
-
-
-@dataclass(frozen=True)
-class Slo:
-    ttft_s: float
-    itl_s: float  # bound on each request's mean inter-token latency
-
-    def __post_init__(self) -> None:
-        if self.ttft_s <= 0 or self.itl_s <= 0:
-            raise ValueError(f"SLOs must be > 0 seconds, got TTFT {self.ttft_s}, ITL {self.itl_s}")
-
-    def __str__(self) -> str:
-        return f"TTFT <= {self.ttft_s * 1e3:.0f} ms, mean ITL <= {self.itl_s * 1e3:.0f} ms"
 
 
 @dataclass
@@ -45,28 +31,7 @@ class RequestRecord:
         return sum(self.itls_s) / len(self.itls_s) if self.itls_s else 0.0
 
     def meets(self, slo: Slo) -> bool:
-        return (
-            self.is_finished
-            and self.ttft_s is not None
-            and self.ttft_s <= slo.ttft_s
-            and self.mean_itl_s <= slo.itl_s
-        )
-
-
-@dataclass(frozen=True)
-class Percentiles:
-    p50: float
-    p90: float
-    p99: float
-    mean: float
-
-    @classmethod
-    def of(cls, samples: list[float]) -> Percentiles:
-        if not samples:
-            nan = float("nan")
-            return cls(nan, nan, nan, nan)
-        p50, p90, p99 = np.percentile(samples, [50, 90, 99])
-        return cls(float(p50), float(p90), float(p99), float(np.mean(samples)))
+        return self.is_finished and slo.is_met(self.ttft_s, self.mean_itl_s)
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.gateway.pods import POLL_INTERVAL_SECONDS
+from services.loadgen.stats import Slo
+from services.loadgen.workload import SimRequest
 from services.planner.profile import Profile
 from services.planner.sim_gateway import SimGateway
 from services.planner.sim_pod import PodLimits, ScheduledStep, SimPod, SimSeq
-from services.planner.sim_results import RequestRecord, SimResult, Slo, summarize
-from services.planner.workload import SimRequest
+from services.planner.sim_results import RequestRecord, SimResult, summarize
 
 ARRIVAL, STEP_DONE, KV_LANDED, KICK, POLL = 0, 1, 2, 3, 4
 

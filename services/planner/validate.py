@@ -12,14 +12,13 @@ Two workloads, both seeded Poisson arrivals with exact output lengths (EOS ignor
 rate of each is set from the profile so that one pod is about half busy. With `--fresh-profile`
 the profile is measured first, pinned to the core the pods will use, so that both see the
 machine in the same state (on a shared machine, a profile from another hour is another
-machine). Each run is measured
-client-side with the open-loop streaming client of `benchmarks/serving` (TTFT, every
-inter-token gap), then the same requests (arrival times and lengths) are simulated with the
-profile, and the percentiles are printed side by side, twice: with the bare engine's profile,
-and with the serving path's fixed costs added (a per-step and a per-request overhead, measured
-on each running stack from four requests sent one at a time before the loaded runs: what the
-engine profile cannot see, such as gRPC streaming and the gateway). Needs the repository
-checkout (it imports `benchmarks.serving`) and the `bench` extra (aiohttp).
+machine). Each run is measured client-side with the open-loop streaming client of
+`services/loadgen` (TTFT, every inter-token gap), then the same requests (arrival times and
+lengths) are simulated with the profile, and the percentiles are printed side by side, twice:
+with the bare engine's profile, and with the serving path's fixed costs added (a per-step and a
+per-request overhead, measured on each running stack from four requests sent one at a time
+before the loaded runs: what the engine profile cannot see, such as gRPC streaming and the
+gateway).
 """
 
 from __future__ import annotations
@@ -33,12 +32,17 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
-import numpy as np
-
+from services.loadgen.stats import Percentiles, Slo, summarize
+from services.loadgen.workload import (
+    LengthDistribution,
+    SimRequest,
+    WorkloadShape,
+    as_sim_requests,
+    poisson_workload,
+    sequential_workload,
+)
 from services.planner.profile import Profile, load_profile
-from services.planner.sim_results import Slo
 from services.planner.simulator import ClusterConfig, simulate
-from services.planner.workload import SimRequest
 
 TOLERANCE = 0.25
 TARGET_UTILIZATION = 0.5  # of one pod, by the profile: loaded, but well short of saturation
@@ -64,14 +68,15 @@ CONFIGS = (
 @dataclass(frozen=True)
 class LocalWorkload:
     name: str
-    prompt_lens: tuple[int, int]
-    output_lens: tuple[int, int]
+    shape: WorkloadShape
 
 
 # Short enough that a minute's run holds a few dozen requests on one CPU core per pod.
 WORKLOADS = (
-    LocalWorkload("chat", (32, 128), (8, 32)),
-    LocalWorkload("long-prompt", (256, 512), (4, 12)),
+    LocalWorkload("chat", WorkloadShape(LengthDistribution(32, 128), LengthDistribution(8, 32))),
+    LocalWorkload(
+        "long-prompt", WorkloadShape(LengthDistribution(256, 512), LengthDistribution(4, 12))
+    ),
 )
 
 
@@ -83,10 +88,8 @@ class Latencies:
     itl_p90: float
 
     @classmethod
-    def of(cls, ttfts: list[float], itls: list[float]) -> Latencies:
-        t50, t90 = _percentiles(ttfts)
-        i50, i90 = _percentiles(itls)
-        return cls(t50, t90, i50, i90)
+    def of(cls, ttft: Percentiles, itl: Percentiles) -> Latencies:
+        return cls(ttft.p50, ttft.p90, itl.p50, itl.p90)
 
 
 @dataclass(frozen=True)
@@ -118,21 +121,14 @@ class Comparison:
         return {key: simulated_figures[key] / measured[key] - 1 for key in measured}
 
 
-def _percentiles(samples: list[float]) -> tuple[float, float]:
-    if not samples:
-        return math.nan, math.nan
-    p50, p90 = np.percentile(samples, [50, 90])
-    return float(p50), float(p90)
-
-
 def log(message: str) -> None:
     print(f"[plan validate {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def workload_rate(profile: Profile, workload: LocalWorkload) -> float:
     """Requests/s that keep one pod about TARGET_UTILIZATION busy, by the profile."""
-    mean_in = sum(workload.prompt_lens) / 2
-    mean_out = sum(workload.output_lens) / 2
+    mean_in = workload.shape.prompt_lens.mean
+    mean_out = workload.shape.output_lens.mean
     context = mean_in + mean_out / 2
     busy_s = profile.prefill_s(int(mean_in)) + (mean_out - 1) * profile.decode.step_s(2, context)
     return round(TARGET_UTILIZATION / busy_s, 3)
@@ -142,7 +138,7 @@ def workload_rate(profile: Profile, workload: LocalWorkload) -> float:
 
 
 def run_config(config: LocalConfig, profile: Profile, args: argparse.Namespace) -> list[Comparison]:
-    from benchmarks.serving.stacks import RunningStack, SystemSetup, usable_cores
+    from services.loadgen.stacks import RunningStack, SystemSetup, usable_cores
 
     cores = usable_cores()
     pins = {name: {core} for name, core in zip(config.pins, cores)}
@@ -164,16 +160,15 @@ def run_config(config: LocalConfig, profile: Profile, args: argparse.Namespace) 
 
 
 def _target(stack):
-    from benchmarks.serving.loadgen import Target
+    from services.loadgen.client import Target
 
     return Target(f"{stack.base_url}/v1/completions", stack.model_name())
 
 
 def _warm_up(target, seed: int) -> None:
-    from benchmarks.serving.loadgen import run_sequential
-    from benchmarks.serving.workload import LengthRange, WorkloadShape, sequential_workload
+    from services.loadgen.client import run_sequential
 
-    shape = WorkloadShape(LengthRange(64, 256), LengthRange(8, 8))
+    shape = WorkloadShape(LengthDistribution(64, 256), LengthDistribution(8, 8))
     asyncio.run(run_sequential(target, sequential_workload(f"{seed}/warm-up", 2, shape)))
 
 
@@ -185,20 +180,17 @@ def _measure_overheads(target, config: LocalConfig, profile: Profile, seed: int)
     gap between measured and simulated median ITL is a per-step cost (streaming each step's
     tokens through the pod's gRPC, the gateway and SSE); what then remains of the TTFT gap is
     a per-request cost (HTTP, routing, the RPC hops before the first step)."""
-    from benchmarks.serving.loadgen import run_sequential
-    from benchmarks.serving.workload import LengthRange, WorkloadShape, sequential_workload
+    from services.loadgen.client import run_sequential
 
-    shape = WorkloadShape(LengthRange(64, 128), LengthRange(16, 16))
+    shape = WorkloadShape(LengthDistribution(64, 128), LengthDistribution(16, 16))
     specs = sequential_workload(f"{seed}/unloaded", UNLOADED_REQUESTS, shape)
-    ok = [r for r in asyncio.run(run_sequential(target, specs)).results if r.ok]
-    if not ok:
+    run = asyncio.run(run_sequential(target, specs))
+    if not any(r.ok for r in run.results):
         return Overheads(0.0, 0.0)
-    measured = Latencies.of([r.ttft_s for r in ok], [gap for r in ok for gap in r.itls_s])
+    measured = _measured(run)
     # One at a time in the simulation too: arrivals far apart.
-    requests = [
-        SimRequest(i, i * 1000.0, len(spec.prompt_token_ids), spec.max_tokens)
-        for i, spec in enumerate(specs)
-    ]
+    apart = [replace(spec, arrival_s=i * 1000.0) for i, spec in enumerate(specs)]
+    requests = as_sim_requests(apart)
     bare = _simulate_requests(profile, config, requests)
     step_s = max(measured.itl_p50 - bare.itl_p50, 0.0)
     with_steps = _simulate_requests(replace(profile, step_overhead_s=step_s), config, requests)
@@ -211,14 +203,19 @@ def _with_overheads(profile: Profile, overheads: Overheads) -> Profile:
     )
 
 
+def _measured(run) -> Latencies:
+    """The client's figures of the requests that finished."""
+    summary = summarize(run, LOOSE_SLO)
+    return Latencies.of(summary.ttft, summary.itl)
+
+
 def _measure(stack, target, config, workload, profile, overheads, args) -> Comparison:
-    from benchmarks.serving.cpu import ForeignLoad
-    from benchmarks.serving.loadgen import print_progress, run_open_loop
-    from benchmarks.serving.workload import LengthRange, WorkloadShape, poisson_workload
+    from services.loadgen.client import print_progress, run_open_loop
+    from services.loadgen.cpu import ForeignLoad
 
     rate = workload_rate(profile, workload)
-    shape = WorkloadShape(LengthRange(*workload.prompt_lens), LengthRange(*workload.output_lens))
-    specs = poisson_workload(f"{args.seed}/{workload.name}", rate, args.duration, 10_000, shape)
+    seed = f"{args.seed}/{workload.name}"
+    specs = poisson_workload(seed, rate, args.duration, 10_000, workload.shape)
     label = f"{config.name} {workload.name} {rate:g} req/s"
     log(f"{label}: {len(specs)} requests over {specs[-1].arrival_s:.0f} s")
     foreign = ForeignLoad(lambda: [os.getpid(), *stack.pids()])
@@ -226,26 +223,22 @@ def _measure(stack, target, config, workload, profile, overheads, args) -> Compa
     drain_s = 60.0
     run = asyncio.run(run_open_loop(target, specs, drain_s, print_progress(label)))
     foreign_cores = foreign.cores()
-    ok = [result for result in run.results if result.ok]
-    measured = Latencies.of([r.ttft_s for r in ok], [gap for r in ok for gap in r.itls_s])
-    requests = [
-        SimRequest(i, spec.arrival_s, len(spec.prompt_token_ids), spec.max_tokens)
-        for i, spec in enumerate(specs)
-    ]
+    num_ok = sum(result.ok for result in run.results)
+    requests = as_sim_requests(specs)
     comparison = Comparison(
         config.name,
         workload.name,
         rate,
         len(specs),
-        len(ok),
+        num_ok,
         foreign_cores,
-        measured,
+        _measured(run),
         _simulate_requests(profile, config, requests),
         overheads,
         _simulate_requests(_with_overheads(profile, overheads), config, requests),
     )
-    log(f"{label}: {len(ok)}/{len(specs)} finished; {_errors_line(comparison)}")
-    _wait_idle(stack)
+    log(f"{label}: {num_ok}/{len(specs)} finished; {_errors_line(comparison)}")
+    stack.wait_idle(timeout_s=30.0)
     return comparison
 
 
@@ -254,16 +247,7 @@ def _simulate_requests(
 ) -> Latencies:
     cluster = ClusterConfig(config.num_prefill, config.num_decode)
     result = simulate(profile, cluster, requests, LOOSE_SLO)
-    return Latencies(result.ttft.p50, result.ttft.p90, result.itl.p50, result.itl.p90)
-
-
-def _wait_idle(stack, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        stats = stack.pod_stats().values()
-        if all(s.num_running == 0 and s.num_waiting == 0 for s in stats):
-            return
-        time.sleep(0.2)
+    return Latencies.of(result.ttft, result.itl)
 
 
 # ---- the report -----------------------------------------------------------------------------
@@ -344,7 +328,7 @@ def run_validation(args: argparse.Namespace) -> int:
 def _profile(path: str, fresh: bool) -> Profile:
     if os.path.exists(path) and not fresh:
         return load_profile(path)
-    from benchmarks.serving.stacks import usable_cores
+    from services.loadgen.stacks import usable_cores
     from services.planner.profiler import QUICK_GRID, ProfileSettings, measure_profile
 
     log(f"measuring a profile into {path} first, pinned to CPU {usable_cores()[0]}")

@@ -1,12 +1,17 @@
-"""What one run's per-request timings add up to: latency percentiles, throughput, goodput."""
+"""What a run's per-request timings add up to: latency percentiles, throughput, and goodput, the
+requests per second that met both SLOs (TTFT within its bound and the request's own mean
+inter-token latency within its bound). The planner's simulator reports its runs with the same
+`Slo` and `Percentiles` (services/planner/sim_results.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from benchmarks.serving.loadgen import RunResult
+if TYPE_CHECKING:  # the simulator's figures need no HTTP client
+    from services.loadgen.client import RunResult
 
 
 @dataclass(frozen=True)
@@ -14,14 +19,18 @@ class Slo:
     """A request is good when both hold (and it finished)."""
 
     ttft_s: float
-    mean_itl_s: float  # the request's own mean inter-token latency (TPOT)
+    itl_s: float  # bound on each request's own mean inter-token latency (TPOT)
 
     def __post_init__(self) -> None:
-        if self.ttft_s <= 0 or self.mean_itl_s <= 0:
-            raise ValueError(f"SLO bounds must be > 0, got {self.ttft_s}, {self.mean_itl_s}")
+        if self.ttft_s <= 0 or self.itl_s <= 0:
+            raise ValueError(f"SLOs must be > 0 seconds, got TTFT {self.ttft_s}, ITL {self.itl_s}")
+
+    def is_met(self, ttft_s: float | None, mean_itl_s: float) -> bool:
+        """By a finished request's TTFT and mean ITL (0 when it had one token)."""
+        return ttft_s is not None and ttft_s <= self.ttft_s and mean_itl_s <= self.itl_s
 
     def __str__(self) -> str:
-        return f"TTFT <= {self.ttft_s * 1e3:.0f} ms, mean ITL <= {self.mean_itl_s * 1e3:.0f} ms"
+        return f"TTFT <= {self.ttft_s * 1e3:.0f} ms, mean ITL <= {self.itl_s * 1e3:.0f} ms"
 
 
 @dataclass(frozen=True)
@@ -29,13 +38,16 @@ class Percentiles:
     p50: float
     p90: float
     p99: float
+    mean: float
 
     @classmethod
     def of(cls, samples: list[float]) -> Percentiles:
+        """NaN for each figure when there are no samples."""
         if not samples:
-            return cls(float("nan"), float("nan"), float("nan"))
+            nan = float("nan")
+            return cls(nan, nan, nan, nan)
         p50, p90, p99 = np.percentile(samples, [50, 90, 99])
-        return cls(float(p50), float(p90), float(p99))
+        return cls(float(p50), float(p90), float(p99), float(np.mean(samples)))
 
 
 @dataclass(frozen=True)
@@ -58,13 +70,7 @@ class Summary:
 
 def summarize(run: RunResult, slo: Slo) -> Summary:
     ok = [result for result in run.results if result.ok]
-    good = [
-        result
-        for result in ok
-        if result.ttft_s is not None
-        and result.ttft_s <= slo.ttft_s
-        and (result.mean_itl_s or 0.0) <= slo.mean_itl_s
-    ]
+    num_good = sum(slo.is_met(result.ttft_s, result.mean_itl_s) for result in ok)
     errors = [result.error for result in run.results if result.error]
     duration = max(run.duration_s, 1e-9)
     return Summary(
@@ -75,7 +81,7 @@ def summarize(run: RunResult, slo: Slo) -> Summary:
         itl=Percentiles.of([gap for r in ok for gap in r.itls_s]),
         request_throughput=len(ok) / duration,
         output_throughput=sum(r.num_output_tokens for r in ok) / duration,
-        goodput=len(good) / duration,
-        num_good=len(good),
+        goodput=num_good / duration,
+        num_good=num_good,
         first_error=errors[0] if errors else "",
     )

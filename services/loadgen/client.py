@@ -1,4 +1,4 @@
-"""The client: streaming /v1/completions requests sent open-loop (each at its arrival time,
+"""The load generator: streaming /v1/completions requests sent open-loop (each at its arrival time,
 whether or not earlier ones have finished), timed token by token on the client side.
 
     send ──────── first token ── token ── token ── ... ── last token
@@ -13,12 +13,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from benchmarks.serving.workload import RequestSpec
+import aiohttp
 
-if TYPE_CHECKING:  # imported when a run starts, so --help works without the `bench` extra
-    import aiohttp
+from services.loadgen.workload import RequestSpec
 
 PROGRESS_INTERVAL_S = 5.0
 # on_progress(num_done, num_sent, num_total)
@@ -43,8 +41,9 @@ class RequestResult:
         return not self.error and self.latency_s is not None
 
     @property
-    def mean_itl_s(self) -> float | None:
-        return sum(self.itls_s) / len(self.itls_s) if self.itls_s else None
+    def mean_itl_s(self) -> float:
+        """0 for a request of one token (no gaps)."""
+        return sum(self.itls_s) / len(self.itls_s) if self.itls_s else 0.0
 
 
 @dataclass(frozen=True)
@@ -74,8 +73,6 @@ def request_body(spec: RequestSpec, model: str) -> dict:
 async def stream_one(
     session: aiohttp.ClientSession, target: Target, spec: RequestSpec, run_start: float
 ) -> RequestResult:
-    import aiohttp  # present: _session() made `session`
-
     result = RequestResult(len(spec.prompt_token_ids), spec.max_tokens)
     start = time.perf_counter()
     result.sent_s = start - run_start
@@ -126,10 +123,6 @@ async def _read_events(response: aiohttp.ClientResponse, result: RequestResult, 
 
 
 def _session() -> aiohttp.ClientSession:
-    try:
-        import aiohttp
-    except ImportError:
-        raise SystemExit("bench-serve needs aiohttp: pip install -e '.[bench]'") from None
     # No connection limit (an open loop never waits for a free connection), no total timeout
     # (the run's own deadline cancels what is left).
     connector = aiohttp.TCPConnector(limit=0)

@@ -1,5 +1,6 @@
-"""`python benchmarks/serving/pin.py CPUS -- PROGRAM ARGS...`: runs PROGRAM on the CPUs given
-("0", "1", "0,1"). Run by path, not `-m`, so it works from any working directory.
+"""`python services/loadgen/pin.py CPUS -- PROGRAM ARGS...`: runs PROGRAM on the CPUs given
+("0", "1", "0,1"). Run by path, not `-m`: it needs nothing on the path and imports nothing
+of ours.
 
 The affinity is set before exec, so every thread PROGRAM starts later (torch's OpenMP pool
 included) inherits it; setting it on a running pid would pin only the main thread. exec keeps

@@ -1,38 +1,31 @@
-"""What the simulator serves: requests with arrival times, input and output lengths, and an
-optional prefix group (requests of one group share their first `prefix_len` prompt tokens).
+"""Which requests arrive when, in two forms:
 
-Two sources: seeded Poisson arrivals with lengths drawn from distributions, or a JSONL trace,
-one request a line:
+- `RequestSpec`, what the client sends to a real gateway: prompt token ids and an exact output
+  length, in a seeded Poisson or one-at-a-time workload (`poisson_workload`,
+  `sequential_workload`). Prompts are ids from the ordinary vocabulary and every prompt starts
+  differently, so no request finds another's blocks in a prefix cache and every prefill is
+  computed in full; outputs are exact (`ignore_eos`), so every system does the same work.
+- `SimRequest`, what the planner's simulator serves: lengths only, and an optional prefix group
+  (requests of one group share their first `prefix_len` prompt tokens), from seeded Poisson
+  arrivals (`poisson_requests`) or a JSONL trace, one request a line:
 
-    {"arrival_s": 0.31, "input_len": 412, "output_len": 64, "prefix_group": "sys-a",
-     "prefix_len": 256}
+      {"arrival_s": 0.31, "input_len": 412, "output_len": 64, "prefix_group": "sys-a",
+       "prefix_len": 256}
 
-(`prefix_group` and `prefix_len` are optional; arrivals need not be sorted.)
+  (`prefix_group` and `prefix_len` are optional; arrivals need not be sorted.)
+
+Both draw lengths from one `LengthDistribution`.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class SimRequest:
-    request_id: int
-    arrival_s: float
-    input_len: int
-    output_len: int  # tokens generated, the first (from prefill) included
-    prefix_group: str | None = None
-    prefix_len: int = 0  # prompt tokens shared with the rest of `prefix_group`
-
-    def __post_init__(self) -> None:
-        if self.arrival_s < 0:
-            raise ValueError(f"request {self.request_id}: arrival_s must be >= 0")
-        if self.input_len < 1 or self.output_len < 1:
-            raise ValueError(f"request {self.request_id}: input_len and output_len must be >= 1")
-        if not 0 <= self.prefix_len <= self.input_len:
-            raise ValueError(f"request {self.request_id}: prefix_len must be in [0, input_len]")
+# SmolLM2 keeps its special tokens below 20; ids in this range are ordinary word pieces.
+VOCAB_RANGE = (1000, 40000)
 
 
 @dataclass(frozen=True)
@@ -65,6 +58,73 @@ class LengthDistribution:
 
     def __str__(self) -> str:
         return str(self.low) if self.low == self.high else f"{self.low}-{self.high}"
+
+
+# ---- what the client sends ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    arrival_s: float  # when to send it, in seconds after the run starts
+    prompt_token_ids: list[int]
+    max_tokens: int  # exactly this many output tokens (ignore_eos)
+
+
+@dataclass(frozen=True)
+class WorkloadShape:
+    prompt_lens: LengthDistribution
+    output_lens: LengthDistribution
+
+
+def poisson_workload(
+    seed: str, rate: float, duration_s: float, max_requests: int, shape: WorkloadShape
+) -> list[RequestSpec]:
+    """Requests arriving as a Poisson process of `rate` per second from 0 until `duration_s`
+    (at least one, at most `max_requests`). The same arguments give the same requests at the
+    same times, whichever system is run."""
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    rng = random.Random(seed)  # a str seed is hashed with SHA-512: stable across processes
+    arrival_s = 0.0
+    requests = []
+    while arrival_s < duration_s and len(requests) < max_requests:
+        requests.append(_request(rng, arrival_s, shape))
+        arrival_s += rng.expovariate(rate)
+    return requests
+
+
+def sequential_workload(seed: str, num_requests: int, shape: WorkloadShape) -> list[RequestSpec]:
+    """Requests for a closed loop of one (each sent when the previous one finished): the
+    unloaded baseline, the limit of an open loop as its rate goes to zero."""
+    rng = random.Random(seed)
+    return [_request(rng, 0.0, shape) for _ in range(num_requests)]
+
+
+def _request(rng: random.Random, arrival_s: float, shape: WorkloadShape) -> RequestSpec:
+    num_prompt = shape.prompt_lens.draw(rng)
+    prompt = [rng.randrange(*VOCAB_RANGE) for _ in range(num_prompt)]
+    return RequestSpec(arrival_s, prompt, shape.output_lens.draw(rng))
+
+
+# ---- what the simulator serves --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    request_id: int
+    arrival_s: float
+    input_len: int
+    output_len: int  # tokens generated, the first (from prefill) included
+    prefix_group: str | None = None
+    prefix_len: int = 0  # prompt tokens shared with the rest of `prefix_group`
+
+    def __post_init__(self) -> None:
+        if self.arrival_s < 0:
+            raise ValueError(f"request {self.request_id}: arrival_s must be >= 0")
+        if self.input_len < 1 or self.output_len < 1:
+            raise ValueError(f"request {self.request_id}: input_len and output_len must be >= 1")
+        if not 0 <= self.prefix_len <= self.input_len:
+            raise ValueError(f"request {self.request_id}: prefix_len must be in [0, input_len]")
 
 
 @dataclass(frozen=True)
@@ -162,3 +222,11 @@ def write_trace(path: str, requests: list[SimRequest]) -> None:
                 row["prefix_group"] = request.prefix_group
                 row["prefix_len"] = request.prefix_len
             file.write(json.dumps(row) + "\n")
+
+
+def as_sim_requests(specs: Sequence[RequestSpec]) -> list[SimRequest]:
+    """The same requests (arrival times and lengths) for the simulator."""
+    return [
+        SimRequest(i, spec.arrival_s, len(spec.prompt_token_ids), spec.max_tokens)
+        for i, spec in enumerate(specs)
+    ]

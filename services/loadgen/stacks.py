@@ -1,12 +1,7 @@
-"""The two systems under test, started the way users start them: `splitserve up`'s own plan
-(services.launcher.plan) run by its own supervisor, with each engine process pinned to cores.
-
-- disaggregated: 1 prefill process on the first core, 1 decode process on the second, one
-  torch thread each;
-- colocated (`splitserve up --colocated`): 1 decode process that prefills too, two torch
-  threads on both cores.
-
-The gateway (and this client) stay unpinned in both: they are the same code either way.
+"""A system under test on this machine, started the way users start it: `splitserve up`'s own
+plan (services.launcher.plan) run by its own supervisor, with engine processes pinned to cores
+(`make bench-serve` and `splitserve plan validate` each name theirs). The gateway (and the
+client) stay unpinned: they are the same code whichever way the pods are laid out.
 """
 
 from __future__ import annotations
@@ -23,10 +18,10 @@ from dataclasses import dataclass, field, replace
 
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
-from benchmarks.serving.pin import wrap
 from services.common.channels import sync_channel
 from services.common.supervisor import ProcessGroupError, ProcessSpec, Supervisor
 from services.launcher import Plan, add_up_flags, plan
+from services.loadgen.pin import wrap
 
 HOST = "127.0.0.1"
 # A child can die before it runs (SIGABRT between fork and exec: grpc's fork handlers in a
@@ -36,7 +31,7 @@ STARTUP_ATTEMPTS = 2
 
 @dataclass(frozen=True)
 class SystemSetup:
-    name: str  # "disaggregated" or "colocated", for the report
+    name: str  # for the report, such as "disaggregated" or "colocated"
     up_flags: list[str]  # `splitserve up` flags (ports are added when it starts)
     cpus: dict[str, set[int]] = field(default_factory=dict)  # process name -> pinned CPUs
     description: str = ""
@@ -46,29 +41,8 @@ def usable_cores() -> tuple[int, int]:
     """The first two CPUs this process may run on: one per engine process when split."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
-        raise ValueError(f"bench-serve needs 2 CPUs to split between prefill and decode: {cpus}")
+        raise ValueError(f"needs 2 CPUs to split between prefill and decode, has {cpus}")
     return cpus[0], cpus[1]
-
-
-def disaggregated(cores: tuple[int, int], transport: str | None) -> SystemSetup:
-    flags = ["--prefill", "1", "--decode", "1", "--num-threads", "1"]
-    if transport is not None:
-        flags += ["--transport", transport]
-    return SystemSetup(
-        "disaggregated",
-        flags,
-        {"prefill-0": {cores[0]}, "decode-0": {cores[1]}},
-        f"prefill-0 on CPU {cores[0]}, decode-0 on CPU {cores[1]}, 1 torch thread each",
-    )
-
-
-def colocated(cores: tuple[int, int]) -> SystemSetup:
-    return SystemSetup(
-        "colocated",
-        ["--colocated", "--decode", "1", "--num-threads", "2"],
-        {"decode-0": set(cores)},
-        f"decode-0 prefills and decodes on CPUs {cores[0]},{cores[1]}, 2 torch threads",
-    )
 
 
 def free_port() -> int:
@@ -117,7 +91,7 @@ class RunningStack:
                 self._supervisor.stop()
                 if attempt == STARTUP_ATTEMPTS:
                     raise
-                print(f"[bench-serve] {error}; starting again", file=sys.stderr, flush=True)
+                print(f"[{self.setup.name}] {error}; starting again", file=sys.stderr, flush=True)
             except BaseException:
                 self._supervisor.stop()
                 raise
@@ -153,6 +127,17 @@ class RunningStack:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the gateway never saw every pod: {sorted(pods - seen)}")
             time.sleep(0.1)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Until every pod has nothing running or waiting (requests cancelled at a run's end
+        must not load the next run); False if they were still busy after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            stats = self.pod_stats().values()
+            if all(s.num_running == 0 and s.num_waiting == 0 for s in stats):
+                return True
+            time.sleep(0.2)
+        return False
 
     def pod_stats(self) -> dict[str, worker_pb2.WorkerStats]:
         """name -> stats of each engine process."""

@@ -29,8 +29,8 @@ from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from services.cli import build_parser
 from services.common.channels import sync_channel
 from services.launcher import plan
+from services.prefill.core import CHECKSUM_ALGORITHM, first_token_params
 from services.prefill.servicer import descriptor_to_proto
-from services.prefill.worker import CHECKSUM_ALGORITHM, first_token_params
 from shared import LLM, SamplingParams
 from shared.kv_transfer import KVTransferDescriptor
 from shared.outputs import CompletionOutput

@@ -326,12 +326,12 @@ def test_pod_flags_map_to_engine_options():
 
 
 def test_worker_stats_carry_the_speculation_counters():
-    from services.common.pod import PodStats, WorkerIdentity, worker_stats_to_proto
+    from services.common.pod import PodIdentity, PodStats, pod_stats_to_proto
     from shared.engine import EngineStats
 
     engine = EngineStats(1, 0, 10, 9, 0, 0, 0, 40, 30, 12)
-    identity = WorkerIdentity("w", "decode", "m", "tcp")
-    proto = worker_stats_to_proto(PodStats(identity, engine, 2048, 16, 49152))
+    identity = PodIdentity("w", "decode", "m", "tcp")
+    proto = pod_stats_to_proto(PodStats(identity, engine, 2048, 16, 49152))
     assert (proto.spec_proposed_tokens, proto.spec_accepted_tokens) == (40, 30)
     assert proto.spec_verify_steps == 12
     assert engine.spec_acceptance_rate == 0.75 and engine.spec_mean_accepted_length == 2.5

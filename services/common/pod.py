@@ -1,5 +1,5 @@
 """What the engine-backed pods (prefill and decode) share: the flags every such pod takes, who it
-is (`WorkerIdentity`), its stats as the `WorkerStats` proto, and the serve loop.
+is (`PodIdentity`), its stats as the `WorkerStats` proto, and the serve loop.
 
 The serve loop answers health checks at once (NOT_SERVING), loads the model in a daemon thread,
 lets the core start its async parts (KV transport) on the event loop, turns SERVING, and on
@@ -43,10 +43,10 @@ DEFAULT_DRAIN_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
-class WorkerIdentity:
+class PodIdentity:
     """What a pod says about itself in its stats; fixed for the life of the process."""
 
-    worker_id: str
+    pod_id: str  # the proto and the Redis hash call it worker_id
     role: str  # "prefill" or "decode"
     model_name: str  # the name the gateway validates requests against
     kv_transport: str  # "ucx" or "tcp": the KV transport this pod speaks
@@ -57,7 +57,7 @@ class WorkerIdentity:
 
 @dataclass(frozen=True)
 class PodStats:
-    identity: WorkerIdentity
+    identity: PodIdentity
     engine: EngineStats
     max_model_len: int
     block_size: int
@@ -69,7 +69,7 @@ class PodStats:
         return PodLoad.from_engine(self.engine)
 
 
-def pod_stats(llm: AsyncLLM, identity: WorkerIdentity) -> PodStats:
+def pod_stats(llm: AsyncLLM, identity: PodIdentity) -> PodStats:
     return PodStats(
         identity=identity,
         engine=llm.stats(),
@@ -79,10 +79,10 @@ def pod_stats(llm: AsyncLLM, identity: WorkerIdentity) -> PodStats:
     )
 
 
-def worker_stats_to_proto(stats: PodStats) -> worker_pb2.WorkerStats:
+def pod_stats_to_proto(stats: PodStats) -> worker_pb2.WorkerStats:
     identity, engine = stats.identity, stats.engine
     return worker_pb2.WorkerStats(
-        worker_id=identity.worker_id,
+        worker_id=identity.pod_id,
         role=identity.role,
         **stats.load.as_fields(),
         num_preemptions=engine.num_preemptions,
@@ -148,7 +148,7 @@ def _seconds(text: str) -> float:
     return value
 
 
-def worker_id(args: argparse.Namespace) -> str:
+def pod_id(args: argparse.Namespace) -> str:
     return args.worker_id or f"{socket.gethostname()}:{args.port}"
 
 
@@ -211,7 +211,7 @@ async def serve_pod(
         servicer.core = core
         registry = await start_registry(args, core, server.port)
         await server.set_serving(True)
-        logger.info("serving as %s", worker_id(args))
+        logger.info("serving as %s", pod_id(args))
         await stopping
         if registry is not None:
             await registry.close()  # out of the registry before the server stops answering

@@ -17,11 +17,11 @@ import grpc
 from splitserve.v1 import worker_pb2
 
 from services.common.pod import (
+    PodIdentity,
     PodStats,
-    WorkerIdentity,
     pod_stats,
+    pod_stats_to_proto,
     token_text,
-    worker_stats_to_proto,
 )
 from services.common.pod_metrics import PodMetrics
 from shared.telemetry import record_engine_steps
@@ -42,7 +42,7 @@ class EnginePodCore:
     role: ClassVar[str]  # "prefill" or "decode"
 
     def __init__(
-        self, llm: AsyncLLM, identity: WorkerIdentity, metrics: PodMetrics | None = None
+        self, llm: AsyncLLM, identity: PodIdentity, metrics: PodMetrics | None = None
     ) -> None:
         self.llm = llm
         self.identity = identity
@@ -100,7 +100,7 @@ class PodServicerBase:
 
     async def GetStats(self, request: worker_pb2.StatsRequest, context) -> worker_pb2.WorkerStats:
         core = await self._ready(context)
-        return worker_stats_to_proto(core.stats())
+        return pod_stats_to_proto(core.stats())
 
     async def _ready(self, context) -> EnginePodCore:
         if self.core is None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from services.common.flags import engine_options, setup_logging
 from services.common.model_files import default_model_name, resolve_model_path
-from services.common.pod import PodServicer, WorkerIdentity, add_pod_flags, serve_pod, worker_id
+from services.common.pod import PodIdentity, PodServicer, add_pod_flags, pod_id, serve_pod
 from services.common.registry_publisher import pod_place
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ class EngineParts:
     """What every pod core is built from: the engine, who the pod is, its KV transport."""
 
     llm: AsyncLLM
-    identity: WorkerIdentity
+    identity: PodIdentity
     transport: KVTransport
 
 
@@ -86,8 +86,8 @@ def _engine_parts(role: PodRole, args: argparse.Namespace) -> EngineParts:
     model_path = resolve_model_path(args.model)
     llm = AsyncLLM(model_path, **engine_options(args))
     place = pod_place(args)
-    identity = WorkerIdentity(
-        worker_id=worker_id(args),
+    identity = PodIdentity(
+        pod_id=pod_id(args),
         role=role.name,
         model_name=args.model_name or default_model_name(model_path),
         kv_transport=args.kv_transport,

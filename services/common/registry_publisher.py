@@ -288,7 +288,7 @@ async def start_registry(
         stats = core.stats()
         identity = stats.identity
         return PodRecord(
-            pod_id=identity.worker_id,
+            pod_id=identity.pod_id,
             role=identity.role,
             address=address,
             generation=generation,

@@ -12,9 +12,9 @@ from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 from services.common.pod import reachable_host
 from services.common.pod_main import EngineParts, PodRole, build_pod_parser, run_pod
+from services.decode.core import DecodePodCore
 from services.decode.remote_prefill import RemotePrefillSettings
 from services.decode.servicer import DecodeWorkerServicer
-from services.decode.worker import DecodeWorkerCore
 
 
 def add_decode_flags(group: argparse._ArgumentGroup) -> None:
@@ -45,9 +45,9 @@ def settings_from_args(args: argparse.Namespace) -> RemotePrefillSettings:
     return RemotePrefillSettings(args.local_prefill_threshold, args.prefill_timeout)
 
 
-def build_core(args: argparse.Namespace, parts: EngineParts) -> DecodeWorkerCore:
+def build_core(args: argparse.Namespace, parts: EngineParts) -> DecodePodCore:
     kv_host = args.kv_host or reachable_host(args.host)
-    return DecodeWorkerCore(
+    return DecodePodCore(
         parts.llm,
         parts.identity,
         parts.transport,

@@ -1,4 +1,4 @@
-"""The DecodeWorker gRPC servicer: proto <-> `DecodeWorkerCore` translation, nothing more."""
+"""The DecodeWorker gRPC servicer: proto <-> `DecodePodCore` translation, nothing more."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from services.common import tracing
 from services.common.convert import logprobs_to_proto, params_from_options
 from services.common.pod_core import PodServicerBase
-from services.decode.worker import DecodeOutput, DecodeWorkerCore
+from services.decode.core import DecodeOutput, DecodePodCore
 
 
 class DecodeWorkerServicer(PodServicerBase, worker_pb2_grpc.DecodeWorkerServicer):
     """Decode calls; readiness, Abort and GetStats come from `PodServicerBase`."""
 
-    core: DecodeWorkerCore | None
+    core: DecodePodCore | None
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context):
         core = await self._ready(context)
@@ -31,7 +31,7 @@ class DecodeWorkerServicer(PodServicerBase, worker_pb2_grpc.DecodeWorkerServicer
             yield decode_response(output, core)
 
 
-def decode_response(output: DecodeOutput, core: DecodeWorkerCore) -> worker_pb2.DecodeResponse:
+def decode_response(output: DecodeOutput, core: DecodePodCore) -> worker_pb2.DecodeResponse:
     delta = output.delta
     response = worker_pb2.DecodeResponse(
         token_ids=delta.token_ids,
@@ -53,7 +53,7 @@ def decode_response(output: DecodeOutput, core: DecodeWorkerCore) -> worker_pb2.
     return response
 
 
-def _stop_reason_text(stop_reason: int | str | None, core: DecodeWorkerCore) -> str:
+def _stop_reason_text(stop_reason: int | str | None, core: DecodePodCore) -> str:
     if stop_reason is None:
         return ""
     if isinstance(stop_reason, int):  # a stop token id: the proto carries it as text

@@ -101,7 +101,7 @@ class _Child:
     failed_addresses: set[str] = field(default_factory=set)  # decode pods that were unreachable
     # Prefill pods named in those failed attempts: one may still hold the sequence under its
     # request id (until it sees the dead decode pod's connection go) and refuse the resend's
-    # remote prefill as a duplicate, so a retry prefers another (services/prefill/worker.py).
+    # remote prefill as a duplicate, so a retry prefers another (services/prefill/core.py).
     earlier_prefill_addresses: set[str] = field(default_factory=set)
 
 

@@ -13,8 +13,8 @@ import os
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 from services.common.pod_main import EngineParts, PodRole, build_pod_parser, run_pod
+from services.prefill.core import PrefillPodCore, PrefillSettings
 from services.prefill.servicer import PrefillWorkerServicer
-from services.prefill.worker import PrefillSettings, PrefillWorkerCore
 
 # Turns the KV checksum on without a flag (a debug switch for deployed pods).
 CHECKSUM_ENV = "SPLITSERVE_KV_CHECKSUM"
@@ -40,8 +40,8 @@ def settings_from_args(args: argparse.Namespace) -> PrefillSettings:
     return PrefillSettings(checksum=args.kv_checksum, transfer_timeout_s=args.kv_transfer_timeout)
 
 
-def build_core(args: argparse.Namespace, parts: EngineParts) -> PrefillWorkerCore:
-    return PrefillWorkerCore(parts.llm, parts.identity, parts.transport, settings_from_args(args))
+def build_core(args: argparse.Namespace, parts: EngineParts) -> PrefillPodCore:
+    return PrefillPodCore(parts.llm, parts.identity, parts.transport, settings_from_args(args))
 
 
 ROLE = PodRole(

@@ -1,4 +1,4 @@
-"""The PrefillWorker gRPC servicer: proto <-> `PrefillWorkerCore` translation, nothing more."""
+"""The PrefillWorker gRPC servicer: proto <-> `PrefillPodCore` translation, nothing more."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from splitserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common import tracing
 from services.common.convert import logprob_to_proto, params_from_options
 from services.common.pod_core import PodServicerBase
-from services.prefill.worker import CHECKSUM_ALGORITHM, KVDestination, PrefillWorkerCore
+from services.prefill.core import CHECKSUM_ALGORITHM, KVDestination, PrefillPodCore
 from shared.kv_transfer import KVTransferDescriptor
 
 
 class PrefillWorkerServicer(PodServicerBase, worker_pb2_grpc.PrefillWorkerServicer):
     """Prefill calls; readiness, Abort and GetStats come from `PodServicerBase`."""
 
-    core: PrefillWorkerCore | None
+    core: PrefillPodCore | None
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context

@@ -1,4 +1,4 @@
-"""What a decode pod does with a request, free of protobuf: `DecodeWorkerCore`.
+"""What a decode pod does with a request, free of protobuf: `DecodePodCore`.
 
 The servicer (services/decode/servicer.py) only translates proto <-> these dataclasses. Where
 the prompt gets prefilled is decided in one place, `PromptPrefill`
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.common import tracing
-from services.common.pod import WorkerIdentity
+from services.common.pod import PodIdentity
 from services.common.pod_core import EnginePodCore
 from services.common.pod_metrics import FinishedRequest, PodMetrics
 from services.decode.remote_prefill import (
@@ -62,7 +62,7 @@ class _Progress:
             self.final = delta.final
 
 
-class DecodeWorkerCore(EnginePodCore):
+class DecodePodCore(EnginePodCore):
     """Runs requests on one `AsyncLLM`; `start()` listens for KV pages. In flight: request id
     -> its `PromptPrefill`, which an abort stops too."""
 
@@ -71,7 +71,7 @@ class DecodeWorkerCore(EnginePodCore):
     def __init__(
         self,
         llm: AsyncLLM,
-        identity: WorkerIdentity,
+        identity: PodIdentity,
         transport: KVTransport,
         settings: RemotePrefillSettings | None = None,
         kv_host: str = "127.0.0.1",

@@ -1,4 +1,4 @@
-"""What a prefill pod does with a request, free of protobuf: `PrefillWorkerCore`.
+"""What a prefill pod does with a request, free of protobuf: `PrefillPodCore`.
 
     Prefill(prompt, destination) ─▶ engine: prefill (chunked, batched with every other prompt
                                     in flight), sample the first token, pack the pages of the
@@ -21,7 +21,7 @@ import grpc
 
 from services.common import tracing
 from services.common.grpc_server import StatusError
-from services.common.pod import WorkerIdentity
+from services.common.pod import PodIdentity
 from services.common.pod_core import EnginePodCore
 from services.common.pod_metrics import FinishedRequest, PodMetrics
 from shared.async_llm import AsyncLLM
@@ -79,7 +79,7 @@ def first_token_params(params: SamplingParams) -> SamplingParams:
     return dataclasses.replace(params, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1))
 
 
-class PrefillWorkerCore(EnginePodCore):
+class PrefillPodCore(EnginePodCore):
     """Runs prefills on one `AsyncLLM`; `start()` opens the KV sender. A request is in flight
     while its prompt computes (Abort's answer); its pages' send is not abortable."""
 
@@ -88,7 +88,7 @@ class PrefillWorkerCore(EnginePodCore):
     def __init__(
         self,
         llm: AsyncLLM,
-        identity: WorkerIdentity,
+        identity: PodIdentity,
         transport: KVTransport,
         settings: PrefillSettings | None = None,
         metrics: PodMetrics | None = None,

@@ -7,6 +7,7 @@ pod and has at least --local-prefill-threshold uncached prompt tokens is prefill
 from __future__ import annotations
 
 import argparse
+import functools
 
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -69,13 +70,8 @@ ROLE = PodRole(
     add_servicer=worker_pb2_grpc.add_DecodeWorkerServicer_to_server,
 )
 
-
-def build_parser() -> argparse.ArgumentParser:
-    return build_pod_parser(ROLE)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_pod(ROLE, argv)
+build_parser = functools.partial(build_pod_parser, ROLE)
+main = functools.partial(run_pod, ROLE)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ the first token.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
@@ -56,13 +57,8 @@ ROLE = PodRole(
     add_servicer=worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
 )
 
-
-def build_parser() -> argparse.ArgumentParser:
-    return build_pod_parser(ROLE)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_pod(ROLE, argv)
+build_parser = functools.partial(build_pod_parser, ROLE)
+main = functools.partial(run_pod, ROLE)
 
 
 if __name__ == "__main__":

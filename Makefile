@@ -1,7 +1,7 @@
 PYTHON ?= python3
 DEPS_STAMP := .deps.stamp
 
-.PHONY: deps test test-slow lint run bench-engine bench-serve clean
+.PHONY: deps test lint run bench-engine bench-serve clean
 
 # Re-run the installer only when what it installs changed.
 $(DEPS_STAMP): pyproject.toml scripts/install_deps.sh
@@ -15,9 +15,6 @@ lint: deps
 
 test: deps lint
 	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q
-
-test-slow: deps
-	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -m slow
 
 run: deps
 	$(PYTHON) -m services.cli up

@@ -8,8 +8,9 @@ step). Kernels compared, on the same inputs:
 - `linear`: F.linear on W [out, in] (MKL sgemm, transposed B);
 - `transposed`: x @ Wt with Wt [in, out] stored contiguous;
 - `mkl_packed`: MKL's packed-weight sgemm (`torch.ops.mkl._mkl_linear`, weight packed once by
-  `_mkl_reorder_linear_weight`), what torch's compiler uses for frozen float32 linears.
-The floor is reading every weight once at the copy bandwidth measured in this process.
+  `_mkl_reorder_linear_weight`), what torch's compiler uses for frozen float32 linears;
+- `onednn`: oneDNN's inner product (`torch.ops.mkldnn._linear_pointwise`, weight reordered once).
+The floor is reading every weight once at the read bandwidth measured in this process.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.step_breakdown import read_bandwidth
 
 HIDDEN, INTERMEDIATE, Q_SIZE, KV_SIZE, LAYERS = 576, 1536, 576, 192, 30
 SHAPES = {  # name -> (in_features, out_features)
@@ -44,12 +47,17 @@ def kernels(weights: list[dict[str, torch.Tensor]]) -> dict[str, list[Callable]]
     flat = [layer[name] for layer in weights for name in SHAPES]
     transposed = [w.t().contiguous() for w in flat]
     packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_BATCH_HINT) for w in flat]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in flat]
     return {
         "linear": [lambda x, w=w: F.linear(x, w) for w in flat],
         "transposed": [lambda x, wt=wt: x @ wt for wt in transposed],
         "mkl_packed": [
             lambda x, p=p, w=w: torch.ops.mkl._mkl_linear(x, p, w, None, PACK_BATCH_HINT)
             for p, w in zip(packed, flat)
+        ],
+        "onednn": [
+            lambda x, w=w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+            for w in onednn
         ],
     }
 
@@ -69,17 +77,8 @@ def step_ms(products: list[Callable], rows: int, repeats: int) -> float:
 
 def floor_ms(weights: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
     num_bytes = sum(w.numel() * 4 for layer in weights for w in layer.values())
-    source = torch.ones(64 * 2**20)
-    target = torch.empty_like(source)
-    best = min(_timed(lambda: target.copy_(source)) for _ in range(5))
-    bandwidth = 2 * source.numel() * 4 / best
+    bandwidth = read_bandwidth()
     return 1000 * num_bytes / bandwidth, bandwidth / 1e9
-
-
-def _timed(function: Callable) -> float:
-    start = time.perf_counter()
-    function()
-    return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     for rows in args.rows:
         cells = [step_ms(products, rows, args.repeats) for products in by_kernel.values()]
         print(f"{rows:>5}" + "".join(f"{ms:>14.2f}" for ms in cells) + f"{floor:>10.2f}")
-    print(f"(ms per step of 120 products; floor: weights read once at {bandwidth:.1f} GB/s)")
+    print(f"(ms per step of 120 products; floor: weights read once at {bandwidth:.1f} GB/s read)")
     return 0
 
 

@@ -1,32 +1,58 @@
-"""A bias-free linear layer that also keeps a transposed copy of its weight for tiny batches.
+"""A bias-free linear layer, and the CPU kernel its products (and the vocabulary projection) run on.
 
-On the CPU, `x @ W.T` with W stored [out, in] (what F.linear does) ran 20-45% slower than
-`x @ Wt` with Wt stored [in, out] for 1-3 rows, and 10-20% faster from 4 rows up (measured on
-SmolLM2's shapes, 30 layers, weights not in cache). Batch-1 decode is exactly the 1-row case
-and is memory-bound, so the CPU engine keeps both layouts and picks by row count.
+On the CPU, F.linear goes to MKL's sgemm, which on AMD processors takes a generic code path: on
+this project's machines (AMD EPYC, AVX-512) oneDNN's inner product ran the decoder's 120
+products of a decode step 2.5x faster at 1 row and 4x faster at 4 to 16 rows, and 2.4x faster
+for a 512-token prefill chunk (`python -m benchmarks.matmul_rows`; MKL_ENABLE_INSTRUCTIONS did
+not help MKL). oneDNN's cost also stays nearly flat from 1 to 8 rows, as a memory-bound product
+should: the weights are read once whatever the batch. So on the CPU each weight is reordered
+once, after loading, into oneDNN's layout, and every product goes through oneDNN; on CUDA, or
+with a torch built without oneDNN, F.linear.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Up to this many rows, the [in, out] copy is used.
-MAX_ROWS_FOR_TRANSPOSED = 3
+# SPLITSERVE_CPU_LINEAR=torch keeps F.linear on the CPU too (to compare the two).
+_CPU_LINEAR_ENV = "SPLITSERVE_CPU_LINEAR"
 
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight_t: torch.Tensor | None = None  # [in, out]; set by keep_transposed_copy
+        # The weight in oneDNN's layout; set by prepare_cpu_kernel, None elsewhere.
+        self.onednn_weight: torch.Tensor | None = None
 
-    def keep_transposed_copy(self) -> None:
+    def prepare_cpu_kernel(self) -> None:
         """Call after the weight is loaded; costs the weight's memory once more."""
-        self.weight_t = self.weight.detach().t().contiguous()
+        self.onednn_weight = onednn_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_t is not None and x.shape[0] <= MAX_ROWS_FOR_TRANSPOSED:
-            return x @ self.weight_t
-        return F.linear(x, self.weight)
+        return linear(x, self.weight, self.onednn_weight)
+
+
+def onednn_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [out, in] reordered for oneDNN's inner product; None where it is not to be used
+    (not on the CPU, no oneDNN in this torch, or SPLITSERVE_CPU_LINEAR=torch)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    choice = os.environ.get(_CPU_LINEAR_ENV, "onednn")
+    if choice not in ("onednn", "torch"):
+        raise ValueError(f"{_CPU_LINEAR_ENV} must be 'onednn' or 'torch', got {choice!r}")
+    if choice == "torch":
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, reordered: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] @ weight [out, in].T -> [rows, out], through oneDNN when `reordered` is
+    the weight in its layout."""
+    if reordered is None:
+        return F.linear(x, weight)
+    return torch.ops.mkldnn._linear_pointwise(x, reordered, None, "none", [], "")

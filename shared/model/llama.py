@@ -12,7 +12,7 @@ from torch import nn
 
 from shared.model.architecture import ModelArchitecture
 from shared.model.attention_metadata import AttentionBackend, AttentionMetadata
-from shared.model.linear import Linear
+from shared.model.linear import Linear, linear, onednn_weight
 from shared.model.rotary import RotaryAngles, RotaryEmbedding
 
 
@@ -134,7 +134,8 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(hidden, angles, kv_cache[layer_id], meta, backend)
         # Norm and project only the rows that are sampled: a prefill chunk needs one, not all.
         last = self.norm(hidden[logits_indices])
-        return (last @ self._lm_head_t).float()  # [num_sampled, vocab]
+        weight = self.lm_head.weight
+        return linear(last, weight, self._lm_head_onednn).float()  # [num_sampled, vocab]
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copies Hugging Face-named tensors in, fusing q/k/v and gate/up; mutates self."""
@@ -155,13 +156,12 @@ class LlamaForCausalLM(nn.Module):
             target.data.copy_(tensor)
         if params:
             raise ValueError(f"checkpoint lacks weights: {sorted(params)[:5]}")
-        # [hidden, vocab]: for the few rows sampled per step, multiplying by the transposed
-        # copy ran about twice as fast as F.linear on the CPU (memory-bound vocab projection).
-        self._lm_head_t = self.lm_head.weight.detach().t().contiguous()
-        if self._lm_head_t.device.type == "cpu":
-            for module in self.modules():
-                if isinstance(module, Linear):
-                    module.keep_transposed_copy()
+        # On the CPU every product, the vocabulary projection too, runs on oneDNN (see
+        # shared/model/linear.py): its weights are reordered once, here.
+        self._lm_head_onednn = onednn_weight(self.lm_head.weight)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepare_cpu_kernel()
 
 
 def _to_internal_names(

@@ -27,7 +27,7 @@ from shared.disaggregation import ExportedPrefill, RemotePrefillPlan, RemotePref
 from shared.engine import EngineCore, EngineStats
 from shared.kv.block_hash import BlockHash
 from shared.kv.events import KVCacheEvent
-from shared.outputs import StreamDelta
+from shared.outputs import StreamDelta, merge_deltas
 from shared.prompts import child_sequences
 from shared.sampling_params import SamplingParams
 
@@ -87,6 +87,26 @@ class _Sink:
     loop: asyncio.AbstractEventLoop
     deltas: asyncio.Queue = field(default_factory=asyncio.Queue)
     num_open: int = 1  # sequences not finished yet
+    # An item `coalesce` took from the queue but could not merge (an error): read next.
+    pending: StreamDelta | BaseException | None = None
+
+    def take_pending(self) -> StreamDelta | BaseException | None:
+        item, self.pending = self.pending, None
+        return item
+
+    def coalesce(self, delta: StreamDelta) -> StreamDelta:
+        """`delta` merged with the deltas of its sequence already queued behind it. Reader's
+        side (the event loop); for a sink of one sequence."""
+        while not delta.finished:
+            try:
+                later = self.deltas.get_nowait()
+            except asyncio.QueueEmpty:
+                break
+            if isinstance(later, BaseException):
+                self.pending = later
+                break
+            delta = merge_deltas(delta, later)
+        return delta
 
     def put(self, item: StreamDelta | BaseException) -> None:
         try:
@@ -239,13 +259,19 @@ class AsyncLLM:
             yield delta
 
     async def _stream(self, sink: _Sink, request_id: str, n: int) -> AsyncIterator[StreamDelta]:
-        """The deltas `sink` receives until all n sequences finished; leaving early aborts."""
+        """The deltas `sink` receives until all n sequences finished; leaving early aborts.
+        A single sequence's deltas that queued up while the reader was busy come as one (never
+        the first: its time is the request's TTFT)."""
+        num_read = 0
         try:
             while sink.num_open:
-                item = await sink.deltas.get()
+                item = sink.take_pending() or await sink.deltas.get()
                 if isinstance(item, BaseException):
                     sink.num_open = 0  # the engine thread has already dropped the sequences
                     raise item
+                if n == 1 and num_read:
+                    item = sink.coalesce(item)
+                num_read += 1
                 if item.finished:
                     sink.num_open -= 1
                 yield item

@@ -50,6 +50,26 @@ class StreamDelta:
     final: CompletionOutput | None = None  # the whole sequence, on its last delta only
 
 
+def merge_deltas(earlier: StreamDelta, later: StreamDelta) -> StreamDelta:
+    """Two consecutive deltas of one sequence as one (what a reader that fell behind gets)."""
+    assert (earlier.request_id, earlier.index) == (later.request_id, later.index), "one sequence"
+    assert not earlier.finished, "nothing follows a finished delta"
+    logprobs = None
+    if earlier.logprobs is not None or later.logprobs is not None:
+        logprobs = (earlier.logprobs or []) + (later.logprobs or [])
+    return StreamDelta(
+        request_id=earlier.request_id,
+        text=earlier.text + later.text,
+        token_ids=earlier.token_ids + later.token_ids,
+        logprobs=logprobs,
+        finished=later.finished,
+        index=earlier.index,
+        finish_reason=later.finish_reason,
+        stop_reason=later.stop_reason,
+        final=later.final,
+    )
+
+
 @dataclass
 class CompletionOutput:
     index: int  # which of the request's n sequences

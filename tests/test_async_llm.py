@@ -265,3 +265,29 @@ def test_snapshots_given_up_on_leave_the_engine_serving(engine, offline):
     hashes = _run(engine.snapshot_cached_blocks())  # a snapshot nobody cancels still answers
     assert hashes
     _run(_wait_idle(engine))
+
+
+def test_a_reader_that_falls_behind_gets_the_queued_tokens_as_one_delta(engine, offline):
+    """While the reader is busy the engine keeps stepping; what queued up comes as one delta
+    (so a slow consumer gets fewer, larger messages, not a growing backlog), with nothing lost
+    or reordered. The first delta stays alone: its time is the request's TTFT."""
+    prompts, _ = offline
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1)
+
+    async def main():
+        deltas = []
+        async for delta in engine.generate(prompts[3], params):
+            deltas.append(delta)
+            if len(deltas) == 1:
+                await asyncio.sleep(1.0)  # busy: the engine steps on meanwhile
+        return deltas
+
+    deltas = _run(main())
+    final = _final(deltas)
+    assert len(deltas[0].token_ids) == 1
+    assert len(deltas[1].token_ids) > 1
+    assert len(deltas) < len(final.token_ids)
+    assert [t for delta in deltas for t in delta.token_ids] == final.token_ids
+    assert [lp.token_id for delta in deltas for lp in delta.logprobs] == final.token_ids
+    assert "".join(delta.text for delta in deltas) == final.text
+    _run(_wait_idle(engine))

@@ -26,7 +26,11 @@ def ensure_hf_export(directory: Path = DEFAULT_DIR) -> Path:
     print(f"[hf-export] writing {directory} from the shipped GGUF", flush=True)
     folder, name = os.path.split(default_model_path())
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    model = LlamaForCausalLM(loaded.config)
+    config = loaded.config
+    # The loaded config says its weights were GGUF-quantized; the saved ones are float32.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = LlamaForCausalLM(config)
     model.load_state_dict(loaded.state_dict())
     model.to(torch.float32).save_pretrained(directory)
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(directory)

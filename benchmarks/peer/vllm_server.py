@@ -42,7 +42,7 @@ class VllmServer:
         argv = [str(python), "-m", "vllm.entrypoints.openai.api_server"]
         argv += ["--model", str(model_dir), "--served-model-name", SERVED_NAME]
         argv += ["--dtype", "float32", "--max-model-len", "2048", "--host", HOST]
-        argv += ["--port", str(self.port), "--disable-log-requests"]
+        argv += ["--port", str(self.port)]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib)}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 (the process writes it while it runs)

@@ -81,13 +81,13 @@ class OpenLoopFigures:
 
 
 @contextlib.contextmanager
-def serving(system: str) -> Iterator[Target]:
+def serving(system: str, extra_flags: list[str]) -> Iterator[Target]:
     """The system's completions endpoint while the block runs."""
     if system == "vllm":
         with VllmServer(KV_CACHE_GIB) as server:
             yield server.target()
         return
-    flags = ["--kv-cache-bytes", f"{KV_CACHE_GIB}GiB", "--log-level", "warning"]
+    flags = ["--kv-cache-bytes", f"{KV_CACHE_GIB}GiB", "--log-level", "warning", *extra_flags]
     if system == "colocated":
         flags.append("--colocated")
     with RunningStack(SystemSetup(system, flags)) as stack:
@@ -199,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", nargs="+", default=["streams", "openloop"])
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--json", type=Path, default=Path("build/vs_vllm.json"))
+    parser.add_argument(
+        "--up-flags", default="", help="more `splitserve up` flags, e.g. '--num-threads 2'"
+    )
     args = parser.parse_args(argv)
     scale = Scale.chosen(args.quick)
     seed = f"vs-vllm-{int(time.time())}"  # new prompts every run: no cache carries over
@@ -206,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     open_loop: dict[str, list[OpenLoopFigures]] = {}
     for system in args.systems:
         print(f"[{system}] starting", flush=True)
-        with serving(system) as target:
+        with serving(system, args.up_flags.split()) as target:
             if "streams" in args.parts:
                 streams[system] = streams_sweep(target, scale, seed)
             if "openloop" in args.parts:

@@ -147,6 +147,16 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # torch intra-op threads; None = all cores.
     num_threads: int | None = None
+    # Each step measures whether one thread or num_threads is faster right now (another
+    # process may hold a core: shared/thread_tuner.py); False keeps num_threads throughout.
+    adaptive_threads: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_threads is not None:
+            _check_count("num_threads", self.num_threads, 1)
+        if not isinstance(self.adaptive_threads, bool):
+            value = self.adaptive_threads
+            raise ValueError(f"adaptive_threads must be true or false, got {value!r}")
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: object) -> EngineConfig:
@@ -161,13 +171,14 @@ class EngineConfig:
             if owner is None:
                 raise ValueError(f"unknown engine option {name!r}")
             groups.setdefault(owner, {})[name] = value
-        num_threads = groups.pop(EngineConfig, {}).get("num_threads")
+        engine = groups.pop(EngineConfig, {})
         return cls(
             model=ModelConfig(**groups.get(ModelConfig, {})),
             cache=CacheConfig(**groups.get(CacheConfig, {})),
             scheduler=SchedulerConfig(**groups.get(SchedulerConfig, {})),
             speculative=SpeculativeConfig(**groups.get(SpeculativeConfig, {})),
-            num_threads=num_threads,  # type: ignore[arg-type]
+            num_threads=engine.get("num_threads"),  # type: ignore[arg-type]
+            adaptive_threads=engine.get("adaptive_threads", True),  # type: ignore[arg-type]
         )
 
 
@@ -181,4 +192,5 @@ _OPTION_OWNERS: dict[str, type] = {
     **{name: SchedulerConfig for name in _field_names(SchedulerConfig)},
     **{name: SpeculativeConfig for name in _field_names(SpeculativeConfig)},
     "num_threads": EngineConfig,
+    "adaptive_threads": EngineConfig,
 }

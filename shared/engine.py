@@ -40,6 +40,7 @@ from shared.sampling_params import SamplingParams
 from shared.scheduler import Scheduler
 from shared.spec_decode.speculator import build_policy, build_speculator
 from shared.step import ModelOutput, SchedulerOutput, StepObserver, StepResult
+from shared.thread_tuner import ThreadTuner
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,10 @@ class EngineCore:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        self._num_threads = torch.get_num_threads()
+        self.thread_tuner = None
+        if config.adaptive_threads and self._num_threads > 1:
+            self.thread_tuner = ThreadTuner(self._num_threads)
         checkpoint = load_checkpoint(config.model.model, progress=progress)
         self.architecture = checkpoint.architecture
         self.tokenizer = checkpoint.tokenizer
@@ -269,9 +274,12 @@ class EngineCore:
             return deltas
         if self.speculator is not None:
             sched = sched.with_drafts(self.speculator.propose(sched))
+        num_threads = self._choose_threads(sched)
         start_time = time.monotonic()
         model_out = self._execute(sched)
         step = StepResult(sched, model_out, start_time, time.monotonic())
+        if self.thread_tuner is not None:
+            self.thread_tuner.observe(step, num_threads)
         for observer in self.step_observers:
             observer.observe(step)
         updates = self.scheduler.update(sched, model_out)
@@ -282,6 +290,14 @@ class EngineCore:
         finished_ids = [u.request.request_id for u in updates if u.finished]
         self.runner.release(finished_ids + [request.request_id for request in stopped])
         return deltas + processed.deltas
+
+    def _choose_threads(self, sched: SchedulerOutput) -> int:
+        if self.thread_tuner is not None:
+            num_threads = self.thread_tuner.choose(sched)
+            if num_threads != self._num_threads:
+                torch.set_num_threads(num_threads)
+                self._num_threads = num_threads
+        return self._num_threads
 
     def _execute(self, sched: SchedulerOutput) -> ModelOutput:
         """The forward pass, and the verification of any drafts in it."""

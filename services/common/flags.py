@@ -48,6 +48,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     group.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all)")
+    group.add_argument(
+        "--adaptive-threads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each step measures whether 1 thread or --num-threads is faster now (another "
+        "process may hold a core)",
+    )
     _add_speculative_flags(parser)
 
 
@@ -83,6 +90,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": args.prefix_caching,
         "num_threads": args.num_threads,
+        "adaptive_threads": args.adaptive_threads,
         "speculative_method": args.speculative_method,
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_draft_model": args.speculative_draft_model,

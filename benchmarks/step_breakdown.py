@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     print(f"loading the model ({args.threads} threads)...", flush=True)
-    llm = LLM(num_threads=args.threads, kv_cache_bytes=256 * 2**20)
+    llm = LLM(num_threads=args.threads, adaptive_threads=False, kv_cache_bytes=256 * 2**20)
     clock = StageClock()
     instrument(llm, clock)
     floor_ms, bandwidth = weight_read_floor_ms(llm)

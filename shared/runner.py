@@ -39,7 +39,7 @@ class ModelRunner:
         self.device = kv_cache.device
         # One layer's keys and values of one block: kv_cache is [layers, 2, blocks, ...].
         self._block_bytes = kv_cache[0, :, 0].numel() * kv_cache.element_size()
-        self.backend: AttentionBackend = select_attention_backend(self.device)
+        self.backend: AttentionBackend = select_attention_backend(self.device, kv_cache.dtype)
         self.sampler = Sampler()
         self.eos_token_ids = eos_token_ids
         # Per-request RNGs, so a seeded request samples the same tokens whatever shares its batch.
@@ -119,6 +119,8 @@ class ModelRunner:
         )
         if self.backend.uses_block_tables:
             self._add_block_tables(meta, chunks)
+        elif self.backend.reads_decodes_in_place:
+            self._add_decode_block_tables(meta, chunks[:num_decodes])
         else:
             # Only the PyTorch path reads groups; building them for the GPU path would add
             # host-to-device copies to every step.
@@ -149,6 +151,21 @@ class ModelRunner:
         meta.block_tables = tables.to(self.device)
         meta.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
         meta.query_start_loc = query_lens.cumsum(0).to(torch.int32).to(self.device)
+
+    def _add_decode_block_tables(
+        self, meta: AttentionMetadata, decodes: list[ScheduledChunk]
+    ) -> None:
+        """The decode rows' blocks and lengths, for the CPU kernel that reads them in place."""
+        if not decodes:
+            return
+        seq_lens = [chunk.start_position + 1 for chunk in decodes]
+        max_blocks = -(-max(seq_lens) // self.block_size)
+        rows = [
+            chunk.block_ids[:max_blocks] + [0] * (max_blocks - len(chunk.block_ids))
+            for chunk in decodes
+        ]
+        meta.decode_block_tables = torch.tensor(rows, dtype=torch.int32)
+        meta.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
 
     def _slots(self, block_ids: list[int], positions: torch.Tensor) -> torch.Tensor:
         table = torch.tensor(block_ids, dtype=torch.int64)

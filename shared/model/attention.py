@@ -17,12 +17,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu as cpu_kernels
 from shared.model.attention_metadata import AttentionMetadata, PrefillChunk
 from shared.model.decode_groups import DecodeGroup
 
 
 class TorchPagedAttention:
-    """Copies each sequence's blocks into one reused buffer, then runs SDPA; for the CPU.
+    """Attention for the CPU. Decodes go to the C++ kernel that reads the paged cache in place
+    (`kernels.cpu`, float32) when the runner built decode block tables for it; otherwise, and
+    for prefill chunks, each sequence's blocks are copied into one reused buffer for SDPA.
 
     Whole blocks are gathered (per kv head, one run of block_size * head_dim values written
     contiguously), not single slots: far fewer, longer copies. The buffer is kept across layers
@@ -31,8 +34,10 @@ class TorchPagedAttention:
 
     uses_block_tables = False
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self._buffer = torch.empty(0)
+        # Decodes read the cache in place where the C++ kernel built (float32 caches only).
+        self.reads_decodes_in_place = dtype == torch.float32 and cpu_kernels.load() is not None
 
     def write_kv(
         self,
@@ -90,7 +95,16 @@ class TorchPagedAttention:
         self, query: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         # query: [num_decodes, num_heads, head_dim]
-        assert meta.decode_groups, "the runner builds decode groups for this backend"
+        if meta.decode_block_tables is not None:
+            return cpu_kernels.paged_decode_attention(
+                query.contiguous(),
+                layer_cache[0],
+                layer_cache[1],
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                scale,
+            )
+        assert meta.decode_groups, "the runner builds decode groups or tables for this backend"
         if len(meta.decode_groups) == 1:
             return self._decode_group(query, layer_cache, meta.decode_groups[0], scale)
         out = torch.empty_like(query)

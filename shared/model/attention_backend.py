@@ -10,7 +10,9 @@ from shared.model.attention import TorchPagedAttention
 from shared.model.attention_metadata import AttentionBackend
 
 
-def select_attention_backend(device: torch.device) -> AttentionBackend:
+def select_attention_backend(
+    device: torch.device, dtype: torch.dtype = torch.float32
+) -> AttentionBackend:
     """The one place that picks the attention implementation for a device.
 
     The environment variable SPLITSERVE_ATTENTION_BACKEND=triton|torch overrides the choice:
@@ -26,4 +28,4 @@ def select_attention_backend(device: torch.device) -> AttentionBackend:
         from shared.model.triton_attention import TritonPagedAttention
 
         return TritonPagedAttention()
-    return TorchPagedAttention()
+    return TorchPagedAttention(dtype)

@@ -31,7 +31,11 @@ class AttentionMetadata:
     # The decode rows split by context length, together covering every decode row once; built
     # only for backends that gather blocks themselves (uses_block_tables False).
     decode_groups: list[DecodeGroup] = field(default_factory=list)
-    # Block-table form of the same positions, for kernels that walk blocks themselves.
+    # The decode rows as block tables, for a CPU kernel that reads the cache in place (backends
+    # whose reads_decodes_in_place is True); built instead of decode_groups then.
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int32
+    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int32
+    # Block-table form of every chunk's positions, for kernels that walk blocks themselves.
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor | None = None  # [num_seqs] int32
     query_start_loc: torch.Tensor | None = None  # [num_seqs + 1] int32
@@ -41,6 +45,9 @@ class AttentionBackend(Protocol):
     # True when `attend` reads meta.block_tables / seq_lens / query_start_loc (the runner only
     # builds them then).
     uses_block_tables: bool
+    # True when decodes are attended through meta.decode_block_tables / decode_seq_lens
+    # (otherwise, with uses_block_tables False, through meta.decode_groups).
+    reads_decodes_in_place: bool
 
     def write_kv(
         self,

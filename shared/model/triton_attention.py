@@ -26,6 +26,7 @@ class TritonPagedAttention:
     because `uses_block_tables` is True. Stateless: one instance serves every layer."""
 
     uses_block_tables = True
+    reads_decodes_in_place = False  # the block tables cover the decodes too
 
     def write_kv(
         self,

@@ -1,0 +1,95 @@
+"""C++ kernels for the CPU path, built on this machine on first use, with torch's cpp_extension.
+
+| kernel                 | source                     | reference                          |
+| ---------------------- | -------------------------- | ---------------------------------- |
+| paged_decode_attention | paged_decode_attention.cpp | kernels.reference (same name)      |
+
+The build (g++ with OpenMP, tuned for this processor: -O3 -march=native) takes a few tens of
+seconds once; torch caches it under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions)
+and later processes load it in milliseconds. `scripts/install_deps.sh` builds it, so `make
+test` and `make run` pay for it at install time. Where it cannot build (no compiler) or
+SPLITSERVE_CPU_KERNELS=0, `load()` returns None, says why once, and the engine keeps its
+PyTorch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).with_name("paged_decode_attention.cpp")]
+_ENV = "SPLITSERVE_CPU_KERNELS"
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The compiled module, built first if needed; None where it cannot be had."""
+    if os.environ.get(_ENV, "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load as build_and_load
+
+        return build_and_load(
+            name="splitserve_cpu_kernels",
+            sources=[str(path) for path in _SOURCES],
+            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except (OSError, RuntimeError, ImportError) as error:  # no compiler, a failed build
+        logger.warning("CPU kernels unavailable (%s); using the PyTorch path", error)
+        return None
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`kernels.reference.paged_decode_attention`, reading the cache in place (float32, CPU).
+
+    query [num_seqs, num_heads, head_dim]; key_cache, value_cache [num_blocks, block_size,
+    num_kv_heads, head_dim]; block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs]
+    int32 (0: a padding row, zeros out)."""
+    module = load()
+    if module is None:
+        raise RuntimeError("the CPU kernels are not available on this machine")
+    _check(query, key_cache, value_cache, block_tables, seq_lens)
+    return module.paged_decode_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, float(scale)
+    )
+
+
+def _check(query, key_cache, value_cache, block_tables, seq_lens) -> None:
+    tensors = {"query": query, "key_cache": key_cache, "value_cache": value_cache}
+    for name, tensor in tensors.items():
+        if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+            raise ValueError(
+                f"{name} must be a float32 CPU tensor, got {tensor.dtype} on {tensor.device}"
+            )
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    for name, tensor in {"block_tables": block_tables, "seq_lens": seq_lens}.items():
+        if tensor.dtype != torch.int32 or not tensor.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous int32 tensor, got {tensor.dtype}")
+    num_seqs, num_heads, head_dim = query.shape
+    _, _, num_kv_heads, cache_dim = key_cache.shape
+    if value_cache.shape != key_cache.shape or cache_dim != head_dim:
+        shapes = f"{tuple(key_cache.shape)} / {tuple(value_cache.shape)}"
+        raise ValueError(f"caches {shapes} do not fit query {tuple(query.shape)}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    if block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
+        raise ValueError("block_tables and seq_lens need one row per query")
+    # Lengths and block ids are checked by the kernel itself (a RuntimeError): reading them
+    # here would cost more than the attention of a short batch.

@@ -1,0 +1,59 @@
+"""The C++ CPU kernels against their PyTorch references, on fresh random inputs of several
+shapes (GQA groups, block sizes, ragged lengths, padding rows, scattered block tables)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.cpu import load, paged_decode_attention
+
+pytestmark = pytest.mark.skipif(load() is None, reason="no C++ compiler on this machine")
+
+SHAPES = [
+    # num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, max_len
+    (1, 9, 3, 64, 16, 40, 200),  # SmolLM2's heads
+    (7, 8, 8, 32, 16, 64, 130),  # no GQA
+    (5, 12, 2, 64, 8, 96, 90),  # groups of 6, small blocks
+    (16, 4, 1, 128, 32, 80, 300),  # one kv head, long head_dim
+]
+
+
+def random_case(shape, seed: int):
+    num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, max_len = shape
+    generator = torch.Generator().manual_seed(seed)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    query = torch.randn(num_seqs, num_heads, head_dim, generator=generator)
+    seq_lens = torch.randint(1, max_len + 1, (num_seqs,), generator=generator, dtype=torch.int32)
+    seq_lens[num_seqs // 2] = 0 if num_seqs > 2 else seq_lens[0]  # a padding row
+    max_blocks = -(-max_len // block_size)
+    # Every row's blocks scattered over the cache (distinct ids per row).
+    tables = torch.stack(
+        [torch.randperm(num_blocks, generator=generator)[:max_blocks] for _ in range(num_seqs)]
+    ).to(torch.int32)
+    return query, cache[0], cache[1], tables, seq_lens, head_dim**-0.5
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_paged_decode_attention_matches_the_reference(shape):
+    for seed in range(3):
+        case = random_case(shape, seed)
+        got = paged_decode_attention(*case)
+        expected = reference.paged_decode_attention(*case)
+        assert not torch.equal(expected, torch.zeros_like(expected))
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_inputs_are_refused_before_the_kernel_runs():
+    query, keys, values, tables, lens, scale = random_case(SHAPES[0], 0)
+    with pytest.raises(ValueError, match="float32"):
+        paged_decode_attention(query.double(), keys, values, tables, lens, scale)
+    with pytest.raises(ValueError, match="int32"):
+        paged_decode_attention(query, keys, values, tables.long(), lens, scale)
+    with pytest.raises(RuntimeError, match="does not fit its block table"):
+        paged_decode_attention(query, keys, values, tables[:, :2].contiguous(), lens + 100, scale)
+    with pytest.raises(RuntimeError, match="outside"):
+        paged_decode_attention(query, keys, values, tables + 1000, lens, scale)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_decode_attention(query[:, :8], keys, values, tables, lens, scale)

@@ -352,7 +352,7 @@ def test_up_runs_one_prefill_and_one_decode_pod_by_default():
     assert [spec.name for spec in default.specs] == ["prefill-0", "decode-0", "gateway"]
     transport = "ucx" if importlib.util.find_spec("ucxx") is not None else "tcp"
     assert f"KV over {transport}" in default.mode_note
-    threads = max(1, (os.cpu_count() or 1) // 2)  # the cores shared out, never oversubscribed
+    threads = os.cpu_count() or 1  # every core: each engine's thread tuner shares them out
     for spec in default.specs[:2]:
         assert _flag(spec.argv, "--kv-transport") == transport
         assert _flag(spec.argv, "--num-threads") == str(threads)

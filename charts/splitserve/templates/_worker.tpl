@@ -10,6 +10,19 @@ Prefill and decode pods: one Deployment and one Service shape, parameterised by 
 
 {{/* Flags both roles take. Settings come from the engine ConfigMap through $(VAR) references,
 so the ConfigMap is the one place they are written. */}}
+{{/* --num-threads: numThreads, else the whole CPUs the pod requests ("4", 4; not "500m"). */}}
+{{- define "splitserve.worker.threadArgs" -}}
+{{- $requested := toString (get (default dict (default dict .resources).requests) "cpu") -}}
+{{- $threads := int (default 0 .numThreads) -}}
+{{- if and (eq $threads 0) (regexMatch "^[0-9]+$" $requested) -}}
+{{- $threads = int $requested -}}
+{{- end -}}
+{{- if gt $threads 0 }}
+- --num-threads
+- {{ $threads | quote }}
+{{- end -}}
+{{- end -}}
+
 {{- define "splitserve.worker.args" -}}
 {{- $root := .root -}}
 {{- $values := index $root.Values .component -}}
@@ -40,6 +53,7 @@ so the ConfigMap is the one place they are written. */}}
 - $({{ include "splitserve.worker.configKey" (dict "component" .component "setting" "KV_CACHE") }})
 - --redis-url
 - $(REDIS_URL)
+{{- include "splitserve.worker.threadArgs" $values }}
 {{- include "splitserve.worker.topologyArgs" $root }}
 - --drain-timeout
 - {{ include "splitserve.worker.drainTimeout" . | quote }}

@@ -66,8 +66,8 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
         "--num-threads",
         type=int,
         default=None,
-        help="torch threads per engine process (default: every core; each engine picks 1 or "
-        "all per step by measurement)",
+        help="torch threads per engine process (default: decode processes every core, each "
+        "picking 1 or all per step by measurement; prefill processes a share of the cores)",
     )
     sub.add_argument(
         "--redis-url",
@@ -114,14 +114,16 @@ def plan(
     colocated, note = _mode(args, prefill_available)
     num_prefill = 0 if colocated else args.prefill
     transport, transport_note = _transport(args, colocated)
-    threads = _threads_per_pod(args)
-    engine_flags = _engine_flags(args, threads, transport)
+    threads = _thread_split(args, num_prefill, args.decode)
+    engine_flags = _engine_flags(args, transport)
     redis_flags = ["--redis-url", redis_url] if redis_url else []
     engine_flags += redis_flags
     prefill_addresses = [f"{args.host}:{args.prefill_port + i}" for i in range(num_prefill)]
     decode_addresses = [f"{args.host}:{args.decode_port + i}" for i in range(args.decode)]
-    prefill_flags = ["--kv-checksum"] if args.kv_checksum else []
-    decode_flags = [] if colocated else _decode_flags(args)
+    prefill_flags = ["--num-threads", str(threads.prefill)]
+    prefill_flags += ["--kv-checksum"] if args.kv_checksum else []
+    decode_flags = ["--num-threads", str(threads.decode)]
+    decode_flags += [] if colocated else _decode_flags(args)
     specs = [
         _pod("prefill", i, address, PREFILL_SERVICE, engine_flags + prefill_flags, args)
         for i, address in enumerate(prefill_addresses)
@@ -130,7 +132,8 @@ def plan(
         for i, address in enumerate(decode_addresses)
     ]
     specs.append(_gateway(args, decode_addresses, prefill_addresses, redis_flags))
-    note = f"{note}{transport_note}; {threads} torch thread(s) per engine process"
+    note += f"{transport_note}; torch threads: {threads.decode} per decode process"
+    note += "" if colocated else f", {threads.prefill} per prefill process"
     note += f"; routing {args.routing_policy}" + (f" (Redis {redis_url})" if redis_url else "")
     return Plan(specs, note, f"http://{args.host}:{args.port}", f"{args.host}:{args.grpc_port}")
 
@@ -161,25 +164,37 @@ def _transport(args: argparse.Namespace, colocated: bool) -> tuple[str, str]:
     return "tcp", ", KV over tcp (ucxx is not installed)"
 
 
-def _threads_per_pod(args: argparse.Namespace) -> int:
-    """Torch threads per engine process: every core, unless --num-threads says otherwise.
+@dataclass(frozen=True)
+class ThreadSplit:
+    """Torch threads per engine process, by role."""
 
-    Engine processes, the gateway and Redis share the cores, so a fixed split either leaves
-    cores idle (a prefill pod between bursts) or oversubscribes them (OpenMP threads that wait
-    for a descheduled sibling). Each engine instead measures every step whether one thread or
-    all is faster right now (shared/thread_tuner.py) and spins only briefly when it waits
-    (services/common/openmp.py). On 2 cores, 1 prefill + 1 decode pod with 2 threads each gave
-    ITL medians of 15.4 / 19.2 / 40.1 ms at 1 / 4 / 16 streams against 20.5 / 24.4 / 42.6 ms
-    with one thread each (python -m benchmarks.vs_vllm --quick --systems disaggregated)."""
-    return args.num_threads or os.cpu_count() or 1
+    prefill: int
+    decode: int
+
+
+def _thread_split(args: argparse.Namespace, num_prefill: int, num_decode: int) -> ThreadSplit:
+    """--num-threads for every engine process when given. Otherwise decode pods may use every
+    core and pick 1 or all per step by measurement (shared/thread_tuner.py), since their steps
+    are what a stream waits for and the other processes (a prefill pod between bursts, the
+    gateway, Redis) leave cores idle most of the time; prefill pods take a fixed share of the
+    cores, so that their compute-bound bursts do not also crowd the decode pods' threads.
+
+    Measured on 2 cores, 1 prefill + 1 decode pod, ITL medians at 1 / 2 / 4 / 8 / 16 streams
+    (python -m benchmarks.vs_vllm --parts streams --systems disaggregated): 16.5 / 17.7 / 23.4 /
+    29.0 / 45.4 ms with this split, 18.3 / 19.7 / 23.1 / 34.0 / 47.6 ms with every pod on every
+    core, and with one thread per pod 20.5 / - / 24.4 / - / 42.6 (--quick)."""
+    if args.num_threads:
+        return ThreadSplit(args.num_threads, args.num_threads)
+    cores = os.cpu_count() or 1
+    return ThreadSplit(prefill=max(1, cores // (num_prefill + num_decode)), decode=cores)
 
 
 def _decode_flags(args: argparse.Namespace) -> list[str]:
     return ["--local-prefill-threshold", str(args.local_prefill_threshold)]
 
 
-def _engine_flags(args: argparse.Namespace, threads: int, transport: str) -> list[str]:
-    flags = ["--kv-cache-bytes", str(args.kv_cache_bytes), "--num-threads", str(threads)]
+def _engine_flags(args: argparse.Namespace, transport: str) -> list[str]:
+    flags = ["--kv-cache-bytes", str(args.kv_cache_bytes)]
     flags += ["--kv-transport", transport, "--log-level", args.log_level]
     if args.model is not None:
         flags += ["--model", args.model]

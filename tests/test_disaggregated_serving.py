@@ -352,10 +352,12 @@ def test_up_runs_one_prefill_and_one_decode_pod_by_default():
     assert [spec.name for spec in default.specs] == ["prefill-0", "decode-0", "gateway"]
     transport = "ucx" if importlib.util.find_spec("ucxx") is not None else "tcp"
     assert f"KV over {transport}" in default.mode_note
-    threads = os.cpu_count() or 1  # every core: each engine's thread tuner shares them out
+    cores = os.cpu_count() or 1
     for spec in default.specs[:2]:
         assert _flag(spec.argv, "--kv-transport") == transport
-        assert _flag(spec.argv, "--num-threads") == str(threads)
+    # Decode: every core (its tuner picks 1 or all per step); prefill: its share of the cores.
+    assert _flag(default.specs[0].argv, "--num-threads") == str(max(1, cores // 2))
+    assert _flag(default.specs[1].argv, "--num-threads") == str(cores)
     assert _flag(default.specs[1].argv, "--local-prefill-threshold") == str(THRESHOLD)
     assert _flag(default.specs[2].argv, "--prefill") == "127.0.0.1:50071"
 

@@ -97,11 +97,8 @@ class _Sink:
     def coalesce(self, delta: StreamDelta) -> StreamDelta:
         """`delta` merged with the deltas of its sequence already queued behind it. Reader's
         side (the event loop); for a sink of one sequence."""
-        while not delta.finished:
-            try:
-                later = self.deltas.get_nowait()
-            except asyncio.QueueEmpty:
-                break
+        while not delta.finished and not self.deltas.empty():
+            later = self.deltas.get_nowait()
             if isinstance(later, BaseException):
                 self.pending = later
                 break

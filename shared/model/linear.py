@@ -5,9 +5,9 @@ this project's machines (AMD EPYC, AVX-512) oneDNN's inner product ran the decod
 products of a decode step 2.5x faster at 1 row and 3-4x faster at 4 to 16 rows than the best
 MKL layout, and 2.4x faster for a 512-token prefill chunk (`python -m benchmarks.matmul_rows`;
 MKL_ENABLE_INSTRUCTIONS did not help MKL). oneDNN's cost also stays nearly flat from 1 to 8
-rows, as a memory-bound product should: the weights are read once whatever the batch. So on the CPU each weight is reordered
-once, after loading, into oneDNN's layout, and every product goes through oneDNN; on CUDA, or
-with a torch built without oneDNN, F.linear.
+rows, as a memory-bound product should: the weights are read once whatever the batch. So on
+the CPU each weight is reordered once, after loading, into oneDNN's layout, and every product
+goes through oneDNN; on CUDA, or with a torch built without oneDNN, F.linear.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -202,8 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--up-flags", default="", help="more `splitserve up` flags, e.g. '--num-threads 2'"
     )
+    parser.add_argument(
+        "--rates", type=float, nargs="+", default=None, help="open-loop rates (req/s)"
+    )
     args = parser.parse_args(argv)
     scale = Scale.chosen(args.quick)
+    if args.rates:
+        scale = dataclasses.replace(scale, rates=tuple(args.rates))
     seed = f"vs-vllm-{int(time.time())}"  # new prompts every run: no cache carries over
     streams: dict[str, list[StreamsFigures]] = {}
     open_loop: dict[str, list[OpenLoopFigures]] = {}

@@ -7,7 +7,7 @@ every parallel region waits for the slowest thread: a colocated pod collapsed to
 a minute that way. 10,000 iterations (tens of microseconds) still bridge the gaps between one
 step's kernels, so a quiet machine loses nothing (`python -m benchmarks.step_breakdown` with
 GOMP_SPINCOUNT=10000 vs unset: within noise at batch 1, 4 and 16; 0, sleeping at once, cost
-up to 60% more), while a contended core is handed back quickly (`python -m benchmarks.contention`).
+up to 64% more), while a contended core is handed back quickly (`python -m benchmarks.contention`).
 A value already in the environment wins.
 """
 

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import math
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from shared.structured_output.spec import StructuredOutput
 
 # Top-N logprobs a request may ask for; more would make every step's sort expensive.
 MAX_LOGPROBS = 20
+# OpenAI's range for logit_bias values: -100 bans a token, 100 all but forces it.
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -35,8 +40,20 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Keep generating until at least this many tokens, ignoring EOS and stop tokens before.
     min_tokens: int = 0
+    # (token id, bias) pairs added to the logits before any penalty; a dict is accepted and
+    # stored sorted. Ids beyond the model's vocabulary are refused when the engine admits it.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # What the output must match (JSON schema, regex, choice, grammar); None = free text.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "logit_bias", _logit_bias("logit_bias", self.logit_bias))
+        if self.structured_output is not None and not isinstance(
+            self.structured_output, StructuredOutput
+        ):
+            raise ValueError(
+                f"structured_output must be a StructuredOutput, got {self.structured_output!r}"
+            )
         object.__setattr__(self, "stop", _string_tuple("stop", self.stop))
         object.__setattr__(
             self, "stop_token_ids", _int_tuple("stop_token_ids", self.stop_token_ids)
@@ -75,10 +92,18 @@ class SamplingParams:
         return max((len(s) for s in self.stop), default=0)
 
 
-# Each field's resolved annotation (`int`, `int | None`, `tuple[str, ...]`, ...), in declaration
-# order. The proto conversion and the OpenAI parser derive their field lists from it, so a new
-# field is declared here once (and in SamplingOptions: tests/test_sampling_fields.py checks).
-FIELD_TYPES: dict[str, object] = typing.get_type_hints(SamplingParams)
+# Fields with a shape of their own (a map, a message) that the proto conversion and the OpenAI
+# parser handle by name; every other field is a scalar or a list of scalars, walked generically.
+COMPOSITE_FIELDS = ("logit_bias", "structured_output")
+# Each plain field's resolved annotation (`int`, `int | None`, `tuple[str, ...]`, ...), in
+# declaration order. The proto conversion and the OpenAI parser derive their field lists from it,
+# so a new field is declared here once (and in SamplingOptions: tests/test_sampling_fields.py
+# checks).
+FIELD_TYPES: dict[str, object] = {
+    name: hint
+    for name, hint in typing.get_type_hints(SamplingParams).items()
+    if name not in COMPOSITE_FIELDS
+}
 _BOOL_FIELDS = tuple(name for name, hint in FIELD_TYPES.items() if hint is bool)
 
 
@@ -127,3 +152,19 @@ def _int_tuple(name: str, value: object) -> tuple[int, ...]:
     ):
         raise ValueError(f"{name} must be a list of non-negative integers, got {value!r}")
     return tuple(value)
+
+
+def _logit_bias(name: str, value: object) -> tuple[tuple[int, float], ...]:
+    if isinstance(value, Mapping):
+        value = list(value.items())
+    if not isinstance(value, list | tuple) or any(
+        not isinstance(pair, list | tuple) or len(pair) != 2 for pair in value
+    ):
+        raise ValueError(f"{name} must map token ids to numbers, got {value!r}")
+    checked: dict[int, float] = {}
+    for token_id, bias in value:
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise ValueError(f"{name} keys must be non-negative token ids, got {token_id!r}")
+        _check_range(name, bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        checked[token_id] = float(bias)
+    return tuple(sorted(checked.items()))

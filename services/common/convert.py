@@ -23,6 +23,7 @@ from shared.sampling_params import (
     is_sequence_field,
     value_type,
 )
+from shared.structured_output.spec import StructuredOutput
 
 if TYPE_CHECKING:
     from shared.sampler import TokenLogprobs
@@ -48,6 +49,11 @@ def params_from_options(options: generate_pb2.SamplingOptions) -> SamplingParams
         elif options.HasField(name):
             value = getattr(options, name)
             kwargs[name] = _from_float32(value) if value_type(name) is float else value
+    if options.logit_bias:
+        kwargs["logit_bias"] = {t: _from_float32(b) for t, b in options.logit_bias.items()}
+    if options.HasField("structured_output"):
+        wire = options.structured_output
+        kwargs["structured_output"] = StructuredOutput(wire.kind, wire.spec)
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
 
 
@@ -62,6 +68,10 @@ def options_from_params(params: SamplingParams) -> generate_pb2.SamplingOptions:
             getattr(options, name).extend(value)
         elif value is not None:
             setattr(options, name, value)
+    options.logit_bias.update(dict(params.logit_bias))
+    if params.structured_output is not None:
+        options.structured_output.kind = params.structured_output.kind
+        options.structured_output.spec = params.structured_output.spec
     return options
 
 

@@ -25,6 +25,7 @@ from splitserve.v1 import generate_pb2, worker_pb2
 from services.common.convert import options_from_params
 from services.common.grpc_server import StatusError
 from services.common.tracing import grpc_metadata
+from services.gateway.constraints import check_params
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pods import Pod, PodPool
 from services.gateway.router import PickedPods, Router
@@ -134,13 +135,17 @@ class GatewayCore:
 
     # ---- prompts ----------------------------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """As `LLM.generate` tokenizes a text prompt (with the model's BOS/EOS rules)."""
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
         """As `LLM.chat` does: the chat template, then tokens without extra specials."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt
+        )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     @property
@@ -168,6 +173,8 @@ class GatewayCore:
     async def start(self, request: GenerationRequest, client_region: str = "") -> Generation:
         """Validates every prompt, then sends every sequence to the pods the router picks
         (`client_region`: the client's region, from `x-splitserve-region`, "" if unknown)."""
+        # Before anything is scheduled: a grammar that cannot compile, a bias for no token.
+        check_params(request.params, self.tokenizer.vocab_size)
         for prompt in request.prompts:
             self.validate(prompt, request.params)
         children = [

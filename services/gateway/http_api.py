@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions,
-/v1/models, /health, /metrics. Handlers translate HTTP <-> `GatewayCore`; the exception
-handlers at the bottom are the one place errors become status codes and OpenAI error bodies."""
+/v1/models (and /v1/models/{id}), /tokenize, /detokenize, /health, /metrics. Request bodies are
+the pydantic models of `api_schema.py` (FastAPI validates them and lists them in /openapi.json).
+Handlers translate HTTP <-> `GatewayCore`; the exception handlers at the bottom are the one place
+errors become status codes and OpenAI error bodies."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from starlette.exceptions import HTTPException
 
 from services.common import tracing
 from services.common.grpc_server import StatusError
+from services.gateway.api_errors import from_validation
+from services.gateway.api_schema import ChatBody, CompletionBody
 from services.gateway.generation import (
     GatewayCore,
     Generation,
@@ -32,6 +36,7 @@ from services.gateway.openai_protocol import (
     ChatFormat,
     CommonOptions,
     CompletionFormat,
+    CompletionRequest,
     Envelope,
     RequestError,
     error_body,
@@ -39,6 +44,7 @@ from services.gateway.openai_protocol import (
     parse_chat,
     parse_completion,
 )
+from services.gateway.tokens_api import TokenRoutes
 from shared.prompts import PromptError
 
 logger = logging.getLogger(__name__)
@@ -53,7 +59,15 @@ _HTTP_STATUS = {
 }
 # The client's region, for routing it to pods nearby (gRPC: metadata of the same name).
 REGION_HEADER = "x-splitserve-region"
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/tokenize",
+    "/detokenize",
+    "/health",
+    "/metrics",
+)
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")  # traced when tracing is on
 
 
@@ -67,6 +81,8 @@ def create_app(core: GatewayCore) -> FastAPI:
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
+    TokenRoutes(core).add_to(app)
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])
     _add_error_handlers(app)
@@ -79,12 +95,15 @@ class _Routes:
         self.core = core
         self.created = int(time.time())
 
-    async def completions(self, request: Request) -> Response:
+    async def completions(self, body: CompletionBody, request: Request) -> Response:
         core = self.core
         with tracing.child_span("gateway.validate", None):
-            parsed = parse_completion(await _json_body(request), core.model_name)
+            parsed = parse_completion(body, core.model_name)
         with tracing.child_span("gateway.tokenize", None):
-            prompts = [core.encode(p) if isinstance(p, str) else p for p in parsed.prompts]
+            prompts = [
+                core.encode(p, parsed.add_special_tokens) if isinstance(p, str) else p
+                for p in parsed.prompts
+            ]
         params = parsed.options.params(DEFAULT_COMPLETION_MAX_TOKENS)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         generation = await _start(
@@ -94,16 +113,22 @@ class _Routes:
             request.headers.get(REGION_HEADER, ""),
         )
         envelope = Envelope(request_id, core.model_name, int(time.time()))
-        fmt = CompletionFormat(envelope, params.logprobs is not None, parsed.options)
+        fmt = CompletionFormat(
+            envelope,
+            params.logprobs is not None,
+            parsed.options,
+            generation.usage.prompt_tokens,
+            _echo_texts(core, parsed, prompts, params),
+        )
         return await _respond(request, generation, fmt, parsed.options)
 
-    async def chat_completions(self, request: Request) -> Response:
+    async def chat_completions(self, body: ChatBody, request: Request) -> Response:
         core = self.core
         with tracing.child_span("gateway.validate", None):
-            parsed = parse_chat(await _json_body(request), core.model_name)
+            parsed = parse_chat(body, core.model_name)
         try:
             with tracing.child_span("gateway.tokenize", None):
-                prompt = core.encode_chat(parsed.messages)
+                prompt = core.encode_chat(parsed.messages, parsed.add_generation_prompt)
         except ValueError as error:  # a template that rejects the conversation
             raise RequestError(str(error), "messages") from None
         # Unset max_tokens means "until the context is full", as OpenAI and vLLM do for chat.
@@ -116,10 +141,24 @@ class _Routes:
             request.headers.get(REGION_HEADER, ""),
         )
         envelope = Envelope(request_id, core.model_name, int(time.time()))
-        fmt = ChatFormat(envelope, parsed.logprobs, parsed.options)
+        fmt = ChatFormat(
+            envelope, parsed.logprobs, parsed.options, generation.usage.prompt_tokens
+        )
         return await _respond(request, generation, fmt, parsed.options)
 
     async def models(self) -> dict:
+        return {"object": "list", "data": [self._card()]}
+
+    async def model(self, model_id: str) -> JSONResponse:
+        if model_id != self.core.model_name:
+            message = f"The model {model_id!r} does not exist; this server serves " + repr(
+                self.core.model_name
+            )
+            body = error_body(message, "invalid_request_error", "model", "model_not_found")
+            return JSONResponse(body, status_code=404)
+        return JSONResponse(self._card())
+
+    def _card(self) -> dict:
         card = {
             "id": self.core.model_name,
             "object": "model",
@@ -129,7 +168,7 @@ class _Routes:
         max_model_len = self.core.decode_pool.max_model_len
         if max_model_len is not None:
             card["max_model_len"] = max_model_len
-        return {"object": "list", "data": [card]}
+        return card
 
     async def health(self) -> JSONResponse:
         core = self.core
@@ -154,13 +193,17 @@ def _pools(core: GatewayCore) -> list:
     return [pool for pool in (core.decode_pool, core.prefill_pool) if pool is not None]
 
 
-async def _json_body(request: Request) -> object:
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise RequestError(
-            f"the request body is not valid JSON: {error}", code="invalid_json"
-        ) from None
+def _echo_texts(
+    core: GatewayCore, parsed: CompletionRequest, prompts: list[list[int]], params
+) -> list[str]:
+    """Each choice's prompt text for `echo` (a token-id prompt decoded); [] without echo."""
+    if not parsed.echo:
+        return []
+    texts = [
+        given if isinstance(given, str) else core.tokenizer.decode(ids, params.skip_special_tokens)
+        for given, ids in zip(parsed.prompts, prompts)
+    ]
+    return [text for text in texts for _ in range(params.n)]
 
 
 async def _start(
@@ -285,8 +328,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(body, status_code=status)
 
     async def validation(request: Request, error: RequestValidationError) -> JSONResponse:
-        body = error_body(str(error), "invalid_request_error", None, "invalid_value")
-        return JSONResponse(body, status_code=400)
+        status, body = _error_response(from_validation(error.errors(), error.body))
+        return JSONResponse(body, status_code=status)
 
     async def http(request: Request, error: HTTPException) -> JSONResponse:
         kind = "invalid_request_error" if error.status_code < 500 else "server_error"

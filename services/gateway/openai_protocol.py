@@ -1,122 +1,62 @@
-"""The OpenAI HTTP API's shapes: request bodies parsed (strictly typed) into engine terms, and
-engine output formatted back into completion / chat completion objects and stream chunks.
+"""The OpenAI HTTP API's shapes: request bodies (validated against the pydantic models of
+`api_schema.py`) turned into engine terms, and engine output formatted back into completion /
+chat completion objects and stream chunks.
 
-Parsing is hand-written rather than a pydantic model: every error must be a 400 whose message
-starts with the parameter's name (as SamplingParams' own errors do), and lax coercion
-("max_tokens": "10") is exactly the kind of wrong type that must be refused.
+The models check types (strictly: "max_tokens": "10" is refused) and refuse unknown fields;
+the rules that need more than a type are here, and sampling ranges are SamplingParams' alone,
+so every error is a 400 whose message starts with the parameter's name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from pydantic import BaseModel, ValidationError
 from splitserve.v1 import generate_pb2
 
 from services.common.convert import is_int64
-from services.gateway.generation import CollectedSequence, SequenceChunk, Usage
-from shared.sampling_params import (
-    FIELD_TYPES,
-    MAX_LOGPROBS,
-    SamplingParams,
-    is_sequence_field,
-    value_type,
+from services.gateway.api_errors import (  # noqa: F401  (re-exported: the API's error types)
+    RequestError,
+    error_body,
+    from_validation,
+    param_of,
 )
+from services.gateway.api_schema import (
+    ChatBody,
+    ChatMessage,
+    CompletionBody,
+    Prompt,
+    SamplingFields,
+)
+from services.gateway.constraints import (
+    check_structured_output,
+    parse_logit_bias,
+    parse_structured_output,
+)
+from services.gateway.generation import CollectedSequence, SequenceChunk, Usage
+from shared.sampling_params import FIELD_TYPES, MAX_LOGPROBS, SamplingParams
 
 # The OpenAI API's default for completions; chat defaults to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # JSON has no -inf; OpenAI-compatible servers clamp to this instead.
 MIN_LOGPROB = -9999.0
 
-SAMPLING_FIELDS = frozenset(FIELD_TYPES)
+Body = TypeVar("Body", bound=BaseModel)
 
 
-class RequestError(ValueError):
-    """Bad input: HTTP 400 with OpenAI's error body."""
-
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
-        super().__init__(message)
-        self.param = param
-        self.code = code
-
-
-def error_body(message: str, error_type: str, param: str | None, code: str | None) -> dict:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
-def param_of(error: ValueError) -> str | None:
-    """The parameter a ValueError names: by house rule its message starts with it."""
-    if isinstance(error, RequestError):
-        return error.param
-    first = str(error).split(" ", 1)[0]
-    return first if first in SAMPLING_FIELDS or first in ("prompt", "messages") else None
+def validate_body(model: type[Body], raw: object) -> Body:
+    """`raw` (a parsed JSON body) as `model`; FastAPI does this for the HTTP routes, and the
+    same errors come out either way."""
+    if isinstance(raw, model):
+        return raw
+    try:
+        return model.model_validate(raw)
+    except ValidationError as error:
+        raise from_validation(error.errors(), raw) from None
 
 
 # ---- parsing --------------------------------------------------------------------------------
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _is_str_list(value: object) -> bool:
-    return isinstance(value, list) and all(isinstance(item, str) for item in value)
-
-
-def _is_int_list(value: object) -> bool:
-    return isinstance(value, list) and all(_is_int(item) for item in value)
-
-
-def _is_str_or_str_list(value: object) -> bool:
-    return isinstance(value, str) or _is_str_list(value)
-
-
-_CHECKS: dict[str, tuple[Callable[[object], bool], str]] = {
-    "int": (_is_int, "an integer"),
-    "number": (_is_number, "a number"),
-    "bool": (lambda v: isinstance(v, bool), "a boolean"),
-    "str": (lambda v: isinstance(v, str), "a string"),
-    "object": (lambda v: isinstance(v, dict), "an object"),
-    "stop": (_is_str_or_str_list, "a string or a list of strings"),
-    "int_list": (_is_int_list, "a list of integers"),
-}
-
-
-class _Body:
-    """Typed access to a JSON body's fields; null or absent means unset."""
-
-    def __init__(self, body: object) -> None:
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object", code="invalid_type")
-        self._body: dict[str, Any] = body
-
-    def get(self, name: str, kind: str, default: Any = None) -> Any:
-        value = self._body.get(name)
-        if value is None:
-            return default
-        check, expected = _CHECKS[kind]
-        if not check(value):
-            raise RequestError(
-                f"{name} must be {expected}, got {_json_type(value)}", name, "invalid_type"
-            )
-        return value
-
-    def has(self, name: str) -> bool:
-        return self._body.get(name) is not None
-
-    def raw(self, name: str) -> Any:
-        """A field whose several accepted shapes the caller checks itself."""
-        return self._body.get(name)
-
-
-def _json_type(value: object) -> str:
-    names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array"}
-    return "object" if isinstance(value, dict) else names.get(type(value), "null")
 
 
 @dataclass(frozen=True)
@@ -130,6 +70,7 @@ class CommonOptions:
     include_usage: bool
     return_token_ids: bool  # vLLM's extension: each choice carries its token ids
     priority: int
+    continuous_usage: bool = False  # vLLM's extension: every chunk carries the usage so far
 
     def params(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
@@ -143,6 +84,8 @@ class CommonOptions:
 class CompletionRequest:
     prompts: list[str | list[int]]
     options: CommonOptions
+    echo: bool = False  # each choice's text starts with its prompt's
+    add_special_tokens: bool = True  # for text prompts
 
 
 @dataclass(frozen=True)
@@ -150,30 +93,41 @@ class ChatRequest:
     messages: list[dict[str, str]]
     options: CommonOptions
     logprobs: bool = False
+    add_generation_prompt: bool = True
+    # The validated body, for what other parts of the gateway read themselves (tools).
+    body: ChatBody | None = None
 
 
 def parse_completion(raw: object, model_name: str) -> CompletionRequest:
-    body = _Body(raw)
-    if body.get("echo", "bool", False):
-        raise RequestError("echo is not supported", "echo", "unsupported_value")
-    if body.get("suffix", "str"):
-        raise RequestError("suffix is not supported", "suffix", "unsupported_value")
+    body = validate_body(CompletionBody, raw)
+    check_unsupported(body)
     sampling = _sampling(body)
-    logprobs = body.get("logprobs", "int")
-    if logprobs is not None:
-        sampling["logprobs"] = logprobs
-    options = _common(body, model_name, sampling, body.get("max_tokens", "int"))
-    best_of = body.get("best_of", "int")
-    if best_of is not None and best_of != sampling.get("n", 1):
+    if body.logprobs is not None:
+        sampling["logprobs"] = body.logprobs
+        if body.echo:
+            raise RequestError(
+                "echo together with logprobs is not supported (prompt logprobs are not "
+                "computed); echo without logprobs is",
+                "echo",
+                "unsupported_value",
+            )
+    options = _common(body, model_name, sampling, body.max_tokens)
+    if body.best_of is not None and body.best_of != sampling.get("n", 1):
         raise RequestError("best_of must equal n (beam search is not supported)", "best_of")
-    return CompletionRequest(_prompts(body), options)
+    return CompletionRequest(
+        _prompts(body.prompt),
+        options,
+        echo=bool(body.echo),
+        add_special_tokens=body.add_special_tokens is not False,
+    )
 
 
 def parse_chat(raw: object, model_name: str) -> ChatRequest:
-    body = _Body(raw)
+    body = validate_body(ChatBody, raw)
+    check_unsupported(body)
     sampling = _sampling(body)
-    logprobs = body.get("logprobs", "bool", False)
-    top_logprobs = body.get("top_logprobs", "int")
+    logprobs = bool(body.logprobs)
+    top_logprobs = body.top_logprobs
     if top_logprobs is not None and not logprobs:
         raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
     if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
@@ -182,36 +136,51 @@ def parse_chat(raw: object, model_name: str) -> ChatRequest:
         )
     if logprobs:
         sampling["logprobs"] = top_logprobs or 0
-    max_tokens = body.get("max_completion_tokens", "int")
+    max_tokens = body.max_completion_tokens
     if max_tokens is None:
-        max_tokens = body.get("max_tokens", "int")
+        max_tokens = body.max_tokens
     options = _common(body, model_name, sampling, max_tokens)
-    return ChatRequest(_messages(body), options, logprobs)
+    return ChatRequest(
+        chat_messages(body.messages),
+        options,
+        logprobs,
+        add_generation_prompt=body.add_generation_prompt is not False,
+        body=body,
+    )
+
+
+def check_unsupported(body: BaseModel) -> None:
+    """A known field this server does not honour, set to anything but its neutral value."""
+    for name, neutral in body.UNSUPPORTED.items():  # type: ignore[attr-defined]
+        value = getattr(body, name)
+        if not any(value == ok and type(value) is type(ok) for ok in neutral):
+            info = type(body).model_fields[name].description or ""
+            info = info.removeprefix("Not supported: ").removesuffix(" Any other value is a 400.")
+            raise RequestError(
+                f"{name} is not supported by this server: {info}", name, "unsupported_parameter"
+            )
 
 
 def _common(
-    body: _Body, model_name: str, sampling: dict[str, object], max_tokens: int | None
+    body: SamplingFields, model_name: str, sampling: dict[str, object], max_tokens: int | None
 ) -> CommonOptions:
-    model = body.get("model", "str", model_name)
+    model = body.model if body.model is not None else model_name
     if model != model_name:
         raise RequestError(
             f"model {model!r} does not exist; this server serves {model_name!r}",
             "model",
             "model_not_found",
         )
-    stream = body.get("stream", "bool", False)
-    stream_options = body.get("stream_options", "object", {})
-    include_usage = stream_options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise RequestError("stream_options.include_usage must be a boolean", "stream_options")
+    stream_options = body.stream_options
     return CommonOptions(
         model=model,
         sampling=sampling,
         max_tokens=max_tokens,
-        stream=stream,
-        include_usage=include_usage,
-        return_token_ids=body.get("return_token_ids", "bool", False),
-        priority=body.get("priority", "int", 0),
+        stream=bool(body.stream),
+        include_usage=bool(stream_options and stream_options.include_usage),
+        return_token_ids=bool(body.return_token_ids),
+        priority=body.priority or 0,
+        continuous_usage=bool(stream_options and stream_options.continuous_usage_stats),
     )
 
 
@@ -219,25 +188,16 @@ def _common(
 # beside top_logprobs) and parses them itself; every other SamplingParams field is a body field
 # of the same name.
 _PER_ENDPOINT_FIELDS = frozenset({"max_tokens", "logprobs"})
+SAMPLING_BODY_FIELDS = tuple(name for name in FIELD_TYPES if name not in _PER_ENDPOINT_FIELDS)
 
 
-def _json_kind(name: str) -> str:
-    """The `_CHECKS` kind a SamplingParams field's JSON value must have."""
-    if is_sequence_field(name):
-        return "stop" if value_type(name) is str else "int_list"
-    return {float: "number", int: "int", bool: "bool"}[value_type(name)]
-
-
-_SAMPLING_KINDS = {
-    name: _json_kind(name) for name in FIELD_TYPES if name not in _PER_ENDPOINT_FIELDS
-}
-
-
-def _sampling(body: _Body) -> dict[str, object]:
+def _sampling(body: SamplingFields) -> dict[str, object]:
     """SamplingParams keyword arguments from the fields that are set; ranges are left to
     SamplingParams, so every API rejects the same values with the same message."""
-    sampling = {
-        name: body.get(name, kind) for name, kind in _SAMPLING_KINDS.items() if body.has(name)
+    sampling: dict[str, Any] = {
+        name: getattr(body, name)
+        for name in SAMPLING_BODY_FIELDS
+        if getattr(body, name) is not None
     }
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = (sampling["stop"],)
@@ -246,21 +206,22 @@ def _sampling(body: _Body) -> dict[str, object]:
     seed = sampling.get("seed")
     if seed is not None and not is_int64(seed):
         raise RequestError(f"seed must be a 64-bit signed integer, got {seed}", "seed")
+    logit_bias = parse_logit_bias(body.logit_bias)
+    if logit_bias is not None:
+        sampling["logit_bias"] = logit_bias
+    structured = parse_structured_output(body.response_format, body.structured_outputs)
+    if structured is not None:
+        output, param = structured
+        check_structured_output(output, param)  # before anything is scheduled
+        sampling["structured_output"] = output
     return sampling
 
 
-def _prompts(body: _Body) -> list[str | list[int]]:
-    prompt = body.raw("prompt")
-    if isinstance(prompt, str) or (_is_int_list(prompt) and prompt):
+def _prompts(prompt: Prompt) -> list[str | list[int]]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompts: list = [prompt]
-    elif (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(p, str) or _is_int_list(p) for p in prompt)
-    ):
-        prompts = prompt
-    elif prompt is None:
-        raise RequestError("prompt is required", "prompt", "missing_required_parameter")
+    elif prompt:
+        prompts = list(prompt)
     else:
         raise RequestError(
             "prompt must be a string, a list of token ids, or a non-empty list of either",
@@ -272,33 +233,17 @@ def _prompts(body: _Body) -> list[str | list[int]]:
     return prompts
 
 
-def _messages(body: _Body) -> list[dict[str, str]]:
-    messages = body.raw("messages")
-    if messages is None:
-        raise RequestError("messages is required", "messages", "missing_required_parameter")
-    if not isinstance(messages, list):
-        raise RequestError(
-            f"messages must be an array, got {_json_type(messages)}", "messages", "invalid_type"
-        )
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     if not messages:
         raise RequestError("messages must not be empty", "messages")
-    return [_message(i, message) for i, message in enumerate(messages)]
+    return [_message(message) for message in messages]
 
 
-def _message(i: int, message: object) -> dict[str, str]:
-    param = f"messages[{i}]"
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise RequestError(f"{param} must be an object with a string role", param, "invalid_type")
-    content = message.get("content")
+def _message(message: ChatMessage) -> dict[str, str]:
+    content = message.content
     if isinstance(content, list):  # content parts: only text can reach a text-only model
-        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            raise RequestError(f"{param}.content may only hold text parts", param)
-        content = "\n".join(str(part.get("text", "")) for part in content)
-    if content is None:
-        content = ""
-    if not isinstance(content, str):
-        raise RequestError(f"{param}.content must be a string", param, "invalid_type")
-    return {"role": message["role"], "content": content}
+        content = "\n".join(part.text for part in content)
+    return {"role": message.role, "content": content or ""}
 
 
 # ---- formatting -----------------------------------------------------------------------------
@@ -357,18 +302,44 @@ def _choice(
 
 
 @dataclass
+class StreamUsage:
+    """A stream's usage so far, for vLLM's `continuous_usage_stats` (every chunk carries it)."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+
+    def extra(self, options: CommonOptions, chunk: SequenceChunk) -> dict[str, object]:
+        """The `usage` key of `chunk`'s event: absent, null (the total comes last) or so far."""
+        self.completion_tokens += len(chunk.token_ids)
+        if options.continuous_usage:
+            return {"usage": usage_json(Usage(self.prompt_tokens, self.completion_tokens))}
+        return {"usage": None} if options.include_usage else {}
+
+
+@dataclass
 class CompletionFormat:
     """Completion objects and chunks for one request."""
 
     envelope: Envelope
     logprobs: bool
     options: CommonOptions
+    num_prompt_tokens: int = 0
+    # choice -> its prompt's text, put before its text (`echo`); empty: no echo
+    echo: list[str] = field(default_factory=list)
     _offsets: dict[int, int] = field(default_factory=dict)  # choice -> text offset so far
+    _echoed: set[int] = field(default_factory=set)  # choices whose prompt was sent
+    _usage: StreamUsage | None = None
 
     def chunk(self, chunk: SequenceChunk) -> dict:
         logprobs = self._logprobs(chunk.index, chunk.logprobs)
-        choice = _choice(chunk, {"text": chunk.text}, logprobs, self.options)
-        extra = {"usage": None} if self.options.include_usage else {}
+        text = chunk.text
+        if self.echo and chunk.index not in self._echoed:
+            self._echoed.add(chunk.index)
+            text = self.echo[chunk.index] + text
+        choice = _choice(chunk, {"text": text}, logprobs, self.options)
+        if self._usage is None:
+            self._usage = StreamUsage(self.num_prompt_tokens)
+        extra = self._usage.extra(self.options, chunk)
         return self.envelope.wrap("text_completion", [choice], **extra)
 
     def usage_chunk(self, usage: Usage) -> dict:
@@ -378,7 +349,7 @@ class CompletionFormat:
         choices = [
             _choice(
                 sequence,
-                {"text": sequence.text},
+                {"text": (self.echo[sequence.index] if self.echo else "") + sequence.text},
                 self._logprobs(sequence.index, sequence.logprobs),
                 self.options,
             )
@@ -417,7 +388,9 @@ class ChatFormat:
     envelope: Envelope
     logprobs: bool
     options: CommonOptions
+    num_prompt_tokens: int = 0
     _started: set[int] = field(default_factory=set)  # choices whose role was sent
+    _usage: StreamUsage | None = None
 
     def chunk(self, chunk: SequenceChunk) -> dict:
         delta: dict[str, object] = {"content": chunk.text}
@@ -425,7 +398,9 @@ class ChatFormat:
             self._started.add(chunk.index)
             delta = {"role": "assistant", **delta}
         choice = _choice(chunk, {"delta": delta}, self._logprobs(chunk.logprobs), self.options)
-        extra = {"usage": None} if self.options.include_usage else {}
+        if self._usage is None:
+            self._usage = StreamUsage(self.num_prompt_tokens)
+        extra = self._usage.extra(self.options, chunk)
         return self.envelope.wrap("chat.completion.chunk", [choice], **extra)
 
     def usage_chunk(self, usage: Usage) -> dict:

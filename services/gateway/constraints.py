@@ -97,7 +97,8 @@ def check_structured_output(output: StructuredOutput, param: str) -> None:
     try:
         grammar_for(output)
     except ValueError as error:  # GrammarError, and llguidance's own ValueErrors
-        raise RequestError(f"{param}: {error}", param) from None
+        message = str(error).removeprefix("structured_output ")
+        raise RequestError(f"{param}: {message}", param) from None
 
 
 def check_params(params: SamplingParams, vocab_size: int) -> None:

@@ -44,6 +44,7 @@ from services.gateway.openai_protocol import (
     parse_chat,
     parse_completion,
 )
+from services.gateway.responses_api import ResponsesBody, ResponsesFormat, parse_responses
 from services.gateway.tokens_api import TokenRoutes
 from shared.prompts import PromptError
 
@@ -63,12 +64,14 @@ ENDPOINTS = (
     "/v1/completions",
     "/v1/chat/completions",
     "/v1/models",
+    "/v1/responses",
     "/tokenize",
     "/detokenize",
     "/health",
     "/metrics",
 )
-GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")  # traced when tracing is on
+# Traced when tracing is on.
+GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 class ClientDisconnected(Exception):
@@ -80,6 +83,7 @@ def create_app(core: GatewayCore) -> FastAPI:
     routes = _Routes(core)
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/responses", routes.responses, methods=["POST"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
     TokenRoutes(core).add_to(app)
@@ -145,6 +149,31 @@ class _Routes:
             envelope, parsed.logprobs, parsed.options, generation.usage.prompt_tokens
         )
         return await _respond(request, generation, fmt, parsed.options)
+
+    async def responses(self, body: ResponsesBody, request: Request) -> Response:
+        core = self.core
+        with tracing.child_span("gateway.validate", None):
+            parsed = parse_responses(body, core.model_name)
+        try:
+            with tracing.child_span("gateway.tokenize", None):
+                prompt = core.encode_chat(parsed.messages)
+        except ValueError as error:  # a template that rejects the conversation
+            raise RequestError(str(error), "input") from None
+        params = parsed.params(max(core.max_model_len - len(prompt), 1))
+        request_id = f"resp_{uuid.uuid4().hex}"
+        generation = await _start(
+            core,
+            GenerationRequest(request_id, [prompt], params),
+            "input",
+            request.headers.get(REGION_HEADER, ""),
+        )
+        fmt = ResponsesFormat(request_id, core.model_name, parsed)
+        if not body.stream:
+            sequences = await _unless_disconnected(request, collect(generation), generation)
+            _annotate_usage(generation)
+            return JSONResponse(fmt.response(sequences[0], generation.usage))
+        first = await _unless_disconnected(request, anext(generation), generation)
+        return _EventStream(_response_events(fmt, generation, first), generation.cancel)
 
     async def models(self) -> dict:
         return {"object": "list", "data": [self._card()]}
@@ -274,6 +303,21 @@ async def _events(
         if include_usage:
             yield _sse(fmt.usage_chunk(generation.usage))
     yield "data: [DONE]\n\n"
+
+
+async def _response_events(
+    fmt: ResponsesFormat, generation: Generation, first
+) -> AsyncIterator[str]:
+    """The Responses API's events, each named in its `event:` line as OpenAI sends them."""
+    try:
+        async for event in fmt.events(generation, first):
+            yield f"event: {event['type']}\n" + _sse(event)
+    except (ValueError, StatusError) as error:
+        logger.warning("stream %s failed: %s", fmt.response_id, error)
+        _, body = _error_response(error)
+        yield "event: error\n" + _sse({"type": "error", **body["error"]})
+    else:
+        _annotate_usage(generation)
 
 
 def _annotate_usage(generation: Generation) -> None:

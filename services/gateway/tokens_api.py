@@ -66,7 +66,9 @@ class TokenRoutes:
 
     def _tokens(self, body: TokenizeBody) -> list[int]:
         if (body.prompt is None) == (body.messages is None):
-            raise RequestError("exactly one of prompt and messages must be given", "prompt")
+            raise RequestError(
+                "prompt (or messages): exactly one of the two must be given", "prompt"
+            )
         if body.prompt is not None:
             if body.add_generation_prompt is not None:
                 raise RequestError(

@@ -1,0 +1,91 @@
+"""A fuzz run of the HTTP API from its own /openapi.json (schemathesis): every operation gets
+requests generated from the schema, valid ones and invalid ones, against a real gateway and
+decode pod; none may answer 5xx or break the connection.
+
+Bounded to stay well under a minute: a few examples per operation, and the copy of the schema
+the generator reads caps the token counts (max_tokens and friends at most 4, n at most 2), so a
+generated request never asks for a long generation on the CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+
+from tests.services_util import Stack, get_json, start_stack
+
+MAX_EXAMPLES = 25  # per operation and generation mode
+# Caps written into the generator's copy of the schema: (field -> maximum).
+CAPS = {
+    "max_tokens": 4,
+    "max_completion_tokens": 4,
+    "max_output_tokens": 4,
+    "min_tokens": 4,
+    "n": 2,
+    "best_of": 2,
+}
+# Fields made required in that copy, so no request falls back to "the rest of the context".
+REQUIRED = {"ChatBody": "max_completion_tokens", "ResponsesBody": "max_output_tokens"}
+
+
+@pytest.fixture(scope="module")
+def stack():
+    stack = start_stack()
+    try:
+        yield stack.wait_healthy()
+    finally:
+        stack.stop()
+
+
+def _bounded(spec: dict) -> dict:
+    for name, schema in spec["components"]["schemas"].items():
+        properties = schema.get("properties", {})
+        for field, cap in CAPS.items():
+            if field in properties:
+                properties[field] = {"type": "integer", "minimum": 1, "maximum": cap}
+        if name in REQUIRED:
+            schema.setdefault("required", []).append(REQUIRED[name])
+        if name == "ChatBody":  # both spellings set: neither may be left to the default
+            schema["required"].append("max_tokens")
+    return spec
+
+
+def test_no_generated_request_gets_a_5xx(stack: Stack):
+    spec = _bounded(get_json(f"{stack.base_url}/openapi.json").body)
+    schema = schemathesis.openapi.from_dict(spec)
+    schema.config.update(base_url=stack.base_url)
+    failures: list[str] = []
+    statuses: dict[str, set[int]] = {}
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        seen = statuses.setdefault(operation.label, set())
+        _fuzz(operation, GenerationMode.POSITIVE, failures, seen)
+        if operation.method.upper() == "POST":  # the others have nothing to get wrong
+            _fuzz(operation, GenerationMode.NEGATIVE, failures, seen)
+    assert not failures, "\n".join(failures[:10])
+    # Valid requests did generate (the run is not only refusals).
+    for label in ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses"):
+        assert 200 in statuses[label], (label, statuses[label])
+
+
+def _fuzz(operation, mode: GenerationMode, failures: list[str], seen: set[int]) -> None:
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,  # the same requests every run: a failure reproduces
+        suppress_health_check=list(HealthCheck),
+    )
+    def run(case) -> None:
+        response = case.call(timeout=60)
+        seen.add(response.status_code)
+        if response.status_code >= 500:
+            failures.append(
+                f"{operation.label} {mode.value}: {response.status_code} for {case.body!r}: "
+                f"{response.text[:300]}"
+            )
+
+    run()

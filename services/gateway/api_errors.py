@@ -53,7 +53,10 @@ def from_validation(errors: Sequence[dict[str, Any]], body: object) -> RequestEr
         return RequestError(f"the request body is not valid JSON: {detail}", code="invalid_json")
     path = _path(first["loc"], body)
     if not path:
-        return RequestError("the request body must be a JSON object", code="invalid_type")
+        return RequestError(
+            "the request body must be a JSON object (sent as Content-Type: application/json)",
+            code="invalid_type",
+        )
     name = _name(path)
     param = _param(path)
     if kind == "extra_forbidden":

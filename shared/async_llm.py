@@ -223,6 +223,7 @@ class AsyncLLM:
         self.engine.validate_request(prompt_token_ids, params, priority)
         if params.n != 1:
             raise ValueError(f"n must be 1 with a remote prefill, got {params.n}")
+        await self._compile_grammar(params)
         sink = _Sink(asyncio.get_running_loop())
         reserved: concurrent.futures.Future = concurrent.futures.Future()
         submit = _Submit(request_id, list(prompt_token_ids), params, priority, sink)
@@ -246,6 +247,7 @@ class AsyncLLM:
     ) -> AsyncIterator[StreamDelta]:
         self._check_running()
         self.engine.validate_request(prompt_token_ids, params, priority)
+        await self._compile_grammar(params)
         request_id = request_id or f"req-{next(self._ids)}"
         sink = _Sink(asyncio.get_running_loop(), num_open=params.n)
         submit = _Submit(
@@ -275,6 +277,12 @@ class AsyncLLM:
         finally:
             if sink.num_open:
                 self.abort(request_id, n)
+
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """A new constraint compiles in the grammar thread before the request is queued, so
+        the engine thread finds it cached and never stalls the batch on it."""
+        if params.structured_output is not None:
+            await self.engine.grammars.compile_async(params.structured_output)
 
     def _check_running(self) -> None:
         if self._stopped.is_set():

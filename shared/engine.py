@@ -40,6 +40,8 @@ from shared.sampling_params import SamplingParams
 from shared.scheduler import Scheduler
 from shared.spec_decode.speculator import build_policy, build_speculator
 from shared.step import ModelOutput, SchedulerOutput, StepObserver, StepResult
+from shared.structured_output.grammar import grammar_for
+from shared.structured_output.matcher import GrammarCompiler, StepMasks
 from shared.thread_tuner import ThreadTuner
 
 logger = logging.getLogger(__name__)
@@ -121,6 +123,10 @@ class EngineCore:
                 config, self.speculation, self.runner, self.max_model_len
             )
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Structured outputs: grammars compiled per constraint, matched per sequence.
+        self.grammars = GrammarCompiler(
+            self.tokenizer.to_json(), self.architecture.vocab_size, self.eos_token_ids
+        )
         # Prefill pods: the pages of requests added with export_kv_from_block, until taken.
         self.kv_exporter = KVPageExporter(kv_cache)
         # Called after every forward pass with what it computed and when: the exporter, the
@@ -144,7 +150,7 @@ class EngineCore:
         """Raises ValueError for a request this engine can never serve. Read-only: safe to call
         from any thread, so front ends check a whole batch before queueing any of it."""
         self.validate_prompt(prompt_token_ids)
-        validate_params(params)
+        validate_params(params, self.architecture.vocab_size)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
 
@@ -190,6 +196,8 @@ class EngineCore:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, list(prompt_token_ids), params, priority=priority)
+        if params.structured_output is not None:
+            request.grammar = self.grammars.new_sequence(params.structured_output)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         return request
@@ -276,7 +284,7 @@ class EngineCore:
             sched = sched.with_drafts(self.speculator.propose(sched))
         num_threads = self._choose_threads(sched)
         start_time = time.monotonic()
-        model_out = self._execute(sched)
+        model_out = self._execute(sched, self.grammars.start_step(sched))
         step = StepResult(sched, model_out, start_time, time.monotonic())
         if self.thread_tuner is not None:
             self.thread_tuner.observe(step, num_threads)
@@ -299,11 +307,13 @@ class EngineCore:
                 self._num_threads = num_threads
         return self._num_threads
 
-    def _execute(self, sched: SchedulerOutput) -> ModelOutput:
-        """The forward pass, and the verification of any drafts in it."""
-        model_out = self.runner.execute(sched)
+    def _execute(self, sched: SchedulerOutput, masks: StepMasks) -> ModelOutput:
+        """The forward pass (while `masks` are computed), and the verification of any drafts
+        in it."""
+        model_out = self.runner.execute(sched, masks)
         if self.speculator is not None:
-            model_out = self.speculator.verify(sched, model_out)
+            model_out = self.speculator.verify(sched, model_out, masks)
+        masks.wait()  # the mask thread reads the requests that the update is about to change
         return model_out
 
     def _close_dropped_requests(self) -> list[StreamDelta]:
@@ -337,10 +347,19 @@ class EngineCore:
         }
 
 
-def validate_params(params: object) -> None:
-    """SamplingParams checks its own values; a front end may still pass something else."""
+def validate_params(params: object, vocab_size: int) -> None:
+    """SamplingParams checks its own values; what depends on the model is checked here (and
+    a front end may still pass something else)."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+    too_large = [token_id for token_id, _ in params.logit_bias if token_id >= vocab_size]
+    if too_large:
+        raise ValueError(
+            f"logit_bias token ids must be below the vocabulary size {vocab_size}, "
+            f"got {too_large[0]}"
+        )
+    if params.structured_output is not None:
+        grammar_for(params.structured_output)  # raises GrammarError (a ValueError)
 
 
 def _max_model_len(model_limit: int, config: EngineConfig) -> int:

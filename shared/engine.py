@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -174,15 +175,21 @@ class EngineCore:
         index: int = 0,
         arrival_time: float | None = None,
         export_kv_from_block: int | None = None,
+        resumed_output: Sequence[int] = (),
     ) -> None:
         """Validates and queues one sequence (n > 1 is fanned out by the callers).
 
         `export_kv_from_block` (prefill pods): when the request's first token is sampled, the
-        pages of its prompt blocks from that index on are packed for `take_exported_pages`."""
-        request = self._new_request(request_id, prompt_token_ids, params, priority, arrival_time)
+        pages of its prompt blocks from that index on are packed for `take_exported_pages`.
+        `resumed_output`: tokens the sequence already generated elsewhere (a migration from a
+        pod that died): they count as output (max_tokens, penalties, the seeded generator's
+        draws, the grammar) but are not streamed again, and generation continues after them."""
+        request = self._new_request(
+            request_id, prompt_token_ids, params, priority, arrival_time, resumed_output
+        )
         request.export_kv_from_block = export_kv_from_block
         self.scheduler.add_request(request)
-        self.output_processor.add(request, index)
+        self.output_processor.add(request, index, resumed_output)
 
     def _new_request(
         self,
@@ -191,16 +198,32 @@ class EngineCore:
         params: SamplingParams,
         priority: int,
         arrival_time: float | None = None,
+        resumed_output: Sequence[int] = (),
     ) -> Request:
         self.validate_request(prompt_token_ids, params, priority)
+        if resumed_output:
+            self._validate_resumed_output(prompt_token_ids, resumed_output, params)
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, list(prompt_token_ids), params, priority=priority)
+        for token_id in resumed_output:
+            request.append_output_token(token_id)
         if params.structured_output is not None:
             request.grammar = self.grammars.new_sequence(params.structured_output)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         return request
+
+    def _validate_resumed_output(
+        self, prompt_token_ids: list[int], resumed_output: Sequence[int], params: SamplingParams
+    ) -> None:
+        if len(resumed_output) >= params.max_tokens:
+            raise ValueError(
+                f"resumed_output has {len(resumed_output)} tokens, which leaves nothing of "
+                f"max_tokens={params.max_tokens} to generate"
+            )
+        # As a prompt, prompt + resumed output must fit and leave room for a token.
+        self.validate_prompt(list(prompt_token_ids) + list(resumed_output))
 
     # ---- disaggregation (see shared/disaggregation.py) --------------------------------------
 

@@ -22,6 +22,7 @@ from splitserve.v1 import generate_pb2, generate_pb2_grpc
 from services.common.channels import sync_channel
 from services.common.model_files import load_tokenizer, resolve_model_path
 from services.gateway.api_schema import ChatBody, CompletionBody, SamplingFields
+from services.gateway.constraints import closed_objects
 from services.gateway.openai_protocol import SAMPLING_BODY_FIELDS, parse_chat, parse_completion
 from shared.sampling_params import SamplingParams, value_type
 from shared.structured_output.spec import StructuredOutput
@@ -83,7 +84,8 @@ def test_logit_bias_and_structured_outputs_reach_samplingparams():
         },
         "m",
     )
-    assert chat.options.params(16).structured_output == StructuredOutput.json_schema(schema)
+    closed = {**schema, "additionalProperties": False}
+    assert chat.options.params(16).structured_output == StructuredOutput.json_schema(closed)
     for body, kind in (
         ({"response_format": {"type": "json_object"}}, "json_object"),
         ({"structured_outputs": {"regex": "[a-z]+"}}, "regex"),
@@ -92,6 +94,27 @@ def test_logit_bias_and_structured_outputs_reach_samplingparams():
     ):
         parsed = parse_completion({"prompt": "hi", **body}, "m").options.params(16)
         assert parsed.structured_output is not None and parsed.structured_output.kind == kind
+
+
+def test_json_schemas_close_objects_that_list_their_properties():
+    """As OpenAI's strict mode and vLLM do: no keys beyond the listed ones, unless asked."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "pets": {"type": "array", "items": {"$ref": "#/$defs/Pet"}},
+            "extra": {"type": "object"},  # free-form: stays open
+            "properties": {"type": "object", "properties": {"a": {"type": "string"}}},
+        },
+        "$defs": {"Pet": {"type": "object", "properties": {"name": {"type": "string"}}}},
+    }
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["$defs"]["Pet"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]["extra"]
+    assert closed["properties"]["properties"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]  # a name map, not a schema
+    open_schema = {"type": "object", "properties": {}, "additionalProperties": True}
+    assert closed_objects(open_schema) == open_schema  # said explicitly: kept
 
 
 # ---- a stack --------------------------------------------------------------------------------
@@ -410,6 +433,11 @@ def test_continuous_usage_stats_on_every_chunk(client):
     prompt_tokens = {chunk.usage.prompt_tokens for chunk in chunks}
     assert len(prompt_tokens) == 1
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+
+
+def test_stream_options_without_a_stream_is_a_400(stack):
+    body = {"prompt": "hi", "stream_options": {"include_usage": True}}
+    _assert_400(_post(stack, "/v1/completions", body), "stream_options")
 
 
 def test_responses_text_in_and_out(client):

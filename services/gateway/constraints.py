@@ -7,6 +7,8 @@ bad schema, regex or grammar is a 400 naming the field it came from).
 
 from __future__ import annotations
 
+import json
+
 from services.gateway.api_errors import RequestError
 from services.gateway.api_schema import ResponseFormat, StructuredOutputs
 from shared.sampling_params import SamplingParams
@@ -48,6 +50,49 @@ def parse_structured_output(
     return None
 
 
+# Keywords whose value is one subschema, a list of them, or a name -> subschema mapping.
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def closed_objects(schema: object) -> object:
+    """`schema` with `additionalProperties: false` on every object that lists `properties` and
+    says nothing about others, as OpenAI's strict mode requires and vLLM's default grammar
+    backend assumes: otherwise a model may append keys of its own until max_tokens. Free-form
+    objects (no `properties`) stay open. Returns a copy."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(closed.get(key), dict | list):
+            closed[key] = closed_objects(closed[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(closed.get(key), list):
+            closed[key] = closed_objects(closed[key])
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: closed_objects(sub) for name, sub in closed[key].items()}
+    if isinstance(closed.get("properties"), dict) and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
+
+
+def _json_schema(schema: dict | str, param: str) -> StructuredOutput:
+    """A JSON-schema constraint (objects closed, see `closed_objects`); a schema given as text
+    must parse."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as error:
+            raise RequestError(f"{param}: the schema is not valid JSON: {error}", param) from None
+    if not isinstance(schema, dict):
+        raise RequestError(f"{param}: the schema must be a JSON object", param)
+    return StructuredOutput.json_schema(closed_objects(schema))  # type: ignore[arg-type]
+
+
 def _from_response_format(response_format: ResponseFormat | None) -> StructuredOutput | None:
     if response_format is None or response_format.type == "text":
         return None
@@ -59,7 +104,7 @@ def _from_response_format(response_format: ResponseFormat | None) -> StructuredO
             "response_format.json_schema.schema is required with type json_schema",
             "response_format",
         )
-    return StructuredOutput.json_schema(spec.schema_)
+    return _json_schema(spec.schema_, "response_format")
 
 
 def _from_structured_outputs(body: StructuredOutputs | None) -> StructuredOutput | None:
@@ -82,12 +127,14 @@ def _from_structured_outputs(body: StructuredOutputs | None) -> StructuredOutput
     (kind, value), = chosen.items()
     try:
         if kind == "json":
-            return StructuredOutput.json_schema(value)  # type: ignore[arg-type]
+            return _json_schema(value, "structured_outputs")  # type: ignore[arg-type]
         if kind == "choice":
             return StructuredOutput.choice(value)  # type: ignore[arg-type]
         if kind == "json_object":
             return StructuredOutput("json_object")
         return StructuredOutput(kind, value)  # type: ignore[arg-type]
+    except RequestError:
+        raise
     except ValueError as error:
         raise RequestError(f"structured_outputs.{kind}: {error}", "structured_outputs") from None
 

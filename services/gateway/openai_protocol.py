@@ -172,6 +172,9 @@ def _common(
             "model_not_found",
         )
     stream_options = body.stream_options
+    if stream_options is not None and not body.stream:
+        # As OpenAI and vLLM answer: options for a stream that is not one would go unheard.
+        raise RequestError("stream_options is only allowed when stream is true", "stream_options")
     return CommonOptions(
         model=model,
         sampling=sampling,

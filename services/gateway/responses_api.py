@@ -17,7 +17,7 @@ from pydantic import Field
 
 from services.gateway.api_errors import RequestError
 from services.gateway.api_schema import StrictModel
-from services.gateway.constraints import check_structured_output
+from services.gateway.constraints import check_structured_output, closed_objects
 from services.gateway.generation import CollectedSequence, Generation, SequenceChunk, Usage
 from services.gateway.openai_protocol import check_unsupported, validate_body
 from shared.sampling_params import SamplingParams
@@ -159,7 +159,7 @@ def _structured_output(text: TextOptions | None) -> StructuredOutput | None:
         return StructuredOutput("json_object")
     if text.format.schema_ is None:
         raise RequestError("text.format.schema is required with type json_schema", "text")
-    return StructuredOutput.json_schema(text.format.schema_)
+    return StructuredOutput.json_schema(closed_objects(text.format.schema_))
 
 
 # ---- formatting -----------------------------------------------------------------------------

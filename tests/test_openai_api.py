@@ -272,6 +272,15 @@ def test_logit_bias_is_accepted_and_bad_values_are_400s(client, stack, tokenizer
                 "logit_bias", "invalid_type")
 
 
+def test_logit_bias_reaches_the_engine(client, tokenizer):
+    forced = tokenizer.encode(" Paris", add_special_tokens=False)[0]
+    answer = client.completions.create(
+        model=MODEL_NAME, prompt="Once upon a time", max_tokens=3, temperature=0,
+        logit_bias={str(forced): 100}, extra_body={"return_token_ids": True},
+    )
+    assert answer.choices[0].model_extra["token_ids"] == [forced] * 3
+
+
 _BAD_CONSTRAINTS = [
     ("structured_outputs", {"structured_outputs": {"regex": "(unclosed"}}),
     ("structured_outputs", {"structured_outputs": {"grammar": "start: missing_rule"}}),
@@ -473,6 +482,17 @@ def test_responses_stream(client):
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert events[-1].response.output_text == text
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_follow_a_json_schema(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"]}
+    response = client.responses.create(
+        model=MODEL_NAME, input="Name a city in JSON.", max_output_tokens=30, temperature=0,
+        text={"format": {"type": "json_schema", "name": "city", "schema": schema}},
+    )
+    assert response.status == "completed", response.output_text
+    assert set(json.loads(response.output_text)) == {"city"}
 
 
 def test_responses_refuse_what_they_do_not_serve(stack):

@@ -46,6 +46,8 @@ def param_of(error: ValueError) -> str | None:
 def from_validation(errors: Sequence[dict[str, Any]], body: object) -> RequestError:
     """The first offending field of pydantic's `errors` (locations relative to `body`) as one
     RequestError; several errors of one field (the alternatives of a union) become one."""
+    if not errors:
+        return RequestError("the request is invalid", code="invalid_value")
     first = errors[0]
     kind = first["type"]
     if kind == "json_invalid":

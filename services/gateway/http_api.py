@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions,
-/v1/models (and /v1/models/{id}), /tokenize, /detokenize, /health, /metrics. Request bodies are
-the pydantic models of `api_schema.py` (FastAPI validates them and lists them in /openapi.json).
+/v1/responses, /v1/models (and /v1/models/{id}), /tokenize, /detokenize, /health, /metrics.
+Request bodies are the pydantic models of `api_schema.py` (FastAPI validates them and lists them
+in /openapi.json).
 Handlers translate HTTP <-> `GatewayCore`; the exception handlers at the bottom are the one place
 errors become status codes and OpenAI error bodies."""
 
@@ -47,6 +48,7 @@ from services.gateway.openai_protocol import (
 from services.gateway.responses_api import ResponsesBody, ResponsesFormat, parse_responses
 from services.gateway.tokens_api import TokenRoutes
 from shared.prompts import PromptError
+from shared.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +225,7 @@ def _pools(core: GatewayCore) -> list:
 
 
 def _echo_texts(
-    core: GatewayCore, parsed: CompletionRequest, prompts: list[list[int]], params
+    core: GatewayCore, parsed: CompletionRequest, prompts: list[list[int]], params: SamplingParams
 ) -> list[str]:
     """Each choice's prompt text for `echo` (a token-id prompt decoded); [] without echo."""
     if not parsed.echo:

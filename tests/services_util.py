@@ -85,6 +85,7 @@ def start_stack(
     transport: str = "tcp",
     decode_flags: Sequence[str] = (),
     prefill_flags: Sequence[str] = (),
+    gateway_flags: Sequence[str] = (),
 ) -> Stack:
     """Starts prefill pod(s), decode pod(s) and a gateway on free ports; returns at once (see
     wait_healthy). Every pod speaks `transport` and runs one torch thread."""
@@ -99,7 +100,7 @@ def start_stack(
         for i in range(num_decode):
             address = _start_pod(stack, "decode", i, [*pod_flags, *decode_flags])
             stack.decode_addresses.append(address)
-        _start_gateway(stack)
+        _start_gateway(stack, gateway_flags)
         return stack
     except BaseException:
         supervisor.stop()
@@ -117,10 +118,10 @@ def _start_pod(stack: Stack, role: str, index: int, flags: list[str]) -> str:
     return address
 
 
-def _start_gateway(stack: Stack) -> None:
+def _start_gateway(stack: Stack, flags: Sequence[str] = ()) -> None:
     argv = [sys.executable, "-m", "services.gateway", "--host", "127.0.0.1"]
     argv += ["--port", str(stack.http_port), "--grpc-port", str(stack.grpc_port)]
-    argv += ["--log-level", "warning"]
+    argv += ["--log-level", "warning", *flags]
     for address in stack.decode_addresses:
         argv += ["--decode", address]
     for address in stack.prefill_addresses:

@@ -1,9 +1,11 @@
-"""No request lost when a decode pod dies or stalls mid-stream: real processes, real signals.
+"""No request lost when a pod dies or stalls: real processes, real signals.
 
-Three decode pods behind a gateway (stall timeout 3 s). A streamed request's pod is SIGKILLed or
-SIGSTOPped after some tokens; the stream must complete as if nothing happened: the same tokens
-and text as one engine produces (greedy and seeded sampling), the usage of the whole sequence,
-and every surviving pod's blocks free afterwards.
+A prefill pod and three decode pods behind a gateway (stall timeout 3 s, remote prefill
+timeout 2 s). A streamed request's decode pod is SIGKILLed or SIGSTOPped after some tokens;
+the stream must complete as if nothing happened: the same tokens and text as one engine
+produces (greedy and seeded sampling), the usage of the whole sequence, and every surviving
+pod's blocks free afterwards. A stopped prefill pod costs a request its timeout, not its
+answer; a gateway replica that dies leaves no request behind on the pods.
 """
 
 from __future__ import annotations
@@ -17,17 +19,32 @@ import torch
 from openai import OpenAI
 
 from shared import LLM, SamplingParams
-from tests.services_util import MODEL_NAME, Stack, decode_stats, start_stack, wait_until_idle
+from tests.services_util import (
+    MODEL_NAME,
+    Stack,
+    decode_stats,
+    free_port,
+    get_json,
+    start_gateway,
+    start_stack,
+    wait_until_idle,
+)
 
 PROMPT = "The history of lighthouses begins in ancient Egypt, where"
 MAX_TOKENS = 40
 FAULT_AFTER_TOKENS = 10
 STALL_TIMEOUT = "3"
+PREFILL_TIMEOUT = "2"
 
 
 @pytest.fixture(scope="module")
 def stack():
-    started = start_stack(num_decode=3, gateway_flags=["--stream-stall-timeout", STALL_TIMEOUT])
+    started = start_stack(
+        num_decode=3,
+        num_prefill=1,
+        decode_flags=["--prefill-timeout", PREFILL_TIMEOUT, "--local-prefill-threshold", "8"],
+        gateway_flags=["--stream-stall-timeout", STALL_TIMEOUT],
+    )
     try:
         yield started.wait_healthy()
     finally:
@@ -172,3 +189,61 @@ def test_a_killed_pod_seeded_stream_continues_its_own_random_stream(stack, clien
     assert (tokens, text) == (want.token_ids, want.text)
     assert usage.completion_tokens == len(want.token_ids)
     _assert_idle(stack, skip=hit)
+    stack.decode_addresses.remove(hit)
+
+
+def test_a_stalled_prefill_pod_costs_its_timeout_then_falls_back(stack, client, llm):
+    prompt = "A stalled prefill: " + PROMPT
+    want = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0]
+    prefill = stack.processes["prefill-0"]
+    prefill.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        got = client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0,
+            extra_body={"return_token_ids": True},
+        )
+        elapsed = time.monotonic() - start
+    finally:
+        prefill.send_signal(signal.SIGCONT)
+    assert got.choices[0].model_extra["token_ids"] == want.token_ids
+    assert float(PREFILL_TIMEOUT) <= elapsed < float(PREFILL_TIMEOUT) + 8
+    # Running again, the prefill pod hears the decode pod's cancel and drops the request.
+    stats = wait_until_idle(stack.prefill_addresses[0], role="prefill")
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+    _assert_idle(stack)
+
+
+def _is_healthy(url: str) -> bool:
+    try:
+        return get_json(url).status == 200
+    except OSError:  # not listening yet
+        return False
+
+
+def test_a_dead_gateway_replica_leaves_nothing_on_the_pods(stack, client):
+    http_port, grpc_port = free_port(), free_port()
+    replica = start_gateway(stack, "gateway-replica", http_port, grpc_port)
+    deadline = time.monotonic() + 60
+    while not _is_healthy(f"http://127.0.0.1:{http_port}/health"):
+        assert replica.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    replica_client = OpenAI(
+        base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0
+    )
+    stream = replica_client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    next(iter(stream))
+    busy = _busy_pod(stack)
+    replica.send_signal(signal.SIGKILL)  # its client's request is lost with it (documented)
+    replica.wait()
+    start = time.monotonic()
+    stats = wait_until_idle(busy, timeout=10)
+    assert (stats.num_running, stats.kv_blocks_free) == (0, stats.kv_blocks_total)
+    assert time.monotonic() - start < 10
+    # The other gateway serves on.
+    done = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5)
+    assert done.choices[0].finish_reason == "length"

@@ -45,7 +45,8 @@ def _bounded(spec: dict) -> dict:
         properties = schema.get("properties", {})
         for field, cap in CAPS.items():
             if field in properties:
-                properties[field] = {"type": "integer", "minimum": 1, "maximum": cap}
+                # An enum, not a range: a generator may write 4 as 4.0, which is refused.
+                properties[field] = {"enum": list(range(1, cap + 1))}
         for field, prop in properties.items():
             # A known-unsupported field is a 400 whatever else the body holds (tested in
             # test_openai_api.py): generated at null only, so valid bodies get through.

@@ -204,7 +204,9 @@ class TextPart(StrictModel):
 
 
 class ChatMessage(StrictModel):
-    role: str = Field(description="system, user, assistant, tool, ...")
+    role: str = Field(
+        description="system, user, assistant, tool, ...", json_schema_extra={"minLength": 1}
+    )
     content: str | list[TextPart] | None = None
     name: str | None = _doc("A participant's name (not rendered by every template).")
     tool_calls: Any = _doc("An assistant's earlier tool calls (see tools).")
@@ -218,7 +220,9 @@ class ChatMessage(StrictModel):
 
 
 class ChatBody(SamplingFields):
-    messages: list[ChatMessage] = Field(description="The conversation so far (non-empty).")
+    messages: list[ChatMessage] = Field(
+        description="The conversation so far (non-empty).", json_schema_extra={"minItems": 1}
+    )
     max_completion_tokens: int | None = _doc(
         "Tokens to generate (default: the rest of the context).", minimum=1
     )

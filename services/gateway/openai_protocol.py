@@ -225,7 +225,7 @@ def _json_kind(name: str) -> str:
     """The `_CHECKS` kind a SamplingParams field's JSON value must have."""
     if is_sequence_field(name):
         return "stop" if value_type(name) is str else "int_list"
-    return {float: "number", int: "int", bool: "bool"}[value_type(name)]
+    return {float: "number", int: "int", bool: "bool", str: "str"}[value_type(name)]
 
 
 _SAMPLING_KINDS = {

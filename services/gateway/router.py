@@ -39,7 +39,7 @@ from services.gateway.scoring import (
     RoutingWeights,
     decide,
 )
-from shared.kv.block_hash import hash_full_blocks
+from shared.kv.block_hash import cache_salt_keys, hash_full_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -127,16 +127,20 @@ class Router:
         client_region: str = "",
         exclude: Collection[str] = (),
         avoid_prefill: Collection[str] = (),
+        cache_salt: str | None = None,
     ) -> PickedPods | None:
         """The pods for one prompt (counted as dispatched to), or None without a decode pod.
         `exclude`: addresses of decode pods not to choose (a retry leaves out the pods the
         sequence already failed on). `avoid_prefill`: addresses of prefill pods to choose only
-        when no other is available (the ones a retry's failed attempts named)."""
+        when no other is available (the ones a retry's failed attempts named). `cache_salt`:
+        the request's tenant salt, which its cached blocks' hashes include."""
         decode_pods = [p for p in self.decode_pool.available() if p.address not in exclude]
         if not decode_pods:
             return None
         prefill_pods = self._prefill_candidates(avoid_prefill)
-        cached = await self.cached_tokens(prompt_token_ids, [*prefill_pods, *decode_pods])
+        cached = await self.cached_tokens(
+            prompt_token_ids, [*prefill_pods, *decode_pods], cache_salt_keys(cache_salt)
+        )
         place = self.settings.place
         ctx = RoutingContext(
             num_prompt_tokens=len(prompt_token_ids),
@@ -170,13 +174,15 @@ class Router:
             prefill_pod.num_dispatched += 1
         return PickedPods(decision, decode_pod, prefill_pod)
 
-    async def cached_tokens(self, prompt: list[int], pods: list[Pod]) -> dict[str, int]:
+    async def cached_tokens(
+        self, prompt: list[int], pods: list[Pod], extra_hash_keys: tuple[str, ...] = ()
+    ) -> dict[str, int]:
         """pod id -> tokens of `prompt` cached there, per the index ({} without one)."""
         indexed = [p for p in pods if p.record is not None]
         uses_index = self.settings.policy == "cache_aware" and self.is_redis_up
         if self.redis is None or not uses_index or not indexed:
             return {}
-        hashes = _prompt_hashes(prompt, indexed)
+        hashes = _prompt_hashes(prompt, indexed, extra_hash_keys)
         queries = [
             (p.record.blocks_key(self.keys), hashes[(p.record.block_size, p.record.hash_namespace)])
             for p in indexed
@@ -189,12 +195,16 @@ class Router:
         return {p.pod_id: n * p.record.block_size for p, n in zip(indexed, num_blocks, strict=True)}
 
 
-def _prompt_hashes(prompt: list[int], pods: list[Pod]) -> dict[tuple[int, str], list[bytes]]:
+def _prompt_hashes(
+    prompt: list[int], pods: list[Pod], extra_hash_keys: tuple[str, ...] = ()
+) -> dict[tuple[int, str], list[bytes]]:
     """The prompt's block hashes once per (block size, namespace) among the pods. A prompt's
     last token is never served from cache (it must be computed to sample), so a prompt of
     whole blocks is looked up without its last block, as the engine would."""
     groups = {(p.record.block_size, p.record.hash_namespace) for p in pods}
     return {
-        (block_size, namespace): hash_full_blocks(prompt[:-1], block_size, namespace)
+        (block_size, namespace): hash_full_blocks(
+            prompt[:-1], block_size, namespace, extra_hash_keys
+        )
         for block_size, namespace in groups
     }

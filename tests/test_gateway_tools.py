@@ -284,6 +284,48 @@ def test_a_tool_result_round_trip(client, stack):
     assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
+# ---- disaggregated, with n-gram speculation ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def split_client(stack: Stack) -> OpenAI:
+    """A second stack: every prompt prefilled on a prefill pod (whose first token the grammar
+    must allow too), decoding with n-gram speculation (drafts from the prompt, which holds the
+    schemas, checked against the grammar). Started after the first one's tests ran."""
+    split = start_stack(
+        num_prefill=1,
+        decode_flags=["--local-prefill-threshold", "0", "--speculative-method", "ngram"],
+    )
+    try:
+        split.wait_healthy()
+        yield OpenAI(base_url=f"{split.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    finally:
+        split.stop()
+
+
+@pytest.mark.parametrize(
+    "question, kwargs",
+    [
+        (QUESTIONS[0], {"tool_choice": "required"}),
+        (QUESTIONS[2], {"tool_choice": named("lookup")}),
+        (QUESTIONS[1], {"tool_choice": "required", "temperature": 0.9, "seed": 5, "n": 2}),
+        (QUESTIONS[1], {"tools": [ADD]}),
+    ],
+)
+def test_disaggregated_and_speculative_calls_validate(split_client, question, kwargs):
+    response = chat(split_client, question, **kwargs)
+    for choice in response.choices:
+        if kwargs.get("tool_choice") or choice.message.tool_calls:
+            assert_valid_calls(choice, set(SCHEMAS))
+        else:
+            assert choice.message.content[0] not in "{[ \n\t"
+    content, calls, finish = streamed(split_client, question, **{**kwargs, "n": 1})
+    if kwargs.get("tool_choice"):
+        assert finish == "tool_calls" and content is None and calls
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
 # ---- bad input ------------------------------------------------------------------------------
 
 UNCOMPILABLE = {

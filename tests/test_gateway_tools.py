@@ -288,7 +288,7 @@ def test_a_tool_result_round_trip(client, stack):
 
 
 @pytest.fixture(scope="module")
-def split_client(stack: Stack) -> OpenAI:
+def split_client() -> OpenAI:
     """A second stack: every prompt prefilled on a prefill pod (whose first token the grammar
     must allow too), decoding with n-gram speculation (drafts from the prompt, which holds the
     schemas, checked against the grammar). Started after the first one's tests ran."""

@@ -29,7 +29,8 @@ class StructuredOutput:
 
     @classmethod
     def json_schema(cls, schema: dict | str) -> StructuredOutput:
-        text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+        # Key order is kept: the grammar emits an object's properties in the schema's order.
+        text = schema if isinstance(schema, str) else json.dumps(schema)
         return cls("json", text)
 
     @classmethod

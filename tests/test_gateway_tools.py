@@ -89,6 +89,9 @@ QUESTIONS = [
     "What is 17 plus 25?",
     "Tell me the capital and the currency of Japan.",
 ]
+# SmolLM2 answers the questions above in text when it may; asked this with tools [ADD, WEATHER]
+# in auto mode (greedy), it calls get_weather.
+CALL_REQUEST = "Call get_weather for Paris in celsius."
 MAX_TOKENS = 120  # enough for any call of these tools (bounded strings, arrays, numbers)
 
 
@@ -166,7 +169,7 @@ def test_seeded_sampled_required_calls_validate(client, seed):
     assert_valid_calls(response.choices[0], set(SCHEMAS))
 
 
-@pytest.mark.parametrize("question", QUESTIONS)
+@pytest.mark.parametrize("question", [*QUESTIONS, CALL_REQUEST])
 def test_auto_with_a_strict_tool_answers_in_text_or_with_valid_calls(client, question):
     response = chat(client, question, tools=[ADD, WEATHER])
     choice = response.choices[0]
@@ -175,6 +178,12 @@ def test_auto_with_a_strict_tool_answers_in_text_or_with_valid_calls(client, que
     else:
         assert choice.finish_reason in ("stop", "length")
         assert choice.message.content and choice.message.content[0] not in "{[ \n\t"
+
+
+def test_auto_with_a_strict_tool_calls_when_asked_to(client):
+    response = chat(client, CALL_REQUEST, tools=[ADD, WEATHER])
+    calls = assert_valid_calls(response.choices[0], {"add", "get_weather"})
+    assert calls == [("get_weather", {"city": "Paris", "unit": "celsius"})]
 
 
 def test_none_answers_in_text(client):
@@ -214,8 +223,10 @@ def streamed(client: OpenAI, question: str, **kwargs) -> tuple[str | None, list,
 CASES = [
     (QUESTIONS[0], {"tool_choice": "required"}),
     (QUESTIONS[2], {"tool_choice": named("lookup")}),
-    (QUESTIONS[1], {"tools": [ADD, WEATHER]}),
+    (QUESTIONS[1], {"tools": [ADD, WEATHER]}),  # auto, strict: text
+    (CALL_REQUEST, {"tools": [ADD, WEATHER]}),  # auto, strict: a call
     (QUESTIONS[0], {"tools": [WEATHER]}),  # auto, unconstrained
+    (QUESTIONS[1], {"tool_choice": "required", "temperature": 0.8, "seed": 3}),
 ]
 
 
@@ -309,7 +320,7 @@ def split_client() -> OpenAI:
         (QUESTIONS[0], {"tool_choice": "required"}),
         (QUESTIONS[2], {"tool_choice": named("lookup")}),
         (QUESTIONS[1], {"tool_choice": "required", "temperature": 0.9, "seed": 5, "n": 2}),
-        (QUESTIONS[1], {"tools": [ADD]}),
+        (CALL_REQUEST, {"tools": [ADD, WEATHER]}),
     ],
 )
 def test_disaggregated_and_speculative_calls_validate(split_client, question, kwargs):

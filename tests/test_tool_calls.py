@@ -384,7 +384,16 @@ ANSWERS = [
         '{"arguments": {"x": [1, {"y": "}"}]}, "name": "get_time"}',
         (None, [("get_time", '{"x": [1, {"y": "}"}]}')]),
     ),
-    ('{"name": "get_time", "parameters": {}}', (None, [("get_time", "{}")])),
+    # A copied tool card is no call (nor is Llama's "parameters" spelling).
+    ('{"name": "get_time", "parameters": {}}', ('{"name": "get_time", "parameters": {}}', [])),
+    (
+        '{"name": "get_time", "description": "now", "parameters": {}}',
+        ('{"name": "get_time", "description": "now", "parameters": {}}', []),
+    ),
+    (
+        '<tool_call>{"name": "get_time", "id": 1}</tool_call>',
+        ('<tool_call>{"name": "get_time", "id": 1}</tool_call>', []),
+    ),
     (f"{PARIS} That is all.", (None, [("get_weather", '{"city": "Paris", "unit": "celsius"}')])),
     ("It is sunny.", ("It is sunny.", [])),
     ("  It is sunny.", ("  It is sunny.", [])),

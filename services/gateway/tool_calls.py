@@ -8,8 +8,9 @@ How an answer is read (tool_choice other than "none"):
   started: first `{index, id, type, function: {name, arguments}}`, then fragments of the
   arguments' text with only `index` and `function.arguments`. A call object closed without
   arguments gets `{}`. Text after the calls is ignored; with `parallel_tool_calls` false only
-  the first call counts. JSON that is no call (an unknown name, no name, arguments that are
-  not an object, broken syntax) before any call was committed makes the whole answer content.
+  the first call counts. JSON that is no call (an unknown name, no name, a key other than
+  "name" and "arguments", arguments that are not an object, broken syntax) before any call
+  was committed makes the whole answer content.
 - Any other answer is content, streamed as it comes. Unless the output is constrained
   (required, named, or auto with a strict tool), calls may also follow the text in
   `<tool_call>...</tool_call>` tags or ```` ```json ```` fences: the text before the first
@@ -26,7 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from services.gateway.tool_request import ToolRequest
-from services.gateway.tool_scan import ARGUMENT_KEYS, CallScanner, ScannedCall
+from services.gateway.tool_scan import CALL_KEYS, CallScanner, ScannedCall
 
 _MARKERS = {"<tool_call>": "</tool_call>", "```json": "```"}
 
@@ -236,9 +237,9 @@ def _calls_in(body: str, names: set[str]) -> list[tuple[str, str]] | None:
 
 
 def _whole_call(item: object, names: set[str]) -> tuple[str, str] | None:
-    if not isinstance(item, dict) or item.get("name") not in names:
+    if not isinstance(item, dict) or item.get("name") not in names or set(item) - set(CALL_KEYS):
         return None
-    arguments = next((item[key] for key in ARGUMENT_KEYS if key in item), {})
+    arguments = item.get("arguments", {})
     if isinstance(arguments, str):  # arguments written as a JSON string
         try:
             arguments = json.loads(arguments)

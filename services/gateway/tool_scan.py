@@ -5,7 +5,8 @@ send each call's name as soon as it is known and its arguments as they are writt
 It reads JSON structure only (nesting, strings, the keys of each call object) and records,
 per call, the name and where the arguments object starts and ends in the text: the arguments
 a client gets are that text exactly as generated, streamed or not. It stops (`is_done`) at the
-end of the top-level value and gives up (`is_broken`) at anything that is not a call.
+end of the top-level value and gives up (`is_broken`) at anything that is not a call: a key
+other than "name" and "arguments", a name that is no tool's, arguments that are no object.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-ARGUMENT_KEYS = ("arguments", "parameters")  # some models write Llama's "parameters"
+# The keys of a call object. Any other key makes it no call: a small model asked to call a tool
+# may instead copy the tool's card ({"name", "description", "parameters"}) from its prompt.
+CALL_KEYS = ("name", "arguments")
 _CLOSING = {"{": "}", "[": "]"}
 
 
@@ -93,6 +96,8 @@ class CallScanner:
             if call.expect == "key":
                 call.key = json.loads(text[call.token_start : i + 1])
                 call.expect = "colon"
+                if call.key not in CALL_KEYS:
+                    self.is_broken = True
             elif call.expect == "in_value":
                 self._value_ends(text, call, i + 1)
 
@@ -128,7 +133,7 @@ class CallScanner:
                 return
             call.token_start = i
             call.expect = "in_value"
-            if call.key in ARGUMENT_KEYS and char == "{":
+            if call.key == "arguments" and char == "{":
                 call.args_start = i
         self._stack.append(char)
 
@@ -188,7 +193,7 @@ class CallScanner:
                 self.is_broken = True
                 return
             call.name = name
-        elif call.key in ARGUMENT_KEYS:
+        elif call.key == "arguments":
             if call.args_start is None:  # arguments that are not an object
                 self.is_broken = True
                 return

@@ -145,7 +145,7 @@ class ToolCallParser:
                 return []
             committed = _Committed(len(self._committed), scanned)
             self._committed.append(committed)
-            return [self._header(committed, self._new_arguments(committed, pos))]
+            return [_header(committed.index, scanned.name, self._new_arguments(committed, pos))]
         arguments = self._new_arguments(committed, pos)
         return [_fragment(committed.index, arguments)] if arguments else []
 
@@ -159,11 +159,6 @@ class ToolCallParser:
         end = scanned.args_end if scanned.args_end is not None else pos
         committed.args_sent = max(start, end)
         return self._text[start:end]
-
-    def _header(self, committed: _Committed, arguments: str) -> dict:
-        scanned = committed.scanned
-        name = scanned.name if scanned is not None else None
-        return _header(committed.index, name or "", arguments)
 
     def _commit_whole(self, calls: list[tuple[str, str]]) -> ToolDelta:
         content = self._text[self._sent : self._marked_start]

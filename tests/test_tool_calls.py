@@ -217,6 +217,7 @@ def test_required_accepts_calls_of_any_tool_and_nothing_else():
     assert not accepts(parsed, '{"name": "get_time", "arguments": {"x": 1}}')
     assert not accepts(parsed, '{"name": "nope", "arguments": {}}')
     assert not accepts(parsed, '{"arguments": {}, "name": "get_time"}')  # name first
+    assert not accepts(parsed, '{"name":"get_time","arguments":{}}')  # compact, one way
 
 
 def test_parallel_required_accepts_one_call_or_a_non_empty_array():
@@ -239,6 +240,9 @@ def test_strict_auto_accepts_text_or_valid_calls():
     assert accepts(parsed, '{"name": "add", "arguments": {"a": 1, "b": 2}}')
     assert accepts(parsed, f'[{PARIS}, {{"name": "add", "arguments": {{"a": 1, "b": 2}}}}]')
     assert not accepts(parsed, '{"name": "add", "arguments": {"a": "1", "b": 2}}')
+    # Compact JSON as for required (no room to pad with whitespace).
+    assert not accepts(parsed, '{"name":"add","arguments":{"a":1,"b":2}}')
+    assert not accepts(parsed, '{"name": "add", "arguments": {"a": 1,\n "b": 2}}')
     assert not accepts(parsed, '{"answer": 42}')
     # Text may not start where a call would: blanks, "{" or "[" lead only to calls.
     assert not accepts(parsed, ' {"name": "add", "arguments": {"a": "x"}}')

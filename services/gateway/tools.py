@@ -62,8 +62,9 @@ def prepare_chat(
 def _output_field(raw: Callable[[str], object], sampling: dict[str, object]) -> str | None:
     for name in _OUTPUT_FIELDS:
         value = raw(name)
-        is_text = isinstance(value, dict) and value.get("type") == "text"
-        if value is not None and not (name == "response_format" and is_text):
+        # A JSON object, or the pydantic model a typed body holds.
+        kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+        if value is not None and not (name == "response_format" and kind == "text"):
             return name
     return "structured_outputs" if sampling.get("structured_output") is not None else None
 

@@ -42,6 +42,7 @@ class _Submit:
     priority: int
     sink: _Sink
     export_kv_from_block: int | None = None
+    resumed_output: list[int] = field(default_factory=list)  # see EngineCore.add_request
 
 
 @dataclass
@@ -173,14 +174,21 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        resumed_output: list[int] | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Streams the deltas of all n sequences, interleaved; `delta.index` tells them apart.
 
         Raises ValueError before the first delta for a request the engine can never serve
         (also for a `request_id` still in use). Leaving the loop early (or being cancelled)
-        aborts the request and frees its blocks.
+        aborts the request and frees its blocks. `resumed_output` (n = 1 only): the tokens a
+        migrated sequence already generated elsewhere; generation continues after them.
         """
-        async for delta in self._submit_and_stream(prompt_token_ids, params, request_id, priority):
+        if resumed_output and params.n != 1:
+            raise ValueError(f"n must be 1 to resume a sequence, got {params.n}")
+        deltas = self._submit_and_stream(
+            prompt_token_ids, params, request_id, priority, resumed_output=resumed_output or []
+        )
+        async for delta in deltas:
             yield delta
 
     async def prefill_and_export(
@@ -223,6 +231,7 @@ class AsyncLLM:
         self.engine.validate_request(prompt_token_ids, params, priority)
         if params.n != 1:
             raise ValueError(f"n must be 1 with a remote prefill, got {params.n}")
+        await self._compile_grammar(params)
         sink = _Sink(asyncio.get_running_loop())
         reserved: concurrent.futures.Future = concurrent.futures.Future()
         submit = _Submit(request_id, list(prompt_token_ids), params, priority, sink)
@@ -243,13 +252,21 @@ class AsyncLLM:
         request_id: str | None,
         priority: int,
         export_kv_from_block: int | None = None,
+        resumed_output: list[int] | None = None,
     ) -> AsyncIterator[StreamDelta]:
         self._check_running()
         self.engine.validate_request(prompt_token_ids, params, priority)
+        await self._compile_grammar(params)
         request_id = request_id or f"req-{next(self._ids)}"
         sink = _Sink(asyncio.get_running_loop(), num_open=params.n)
         submit = _Submit(
-            request_id, list(prompt_token_ids), params, priority, sink, export_kv_from_block
+            request_id,
+            list(prompt_token_ids),
+            params,
+            priority,
+            sink,
+            export_kv_from_block,
+            list(resumed_output or []),
         )
         self._commands.put(submit)
         async for delta in self._stream(sink, request_id, params.n):
@@ -275,6 +292,12 @@ class AsyncLLM:
         finally:
             if sink.num_open:
                 self.abort(request_id, n)
+
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """A new constraint compiles in the grammar thread before the request is queued, so
+        the engine thread finds it cached and never stalls the batch on it."""
+        if params.structured_output is not None:
+            await self.engine.grammars.compile_async(params.structured_output)
 
     def _check_running(self) -> None:
         if self._stopped.is_set():
@@ -436,6 +459,7 @@ class AsyncLLM:
                     command.priority,
                     index,
                     export_kv_from_block=command.export_kv_from_block,
+                    resumed_output=command.resumed_output,
                 )
                 added.append(child_id)
                 self._sinks[child_id] = command.sink

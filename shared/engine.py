@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,8 @@ from shared.sampling_params import SamplingParams
 from shared.scheduler import Scheduler
 from shared.spec_decode.speculator import build_policy, build_speculator
 from shared.step import ModelOutput, SchedulerOutput, StepObserver, StepResult
+from shared.structured_output.grammar import grammar_for
+from shared.structured_output.matcher import GrammarCompiler, StepMasks
 from shared.thread_tuner import ThreadTuner
 
 logger = logging.getLogger(__name__)
@@ -121,6 +124,10 @@ class EngineCore:
                 config, self.speculation, self.runner, self.max_model_len
             )
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Structured outputs: grammars compiled per constraint, matched per sequence.
+        self.grammars = GrammarCompiler(
+            self.tokenizer.to_json(), self.architecture.vocab_size, self.eos_token_ids
+        )
         # Prefill pods: the pages of requests added with export_kv_from_block, until taken.
         self.kv_exporter = KVPageExporter(kv_cache)
         # Called after every forward pass with what it computed and when: the exporter, the
@@ -144,7 +151,7 @@ class EngineCore:
         """Raises ValueError for a request this engine can never serve. Read-only: safe to call
         from any thread, so front ends check a whole batch before queueing any of it."""
         self.validate_prompt(prompt_token_ids)
-        validate_params(params)
+        validate_params(params, self.architecture.vocab_size)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
 
@@ -168,15 +175,21 @@ class EngineCore:
         index: int = 0,
         arrival_time: float | None = None,
         export_kv_from_block: int | None = None,
+        resumed_output: Sequence[int] = (),
     ) -> None:
         """Validates and queues one sequence (n > 1 is fanned out by the callers).
 
         `export_kv_from_block` (prefill pods): when the request's first token is sampled, the
-        pages of its prompt blocks from that index on are packed for `take_exported_pages`."""
-        request = self._new_request(request_id, prompt_token_ids, params, priority, arrival_time)
+        pages of its prompt blocks from that index on are packed for `take_exported_pages`.
+        `resumed_output`: tokens the sequence already generated elsewhere (a migration from a
+        pod that died): they count as output (max_tokens, penalties, the seeded generator's
+        draws, the grammar) but are not streamed again, and generation continues after them."""
+        request = self._new_request(
+            request_id, prompt_token_ids, params, priority, arrival_time, resumed_output
+        )
         request.export_kv_from_block = export_kv_from_block
         self.scheduler.add_request(request)
-        self.output_processor.add(request, index)
+        self.output_processor.add(request, index, resumed_output)
 
     def _new_request(
         self,
@@ -185,14 +198,32 @@ class EngineCore:
         params: SamplingParams,
         priority: int,
         arrival_time: float | None = None,
+        resumed_output: Sequence[int] = (),
     ) -> Request:
         self.validate_request(prompt_token_ids, params, priority)
+        if resumed_output:
+            self._validate_resumed_output(prompt_token_ids, resumed_output, params)
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, list(prompt_token_ids), params, priority=priority)
+        for token_id in resumed_output:
+            request.append_output_token(token_id)
+        if params.structured_output is not None:
+            request.grammar = self.grammars.new_sequence(params.structured_output)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         return request
+
+    def _validate_resumed_output(
+        self, prompt_token_ids: list[int], resumed_output: Sequence[int], params: SamplingParams
+    ) -> None:
+        if len(resumed_output) >= params.max_tokens:
+            raise ValueError(
+                f"resumed_output has {len(resumed_output)} tokens, which leaves nothing of "
+                f"max_tokens={params.max_tokens} to generate"
+            )
+        # As a prompt, prompt + resumed output must fit and leave room for a token.
+        self.validate_prompt(list(prompt_token_ids) + list(resumed_output))
 
     # ---- disaggregation (see shared/disaggregation.py) --------------------------------------
 
@@ -276,7 +307,7 @@ class EngineCore:
             sched = sched.with_drafts(self.speculator.propose(sched))
         num_threads = self._choose_threads(sched)
         start_time = time.monotonic()
-        model_out = self._execute(sched)
+        model_out = self._execute(sched, self.grammars.start_step(sched))
         step = StepResult(sched, model_out, start_time, time.monotonic())
         if self.thread_tuner is not None:
             self.thread_tuner.observe(step, num_threads)
@@ -299,11 +330,13 @@ class EngineCore:
                 self._num_threads = num_threads
         return self._num_threads
 
-    def _execute(self, sched: SchedulerOutput) -> ModelOutput:
-        """The forward pass, and the verification of any drafts in it."""
-        model_out = self.runner.execute(sched)
+    def _execute(self, sched: SchedulerOutput, masks: StepMasks) -> ModelOutput:
+        """The forward pass (while `masks` are computed), and the verification of any drafts
+        in it."""
+        model_out = self.runner.execute(sched, masks)
         if self.speculator is not None:
-            model_out = self.speculator.verify(sched, model_out)
+            model_out = self.speculator.verify(sched, model_out, masks)
+        masks.wait()  # the mask thread reads the requests that the update is about to change
         return model_out
 
     def _close_dropped_requests(self) -> list[StreamDelta]:
@@ -337,10 +370,19 @@ class EngineCore:
         }
 
 
-def validate_params(params: object) -> None:
-    """SamplingParams checks its own values; a front end may still pass something else."""
+def validate_params(params: object, vocab_size: int) -> None:
+    """SamplingParams checks its own values; what depends on the model is checked here (and
+    a front end may still pass something else)."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+    too_large = [token_id for token_id, _ in params.logit_bias if token_id >= vocab_size]
+    if too_large:
+        raise ValueError(
+            f"logit_bias token ids must be below the vocabulary size {vocab_size}, "
+            f"got {too_large[0]}"
+        )
+    if params.structured_output is not None:
+        grammar_for(params.structured_output)  # raises GrammarError (a ValueError)
 
 
 def _max_model_len(model_limit: int, config: EngineConfig) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from shared.detokenizer import IncrementalDetokenizer
@@ -36,12 +37,19 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, _SequenceState] = {}
 
-    def add(self, request: Request, index: int) -> None:
+    def add(self, request: Request, index: int, resumed_output: Sequence[int] = ()) -> None:
+        """`resumed_output`: tokens streamed by another pod before this one took the sequence
+        over. They go through the detokenizer silently, leaving it exactly where the other
+        pod's was: text it held back (a possible stop string, an unfinished character) is
+        released from here, and nothing the client has seen comes again."""
         params = request.sampling_params
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
+        for token_id in resumed_output:
+            detokenizer.append(token_id)
         self._states[request.request_id] = _SequenceState(
             request=request,
             index=index,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params),
+            detokenizer=detokenizer,
             timings=RequestTimings(arrival_time=request.arrival_time),
             logprobs=[] if params.logprobs is not None else None,
         )

@@ -14,9 +14,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shared.kv.block_hash import BlockHash
 from shared.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from shared.structured_output.matcher import SequenceGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -75,6 +79,9 @@ class Request:
     # Speculative decoding: the request's acceptance statistics (shared.spec_decode.adaptive
     # owns it; None until the request first speculates).
     spec_state: object | None = None
+    # Structured outputs: where the output stands in its grammar (set at admission when the
+    # params carry a structured_output; the step's mask computation advances it).
+    grammar: SequenceGrammar | None = None
 
     # Owned by the KV cache manager: chained hashes of the full blocks of all_token_ids,
     # extended as tokens arrive and never recomputed.

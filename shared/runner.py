@@ -14,6 +14,7 @@ from shared.model.llama import LlamaForCausalLM
 from shared.request import Request
 from shared.sampler import Sampler, SamplingRow, advance_generator
 from shared.step import ModelOutput, ScheduledChunk, SchedulerOutput
+from shared.structured_output.matcher import NO_MASKS, StepMasks
 
 
 @dataclass
@@ -45,9 +46,10 @@ class ModelRunner:
         # Per-request RNGs, so a seeded request samples the same tokens whatever shares its batch.
         self._generators: dict[str, torch.Generator] = {}
 
-    def execute(self, sched: SchedulerOutput) -> ModelOutput:
-        """One forward over `sched`; samples every plain sampled chunk. A verification chunk's
-        logits rows come back unsampled in `verification_logits`, for the speculator."""
+    def execute(self, sched: SchedulerOutput, masks: StepMasks = NO_MASKS) -> ModelOutput:
+        """One forward over `sched`; samples every plain sampled chunk (within the grammar
+        `masks` allow). A verification chunk's logits rows come back unsampled in
+        `verification_logits`, for the speculator."""
         inputs = self.prepare_inputs(sched.chunks)
         logits = self.forward(inputs)  # [num_logits, vocab]
         plain_rows: list[int] = []
@@ -61,7 +63,7 @@ class ModelRunner:
                 plain_rows.append(row)
                 plain_requests.append(chunk.request)
             row += chunk.num_logits
-        out = self._sample_plain(logits[plain_rows], plain_requests)
+        out = self._sample_plain(logits[plain_rows], plain_requests, masks)
         out.verification_logits = verification_logits
         return out
 
@@ -76,8 +78,13 @@ class ModelRunner:
             inputs.logits_indices,
         )
 
-    def _sample_plain(self, logits: torch.Tensor, requests: list[Request]) -> ModelOutput:
-        rows = [self.sampling_row(request) for request in requests]
+    def _sample_plain(
+        self, logits: torch.Tensor, requests: list[Request], masks: StepMasks
+    ) -> ModelOutput:
+        rows = [
+            self.sampling_row(request, allowed=masks.allowed(request.request_id))
+            for request in requests
+        ]
         sampled = self.sampler.sample(logits, rows)
         ids = [request.request_id for request in requests]
         logprobs = {rid: lp for rid, lp in zip(ids, sampled.logprobs) if lp is not None}
@@ -173,9 +180,15 @@ class ModelRunner:
 
     # ---- sampling ---------------------------------------------------------------------------
 
-    def sampling_row(self, request: Request, draft_token_ids: Sequence[int] = ()) -> SamplingRow:
+    def sampling_row(
+        self,
+        request: Request,
+        draft_token_ids: Sequence[int] = (),
+        allowed: torch.Tensor | None = None,
+    ) -> SamplingRow:
         """What sampling the request's next token needs; with `draft_token_ids`, the token
-        after those drafts (speculative decoding: penalties and min_tokens count them)."""
+        after those drafts (speculative decoding: penalties and min_tokens count them).
+        `allowed`: the grammar's mask for that position (structured outputs)."""
         params = request.sampling_params
         suppressed: tuple[int, ...] = ()
         if request.num_output_tokens + len(draft_token_ids) < params.min_tokens:
@@ -189,6 +202,7 @@ class ModelRunner:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=output_token_ids,
             suppressed_token_ids=suppressed,
+            allowed_token_mask=allowed,
         )
 
     def generator(self, request: Request) -> torch.Generator | None:

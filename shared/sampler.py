@@ -2,8 +2,10 @@
 
 Order of processing, and why:
 
-1. Suppressed tokens -> -inf. A hard constraint (EOS and stop ids before `min_tokens`); done
-   first so that no later step can revive them (every later step keeps -inf at -inf).
+1. Constraints: `logit_bias` is added, then tokens the request's grammar does not allow and
+   suppressed tokens (EOS and stop ids before `min_tokens`) -> -inf. Done first so that no
+   later step can revive them (every later step keeps -inf at -inf). Where the grammar allows
+   only suppressed tokens (it is complete, min_tokens is not reached), the grammar wins.
 2. Repetition penalty (Hugging Face semantics, over prompt + output tokens): divide positive
    logits by the penalty, multiply negative ones. It looks at the sign of the logit, so it must
    see the model's own logits, before any additive penalty could push one across zero.
@@ -46,6 +48,17 @@ class SamplingRow:
     # Tokens that must not be sampled this step (e.g. EOS / stop ids before min_tokens).
     # Ids outside the vocabulary are ignored: they could never be sampled anyway.
     suppressed_token_ids: tuple[int, ...] = ()
+    # Structured outputs: bool [vocab], True where the grammar allows the token; None = free.
+    allowed_token_mask: torch.Tensor | None = None
+
+    @property
+    def is_constrained(self) -> bool:
+        """Whether step 1 changes this row's logits."""
+        return bool(
+            self.suppressed_token_ids
+            or self.allowed_token_mask is not None
+            or self.params.logit_bias
+        )
 
 
 @dataclass
@@ -98,9 +111,9 @@ class Sampler:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Steps 1-3 (suppression, repetition, frequency and presence penalties) on a copy of
+    """Steps 1-3 (constraints, repetition, frequency and presence penalties) on a copy of
     logits [num_rows, vocab]; what greedy rows take the argmax of."""
-    logits = _suppress(logits.float().clone(), rows)
+    logits = _constrain(logits.float().clone(), rows)
     logits = _apply_repetition_penalty(logits, rows)
     return _apply_frequency_presence_penalties(logits, rows)
 
@@ -152,9 +165,43 @@ def _has_penalty(params: SamplingParams) -> bool:
 
 
 def _greedy_fast_path(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-    if any(r.suppressed_token_ids for r in rows):
-        logits = _suppress(logits.clone(), rows)
+    if any(r.is_constrained for r in rows):
+        logits = _constrain(logits.clone(), rows)
     return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+
+
+def _constrain(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    logits = _apply_logit_bias(logits, rows)
+    logits = _apply_grammar_masks(logits, rows)
+    return _suppress(logits, rows)
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    token_lists = [[token_id for token_id, _ in r.params.logit_bias] for r in rows]
+    if any(token_lists):
+        row_idx, tok_idx = _pair_indices(token_lists, logits.device)
+        biases = [bias for r in rows for _, bias in r.params.logit_bias]
+        logits[row_idx, tok_idx] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+    return logits
+
+
+def _apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    masked = [i for i, r in enumerate(rows) if r.allowed_token_mask is not None]
+    if masked:
+        allowed = torch.stack([rows[i].allowed_token_mask for i in masked]).to(logits.device)
+        logits[masked] = logits[masked].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
+def _suppressible(row: SamplingRow, vocab_size: int) -> list[int]:
+    """The row's suppressed ids, or none when they are all its grammar still allows."""
+    token_ids = [t for t in row.suppressed_token_ids if 0 <= t < vocab_size]
+    if token_ids and row.allowed_token_mask is not None:
+        rest = row.allowed_token_mask.clone()
+        rest[token_ids] = False
+        if not bool(rest.any()):
+            return []
+    return token_ids
 
 
 def _pair_indices(
@@ -171,7 +218,7 @@ def _pair_indices(
 
 def _suppress(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     vocab_size = logits.shape[1]
-    token_lists = [[t for t in r.suppressed_token_ids if 0 <= t < vocab_size] for r in rows]
+    token_lists = [_suppressible(r, vocab_size) for r in rows]
     if any(token_lists):
         row_idx, tok_idx = _pair_indices(token_lists, logits.device)
         logits[row_idx, tok_idx] = float("-inf")

@@ -137,6 +137,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(self._checked_ids(ids), skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The whole tokenizer in `tokenizer.json` form (the grammar engine reads it)."""
+        return self._backend.to_str()
+
     def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | list[str]:
         """Vocabulary strings (byte-level spelling, e.g. "Ġthe") of one id or a list of ids."""
         if isinstance(ids, int):

@@ -28,12 +28,14 @@ from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 from services.cli import build_parser
 from services.common.channels import sync_channel
+from services.common.convert import options_from_params
 from services.launcher import plan
 from services.prefill.core import CHECKSUM_ALGORITHM, first_token_params
 from services.prefill.servicer import descriptor_to_proto
 from shared import LLM, SamplingParams
 from shared.kv_transfer import KVTransferDescriptor
 from shared.outputs import CompletionOutput
+from shared.structured_output.spec import StructuredOutput
 from tests.services_util import (
     MODEL_NAME,
     Stack,
@@ -281,6 +283,35 @@ def test_decode_responses_say_how_the_prompt_was_prefilled(stack, decode, llm):
         0
     ].token_ids
     assert queried_tokens(stack) == before  # the prefill pod never saw it
+
+
+def test_structured_output_holds_across_the_prefill_and_decode_pods(stack, decode, llm):
+    """The prefill pod samples the first token under the grammar, the decode pod's grammar
+    state starts after it: the result equals one engine's, greedy and seeded."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 10}, "rank": {"enum": [1, 2]}},
+        "required": ["city", "rank"],
+        "additionalProperties": False,
+    }
+    output = StructuredOutput.json_schema(schema)
+    prompts = tagged("json", 2)
+    for i, params in enumerate([
+        SamplingParams(temperature=0.0, max_tokens=30, structured_output=output),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=30, structured_output=output),
+    ]):
+        (want,) = expected(llm, [prompts[i]], params)
+        assert want.text.startswith('{"city": ') and want.finish_reason == "stop", want.text
+        request = worker_pb2.DecodeRequest(
+            request_id=f"json-{i}",
+            prompt_token_ids=llm.tokenizer.encode(prompts[i]),
+            sampling=options_from_params(params),
+            prefill_address=stack.prefill_addresses[0],
+        )
+        responses = list(decode.Decode(request))
+        assert {r.prefill_mode for r in responses} == {"remote"}
+        assert [t for r in responses for t in r.token_ids] == want.token_ids
+    assert_both_pods_idle(stack)
 
 
 def test_cancel_and_abort_mid_prefill_end_the_requests_on_both_pods(stack, decode, llm):

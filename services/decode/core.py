@@ -101,8 +101,10 @@ class DecodePodCore(EnginePodCore):
         priority: int = 0,
         prefill_address: str = "",
         trace_parent: Context | None = None,
+        resumed_output: list[int] | None = None,
     ) -> AsyncIterator[DecodeOutput]:
         """Streams the request's deltas; the last one has `finished` set and a `final`.
+        `resumed_output`: a migrated sequence's tokens so far (see AsyncLLM.generate).
 
         Raises ValueError before the first output for a request this pod can never serve.
         Closing the iterator early (the caller went away, or was cancelled) aborts the request
@@ -127,7 +129,10 @@ class DecodePodCore(EnginePodCore):
         self._steps.watch(request_id)
         error: BaseException | None = None
         try:
-            async for delta in prefill.deltas(request_id, prompt_token_ids, params, priority):
+            deltas = prefill.deltas(
+                request_id, prompt_token_ids, params, priority, resumed_output
+            )
+            async for delta in deltas:
                 progress.see(delta, span)
                 if delta.finished:  # counted before the caller can see the end
                     self._report(request_id, progress, prefill, span, None)

@@ -224,14 +224,25 @@ class PromptPrefill:
         self._is_aborted = False
 
     async def deltas(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        resumed_output: list[int] | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """The request's deltas, however its prompt gets prefilled. Raises ValueError before
-        the first for a request this pod can never serve; closing early aborts it."""
-        if not self._address or len(prompt_token_ids) < self._settings.local_prefill_threshold:
+        the first for a request this pod can never serve; closing early aborts it.
+        A migrated sequence (`resumed_output`) is always prefilled here: its prompt is mostly
+        in this pod's prefix cache when the router chose well, and a prefill pod samples only
+        first tokens."""
+        is_short = len(prompt_token_ids) < self._settings.local_prefill_threshold
+        if not self._address or is_short or resumed_output:
             # The prompt's length bounds its uncached part: short ones are local at no cost.
             self.mode = PrefillMode.LOCAL
-            deltas = self._llm.generate(prompt_token_ids, params, request_id, priority)
+            deltas = self._llm.generate(
+                prompt_token_ids, params, request_id, priority, resumed_output
+            )
         else:
             reservation = await self._llm.reserve_remote_prefill(
                 prompt_token_ids, params, request_id, priority

@@ -59,7 +59,7 @@ def verify(logits: torch.Tensor, batch: list[Verification]) -> list[list[int]]:
 def _is_plain_greedy(rows: list[SamplingRow]) -> bool:
     return all(
         r.params.is_greedy
-        and not r.suppressed_token_ids
+        and not r.is_constrained
         and r.params.repetition_penalty == 1.0
         and r.params.frequency_penalty == 0.0
         and r.params.presence_penalty == 0.0

@@ -25,6 +25,7 @@ from shared.spec_decode.draft_model import (
 from shared.spec_decode.ngram import NgramProposer
 from shared.spec_decode.rejection import Verification, verify
 from shared.step import Drafts, ModelOutput, ScheduledChunk, SchedulerOutput, StepResult
+from shared.structured_output.matcher import NO_MASKS, StepMasks
 
 # The j-th draft token is proposed only while alpha ** j reaches this. A draft model's tokens
 # cost a draft forward each, n-gram ones nothing but their verification, hence the higher bar.
@@ -65,14 +66,17 @@ class Speculator:
         chunks = [chunk for chunk in sched.chunks if chunk.num_draft_slots]
         return self.proposer.propose(chunks) if chunks else {}
 
-    def verify(self, sched: SchedulerOutput, model_out: ModelOutput) -> ModelOutput:
+    def verify(
+        self, sched: SchedulerOutput, model_out: ModelOutput, masks: StepMasks = NO_MASKS
+    ) -> ModelOutput:
         """Fills `model_out.verified_token_ids` (and logprobs) from the target's logits of every
-        verification chunk: rejection sampling, or greedy acceptance (shared/spec_decode)."""
+        verification chunk: rejection sampling, or greedy acceptance (shared/spec_decode), each
+        position within what its grammar allows (`masks`)."""
         chunks = [chunk for chunk in sched.chunks if chunk.is_verification]
         if not chunks:
             return model_out
         logits = torch.cat([model_out.verification_logits[c.request.request_id] for c in chunks])
-        batch = [self._verification(chunk) for chunk in chunks]  # [sum(k_i + 1), vocab]
+        batch = [self._verification(chunk, masks) for chunk in chunks]  # [sum(k_i + 1), vocab]
         start = 0
         for chunk, item, token_ids in zip(chunks, batch, verify(logits, batch)):
             request_id = chunk.request.request_id
@@ -90,9 +94,12 @@ class Speculator:
         if step.sched.is_decode_only:
             self.policy.observe_step(step.sched.total_num_tokens, step.seconds)
 
-    def _verification(self, chunk: ScheduledChunk) -> Verification:
-        runner, drafts = self.target_runner, chunk.draft_token_ids
-        rows = [runner.sampling_row(chunk.request, drafts[:j]) for j in range(len(drafts) + 1)]
+    def _verification(self, chunk: ScheduledChunk, masks: StepMasks) -> Verification:
+        runner, drafts, request = self.target_runner, chunk.draft_token_ids, chunk.request
+        rows = [
+            runner.sampling_row(request, drafts[:j], masks.allowed(request.request_id, j))
+            for j in range(len(drafts) + 1)
+        ]
         return Verification(drafts, chunk.draft_probs, rows, runner.generator(chunk.request))
 
 

@@ -16,6 +16,7 @@ import jsonschema
 import openai
 import pytest
 from openai import OpenAI
+from pydantic import BaseModel
 
 from services.gateway.openai_protocol import parse_chat
 from shared.model_paths import default_model_path
@@ -165,8 +166,35 @@ def test_sampled_choices_each_make_their_own_valid_calls(client):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_seeded_sampled_required_calls_validate(client, seed):
-    response = chat(client, QUESTIONS[seed % 3], tool_choice="required", temperature=0.9, seed=seed)
-    assert_valid_calls(response.choices[0], set(SCHEMAS))
+    """24 sampled answers in all (4 a request), each of them valid calls."""
+    response = chat(
+        client, QUESTIONS[seed % 3], tool_choice="required", temperature=1.0, seed=seed, n=4
+    )
+    for choice in response.choices:
+        assert_valid_calls(choice, set(SCHEMAS))
+
+
+class Add(BaseModel):
+    a: int
+    b: int
+
+
+def test_the_clients_parse_helper_reads_pydantic_tools(client):
+    """`pydantic_function_tool` makes a strict tool; `parse` checks the arguments against the
+    model and hands them back parsed."""
+    completion = client.chat.completions.parse(
+        model=MODEL_NAME,
+        messages=ask(QUESTIONS[1]),
+        tools=[openai.pydantic_function_tool(Add)],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+    )
+    (choice,) = completion.choices
+    assert choice.finish_reason == "tool_calls"
+    for call in choice.message.tool_calls:
+        assert call.function.name == "Add"
+        assert isinstance(call.function.parsed_arguments, Add)
 
 
 @pytest.mark.parametrize("question", [*QUESTIONS, CALL_REQUEST])

@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 
 import llguidance
+import pydantic
 import pytest
 
 from services.gateway.openai_protocol import param_of, parse_chat
 from services.gateway.tool_calls import ToolCallParser, ToolDelta, assemble, parse_answer
 from services.gateway.tool_prompt import tools_section
 from services.gateway.tool_request import ToolError, constraint, parse_tool_request
-from services.gateway.tools import ToolOutputs
+from services.gateway.tool_schema import FunctionTool, NamedToolChoice, ToolCall
+from services.gateway.tools import ToolOutputs, prepare_chat
 from shared.model_paths import default_model_path
 from shared.structured_output.grammar import grammar_for
 from shared.tokenizer import Tokenizer
@@ -127,8 +129,8 @@ def named(name: str) -> dict:
         ([WEATHER], named("get_time"), None, "tool_choice", "not in tools"),
         ([WEATHER], {"type": "function", "name": "get_weather"}, None, "tool_choice", "string"),
         ([WEATHER], 3, None, "tool_choice", "string"),
-        (None, "required", None, "tool_choice", "only allowed when tools"),
-        (None, named("get_weather"), None, "tool_choice", "only allowed when tools"),
+        (None, "required", None, "tool_choice", "requires tools"),
+        (None, named("get_weather"), None, "tool_choice", "requires tools"),
         ([WEATHER], None, "yes", "parallel_tool_calls", "boolean"),
     ],
 )
@@ -143,7 +145,8 @@ def test_defaults_follow_openai():
     parsed = request()
     assert (parsed.choice, parsed.parallel, parsed.function_name) == ("auto", True, None)
     assert parse_tool_request(None, None, None) is None
-    assert parse_tool_request(None, "none", False) is None  # "none" needs no tools
+    assert parse_tool_request(None, "none", False) is None  # "none" and "auto" need no tools
+    assert parse_tool_request(None, "auto", None) is None
     assert request(tool_choice=named("get_time")).function_name == "get_time"
     no_parameters = request().tool("get_time").parameters
     assert no_parameters["properties"] == {} and no_parameters["additionalProperties"] is False
@@ -162,7 +165,6 @@ def test_parse_chat_refuses_bad_tools_as_a_400_naming_the_field():
         {"response_format": {"type": "json_object"}},
         {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
         {"structured_outputs": {"regex": "a+"}},
-        {"guided_json": {"type": "object"}},
     ],
 )
 @pytest.mark.parametrize("tool_choice", ["required", named("get_weather")])
@@ -346,8 +348,8 @@ def test_earlier_calls_and_their_results_render_as_text(tokenizer):
     [
         ({"role": "tool", "content": "18"}, "tool_call_id"),
         ({"role": "assistant", "content": None, "tool_calls": "x"}, "tool_calls"),
-        ({"role": "user", "content": "x", "tool_calls": []}, "tool_calls"),
-        ({"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}, "str"),
+        ({"role": "user", "content": "x", "tool_calls": [{"id": "c"}]}, "tool_calls"),
+        ({"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}, "function"),
     ],
 )
 def test_bad_tool_turns_are_refused_naming_the_message(message, words):
@@ -499,3 +501,42 @@ def test_stream_deltas_of_several_choices_stay_apart():
         "".join(d["function"]["arguments"] for d in first["tool_calls"] + rest["tool_calls"])
         == '{"city": "Paris", "unit": "celsius"}'
     )
+
+
+# ---- typed fields (tool_schema.py, for request models) --------------------------------------
+
+
+def test_typed_tool_fields_read_as_their_json():
+    tools = [FunctionTool.model_validate(WEATHER), FunctionTool.model_validate(TIME)]
+    choice = NamedToolChoice.model_validate(named("get_weather"))
+    fields = {"tools": tools, "tool_choice": choice, "parallel_tool_calls": False}
+    sampling: dict[str, object] = {}
+    messages, parsed = prepare_chat(fields.get, USER, sampling)
+    assert (parsed.choice, parsed.function_name, parsed.parallel) == (
+        "function",
+        "get_weather",
+        False,
+    )
+    assert parsed.tool("get_time").parameters["properties"] == {}
+    assert sampling["structured_output"] == constraint(request(tool_choice=named("get_weather")))
+    assert messages[0]["role"] == "system" and messages[1:] == USER
+
+
+@pytest.mark.parametrize(
+    "model, value",
+    [
+        (FunctionTool, {"type": "retrieval", "function": {"name": "f"}}),
+        (FunctionTool, {"type": "function", "function": {"name": "a b"}}),
+        (FunctionTool, {"type": "function", "function": {"name": "f", "extra": 1}}),
+        (NamedToolChoice, {"type": "function", "function": {"name": 3}}),
+        (ToolCall, {"id": "c", "function": {"name": "f"}}),
+    ],
+)
+def test_typed_tool_fields_refuse_bad_shapes(model, value):
+    with pytest.raises(pydantic.ValidationError):
+        model.model_validate(value)
+
+
+def test_an_empty_tool_calls_list_is_no_calls():
+    message = {"role": "user", "content": "hi", "tool_calls": []}
+    assert parse_chat({"messages": [message]}, "m").messages == [{"role": "user", "content": "hi"}]

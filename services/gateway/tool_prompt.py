@@ -100,7 +100,7 @@ def render_tool_turns(
     names: dict[str, str] = {}  # tool_call_id -> function name, from earlier assistant turns
     rendered = []
     for i, (raw, message) in enumerate(zip(raw_messages, messages, strict=True)):
-        if raw.get("tool_calls") is not None:
+        if raw.get("tool_calls"):  # null and [] (as clients echo a message) mean no calls
             message = {**message, "content": _assistant_text(i, raw, message["content"], names)}
         elif message["role"] == "tool":
             message = {**message, "content": _tool_result_text(i, raw, message["content"], names)}
@@ -114,8 +114,6 @@ def _assistant_text(i: int, raw: dict, content: str, names: dict[str, str]) -> s
     if raw.get("role") != "assistant" or not isinstance(calls, list):
         raise ToolError(f"{where}.tool_calls must be an array on an assistant message", where)
     rendered = [_call(f"{where}.tool_calls[{k}]", call, names) for k, call in enumerate(calls)]
-    if not rendered:
-        return content
     text = _dumps(rendered[0] if len(rendered) == 1 else rendered)
     return f"{content}\n{text}" if content else text
 

@@ -98,8 +98,9 @@ def parse_tool_request(
     """The request's tool fields, validated (ToolError names the field); None without tools."""
     parallel = _parallel(parallel_tool_calls)
     if tools is None:
-        if tool_choice not in (None, "none"):
-            raise ToolError("tool_choice is only allowed when tools are given", "tool_choice")
+        # "none" and "auto" mean the same without tools: answer in text.
+        if tool_choice not in (None, "none", "auto"):
+            raise ToolError("tool_choice requires tools, unless it is none or auto", "tool_choice")
         return None
     parsed = _tools(tools)
     choice, name = _choice(tool_choice, parsed)

@@ -43,6 +43,7 @@ def prepare_chat(
     body's fields (`raw(name)`: a field's JSON value, None if absent). Sets
     `sampling["structured_output"]` when the tool choice must be enforced. Raises ToolError
     (HTTP 400 naming the field)."""
+    raw = _as_json(raw)
     request = parse_tool_request(raw("tools"), raw("tool_choice"), raw("parallel_tool_calls"))
     if request is None:
         return messages, None
@@ -59,11 +60,22 @@ def prepare_chat(
     return with_tools_prompt(messages, request), request
 
 
+def _as_json(raw: Callable[[str], object]) -> Callable[[str], object]:
+    """`raw` with pydantic models (a typed body's fields, `tool_schema.py`) as plain JSON."""
+    return lambda name: _plain(raw(name))
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    dump = getattr(value, "model_dump", None)
+    return dump(mode="json") if callable(dump) else value
+
+
 def _output_field(raw: Callable[[str], object], sampling: dict[str, object]) -> str | None:
     for name in _OUTPUT_FIELDS:
         value = raw(name)
-        # A JSON object, or the pydantic model a typed body holds.
-        kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+        kind = value.get("type") if isinstance(value, dict) else None
         if value is not None and not (name == "response_format" and kind == "text"):
             return name
     return "structured_outputs" if sampling.get("structured_output") is not None else None

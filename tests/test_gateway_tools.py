@@ -224,28 +224,44 @@ def test_none_answers_in_text(client):
 # ---- streaming ------------------------------------------------------------------------------
 
 
-def streamed(client: OpenAI, question: str, **kwargs) -> tuple[str | None, list, str]:
-    """(content, [(name, arguments)], finish_reason) reassembled from the raw chunks."""
+def streamed_choices(client: OpenAI, question: str, **kwargs) -> dict[int, tuple]:
+    """Choice index -> (content, [(name, arguments)], finish_reason), reassembled from the raw
+    chunks."""
     kwargs = {"temperature": 0, "max_tokens": MAX_TOKENS, "tools": TOOLS, **kwargs}
     stream = client.chat.completions.create(
         model=MODEL_NAME, messages=ask(question), stream=True, **kwargs
     )
-    content, calls, finish = "", {}, None
+    contents: dict[int, str] = {}
+    calls: dict[int, dict[int, list]] = {}
+    finishes: dict[int, str] = {}
     for chunk in stream:
         (choice,) = chunk.choices
-        delta = choice.delta
-        content += delta.content or ""
+        index, delta = choice.index, choice.delta
+        contents[index] = contents.get(index, "") + (delta.content or "")
+        own = calls.setdefault(index, {})
         for entry in delta.tool_calls or []:
             if entry.id is not None:  # the first entry of a call: id, type and name
-                assert entry.index not in calls and entry.type == "function"
-                calls[entry.index] = [entry.function.name, entry.function.arguments or ""]
+                assert entry.index not in own and entry.type == "function"
+                own[entry.index] = [entry.function.name, entry.function.arguments or ""]
             else:
                 assert entry.function.name is None
-                calls[entry.index][1] += entry.function.arguments
+                own[entry.index][1] += entry.function.arguments
         if choice.finish_reason is not None:
-            assert finish is None, "one finish per choice"
-            finish = choice.finish_reason
-    return content or None, [tuple(calls[index]) for index in sorted(calls)], finish
+            assert index not in finishes, "one finish per choice"
+            finishes[index] = choice.finish_reason
+    return {
+        index: (
+            contents[index] or None,
+            [tuple(calls[index][k]) for k in sorted(calls[index])],
+            finishes.get(index),
+        )
+        for index in contents
+    }
+
+
+def streamed(client: OpenAI, question: str, **kwargs) -> tuple[str | None, list, str]:
+    (only,) = streamed_choices(client, question, **kwargs).values()
+    return only
 
 
 CASES = [
@@ -264,6 +280,16 @@ def test_streamed_calls_reassemble_to_the_non_streamed_ones(client, question, kw
     content, calls, finish = streamed(client, question, **kwargs)
     expected = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
     assert (content, calls, finish) == (whole.message.content, expected, whole.finish_reason)
+
+
+def test_each_streamed_choice_reassembles_to_its_non_streamed_one(client):
+    kwargs = {"tool_choice": "required", "temperature": 1.0, "seed": 21, "n": 3}
+    whole = chat(client, QUESTIONS[2], **kwargs)
+    choices = streamed_choices(client, QUESTIONS[2], **kwargs)
+    assert sorted(choices) == [0, 1, 2]
+    for choice in whole.choices:
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        assert choices[choice.index] == (None, calls, "tool_calls")
 
 
 def test_the_clients_stream_helper_assembles_the_calls(client):

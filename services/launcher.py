@@ -19,12 +19,21 @@ import urllib.request
 from dataclasses import dataclass
 
 from services.common.redis_server import RedisServer
-from services.common.supervisor import HealthCheck, ProcessGroupError, ProcessSpec, Supervisor
+from services.common.supervisor import (
+    HealthCheck,
+    ProcessGroupError,
+    ProcessSpec,
+    RestartPolicy,
+    Supervisor,
+)
 
 DECODE_SERVICE = "splitserve.v1.DecodeWorker"
 PREFILL_SERVICE = "splitserve.v1.PrefillWorker"
 GENERATION_SERVICE = "splitserve.v1.Generation"
 
+
+# As a kubelet would: back at once after a one-off crash, slower and slower in a crash loop.
+RESTART_POLICY = RestartPolicy(initial_backoff_s=1.0, max_backoff_s=30.0, reset_after_s=60.0)
 
 def add_up_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--decode", type=int, default=1, metavar="N", help="decode processes")
@@ -84,6 +93,12 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
         choices=["cache_aware", "least_load", "round_robin"],
     )
     sub.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
+    sub.add_argument(
+        "--exit-on-failure",
+        action="store_true",
+        help="stop everything when any process exits (default: restart it with back-off, as "
+        "Kubernetes restarts a pod, while the others keep serving)",
+    )
     sub.add_argument(
         "--log-level",
         default="warning",
@@ -276,7 +291,7 @@ def _run_plan(args: argparse.Namespace, the_plan: Plan) -> int:
             supervisor.wait_healthy(args.startup_timeout, _Progress(stop_requested))
             print(_banner(the_plan, args), flush=True)
             while not stop_requested.is_set:
-                supervisor.check_alive()
+                _supervise(supervisor, args.exit_on_failure)
                 time.sleep(0.5)
         except _Stop:
             pass
@@ -288,6 +303,16 @@ def _run_plan(args: argparse.Namespace, the_plan: Plan) -> int:
             print("[up] stopping", flush=True)
     print("[up] stopped", flush=True)
     return 0
+
+
+def _supervise(supervisor: Supervisor, exit_on_failure: bool) -> None:
+    """One round of watching the running stack: a process that exited is restarted (and
+    said so), or, with --exit-on-failure, ends it all (ProcessGroupError)."""
+    if exit_on_failure:
+        supervisor.check_alive()
+        return
+    for event in supervisor.restart_exited(RESTART_POLICY):
+        print(f"[up] {event}", flush=True)
 
 
 class _Stop(Exception):

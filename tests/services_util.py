@@ -85,6 +85,7 @@ def start_stack(
     transport: str = "tcp",
     decode_flags: Sequence[str] = (),
     prefill_flags: Sequence[str] = (),
+    gateway_flags: Sequence[str] = (),
 ) -> Stack:
     """Starts prefill pod(s), decode pod(s) and a gateway on free ports; returns at once (see
     wait_healthy). Every pod speaks `transport` and runs one torch thread."""
@@ -99,7 +100,7 @@ def start_stack(
         for i in range(num_decode):
             address = _start_pod(stack, "decode", i, [*pod_flags, *decode_flags])
             stack.decode_addresses.append(address)
-        _start_gateway(stack)
+        _start_gateway(stack, gateway_flags)
         return stack
     except BaseException:
         supervisor.stop()
@@ -117,20 +118,29 @@ def _start_pod(stack: Stack, role: str, index: int, flags: list[str]) -> str:
     return address
 
 
-def _start_gateway(stack: Stack) -> None:
+def _start_gateway(stack: Stack, flags: Sequence[str] = ()) -> None:
+    stack.processes["gateway"] = start_gateway(
+        stack, "gateway", stack.http_port, stack.grpc_port, flags
+    )
+
+
+def start_gateway(
+    stack: Stack, name: str, http_port: int, grpc_port: int, flags: Sequence[str] = ()
+) -> subprocess.Popen:
+    """A gateway over the stack's pods (the stack's own, or a replica beside it)."""
     argv = [sys.executable, "-m", "services.gateway", "--host", "127.0.0.1"]
-    argv += ["--port", str(stack.http_port), "--grpc-port", str(stack.grpc_port)]
-    argv += ["--log-level", "warning"]
+    argv += ["--port", str(http_port), "--grpc-port", str(grpc_port)]
+    argv += ["--log-level", "warning", *flags]
     for address in stack.decode_addresses:
         argv += ["--decode", address]
     for address in stack.prefill_addresses:
         argv += ["--prefill", address]
     health = HealthCheck(
-        grpc_address=stack.grpc_address,
+        grpc_address=f"127.0.0.1:{grpc_port}",
         grpc_service="splitserve.v1.Generation",
-        http_url=f"{stack.base_url}/health",
+        http_url=f"http://127.0.0.1:{http_port}/health",
     )
-    stack.processes["gateway"] = stack.supervisor.start(ProcessSpec("gateway", argv, health))
+    return stack.supervisor.start(ProcessSpec(name, argv, health))
 
 
 def decode_stats(address: str) -> worker_pb2.WorkerStats:

@@ -359,7 +359,43 @@ def test_up_plans_colocated_until_a_prefill_service_exists():
     assert "--prefill" not in plan(_up_args("--colocated"), True).specs[-1].argv
 
 
-# ---- last: Ctrl-C ---------------------------------------------------------------------------
+# ---- a crash, then Ctrl-C --------------------------------------------------------------------
+
+
+def _pid_of_pod(port: int) -> int:
+    """The pid of the decode pod serving `port` (its command line names the port)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as file:
+                argv = file.read().split(b"\0")
+        except OSError:
+            continue
+        if b"services.decode" in argv and str(port).encode() in argv:
+            return int(entry)
+    raise AssertionError(f"no decode pod process on port {port}")
+
+
+def test_up_restarts_a_killed_pod_and_serves_through_it_again(up, generation):
+    request = generate_pb2.GenerateRequest(text=PROMPT, sampling=_greedy())
+    before = generation.Generate(request, timeout=60)
+    os.kill(_pid_of_pod(up.decode_port), signal.SIGKILL)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
+    while "decode-0 restarted" not in up.log.read_text():
+        assert time.monotonic() < deadline, up.log.read_text()
+        time.sleep(0.2)
+    assert "decode-0 exited with status" in up.log.read_text()
+    while True:  # the restarted pod loads its model, then the gateway routes to it again
+        try:
+            after = generation.Generate(request, timeout=60)
+            break
+        except grpc.RpcError as error:
+            assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+            assert time.monotonic() < deadline, up.log.read_text()
+            time.sleep(0.5)
+    assert up.process.poll() is None  # `up` itself kept running throughout
+    assert after.sequences[0].token_ids == before.sequences[0].token_ids
 
 
 def test_ctrl_c_stops_everything(up):

@@ -1,6 +1,6 @@
 """A sequence whose decode pod is gone before it streamed anything is retried on another pod;
-one that already streamed tokens is not. A pod found unreachable cools down even when no retry
-follows, and a retry prefers a prefill pod other than the failed attempt's.
+one that already streamed tokens migrates there with them. A pod found unreachable cools down
+even when no retry follows, and a retry prefers a prefill pod other than the failed attempt's.
 
 Three real decode pods and two prefill pods (separate processes serving the tiny random
 checkpoint, so they start in seconds) and the gateway's request path in this process: its
@@ -310,25 +310,35 @@ async def _a_retry_keeps_the_only_prefill_pod(
     assert gateway.num_retries == 1
 
 
-def test_a_stream_that_produced_tokens_is_not_retried_when_its_pod_dies(
+def test_a_stream_that_produced_tokens_migrates_instead_of_being_resent(
     pods, tokenizer, tiny_hf_checkpoint
 ):
+    """Resending would repeat what the client has seen: the sequence moves to the other pod
+    with its tokens so far and continues after them (services/gateway/migration.py)."""
     doomed, other = pods["decode-1"], pods["decode-2"]
 
     async def scenario():
         async with _gateway(tokenizer, tiny_hf_checkpoint, doomed, other) as gateway:
             generation = await gateway.core.start(gateway.request("streaming", PROMPTS[3], LONG))
             assert generation.decisions[0].decode_address == doomed.address
-            num_tokens = len((await anext(generation)).token_ids)
-            assert num_tokens > 0  # the client has seen output: resending would repeat it
+            tokens = list((await anext(generation)).token_ids)
+            assert tokens  # the client has seen output
             doomed.kill()
-            with pytest.raises(PodError, match=doomed.address):
-                async for chunk in generation:
-                    num_tokens += len(chunk.token_ids)
-            assert num_tokens < LONG.max_tokens
+            async for chunk in generation:
+                tokens += chunk.token_ids
+            assert len(tokens) == LONG.max_tokens  # nothing repeated, nothing lost
             assert gateway.num_retries == 0
-            assert generation.decisions[0].decode_address == doomed.address
-            # The other pod never got the sequence.
+            migrations = gateway.core.metrics.registry.get_sample_value(
+                "splitserve:migrations_total", {"cause": "unavailable"}
+            ) or gateway.core.metrics.registry.get_sample_value(
+                "splitserve:migrations_total", {"cause": "reset"}
+            )
+            assert migrations == 1
+            assert generation.decisions[0].decode_address == other.address
+            assert generation.usage.completion_tokens == LONG.max_tokens
+            # Greedy: the tokens equal the same request served by the live pod alone.
+            alone = await gateway.serve("alone", PROMPTS[3], LONG)
+            assert alone.token_ids == tokens
             stats = await asyncio.to_thread(wait_until_idle, other.address)
             assert stats.num_running == 0
 

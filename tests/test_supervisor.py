@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from services.common.supervisor import HealthCheck, ProcessSpec, Supervisor
+from services.common.supervisor import HealthCheck, ProcessSpec, RestartPolicy, Supervisor
 from tests.process_util import is_running, wait_until_gone
 
 _SUPERVISOR_SCRIPT = textwrap.dedent(
@@ -57,3 +57,45 @@ def test_stop_ends_every_child_and_its_group(tmp_path):
     assert shell.poll() is not None
     assert wait_until_gone(grandchild_pid, timeout=5.0)
     assert supervisor.names == []
+
+
+def test_an_exited_child_restarts_after_a_doubling_back_off():
+    policy = RestartPolicy(initial_backoff_s=1.0, max_backoff_s=4.0, reset_after_s=100.0)
+    with Supervisor() as supervisor:
+        first = supervisor.start(ProcessSpec("crasher", ["sh", "-c", "exit 3"], HealthCheck()))
+        first.wait()
+        now = time.monotonic()
+        assert supervisor.restart_exited(policy, now) == [
+            "crasher exited with status 3; restarting in 1 s"
+        ]
+        assert supervisor.restart_exited(policy, now + 0.5) == []  # still backing off
+        assert supervisor.restart_exited(policy, now + 1.0) == ["crasher restarted (restart 1)"]
+        second = supervisor.process("crasher")
+        assert second.pid != first.pid
+        second.wait()
+        events = supervisor.restart_exited(policy, now + 1.5)
+        assert events == ["crasher exited with status 3; restarting in 2 s"]  # doubled
+        supervisor.restart_exited(policy, now + 3.5)
+        supervisor.process("crasher").wait()
+        events = supervisor.restart_exited(policy, now + 3.6)
+        assert events == ["crasher exited with status 3; restarting in 4 s"]
+        supervisor.restart_exited(policy, now + 7.6)
+        supervisor.process("crasher").wait()
+        # Capped at max_backoff_s.
+        assert supervisor.restart_exited(policy, now + 7.7) == [
+            "crasher exited with status 3; restarting in 4 s"
+        ]
+
+
+def test_a_child_that_stays_up_resets_its_back_off():
+    policy = RestartPolicy(initial_backoff_s=1.0, max_backoff_s=30.0, reset_after_s=5.0)
+    with Supervisor() as supervisor:
+        supervisor.start(ProcessSpec("sleeper", ["sleep", "60"], HealthCheck()))
+        child = supervisor._children[0]
+        child.num_restarts = 4  # as after a crash loop
+        supervisor.restart_exited(policy, child.started_at + 5.0)  # up 5 s: stable again
+        assert child.num_restarts == 0
+        supervisor.process("sleeper").kill()
+        supervisor.process("sleeper").wait()
+        events = supervisor.restart_exited(policy, child.started_at + 6.0)
+        assert events == ["sleeper exited with status -9; restarting in 1 s"]

@@ -1,24 +1,45 @@
-"""gRPC channels between our own processes.
+"""gRPC channels between our own processes, and the keepalive their servers accept.
 
 grpc backs off exponentially (up to minutes) after failed connection attempts. Pods start in
 any order and restart, so a gateway that tried a pod while it was still loading would otherwise
 keep seeing it down long after it came up; a short cap keeps the view within about a second.
+
+Keepalive: while a call is open, the client pings every KEEPALIVE_TIME_MS and fails the call
+(UNAVAILABLE) when a ping goes unanswered for KEEPALIVE_TIMEOUT_MS. A pod that is stopped, or
+whose machine or network went away, keeps its TCP connection looking open, and without pings a
+stream on it would wait forever; with them it breaks within ~15 s and the gateway migrates it.
+Servers must accept pings that often, even on a quiet stream (a request queued, a long
+prefill), or they answer with GOAWAY "too_many_pings".
 """
 
 from __future__ import annotations
 
 import grpc
 
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+
 RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+CLIENT_KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 0),  # only while a call is open
+    ("grpc.http2.max_pings_without_data", 0),  # a quiet stream keeps being pinged
+]
+SERVER_KEEPALIVE_OPTIONS = [
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),  # never GOAWAY a client for pinging
+]
+CHANNEL_OPTIONS = RECONNECT_OPTIONS + CLIENT_KEEPALIVE_OPTIONS
 
 
 def aio_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS)
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
 def sync_channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=RECONNECT_OPTIONS)
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)

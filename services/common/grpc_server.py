@@ -14,6 +14,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from services.common.channels import SERVER_KEEPALIVE_OPTIONS
+
 logger = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -111,7 +113,9 @@ async def start_server(
 ) -> GrpcServer:
     """Starts a grpc.aio server, NOT_SERVING until `set_serving(True)`; `add_servicers(server)`
     registers the service's own servicers before the server starts."""
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    server = grpc.aio.server(
+        interceptors=[ErrorInterceptor()], options=SERVER_KEEPALIVE_OPTIONS
+    )
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     add_servicers(server)

@@ -5,6 +5,10 @@ reaches only the supervisor, which then stops the children in order, and stoppin
 group also stops anything it started. On Linux a child also gets SIGTERM if the supervisor
 dies without cleaning up (PR_SET_PDEATHSIG, armed by services.common.die_with_parent before it
 execs the child's program), so no pod outlives a killed `splitserve up`.
+
+A child that exits is restarted as a kubelet restarts a pod's container (`restart_exited`):
+after a back-off that doubles with each restart (RestartPolicy), reset once the child has
+stayed up for a while, so a crash loop does not spin while a one-off crash comes back fast.
 """
 
 from __future__ import annotations
@@ -48,12 +52,26 @@ class ProcessSpec:
     env: dict[str, str] = field(default_factory=dict)  # added to the supervisor's environment
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    initial_backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    # Up this long without exiting: the next exit counts as the first again.
+    reset_after_s: float = 60.0
+
+    def backoff(self, num_restarts: int) -> float:
+        return min(self.initial_backoff_s * 2**num_restarts, self.max_backoff_s)
+
+
 @dataclass
 class _Child:
     spec: ProcessSpec
     process: subprocess.Popen
     channel: grpc.Channel | None = None
     healthy: bool = False
+    started_at: float = field(default_factory=time.monotonic)
+    num_restarts: int = 0  # since the last reset (RestartPolicy.reset_after_s)
+    restart_at: float | None = None  # set when its exit was seen: when to start it again
 
 
 class ProcessGroupError(RuntimeError):
@@ -77,16 +95,20 @@ class Supervisor:
         return [child.spec.name for child in self._children]
 
     def start(self, spec: ProcessSpec) -> subprocess.Popen:
-        process = subprocess.Popen(
-            dying_with_us(spec.argv),
-            env={**os.environ, **spec.env},
-            start_new_session=True,
-        )
+        process = self._popen(spec)
         child = _Child(spec, process)
         if spec.health.grpc_address is not None:
             child.channel = sync_channel(spec.health.grpc_address)
         self._children.append(child)
         return process
+
+    @staticmethod
+    def _popen(spec: ProcessSpec) -> subprocess.Popen:
+        return subprocess.Popen(
+            dying_with_us(spec.argv),
+            env={**os.environ, **spec.env},
+            start_new_session=True,
+        )
 
     def wait_healthy(
         self,
@@ -111,6 +133,43 @@ class Supervisor:
                 waiting = [name for name, ok in status.items() if not ok]
                 raise ProcessGroupError(f"not healthy after {timeout:.0f} s: {', '.join(waiting)}")
             time.sleep(interval)
+
+    def restart_exited(self, policy: RestartPolicy, now: float | None = None) -> list[str]:
+        """Restarts children that exited, each once its back-off has passed; returns what
+        happened (a line per exit seen and per restart) for the caller to print."""
+        now = time.monotonic() if now is None else now
+        events = []
+        for child in self._children:
+            code = child.process.poll()
+            if code is None:
+                if now - child.started_at >= policy.reset_after_s:
+                    child.num_restarts = 0
+                continue
+            if child.restart_at is None:
+                child.restart_at = now + policy.backoff(child.num_restarts)
+                events.append(
+                    f"{child.spec.name} exited with status {code}; restarting in "
+                    f"{child.restart_at - now:.0f} s"
+                )
+            elif now >= child.restart_at:
+                self._restart(child, now)
+                events.append(f"{child.spec.name} restarted (restart {child.num_restarts})")
+        return events
+
+    def _restart(self, child: _Child, now: float) -> None:
+        _signal_group(child.process, signal.SIGKILL)  # anything the dead child left behind
+        child.process = self._popen(child.spec)
+        child.healthy = False
+        child.started_at = now
+        child.num_restarts += 1
+        child.restart_at = None
+
+    def process(self, name: str) -> subprocess.Popen:
+        """The running process of child `name` (a restart replaces it)."""
+        for child in self._children:
+            if child.spec.name == name:
+                return child.process
+        raise KeyError(name)
 
     def check_alive(self) -> None:
         for child in self._children:

@@ -156,8 +156,10 @@ class PrefillClient:
                 # No pages will be taken for this request any more; a payload already under
                 # way lands in the staging buffer, which nothing reads.
                 receiving.cancel()
-                with contextlib.suppress(asyncio.CancelledError, KVTransferError):
-                    await receiving
+            # Also when the receive failed beside a failed call (both timed out): its error is
+            # the call's story, and must not surface as "exception was never retrieved".
+            with contextlib.suppress(asyncio.CancelledError, KVTransferError):
+                await receiving
         first_logprobs = (
             logprob_from_proto(response.first_logprob)
             if response.HasField("first_logprob")

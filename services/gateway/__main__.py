@@ -21,6 +21,7 @@ from services.gateway.generation import GatewayCore
 from services.gateway.grpc_api import GenerationServicer
 from services.gateway.http_api import create_app
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.migration import add_migration_flags, migration_policy
 from services.gateway.pods import POLL_INTERVAL_SECONDS, PodPool
 from services.gateway.router import Router, RouterSettings
 from services.gateway.scoring import POLICIES, LatencyMatrix, Location, RoutingWeights
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     add_routing_flags(parser)
+    add_migration_flags(parser)
     return parser
 
 
@@ -155,7 +157,15 @@ async def serve(args: argparse.Namespace) -> int:
             await pool.start()
     router = Router(decode_pool, prefill_pool, router_settings(args))
     await router.start()
-    core = GatewayCore(tokenizer, model_name, decode_pool, prefill_pool, GatewayMetrics(), router)
+    core = GatewayCore(
+        tokenizer,
+        model_name,
+        decode_pool,
+        prefill_pool,
+        GatewayMetrics(),
+        router,
+        migration_policy(args),
+    )
     grpc_server = await start_server(
         args.host,
         args.grpc_port,
@@ -215,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --decode ADDR (repeatable) or --redis-url to discover pods")
     try:
         router_settings(args)
+        migration_policy(args)
     except (OSError, ValueError) as error:
         parser.error(str(error))
     setup_logging(args.log_level, "gateway")

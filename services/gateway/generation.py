@@ -6,9 +6,10 @@ uses in-process, so a request served through the gateway samples what `LLM.gener
 
 A sequence whose decode pod cannot be reached (UNAVAILABLE: connection refused or reset, the pod
 gone or draining) before that pod streamed anything for it is routed again without that pod and
-resent, with the same request id and seed, at most MAX_DECODE_RETRIES times. Once a response
-has come back the sequence is never resent: the client may have seen its tokens. Every such
-pod cools down in the pool, whether a retry follows or not (the last attempt's pod too).
+resent, with the same request id and seed, at most MAX_DECODE_RETRIES times. A stream that
+breaks after output migrates instead (services/gateway/migration.py): the sequence goes to
+another pod with the tokens the client already has, and continues after them. Every pod a
+sequence left cools down in the pool, whether a move follows or not (the last one's too).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from services.common.convert import options_from_params
 from services.common.grpc_server import StatusError
 from services.common.tracing import grpc_metadata
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.migration import MigrationPolicy, Stalled, broken_cause
 from services.gateway.pods import Pod, PodPool
 from services.gateway.router import PickedPods, Router
 from services.gateway.scoring import RoutingDecision
@@ -95,9 +97,14 @@ class _Child:
     task: asyncio.Task | None = None
     finished: bool = False
     client_region: str = ""  # for routing a retry as the first call was routed
-    # A response of this sequence was queued for the client: from then on it is never resent.
+    # A response of this sequence was queued for the client: from then on it is never resent
+    # as it was, only migrated with the tokens below.
     has_output: bool = False
+    delivered_token_ids: list[int] = field(default_factory=list)  # queued for the client
+    saw_finish: bool = False  # the pod streamed the sequence's last response
     num_retries: int = 0
+    num_migrations: int = 0
+    broke_at: float | None = None  # time.monotonic() of the break a migration is mending
     failed_addresses: set[str] = field(default_factory=set)  # decode pods that were unreachable
     # Prefill pods named in those failed attempts: one may still hold the sequence under its
     # request id (until it sees the dead decode pod's connection go) and refuse the resend's
@@ -122,8 +129,10 @@ class GatewayCore:
         prefill_pool: PodPool | None = None,
         metrics: GatewayMetrics | None = None,
         router: Router | None = None,
+        migration: MigrationPolicy | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.migration = migration or MigrationPolicy()
         self.model_name = model_name
         self.decode_pool = decode_pool
         self.prefill_pool = prefill_pool
@@ -186,6 +195,7 @@ class GatewayCore:
             self.metrics,
             self._reroute,
             self.decode_pool.mark_unreachable,
+            self.migration,
         )
 
     async def _child(
@@ -254,8 +264,11 @@ class Generation:
         metrics: GatewayMetrics,
         reroute: Reroute | None = None,
         mark_unreachable: MarkUnreachable | None = None,
+        migration: MigrationPolicy | None = None,
     ):
         self.usage = Usage(prompt_tokens=num_prompt_tokens)
+        # Without a reroute there is nowhere to move a sequence to.
+        self._migration = migration or MigrationPolicy(max_migrations=0)
         self.num_choices = len(children)
         self._children = children
         self._metrics = metrics
@@ -307,25 +320,49 @@ class Generation:
                 child.task.cancel()
 
     async def _pump(self, child: _Child) -> None:
-        """Streams one sequence into the queue, resending it to another pod while its pod is
-        unreachable before any output; ends by queueing _END or the error it failed with."""
+        """Streams one sequence into the queue: resent to another pod while its pod is
+        unreachable before any output, migrated when its stream breaks after output; ends by
+        queueing _END or the error it failed with."""
         outcome = await self._stream(child)
-        while _is_unreachable_before_output(child, outcome):
-            self._leave_out(child)
-            if not (self._can_retry(child) and await self._move_elsewhere(child, outcome)):
-                break
+        while True:
+            if _is_unreachable_before_output(child, outcome):
+                self._leave_out(child)
+                if not (self._can_retry(child) and await self._move_elsewhere(child, outcome)):
+                    break
+            else:
+                cause = broken_cause(outcome, child.saw_finish) if child.has_output else None
+                if cause is None:
+                    break
+                self._leave_out(child)
+                if not await self._migrate(child, cause):
+                    break
             outcome = await self._stream(child)
+        if isinstance(outcome, Stalled):
+            outcome = PodError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"decode pod {child.pod.address} sent nothing for "
+                f"{self._migration.stall_timeout_s:g} s",
+            )
         self._queue.put_nowait((child, outcome))
 
     async def _stream(self, child: _Child) -> object:
         """One decode call on `child.pod`, its responses queued as they come; returns _END
-        once the stream ended, or the exception the call failed with."""
+        once the stream ended, Stalled when it went silent after output, or the exception the
+        call failed with."""
         # The trace context is the one current when the Generation was made (the request's).
         child.call = child.pod.stub.Decode(child.request, metadata=grpc_metadata())
+        loop = asyncio.get_running_loop()
+        stall_timeout = self._migration.stall_timeout_s
         try:
-            async for response in child.call:
-                child.has_output = True
-                self._queue.put_nowait((child, response))
+            # One deadline for the whole call, pushed back by every response once output began:
+            # cheaper per token than a timeout around each read.
+            async with asyncio.timeout(None) as deadline:
+                async for response in child.call:
+                    self._take(child, response)
+                    deadline.reschedule(loop.time() + stall_timeout)
+        except TimeoutError:
+            child.call.cancel()
+            return Stalled()
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if current is not None and current.cancelling():
@@ -336,6 +373,54 @@ class Generation:
         except Exception as error:  # handed to the reader, which raises it
             return error
         return _END
+
+    def _take(self, child: _Child, response: worker_pb2.DecodeResponse) -> None:
+        if child.broke_at is not None:
+            self._metrics.migration_latency.observe(time.monotonic() - child.broke_at)
+            child.broke_at = None
+        child.has_output = True
+        child.delivered_token_ids.extend(response.token_ids)
+        if response.finish_reason:
+            child.saw_finish = True
+        self._queue.put_nowait((child, response))
+
+    async def _migrate(self, child: _Child, cause: str) -> bool:
+        """Points `child` at another pod with the tokens delivered so far; False when the
+        policy's limits say no or no pod is left."""
+        request_id, failed = child.request.request_id, child.pod.address
+        num_tokens = len(child.delivered_token_ids)
+        policy = self._migration
+        if (
+            self._reroute is None
+            or child.num_migrations >= policy.max_migrations
+            or num_tokens > policy.max_replay_tokens
+        ):
+            logger.warning("%s: stream from %s broke (%s); not migrated", request_id, failed, cause)
+            return False
+        child.broke_at = time.monotonic()
+        picked = await self._reroute(child)
+        if picked is None:
+            logger.warning(
+                "%s: stream from %s broke (%s); no other decode pod", request_id, failed, cause
+            )
+            return False
+        child.num_migrations += 1
+        child.pod, child.decision = picked.decode, picked.decision
+        child.request.prefill_address = ""  # the new pod re-prefills prompt + tokens itself
+        del child.request.resumed_output_token_ids[:]
+        child.request.resumed_output_token_ids.extend(child.delivered_token_ids)
+        self._metrics.migrations.labels(cause).inc()
+        logger.warning(
+            "%s: stream from %s broke (%s) after %d tokens; migrated to %s (%d of %d)",
+            request_id,
+            failed,
+            cause,
+            num_tokens,
+            picked.decode.address,
+            child.num_migrations,
+            policy.max_migrations,
+        )
+        return True
 
     def _leave_out(self, child: _Child) -> None:
         """The one place an unreachable decode pod is noted, whether a retry follows or not:

@@ -7,6 +7,9 @@ pod_metrics.py): `splitserve:routing_decisions_total` by reason and policy, and
 the prefix-cache hit rate the router expected when it chose (the pods' own
 `prefix_cache_hits_total` say what they found), and `splitserve:routing_retries_total`, the
 sequences sent to another decode pod because theirs was unreachable before any output.
+`splitserve:migrations_total` by cause counts sequences moved after output began
+(services/gateway/migration.py), and `splitserve:migration_latency_seconds` the time from the
+break to the new pod's first response.
 """
 
 from __future__ import annotations
@@ -104,6 +107,19 @@ class GatewayMetrics:
             "splitserve:routing_retries",
             "Sequences routed again, to another decode pod, because theirs could not be "
             "reached (UNAVAILABLE) before it streamed anything.",
+            registry=self.registry,
+        )
+        self.migrations = Counter(
+            "splitserve:migrations",
+            "Sequences moved to another decode pod after output began, by why their stream "
+            "broke (unavailable, reset, aborted, stalled, ended).",
+            ["cause"],
+            registry=self.registry,
+        )
+        self.migration_latency = Histogram(
+            "splitserve:migration_latency_seconds",
+            "From a stream breaking to the first response of the pod it moved to.",
+            buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
 

@@ -19,7 +19,12 @@ from dataclasses import dataclass, field, replace
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 from services.common.channels import sync_channel
-from services.common.supervisor import ProcessGroupError, ProcessSpec, Supervisor
+from services.common.supervisor import (
+    ProcessGroupError,
+    ProcessSpec,
+    RestartPolicy,
+    Supervisor,
+)
 from services.launcher import Plan, add_up_flags, plan
 from services.loadgen.pin import wrap
 
@@ -35,6 +40,7 @@ class SystemSetup:
     up_flags: list[str]  # `splitserve up` flags (ports are added when it starts)
     cpus: dict[str, set[int]] = field(default_factory=dict)  # process name -> pinned CPUs
     description: str = ""
+    redis_url: str | None = None  # the registry and prefix index every process uses, if any
 
 
 def usable_cores() -> tuple[int, int]:
@@ -57,7 +63,7 @@ def _plan(setup: SystemSetup) -> Plan:
     ports = ["--port", str(free_port()), "--grpc-port", str(free_port())]
     ports += ["--decode-port", str(free_port()), "--prefill-port", str(free_port())]
     args = parser.parse_args([*setup.up_flags, "--host", HOST, *ports])
-    the_plan = plan(args)
+    the_plan = plan(args, redis_url=setup.redis_url)
     return replace(the_plan, specs=[_pinned(spec, setup.cpus) for spec in the_plan.specs])
 
 
@@ -111,6 +117,14 @@ class RunningStack:
 
     def check_alive(self) -> None:
         self._supervisor.check_alive()
+
+    def process(self, name: str):
+        """The running process of `name` ("decode-0", "gateway", ...); a restart replaces it."""
+        return self._supervisor.process(name)
+
+    def restart_exited(self, policy: RestartPolicy) -> list[str]:
+        """Restarts processes that exited, as `splitserve up` does; what happened, a line each."""
+        return self._supervisor.restart_exited(policy)
 
     def model_name(self) -> str:
         return _get_json(f"{self.base_url}/v1/models")["data"][0]["id"]

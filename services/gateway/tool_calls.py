@@ -119,7 +119,8 @@ class ToolCallParser:
                 self._mode, self._marked_start, end = "marked", found, found
             else:
                 end -= _partial_marker_len(self._text)
-        if not self._text[:end].strip():  # only blanks so far: maybe the calls' lead-in
+        # Only blanks so far: maybe the lead-in of tagged calls (once text went out, it was not).
+        if self._sent == 0 and not self._text[:end].strip():
             return ToolDelta()
         content, self._sent = self._text[self._sent : end], max(self._sent, end)
         return ToolDelta(content=content)

@@ -39,6 +39,7 @@ from services.gateway.openai_protocol import (
     parse_chat,
     parse_completion,
 )
+from services.gateway.tools import ToolOutputs
 from shared.prompts import PromptError
 
 logger = logging.getLogger(__name__)
@@ -116,7 +117,8 @@ class _Routes:
             request.headers.get(REGION_HEADER, ""),
         )
         envelope = Envelope(request_id, core.model_name, int(time.time()))
-        fmt = ChatFormat(envelope, parsed.logprobs, parsed.options)
+        tools = ToolOutputs.for_request(parsed.tools)  # tool calling hook (tools.py)
+        fmt = ChatFormat(envelope, parsed.logprobs, parsed.options, tools)
         return await _respond(request, generation, fmt, parsed.options)
 
     async def models(self) -> dict:

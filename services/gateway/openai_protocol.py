@@ -16,6 +16,13 @@ from splitserve.v1 import generate_pb2
 
 from services.common.convert import is_int64
 from services.gateway.generation import CollectedSequence, SequenceChunk, Usage
+from services.gateway.tools import (
+    ToolError,
+    ToolOutputs,
+    ToolRequest,
+    prepare_chat,
+    render_tool_turns,
+)
 from shared.sampling_params import (
     FIELD_TYPES,
     MAX_LOGPROBS,
@@ -47,7 +54,7 @@ def error_body(message: str, error_type: str, param: str | None, code: str | Non
 
 def param_of(error: ValueError) -> str | None:
     """The parameter a ValueError names: by house rule its message starts with it."""
-    if isinstance(error, RequestError):
+    if isinstance(error, RequestError | ToolError):
         return error.param
     first = str(error).split(" ", 1)[0]
     return first if first in SAMPLING_FIELDS or first in ("prompt", "messages") else None
@@ -150,6 +157,7 @@ class ChatRequest:
     messages: list[dict[str, str]]
     options: CommonOptions
     logprobs: bool = False
+    tools: ToolRequest | None = None  # tools, tool_choice, parallel_tool_calls (tools.py)
 
 
 def parse_completion(raw: object, model_name: str) -> CompletionRequest:
@@ -185,8 +193,11 @@ def parse_chat(raw: object, model_name: str) -> ChatRequest:
     max_tokens = body.get("max_completion_tokens", "int")
     if max_tokens is None:
         max_tokens = body.get("max_tokens", "int")
+    # Tool calling hook (services/gateway/tools.py): the tools into the system prompt, and the
+    # grammar that enforces a call into `sampling`.
+    messages, tools = prepare_chat(body.raw, _messages(body), sampling)
     options = _common(body, model_name, sampling, max_tokens)
-    return ChatRequest(_messages(body), options, logprobs)
+    return ChatRequest(messages, options, logprobs, tools)
 
 
 def _common(
@@ -282,7 +293,8 @@ def _messages(body: _Body) -> list[dict[str, str]]:
         )
     if not messages:
         raise RequestError("messages must not be empty", "messages")
-    return [_message(i, message) for i, message in enumerate(messages)]
+    checked = [_message(i, message) for i, message in enumerate(messages)]
+    return render_tool_turns(messages, checked)  # tool calls and results as text (tools.py)
 
 
 def _message(i: int, message: object) -> dict[str, str]:
@@ -417,14 +429,19 @@ class ChatFormat:
     envelope: Envelope
     logprobs: bool
     options: CommonOptions
+    tools: ToolOutputs | None = None  # answers read for tool calls (tools.py); None: text
     _started: set[int] = field(default_factory=set)  # choices whose role was sent
 
     def chunk(self, chunk: SequenceChunk) -> dict:
         delta: dict[str, object] = {"content": chunk.text}
+        finish_reason = chunk.finish_reason
+        if self.tools is not None:  # tool calling hook: content and tool_calls deltas
+            delta, finish_reason = self.tools.delta(chunk.index, chunk.text, finish_reason)
         if chunk.index not in self._started:
             self._started.add(chunk.index)
             delta = {"role": "assistant", **delta}
         choice = _choice(chunk, {"delta": delta}, self._logprobs(chunk.logprobs), self.options)
+        choice["finish_reason"] = finish_reason
         extra = {"usage": None} if self.options.include_usage else {}
         return self.envelope.wrap("chat.completion.chunk", [choice], **extra)
 
@@ -432,16 +449,18 @@ class ChatFormat:
         return self.envelope.wrap("chat.completion.chunk", [], usage=usage_json(usage))
 
     def response(self, sequences: list[CollectedSequence], usage: Usage) -> dict:
-        choices = [
-            _choice(
-                sequence,
-                {"message": {"role": "assistant", "content": sequence.text}},
-                self._logprobs(sequence.logprobs),
-                self.options,
-            )
-            for sequence in sequences
-        ]
+        choices = [self._message_choice(sequence) for sequence in sequences]
         return self.envelope.wrap("chat.completion", choices, usage=usage_json(usage))
+
+    def _message_choice(self, sequence: CollectedSequence) -> dict:
+        message: dict[str, object] = {"role": "assistant", "content": sequence.text}
+        finish_reason = sequence.finish_reason
+        if self.tools is not None:  # tool calling hook: content and tool_calls
+            message, finish_reason = self.tools.message(sequence.text, finish_reason)
+        logprobs = self._logprobs(sequence.logprobs)
+        choice = _choice(sequence, {"message": message}, logprobs, self.options)
+        choice["finish_reason"] = finish_reason
+        return choice
 
     def _logprobs(self, entries: list[generate_pb2.TokenLogprob]) -> dict | None:
         if not self.logprobs:

@@ -59,6 +59,8 @@ class GenerationRequest:
     prompts: list[list[int]]  # token ids; each prompt gets params.n sequences
     params: SamplingParams
     priority: int = 0
+    # OpenAI's prompt_cache_key: requests sharing it are routed to the same decode pod.
+    prompt_cache_key: str | None = None
 
 
 @dataclass
@@ -209,7 +211,10 @@ class GatewayCore:
         client_region: str,
     ) -> _Child:
         picked = await self.router.pick(
-            request.prompts[prompt_index], client_region, cache_salt=child_params.cache_salt
+            request.prompts[prompt_index],
+            client_region,
+            cache_salt=child_params.cache_salt,
+            cache_key=request.prompt_cache_key,
         )
         if picked is None:
             raise NoPodError()

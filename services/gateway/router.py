@@ -17,6 +17,7 @@ away from the prefill pod of that attempt when another is available (`avoid_pref
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 from collections.abc import Collection
@@ -44,6 +45,8 @@ from shared.kv.block_hash import cache_salt_keys, hash_full_blocks
 logger = logging.getLogger(__name__)
 
 REGISTRY_REFRESH_SECONDS = 0.5
+# prompt_cache_key -> the decode pod that served it last; the oldest keys are forgotten.
+MAX_CACHE_KEYS = 65536
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class Router:
         self.is_redis_up = False
         self._turns = itertools.count()
         self._refresher: asyncio.Task | None = None
+        self._cache_key_pods: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     async def start(self) -> None:
         if self.redis is None:
@@ -128,12 +132,15 @@ class Router:
         exclude: Collection[str] = (),
         avoid_prefill: Collection[str] = (),
         cache_salt: str | None = None,
+        cache_key: str | None = None,
     ) -> PickedPods | None:
         """The pods for one prompt (counted as dispatched to), or None without a decode pod.
         `exclude`: addresses of decode pods not to choose (a retry leaves out the pods the
         sequence already failed on). `avoid_prefill`: addresses of prefill pods to choose only
         when no other is available (the ones a retry's failed attempts named). `cache_salt`:
-        the request's tenant salt, which its cached blocks' hashes include."""
+        the request's tenant salt, which its cached blocks' hashes include. `cache_key`
+        (OpenAI's prompt_cache_key): requests sharing it go where the last one went, as if
+        that pod held their whole prompt (load and saturation still count)."""
         decode_pods = [p for p in self.decode_pool.available() if p.address not in exclude]
         if not decode_pods:
             return None
@@ -141,6 +148,7 @@ class Router:
         cached = await self.cached_tokens(
             prompt_token_ids, [*prefill_pods, *decode_pods], cache_salt_keys(cache_salt)
         )
+        self._credit_cache_key(cached, cache_key, len(prompt_token_ids))
         place = self.settings.place
         ctx = RoutingContext(
             num_prompt_tokens=len(prompt_token_ids),
@@ -157,7 +165,21 @@ class Router:
             ctx,
         )
         logger.debug("routing decision: %s", decision)
+        if cache_key is not None:
+            self._cache_key_pods[cache_key] = decision.decode_pod_id
+            self._cache_key_pods.move_to_end(cache_key)
+            while len(self._cache_key_pods) > MAX_CACHE_KEYS:
+                self._cache_key_pods.popitem(last=False)
         return self._dispatch(decision, prefill_pods, decode_pods)
+
+    def _credit_cache_key(
+        self, cached: dict[str, int], cache_key: str | None, num_prompt_tokens: int
+    ) -> None:
+        """The pod that served `cache_key` last counts as holding the prompt (all but its
+        last token, which is always computed), unless the index already says more."""
+        pod_id = self._cache_key_pods.get(cache_key) if cache_key is not None else None
+        if pod_id is not None:
+            cached[pod_id] = max(cached.get(pod_id, 0), num_prompt_tokens - 1)
 
     def _prefill_candidates(self, avoid: Collection[str]) -> list[Pod]:
         available = self.prefill_pool.available() if self.prefill_pool else []

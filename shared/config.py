@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 
+# As shared/kv/eviction.POLICIES (config stays free of the KV package's imports).
+_EVICTION_POLICIES = ("lru", "idle_ttl", "priority")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which weights to load and how to run them."""
@@ -44,8 +48,26 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Namespaces the chained block hashes, so two models never share cache entries.
     hash_namespace: str = "splitserve-v1"
+    # Which cached blocks go first when blocks are needed (shared/kv/eviction.py): "lru";
+    # "idle_ttl" (blocks idle past their window go first); "priority" (also lower request
+    # priority classes before higher ones, LRU inside a class).
+    eviction_policy: str = "lru"
+    # The retention window of a request that asks for none (idle_ttl and priority).
+    idle_ttl_s: float = 600.0
+    # The longest window a request may ask for (SamplingParams.cache_retention_s).
+    max_retention_s: float = 86400.0
 
     def __post_init__(self) -> None:
+        if self.eviction_policy not in _EVICTION_POLICIES:
+            raise ValueError(
+                f"eviction_policy must be one of {', '.join(_EVICTION_POLICIES)}, "
+                f"got {self.eviction_policy!r}"
+            )
+        if not self.idle_ttl_s > 0 or not self.max_retention_s > 0:
+            raise ValueError(
+                f"idle_ttl_s and max_retention_s must be > 0, got {self.idle_ttl_s} and "
+                f"{self.max_retention_s}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:

@@ -28,6 +28,8 @@ from shared.disaggregation import (
     page_shape,
     unpack_pages,
 )
+from shared.kv.block_hash import cache_salt_keys
+from shared.kv.eviction import retention_for
 from shared.kv.manager import KVCacheManager
 from shared.model.kv_cache import KVCacheSpec, allocate_kv_cache, size_kv_cache
 from shared.model.llama import LlamaForCausalLM
@@ -154,6 +156,12 @@ class EngineCore:
         validate_params(params, self.architecture.vocab_size)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        retention_s, max_retention_s = params.cache_retention_s, self.config.cache.max_retention_s
+        if retention_s is not None and retention_s > max_retention_s:
+            raise ValueError(
+                f"cache_retention_s must be at most {max_retention_s:g} (this engine's "
+                f"max_retention_s), got {retention_s:g}"
+            )
 
     def validate_prompt(self, prompt_token_ids: object) -> None:
         """Raises ValueError for a prompt this engine can never serve. Read-only: safe to call
@@ -208,11 +216,20 @@ class EngineCore:
         request = Request(request_id, list(prompt_token_ids), params, priority=priority)
         for token_id in resumed_output:
             request.append_output_token(token_id)
+        self._apply_cache_options(request)
         if params.structured_output is not None:
             request.grammar = self.grammars.new_sequence(params.structured_output)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         return request
+
+    def _apply_cache_options(self, request: Request) -> None:
+        """The tenant's salt into the block hashes; the eviction policy's retention."""
+        params, cache = request.sampling_params, self.config.cache
+        request.extra_hash_keys = cache_salt_keys(params.cache_salt)
+        request.kv_retention = retention_for(
+            cache.eviction_policy, request.priority, cache.idle_ttl_s, params.cache_retention_s
+        )
 
     def _validate_resumed_output(
         self, prompt_token_ids: list[int], resumed_output: Sequence[int], params: SamplingParams

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from shared.kv.block_hash import BlockHash
+from shared.kv.eviction import KEEP_LRU, Retention
 from shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -58,8 +59,11 @@ class Request:
     # Lower value = more important (vLLM's convention); preemption picks the highest value.
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
-    # Mixed into the first block's hash, e.g. a LoRA or multimodal identity; () for plain text.
+    # Mixed into the first block's hash, e.g. a LoRA or multimodal identity, or a tenant's
+    # cache salt; () for plain text.
     extra_hash_keys: tuple[str, ...] = ()
+    # What its cached blocks keep once it frees them (shared/kv/eviction.py).
+    kv_retention: Retention = KEEP_LRU
 
     # Owned by the scheduler.
     status: RequestStatus = RequestStatus.WAITING

@@ -40,6 +40,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Keep generating until at least this many tokens, ignoring EOS and stop tokens before.
     min_tokens: int = 0
+    # Prefix caching: a tenant's salt enters its block hashes (only requests with the same
+    # salt share cached prefixes); how long this request's cached blocks should stay after it
+    # (seconds; None = the engine's idle_ttl_s). Not sampling, but carried with it everywhere.
+    cache_salt: str | None = None
+    cache_retention_s: float | None = None
     # (token id, bias) pairs added to the logits before any penalty; a dict is accepted and
     # stored sorted. Ids beyond the model's vocabulary are refused when the engine admits it.
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -82,6 +87,14 @@ class SamplingParams:
         if self.seed is not None:
             # What torch.Generator.manual_seed accepts.
             _check_int("seed", self.seed, -(2**63), 2**64 - 1)
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not self.cache_salt
+        ):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
+        if self.cache_retention_s is not None:
+            _check_number("cache_retention_s", self.cache_retention_s)
+            if not self.cache_retention_s > 0:
+                raise ValueError(f"cache_retention_s must be > 0, got {self.cache_retention_s}")
 
     @property
     def is_greedy(self) -> bool:

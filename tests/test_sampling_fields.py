@@ -47,6 +47,8 @@ _BODY = {
     "logprobs": 3,
     "skip_special_tokens": False,
     "min_tokens": 2,
+    "cache_salt": "tenant-a",
+    "cache_retention_s": 3600.0,
 }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from services.gateway.tool_request import ToolError
 from shared.sampling_params import COMPOSITE_FIELDS, FIELD_TYPES
 
 # Names a ValueError's message may start with that are request fields.
@@ -37,7 +38,7 @@ def error_body(message: str, error_type: str, param: str | None, code: str | Non
 
 def param_of(error: ValueError) -> str | None:
     """The parameter a ValueError names: by house rule its message starts with it."""
-    if isinstance(error, RequestError):
+    if isinstance(error, RequestError | ToolError):
         return error.param
     first = str(error).split(" ", 1)[0]
     return first if first in _PARAM_NAMES else None

@@ -10,8 +10,8 @@ declared here is a 400 naming it (`extra="forbid"`). Three kinds of declared fie
 - OpenAI's bookkeeping fields (`user`, `metadata`, ...), accepted and not changing the output;
 - known fields this server does not honour (`UNSUPPORTED`): accepted only at their neutral value
   (null, false, ...), anything else is a 400 naming the field (checked in openai_protocol).
-`tools`, `tool_choice` and `parallel_tool_calls` are declared loosely (`Any`) and handed on to
-the tool-calling code, which checks them.
+`tools`, `tool_choice` and `parallel_tool_calls` take the shapes of `tool_schema.py`; the
+tool-calling code (`tools.py`) checks the rest.
 """
 
 from __future__ import annotations
@@ -20,6 +20,16 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.gateway.tool_schema import (
+    PARALLEL_DESCRIPTION,
+    TOOL_CALL_ID_DESCRIPTION,
+    TOOL_CALLS_DESCRIPTION,
+    TOOL_CHOICE_DESCRIPTION,
+    TOOLS_DESCRIPTION,
+    FunctionTool,
+    ToolCall,
+    ToolChoice,
+)
 from shared.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 
@@ -119,6 +129,13 @@ class SamplingFields(StrictModel):
     ignore_eos: bool | None = _doc("Keep generating past EOS.")
     skip_special_tokens: bool | None = _doc("Leave special tokens out of the text.")
     min_tokens: int | None = _doc("Generate at least this many tokens.", minimum=0)
+    cache_salt: str | None = _doc(
+        "vLLM's extension: only requests with the same salt share cached prompt prefixes."
+    )
+    cache_retention_s: float | None = _doc(
+        "How long this request's cached prompt blocks should stay after it (seconds).",
+        exclusiveMinimum=0,
+    )
 
     logit_bias: dict[str, float] | None = _doc(_LOGIT_BIAS_DOC)
     response_format: ResponseFormat | None = _doc(_RESPONSE_FORMAT_DOC)
@@ -134,7 +151,10 @@ class SamplingFields(StrictModel):
     metadata: dict[str, str] | None = _bookkeeping("Tags for the request.")
     store: bool | None = Field(None, description="Only false: nothing is stored.")
     service_tier: Literal["auto", "default"] | None = _bookkeeping("auto or default.")
-    prompt_cache_key: str | None = _bookkeeping("A caching hint (prefix caching is automatic).")
+    prompt_cache_key: str | None = _doc(
+        "Requests sharing this key are routed to the same decode pod (its prefix cache); does "
+        "not change the output."
+    )
     safety_identifier: str | None = _bookkeeping("An end-user id.")
 
     # vLLM's and older OpenAI fields this server does not honour.
@@ -209,8 +229,8 @@ class ChatMessage(StrictModel):
     )
     content: str | list[TextPart] | None = None
     name: str | None = _doc("A participant's name (not rendered by every template).")
-    tool_calls: Any = _doc("An assistant's earlier tool calls (see tools).")
-    tool_call_id: str | None = _doc("The call a tool message answers (see tools).")
+    tool_calls: list[ToolCall] | None = _doc(TOOL_CALLS_DESCRIPTION)
+    tool_call_id: str | None = _doc(TOOL_CALL_ID_DESCRIPTION)
     # What the openai client echoes back from an earlier answer's message; ignored.
     refusal: str | None = None
     annotations: Any = None
@@ -235,9 +255,9 @@ class ChatBody(SamplingFields):
         "vLLM's extension: end the rendered prompt with the assistant's header (default true)."
     )
 
-    tools: Any = _doc("Tools the model may call (see tools).")
-    tool_choice: Any = _doc("none, auto, required or a named function (see tools).")
-    parallel_tool_calls: Any = _doc("Whether several tool calls may come at once (see tools).")
+    tools: list[FunctionTool] | None = _doc(TOOLS_DESCRIPTION)
+    tool_choice: ToolChoice | None = _doc(TOOL_CHOICE_DESCRIPTION)
+    parallel_tool_calls: bool | None = _doc(PARALLEL_DESCRIPTION)
 
     modalities: list[Literal["text"]] | None = _doc("Only [\"text\"].")
     audio: Any = _unsupported("audio output")

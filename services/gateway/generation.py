@@ -60,6 +60,8 @@ class GenerationRequest:
     prompts: list[list[int]]  # token ids; each prompt gets params.n sequences
     params: SamplingParams
     priority: int = 0
+    # OpenAI's prompt_cache_key: requests sharing it are routed to the same decode pod.
+    prompt_cache_key: str | None = None
 
 
 @dataclass
@@ -98,6 +100,7 @@ class _Child:
     task: asyncio.Task | None = None
     finished: bool = False
     client_region: str = ""  # for routing a retry as the first call was routed
+    cache_salt: str | None = None  # likewise: the tenant's salt is in its cached blocks' hashes
     # A response of this sequence was queued for the client: from then on it is never resent
     # as it was, only migrated with the tokens below.
     has_output: bool = False
@@ -214,7 +217,12 @@ class GatewayCore:
         child_params: SamplingParams,
         client_region: str,
     ) -> _Child:
-        picked = await self.router.pick(request.prompts[prompt_index], client_region)
+        picked = await self.router.pick(
+            request.prompts[prompt_index],
+            client_region,
+            cache_salt=child_params.cache_salt,
+            cache_key=request.prompt_cache_key,
+        )
         if picked is None:
             raise NoPodError()
         decode_request = worker_pb2.DecodeRequest(
@@ -232,6 +240,7 @@ class GatewayCore:
             picked.decode,
             picked.decision,
             client_region=client_region,
+            cache_salt=child_params.cache_salt,
         )
 
     async def _reroute(self, child: _Child) -> PickedPods | None:
@@ -243,6 +252,7 @@ class GatewayCore:
             child.client_region,
             exclude=child.failed_addresses,
             avoid_prefill=child.earlier_prefill_addresses,
+            cache_salt=child.cache_salt,
         )
 
 

@@ -47,6 +47,7 @@ from services.gateway.openai_protocol import (
 )
 from services.gateway.responses_api import ResponsesBody, ResponsesFormat, parse_responses
 from services.gateway.tokens_api import TokenRoutes
+from services.gateway.tools import ToolOutputs
 from shared.prompts import PromptError
 from shared.sampling_params import SamplingParams
 
@@ -114,7 +115,13 @@ class _Routes:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         generation = await _start(
             core,
-            GenerationRequest(request_id, prompts, params, parsed.options.priority),
+            GenerationRequest(
+                request_id,
+                prompts,
+                params,
+                parsed.options.priority,
+                parsed.options.prompt_cache_key,
+            ),
             "prompt",
             request.headers.get(REGION_HEADER, ""),
         )
@@ -142,13 +149,20 @@ class _Routes:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generation = await _start(
             core,
-            GenerationRequest(request_id, [prompt], params, parsed.options.priority),
+            GenerationRequest(
+                request_id,
+                [prompt],
+                params,
+                parsed.options.priority,
+                parsed.options.prompt_cache_key,
+            ),
             "messages",
             request.headers.get(REGION_HEADER, ""),
         )
         envelope = Envelope(request_id, core.model_name, int(time.time()))
+        tools = ToolOutputs.for_request(parsed.tools)  # tool calling hook (tools.py)
         fmt = ChatFormat(
-            envelope, parsed.logprobs, parsed.options, generation.usage.prompt_tokens
+            envelope, parsed.logprobs, parsed.options, tools, generation.usage.prompt_tokens
         )
         return await _respond(request, generation, fmt, parsed.options)
 

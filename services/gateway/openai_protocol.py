@@ -35,6 +35,7 @@ from services.gateway.constraints import (
     parse_structured_output,
 )
 from services.gateway.generation import CollectedSequence, SequenceChunk, Usage
+from services.gateway.tools import ToolOutputs, ToolRequest, prepare_chat, render_tool_turns
 from shared.sampling_params import FIELD_TYPES, MAX_LOGPROBS, SamplingParams
 
 # The OpenAI API's default for completions; chat defaults to the rest of the context.
@@ -71,6 +72,7 @@ class CommonOptions:
     return_token_ids: bool  # vLLM's extension: each choice carries its token ids
     priority: int
     continuous_usage: bool = False  # vLLM's extension: every chunk carries the usage so far
+    prompt_cache_key: str | None = None  # routing affinity (router.py)
 
     def params(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
@@ -94,8 +96,7 @@ class ChatRequest:
     options: CommonOptions
     logprobs: bool = False
     add_generation_prompt: bool = True
-    # The validated body, for what other parts of the gateway read themselves (tools).
-    body: ChatBody | None = None
+    tools: ToolRequest | None = None  # tools, tool_choice, parallel_tool_calls (tools.py)
 
 
 def parse_completion(raw: object, model_name: str) -> CompletionRequest:
@@ -139,13 +140,18 @@ def parse_chat(raw: object, model_name: str) -> ChatRequest:
     max_tokens = body.max_completion_tokens
     if max_tokens is None:
         max_tokens = body.max_tokens
+    # Tool calling hook (services/gateway/tools.py): the tools into the system prompt, and the
+    # grammar that enforces a call into `sampling`.
+    messages, tools = prepare_chat(
+        lambda name: getattr(body, name, None), chat_messages(body.messages), sampling
+    )
     options = _common(body, model_name, sampling, max_tokens)
     return ChatRequest(
-        chat_messages(body.messages),
+        messages,
         options,
         logprobs,
         add_generation_prompt=body.add_generation_prompt is not False,
-        body=body,
+        tools=tools,
     )
 
 
@@ -184,6 +190,7 @@ def _common(
         return_token_ids=bool(body.return_token_ids),
         priority=body.priority or 0,
         continuous_usage=bool(stream_options and stream_options.continuous_usage_stats),
+        prompt_cache_key=body.prompt_cache_key,
     )
 
 
@@ -239,7 +246,10 @@ def _prompts(prompt: Prompt) -> list[str | list[int]]:
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     if not messages:
         raise RequestError("messages must not be empty", "messages")
-    return [_message(message) for message in messages]
+    checked = [_message(message) for message in messages]
+    # Tool calls and results as text (tools.py), from the messages as JSON.
+    raw = [message.model_dump(mode="json", by_alias=True) for message in messages]
+    return render_tool_turns(raw, checked)
 
 
 def _message(message: ChatMessage) -> dict[str, str]:
@@ -391,16 +401,21 @@ class ChatFormat:
     envelope: Envelope
     logprobs: bool
     options: CommonOptions
+    tools: ToolOutputs | None = None  # answers read for tool calls (tools.py); None: text
     num_prompt_tokens: int = 0
     _started: set[int] = field(default_factory=set)  # choices whose role was sent
     _usage: StreamUsage | None = None
 
     def chunk(self, chunk: SequenceChunk) -> dict:
         delta: dict[str, object] = {"content": chunk.text}
+        finish_reason = chunk.finish_reason
+        if self.tools is not None:  # tool calling hook: content and tool_calls deltas
+            delta, finish_reason = self.tools.delta(chunk.index, chunk.text, finish_reason)
         if chunk.index not in self._started:
             self._started.add(chunk.index)
             delta = {"role": "assistant", **delta}
         choice = _choice(chunk, {"delta": delta}, self._logprobs(chunk.logprobs), self.options)
+        choice["finish_reason"] = finish_reason
         if self._usage is None:
             self._usage = StreamUsage(self.num_prompt_tokens)
         extra = self._usage.extra(self.options, chunk)
@@ -410,16 +425,18 @@ class ChatFormat:
         return self.envelope.wrap("chat.completion.chunk", [], usage=usage_json(usage))
 
     def response(self, sequences: list[CollectedSequence], usage: Usage) -> dict:
-        choices = [
-            _choice(
-                sequence,
-                {"message": {"role": "assistant", "content": sequence.text}},
-                self._logprobs(sequence.logprobs),
-                self.options,
-            )
-            for sequence in sequences
-        ]
+        choices = [self._message_choice(sequence) for sequence in sequences]
         return self.envelope.wrap("chat.completion", choices, usage=usage_json(usage))
+
+    def _message_choice(self, sequence: CollectedSequence) -> dict:
+        message: dict[str, object] = {"role": "assistant", "content": sequence.text}
+        finish_reason = sequence.finish_reason
+        if self.tools is not None:  # tool calling hook: content and tool_calls
+            message, finish_reason = self.tools.message(sequence.text, finish_reason)
+        logprobs = self._logprobs(sequence.logprobs)
+        choice = _choice(sequence, {"message": message}, logprobs, self.options)
+        choice["finish_reason"] = finish_reason
+        return choice
 
     def _logprobs(self, entries: list[generate_pb2.TokenLogprob]) -> dict | None:
         if not self.logprobs:

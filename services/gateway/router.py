@@ -17,6 +17,7 @@ away from the prefill pod of that attempt when another is available (`avoid_pref
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 from collections.abc import Collection
@@ -39,11 +40,13 @@ from services.gateway.scoring import (
     RoutingWeights,
     decide,
 )
-from shared.kv.block_hash import hash_full_blocks
+from shared.kv.block_hash import cache_salt_keys, hash_full_blocks
 
 logger = logging.getLogger(__name__)
 
 REGISTRY_REFRESH_SECONDS = 0.5
+# prompt_cache_key -> the decode pod that served it last; the oldest keys are forgotten.
+MAX_CACHE_KEYS = 65536
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class Router:
         self.is_redis_up = False
         self._turns = itertools.count()
         self._refresher: asyncio.Task | None = None
+        self._cache_key_pods: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     async def start(self) -> None:
         if self.redis is None:
@@ -127,16 +131,24 @@ class Router:
         client_region: str = "",
         exclude: Collection[str] = (),
         avoid_prefill: Collection[str] = (),
+        cache_salt: str | None = None,
+        cache_key: str | None = None,
     ) -> PickedPods | None:
         """The pods for one prompt (counted as dispatched to), or None without a decode pod.
         `exclude`: addresses of decode pods not to choose (a retry leaves out the pods the
         sequence already failed on). `avoid_prefill`: addresses of prefill pods to choose only
-        when no other is available (the ones a retry's failed attempts named)."""
+        when no other is available (the ones a retry's failed attempts named). `cache_salt`:
+        the request's tenant salt, which its cached blocks' hashes include. `cache_key`
+        (OpenAI's prompt_cache_key): requests sharing it go where the last one went, as if
+        that pod held their whole prompt (load and saturation still count)."""
         decode_pods = [p for p in self.decode_pool.available() if p.address not in exclude]
         if not decode_pods:
             return None
         prefill_pods = self._prefill_candidates(avoid_prefill)
-        cached = await self.cached_tokens(prompt_token_ids, [*prefill_pods, *decode_pods])
+        cached = await self.cached_tokens(
+            prompt_token_ids, [*prefill_pods, *decode_pods], cache_salt_keys(cache_salt)
+        )
+        self._credit_cache_key(cached, cache_key, len(prompt_token_ids))
         place = self.settings.place
         ctx = RoutingContext(
             num_prompt_tokens=len(prompt_token_ids),
@@ -153,7 +165,21 @@ class Router:
             ctx,
         )
         logger.debug("routing decision: %s", decision)
+        if cache_key is not None:
+            self._cache_key_pods[cache_key] = decision.decode_pod_id
+            self._cache_key_pods.move_to_end(cache_key)
+            while len(self._cache_key_pods) > MAX_CACHE_KEYS:
+                self._cache_key_pods.popitem(last=False)
         return self._dispatch(decision, prefill_pods, decode_pods)
+
+    def _credit_cache_key(
+        self, cached: dict[str, int], cache_key: str | None, num_prompt_tokens: int
+    ) -> None:
+        """The pod that served `cache_key` last counts as holding the prompt (all but its
+        last token, which is always computed), unless the index already says more."""
+        pod_id = self._cache_key_pods.get(cache_key) if cache_key is not None else None
+        if pod_id is not None:
+            cached[pod_id] = max(cached.get(pod_id, 0), num_prompt_tokens - 1)
 
     def _prefill_candidates(self, avoid: Collection[str]) -> list[Pod]:
         available = self.prefill_pool.available() if self.prefill_pool else []
@@ -170,13 +196,15 @@ class Router:
             prefill_pod.num_dispatched += 1
         return PickedPods(decision, decode_pod, prefill_pod)
 
-    async def cached_tokens(self, prompt: list[int], pods: list[Pod]) -> dict[str, int]:
+    async def cached_tokens(
+        self, prompt: list[int], pods: list[Pod], extra_hash_keys: tuple[str, ...] = ()
+    ) -> dict[str, int]:
         """pod id -> tokens of `prompt` cached there, per the index ({} without one)."""
         indexed = [p for p in pods if p.record is not None]
         uses_index = self.settings.policy == "cache_aware" and self.is_redis_up
         if self.redis is None or not uses_index or not indexed:
             return {}
-        hashes = _prompt_hashes(prompt, indexed)
+        hashes = _prompt_hashes(prompt, indexed, extra_hash_keys)
         queries = [
             (p.record.blocks_key(self.keys), hashes[(p.record.block_size, p.record.hash_namespace)])
             for p in indexed
@@ -189,12 +217,16 @@ class Router:
         return {p.pod_id: n * p.record.block_size for p, n in zip(indexed, num_blocks, strict=True)}
 
 
-def _prompt_hashes(prompt: list[int], pods: list[Pod]) -> dict[tuple[int, str], list[bytes]]:
+def _prompt_hashes(
+    prompt: list[int], pods: list[Pod], extra_hash_keys: tuple[str, ...] = ()
+) -> dict[tuple[int, str], list[bytes]]:
     """The prompt's block hashes once per (block size, namespace) among the pods. A prompt's
     last token is never served from cache (it must be computed to sample), so a prompt of
     whole blocks is looked up without its last block, as the engine would."""
     groups = {(p.record.block_size, p.record.hash_namespace) for p in pods}
     return {
-        (block_size, namespace): hash_full_blocks(prompt[:-1], block_size, namespace)
+        (block_size, namespace): hash_full_blocks(
+            prompt[:-1], block_size, namespace, extra_hash_keys
+        )
         for block_size, namespace in groups
     }

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shared.kv.block_hash import BlockHash
+
+if TYPE_CHECKING:
+    from shared.kv.eviction import Retention
 
 
 @dataclass(slots=True, eq=False)
@@ -26,6 +30,12 @@ class Block:
     # FreeBlockQueue only: neighbours while in the queue, both None while allocated.
     prev_free: Block | None = field(default=None, repr=False)
     next_free: Block | None = field(default=None, repr=False)
+    # BlockPool only (shared.kv.eviction): the most its holders asked to keep it cached, since
+    # it was last registered; the retention queue it sits in while free (None: the uncached
+    # queue); and when it was last freed (time.monotonic()).
+    retention: Retention | None = field(default=None, repr=False)
+    free_class: Retention | None = field(default=None, repr=False)
+    freed_at: float = field(default=0.0, repr=False)
 
 
 class FreeBlockQueue:
@@ -65,6 +75,12 @@ class FreeBlockQueue:
             assert block is not None, "free queue link broken"
             yield block
             block = block.next_free
+
+    def peek(self) -> Block:
+        """The next block `popleft` would take."""
+        block = self._head.next_free
+        assert block is not None and block is not self._tail, "peek at an empty free queue"
+        return block
 
     def popleft(self) -> Block:
         block = self._head.next_free

@@ -114,3 +114,9 @@ def _pack_extra_keys(extra_keys: tuple[str, ...]) -> bytes:
 
 
 _EMPTY_NAMESPACE_ROOT = root_hash("")
+
+
+def cache_salt_keys(cache_salt: str | None) -> tuple[str, ...]:
+    """The extra hash keys of a tenant's salt: requests share cached blocks only with requests
+    of the same salt (the engine and the router hash alike)."""
+    return () if cache_salt is None else (f"cache_salt:{cache_salt}",)

@@ -1,10 +1,13 @@
-"""All KV blocks of one cache: allocation, reference counts, LRU eviction, hash -> block.
+"""All KV blocks of one cache: allocation, reference counts, eviction, hash -> block.
 
 A block is in exactly one of two states:
 
     allocated: ref_cnt > 0, not in the free queue
     free:      ref_cnt == 0, in the free queue (possibly still cached: it keeps its hash and
                can be revived by `touch` until `get_new_blocks` evicts it)
+
+Which free block is evicted first follows the retention its holders asked for (LRU by
+default; see shared/kv/eviction.py).
 
 With caching on, the hash map and the blocks' `block_hash` fields are one bijection: a block
 has a hash iff the map sends that hash to it. Every method is O(blocks it is handed), never
@@ -14,11 +17,13 @@ owns the pool.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 
-from shared.kv.block import Block, FreeBlockQueue
+from shared.kv.block import Block
 from shared.kv.block_hash import BlockHash
 from shared.kv.events import BlockRemoved, BlockStored, KVCacheEvent
+from shared.kv.eviction import KEEP_LRU, FreeBlocks, Retention
 
 
 class BlockPool:
@@ -29,7 +34,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         # blocks[i].block_id == i; fresh blocks are handed out in id order.
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
-        self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.free_block_queue = FreeBlocks(self.blocks)
         self._cached_blocks: dict[BlockHash, Block] = {}
         self._events: list[KVCacheEvent] = []
 
@@ -47,8 +52,9 @@ class BlockPool:
         """Fraction of blocks held by requests (cached free blocks count as unused)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def get_new_blocks(self, num_blocks: int) -> list[Block]:
-        """Takes `num_blocks` blocks from the front of the free queue, each with ref_cnt 1.
+    def get_new_blocks(self, num_blocks: int, now: float | None = None) -> list[Block]:
+        """Takes `num_blocks` blocks from the front of the eviction order (at `now`, default
+        time.monotonic()), each with ref_cnt 1.
 
         A taken block that was still cached is evicted: its hash leaves the map, and one
         `BlockRemoved` event lists every hash this call evicted.
@@ -58,7 +64,8 @@ class BlockPool:
                 f"num_blocks must be in [0, {self.num_free_blocks}] (the free blocks), "
                 f"got {num_blocks}"
             )
-        blocks = self.free_block_queue.popleft_n(num_blocks)
+        now = time.monotonic() if now is None else now
+        blocks = [self.free_block_queue.pop(now) for _ in range(num_blocks)]
         evicted_hashes: list[BlockHash] = []
         for block in blocks:
             assert block.ref_cnt == 0, f"free block {block.block_id} has references"
@@ -76,23 +83,32 @@ class BlockPool:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
-    def free_blocks(self, blocks: Iterable[Block]) -> None:
-        """Drops a reference from each block, in the order given (evicted in that order).
+    def free_blocks(
+        self,
+        blocks: Iterable[Block],
+        retention: Retention = KEEP_LRU,
+        now: float | None = None,
+    ) -> None:
+        """Drops a reference from each block, in the order given (evicted in that order), each
+        block keeping the most `retention` any of its holders asked for.
 
-        A block reaching ref_cnt 0 keeps its hash and goes to the back of the free queue, to be
-        evicted last. A block without a hash goes to the front instead: nothing can ever hit
-        it, so reusing it first keeps every cached block alive longer.
+        A block reaching ref_cnt 0 keeps its hash and goes to the back of its retention's
+        queue, to be evicted last within it. A block without a hash is reused first instead:
+        nothing can ever hit it, so reusing it first keeps every cached block alive longer.
         """
         queue = self.free_block_queue
+        now = time.monotonic() if now is None else now
         for block in blocks:
             assert block.ref_cnt > 0, f"freeing block {block.block_id}, which is already free"
             block.ref_cnt -= 1
+            if block.block_hash is not None:
+                block.retention = retention.merged(block.retention)
             if block.ref_cnt:
                 continue
             if block.block_hash is None:
-                queue.appendleft(block)
+                queue.push_uncached(block)
             else:
-                queue.append(block)
+                queue.push_cached(block, now)
 
     def get_cached_block(self, block_hash: BlockHash) -> Block | None:
         return self._cached_blocks.get(block_hash)
@@ -153,6 +169,7 @@ class BlockPool:
         removed = list(self._cached_blocks)
         for block in self._cached_blocks.values():
             block.block_hash = None
+            block.retention = None
         self._cached_blocks.clear()
         if removed:
             self._events.append(BlockRemoved(removed))
@@ -165,6 +182,7 @@ class BlockPool:
         )
         del self._cached_blocks[block_hash]
         block.block_hash = None
+        block.retention = None
         return block_hash
 
     def _record_stored(

@@ -27,6 +27,7 @@ from shared.kv.block import Block
 from shared.kv.block_hash import BlockHash, hash_full_blocks
 from shared.kv.block_pool import BlockPool
 from shared.kv.events import KVCacheEvent
+from shared.kv.eviction import Retention
 
 
 class Request(Protocol):
@@ -38,6 +39,7 @@ class Request(Protocol):
     all_token_ids: list[int]
     extra_hash_keys: tuple[str, ...]
     block_hashes: list[BlockHash]
+    kv_retention: Retention
 
     @property
     def num_tokens(self) -> int: ...
@@ -205,11 +207,12 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Returns the request's blocks to the pool and forgets it; a no-op if it holds none.
 
-        Blocks are freed tail first, so a chain's tail is evicted before its parents.
+        Blocks are freed tail first, so a chain's tail is evicted before its parents; they keep
+        the request's `kv_retention`.
         """
         entry = self._requests.pop(request.request_id, None)
         if entry is not None:
-            self.block_pool.free_blocks(reversed(entry.blocks))
+            self.block_pool.free_blocks(reversed(entry.blocks), request.kv_retention)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block ids in token order (a copy); [] if it holds none."""

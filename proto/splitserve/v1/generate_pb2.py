@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1csplitserve/v1/generate.proto\x12\rsplitserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x96\x06\n\x0fSamplingOptions\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\r\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x11 \x03(\x0b\x32-.splitserve.v1.SamplingOptions.LogitBiasEntry\x12:\n\x11structured_output\x18\x12 \x01(\x0b\x32\x1f.splitserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokens\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"\xed\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.splitserve.v1.SamplingOptions\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\r\n\x05model\x18\x07 \x01(\tB\x08\n\x06prompt\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"v\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05token\x18\x04 \x01(\t\x12&\n\x03top\x18\x05 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x95\x01\n\x08Sequence\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\"\x86\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12*\n\tsequences\x18\x03 \x03(\x0b\x32\x17.splitserve.v1.Sequence\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.splitserve.v1.Usage\"\x9a\x01\n\rSequenceDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\"\x8e\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12,\n\x06\x64\x65ltas\x18\x03 \x03(\x0b\x32\x1c.splitserve.v1.SequenceDelta\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.splitserve.v1.Usage2\xb4\x01\n\nGeneration\x12K\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse\x12Y\n\x0eGenerateStream\x12\x1e.splitserve.v1.GenerateRequest\x1a%.splitserve.v1.GenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1csplitserve/v1/generate.proto\x12\rsplitserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf4\x06\n\x0fSamplingOptions\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\r\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x11 \x03(\x0b\x32-.splitserve.v1.SamplingOptions.LogitBiasEntry\x12:\n\x11structured_output\x18\x12 \x01(\x0b\x32\x1f.splitserve.v1.StructuredOutput\x12\x17\n\ncache_salt\x18\x13 \x01(\tH\x0e\x88\x01\x01\x12\x1e\n\x11\x63\x61\x63he_retention_s\x18\x14 \x01(\x02H\x0f\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokensB\r\n\x0b_cache_saltB\x14\n\x12_cache_retention_s\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"\xed\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.splitserve.v1.SamplingOptions\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\r\n\x05model\x18\x07 \x01(\tB\x08\n\x06prompt\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"v\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05token\x18\x04 \x01(\t\x12&\n\x03top\x18\x05 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x95\x01\n\x08Sequence\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\"\x86\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12*\n\tsequences\x18\x03 \x03(\x0b\x32\x17.splitserve.v1.Sequence\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.splitserve.v1.Usage\"\x9a\x01\n\rSequenceDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\"\x8e\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12,\n\x06\x64\x65ltas\x18\x03 \x03(\x0b\x32\x1c.splitserve.v1.SequenceDelta\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.splitserve.v1.Usage2\xb4\x01\n\nGeneration\x12K\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse\x12Y\n\x0eGenerateStream\x12\x1e.splitserve.v1.GenerateRequest\x1a%.splitserve.v1.GenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,27 +40,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=155
   _globals['_TOKENIDS']._serialized_end=178
   _globals['_SAMPLINGOPTIONS']._serialized_start=181
-  _globals['_SAMPLINGOPTIONS']._serialized_end=971
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=714
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=762
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=973
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1019
-  _globals['_GENERATEREQUEST']._serialized_start=1022
-  _globals['_GENERATEREQUEST']._serialized_end=1259
-  _globals['_TOPLOGPROB']._serialized_start=1261
-  _globals['_TOPLOGPROB']._serialized_end=1323
-  _globals['_TOKENLOGPROB']._serialized_start=1325
-  _globals['_TOKENLOGPROB']._serialized_end=1443
-  _globals['_USAGE']._serialized_start=1445
-  _globals['_USAGE']._serialized_end=1525
-  _globals['_SEQUENCE']._serialized_start=1528
-  _globals['_SEQUENCE']._serialized_end=1677
-  _globals['_GENERATERESPONSE']._serialized_start=1680
-  _globals['_GENERATERESPONSE']._serialized_end=1814
-  _globals['_SEQUENCEDELTA']._serialized_start=1817
-  _globals['_SEQUENCEDELTA']._serialized_end=1971
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1974
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2116
-  _globals['_GENERATION']._serialized_start=2119
-  _globals['_GENERATION']._serialized_end=2299
+  _globals['_SAMPLINGOPTIONS']._serialized_end=1065
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=771
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=819
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1067
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1113
+  _globals['_GENERATEREQUEST']._serialized_start=1116
+  _globals['_GENERATEREQUEST']._serialized_end=1353
+  _globals['_TOPLOGPROB']._serialized_start=1355
+  _globals['_TOPLOGPROB']._serialized_end=1417
+  _globals['_TOKENLOGPROB']._serialized_start=1419
+  _globals['_TOKENLOGPROB']._serialized_end=1537
+  _globals['_USAGE']._serialized_start=1539
+  _globals['_USAGE']._serialized_end=1619
+  _globals['_SEQUENCE']._serialized_start=1622
+  _globals['_SEQUENCE']._serialized_end=1771
+  _globals['_GENERATERESPONSE']._serialized_start=1774
+  _globals['_GENERATERESPONSE']._serialized_end=1908
+  _globals['_SEQUENCEDELTA']._serialized_start=1911
+  _globals['_SEQUENCEDELTA']._serialized_end=2065
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2068
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2210
+  _globals['_GENERATION']._serialized_start=2213
+  _globals['_GENERATION']._serialized_end=2393
 # @@protoc_insertion_point(module_scope)

@@ -504,3 +504,49 @@ def test_responses_refuse_what_they_do_not_serve(stack):
 def test_the_gateway_still_imports_no_torch(stack):
     with urllib.request.urlopen(f"{stack.base_url}/health", timeout=10) as response:
         assert json.load(response)["torch_imported"] is False
+
+
+# ---- prompt caching controls (issue 18) ------------------------------------------------------
+
+
+def test_cache_salts_keep_tenants_apart_through_the_gateway(client):
+    prompt = "[salt test] " + LONG_PROMPT
+
+    def cached(salt: str) -> int:
+        answer = client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0,
+            extra_body={"cache_salt": salt},
+        )
+        return answer.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 0
+    assert cached("tenant-b") == 0
+
+
+def test_retention_fields_are_accepted_and_bad_values_are_400s(stack, client):
+    chat = {"model": MODEL_NAME, "max_tokens": 1}
+    user = {"role": "user", "content": "Hi"}
+    ok = [
+        {**chat, "messages": [user], "prompt_cache_retention": "24h"},
+        {**chat, "messages": [user], "prompt_cache_retention": "in_memory"},
+        {**chat, "messages": [{**user, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]},
+        {**chat, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]}]},
+    ]
+    for body in ok:
+        assert _post(stack, "/v1/chat/completions", body).status == 200, body
+    _assert_400(
+        _post(stack, "/v1/chat/completions",
+              {**chat, "messages": [user], "prompt_cache_retention": "1w"}),
+        "prompt_cache_retention",
+    )
+    bad_ttl = _post(stack, "/v1/chat/completions", {
+        **chat, "messages": [{**user, "cache_control": {"type": "ephemeral", "ttl": "2h"}}]})
+    assert bad_ttl.status == 400 and bad_ttl.body["error"]["param"].startswith("messages")
+    # Longer than the pods' --max-retention (24 h by default): the pod refuses it.
+    _assert_400(
+        _post(stack, "/v1/completions",
+              {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 1, "cache_retention_s": 1e6}),
+        "cache_retention_s",
+    )

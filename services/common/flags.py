@@ -47,6 +47,26 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=128)
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    group.add_argument(
+        "--eviction-policy",
+        default="lru",
+        choices=["lru", "idle_ttl", "priority"],
+        help="which cached blocks go first (shared/kv/eviction.py)",
+    )
+    group.add_argument(
+        "--idle-ttl",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="retention window of requests that ask for none (idle_ttl, priority)",
+    )
+    group.add_argument(
+        "--max-retention",
+        type=float,
+        default=86400.0,
+        metavar="SECONDS",
+        help="the longest retention a request may ask for (longer: a 400)",
+    )
     group.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all)")
     group.add_argument(
         "--adaptive-threads",
@@ -89,6 +109,9 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": args.prefix_caching,
+        "eviction_policy": args.eviction_policy,
+        "idle_ttl_s": args.idle_ttl,
+        "max_retention_s": args.max_retention,
         "num_threads": args.num_threads,
         "adaptive_threads": args.adaptive_threads,
         "speculative_method": args.speculative_method,

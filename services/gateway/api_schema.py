@@ -155,6 +155,10 @@ class SamplingFields(StrictModel):
         "Requests sharing this key are routed to the same decode pod (its prefix cache); does "
         "not change the output."
     )
+    prompt_cache_retention: str | None = _doc(
+        'OpenAI\'s: "in_memory" (the server\'s own window) or "24h": how long the prompt\'s '
+        "cached blocks should be kept (a soft window, bounded by the server's maximum)."
+    )
     safety_identifier: str | None = _bookkeeping("An end-user id.")
 
     # vLLM's and older OpenAI fields this server does not honour.
@@ -218,9 +222,20 @@ class CompletionBody(SamplingFields):
 # ---- /v1/chat/completions -------------------------------------------------------------------
 
 
+class CacheControl(StrictModel):
+    """Anthropic's prompt-caching marker: keep this prompt's cached blocks for the ttl."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+_CACHE_CONTROL_DOC = 'Keep the prompt cached for ttl ("5m" default, or "1h"), a soft window.'
+
+
 class TextPart(StrictModel):
     type: Literal["text"] = Field(description="Only text parts: the model reads text only.")
     text: str
+    cache_control: CacheControl | None = _doc(_CACHE_CONTROL_DOC)
 
 
 class ChatMessage(StrictModel):
@@ -231,6 +246,7 @@ class ChatMessage(StrictModel):
     name: str | None = _doc("A participant's name (not rendered by every template).")
     tool_calls: list[ToolCall] | None = _doc(TOOL_CALLS_DESCRIPTION)
     tool_call_id: str | None = _doc(TOOL_CALL_ID_DESCRIPTION)
+    cache_control: CacheControl | None = _doc(_CACHE_CONTROL_DOC)
     # What the openai client echoes back from an earlier answer's message; ignored.
     refusal: str | None = None
     annotations: Any = None

@@ -29,6 +29,7 @@ from services.gateway.api_schema import (
     Prompt,
     SamplingFields,
 )
+from services.gateway.cache_options import cache_retention_s
 from services.gateway.constraints import (
     check_structured_output,
     parse_logit_bias,
@@ -112,6 +113,7 @@ def parse_completion(raw: object, model_name: str) -> CompletionRequest:
                 "echo",
                 "unsupported_value",
             )
+    _apply_cache_retention(sampling, body)
     options = _common(body, model_name, sampling, body.max_tokens)
     if body.best_of is not None and body.best_of != sampling.get("n", 1):
         raise RequestError("best_of must equal n (beam search is not supported)", "best_of")
@@ -145,6 +147,7 @@ def parse_chat(raw: object, model_name: str) -> ChatRequest:
     messages, tools = prepare_chat(
         lambda name: getattr(body, name, None), chat_messages(body.messages), sampling
     )
+    _apply_cache_retention(sampling, body, body.messages)
     options = _common(body, model_name, sampling, max_tokens)
     return ChatRequest(
         messages,
@@ -165,6 +168,19 @@ def check_unsupported(body: BaseModel) -> None:
             raise RequestError(
                 f"{name} is not supported by this server: {info}", name, "unsupported_parameter"
             )
+
+
+def _apply_cache_retention(
+    sampling: dict[str, object], body: SamplingFields, messages: list[ChatMessage] = ()
+) -> None:
+    """prompt_cache_retention and messages' cache_control (services/gateway/cache_options.py)
+    into cache_retention_s: the longest window any of them (or cache_retention_s) asks for."""
+    window = cache_retention_s(
+        body.prompt_cache_retention,
+        [message.model_dump(mode="json", exclude_none=True) for message in messages],
+    )
+    if window is not None:
+        sampling["cache_retention_s"] = max(window, body.cache_retention_s or 0.0)
 
 
 def _common(

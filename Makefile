@@ -1,7 +1,7 @@
 PYTHON ?= python3
 DEPS_STAMP := .deps.stamp
 
-.PHONY: deps test lint run bench-engine bench-serve clean
+.PHONY: deps test test-slow test-all lint run bench-engine bench-serve clean
 
 # Re-run the installer only when what it installs changed.
 $(DEPS_STAMP): pyproject.toml scripts/install_deps.sh
@@ -13,8 +13,14 @@ deps: $(DEPS_STAMP)
 lint: deps
 	$(PYTHON) -m ruff check .
 
+# The suites marked slow (see pyproject.toml) run in their own target.
 test: deps lint
-	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q
+	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -m "not slow" --durations=15
+
+test-slow: deps
+	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -m slow --durations=15
+
+test-all: test test-slow
 
 run: deps
 	$(PYTHON) -m services.cli up

@@ -208,11 +208,11 @@ def test_a_failing_step_fails_its_requests_not_the_engine(engine, offline, monke
     real_execute = runner.execute
     calls = []
 
-    def execute_failing_once(sched):
+    def execute_failing_once(sched, masks):
         calls.append(sched)
         if len(calls) == 2:
             raise RuntimeError("injected fault")
-        return real_execute(sched)
+        return real_execute(sched, masks)
 
     monkeypatch.setattr(runner, "execute", execute_failing_once)
 

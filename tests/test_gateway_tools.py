@@ -164,6 +164,7 @@ def test_sampled_choices_each_make_their_own_valid_calls(client):
         assert_valid_calls(choice, set(SCHEMAS))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(6))
 def test_seeded_sampled_required_calls_validate(client, seed):
     """24 sampled answers in all (4 a request), each of them valid calls."""
@@ -368,6 +369,7 @@ def split_client() -> OpenAI:
         split.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "question, kwargs",
     [

@@ -30,6 +30,9 @@ from tests.services_util import (
     wait_until_idle,
 )
 
+# Minutes of real processes: `make test-slow`.
+pytestmark = pytest.mark.slow
+
 PROMPT = "The history of lighthouses begins in ancient Egypt, where"
 MAX_TOKENS = 40
 FAULT_AFTER_TOKENS = 10

@@ -17,6 +17,9 @@ from schemathesis import GenerationMode
 
 from tests.services_util import Stack, get_json, start_stack
 
+# Minutes of real processes: `make test-slow`.
+pytestmark = pytest.mark.slow
+
 MAX_EXAMPLES = 25  # per operation and generation mode
 # Caps written into the generator's copy of the schema: (field -> maximum).
 CAPS = {

@@ -20,6 +20,9 @@ from pydantic import BaseModel, Field
 
 from tests.services_util import MODEL_NAME, Stack, start_stack, wait_until_idle
 
+# Minutes of real processes: `make test-slow`.
+pytestmark = pytest.mark.slow
+
 SPECULATE = ["--speculative-method", "ngram", "--num-speculative-tokens", "3"]
 
 

@@ -178,6 +178,7 @@ def test_logit_bias_matches_transformers_with_the_same_bias(llm, hf_reference_mo
     assert unbiased[0].outputs[0].token_ids != tokens  # the bias changed the answer
 
 
+@pytest.mark.slow
 def test_sampled_json_always_matches_its_schema(llm):
     prompts = [_chat_prompt(llm, f"{QUESTION} Record number {i}.") for i in range(100)]
     params = [
@@ -235,6 +236,7 @@ def test_regex_choice_grammar_and_json_object(llm, output, check):
         assert check(completion.text), completion.text
 
 
+@pytest.mark.slow
 def test_speculation_gives_the_same_greedy_json(llm, spec_llm):
     prompts = [_chat_prompt(llm, f"{QUESTION} Variant {i}.") for i in range(len(SCHEMAS))]
     params = [_greedy(StructuredOutput.json_schema(schema)) for schema in SCHEMAS]
@@ -248,6 +250,7 @@ def test_speculation_gives_the_same_greedy_json(llm, spec_llm):
     jsonschema.validate(_json_of(spec_llm.generate([prompts[1]], sampled)[0].outputs[0]), ORDER)
 
 
+@pytest.mark.slow
 def test_preempted_requests_keep_their_grammar(llm):
     small = LLM(kv_cache_bytes=24 * 2**20, max_num_seqs=8)  # room for ~3 of the 8
     prompts = [_chat_prompt(llm, f"{QUESTION} Case {i}, " + "in detail " * 20) for i in range(8)]

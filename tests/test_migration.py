@@ -1,6 +1,6 @@
 """No request lost when a pod dies or stalls: real processes, real signals.
 
-A prefill pod and three decode pods behind a gateway (stall timeout 3 s, remote prefill
+A prefill pod and four decode pods behind a gateway (stall timeout 3 s, remote prefill
 timeout 2 s). A streamed request's decode pod is SIGKILLed or SIGSTOPped after some tokens;
 the stream must complete as if nothing happened: the same tokens and text as one engine
 produces (greedy and seeded sampling), the usage of the whole sequence, and every surviving
@@ -10,15 +10,18 @@ answer; a gateway replica that dies leaves no request behind on the pods.
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 import urllib.request
 
+import jsonschema
 import pytest
 import torch
 from openai import OpenAI
 
 from shared import LLM, SamplingParams
+from shared.structured_output.spec import StructuredOutput
 from tests.services_util import (
     MODEL_NAME,
     Stack,
@@ -43,7 +46,7 @@ PREFILL_TIMEOUT = "2"
 @pytest.fixture(scope="module")
 def stack():
     started = start_stack(
-        num_decode=3,
+        num_decode=4,
         num_prefill=1,
         decode_flags=["--prefill-timeout", PREFILL_TIMEOUT, "--local-prefill-threshold", "8"],
         gateway_flags=["--stream-stall-timeout", STALL_TIMEOUT],
@@ -89,16 +92,20 @@ def _process(stack: Stack, address: str):
     return _processes[address]
 
 
-def _stream_with_fault(client: OpenAI, stack: Stack, sampling: dict, fault) -> tuple:
+def _stream_with_fault(
+    client: OpenAI, stack: Stack, sampling: dict, fault, max_tokens: int = MAX_TOKENS
+) -> tuple:
     """Streams one completion; after FAULT_AFTER_TOKENS tokens, `fault(address)` hits the pod
     serving it. Returns the text, token ids, finish reason, usage and the pod hit."""
+    sampling = dict(sampling)
+    extra_body = {"return_token_ids": True, **sampling.pop("extra_body", {})}
     stream = client.completions.create(
         model=MODEL_NAME,
         prompt=PROMPT,
-        max_tokens=MAX_TOKENS,
+        max_tokens=max_tokens,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"return_token_ids": True},
+        extra_body=extra_body,
         **sampling,
     )
     text, tokens, finish, usage, hit = "", [], None, None, None
@@ -161,6 +168,39 @@ def test_a_stalled_pod_is_left_and_its_stream_continues_elsewhere(stack, client,
     assert _migrations(stack, "stalled") == before + 1
     # Once running again, the stopped pod sees the gateway's cancel and frees the request.
     _assert_idle(stack)
+
+
+def test_a_migrated_structured_output_still_matches_its_schema(stack, client, llm):
+    schema = {
+        "type": "object",
+        "properties": {
+            "site": {"type": "string", "maxLength": 30},
+            "built": {"type": "integer", "minimum": 0, "maximum": 2100},
+            "still_lit": {"type": "boolean"},
+        },
+        "required": ["site", "built", "still_lit"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        temperature=0.0, max_tokens=80, structured_output=StructuredOutput.json_schema(schema)
+    )
+    want = _reference(llm, params)
+    assert want.finish_reason == "stop" and len(want.token_ids) > FAULT_AFTER_TOKENS
+
+    def kill(address: str) -> None:
+        _process(stack, address).send_signal(signal.SIGKILL)
+
+    response_format = {
+        "type": "json_schema", "json_schema": {"name": "lighthouse", "schema": schema},
+    }
+    text, tokens, finish, usage, hit = _stream_with_fault(
+        client, stack, {"temperature": 0, "extra_body": {"response_format": response_format}},
+        kill, max_tokens=80,
+    )
+    assert (tokens, text, finish) == (want.token_ids, want.text, "stop")
+    jsonschema.validate(json.loads(text), schema)
+    _assert_idle(stack, skip=hit)
+    stack.decode_addresses.remove(hit)
 
 
 def test_a_killed_pod_greedy_stream_completes_token_for_token(stack, client, llm):

@@ -93,6 +93,7 @@ async def stream(session: aiohttp.ClientSession, url: str, model: str, spec: Spe
         "prompt": spec.prompt,
         "max_tokens": spec.max_tokens,
         "temperature": 0,
+        "ignore_eos": True,  # every request streams all its tokens: faults find work in flight
         "stream": True,
         "return_token_ids": True,
     }

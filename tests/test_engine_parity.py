@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from shared import LLM, SamplingParams
+from tests.hf_reference import transformers_greedy
 
 MAX_TOKENS = 20
 
@@ -62,20 +63,7 @@ def prompts(llm: LLM) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(hf_reference_model, prompts) -> list[list[int]]:
     """transformers' greedy continuation of each prompt, one at a time (no padding)."""
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            generated = hf_reference_model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=2,
-                pad_token_id=2,
-            )
-        outputs.append(generated[0, len(prompt) :].tolist())
-    return outputs
+    return [transformers_greedy(hf_reference_model, prompt, MAX_TOKENS) for prompt in prompts]
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

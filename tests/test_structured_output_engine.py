@@ -16,11 +16,12 @@ import llguidance
 import pytest
 import torch
 from llguidance.torch import fill_next_token_bitmask
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor
 
 from shared import LLM, SamplingParams
 from shared.structured_output.grammar import grammar_for
 from shared.structured_output.spec import StructuredOutput
+from tests.hf_reference import transformers_greedy
 
 MAX_TOKENS = 96
 
@@ -116,21 +117,6 @@ class _GrammarMask(LogitsProcessor):
         return scores.masked_fill(allowed == 0, float("-inf"))
 
 
-def _transformers_greedy(model, prompt: list[int], processor: LogitsProcessor) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        generated = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            eos_token_id=2,
-            pad_token_id=2,
-            logits_processor=LogitsProcessorList([processor]),
-        )
-    return generated[0, len(prompt) :].tolist()
-
-
 def _json_of(completion) -> object:
     assert completion.finish_reason == "stop", completion.text
     return json.loads(completion.text)
@@ -142,7 +128,7 @@ def test_greedy_json_matches_transformers_under_the_same_grammar(llm, hf_referen
     prompt = _chat_prompt(llm, QUESTION)
     result = llm.generate([prompt], _greedy(output))[0].outputs[0]
     mask = _GrammarMask(llm, output, len(prompt))
-    reference = _transformers_greedy(hf_reference_model, prompt, mask)
+    reference = transformers_greedy(hf_reference_model, prompt, MAX_TOKENS, [mask])
     assert result.token_ids == reference
     jsonschema.validate(_json_of(result), schema)
 
@@ -162,17 +148,7 @@ def test_logit_bias_matches_transformers_with_the_same_bias(llm, hf_reference_mo
     result = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, logit_bias=bias))
     tokens = result[0].outputs[0].token_ids
     assert paris not in tokens
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        reference = hf_reference_model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=12,
-            do_sample=False,
-            eos_token_id=2,
-            pad_token_id=2,
-            logits_processor=LogitsProcessorList([Bias()]),
-        )[0, len(prompt) :].tolist()
+    reference = transformers_greedy(hf_reference_model, prompt, 12, [Bias()])
     assert tokens == reference
     unbiased = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))
     assert unbiased[0].outputs[0].token_ids != tokens  # the bias changed the answer

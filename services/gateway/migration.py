@@ -35,7 +35,7 @@ class MigrationPolicy:
     # than the client's wait is worth); it ends with an error as before.
     max_replay_tokens: int = 8192
     # No response for this long after output began: the pod counts as stalled.
-    stall_timeout_s: float = 20.0
+    stall_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_migrations < 0:

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 
-# As shared/kv/eviction.POLICIES (config stays free of the KV package's imports).
-_EVICTION_POLICIES = ("lru", "idle_ttl", "priority")
+# CacheConfig.eviction_policy's values; shared/kv/eviction.py says what each does.
+EVICTION_POLICIES = ("lru", "idle_ttl", "priority")
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,9 @@ class CacheConfig:
     max_retention_s: float = 86400.0
 
     def __post_init__(self) -> None:
-        if self.eviction_policy not in _EVICTION_POLICIES:
+        if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(
-                f"eviction_policy must be one of {', '.join(_EVICTION_POLICIES)}, "
+                f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
                 f"got {self.eviction_policy!r}"
             )
         if not self.idle_ttl_s > 0 or not self.max_retention_s > 0:

@@ -10,6 +10,8 @@ import argparse
 import logging
 import re
 
+from shared.config import EVICTION_POLICIES
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY_UNITS = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -50,7 +52,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--eviction-policy",
         default="lru",
-        choices=["lru", "idle_ttl", "priority"],
+        choices=EVICTION_POLICIES,
         help="which cached blocks go first (shared/kv/eviction.py)",
     )
     group.add_argument(

@@ -27,8 +27,6 @@ from dataclasses import dataclass
 
 from shared.kv.block import Block, FreeBlockQueue
 
-POLICIES = ("lru", "idle_ttl", "priority")
-
 
 @dataclass(frozen=True, slots=True)
 class Retention:

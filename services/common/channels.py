@@ -7,7 +7,7 @@ keep seeing it down long after it came up; a short cap keeps the view within abo
 Keepalive: while a call is open, the client pings every KEEPALIVE_TIME_MS and fails the call
 (UNAVAILABLE) when a ping goes unanswered for KEEPALIVE_TIMEOUT_MS. A pod that is stopped, or
 whose machine or network went away, keeps its TCP connection looking open, and without pings a
-stream on it would wait forever; with them it breaks within ~15 s and the gateway migrates it.
+stream on it would wait forever; with them it breaks within 15-20 s and the gateway migrates it.
 Servers must accept pings that often, even on a quiet stream (a request queued, a long
 prefill), or they answer with GOAWAY "too_many_pings".
 """

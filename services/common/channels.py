@@ -4,12 +4,12 @@ grpc backs off exponentially (up to minutes) after failed connection attempts. P
 any order and restart, so a gateway that tried a pod while it was still loading would otherwise
 keep seeing it down long after it came up; a short cap keeps the view within about a second.
 
-Keepalive: while a call is open, the client pings every KEEPALIVE_TIME_MS and fails the call
-(UNAVAILABLE) when a ping goes unanswered for KEEPALIVE_TIMEOUT_MS. A pod that is stopped, or
-whose machine or network went away, keeps its TCP connection looking open, and without pings a
-stream on it would wait forever; with them it breaks within 15-20 s and the gateway migrates it.
-Servers must accept pings that often, even on a quiet stream (a request queued, a long
-prefill), or they answer with GOAWAY "too_many_pings".
+Keepalive: while a call is open, the client pings every KEEPALIVE_TIME_MS and should fail the
+call (UNAVAILABLE) when a ping goes unanswered for KEEPALIVE_TIMEOUT_MS, for a peer whose
+machine or network went away. Servers must accept pings that often, even on a quiet stream (a
+request queued, a long prefill), or they answer with GOAWAY "too_many_pings". On loopback a
+SIGSTOPped pod was not detected this way within 60 s (the kernel keeps its socket alive), so the
+gateway also breaks off the calls of a pod whose stats polls keep failing (gateway/pods.py).
 """
 
 from __future__ import annotations

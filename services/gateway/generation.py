@@ -28,7 +28,7 @@ from services.common.grpc_server import StatusError
 from services.common.tracing import grpc_metadata
 from services.gateway.constraints import check_params
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.migration import MigrationPolicy, Stalled, broken_cause
+from services.gateway.migration import MigrationPolicy, PodDown, Stalled, broken_cause
 from services.gateway.pods import Pod, PodPool
 from services.gateway.router import PickedPods, Router
 from services.gateway.scoring import RoutingDecision
@@ -360,6 +360,11 @@ class Generation:
                 f"decode pod {child.pod.address} sent nothing for "
                 f"{self._migration.stall_timeout_s:g} s",
             )
+        elif isinstance(outcome, PodDown):
+            outcome = PodError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"decode pod {child.pod.address} stopped answering and no other pod is left",
+            )
         self._queue.put_nowait((child, outcome))
 
     async def _stream(self, child: _Child) -> object:
@@ -367,9 +372,17 @@ class Generation:
         once the stream ended, Stalled when it went silent after output, or the exception the
         call failed with."""
         # The trace context is the one current when the Generation was made (the request's).
-        child.call = child.pod.stub.Decode(child.request, metadata=grpc_metadata())
+        call = child.call = child.pod.stub.Decode(child.request, metadata=grpc_metadata())
         loop = asyncio.get_running_loop()
         stall_timeout = self._migration.stall_timeout_s
+        pod_went_down = []
+
+        def break_off() -> None:  # the pod stopped answering its stats polls (pods.py)
+            pod_went_down.append(True)
+            call.cancel()
+
+        pod = child.pod
+        pod.call_breakers.add(break_off)
         try:
             # One deadline for the whole call, pushed back by every response once output began:
             # cheaper per token than a timeout around each read.
@@ -384,11 +397,15 @@ class Generation:
             current = asyncio.current_task()
             if current is not None and current.cancelling():
                 raise  # this Generation was cancelled: nobody reads the queue any more
+            if pod_went_down:
+                return PodDown()
             # The call was cut from outside (its channel closed): the reader must hear of it,
             # or it waits for chunks that never come. Ends like a stream that stopped early.
             return _END
         except Exception as error:  # handed to the reader, which raises it
             return error
+        finally:
+            pod.call_breakers.discard(break_off)
         return _END
 
     def _take(self, child: _Child, response: worker_pb2.DecodeResponse) -> None:
@@ -451,7 +468,7 @@ class Generation:
     def _can_retry(self, child: _Child) -> bool:
         return self._reroute is not None and child.num_retries < MAX_DECODE_RETRIES
 
-    async def _move_elsewhere(self, child: _Child, error: grpc.aio.AioRpcError) -> bool:
+    async def _move_elsewhere(self, child: _Child, error: Exception) -> bool:
         """Points `child` at another pod (same request id and seed); False if none is left."""
         assert self._reroute is not None, "only called when retries are on"
         request_id, failed = child.request.request_id, child.pod.address
@@ -461,7 +478,7 @@ class Generation:
                 "%s: decode pod %s is unreachable (%s) and no other decode pod is left",
                 request_id,
                 failed,
-                error.details(),
+                _details(error),
             )
             return False
         child.num_retries += 1
@@ -472,7 +489,7 @@ class Generation:
             "%s: decode pod %s is unreachable (%s); retry %d of %d on %s",
             request_id,
             failed,
-            error.details(),
+            _details(error),
             child.num_retries,
             MAX_DECODE_RETRIES,
             picked.decode.address,
@@ -506,13 +523,19 @@ class Generation:
 
 
 def _is_unreachable_before_output(child: _Child, outcome: object) -> bool:
-    """The call could not reach the pod and nothing of the sequence was streamed: safe to
-    resend (the pod is gone or never took the call, so it holds no blocks of it to free)."""
-    return (
+    """The call could not reach the pod (or the pod stopped answering) and nothing of the
+    sequence was streamed: safe to resend (a pod that comes back frees the cancelled call)."""
+    unreachable = isinstance(outcome, PodDown) or (
         isinstance(outcome, grpc.aio.AioRpcError)
         and outcome.code() == grpc.StatusCode.UNAVAILABLE
-        and not child.has_output
     )
+    return unreachable and not child.has_output
+
+
+def _details(error: Exception) -> str:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error.details() or error.code().name
+    return str(error) or type(error).__name__
 
 
 def _translate(error: Exception, child: _Child) -> Exception:

@@ -52,12 +52,18 @@ class Stalled(Exception):
     """No response from the decode pod within the stall timeout."""
 
 
+class PodDown(Exception):
+    """The pod stopped answering its stats polls and the gateway broke the call off."""
+
+
 def broken_cause(outcome: object, finished: bool) -> str | None:
     """Why a stream that ended with `outcome` (the call's error, a Stalled, or the end of the
     stream) broke: the cause label for metrics, or None if it did not break (or broke in a
     way another pod cannot mend)."""
     if isinstance(outcome, Stalled):
         return "stalled"
+    if isinstance(outcome, PodDown):
+        return "pod_down"
     if isinstance(outcome, grpc.aio.AioRpcError):
         return _BROKEN_STATUSES.get(outcome.code())
     if isinstance(outcome, Exception):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
@@ -37,6 +37,10 @@ POLL_INTERVAL_SECONDS = 0.5
 # gateway: longer than any pod's --drain-timeout.
 LEAVING_POD_GRACE_SECONDS = 600.0
 STATS_TIMEOUT_SECONDS = 2.0
+# A pod whose stats polls have failed for this long is down: the calls on it are broken off
+# (the gateway resends or migrates them), since a stopped pod's connection can look open for
+# ever. Two failed polls at the least, so one slow answer under load is not a death.
+POD_DOWN_SECONDS = 5.0
 RTT_SMOOTHING = 0.2  # weight of the newest round trip in the moving average
 # How long routing skips a pod a call found unreachable, unless a stats poll begun after the
 # failure succeeds sooner: longer than a poll interval plus a poll's timeout, by which time a
@@ -61,6 +65,14 @@ class Pod:
     # skips it for that; set by PodPool.mark_unreachable, cleared by a later good poll.
     unreachable_since: float | None = None
     unreachable_until: float = 0.0
+    # Since when its stats polls have failed (None while it answers), and what to call to break
+    # off each call in flight on it (registered by services/gateway/generation.py).
+    failing_since: float | None = None
+    call_breakers: set = field(default_factory=set)
+
+    def break_calls(self) -> None:
+        for breaker in list(self.call_breakers):
+            breaker()
 
     @property
     def pod_id(self) -> str:
@@ -221,7 +233,18 @@ class PodPool:
             if pod.stats is not None:
                 logger.warning("%s pod %s is unreachable: %s", self.role, pod.address, error.code())
             pod.stats = None
+            pod.failing_since = pod.failing_since or started
+            if started - pod.failing_since >= POD_DOWN_SECONDS and pod.call_breakers:
+                logger.warning(
+                    "%s pod %s has not answered for %.0f s: breaking off its %d call(s)",
+                    self.role,
+                    pod.address,
+                    started - pod.failing_since,
+                    len(pod.call_breakers),
+                )
+                pod.break_calls()
             return
+        pod.failing_since = None
         if pod.stats is None:
             logger.info("%s pod %s is up (%s)", self.role, pod.address, stats.worker_id)
         serving = stats.model == self.model_name

@@ -170,6 +170,44 @@ def test_a_stalled_pod_is_left_and_its_stream_continues_elsewhere(stack, client,
     _assert_idle(stack)
 
 
+def test_a_pod_that_stops_answering_its_polls_has_its_streams_moved(stack, llm):
+    """A gateway replica whose stall deadline is far away: the stopped pod's failed stats polls
+    (5 s of them) break its streams off, and they continue on another pod."""
+    http_port, grpc_port = free_port(), free_port()
+    replica = start_gateway(
+        stack, "gateway-pod-down", http_port, grpc_port, ["--stream-stall-timeout", "120"]
+    )
+    deadline = time.monotonic() + 60
+    while not _is_healthy(f"http://127.0.0.1:{http_port}/health"):
+        assert replica.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    replica_client = OpenAI(
+        base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0, timeout=90
+    )
+    want = _reference(llm, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    stopped = []
+
+    def stop(address: str) -> None:
+        _process(stack, address).send_signal(signal.SIGSTOP)
+        stopped.append(address)
+
+    start = time.monotonic()
+    try:
+        text, tokens, finish, usage, hit = _stream_with_fault(
+            replica_client, stack, {"temperature": 0}, stop
+        )
+    finally:
+        for address in stopped:
+            _process(stack, address).send_signal(signal.SIGCONT)
+    assert (tokens, text) == (want.token_ids, want.text)
+    assert time.monotonic() - start < 30  # the polls, not the 120 s stall deadline, moved it
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as page:
+        assert 'splitserve:migrations_total{cause="pod_down"} 1.0' in page.read().decode()
+    replica.send_signal(signal.SIGTERM)
+    replica.wait(timeout=30)
+    _assert_idle(stack)
+
+
 def test_a_migrated_structured_output_still_matches_its_schema(stack, client, llm):
     schema = {
         "type": "object",
@@ -290,41 +328,3 @@ def test_a_dead_gateway_replica_leaves_nothing_on_the_pods(stack, client):
     # The other gateway serves on.
     done = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5)
     assert done.choices[0].finish_reason == "length"
-
-
-def test_a_pod_that_stops_answering_its_polls_has_its_streams_moved(stack, llm):
-    """A gateway replica whose stall deadline is far away: the stopped pod's failed stats polls
-    (5 s of them) break its streams off, and they continue on another pod."""
-    http_port, grpc_port = free_port(), free_port()
-    replica = start_gateway(
-        stack, "gateway-pod-down", http_port, grpc_port, ["--stream-stall-timeout", "120"]
-    )
-    deadline = time.monotonic() + 60
-    while not _is_healthy(f"http://127.0.0.1:{http_port}/health"):
-        assert replica.poll() is None and time.monotonic() < deadline
-        time.sleep(0.2)
-    replica_client = OpenAI(
-        base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0, timeout=90
-    )
-    want = _reference(llm, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
-    stopped = []
-
-    def stop(address: str) -> None:
-        _process(stack, address).send_signal(signal.SIGSTOP)
-        stopped.append(address)
-
-    start = time.monotonic()
-    try:
-        text, tokens, finish, usage, hit = _stream_with_fault(
-            replica_client, stack, {"temperature": 0}, stop
-        )
-    finally:
-        for address in stopped:
-            _process(stack, address).send_signal(signal.SIGCONT)
-    assert (tokens, text) == (want.token_ids, want.text)
-    assert time.monotonic() - start < 30  # the polls, not the 120 s stall deadline, moved it
-    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as page:
-        assert 'splitserve:migrations_total{cause="pod_down"} 1.0' in page.read().decode()
-    replica.send_signal(signal.SIGTERM)
-    replica.wait(timeout=30)
-    _assert_idle(stack)

@@ -124,6 +124,33 @@ def _stream_with_fault(
     return text, tokens, finish, usage, hit
 
 
+def _stream_stopping_its_pod(client: OpenAI, stack: Stack) -> tuple:
+    """`_stream_with_fault` with SIGSTOP as the fault; the pod is continued however it ends."""
+    stopped = []
+
+    def stop(address: str) -> None:
+        _process(stack, address).send_signal(signal.SIGSTOP)
+        stopped.append(address)
+
+    try:
+        return _stream_with_fault(client, stack, {"temperature": 0}, stop)
+    finally:
+        for address in stopped:
+            _process(stack, address).send_signal(signal.SIGCONT)
+
+
+def _start_replica(stack: Stack, name: str, *flags: str) -> tuple:
+    """Another gateway over the stack's pods, healthy; its process and base URL."""
+    http_port, grpc_port = free_port(), free_port()
+    replica = start_gateway(stack, name, http_port, grpc_port, flags)
+    base_url = f"http://127.0.0.1:{http_port}"
+    deadline = time.monotonic() + 60
+    while not _is_healthy(f"{base_url}/health"):
+        assert replica.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    return replica, base_url
+
+
 def _reference(llm: LLM, params: SamplingParams):
     return llm.generate([PROMPT], params)[0].outputs[0]
 
@@ -148,20 +175,8 @@ def _assert_idle(stack: Stack, skip: str | None = None) -> None:
 def test_a_stalled_pod_is_left_and_its_stream_continues_elsewhere(stack, client, llm):
     want = _reference(llm, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     before = _migrations(stack, "stalled")
-    stopped = []
-
-    def stop(address: str) -> None:
-        _process(stack, address).send_signal(signal.SIGSTOP)
-        stopped.append(address)
-
     start = time.monotonic()
-    try:
-        text, tokens, finish, usage, hit = _stream_with_fault(
-            client, stack, {"temperature": 0}, stop
-        )
-    finally:
-        for address in stopped:
-            _process(stack, address).send_signal(signal.SIGCONT)
+    text, tokens, finish, usage, hit = _stream_stopping_its_pod(client, stack)
     assert (tokens, text, finish) == (want.token_ids, want.text, "length")
     assert usage.completion_tokens == MAX_TOKENS
     assert time.monotonic() - start < 30  # the stall timeout, not the stop, bounded the wait
@@ -173,35 +188,14 @@ def test_a_stalled_pod_is_left_and_its_stream_continues_elsewhere(stack, client,
 def test_a_pod_that_stops_answering_its_polls_has_its_streams_moved(stack, llm):
     """A gateway replica whose stall deadline is far away: the stopped pod's failed stats polls
     (5 s of them) break its streams off, and they continue on another pod."""
-    http_port, grpc_port = free_port(), free_port()
-    replica = start_gateway(
-        stack, "gateway-pod-down", http_port, grpc_port, ["--stream-stall-timeout", "120"]
-    )
-    deadline = time.monotonic() + 60
-    while not _is_healthy(f"http://127.0.0.1:{http_port}/health"):
-        assert replica.poll() is None and time.monotonic() < deadline
-        time.sleep(0.2)
-    replica_client = OpenAI(
-        base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0, timeout=90
-    )
+    replica, base_url = _start_replica(stack, "gateway-pod-down", "--stream-stall-timeout", "120")
+    replica_client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=90)
     want = _reference(llm, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
-    stopped = []
-
-    def stop(address: str) -> None:
-        _process(stack, address).send_signal(signal.SIGSTOP)
-        stopped.append(address)
-
     start = time.monotonic()
-    try:
-        text, tokens, finish, usage, hit = _stream_with_fault(
-            replica_client, stack, {"temperature": 0}, stop
-        )
-    finally:
-        for address in stopped:
-            _process(stack, address).send_signal(signal.SIGCONT)
+    text, tokens, finish, usage, hit = _stream_stopping_its_pod(replica_client, stack)
     assert (tokens, text) == (want.token_ids, want.text)
     assert time.monotonic() - start < 30  # the polls, not the 120 s stall deadline, moved it
-    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as page:
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as page:
         assert 'splitserve:migrations_total{cause="pod_down"} 1.0' in page.read().decode()
     replica.send_signal(signal.SIGTERM)
     replica.wait(timeout=30)
@@ -304,15 +298,8 @@ def _is_healthy(url: str) -> bool:
 
 
 def test_a_dead_gateway_replica_leaves_nothing_on_the_pods(stack, client):
-    http_port, grpc_port = free_port(), free_port()
-    replica = start_gateway(stack, "gateway-replica", http_port, grpc_port)
-    deadline = time.monotonic() + 60
-    while not _is_healthy(f"http://127.0.0.1:{http_port}/health"):
-        assert replica.poll() is None and time.monotonic() < deadline
-        time.sleep(0.2)
-    replica_client = OpenAI(
-        base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0
-    )
+    replica, base_url = _start_replica(stack, "gateway-replica")
+    replica_client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
     stream = replica_client.completions.create(
         model=MODEL_NAME, prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
         extra_body={"ignore_eos": True},

@@ -56,6 +56,25 @@ class CacheConfig:
     idle_ttl_s: float = 600.0
     # The longest window a request may ask for (SamplingParams.cache_retention_s).
     max_retention_s: float = 86400.0
+    # Offload tiers (shared/kv_offload/): host memory for blocks the pool evicts (0 = no host
+    # tier), and a directory with a size cap for the disk tier (None or 0 bytes = no disk tier).
+    offload_host_bytes: int = 0
+    offload_disk_dir: str | None = None
+    offload_disk_bytes: int = 0
+    # A block reaches the disk only after this many prefix-cache hits: one-shot prompts stay in
+    # host memory until pushed out and never churn the disk.
+    offload_disk_min_hits: int = 1
+    # A load from the lower tiers still running after this long ends where it stands; the
+    # blocks it did not load are computed instead.
+    kv_load_timeout_s: float = 2.0
+
+    @property
+    def has_offload(self) -> bool:
+        return self.offload_host_bytes > 0 or self.has_disk_tier
+
+    @property
+    def has_disk_tier(self) -> bool:
+        return self.offload_disk_dir is not None and self.offload_disk_bytes > 0
 
     def __post_init__(self) -> None:
         if self.eviction_policy not in EVICTION_POLICIES:
@@ -68,6 +87,7 @@ class CacheConfig:
                 f"idle_ttl_s and max_retention_s must be > 0, got {self.idle_ttl_s} and "
                 f"{self.max_retention_s}"
             )
+        _check_offload(self)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
@@ -79,6 +99,17 @@ class CacheConfig:
             )
         if self.num_blocks_override is not None and self.num_blocks_override < 2:
             raise ValueError(f"num_blocks_override must be >= 2, got {self.num_blocks_override}")
+
+
+def _check_offload(cache: CacheConfig) -> None:
+    for name in ("offload_host_bytes", "offload_disk_bytes", "offload_disk_min_hits"):
+        value = getattr(cache, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if cache.offload_disk_bytes and not cache.offload_disk_dir:
+        raise ValueError("offload_disk_bytes needs offload_disk_dir (where the files go)")
+    if not cache.kv_load_timeout_s > 0:
+        raise ValueError(f"kv_load_timeout_s must be > 0, got {cache.kv_load_timeout_s}")
 
 
 @dataclass(frozen=True)

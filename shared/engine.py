@@ -28,9 +28,12 @@ from shared.disaggregation import (
     page_shape,
     unpack_pages,
 )
-from shared.kv.block_hash import cache_salt_keys
+from shared.kv.block_hash import BlockHash, cache_salt_keys
+from shared.kv.events import KVCacheEvent
 from shared.kv.eviction import retention_for
 from shared.kv.manager import KVCacheManager
+from shared.kv.tiers import Tier
+from shared.kv_offload.build import attach_offloader, build_offloader
 from shared.model.kv_cache import KVCacheSpec, allocate_kv_cache, size_kv_cache
 from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import load_checkpoint
@@ -119,6 +122,10 @@ class EngineCore:
             self.eos_token_ids,
             self.speculation,
         )
+        # Offload tiers (host memory, disk) below the pool, when the cache config asks for them.
+        self.offloader = build_offloader(config.cache, kv_cache)
+        if self.offloader is not None:
+            attach_offloader(self.offloader, self.kv_manager, self.scheduler)
         self.runner = ModelRunner(model, kv_cache, config.cache.block_size, self.eos_token_ids)
         self.speculator = None
         if self.speculation is not None:
@@ -307,6 +314,29 @@ class EngineCore:
     def has_schedulable_requests(self) -> bool:
         """False when every unfinished request waits for remote KV (a step would do nothing)."""
         return self.scheduler.has_schedulable_requests()
+
+    # ---- the prefix cache's index (what a pod publishes) -----------------------------------
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """What the pool and the offload tiers stored and removed since the last call."""
+        events = self.kv_manager.take_events()
+        if self.offloader is not None:
+            events += self.offloader.take_events()
+        return events
+
+    def cached_block_hashes(self) -> dict[Tier, list[BlockHash]]:
+        """Every hash each tier holds now (for an index rebuilt from scratch)."""
+        hashes = {Tier.DEVICE: self.kv_manager.cached_block_hashes()}
+        if self.offloader is not None:
+            hashes.update(self.offloader.cached_block_hashes())
+        return hashes
+
+    def close(self) -> None:
+        """Stops the offload tiers' threads; the disk tier's queued writes land first."""
+        if self.offloader is not None:
+            if self.offloader.disk is not None:
+                self.offloader.disk.flush()
+            self.offloader.close()
 
     # ---- the step ---------------------------------------------------------------------------
 

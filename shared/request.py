@@ -29,11 +29,12 @@ class RequestStatus(enum.IntEnum):
 
     WAITING = 0
     WAITING_FOR_REMOTE_KV = 1  # disaggregation: blocks allocated, pages arriving from prefill
-    RUNNING = 2
-    PREEMPTED = 3
-    FINISHED_STOPPED = 4  # EOS, a stop token id or a stop string
-    FINISHED_LENGTH = 5  # max_tokens or the context length
-    FINISHED_ABORTED = 6
+    WAITING_FOR_KV_LOAD = 2  # offload tiers: blocks allocated, cached KV loading into them
+    RUNNING = 3
+    PREEMPTED = 4
+    FINISHED_STOPPED = 5  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = 6  # max_tokens or the context length
+    FINISHED_ABORTED = 7
 
     @property
     def is_finished(self) -> bool:
@@ -71,8 +72,11 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    # Tokens whose KV came from the prefix cache at the last admission (for stats).
+    # Tokens whose KV came from the prefix cache at the last admission (for stats), and how
+    # many of them were loaded from each lower tier (Tier.label -> tokens; the rest were in
+    # the engine's pool).
     num_cached_tokens: int = 0
+    loaded_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     # Prefill pods: pack the pages of prompt blocks from this index on once the first token
     # is sampled (set by the engine at admission, never changed).
     export_kv_from_block: int | None = None

@@ -11,21 +11,42 @@ One loop hands out a per-step token budget: running requests first (decodes, the
 prefill chunks), then waiting requests by (priority, arrival). A request whose blocks cannot be
 allocated preempts the least important running request (highest priority value, then newest) by
 recomputation: its blocks are freed and it waits again with its tokens so far.
+
+With offload tiers, an admission whose prefix continues in host memory or on disk takes its
+blocks, starts loading them (`KVLoader`) and waits aside (WAITING_FOR_KV_LOAD) while other
+requests keep running; a later step takes the loaded blocks as computed and schedules the rest
+of its prompt. A load that fails or outlives its deadline ends where it stands: what it did not
+load is computed instead.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Protocol
 
 from shared.config import SchedulerConfig
-from shared.kv.manager import KVCacheManager
+from shared.kv.manager import ComputedBlocks, KVCacheManager
+from shared.kv_offload.loading import LoadItem, LoadJob
 from shared.request import Request, RequestStatus
 from shared.step import ModelOutput, RequestUpdate, ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
     from shared.spec_decode.adaptive import SpeculationPolicy, StepPlan
+
+
+# The longest one step waits for a load when nothing else can run (no busy loop, and the engine
+# thread still takes new requests between steps).
+_IDLE_LOAD_WAIT_S = 0.05
+
+
+class KVLoader(Protocol):
+    """Loads cached blocks from the lower tiers (shared/kv_offload/offloader.py)."""
+
+    def start_load(self, request_id: str, items: list[LoadItem]) -> LoadJob: ...
+
+    def record_finished(self, job: LoadJob, num_loaded: int) -> None: ...
 
 
 class Scheduler:
@@ -50,6 +71,9 @@ class Scheduler:
         self.num_preemptions = 0
         # Requests ended inside schedule() (their context outgrew the cache), until taken.
         self._dropped: list[Request] = []
+        # Offload tiers: the loader, and admitted requests whose cached blocks are loading.
+        self.loader: KVLoader | None = None
+        self._loading: dict[str, LoadJob] = {}
 
     # ---- admission and removal ------------------------------------------------------------
 
@@ -69,6 +93,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_KV_LOAD:
+                self._loading.pop(request_id).finish()  # nothing writes its blocks after this
             else:
                 self._remove_waiting(request)
             self.kv.free(request)
@@ -89,12 +115,14 @@ class Scheduler:
         return bool(self.requests)
 
     def has_schedulable_requests(self) -> bool:
-        return bool(self.running or self._waiting)
+        return bool(self.running or self._waiting or self._loading)
 
     # ---- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(chunks=[])
+        if self._loading:
+            self._take_loaded()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted_request_ids:
@@ -196,9 +224,15 @@ class Scheduler:
         return dropped
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self._waiting and budget > 0 and self._has_seq_room():
             request = self._waiting[0][3]
             computed = self.kv.get_computed_blocks(request)
+            if computed.load_hashes and self.loader is not None:
+                if not self._start_load(request, computed):
+                    break
+                heapq.heappop(self._waiting)
+                continue
+            computed = computed.without_loads()
             remaining = request.num_tokens - computed.num_tokens
             num_new = min(remaining, budget, self.config.long_prefill_token_threshold or budget)
             if not self.kv.allocate_slots(request, num_new, computed):
@@ -206,10 +240,59 @@ class Scheduler:
             heapq.heappop(self._waiting)
             request.num_computed_tokens = computed.num_tokens
             request.num_cached_tokens = computed.num_tokens
+            request.loaded_tokens_by_tier = {}
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(self._chunk(request, num_new))
             budget -= num_new
+
+    def _has_seq_room(self) -> bool:
+        return len(self.running) + len(self._loading) < self.config.max_num_seqs
+
+    # ---- offload tiers: admissions that load cached blocks first ------------------------------
+
+    def _start_load(self, request: Request, computed: ComputedBlocks) -> bool:
+        """Takes blocks for the request's cached prefix (the pool's hits, then one new block per
+        block to load) and starts the load; False when the blocks are not free now."""
+        assert self.loader is not None, "only with a loader"
+        if not self.kv.allocate_slots(request, 0, computed):
+            return False
+        block_ids = self.kv.get_block_ids(request.request_id)[len(computed.blocks) :]
+        items = [
+            LoadItem(block_hash, block_id, tier)
+            for block_hash, block_id, tier in zip(
+                computed.load_hashes, block_ids, computed.load_tiers, strict=True
+            )
+        ]
+        request.num_computed_tokens = computed.num_tokens
+        request.status = RequestStatus.WAITING_FOR_KV_LOAD
+        self._loading[request.request_id] = self.loader.start_load(request.request_id, items)
+        return True
+
+    def _take_loaded(self) -> None:
+        """Moves requests whose loads are done (or overdue) into the running batch. Waits a
+        little for one when nothing else could run this step."""
+        if not self.running and not self._waiting:
+            first = next(iter(self._loading.values()))
+            first.wait(min(_IDLE_LOAD_WAIT_S, max(0.0, first.deadline - time.monotonic())))
+        now = time.monotonic()
+        for request_id, job in list(self._loading.items()):
+            if job.is_due(now):
+                del self._loading[request_id]
+                self._resume_loaded(self.requests[request_id], job)
+
+    def _resume_loaded(self, request: Request, job: LoadJob) -> None:
+        assert self.loader is not None, "only with a loader"
+        num_loaded = job.finish()
+        self.loader.record_finished(job, num_loaded)
+        request.num_computed_tokens += num_loaded * self.kv.block_size
+        request.num_cached_tokens = request.num_computed_tokens
+        request.loaded_tokens_by_tier = {
+            tier.label: count * self.kv.block_size for tier, count in job.loaded_by_tier.items()
+        }
+        self.kv.cache_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -302,7 +385,8 @@ class Scheduler:
         scheduling it: a prefill pod fills them. Returns the number of prompt tokens already
         cached here (their blocks need no pages), or None when the blocks are not free now."""
         assert request.request_id not in self.requests, f"duplicate id {request.request_id}"
-        computed = self.kv.get_computed_blocks(request)
+        # The prefill pod sends the pages of every block the pool does not hold.
+        computed = self.kv.get_computed_blocks(request).without_loads()
         if not self.kv.allocate_slots(request, request.num_tokens - computed.num_tokens, computed):
             return None
         request.num_computed_tokens = computed.num_tokens

@@ -18,12 +18,29 @@ owns the pool.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from shared.kv.block import Block
 from shared.kv.block_hash import BlockHash
 from shared.kv.events import BlockRemoved, BlockStored, KVCacheEvent
 from shared.kv.eviction import KEEP_LRU, FreeBlocks, Retention
+
+
+@dataclass(frozen=True, slots=True)
+class EvictedBlock:
+    """A cached block leaving the pool, handed to the eviction sink while its KV is still in
+    the block (the block is reused only after the sink returns)."""
+
+    block_id: int
+    block_hash: BlockHash
+    num_hits: int  # prefix-cache hits it served while cached
+    retention: Retention
+
+
+# Receives the cached blocks one `get_new_blocks` call evicts, before they are handed out:
+# the offload tiers copy their KV out here (shared/kv_offload/).
+EvictionSink = Callable[[list[EvictedBlock]], None]
 
 
 class BlockPool:
@@ -37,6 +54,7 @@ class BlockPool:
         self.free_block_queue = FreeBlocks(self.blocks)
         self._cached_blocks: dict[BlockHash, Block] = {}
         self._events: list[KVCacheEvent] = []
+        self.eviction_sink: EvictionSink | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -66,14 +84,16 @@ class BlockPool:
             )
         now = time.monotonic() if now is None else now
         blocks = [self.free_block_queue.pop(now) for _ in range(num_blocks)]
-        evicted_hashes: list[BlockHash] = []
+        evicted: list[EvictedBlock] = []
         for block in blocks:
             assert block.ref_cnt == 0, f"free block {block.block_id} has references"
             if block.block_hash is not None:
-                evicted_hashes.append(self._evict(block))
+                evicted.append(self._evict(block))
             block.ref_cnt = 1
-        if evicted_hashes:
-            self._events.append(BlockRemoved(evicted_hashes))
+        if evicted:
+            if self.eviction_sink is not None:
+                self.eviction_sink(evicted)
+            self._events.append(BlockRemoved([e.block_hash for e in evicted]))
         return blocks
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -82,6 +102,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
+            block.num_hits += 1
 
     def free_blocks(
         self,
@@ -170,20 +191,25 @@ class BlockPool:
         for block in self._cached_blocks.values():
             block.block_hash = None
             block.retention = None
+            block.num_hits = 0
         self._cached_blocks.clear()
         if removed:
             self._events.append(BlockRemoved(removed))
         return True
 
-    def _evict(self, block: Block) -> BlockHash:
+    def _evict(self, block: Block) -> EvictedBlock:
         block_hash = block.block_hash
         assert block_hash is not None and self._cached_blocks.get(block_hash) is block, (
             f"hash map does not point to cached block {block.block_id}"
         )
         del self._cached_blocks[block_hash]
+        evicted = EvictedBlock(
+            block.block_id, block_hash, block.num_hits, block.retention or KEEP_LRU
+        )
         block.block_hash = None
         block.retention = None
-        return block_hash
+        block.num_hits = 0
+        return evicted
 
     def _record_stored(
         self,

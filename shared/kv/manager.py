@@ -28,6 +28,7 @@ from shared.kv.block_hash import BlockHash, hash_full_blocks
 from shared.kv.block_pool import BlockPool
 from shared.kv.events import KVCacheEvent
 from shared.kv.eviction import Retention
+from shared.kv.tiers import Tier
 
 
 class Request(Protocol):
@@ -45,12 +46,25 @@ class Request(Protocol):
     def num_tokens(self) -> int: ...
 
 
+class LowerTiers(Protocol):
+    """Where blocks evicted from the pool may still be (shared/kv_offload/offloader.py)."""
+
+    def tier_of(self, block_hash: BlockHash) -> Tier | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ComputedBlocks:
-    """Cached blocks that hold a prefix of a request's tokens, and how many tokens that is."""
+    """Cached blocks that hold a prefix of a request's tokens, and how many tokens that is;
+    then the hashes of the blocks that continue that prefix in the lower tiers (they must be
+    loaded into new blocks before they count as computed)."""
 
     blocks: tuple[Block, ...] = ()
     num_tokens: int = 0  # len(blocks) * block_size
+    load_hashes: tuple[BlockHash, ...] = ()
+    load_tiers: tuple[Tier, ...] = ()  # where each of load_hashes is
+
+    def without_loads(self) -> ComputedBlocks:
+        return ComputedBlocks(self.blocks, self.num_tokens) if self.load_hashes else self
 
 
 NO_COMPUTED_BLOCKS = ComputedBlocks()
@@ -96,6 +110,8 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.prefix_cache_stats = PrefixCacheStats()
         self._requests: dict[str, _RequestBlocks] = {}
+        # The offload tiers, when the engine has them: prefix lookups continue there.
+        self.lower_tiers: LowerTiers | None = None
 
     @classmethod
     def from_config(cls, cache_config: CacheConfig, num_blocks: int) -> KVCacheManager:
@@ -137,7 +153,27 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        return ComputedBlocks(tuple(blocks), len(blocks) * self.block_size)
+        hashes = request.block_hashes[len(blocks) : max_num_blocks]
+        load_hashes, load_tiers = self._lower_tier_run(cast("list[BlockHash]", hashes))
+        return ComputedBlocks(
+            tuple(blocks), len(blocks) * self.block_size, load_hashes, load_tiers
+        )
+
+    def _lower_tier_run(
+        self, hashes: list[BlockHash]
+    ) -> tuple[tuple[BlockHash, ...], tuple[Tier, ...]]:
+        """The leading hashes the lower tiers hold, and where each is."""
+        if self.lower_tiers is None:
+            return (), ()
+        found: list[BlockHash] = []
+        tiers: list[Tier] = []
+        for block_hash in hashes:
+            tier = self.lower_tiers.tier_of(block_hash)
+            if tier is None:
+                break
+            found.append(block_hash)
+            tiers.append(tier)
+        return tuple(found), tuple(tiers)
 
     def can_allocate(
         self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None
@@ -152,10 +188,11 @@ class KVCacheManager:
         """Gives the request slots for num_computed_tokens + computed + num_new_tokens tokens.
 
         `computed` (from get_computed_blocks) applies only to an admission, while the request
-        holds no blocks; its blocks are touched and become the request's first blocks, and the
-        admission is counted in prefix_cache_stats. Returns False and changes nothing when not
-        enough blocks are free; the scheduler then preempts or waits. Does not change
-        `request.num_computed_tokens`.
+        holds no blocks; its blocks are touched and become the request's first blocks, followed
+        by one new block for each of its `load_hashes` (the caller loads them and then calls
+        `cache_blocks`), and the admission is counted in prefix_cache_stats. Returns False and
+        changes nothing when not enough blocks are free; the scheduler then preempts or waits.
+        Does not change `request.num_computed_tokens`.
         """
         computed = NO_COMPUTED_BLOCKS if computed is None else computed
         num_new_blocks = self._num_new_blocks(request, num_new_tokens, computed)
@@ -242,7 +279,10 @@ class KVCacheManager:
                     f"{request.request_id!r} already holds {num_held} blocks"
                 )
             self._check_still_cached(request, computed)
-        num_tokens = request.num_computed_tokens + computed.num_tokens + num_new_tokens
+        num_loaded_tokens = len(computed.load_hashes) * self.block_size
+        num_tokens = (
+            request.num_computed_tokens + computed.num_tokens + num_loaded_tokens + num_new_tokens
+        )
         num_required = -(-num_tokens // self.block_size)
         return max(0, num_required - num_held - len(computed.blocks))
 

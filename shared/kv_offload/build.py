@@ -1,0 +1,55 @@
+"""The offload tiers an engine's cache config asks for, wired to its pool and scheduler."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from shared.config import CacheConfig
+from shared.kv.manager import KVCacheManager
+from shared.kv_offload.disk_store import DiskBlockStore
+from shared.kv_offload.host_store import HostBlockStore
+from shared.kv_offload.layout import BlockLayout
+from shared.kv_offload.offloader import KVOffloader
+
+logger = logging.getLogger(__name__)
+
+
+def build_offloader(cache: CacheConfig, kv_cache: torch.Tensor) -> KVOffloader | None:
+    """None when the config asks for no tier (or prefix caching is off: nothing to keep)."""
+    if not cache.has_offload or not cache.enable_prefix_caching:
+        return None
+    layout = BlockLayout.of_pool(kv_cache, cache.hash_namespace)
+    disk = None
+    if cache.has_disk_tier:
+        assert cache.offload_disk_dir is not None, "has_disk_tier checked it"
+        disk = DiskBlockStore(cache.offload_disk_dir, cache.offload_disk_bytes, layout)
+    host = None
+    host_blocks = cache.offload_host_bytes // layout.block_bytes
+    if host_blocks:
+        spill = cache.offload_disk_min_hits if disk is not None else None
+        host = HostBlockStore(host_blocks, layout, spill_min_hits=spill)
+    if host is None and disk is None:
+        return None
+    logger.info(
+        "KV offload: host tier %d blocks (%.1f MiB), disk tier %s",
+        host_blocks,
+        host_blocks * layout.block_bytes / 2**20,
+        f"{disk.capacity_blocks} blocks in {disk.directory}" if disk else "off",
+    )
+    return KVOffloader(
+        kv_cache,
+        layout,
+        host,
+        disk,
+        disk_min_hits=cache.offload_disk_min_hits,
+        load_timeout_s=cache.kv_load_timeout_s,
+    )
+
+
+def attach_offloader(offloader: KVOffloader, kv_manager: KVCacheManager, scheduler) -> None:
+    """Evictions write down, prefix lookups continue in the tiers, admissions load from them."""
+    kv_manager.block_pool.eviction_sink = offloader.save_evicted
+    kv_manager.lower_tiers = offloader
+    scheduler.loader = offloader

@@ -1,0 +1,52 @@
+"""The shape of one KV block outside the engine's pool, shared by the host and disk stores.
+
+The pool is [layers, 2, blocks, block_size, kv_heads, head_dim]; a block taken out of it is
+[layers, 2, block_size, kv_heads, head_dim], contiguous, so a store keeps it as one run of
+bytes: one memcpy to load it back, one file on disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name, e.g. "float32"
+    # The prefix-cache hash namespace: blocks hashed under another one are not ours.
+    hash_namespace: str
+
+    @classmethod
+    def of_pool(cls, kv_cache: torch.Tensor, hash_namespace: str) -> BlockLayout:
+        num_layers, _two, _blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        dtype = str(kv_cache.dtype).removeprefix("torch.")
+        return cls(num_layers, block_size, num_kv_heads, head_dim, dtype, hash_namespace)
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        element_size = torch.empty((), dtype=self.torch_dtype).element_size()
+        return element_size * self.num_layers * 2 * self.block_size * self.num_kv_heads * (
+            self.head_dim
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def pool_block(kv_cache: torch.Tensor, block_id: int) -> torch.Tensor:
+    """A view of one block of the pool in the stores' layout (strided: a copy gathers it)."""
+    return kv_cache[:, :, block_id]

@@ -27,6 +27,7 @@ from shared.disaggregation import ExportedPrefill, RemotePrefillPlan, RemotePref
 from shared.engine import EngineCore, EngineStats
 from shared.kv.block_hash import BlockHash
 from shared.kv.events import KVCacheEvent
+from shared.kv.tiers import Tier
 from shared.outputs import StreamDelta, merge_deltas
 from shared.prompts import child_sequences
 from shared.sampling_params import SamplingParams
@@ -319,9 +320,9 @@ class AsyncLLM:
             events, self._kv_events = self._kv_events, []
         return events
 
-    async def snapshot_cached_blocks(self) -> list[BlockHash]:
-        """Every block hash the cache holds, taken between two steps; pending events are
-        dropped, so later `take_kv_events` calls continue exactly from this state."""
+    async def snapshot_cached_blocks(self) -> dict[Tier, list[BlockHash]]:
+        """Every block hash each tier of the cache holds, taken between two steps; pending
+        events are dropped, so later `take_kv_events` calls continue exactly from this state."""
         hashes: concurrent.futures.Future = concurrent.futures.Future()
         with self._kv_events_lock:
             self._is_keeping_kv_events = True
@@ -337,6 +338,7 @@ class AsyncLLM:
             error = RuntimeError("AsyncLLM was shut down")
             self._fail_open_requests(error)
             self._fail_queued_submits(error)
+            self.engine.close()  # the disk tier's queued writes land (a warm restart finds them)
 
     # ---- the engine thread ------------------------------------------------------------------
 
@@ -350,7 +352,7 @@ class AsyncLLM:
             if self.engine.has_schedulable_requests():
                 self._step()
             self._stats = self.engine.stats()
-            self._keep_kv_events(self.engine.kv_manager.take_events())
+            self._keep_kv_events(self.engine.take_kv_events())
 
     def _keep_kv_events(self, events: list[KVCacheEvent]) -> None:
         if not events:
@@ -424,10 +426,10 @@ class AsyncLLM:
             self._submit(command)
 
     def _snapshot_cache(self, command: _SnapshotCache) -> None:
-        self.engine.kv_manager.take_events()
+        self.engine.take_kv_events()
         with self._kv_events_lock:
             self._kv_events.clear()
-        _settle(command.hashes, result=self.engine.kv_manager.cached_block_hashes())
+        _settle(command.hashes, result=self.engine.cached_block_hashes())
 
     def _reserve(self, command: _Reserve) -> None:
         submit = command.submit

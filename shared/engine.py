@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,7 @@ from shared.kv.eviction import retention_for
 from shared.kv.manager import KVCacheManager
 from shared.kv.tiers import Tier
 from shared.kv_offload.build import attach_offloader, build_offloader
+from shared.kv_offload.stats import KVTierStats, tier_stats
 from shared.model.kv_cache import KVCacheSpec, allocate_kv_cache, size_kv_cache
 from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import load_checkpoint
@@ -67,6 +68,8 @@ class EngineStats:
     num_spec_proposed_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     num_spec_verify_steps: int = 0
+    # The cache's tiers: blocks, hits, writes, loads, evictions, measured costs.
+    kv_tiers: KVTierStats = field(default_factory=KVTierStats)
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -144,6 +147,8 @@ class EngineCore:
         self.step_observers: list[StepObserver] = [self.kv_exporter]
         if self.speculator is not None:
             self.step_observers.append(self.speculator)
+        if self.offloader is not None:  # measures what recomputing a prefix costs
+            self.step_observers.append(self.offloader.costs)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)",
             self.kv_spec.num_blocks,
@@ -403,6 +408,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queried_tokens=prefix.num_queried_tokens,
             prefix_cache_hit_tokens=prefix.num_hit_tokens,
+            kv_tiers=tier_stats(self.kv_manager, self.offloader),
             **self._spec_stats(),
         )
 

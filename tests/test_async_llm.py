@@ -16,6 +16,7 @@ import time
 import pytest
 
 from shared import LLM, AsyncLLM, SamplingParams
+from shared.kv.tiers import Tier
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -240,7 +241,7 @@ def test_kv_events_follow_the_cache_and_a_snapshot_lists_it(engine, offline):
     ]
     assert len(stored) >= len(long_prompt) // engine.config.cache.block_size
     assert len(set(stored)) == len(stored)
-    snapshot = _run(engine.snapshot_cached_blocks())
+    snapshot = _run(engine.snapshot_cached_blocks())[Tier.DEVICE]
     assert set(stored) <= set(snapshot)
     assert len(snapshot) == len(set(snapshot))
     assert engine.take_kv_events() == []  # the snapshot dropped nothing newer than itself
@@ -263,7 +264,7 @@ def test_snapshots_given_up_on_leave_the_engine_serving(engine, offline):
     deltas = _run(main(), timeout=60)
     assert _final(deltas).token_ids == expected[0].token_ids
     hashes = _run(engine.snapshot_cached_blocks())  # a snapshot nobody cancels still answers
-    assert hashes
+    assert hashes[Tier.DEVICE]
     _run(_wait_idle(engine))
 
 

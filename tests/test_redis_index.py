@@ -23,13 +23,14 @@ from services.common.registry_publisher import (
 from services.common.registry_schema import (
     PodRecord,
     RegistryKeys,
+    cached_prefixes,
     connect,
-    longest_cached_prefixes,
     read_pods,
 )
 from shared import AsyncLLM, SamplingParams
 from shared.kv.block_hash import hash_full_blocks
 from shared.kv.events import BlockRemoved, BlockStored
+from shared.kv.tiers import Tier
 
 BLOCK_SIZE = 16
 FAST = PublisherSettings(ttl_s=1.0, heartbeat_interval_s=0.1, publish_interval_s=0.01)
@@ -83,10 +84,8 @@ async def _cached_blocks(client, keys, worker_id: str, prompt: list[int], llm) -
     if worker_id not in records:
         return -1
     hashes = hash_full_blocks(prompt, BLOCK_SIZE, llm.config.cache.hash_namespace)
-    (num_blocks,) = await longest_cached_prefixes(
-        client, [(records[worker_id].blocks_key(keys), hashes)]
-    )
-    return num_blocks
+    (prefix,) = await cached_prefixes(client, [(records[worker_id].tier_blocks_keys(keys), hashes)])
+    return prefix.num_blocks_by_tier[Tier.DEVICE]
 
 
 async def _eventually(probe, expected, timeout: float = 5.0):
@@ -114,7 +113,22 @@ def test_event_commands_merge_runs_and_keep_order():
         BlockStored([c], b, [], BLOCK_SIZE),
         BlockRemoved([]),
     ]
-    assert event_commands(events) == [("sadd", [a, b, c]), ("srem", [c]), ("sadd", [c])]
+    assert event_commands(events) == [
+        ("sadd", Tier.DEVICE, [a, b, c]),
+        ("srem", Tier.DEVICE, [c]),
+        ("sadd", Tier.DEVICE, [c]),
+    ]
+    lower = [
+        BlockStored([a], None, [], BLOCK_SIZE, Tier.HOST),
+        BlockStored([b], None, [], BLOCK_SIZE, Tier.HOST),
+        BlockStored([c], None, [], BLOCK_SIZE, Tier.DISK),
+        BlockRemoved([a], Tier.HOST),
+    ]
+    assert event_commands(lower) == [
+        ("sadd", Tier.HOST, [a, b]),
+        ("sadd", Tier.DISK, [c]),
+        ("srem", Tier.HOST, [a]),
+    ]
 
 
 def test_record_round_trips_through_redis_fields():
@@ -159,11 +173,11 @@ def test_lookup_of_a_4k_token_prompt_is_one_round_trip(redis_server, llm):
         client = connect(redis_server.url)
         for pod in range(4):
             await client.sadd(keys.blocks(f"p{pod}", 1), b"", *hashes[: 64 * pod])
-        queries = [(keys.blocks(f"p{pod}", 1), hashes) for pod in range(4)]
-        answers = await longest_cached_prefixes(client, queries)
+        queries = [(keys.tier_blocks(f"p{pod}", 1), hashes) for pod in range(4)]
+        answers = [prefix.num_blocks for prefix in await cached_prefixes(client, queries)]
         start = time.perf_counter()
         for _ in range(50):
-            await longest_cached_prefixes(client, queries)
+            await cached_prefixes(client, queries)
         elapsed = (time.perf_counter() - start) / 50
         await client.aclose()
         return answers, elapsed

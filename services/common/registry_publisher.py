@@ -1,6 +1,6 @@
 """A pod's side of the Redis registry: its registry flags, and the `RegistryPublisher` that
-heartbeats its `PodRecord` and publishes its prefix-cache events into its block SET (the layout
-is services/common/registry_schema.py's).
+heartbeats its `PodRecord` and publishes its prefix-cache events into its block SETs, one per
+tier (the layout is services/common/registry_schema.py's).
 
     every publish_interval:   take_kv_events() ─▶ one pipeline: SADD / SREM runs, PEXPIRE
     every heartbeat_interval: HEARTBEAT_SCRIPT (fence, record, registry, TTLs)
@@ -41,6 +41,7 @@ from services.common.registry_schema import (
     connect,
 )
 from shared.kv.events import BlockRemoved, BlockStored, KVCacheEvent
+from shared.kv.tiers import Tier
 
 if TYPE_CHECKING:
     from services.common.pod import PodCore
@@ -72,10 +73,11 @@ def new_generation() -> int:
     return time.time_ns() // 1000
 
 
-def event_commands(events: list[KVCacheEvent]) -> list[tuple[str, list[bytes]]]:
-    """("sadd" | "srem", hashes) runs in event order: consecutive events of one kind merge, and
-    the order between kinds is kept (a hash removed and stored again ends up stored)."""
-    commands: list[tuple[str, list[bytes]]] = []
+def event_commands(events: list[KVCacheEvent]) -> list[tuple[str, Tier, list[bytes]]]:
+    """("sadd" | "srem", tier, hashes) runs in event order: consecutive events of one kind and
+    tier merge, and the order between them is kept (a hash removed and stored again ends up
+    stored)."""
+    commands: list[tuple[str, Tier, list[bytes]]] = []
     for event in events:
         if isinstance(event, BlockStored):
             name = "sadd"
@@ -85,10 +87,10 @@ def event_commands(events: list[KVCacheEvent]) -> list[tuple[str, list[bytes]]]:
             raise AssertionError(f"unknown KV cache event {event!r}")
         if not event.block_hashes:
             continue
-        if commands and commands[-1][0] == name:
-            commands[-1][1].extend(event.block_hashes)
+        if commands and commands[-1][:2] == (name, event.tier):
+            commands[-1][2].extend(event.block_hashes)
         else:
-            commands.append((name, list(event.block_hashes)))
+            commands.append((name, event.tier, list(event.block_hashes)))
     return commands
 
 
@@ -113,6 +115,7 @@ class RegistryPublisher:
         first = record()
         self.pod_id, self.generation = first.pod_id, first.generation
         self.blocks_key = self.keys.blocks(self.pod_id, self.generation)
+        self.tier_keys = dict(zip(Tier, self.keys.tier_blocks(self.pod_id, self.generation)))
         self.is_fenced = False  # a newer process owns the pod id: stop writing
         self._is_synced = False  # the block SET matches the cache (else resync first)
         self._is_redis_down = False
@@ -143,7 +146,7 @@ class RegistryPublisher:
             self.keys.generation(self.pod_id),
             self.keys.pod(self.pod_id),
             self.keys.pods,
-            self.blocks_key,
+            *self.tier_keys.values(),
         ]
         await self.client.eval(DEREGISTER_SCRIPT, len(keys), *keys, self.generation, self.pod_id)
 
@@ -166,7 +169,7 @@ class RegistryPublisher:
             self.keys.generation(self.pod_id),
             self.keys.pod(self.pod_id),
             self.keys.pods,
-            self.blocks_key,
+            *self.tier_keys.values(),
         ]
         ttl_ms = int(self.settings.ttl_s * 1000)
         fields = [item for pair in record.to_fields().items() for item in pair]
@@ -182,17 +185,24 @@ class RegistryPublisher:
             await self.resync()
 
     async def resync(self) -> None:
-        """Replaces the block SET with a snapshot of the cache, atomically (MULTI/EXEC)."""
-        hashes = await self.llm.snapshot_cached_blocks()
+        """Replaces every tier's block SET with a snapshot of the cache, atomically
+        (MULTI/EXEC)."""
+        by_tier = await self.llm.snapshot_cached_blocks()
         pipe = self.client.pipeline(transaction=True)
-        pipe.delete(self.blocks_key)
+        pipe.delete(*self.tier_keys.values())
         pipe.sadd(self.blocks_key, SENTINEL)
-        for start in range(0, len(hashes), SNAPSHOT_CHUNK):
-            pipe.sadd(self.blocks_key, *hashes[start : start + SNAPSHOT_CHUNK])
+        for tier, hashes in by_tier.items():
+            key = self.tier_keys[tier]
+            for start in range(0, len(hashes), SNAPSHOT_CHUNK):
+                pipe.sadd(key, *hashes[start : start + SNAPSHOT_CHUNK])
+            pipe.pexpire(key, int(self.settings.ttl_s * 1000))
         pipe.pexpire(self.blocks_key, int(self.settings.ttl_s * 1000))
         await pipe.execute()
         self._is_synced = True
-        logger.info("published %d cached block hashes to Redis", len(hashes))
+        logger.info(
+            "published cached block hashes to Redis: %s",
+            ", ".join(f"{len(hashes)} {tier.label}" for tier, hashes in by_tier.items()),
+        )
 
     async def publish_events(self) -> None:
         """Every event since the last call in one pipelined round trip (none: no trip)."""
@@ -203,10 +213,11 @@ class RegistryPublisher:
         if not commands:
             return
         pipe = self.client.pipeline(transaction=False)
-        for name, hashes in commands:
-            getattr(pipe, name)(self.blocks_key, *hashes)
+        for name, tier, hashes in commands:
+            getattr(pipe, name)(self.tier_keys[tier], *hashes)
         # A SET that Redis lost is re-created here without a TTL: give it one.
-        pipe.pexpire(self.blocks_key, int(self.settings.ttl_s * 1000))
+        for tier in {tier for _, tier, _ in commands}:
+            pipe.pexpire(self.tier_keys[tier], int(self.settings.ttl_s * 1000))
         await pipe.execute()
 
     def _redis_failed(self, error: Exception) -> None:

@@ -7,6 +7,9 @@ Key layout (every key under one prefix, so a Redis can be shared):
     {prefix}:pod:{pod_id}            HASH  the pod's `PodRecord`, PEXPIRE ttl
     {prefix}:gen:{pod_id}            STRING the newest generation that heartbeated
     {prefix}:blocks:{pod_id}:{gen}   SET   block hashes (16 raw bytes) + the sentinel b""
+    {prefix}:blocks:{pod_id}:{gen}:host, ...:disk
+                                     SET   hashes the pod's offload tiers hold (no sentinel:
+                                           the device SET's stands for all three)
 
 Why one block SET per pod and generation, not one SET of pods per block hash:
 - a pod's entries expire with it (one PEXPIRE per heartbeat), never one by one;
@@ -28,13 +31,15 @@ from dataclasses import dataclass, field
 
 from services.common.pod_load import PodLoad
 from shared.kv.block_hash import BLOCK_HASH_NUM_BYTES
+from shared.kv.tiers import Tier
 
 DEFAULT_KEY_PREFIX = "splitserve"
 SENTINEL = b""  # always in a pod's block SET once it is complete (see the module docstring)
 
-# KEYS: gen, pod, pods, blocks. ARGV: generation, ttl_ms, pod_id, field, value, ...
-# Returns 0 when a newer generation owns the pod id (this writer is stale), 2 when the
-# block SET is missing or incomplete (the publisher must resync it), 1 otherwise.
+# KEYS: gen, pod, pods, blocks, then the lower tiers' block SETs. ARGV: generation, ttl_ms,
+# pod_id, field, value, ... Returns 0 when a newer generation owns the pod id (this writer is
+# stale), 2 when the block SET is missing or incomplete (the publisher must resync it), 1
+# otherwise.
 HEARTBEAT_SCRIPT = """
 local newest = tonumber(redis.call('GET', KEYS[1]) or '0')
 local mine = tonumber(ARGV[1])
@@ -49,16 +54,17 @@ local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
 redis.call('ZADD', KEYS[3], now_ms + ttl, ARGV[3])
 if redis.call('SISMEMBER', KEYS[4], '') == 0 then return 2 end
-redis.call('PEXPIRE', KEYS[4], ttl)
+for i = 4, #KEYS do redis.call('PEXPIRE', KEYS[i], ttl) end
 return 1
 """
 HEARTBEAT_FENCED, HEARTBEAT_OK, HEARTBEAT_RESYNC = 0, 1, 2
 
-# KEYS: gen, pod, pods, blocks. ARGV: generation, pod_id. Takes the pod out of the registry
-# only while this generation is still the newest: a stale process shutting down must not
-# remove the record of the live one that replaced it. Its own block SET goes either way.
+# KEYS: gen, pod, pods, blocks, the lower tiers' SETs. ARGV: generation, pod_id. Takes the
+# pod out of the registry only while this generation is still the newest: a stale process
+# shutting down must not remove the record of the live one that replaced it. Its own block
+# SETs go either way.
 DEREGISTER_SCRIPT = """
-redis.call('DEL', KEYS[4])
+for i = 4, #KEYS do redis.call('DEL', KEYS[i]) end
 local newest = tonumber(redis.call('GET', KEYS[1]) or '0')
 if newest > tonumber(ARGV[1]) then return 0 end
 redis.call('ZREM', KEYS[3], ARGV[2])
@@ -81,8 +87,13 @@ class RegistryKeys:
     def generation(self, pod_id: str) -> str:
         return f"{self.prefix}:gen:{pod_id}"
 
-    def blocks(self, pod_id: str, generation: int) -> str:
-        return f"{self.prefix}:blocks:{pod_id}:{generation}"
+    def blocks(self, pod_id: str, generation: int, tier: Tier = Tier.DEVICE) -> str:
+        device = f"{self.prefix}:blocks:{pod_id}:{generation}"
+        return device if tier == Tier.DEVICE else f"{device}:{tier.label}"
+
+    def tier_blocks(self, pod_id: str, generation: int) -> tuple[str, ...]:
+        """The block SETs of every tier, fastest first (Tier order)."""
+        return tuple(self.blocks(pod_id, generation, tier) for tier in Tier)
 
 
 @dataclass(frozen=True)
@@ -130,6 +141,9 @@ class PodRecord:
     def blocks_key(self, keys: RegistryKeys) -> str:
         return keys.blocks(self.pod_id, self.generation)
 
+    def tier_blocks_keys(self, keys: RegistryKeys) -> tuple[str, ...]:
+        return keys.tier_blocks(self.pod_id, self.generation)
+
 
 # Field -> its name in the HASH, where that differs (see the module docstring).
 _WIRE_NAMES = {"pod_id": "worker_id"}
@@ -163,39 +177,67 @@ async def read_pods(client, keys: RegistryKeys) -> list[PodRecord]:
     return [record for record in records if record is not None]
 
 
-# KEYS: block SETs; ARGV[i]: the prompt's block hashes for KEYS[i], concatenated (16 bytes
-# each). Returns, per key, how many leading hashes the SET holds. Server side, so a 4k-token
-# prompt costs one command with a few arguments instead of thousands, and stops at a miss.
+# KEYS: each pod's block SETs, one per tier, fastest first (len(Tier) keys per pod); ARGV[i]:
+# the prompt's block hashes for pod i, concatenated (16 bytes each). Returns, per pod and tier,
+# how many of the leading hashes held anywhere on the pod are held in that tier (the fastest
+# one holding it): the run ends at the first hash no tier holds. Server side, so a 4k-token
+# prompt costs one command with a few arguments instead of thousands.
 LOOKUP_SCRIPT = """
+local tiers = #KEYS / #ARGV
 local counts = {}
-for i, key in ipairs(KEYS) do
-  local blob = ARGV[i]
-  local n = 0
+for i, blob in ipairs(ARGV) do
+  local found = {}
+  for t = 1, tiers do found[t] = 0 end
   for start = 1, #blob, 16 do
-    if redis.call('SISMEMBER', key, string.sub(blob, start, start + 15)) == 0 then break end
-    n = n + 1
+    local hash = string.sub(blob, start, start + 15)
+    local where = 0
+    for t = 1, tiers do
+      if redis.call('SISMEMBER', KEYS[(i - 1) * tiers + t], hash) == 1 then
+        where = t
+        break
+      end
+    end
+    if where == 0 then break end
+    found[where] = found[where] + 1
   end
-  counts[i] = n
+  for t = 1, tiers do counts[(i - 1) * tiers + t] = found[t] end
 end
 return counts
 """
 
 
-async def longest_cached_prefixes(client, queries: list[tuple[str, list[bytes]]]) -> list[int]:
-    """For each (block SET key, the prompt's chained block hashes), how many leading hashes
-    the SET holds: the pod's longest cached prefix, in blocks. One round trip.
+@dataclass(frozen=True)
+class CachedPrefix:
+    """A prompt's longest prefix cached on one pod, in blocks, by the tier holding each."""
 
-    A pod evicts tail blocks before their parents, so its hits form a prefix; the first miss
-    ends the count."""
+    num_blocks_by_tier: dict[Tier, int] = field(default_factory=dict)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(self.num_blocks_by_tier.values())
+
+
+async def cached_prefixes(
+    client, queries: list[tuple[tuple[str, ...], list[bytes]]]
+) -> list[CachedPrefix]:
+    """For each (the pod's tier block SETs from `tier_blocks`, the prompt's chained block
+    hashes): the leading hashes the pod holds in any tier, counted by tier. One round trip.
+
+    A pod evicts tail blocks before their parents, and writes them down in that order, so its
+    hits form a prefix; the first hash no tier holds ends the count."""
     if not queries:
         return []
     assert all(len(h) == BLOCK_HASH_NUM_BYTES for _, hashes in queries for h in hashes), (
         "block hashes are 16 bytes"
     )
-    keys = [key for key, _ in queries]
+    assert all(len(tier_keys) == len(Tier) for tier_keys, _ in queries), "one key per tier"
+    keys = [key for tier_keys, _ in queries for key in tier_keys]
     blobs = [b"".join(hashes) for _, hashes in queries]
-    counts = await _lookup_script(client)(keys=keys, args=blobs)
-    return [int(count) for count in counts]
+    counts = [int(count) for count in await _lookup_script(client)(keys=keys, args=blobs)]
+    return [
+        CachedPrefix({tier: counts[i * len(Tier) + t] for t, tier in enumerate(Tier)})
+        for i in range(len(queries))
+    ]
 
 
 def _lookup_script(client):

@@ -18,6 +18,7 @@ owns the pool.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -55,6 +56,9 @@ class BlockPool:
         self._cached_blocks: dict[BlockHash, Block] = {}
         self._events: list[KVCacheEvent] = []
         self.eviction_sink: EvictionSink | None = None
+        # (reason, retention rank) -> cached blocks evicted; reason "expired" (past its window)
+        # or "capacity" (taken while still inside it), for the pod's metrics.
+        self.eviction_counts: Counter[tuple[str, int]] = Counter()
 
     @property
     def num_free_blocks(self) -> int:
@@ -88,7 +92,7 @@ class BlockPool:
         for block in blocks:
             assert block.ref_cnt == 0, f"free block {block.block_id} has references"
             if block.block_hash is not None:
-                evicted.append(self._evict(block))
+                evicted.append(self._evict(block, now))
             block.ref_cnt = 1
         if evicted:
             if self.eviction_sink is not None:
@@ -197,15 +201,16 @@ class BlockPool:
             self._events.append(BlockRemoved(removed))
         return True
 
-    def _evict(self, block: Block) -> EvictedBlock:
+    def _evict(self, block: Block, now: float) -> EvictedBlock:
         block_hash = block.block_hash
         assert block_hash is not None and self._cached_blocks.get(block_hash) is block, (
             f"hash map does not point to cached block {block.block_id}"
         )
         del self._cached_blocks[block_hash]
-        evicted = EvictedBlock(
-            block.block_id, block_hash, block.num_hits, block.retention or KEEP_LRU
-        )
+        retention = block.retention or KEEP_LRU
+        expired = block.freed_at + retention.window_s <= now
+        self.eviction_counts["expired" if expired else "capacity", retention.rank] += 1
+        evicted = EvictedBlock(block.block_id, block_hash, block.num_hits, retention)
         block.block_hash = None
         block.retention = None
         block.num_hits = 0

@@ -25,6 +25,7 @@ from shared.kv.block_hash import BlockHash
 from shared.kv.block_pool import EvictedBlock
 from shared.kv.events import BlockRemoved, BlockStored, KVCacheEvent
 from shared.kv.tiers import Tier
+from shared.kv_offload.costs import TierCosts
 from shared.kv_offload.disk_store import DiskBlockStore
 from shared.kv_offload.host_store import HostBlockStore, Spilled
 from shared.kv_offload.layout import BlockLayout, pool_block
@@ -40,8 +41,8 @@ class OffloadCounters:
     writes: Counter[Tier] = field(default_factory=Counter)  # blocks written into each tier
     load_hits: Counter[Tier] = field(default_factory=Counter)  # blocks loaded from each tier
     load_failures: int = 0  # loads that ended short of their blocks (missing, bad, late)
-    # Completed loads' durations in seconds (drained by the metrics exporter).
-    load_seconds: list[float] = field(default_factory=list)
+    num_loads: int = 0  # loads that brought at least one block
+    load_seconds_total: float = 0.0  # their durations, summed
 
 
 class KVOffloader:
@@ -63,6 +64,7 @@ class KVOffloader:
         self.disk_min_hits = disk_min_hits
         self.load_timeout_s = load_timeout_s
         self.counters = OffloadCounters()
+        self.costs = TierCosts()
         self._events: list[KVCacheEvent] = []
         self._jobs: queue.Queue[LoadJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._load_loop, name="kv-loader", daemon=True)
@@ -121,8 +123,11 @@ class KVOffloader:
             self.counters.load_hits[tier] += count
         if num_loaded < len(job.items):
             self.counters.load_failures += 1
-        if job.finished_at is not None:
-            self.counters.load_seconds.append(job.finished_at - job.started_at)
+        if job.finished_at is not None and job.loaded_by_tier:
+            seconds = job.finished_at - job.started_at
+            self.counters.num_loads += 1
+            self.counters.load_seconds_total += seconds
+            self.costs.record_load(max(job.loaded_by_tier), seconds, num_loaded)
 
     def _load_loop(self) -> None:
         while True:
@@ -161,7 +166,6 @@ class KVOffloader:
         events, self._events = self._events, []
         if self.disk is not None:
             stored, removed = self.disk.take_events()
-            self.counters.writes[Tier.DISK] += len(stored)
             if removed:
                 events.append(BlockRemoved(removed, Tier.DISK))
             if stored:

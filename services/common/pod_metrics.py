@@ -28,10 +28,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 
 if TYPE_CHECKING:
     from shared.engine import EngineStats
+    from shared.kv_offload.stats import KVTierStats
     from shared.outputs import CompletionOutput
     from shared.telemetry import RequestSteps
 
@@ -241,6 +247,50 @@ class _EngineCollector:
         }
         for name, (text, value) in counters.items():
             yield self._family(CounterMetricFamily, name, text, value)
+        yield from self._tier_families(stats.kv_tiers)
+
+    def _tier_families(self, tiers: KVTierStats) -> Iterator[Metric]:
+        """The offload tiers (shared/kv_offload/): per-tier series carry a `tier` label."""
+        per_tier = {
+            ("kv_tier_blocks", GaugeMetricFamily): ("Cached KV blocks per tier.", tiers.blocks),
+            ("kv_tier_bytes", GaugeMetricFamily): ("Bytes of cached KV per tier.", tiers.bytes),
+            ("kv_tier_hit_tokens", CounterMetricFamily): (
+                "Prompt tokens served from each tier's cache.",
+                tiers.hit_tokens,
+            ),
+            ("kv_offload_writes", CounterMetricFamily): (
+                "KV blocks written down into each lower tier.",
+                tiers.writes,
+            ),
+        }
+        for (name, kind), (text, values) in per_tier.items():
+            family = kind(PREFIX + name, text, labels=[*LABELS, "tier"])
+            for tier, value in values.items():
+                family.add_metric([*self._labels, tier], value)
+            yield family
+        load = SummaryMetricFamily(
+            PREFIX + "kv_load_seconds", "Loads of cached KV from the lower tiers.", labels=LABELS
+        )
+        load.add_metric(self._labels, tiers.num_loads, tiers.load_seconds_total)
+        yield load
+        yield self._family(
+            CounterMetricFamily,
+            "kv_load_failures",
+            "Loads that ended short (missing, damaged or late blocks were computed instead).",
+            tiers.load_failures,
+        )
+        yield self._evictions(tiers.evictions)
+
+    def _evictions(self, evictions: dict[tuple[str, int], int]) -> Metric:
+        family = CounterMetricFamily(
+            PREFIX + "kv_evictions",
+            "Cached blocks evicted from the pool, by reason (expired window or capacity) and "
+            "retention class (rank).",
+            labels=[*LABELS, "reason", "retention_class"],
+        )
+        for (reason, rank), count in sorted(evictions.items()):
+            family.add_metric([*self._labels, reason, str(rank)], count)
+        return family
 
     def _family(self, kind, name: str, text: str, value: float) -> Metric:
         family = kind(PREFIX + name, text, labels=LABELS)

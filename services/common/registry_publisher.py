@@ -298,6 +298,7 @@ async def start_registry(
     def record() -> PodRecord:
         stats = core.stats()
         identity = stats.identity
+        tiers = stats.engine.kv_tiers
         return PodRecord(
             pod_id=identity.pod_id,
             role=identity.role,
@@ -314,6 +315,9 @@ async def start_registry(
             load=stats.load,
             recent_ttft_s=core.metrics.recent_ttft.value or 0.0,
             recent_itl_s=core.metrics.recent_itl.value or 0.0,
+            prefill_s_per_token=tiers.prefill_s_per_token,
+            host_load_s_per_block=tiers.load_s_per_block.get(Tier.HOST.label, 0.0),
+            disk_load_s_per_block=tiers.load_s_per_block.get(Tier.DISK.label, 0.0),
         )
 
     publisher = RegistryPublisher(connect(args.redis_url), core.llm, record)

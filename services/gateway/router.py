@@ -27,8 +27,8 @@ from redis.exceptions import RedisError
 
 from services.common.registry_schema import (
     RegistryKeys,
+    cached_prefixes,
     connect,
-    longest_cached_prefixes,
     read_pods,
 )
 from services.gateway.pods import Pod, PodPool
@@ -40,6 +40,7 @@ from services.gateway.scoring import (
     RoutingWeights,
     decide,
 )
+from services.gateway.tier_credit import credited_tokens
 from shared.kv.block_hash import cache_salt_keys, hash_full_blocks
 
 logger = logging.getLogger(__name__)
@@ -199,22 +200,29 @@ class Router:
     async def cached_tokens(
         self, prompt: list[int], pods: list[Pod], extra_hash_keys: tuple[str, ...] = ()
     ) -> dict[str, int]:
-        """pod id -> tokens of `prompt` cached there, per the index ({} without one)."""
+        """pod id -> tokens of `prompt` cached there, per the index ({} without one), blocks in
+        a pod's offload tiers counted by their measured credit (tier_credit.py)."""
         indexed = [p for p in pods if p.record is not None]
         uses_index = self.settings.policy == "cache_aware" and self.is_redis_up
         if self.redis is None or not uses_index or not indexed:
             return {}
         hashes = _prompt_hashes(prompt, indexed, extra_hash_keys)
         queries = [
-            (p.record.blocks_key(self.keys), hashes[(p.record.block_size, p.record.hash_namespace)])
+            (
+                p.record.tier_blocks_keys(self.keys),
+                hashes[(p.record.block_size, p.record.hash_namespace)],
+            )
             for p in indexed
         ]
         try:
-            num_blocks = await longest_cached_prefixes(self.redis, queries)
+            prefixes = await cached_prefixes(self.redis, queries)
         except (RedisError, OSError) as error:
             self._redis_failed(error)
             return {}
-        return {p.pod_id: n * p.record.block_size for p, n in zip(indexed, num_blocks, strict=True)}
+        return {
+            p.pod_id: credited_tokens(p.record, prefix)
+            for p, prefix in zip(indexed, prefixes, strict=True)
+        }
 
 
 def _prompt_hashes(

@@ -18,6 +18,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+from services.common.flags import parse_size, parse_tier_size
 from services.common.redis_server import RedisServer
 from services.common.supervisor import (
     HealthCheck,
@@ -26,6 +27,7 @@ from services.common.supervisor import (
     RestartPolicy,
     Supervisor,
 )
+from shared.kv_offload.sizing import auto_host_tier_bytes
 
 DECODE_SERVICE = "splitserve.v1.DecodeWorker"
 PREFILL_SERVICE = "splitserve.v1.PrefillWorker"
@@ -70,6 +72,27 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--model-name", default=None, help="served model name")
     sub.add_argument(
         "--kv-cache-bytes", default="256MiB", help="KV cache of each engine process, e.g. 256MiB"
+    )
+    sub.add_argument(
+        "--kv-offload-host-bytes",
+        type=parse_tier_size,
+        default="auto",
+        metavar="SIZE|auto|0",
+        help="host-memory KV tier of each engine process (auto: half of the free memory after "
+        "the KV caches, shared between the processes; 0: off)",
+    )
+    sub.add_argument(
+        "--kv-offload-disk-dir",
+        default=None,
+        help="disk KV tier: each engine process keeps its block files in DIR/<its name>, and "
+        "finds them again when it is restarted (default: no disk tier)",
+    )
+    sub.add_argument(
+        "--kv-offload-disk-bytes",
+        type=parse_tier_size,
+        default="1GiB",
+        metavar="SIZE",
+        help="size cap of each engine process's disk tier (with --kv-offload-disk-dir)",
     )
     sub.add_argument(
         "--num-threads",
@@ -139,6 +162,7 @@ def plan(
     prefill_flags += ["--kv-checksum"] if args.kv_checksum else []
     decode_flags = ["--num-threads", str(threads.decode)]
     decode_flags += [] if colocated else _decode_flags(args)
+    engine_flags += _host_tier_flags(args, num_prefill + args.decode)
     specs = [
         _pod("prefill", i, address, PREFILL_SERVICE, engine_flags + prefill_flags, args)
         for i, address in enumerate(prefill_addresses)
@@ -204,6 +228,25 @@ def _thread_split(args: argparse.Namespace, num_prefill: int, num_decode: int) -
     return ThreadSplit(prefill=max(1, cores // (num_prefill + num_decode)), decode=cores)
 
 
+def _host_tier_flags(args: argparse.Namespace, num_engines: int) -> list[str]:
+    """Each engine process's host tier. "auto" is sized here, once for all of them: a tier's
+    slab takes memory only as blocks are written into it, so processes sizing themselves
+    would each count the same free memory."""
+    size = args.kv_offload_host_bytes
+    if size == "auto":
+        pools = num_engines * parse_size(str(args.kv_cache_bytes))
+        size = auto_host_tier_bytes(pools) // num_engines
+    return ["--kv-offload-host-bytes", str(size)]
+
+
+def _disk_tier_flags(args: argparse.Namespace, name: str) -> list[str]:
+    if not args.kv_offload_disk_dir:
+        return []
+    directory = os.path.join(args.kv_offload_disk_dir, name)
+    size = str(args.kv_offload_disk_bytes)
+    return ["--kv-offload-disk-dir", directory, "--kv-offload-disk-bytes", size]
+
+
 def _decode_flags(args: argparse.Namespace) -> list[str]:
     return ["--local-prefill-threshold", str(args.local_prefill_threshold)]
 
@@ -229,7 +272,7 @@ def _pod(
     port = address.rsplit(":", 1)[1]
     name = f"{role}-{index}"
     argv = [sys.executable, "-m", f"services.{role}", "--host", args.host, "--port", port]
-    argv += ["--worker-id", name, *engine_flags]
+    argv += ["--worker-id", name, *engine_flags, *_disk_tier_flags(args, name)]
     return ProcessSpec(name, argv, HealthCheck(grpc_address=address, grpc_service=service))
 
 

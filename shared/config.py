@@ -57,8 +57,9 @@ class CacheConfig:
     # The longest window a request may ask for (SamplingParams.cache_retention_s).
     max_retention_s: float = 86400.0
     # Offload tiers (shared/kv_offload/): host memory for blocks the pool evicts (0 = no host
-    # tier), and a directory with a size cap for the disk tier (None or 0 bytes = no disk tier).
-    offload_host_bytes: int = 0
+    # tier; "auto" = half of the memory left after the pool, shared/kv_offload/sizing.py), and
+    # a directory with a size cap for the disk tier (None or 0 bytes = no disk tier).
+    offload_host_bytes: int | str = 0
     offload_disk_dir: str | None = None
     offload_disk_bytes: int = 0
     # A block reaches the disk only after this many prefix-cache hits: one-shot prompts stay in
@@ -70,7 +71,7 @@ class CacheConfig:
 
     @property
     def has_offload(self) -> bool:
-        return self.offload_host_bytes > 0 or self.has_disk_tier
+        return self.offload_host_bytes != 0 or self.has_disk_tier
 
     @property
     def has_disk_tier(self) -> bool:
@@ -102,7 +103,10 @@ class CacheConfig:
 
 
 def _check_offload(cache: CacheConfig) -> None:
-    for name in ("offload_host_bytes", "offload_disk_bytes", "offload_disk_min_hits"):
+    host = cache.offload_host_bytes
+    if host != "auto" and (isinstance(host, bool) or not isinstance(host, int) or host < 0):
+        raise ValueError(f"offload_host_bytes must be an int >= 0 or 'auto', got {host!r}")
+    for name in ("offload_disk_bytes", "offload_disk_min_hits"):
         value = getattr(cache, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")

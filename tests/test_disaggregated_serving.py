@@ -391,6 +391,18 @@ def test_up_runs_one_prefill_and_one_decode_pod_by_default():
     assert _flag(default.specs[1].argv, "--num-threads") == str(cores)
     assert _flag(default.specs[1].argv, "--local-prefill-threshold") == str(THRESHOLD)
     assert _flag(default.specs[2].argv, "--prefill") == "127.0.0.1:50071"
+    # The host KV tier is on by default, sized once for both pods; no disk tier unless asked.
+    host_tiers = {_flag(spec.argv, "--kv-offload-host-bytes") for spec in default.specs[:2]}
+    assert len(host_tiers) == 1 and int(host_tiers.pop()) > 0
+    assert "--kv-offload-disk-dir" not in default.specs[0].argv
+
+    args = ["up", "--kv-offload-host-bytes", "0", "--kv-offload-disk-dir", "/tmp/kv"]
+    with_disk = plan(build_parser().parse_args(args), prefill_available=True)
+    assert _flag(with_disk.specs[1].argv, "--kv-offload-host-bytes") == "0"
+    # Each pod its own directory: a restarted pod finds its blocks (a warm restart).
+    assert _flag(with_disk.specs[0].argv, "--kv-offload-disk-dir") == "/tmp/kv/prefill-0"
+    assert _flag(with_disk.specs[1].argv, "--kv-offload-disk-dir") == "/tmp/kv/decode-0"
+    assert _flag(with_disk.specs[1].argv, "--kv-offload-disk-bytes") == str(2**30)
 
     colocated = plan(build_parser().parse_args(["up", "--colocated"]), prefill_available=True)
     assert [spec.name for spec in colocated.specs] == ["decode-0", "gateway"]

@@ -299,6 +299,8 @@ BAD_VALUES = [
     ({"decode": {"speculative": {"method": "medusa"}}}, "/decode/speculative/method"),
     ({"decode": {"kvCacheBytes": "eight gigabytes"}}, "/decode/kvCacheBytes"),
     ({"prefill": {"kvCacheMemoryFraction": 1.5}}, "/prefill/kvCacheMemoryFraction"),
+    ({"decode": {"kvOffload": {"hostBytes": "lots"}}}, "/decode/kvOffload/hostBytes"),
+    ({"decode": {"kvOffload": {"diskBytes": "50GB"}}}, "/decode/kvOffload/diskBytes"),
     ({"gateway": {"httpPort": 70000}}, "/gateway/httpPort"),
     ({"engine": {"blockSize": 0}}, "/engine/blockSize"),
     ({"prefill": {"gpu": 1}}, "'gpu' not allowed"),  # a misspelt key is not silently ignored

@@ -31,6 +31,16 @@ def parse_size(text: str) -> int:
     return size
 
 
+def parse_tier_size(text: str) -> int | str:
+    """An offload tier's size: a size as parse_size reads it, "0" / "off" (no tier), or
+    "auto" (sized from free memory at start-up)."""
+    if text.strip().lower() in ("0", "off"):
+        return 0
+    if text.strip().lower() == "auto":
+        return "auto"
+    return parse_size(text)
+
+
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument(
@@ -69,6 +79,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="the longest retention a request may ask for (longer: a 400)",
     )
+    _add_offload_flags(parser)
     group.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all)")
     group.add_argument(
         "--adaptive-threads",
@@ -78,6 +89,41 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "process may hold a core)",
     )
     _add_speculative_flags(parser)
+
+
+def _add_offload_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("KV offload tiers (shared/kv_offload/)")
+    group.add_argument(
+        "--kv-offload-host-bytes",
+        type=parse_tier_size,
+        default=0,
+        metavar="SIZE|auto|0",
+        help="host memory for KV blocks the cache evicts, loaded back on a prefix hit "
+        "(auto: half of the memory left after the KV cache; default: 0, off)",
+    )
+    group.add_argument(
+        "--kv-offload-disk-dir", default=None, help="directory of the disk tier's block files"
+    )
+    group.add_argument(
+        "--kv-offload-disk-bytes",
+        type=parse_tier_size,
+        default=0,
+        metavar="SIZE|0",
+        help="size cap of the disk tier (default: 0, off); blocks survive a restart",
+    )
+    group.add_argument(
+        "--kv-offload-disk-min-hits",
+        type=int,
+        default=1,
+        help="prefix-cache hits a block needs before it is written to disk",
+    )
+    group.add_argument(
+        "--kv-load-timeout",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="a load from the tiers still running after this is cut short; the rest is computed",
+    )
 
 
 def _add_speculative_flags(parser: argparse.ArgumentParser) -> None:
@@ -114,6 +160,11 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "eviction_policy": args.eviction_policy,
         "idle_ttl_s": args.idle_ttl,
         "max_retention_s": args.max_retention,
+        "offload_host_bytes": args.kv_offload_host_bytes,
+        "offload_disk_dir": args.kv_offload_disk_dir,
+        "offload_disk_bytes": args.kv_offload_disk_bytes,
+        "offload_disk_min_hits": args.kv_offload_disk_min_hits,
+        "kv_load_timeout_s": args.kv_load_timeout,
         "num_threads": args.num_threads,
         "adaptive_threads": args.adaptive_threads,
         "speculative_method": args.speculative_method,

@@ -12,6 +12,7 @@ from shared.kv_offload.disk_store import DiskBlockStore
 from shared.kv_offload.host_store import HostBlockStore
 from shared.kv_offload.layout import BlockLayout
 from shared.kv_offload.offloader import KVOffloader
+from shared.kv_offload.sizing import auto_host_tier_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ def build_offloader(cache: CacheConfig, kv_cache: torch.Tensor) -> KVOffloader |
         assert cache.offload_disk_dir is not None, "has_disk_tier checked it"
         disk = DiskBlockStore(cache.offload_disk_dir, cache.offload_disk_bytes, layout)
     host = None
-    host_blocks = cache.offload_host_bytes // layout.block_bytes
+    host_blocks = _host_tier_bytes(cache, kv_cache) // layout.block_bytes
     if host_blocks:
         spill = cache.offload_disk_min_hits if disk is not None else None
         host = HostBlockStore(host_blocks, layout, spill_min_hits=spill)
@@ -46,6 +47,13 @@ def build_offloader(cache: CacheConfig, kv_cache: torch.Tensor) -> KVOffloader |
         disk_min_hits=cache.offload_disk_min_hits,
         load_timeout_s=cache.kv_load_timeout_s,
     )
+
+
+def _host_tier_bytes(cache: CacheConfig, kv_cache: torch.Tensor) -> int:
+    if cache.offload_host_bytes != "auto":
+        return int(cache.offload_host_bytes)
+    pool_bytes = kv_cache.numel() * kv_cache.element_size() if kv_cache.device.type == "cpu" else 0
+    return auto_host_tier_bytes(pool_bytes)
 
 
 def attach_offloader(offloader: KVOffloader, kv_manager: KVCacheManager, scheduler) -> None:

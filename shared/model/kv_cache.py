@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.config import CacheConfig
+from shared.kv_offload.sizing import linux_mem_available
 from shared.model.architecture import ModelArchitecture
 
 
@@ -37,15 +38,7 @@ def available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return free
-    return _linux_mem_available()
-
-
-def _linux_mem_available() -> int:
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("MemAvailable not found in /proc/meminfo")
+    return linux_mem_available()
 
 
 def size_kv_cache(

@@ -51,6 +51,7 @@ so the ConfigMap is the one place they are written. */}}
 - --kv-cache-memory-fraction
 {{- end }}
 - $({{ include "splitserve.worker.configKey" (dict "component" .component "setting" "KV_CACHE") }})
+{{- include "splitserve.worker.offloadArgs" $values }}
 - --redis-url
 - $(REDIS_URL)
 {{- include "splitserve.worker.threadArgs" $values }}
@@ -59,6 +60,22 @@ so the ConfigMap is the one place they are written. */}}
 - {{ include "splitserve.worker.drainTimeout" . | quote }}
 - --log-level
 - {{ $values.logLevel }}
+{{- end -}}
+
+{{/* The KV offload tiers: host memory always as the values say (auto by default), local disk
+when diskBytes is set, in the kv-disk emptyDir: it outlives container restarts, so a restarted
+engine finds its blocks again and republishes them (a warm restart). */}}
+{{- define "splitserve.worker.offloadArgs" }}
+- --kv-offload-host-bytes
+- {{ .kvOffload.hostBytes | quote }}
+{{- if .kvOffload.diskBytes }}
+- --kv-offload-disk-dir
+- /var/cache/splitserve/kv
+- --kv-offload-disk-bytes
+- {{ .kvOffload.diskBytes | quote }}
+- --kv-offload-disk-min-hits
+- {{ .kvOffload.diskMinHits | quote }}
+{{- end }}
 {{- end -}}
 
 {{/* Seconds in-flight requests get after SIGTERM. Kubernetes counts the preStop sleep in
@@ -238,6 +255,10 @@ spec:
               mountPath: /tmp
             - name: shm
               mountPath: /dev/shm
+            {{- if $values.kvOffload.diskBytes }}
+            - name: kv-disk
+              mountPath: /var/cache/splitserve/kv
+            {{- end }}
             {{- with include "splitserve.modelVolumeMount" $root | trim }}{{ . | nindent 12 }}{{ end }}
       volumes:
         - name: tmp
@@ -246,6 +267,11 @@ spec:
           emptyDir:
             medium: Memory
             sizeLimit: {{ $values.sharedMemory }}
+        {{- if $values.kvOffload.diskBytes }}
+        - name: kv-disk
+          emptyDir:
+            sizeLimit: {{ $values.kvOffload.diskBytes }}
+        {{- end }}
         {{- with include "splitserve.modelVolume" $root | trim }}{{ . | nindent 8 }}{{ end }}
 {{- end -}}
 

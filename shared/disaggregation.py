@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,6 +53,8 @@ class RemotePrefillResult:
     first_token_id: int
     first_logprobs: TokenLogprobs | None
     kv_pages: torch.Tensor  # RemotePrefillPlan.page_shape, on any device
+    # What the prefill pod served from its own cache, by tier (Tier.label -> tokens).
+    prefill_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

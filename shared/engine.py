@@ -293,7 +293,12 @@ class EngineCore:
         first_block = request.num_cached_tokens // self.kv_spec.block_size
         block_ids = self.kv_manager.get_block_ids(request_id)[first_block:]
         unpack_pages(result.kv_pages, self.runner.kv_cache, block_ids)
-        update = self.scheduler.complete_remote_kv(request_id, result.first_token_id)
+        update = self.scheduler.complete_remote_kv(
+            request_id, result.first_token_id, result.prefill_cached_tokens_by_tier
+        )
+        if update is None:  # its own load from the offload tiers failed: compute it here
+            self.scheduler.fall_back_to_local_prefill(request_id)
+            return []
         if result.first_logprobs is not None:
             update.logprobs.append(result.first_logprobs)
         return self.output_processor.process([update]).deltas

@@ -168,5 +168,6 @@ class OutputProcessor:
             logprobs=state.logprobs,
             timings=state.timings,
             num_cached_tokens=request.num_cached_tokens,
+            cached_tokens_by_tier=request.cached_tokens_by_tier(),
             num_preemptions=request.num_preemptions,
         )

@@ -80,6 +80,8 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None
     timings: RequestTimings
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # The same by the tier that served them (Tier.label -> tokens; summing to the above).
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
 
 

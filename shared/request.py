@@ -114,6 +114,14 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    def cached_tokens_by_tier(self) -> dict[str, int]:
+        """Tier.label -> prompt tokens served from that tier's cache at the last admission
+        (the pool's hits under "device"); {} when nothing was cached."""
+        if not self.num_cached_tokens:
+            return {}
+        loaded = sum(self.loaded_tokens_by_tier.values())
+        return {"device": self.num_cached_tokens - loaded, **self.loaded_tokens_by_tier}
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -74,6 +74,8 @@ class Scheduler:
         # Offload tiers: the loader, and admitted requests whose cached blocks are loading.
         self.loader: KVLoader | None = None
         self._loading: dict[str, LoadJob] = {}
+        # Disaggregation: loads of requests whose other pages a prefill pod sends.
+        self._reserved_loads: dict[str, LoadJob] = {}
 
     # ---- admission and removal ------------------------------------------------------------
 
@@ -95,6 +97,8 @@ class Scheduler:
                 self.running.remove(request)
             elif request.status == RequestStatus.WAITING_FOR_KV_LOAD:
                 self._loading.pop(request_id).finish()  # nothing writes its blocks after this
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                self._end_reserved_load(request_id)
             else:
                 self._remove_waiting(request)
             self.kv.free(request)
@@ -254,20 +258,29 @@ class Scheduler:
     def _start_load(self, request: Request, computed: ComputedBlocks) -> bool:
         """Takes blocks for the request's cached prefix (the pool's hits, then one new block per
         block to load) and starts the load; False when the blocks are not free now."""
-        assert self.loader is not None, "only with a loader"
         if not self.kv.allocate_slots(request, 0, computed):
             return False
-        block_ids = self.kv.get_block_ids(request.request_id)[len(computed.blocks) :]
+        request.num_computed_tokens = computed.num_tokens
+        request.status = RequestStatus.WAITING_FOR_KV_LOAD
+        self._loading[request.request_id] = self._load(request, computed)
+        return True
+
+    def _load(self, request: Request, computed: ComputedBlocks) -> LoadJob:
+        """Starts loading `computed.load_hashes` into the blocks allocated after its hits."""
+        assert self.loader is not None, "only with a loader"
+        first = len(computed.blocks)
+        num_loads = len(computed.load_hashes)
+        block_ids = self.kv.get_block_ids(request.request_id)[first : first + num_loads]
         items = [
             LoadItem(block_hash, block_id, tier)
             for block_hash, block_id, tier in zip(
                 computed.load_hashes, block_ids, computed.load_tiers, strict=True
             )
         ]
-        request.num_computed_tokens = computed.num_tokens
-        request.status = RequestStatus.WAITING_FOR_KV_LOAD
-        self._loading[request.request_id] = self.loader.start_load(request.request_id, items)
-        return True
+        return self.loader.start_load(request.request_id, items)
+
+    def _loaded_tokens_by_tier(self, job: LoadJob) -> dict[str, int]:
+        return {tier.label: n * self.kv.block_size for tier, n in job.loaded_by_tier.items()}
 
     def _take_loaded(self) -> None:
         """Moves requests whose loads are done (or overdue) into the running batch. Waits a
@@ -287,9 +300,7 @@ class Scheduler:
         self.loader.record_finished(job, num_loaded)
         request.num_computed_tokens += num_loaded * self.kv.block_size
         request.num_cached_tokens = request.num_computed_tokens
-        request.loaded_tokens_by_tier = {
-            tier.label: count * self.kv.block_size for tier, count in job.loaded_by_tier.items()
-        }
+        request.loaded_tokens_by_tier = self._loaded_tokens_by_tier(job)
         self.kv.cache_blocks(request, request.num_computed_tokens)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -383,23 +394,64 @@ class Scheduler:
     def reserve_remote_kv(self, request: Request) -> int | None:
         """Allocates blocks for the whole prompt, reusing cached prefix blocks, without
         scheduling it: a prefill pod fills them. Returns the number of prompt tokens already
-        cached here (their blocks need no pages), or None when the blocks are not free now."""
+        cached here (their blocks need no pages), or None when the blocks are not free now.
+
+        With offload tiers, the prefix found there is loaded meanwhile, and counts as cached:
+        the prefill pod sends only the pages after it."""
         assert request.request_id not in self.requests, f"duplicate id {request.request_id}"
-        # The prefill pod sends the pages of every block the pool does not hold.
-        computed = self.kv.get_computed_blocks(request).without_loads()
-        if not self.kv.allocate_slots(request, request.num_tokens - computed.num_tokens, computed):
+        computed = self.kv.get_computed_blocks(request)
+        if self.loader is None:
+            computed = computed.without_loads()
+        num_cached = computed.num_tokens + len(computed.load_hashes) * self.kv.block_size
+        if not self.kv.allocate_slots(request, request.num_tokens - num_cached, computed):
             return None
         request.num_computed_tokens = computed.num_tokens
-        request.num_cached_tokens = computed.num_tokens
+        request.num_cached_tokens = num_cached
+        if computed.load_hashes:
+            self._reserved_loads[request.request_id] = self._load(request, computed)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
-        return computed.num_tokens
+        return num_cached
 
-    def complete_remote_kv(self, request_id: str, first_token_id: int) -> RequestUpdate:
+    def _end_reserved_load(self, request_id: str) -> LoadJob | None:
+        """Stops a reserved request's load where it stands, and counts it."""
+        job = self._reserved_loads.pop(request_id, None)
+        if job is not None:
+            assert self.loader is not None, "only with a loader"
+            self.loader.record_finished(job, job.finish())
+        return job
+
+    def _take_reserved_load(self, request: Request) -> bool:
+        """Waits (until its deadline) for the load of a request whose pages have landed;
+        False when it ended short: those blocks hold neither loaded nor sent KV."""
+        job = self._reserved_loads.get(request.request_id)
+        if job is None:
+            return True
+        job.wait(max(0.0, job.deadline - time.monotonic()))
+        self._end_reserved_load(request.request_id)
+        request.loaded_tokens_by_tier = self._loaded_tokens_by_tier(job)
+        return job.num_loaded == len(job.items)
+
+    def complete_remote_kv(
+        self,
+        request_id: str,
+        first_token_id: int,
+        prefill_cached_tokens_by_tier: dict[str, int] | None = None,
+    ) -> RequestUpdate | None:
         """The pages have landed: the prompt counts as computed and the prefill pod's first
-        token is appended; the request joins the running batch unless that token ends it."""
+        token is appended; the request joins the running batch unless that token ends it.
+        When the prefill pod served more of the prompt from its cache than this pod holds,
+        that is what the request reports as cached (nothing of it was computed). None when
+        the request's own load from the offload tiers ended short: the caller falls back to
+        a local prefill."""
         request = self.requests[request_id]
         assert request.status == RequestStatus.WAITING_FOR_REMOTE_KV, f"{request_id} not remote"
+        if not self._take_reserved_load(request):
+            return None
+        remote = prefill_cached_tokens_by_tier or {}
+        if sum(remote.values()) > request.num_cached_tokens:
+            request.num_cached_tokens = sum(remote.values())
+            request.loaded_tokens_by_tier = {k: v for k, v in remote.items() if k != "device"}
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv.cache_blocks(request, request.num_computed_tokens)
         request.append_output_token(first_token_id)
@@ -415,6 +467,7 @@ class Scheduler:
         """The remote prefill failed: free the reserved blocks and queue a normal prefill."""
         request = self.requests[request_id]
         assert request.status == RequestStatus.WAITING_FOR_REMOTE_KV, f"{request_id} not remote"
+        self._end_reserved_load(request_id)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING

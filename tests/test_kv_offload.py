@@ -205,3 +205,49 @@ def test_aborting_a_request_while_its_blocks_load_frees_them(single_thread):
     assert engine.scheduler.requests["loading"].status == RequestStatus.WAITING_FOR_KV_LOAD
     engine.abort_requests(["loading"])
     assert not engine.has_unfinished_requests() and _all_blocks_free(llm)
+
+
+# ---- a P/D decode pod: its tiers hold the prefix, the prefill pod sends only the rest ---------
+
+
+def test_a_restarted_decode_pod_serves_its_disk_tier_and_asks_only_for_the_rest(
+    single_thread, tmp_path
+):
+    from tests.test_disaggregation_engine import prefill_remotely, run_until_done
+
+    options = dict(
+        kv_cache_bytes=POOL_BYTES,
+        offload_disk_dir=str(tmp_path),
+        offload_disk_bytes=512 * 2**20,
+        offload_disk_min_hits=0,
+    )
+    prefill, reference = LLM(kv_cache_bytes=POOL_BYTES), LLM(kv_cache_bytes=POOL_BYTES)
+    session, flood = _session_and_flood(reference)
+    expected = reference.generate([session], GREEDY)[0].outputs[0].token_ids
+    decode = LLM(**options)
+    _, deltas = prefill_remotely(prefill.engine, decode.engine, "turn-1", session, GREEDY)
+    run_until_done(decode.engine)
+    for prompt in flood:
+        decode.generate([prompt], GREEDY)  # writes the session's blocks down to disk
+    decode.engine.close()
+
+    restarted = LLM(**options)
+    plan, deltas = prefill_remotely(prefill.engine, restarted.engine, "turn-2", session, GREEDY)
+    finals = {d.request_id: d.final for d in deltas if d.final is not None}
+    finals.update(run_until_done(restarted.engine))
+    num_prefix_blocks = (len(session) - 1) // 16
+    assert plan.first_block_index >= num_prefix_blocks - 2  # pages only for the tail
+    assert finals["turn-2"].token_ids == expected
+    assert finals["turn-2"].cached_tokens_by_tier["disk"] >= 16 * (num_prefix_blocks - 2)
+    assert _all_blocks_free(restarted)
+
+    for path in tmp_path.glob("*.kv"):
+        path.write_bytes(b"damaged")  # its load fails: the pod computes the prompt itself
+    for prompt in flood:
+        restarted.generate([prompt], GREEDY)
+    plan, deltas = prefill_remotely(prefill.engine, restarted.engine, "turn-3", session, GREEDY)
+    finals = {d.request_id: d.final for d in deltas if d.final is not None}
+    finals.update(run_until_done(restarted.engine))
+    assert finals["turn-3"].token_ids == expected and _all_blocks_free(restarted)
+    assert restarted.engine.offloader.counters.load_failures >= 1
+    restarted.engine.close()

@@ -165,7 +165,13 @@ class PrefillClient:
             if response.HasField("first_logprob")
             else None
         )
-        return RemotePrefillResult(response.first_token_id, first_logprobs, pages), response
+        result = RemotePrefillResult(
+            response.first_token_id,
+            first_logprobs,
+            pages,
+            prefill_cached_tokens_by_tier=dict(response.cached_tokens_by_tier),
+        )
+        return result, response
 
     def _request(
         self,

@@ -49,6 +49,7 @@ def decode_response(output: DecodeOutput, core: DecodePodCore) -> worker_pb2.Dec
                 prompt_tokens=output.num_prompt_tokens,
                 completion_tokens=len(delta.final.token_ids),
                 cached_tokens=delta.final.num_cached_tokens,
+                cached_tokens_by_tier=delta.final.cached_tokens_by_tier,
             )
         )
     return response

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import grpc
@@ -81,6 +81,8 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # cached_tokens by the cache tier that served them (Tier.label -> tokens).
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -295,7 +297,8 @@ class Generation:
         self._num_open = len(children)
         self._start_time = time.monotonic()
         self._first_token_time: float | None = None
-        self._cached_tokens: dict[int, int] = {}  # prompt index -> cached tokens
+        # prompt index -> (cached tokens, by tier)
+        self._cached_tokens: dict[int, tuple[int, dict[str, int]]] = {}
         for child in children:
             child.task = asyncio.create_task(self._pump(child), name=child.request.request_id)
 
@@ -515,11 +518,22 @@ class Generation:
         self.usage.completion_tokens += usage.completion_tokens
         # A prompt is counted once, whatever its n; its sequences may find different amounts
         # cached (a later one reuses an earlier one's blocks), so report the most.
-        previous = self._cached_tokens.get(child.prompt_index, 0)
-        self._cached_tokens[child.prompt_index] = max(previous, usage.cached_tokens)
-        self.usage.cached_tokens = sum(self._cached_tokens.values())
+        previous = self._cached_tokens.get(child.prompt_index, (0, {}))
+        if usage.cached_tokens > previous[0] or child.prompt_index not in self._cached_tokens:
+            by_tier = {tier: n for tier, n in usage.cached_tokens_by_tier.items() if n}
+            self._cached_tokens[child.prompt_index] = (usage.cached_tokens, by_tier)
+        self.usage.cached_tokens = sum(n for n, _ in self._cached_tokens.values())
+        self.usage.cached_tokens_by_tier = _summed(t for _, t in self._cached_tokens.values())
         if self._num_open == 0:
             self._metrics.observe_finished(time.monotonic() - self._start_time, self.usage)
+
+
+def _summed(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for by_tier in counts:
+        for tier, count in by_tier.items():
+            total[tier] = total.get(tier, 0) + count
+    return total
 
 
 def _is_unreachable_before_output(child: _Child, outcome: object) -> bool:

@@ -145,4 +145,5 @@ def _usage(usage: Usage) -> generate_pb2.Usage:
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         cached_tokens=usage.cached_tokens,
+        cached_tokens_by_tier=usage.cached_tokens_by_tier,
     )

@@ -283,8 +283,17 @@ def usage_json(usage: Usage) -> dict:
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "prompt_tokens_details": cached_details(usage),
     }
+
+
+def cached_details(usage: Usage) -> dict:
+    """OpenAI's `cached_tokens`, and (an extension) the tokens each cache tier served:
+    "device" (the pod's KV cache), "host" and "disk" (its offload tiers)."""
+    details: dict = {"cached_tokens": usage.cached_tokens}
+    if usage.cached_tokens_by_tier:
+        details["cached_tokens_by_tier"] = dict(usage.cached_tokens_by_tier)
+    return details
 
 
 def _logprob(value: float) -> float:

@@ -19,7 +19,7 @@ from services.gateway.api_errors import RequestError
 from services.gateway.api_schema import StrictModel
 from services.gateway.constraints import check_structured_output, closed_objects
 from services.gateway.generation import CollectedSequence, Generation, SequenceChunk, Usage
-from services.gateway.openai_protocol import check_unsupported, validate_body
+from services.gateway.openai_protocol import cached_details, check_unsupported, validate_body
 from shared.sampling_params import SamplingParams
 from shared.structured_output.spec import StructuredOutput
 
@@ -267,7 +267,7 @@ def _text_part(text: str) -> dict:
 def _usage(usage: Usage) -> dict:
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "input_tokens_details": cached_details(usage),
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage.total_tokens,

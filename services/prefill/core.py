@@ -71,6 +71,7 @@ class PrefillOutcome:
     num_cached_tokens: int  # prompt tokens found in this pod's own prefix cache
     transfer: KVTransferDescriptor
     transfer_seconds: float
+    cached_tokens_by_tier: dict[str, int]  # num_cached_tokens by the tier that served them
 
 
 def first_token_params(params: SamplingParams) -> SamplingParams:
@@ -152,6 +153,7 @@ class PrefillPodCore(EnginePodCore):
             exported.output.num_cached_tokens,
             descriptor,
             seconds,
+            exported.output.cached_tokens_by_tier,
         )
 
     def _check_destination(self, destination: KVDestination) -> None:

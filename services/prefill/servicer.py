@@ -33,6 +33,7 @@ class PrefillWorkerServicer(PodServicerBase, worker_pb2_grpc.PrefillWorkerServic
         response = worker_pb2.PrefillResponse(
             first_token_id=outcome.first_token_id,
             num_cached_tokens=outcome.num_cached_tokens,
+            cached_tokens_by_tier=outcome.cached_tokens_by_tier,
             transfer=descriptor_to_proto(outcome.transfer),
             transfer_seconds=outcome.transfer_seconds,
         )

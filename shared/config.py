@@ -56,6 +56,9 @@ class CacheConfig:
     idle_ttl_s: float = 600.0
     # The longest window a request may ask for (SamplingParams.cache_retention_s).
     max_retention_s: float = 86400.0
+    # The largest share of the pool one tenant (a cache_salt) keeps cached once its requests
+    # end; past it, that tenant's own cached blocks are evicted first. 1.0 = no bound.
+    tenant_cache_quota: float = 1.0
     # Offload tiers (shared/kv_offload/): host memory for blocks the pool evicts (0 = no host
     # tier; "auto" = half of the memory left after the pool, shared/kv_offload/sizing.py), and
     # a directory with a size cap for the disk tier (None or 0 bytes = no disk tier).
@@ -68,6 +71,12 @@ class CacheConfig:
     # A load from the lower tiers still running after this long ends where it stands; the
     # blocks it did not load are computed instead.
     kv_load_timeout_s: float = 2.0
+
+    def tenant_quota_blocks(self, num_blocks: int) -> int | None:
+        """`tenant_cache_quota` in blocks of a pool of `num_blocks`; None without a bound."""
+        if self.tenant_cache_quota >= 1.0:
+            return None
+        return int(self.tenant_cache_quota * num_blocks)
 
     @property
     def has_offload(self) -> bool:
@@ -89,6 +98,8 @@ class CacheConfig:
                 f"{self.max_retention_s}"
             )
         _check_offload(self)
+        if not 0.0 < self.tenant_cache_quota <= 1.0:
+            raise ValueError(f"tenant_cache_quota must be in (0, 1], got {self.tenant_cache_quota}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:

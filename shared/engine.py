@@ -240,7 +240,11 @@ class EngineCore:
         params, cache = request.sampling_params, self.config.cache
         request.extra_hash_keys = cache_salt_keys(params.cache_salt)
         request.kv_retention = retention_for(
-            cache.eviction_policy, request.priority, cache.idle_ttl_s, params.cache_retention_s
+            cache.eviction_policy,
+            request.priority,
+            cache.idle_ttl_s,
+            params.cache_retention_s,
+            tenant=params.cache_salt or "",
         )
 
     def _validate_resumed_output(

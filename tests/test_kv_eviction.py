@@ -31,6 +31,16 @@ def _cached_pool(num_blocks: int) -> tuple[BlockPool, list]:
     return pool, blocks
 
 
+def _quota_pool(num_blocks: int, quota: int) -> tuple[BlockPool, list]:
+    pool = BlockPool(num_blocks, tenant_quota=quota)
+    blocks = pool.get_new_blocks(num_blocks, now=0.0)
+    for i, block in enumerate(blocks):
+        tokens = list(range(i * 100, i * 100 + BLOCK_SIZE))
+        hashes = hash_full_blocks(tokens, BLOCK_SIZE, "test")
+        pool.cache_full_blocks([block], hashes, None, tokens, BLOCK_SIZE)
+    return pool, blocks
+
+
 def _evicted(pool: BlockPool, count: int, now: float) -> list[int]:
     return _ids(pool.get_new_blocks(count, now=now))
 
@@ -106,6 +116,28 @@ def test_retention_for_each_policy(policy, priority, window, expected):
     assert retention_for(policy, priority, 600.0, window) == expected
 
 
+def test_retention_carries_the_tenant_under_every_policy():
+    assert retention_for("lru", 0, 600.0, tenant="t") == Retention(0, math.inf, "t")
+    assert retention_for("priority", -1, 600.0, tenant="t") == Retention(1, 600.0, "t")
+
+
+def test_a_tenant_over_its_quota_loses_its_own_oldest_blocks_first():
+    pool, blocks = _quota_pool(6, quota=2)
+    owners = ["a", "a", "", "a", "b", "a"]  # freed in this order; a keeps 4 > 2
+    for i, (block, tenant) in enumerate(zip(blocks, owners)):
+        pool.free_blocks([block], Retention(tenant=tenant), now=float(i))
+    # a's two oldest go first (it is over by two), then plain LRU: the shared block 2, a's
+    # block 3, b's 4, a's 5 (a is back at its quota after two evictions).
+    assert _ids(pool.free_block_queue.order(now=10.0)) == [0, 1, 2, 3, 4, 5]
+    pool2, blocks2 = _quota_pool(6, quota=2)
+    owners2 = ["", "b", "a", "a", "a", "a"]
+    for i, (block, tenant) in enumerate(zip(blocks2, owners2)):
+        pool2.free_blocks([block], Retention(tenant=tenant), now=float(i))
+    assert _ids(pool2.free_block_queue.order(now=10.0)) == [2, 3, 0, 1, 4, 5]
+    assert _evicted(pool2, 3, now=10.0) == [2, 3, 0]
+    assert pool2.eviction_counts == {("quota", 0): 2, ("capacity", 0): 1}
+
+
 # ---- the engine --------------------------------------------------------------------------
 
 
@@ -129,6 +161,20 @@ def test_a_premium_session_survives_a_flood_only_under_the_priority_policy(polic
     hit = _cached_tokens(llm, premium, priority=-1)
     if policy == "priority":
         assert hit >= 0.9 * len(llm.tokenizer.encode(premium)) - 16
+    else:
+        assert hit == 0
+
+
+@pytest.mark.parametrize("quota", [1.0, 0.25])
+def test_a_tenant_quota_keeps_one_tenants_flood_from_pushing_out_another(quota):
+    llm = LLM(kv_cache_bytes=24 * 2**20, tenant_cache_quota=quota)
+    session = _story(0)
+    assert _cached_tokens(llm, session, cache_salt="quiet") == 0
+    for i in range(1, 17):  # one tenant's sessions: twice what the pool holds
+        _cached_tokens(llm, _story(i), cache_salt="noisy")
+    hit = _cached_tokens(llm, session, cache_salt="quiet")
+    if quota < 1.0:
+        assert hit >= 0.9 * len(llm.tokenizer.encode(session)) - 16
     else:
         assert hit == 0
 

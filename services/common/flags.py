@@ -79,6 +79,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="the longest retention a request may ask for (longer: a 400)",
     )
+    group.add_argument(
+        "--tenant-cache-quota",
+        type=float,
+        default=1.0,
+        metavar="FRACTION",
+        help="largest share of the KV cache one tenant (cache_salt) keeps cached; past it its "
+        "own blocks go first (default 1.0: no bound)",
+    )
     _add_offload_flags(parser)
     group.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all)")
     group.add_argument(
@@ -160,6 +168,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "eviction_policy": args.eviction_policy,
         "idle_ttl_s": args.idle_ttl,
         "max_retention_s": args.max_retention,
+        "tenant_cache_quota": args.tenant_cache_quota,
         "offload_host_bytes": args.kv_offload_host_bytes,
         "offload_disk_dir": args.kv_offload_disk_dir,
         "offload_disk_bytes": args.kv_offload_disk_bytes,

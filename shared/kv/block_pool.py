@@ -45,19 +45,23 @@ EvictionSink = Callable[[list[EvictedBlock]], None]
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, tenant_quota: int | None = None
+    ) -> None:
+        """`tenant_quota`: the most cached free blocks one tenant (cache salt) keeps."""
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         # blocks[i].block_id == i; fresh blocks are handed out in id order.
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
-        self.free_block_queue = FreeBlocks(self.blocks)
+        self.free_block_queue = FreeBlocks(self.blocks, tenant_quota)
         self._cached_blocks: dict[BlockHash, Block] = {}
         self._events: list[KVCacheEvent] = []
         self.eviction_sink: EvictionSink | None = None
-        # (reason, retention rank) -> cached blocks evicted; reason "expired" (past its window)
-        # or "capacity" (taken while still inside it), for the pod's metrics.
+        # (reason, retention rank) -> cached blocks evicted, for the pod's metrics; reason:
+        # "quota" (its tenant kept more than its quota), "expired" (past its window) or
+        # "capacity" (taken while still inside it).
         self.eviction_counts: Counter[tuple[str, int]] = Counter()
 
     @property
@@ -87,12 +91,14 @@ class BlockPool:
                 f"got {num_blocks}"
             )
         now = time.monotonic() if now is None else now
-        blocks = [self.free_block_queue.pop(now) for _ in range(num_blocks)]
+        blocks: list[Block] = []
         evicted: list[EvictedBlock] = []
-        for block in blocks:
+        for _ in range(num_blocks):
+            block = self.free_block_queue.pop(now)  # evicted before the next pop: its reason
+            blocks.append(block)
             assert block.ref_cnt == 0, f"free block {block.block_id} has references"
             if block.block_hash is not None:
-                evicted.append(self._evict(block, now))
+                evicted.append(self._evict(block))
             block.ref_cnt = 1
         if evicted:
             if self.eviction_sink is not None:
@@ -201,15 +207,14 @@ class BlockPool:
             self._events.append(BlockRemoved(removed))
         return True
 
-    def _evict(self, block: Block, now: float) -> EvictedBlock:
+    def _evict(self, block: Block) -> EvictedBlock:
         block_hash = block.block_hash
         assert block_hash is not None and self._cached_blocks.get(block_hash) is block, (
             f"hash map does not point to cached block {block.block_id}"
         )
         del self._cached_blocks[block_hash]
         retention = block.retention or KEEP_LRU
-        expired = block.freed_at + retention.window_s <= now
-        self.eviction_counts["expired" if expired else "capacity", retention.rank] += 1
+        self.eviction_counts[self.free_block_queue.last_pop_reason, retention.rank] += 1
         evicted = EvictedBlock(block.block_id, block_hash, block.num_hits, retention)
         block.block_hash = None
         block.retention = None

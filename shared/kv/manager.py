@@ -99,6 +99,7 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         hash_namespace: str = CacheConfig.hash_namespace,
+        tenant_quota: int | None = None,
     ) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
@@ -107,7 +108,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_namespace = hash_namespace
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, tenant_quota)
         self.prefix_cache_stats = PrefixCacheStats()
         self._requests: dict[str, _RequestBlocks] = {}
         # The offload tiers, when the engine has them: prefix lookups continue there.
@@ -120,6 +121,7 @@ class KVCacheManager:
             cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
             hash_namespace=cache_config.hash_namespace,
+            tenant_quota=cache_config.tenant_quota_blocks(num_blocks),
         )
 
     @property

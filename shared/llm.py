@@ -63,6 +63,7 @@ class LLM:
         with self._aborted_on_error(request_ids, [params]):
             while self.engine.has_unfinished_requests():
                 yield from self.engine.step()
+                self.engine.take_kv_events()  # unpublished offline, as in _run_until_done
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -79,6 +80,8 @@ class LLM:
             for delta in self.engine.step():
                 if delta.final is not None:
                     finals[delta.request_id] = delta.final
+            # Nobody publishes an offline engine's cache: its events would only pile up.
+            self.engine.take_kv_events()
         return finals
 
     @contextlib.contextmanager

@@ -163,12 +163,12 @@ def test_reused_blocks_reach_the_disk_and_a_restarted_engine_serves_them(
     assert len(list(tmp_path.glob("*.kv"))) < one_shot_blocks  # one-shot floods stayed off
 
     restarted = LLM(**options)
+    events = restarted.engine.take_kv_events()
+    assert any(e.tier == Tier.DISK for e in events)  # republished for the index
     again = restarted.generate([session], GREEDY)[0].outputs[0]
     assert again.token_ids == first.token_ids == resumed.token_ids
     assert again.num_cached_tokens >= 16 * ((len(session) - 1) // 16 - 2)
     assert restarted.engine.offloader.counters.load_hits[Tier.DISK] > 0
-    events = restarted.engine.take_kv_events()
-    assert any(e.tier == Tier.DISK for e in events)  # republished for the index
     restarted.engine.close()
 
 

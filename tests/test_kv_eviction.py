@@ -20,19 +20,9 @@ def _ids(blocks) -> list[int]:
     return [block.block_id for block in blocks]
 
 
-def _cached_pool(num_blocks: int) -> tuple[BlockPool, list]:
+def _cached_pool(num_blocks: int, tenant_quota: int | None = None) -> tuple[BlockPool, list]:
     """A pool whose blocks are all allocated and registered under distinct hashes."""
-    pool = BlockPool(num_blocks)
-    blocks = pool.get_new_blocks(num_blocks, now=0.0)
-    for i, block in enumerate(blocks):
-        tokens = list(range(i * 100, i * 100 + BLOCK_SIZE))
-        hashes = hash_full_blocks(tokens, BLOCK_SIZE, "test")
-        pool.cache_full_blocks([block], hashes, None, tokens, BLOCK_SIZE)
-    return pool, blocks
-
-
-def _quota_pool(num_blocks: int, quota: int) -> tuple[BlockPool, list]:
-    pool = BlockPool(num_blocks, tenant_quota=quota)
+    pool = BlockPool(num_blocks, tenant_quota=tenant_quota)
     blocks = pool.get_new_blocks(num_blocks, now=0.0)
     for i, block in enumerate(blocks):
         tokens = list(range(i * 100, i * 100 + BLOCK_SIZE))
@@ -122,14 +112,14 @@ def test_retention_carries_the_tenant_under_every_policy():
 
 
 def test_a_tenant_over_its_quota_loses_its_own_oldest_blocks_first():
-    pool, blocks = _quota_pool(6, quota=2)
+    pool, blocks = _cached_pool(6, tenant_quota=2)
     owners = ["a", "a", "", "a", "b", "a"]  # freed in this order; a keeps 4 > 2
     for i, (block, tenant) in enumerate(zip(blocks, owners)):
         pool.free_blocks([block], Retention(tenant=tenant), now=float(i))
     # a's two oldest go first (it is over by two), then plain LRU: the shared block 2, a's
     # block 3, b's 4, a's 5 (a is back at its quota after two evictions).
     assert _ids(pool.free_block_queue.order(now=10.0)) == [0, 1, 2, 3, 4, 5]
-    pool2, blocks2 = _quota_pool(6, quota=2)
+    pool2, blocks2 = _cached_pool(6, tenant_quota=2)
     owners2 = ["", "b", "a", "a", "a", "a"]
     for i, (block, tenant) in enumerate(zip(blocks2, owners2)):
         pool2.free_blocks([block], Retention(tenant=tenant), now=float(i))

@@ -251,3 +251,44 @@ def test_a_restarted_decode_pod_serves_its_disk_tier_and_asks_only_for_the_rest(
     assert finals["turn-3"].token_ids == expected and _all_blocks_free(restarted)
     assert restarted.engine.offloader.counters.load_failures >= 1
     restarted.engine.close()
+
+
+def _write_quietly(fifo) -> None:
+    import contextlib
+
+    with contextlib.suppress(OSError):  # the reader may be gone already
+        fifo.write_bytes(b"late")
+
+
+def test_a_load_stuck_on_the_disk_is_cut_short_and_the_prefix_computed(single_thread, tmp_path):
+    import os
+    import threading
+
+    from shared.kv.block_hash import hash_full_blocks
+
+    llm = LLM(
+        kv_cache_bytes=POOL_BYTES,
+        offload_disk_dir=str(tmp_path),
+        offload_disk_bytes=512 * 2**20,
+        offload_disk_min_hits=0,
+        kv_load_timeout_s=0.5,
+    )
+    session, flood = _session_and_flood(llm)
+    first = llm.generate([session], GREEDY)[0].outputs[0]
+    for prompt in flood:
+        llm.generate([prompt], GREEDY)
+    llm.engine.offloader.disk.flush()
+    first_hash = hash_full_blocks(session, 16, llm.config.cache.hash_namespace)[0]
+    stuck = tmp_path / f"{first_hash.hex()}.kv"
+    assert stuck.exists()
+    stuck.unlink()
+    os.mkfifo(stuck)  # reading it blocks until someone writes: a disk that does not answer
+    try:
+        again = llm.generate([session], GREEDY)[0].outputs[0]
+    finally:
+        # Unblock the load thread's read (it was given up on; what it reads is discarded).
+        threading.Thread(target=_write_quietly, args=(stuck,), daemon=True).start()
+    assert again.token_ids == first.token_ids
+    assert llm.engine.offloader.counters.load_failures == 1
+    assert again.num_cached_tokens == 0 and _all_blocks_free(llm)
+    llm.engine.close()

@@ -137,11 +137,12 @@ class LlamaForCausalLM(nn.Module):
         self.to(dtype)
         if self.quantization != "none":
             # One int8 copy serves the lookup and, tied, the head (quantization.py says why).
-            self.embed_tokens = QuantizedEmbedding(self.arch.vocab_size, self.arch.hidden_size, dtype)
+            vocab, hidden = self.arch.vocab_size, self.arch.hidden_size
+            self.embed_tokens = QuantizedEmbedding(vocab, hidden, dtype)
             self.lm_head = (
                 self.embed_tokens
                 if self.arch.tie_word_embeddings
-                else QuantizedEmbedding(self.arch.vocab_size, self.arch.hidden_size, dtype)
+                else QuantizedEmbedding(vocab, hidden, dtype)
             )
         elif self.arch.tie_word_embeddings:
             # to_empty replaces parameters one module at a time, which unties them.

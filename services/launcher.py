@@ -18,6 +18,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+from services.common.flags import add_quantization_flag
 from services.common.redis_server import RedisServer
 from services.common.supervisor import (
     HealthCheck,
@@ -26,6 +27,7 @@ from services.common.supervisor import (
     RestartPolicy,
     Supervisor,
 )
+from shared.config import QUANTIZATION_METHODS
 
 DECODE_SERVICE = "splitserve.v1.DecodeWorker"
 PREFILL_SERVICE = "splitserve.v1.PrefillWorker"
@@ -68,6 +70,13 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
         "--model", default=None, help="a .gguf file or HF directory (default: SmolLM2)"
     )
     sub.add_argument("--model-name", default=None, help="served model name")
+    add_quantization_flag(sub)
+    sub.add_argument(
+        "--prefill-quantization",
+        default=None,
+        choices=QUANTIZATION_METHODS,
+        help="the prefill processes' weights, where they should differ (default: --quantization)",
+    )
     sub.add_argument(
         "--kv-cache-bytes", default="256MiB", help="KV cache of each engine process, e.g. 256MiB"
     )
@@ -137,6 +146,7 @@ def plan(
     decode_addresses = [f"{args.host}:{args.decode_port + i}" for i in range(args.decode)]
     prefill_flags = ["--num-threads", str(threads.prefill)]
     prefill_flags += ["--kv-checksum"] if args.kv_checksum else []
+    prefill_flags += _prefill_quantization(args)
     decode_flags = ["--num-threads", str(threads.decode)]
     decode_flags += [] if colocated else _decode_flags(args)
     specs = [
@@ -205,7 +215,16 @@ def _thread_split(args: argparse.Namespace, num_prefill: int, num_decode: int) -
 
 
 def _decode_flags(args: argparse.Namespace) -> list[str]:
-    return ["--local-prefill-threshold", str(args.local_prefill_threshold)]
+    return [
+        "--local-prefill-threshold",
+        str(args.local_prefill_threshold),
+        "--quantization",
+        args.quantization,
+    ]
+
+
+def _prefill_quantization(args: argparse.Namespace) -> list[str]:
+    return ["--quantization", args.prefill_quantization or args.quantization]
 
 
 def _engine_flags(args: argparse.Namespace, transport: str) -> list[str]:

@@ -51,6 +51,8 @@ so the ConfigMap is the one place they are written. */}}
 - --kv-cache-memory-fraction
 {{- end }}
 - $({{ include "splitserve.worker.configKey" (dict "component" .component "setting" "KV_CACHE") }})
+- --quantization
+- $({{ include "splitserve.worker.configKey" (dict "component" .component "setting" "QUANTIZATION") }})
 - --redis-url
 - $(REDIS_URL)
 {{- include "splitserve.worker.threadArgs" $values }}

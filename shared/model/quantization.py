@@ -140,10 +140,13 @@ def weight_nbytes(model: nn.Module) -> int:
         nonlocal total
         if tensor is None or tensor.device.type == "meta":
             return
-        key = tensor.untyped_storage().data_ptr()
+        try:
+            key, nbytes = tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()
+        except NotImplementedError:  # oneDNN's reordered weights are opaque: no storage
+            key, nbytes = id(tensor), tensor.numel() * tensor.element_size()
         if key not in seen:
             seen.add(key)
-            total += tensor.untyped_storage().nbytes()
+            total += nbytes
 
     for param in model.parameters():
         add(param)

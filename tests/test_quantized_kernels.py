@@ -1,0 +1,210 @@
+"""Weight-only quantized products against their float references, and GGUF blocks repacked
+bit for bit (shared/model/quantized_linear.py, gguf_blocks.py, quantization.py).
+
+Every product runs on fresh random inputs (never zeros) at 1, 3, 16 and 64 rows (the packed
+kernels) and 300 rows (dequantized on the fly), with odd sizes that need padding.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+
+from shared.config import ModelConfig
+from shared.model import quantized_linear
+from shared.model.gguf_blocks import BlockQuantized, read_blocks
+from shared.model.gguf_loader import unpermute_rope_rows
+from shared.model.quantization import QuantizedEmbedding, effective_method, pack_weight
+from shared.model.quantized_linear import (
+    INT4_DEQUANTIZE_FROM_ROWS,
+    INT8_DEQUANTIZE_FROM_ROWS,
+    Int4Weight,
+    cpu_kernel_problem,
+    int4_from_codes,
+    quantize,
+    quantized_matmul,
+)
+
+ROWS = (1, 3, 16, 64, 300)
+# (out, in): SmolLM2's qkv and down shapes, and odd ones (rows padded to 64, columns to 32).
+SHAPES = ((960, 576), (576, 1536), (200, 96), (7, 50))
+# A product of bfloat16 activations with bfloat16-scaled weights, against float32: relative to
+# the largest output, what bfloat16's 8-bit mantissa leaves (a few 2^-9 over hundreds of terms).
+PRODUCT_TOLERANCE = 0.01
+
+
+def _random(*shape: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=generator) + 0.1  # never zeros, and not centred
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def test_kernels_are_usable_on_this_machine():
+    # The start-up check the model runs: None means the fast path is there and answers right.
+    assert cpu_kernel_problem("int8") is None
+    assert cpu_kernel_problem("int4") is None
+    assert effective_method("int4", torch.device("cpu")) == "int4"
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_product_matches_its_float_reference(method, out_features, in_features):
+    weight = _random(out_features, in_features, seed=out_features)
+    packed = quantize(weight, method)
+    reference = packed.dequantize(torch.float32)[:out_features, :in_features]
+    for rows in ROWS:
+        x = _random(rows, in_features, seed=rows)
+        got = quantized_matmul(x, packed)
+        assert got.shape == (rows, out_features) and got.dtype == torch.float32
+        error = _relative_error(got, x @ reference.t())
+        assert error < PRODUCT_TOLERANCE, f"{method} {rows} rows: {error:.4f}"
+
+
+def test_both_paths_are_exercised_by_the_row_counts():
+    # Few rows go through the packed kernel, 300 through the dequantized dense weight.
+    assert min(ROWS) < INT8_DEQUANTIZE_FROM_ROWS <= max(ROWS)
+    assert min(ROWS) < INT4_DEQUANTIZE_FROM_ROWS <= max(ROWS)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantization_error_is_what_the_format_allows(method):
+    weight = _random(256, 256, seed=1)
+    restored = quantize(weight, method).dequantize(torch.float32)
+    # int8: half a step of max|w|/127 per row; int4: half a step of (max-min)/15 per group of
+    # 32, plus bfloat16 rounding of the scales.
+    bound = 0.5 / 127 + 2**-8 if method == "int8" else 0.5 / 15 * 2 + 2**-7
+    assert _relative_error(restored, weight) < bound
+
+
+def test_int4_codes_read_back_from_the_kernels_layout():
+    codes = torch.randint(0, 16, (128, 64), generator=torch.Generator().manual_seed(2))
+    scale = torch.rand(128, 2) + 0.5
+    packed = int4_from_codes(codes.to(torch.uint8), scale, -8 * scale, in_features=64)
+    assert torch.equal(packed.codes(), codes.to(torch.uint8))
+    # The kernel itself, fed the identity, gives the weight it holds: the layout we read is
+    # the one it reads.
+    identity = torch.eye(64, dtype=torch.bfloat16)
+    from_kernel = packed.kernel(identity).t().float()
+    assert torch.equal(from_kernel, packed.dequantize(torch.bfloat16).float())
+    transposed = packed.dequantize_transposed().t().float()
+    assert _relative_error(transposed, from_kernel) < 2**-7
+
+
+def test_quantized_embedding_looks_up_and_projects_with_one_copy():
+    weight = _random(300, 64, seed=3)
+    embedding = QuantizedEmbedding(300, 64, torch.float32)
+    embedding.load(weight)
+    ids = torch.tensor([0, 5, 299, 5])
+    restored = embedding.qweight.dequantize(torch.float32)
+    assert torch.allclose(embedding(ids), restored[ids], rtol=0, atol=1e-6)
+    assert _relative_error(embedding(ids), weight[ids]) < 0.5 / 127 + 2**-8
+    hidden = _random(3, 64, seed=4)
+    assert _relative_error(embedding.project(hidden), hidden @ restored.t()) < PRODUCT_TOLERANCE
+
+
+# ---- GGUF blocks --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gguf_reader(smollm2_gguf_path) -> gguf.GGUFReader:
+    return gguf.GGUFReader(smollm2_gguf_path)
+
+
+def _tensor(reader: gguf.GGUFReader, name: str) -> gguf.ReaderTensor:
+    return next(t for t in reader.tensors if t.name == name)
+
+
+def test_shipped_file_is_q4_1_with_a_q8_0_embedding(gguf_reader):
+    # What the gguf mode has to handle in the shipped model (docs/quantization.md says so).
+    types = {t.tensor_type.name for t in gguf_reader.tensors if len(t.shape) == 2}
+    assert types == {"Q4_1", "Q8_0"}
+    assert _tensor(gguf_reader, "token_embd.weight").tensor_type.name == "Q8_0"
+
+
+@pytest.mark.parametrize("name", ["blk.0.ffn_down.weight", "blk.3.attn_q.weight"])
+def test_blocks_equal_ggufs_own_dequantization(gguf_reader, name):
+    tensor = _tensor(gguf_reader, name)
+    blocks = read_blocks(tensor)
+    want = dequantize(tensor.data, tensor.tensor_type).reshape(blocks.shape)
+    assert np.array_equal(blocks.dequantize().numpy(), want)
+
+
+def test_q4_0_blocks_read_like_ggufs(gguf_reader):
+    # No Q4_0 tensor ships: quantize random values with gguf's own Q4_0 and read them back.
+    values = _random(8, 64, seed=5).numpy()
+    raw = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_0)
+
+    class _Tensor:  # the two fields read_blocks reads, as GGUFReader gives them
+        name, tensor_type, shape, data = "q4_0", gguf.GGMLQuantizationType.Q4_0, [64, 8], raw
+
+    want = dequantize(raw, gguf.GGMLQuantizationType.Q4_0).reshape(8, 64)
+    assert np.array_equal(read_blocks(_Tensor).dequantize().numpy(), want)
+
+
+def test_repacked_q4_1_keeps_the_codes_and_rounds_only_the_scales(gguf_reader):
+    tensor = _tensor(gguf_reader, "blk.0.ffn_gate.weight")
+    blocks = read_blocks(tensor)
+    packed = pack_weight(blocks, "gguf")
+    assert isinstance(packed, Int4Weight)
+    assert torch.equal(packed.codes()[: blocks.shape[0]], blocks.codes)
+    # Q4_1's weight = d * q + m is the kernel's (q - 8) * scale + zero with scale d and zero
+    # m + 8d, both rounded to bfloat16 once.
+    scale, zero = packed.scales_zeros[..., 0].t(), packed.scales_zeros[..., 1].t()
+    assert torch.equal(scale, blocks.scale.to(torch.bfloat16))
+    assert torch.equal(zero, (blocks.minimum + 8 * blocks.scale).to(torch.bfloat16))
+    restored = packed.dequantize(torch.float32)
+    assert _relative_error(restored, blocks.dequantize()) < 2**-7
+
+
+def test_q_and_k_blocks_get_the_float_paths_row_order(gguf_reader, smollm2_gguf_path):
+    from shared.model.loader import load_checkpoint
+
+    packed = load_checkpoint(smollm2_gguf_path, keep_quantized=True).weights
+    dense = load_checkpoint(smollm2_gguf_path).weights
+    for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "mlp.up_proj.weight"):
+        blocks = packed[f"model.layers.2.{name}"]
+        assert isinstance(blocks, BlockQuantized)
+        assert torch.equal(blocks.dequantize(), dense[f"model.layers.2.{name}"])
+    # The permutation is not the identity (the check above would hold trivially otherwise).
+    order = unpermute_rope_rows(np.arange(576), 9)
+    assert not np.array_equal(order, np.arange(576))
+    assert torch.equal(packed["model.embed_tokens.weight"], dense["model.embed_tokens.weight"])
+
+
+# ---- configuration and fallback ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["int3", "fp8", "", "INT4"])
+def test_config_rejects_unknown_methods_naming_them(bad):
+    with pytest.raises(ValueError, match=repr(bad)):
+        ModelConfig(quantization=bad)
+
+
+def test_gguf_needs_a_gguf_file():
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        ModelConfig(model="/models/llama-dir", quantization="gguf")
+    ModelConfig(model=None, quantization="gguf")  # the shipped GGUF
+    ModelConfig(model="/models/llama-dir", quantization="int4")
+
+
+def test_missing_kernel_falls_back_to_dense_with_a_warning(monkeypatch, caplog):
+    # Stands in for a torch build without the int4 kernel: the model is built dense, loudly.
+    monkeypatch.setattr(
+        quantized_linear, "cpu_kernel_problem", lambda method: f"no {method} kernel"
+    )
+    with caplog.at_level(logging.WARNING, logger="shared.model.quantized_linear"):
+        assert effective_method("int4", torch.device("cpu")) == "none"
+    assert "no int8 kernel" in caplog.text and "no memory is saved" in caplog.text
+
+
+def test_quantization_is_cpu_only():
+    with pytest.raises(ValueError, match="CPU only"):
+        effective_method("int8", torch.device("meta"))

@@ -125,7 +125,7 @@ class Int4Weight:
         out = torch.empty(in_padded, out_padded // _INT4_ROW_BLOCK, 2, 32, dtype=_ACT_DTYPE)
         out[:, :, 0, :].copy_((blocks & 15).permute(1, 0, 2))
         out[:, :, 1, :].copy_((blocks >> 4).permute(1, 0, 2))
-        scale = self.scales_zeros[..., 0].unsqueeze(1)  # [groups, 1, out]
+        scale = self.scales_zeros[..., 0].contiguous().unsqueeze(1)  # [groups, 1, out]
         scales_zeros = self.scales_zeros.float()  # the shift in float32, rounded once
         zero = (scales_zeros[..., 1] - 8 * scales_zeros[..., 0]).to(_ACT_DTYPE).unsqueeze(1)
         grouped = out.view(in_padded // GROUP_SIZE, GROUP_SIZE, out_padded)

@@ -2,7 +2,8 @@
 
 - Perplexity on a fixed English text that ships with an installed package (grpcio's LICENSE,
   the Apache License 2.0; grpcio is a dependency): float32 (the file dequantized, the engine's
-  default) against int8 (within 2%) and int4 / gguf (within 3%, see GGUF_BOUND).
+  default) against int8 (within 2%) and int4 / gguf (within llama.cpp's own gap on the
+  file, 0.41%: GGUF_BOUND), through one prefill and through the packed kernels.
 - Greedy output of the engine against float32 over the parity prompts of
   test_engine_parity.py: the first diverging position of each prompt is reported.
 - Resident weight memory: int4 and gguf at most a third of float32's checkpoint size.
@@ -26,15 +27,16 @@ from tests.test_engine_parity import _prompts
 
 METHODS = ("none", "int8", "int4", "gguf")
 NUM_TEXT_TOKENS = 512
+KERNEL_TEXT_TOKENS = 256  # fed 8 at a time: 32 forwards per model
 INT8_BOUND = 0.02  # the issue's gate
-# int4 / gguf: the float32 reference *is* the file's Q4_1 dequantized, so the Q4 gap of the
-# file (llama.cpp's own, against the original bfloat16 weights, which do not ship) is already
-# inside it and cannot be measured here. What this gate bounds is what we add on top: bfloat16
-# activations and scales, and the int8 vocabulary matrix. Measured: +1.4% (int4 equals gguf:
-# re-quantizing Q4_1 values with min/max groups of 32 finds the same codes). 3% leaves room
-# for other torch builds while failing a broken layout, which costs far more (a row order or a
-# scale off gives perplexities in the hundreds).
-GGUF_BOUND = 0.03
+# int4 / gguf: the issue's yardstick is the gap llama.cpp's own Q4 shows on the same file.
+# The float32 reference *is* the file's Q4_1 dequantized (the original weights do not ship),
+# so that gap is what llama.cpp's kernels add on top of the exact Q4_1 values: llama-cpp-python
+# 0.3.36 (benchmarks/peer/llamacpp_venv.py) scores these 512 tokens at 16.011 against our
+# float32 15.945: +0.41%. It cannot run here (it is no dependency), so the figure is a constant.
+# Measured for ours: +0.09% (one prefill) and +0.09% (kernels); int4 equals gguf, because
+# re-quantizing Q4_1 values with min/max groups of 32 finds the same codes.
+GGUF_BOUND = 0.0041
 MAX_TOKENS = 20
 NEAR_TIE = 0.5  # nats between float32's first and second choice
 
@@ -68,38 +70,65 @@ def engines() -> dict[str, LLM]:
     }
 
 
-def _mean_nll(model: LlamaForCausalLM, token_ids: list[int]) -> float:
-    """Mean negative log-likelihood of each token given the ones before, one prefill."""
+def _mean_nll(model: LlamaForCausalLM, token_ids: list[int], chunk: int) -> float:
+    """Mean negative log-likelihood of each token given the ones before, the text fed as
+    prefill chunks of `chunk` tokens over one KV cache: one chunk of the whole text takes the
+    dequantize-on-the-fly path of the quantized layers, chunks of 8 rows their packed kernels
+    (the path decode steps take)."""
     arch = model.arch
     num_tokens, block_size = len(token_ids), 16
     num_blocks = -(-num_tokens // block_size)
-    dtype = torch.float32
     shape = (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(num_tokens),
-        num_decodes=0,
-        prefills=[PrefillChunk(0, num_tokens, num_tokens, torch.arange(num_blocks))],
-    )
-    logits = model(
-        torch.tensor(token_ids),
-        torch.arange(num_tokens),
-        torch.zeros(shape, dtype=dtype),
-        meta,
-        select_attention_backend(torch.device("cpu"), dtype),
-        torch.arange(num_tokens - 1),
-    )
-    log_probs = torch.log_softmax(logits, dim=-1)
-    return -log_probs.gather(1, torch.tensor(token_ids[1:])[:, None]).mean().item()
+    kv_cache = torch.zeros(shape)
+    backend = select_attention_backend(torch.device("cpu"), torch.float32)
+    ids = torch.tensor(token_ids)
+    log_probs = []
+    for start in range(0, num_tokens, chunk):
+        end = min(start + chunk, num_tokens)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(start, end),
+            num_decodes=0,
+            prefills=[PrefillChunk(0, end - start, end, torch.arange(-(-end // block_size)))],
+        )
+        logits = model(
+            ids[start:end],
+            torch.arange(start, end),
+            kv_cache,
+            meta,
+            backend,
+            torch.arange(end - start),
+        )
+        log_probs.append(torch.log_softmax(logits, dim=-1))
+    predicted = torch.cat(log_probs)[:-1]  # the last row predicts past the text
+    return -predicted.gather(1, ids[1:, None]).mean().item()
 
 
 @pytest.fixture(scope="module")
-def perplexities(models) -> dict[str, float]:
+def text_tokens(models) -> list[int]:
     tokens = models["tokenizer"].encode(_license_text())[:NUM_TEXT_TOKENS]
     assert len(tokens) == NUM_TEXT_TOKENS, "the license text is shorter than expected"
-    return {method: math.exp(_mean_nll(models[method], tokens)) for method in METHODS}
+    return tokens
 
 
-def test_float32_perplexity_is_that_of_a_working_model(perplexities):
+@pytest.fixture(scope="module")
+def perplexities(models, text_tokens) -> dict[str, float]:
+    """One prefill of the whole text: the quantized layers' dequantized path."""
+    return {m: math.exp(_mean_nll(models[m], text_tokens, NUM_TEXT_TOKENS)) for m in METHODS}
+
+
+@pytest.fixture(scope="module")
+def kernel_perplexities(models, text_tokens) -> dict[str, float]:
+    """The text in chunks of 8 tokens: the packed kernels, as decode steps run them."""
+    tokens = text_tokens[:KERNEL_TEXT_TOKENS]
+    return {m: math.exp(_mean_nll(models[m], tokens, 8)) for m in METHODS}
+
+
+def test_float32_perplexity_is_that_of_a_working_model(perplexities, kernel_perplexities, capsys):
+    with capsys.disabled():
+        rounded = {m: round(p, 3) for m, p in perplexities.items()}
+        print(f"\nperplexity, one prefill: {rounded}")
+        rounded = {m: round(p, 3) for m, p in kernel_perplexities.items()}
+        print(f"perplexity, chunks of 8 (kernels): {rounded}")
     # An English license text: a working 135M model is far below a uniform guess (49152).
     assert 2 < perplexities["none"] < 40, perplexities
 
@@ -113,6 +142,13 @@ def test_int8_perplexity_within_two_percent(perplexities):
 def test_int4_and_gguf_perplexity_within_the_bound(perplexities, method):
     gap = perplexities[method] / perplexities["none"] - 1
     assert abs(gap) < GGUF_BOUND, perplexities
+
+
+def test_kernel_path_perplexity_within_the_same_bounds(kernel_perplexities):
+    reference = kernel_perplexities["none"]
+    assert abs(kernel_perplexities["int8"] / reference - 1) < INT8_BOUND, kernel_perplexities
+    for method in ("int4", "gguf"):
+        assert abs(kernel_perplexities[method] / reference - 1) < GGUF_BOUND, kernel_perplexities
 
 
 def _first_divergence(want: list[int], got: list[int]) -> int | None:

@@ -208,3 +208,45 @@ def test_missing_kernel_falls_back_to_dense_with_a_warning(monkeypatch, caplog):
 def test_quantization_is_cpu_only():
     with pytest.raises(ValueError, match="CPU only"):
         effective_method("int8", torch.device("meta"))
+
+
+# ---- flags -------------------------------------------------------------------------------
+
+
+def test_pod_flag_reaches_the_engine_config_and_refuses_bad_values():
+    import argparse
+
+    from services.common.flags import add_engine_flags, engine_options
+    from shared.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    config = EngineConfig.from_options(
+        **engine_options(parser.parse_args(["--quantization", "int4"]))
+    )
+    assert config.model.quantization == "int4"
+    assert (
+        EngineConfig.from_options(**engine_options(parser.parse_args([]))).model.quantization
+        == "none"
+    )
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "q4"])
+
+
+def test_splitserve_up_passes_each_role_its_quantization():
+    from services.cli import build_parser
+    from services.launcher import plan
+
+    def flag(argv: list[str]) -> str:
+        return argv[argv.index("--quantization") + 1]
+
+    args = build_parser().parse_args(
+        ["up", "--quantization", "gguf", "--prefill-quantization", "none"]
+    )
+    specs = plan(args, prefill_available=True, redis_url="redis://127.0.0.1:1").specs
+    roles = {spec.name.split("-")[0]: spec.argv for spec in specs if "-" in spec.name}
+    assert flag(roles["decode"]) == "gguf" and flag(roles["prefill"]) == "none"
+    same = plan(
+        build_parser().parse_args(["up", "--quantization", "int8"]), True, "redis://x"
+    ).specs
+    assert {flag(s.argv) for s in same if "--quantization" in s.argv} == {"int8"}

@@ -41,6 +41,11 @@ class ModelConfig:
                 f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
                 f"got {self.quantization!r}"
             )
+        if self.quantization != "none" and not self.device.startswith("cpu"):
+            raise ValueError(
+                f"quantization {self.quantization!r} runs on the CPU only, device is "
+                f"{self.device!r}"
+            )
         if self.quantization == "gguf" and not str(self.model or ".gguf").endswith(".gguf"):
             raise ValueError(
                 f"quantization 'gguf' keeps a GGUF file's blocks, but model {self.model!r} is "

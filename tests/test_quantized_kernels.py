@@ -195,6 +195,12 @@ def test_gguf_needs_a_gguf_file():
     ModelConfig(model="/models/llama-dir", quantization="int4")
 
 
+def test_quantization_needs_the_cpu_device():
+    with pytest.raises(ValueError, match="CPU only"):
+        ModelConfig(quantization="int4", device="cuda")
+    ModelConfig(quantization="none", device="cuda")
+
+
 def test_missing_kernel_falls_back_to_dense_with_a_warning(monkeypatch, caplog):
     # Stands in for a torch build without the int4 kernel: the model is built dense, loudly.
     monkeypatch.setattr(

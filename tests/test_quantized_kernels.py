@@ -256,3 +256,40 @@ def test_splitserve_up_passes_each_role_its_quantization():
         build_parser().parse_args(["up", "--quantization", "int8"]), True, "redis://x"
     ).specs
     assert {flag(s.argv) for s in same if "--quantization" in s.argv} == {"int8"}
+
+
+# ---- a whole model ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_untied_hf_model_quantizes_its_head_apart(make_tiny_hf_checkpoint, method):
+    """A Hugging Face directory with its own lm_head: both vocabulary matrices are int8, the
+    logits stay near float32's, and the engine serves it."""
+    from shared import LLM, SamplingParams
+    from shared.model.attention_backend import select_attention_backend
+    from shared.model.attention_metadata import AttentionMetadata, PrefillChunk
+    from shared.model.llama import LlamaForCausalLM
+    from shared.model.loader import load_checkpoint
+
+    directory = make_tiny_hf_checkpoint(tie_word_embeddings=False)
+    checkpoint = load_checkpoint(directory)
+    assert not checkpoint.architecture.tie_word_embeddings
+    ids = torch.randint(100, 40000, (20,), generator=torch.Generator().manual_seed(6))
+    logits = {}
+    for name in ("none", method):
+        model = LlamaForCausalLM(checkpoint.architecture, 256, torch.device("cpu"), name)
+        model.materialize(torch.device("cpu"), torch.float32)
+        model.load_hf_weights(checkpoint.weights)
+        arch = model.arch
+        cache = torch.zeros(arch.num_layers, 2, 2, 16, arch.num_kv_heads, arch.head_dim)
+        meta = AttentionMetadata(torch.arange(20), 0, [PrefillChunk(0, 20, 20, torch.arange(2))])
+        backend = select_attention_backend(torch.device("cpu"), torch.float32)
+        logits[name] = model(ids, torch.arange(20), cache, meta, backend, torch.arange(20))
+    assert model.lm_head is not model.embed_tokens
+    # Random Gaussian weights are int4's worst case (no structure; a group's step is ~1/4 of
+    # a weight's spread): ~10% of the largest logit after two layers, int8 ~1%.
+    bound = {"int8": 0.05, "int4": 0.2}[method]
+    assert _relative_error(logits[method], logits["none"]) < bound
+    llm = LLM(directory, quantization=method, kv_cache_bytes=8 * 2**20, num_threads=1)
+    output = llm.generate([ids.tolist()], SamplingParams(temperature=0.0, max_tokens=4))
+    assert len(output[0].outputs[0].token_ids) == 4

@@ -6,6 +6,8 @@ row of `[num_tokens, hidden]`, and only attention needs to know which row belong
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,8 +25,11 @@ from shared.model.quantization import (
     log_gguf_notes,
     make_linear,
     pack_weight,
+    weight_nbytes,
 )
 from shared.model.rotary import RotaryAngles, RotaryEmbedding
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -199,14 +204,18 @@ class LlamaForCausalLM(nn.Module):
             target.data.copy_(tensor)
         if params or packed:
             raise ValueError(f"checkpoint lacks weights: {sorted([*params, *packed])[:5]}")
-        if self.quantization != "none":
-            return
-        # On the CPU every product, the vocabulary projection too, runs on oneDNN (see
-        # shared/model/linear.py): its weights are reordered once, here.
-        self._lm_head_onednn = onednn_weight(self.lm_head.weight)
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.prepare_cpu_kernel()
+        if self.quantization == "none":
+            # On the CPU every product, the vocabulary projection too, runs on oneDNN (see
+            # shared/model/linear.py): its weights are reordered once, here.
+            self._lm_head_onednn = onednn_weight(self.lm_head.weight)
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.prepare_cpu_kernel()
+        logger.info(
+            "weights: quantization %s, %.0f MiB resident",
+            self.quantization,
+            weight_nbytes(self) / 2**20,
+        )
 
 
 def _packed_modules(model: nn.Module) -> dict[str, nn.Module]:

@@ -36,6 +36,7 @@ from shared.model.quantized_linear import (
     quantize,
     quantize_int8,
     quantized_matmul,
+    warn_if_kernel_is_slow,
 )
 
 logger = logging.getLogger(__name__)
@@ -51,9 +52,10 @@ def effective_method(method: str, device: torch.device) -> str:
         return method
     if device.type != "cpu":
         raise ValueError(f"quantization {method!r} is implemented for the CPU only")
-    if all(kernels_usable(kernel) for kernel in _KERNELS[method]):
-        return method
-    return "none"
+    if not all(kernels_usable(kernel) for kernel in _KERNELS[method]):
+        return "none"
+    warn_if_kernel_is_slow("int8" if method == "int8" else "int4")
+    return method
 
 
 def make_linear(in_features: int, out_features: int, method: str) -> nn.Module:

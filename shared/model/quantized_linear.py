@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -287,3 +288,36 @@ def kernels_usable(method: str) -> bool:
             problem,
         )
     return problem is None
+
+
+@functools.cache
+def warn_if_kernel_is_slow(method: str) -> None:
+    """Times the packed kernel against a dense float32 product at one row (a decode step's
+    shape), best of a few runs, and warns when it is not faster: a torch build or CPU without
+    the fast bfloat16 path still answers right (cpu_kernel_problem) but slowly. Warns only:
+    the packed weights still save their memory. ~10 ms, once per process."""
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(1024, 2048, generator=generator)
+    x = torch.randn(1, 2048, generator=generator)
+    packed = quantize(weight, method)
+    dense_s = _best_seconds(lambda: F.linear(x, weight))
+    packed_s = _best_seconds(lambda: quantized_matmul(x, packed))
+    if packed_s >= dense_s:
+        logger.warning(
+            "quantization %r: torch's packed CPU kernel is not faster than a dense float32 "
+            "product here (%.2f ms against %.2f ms for 1024 x 2048 at one row): the weights "
+            "take less memory, but decoding will not be faster",
+            method,
+            packed_s * 1e3,
+            dense_s * 1e3,
+        )
+
+
+def _best_seconds(product, runs: int = 5) -> float:
+    product()  # first call: allocations, dispatch
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        product()
+        best = min(best, time.perf_counter() - start)
+    return best

@@ -6,9 +6,17 @@ import argparse
 import sys
 import time
 
+from services.common.flags import add_quantization_flag
 from services.launcher import add_up_flags, run_up
 
-ENGINE_FLAGS = ("dtype", "block_size", "max_num_batched_tokens", "max_model_len", "num_threads")
+ENGINE_FLAGS = (
+    "dtype",
+    "quantization",
+    "block_size",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "num_threads",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +52,7 @@ def _add_generate(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--top-k", type=int, default=0)
     sub.add_argument("--seed", type=int, default=None)
     sub.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_quantization_flag(sub)
     sub.add_argument("--block-size", type=int, default=16)
     sub.add_argument("--max-num-batched-tokens", type=int, default=512)
     sub.add_argument("--max-model-len", type=int, default=None)

@@ -18,7 +18,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from services.common.flags import parse_size, parse_tier_size
+from services.common.flags import add_quantization_flag, parse_size, parse_tier_size
 from services.common.redis_server import RedisServer
 from services.common.supervisor import (
     HealthCheck,
@@ -27,6 +27,7 @@ from services.common.supervisor import (
     RestartPolicy,
     Supervisor,
 )
+from shared.config import QUANTIZATION_METHODS
 from shared.kv_offload.sizing import auto_host_tier_bytes
 
 DECODE_SERVICE = "splitserve.v1.DecodeWorker"
@@ -70,6 +71,13 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
         "--model", default=None, help="a .gguf file or HF directory (default: SmolLM2)"
     )
     sub.add_argument("--model-name", default=None, help="served model name")
+    add_quantization_flag(sub)
+    sub.add_argument(
+        "--prefill-quantization",
+        default=None,
+        choices=QUANTIZATION_METHODS,
+        help="the prefill processes' weights, where they should differ (default: --quantization)",
+    )
     sub.add_argument(
         "--kv-cache-bytes", default="256MiB", help="KV cache of each engine process, e.g. 256MiB"
     )
@@ -160,6 +168,7 @@ def plan(
     decode_addresses = [f"{args.host}:{args.decode_port + i}" for i in range(args.decode)]
     prefill_flags = ["--num-threads", str(threads.prefill)]
     prefill_flags += ["--kv-checksum"] if args.kv_checksum else []
+    prefill_flags += _prefill_quantization(args)
     decode_flags = ["--num-threads", str(threads.decode)]
     decode_flags += [] if colocated else _decode_flags(args)
     engine_flags += _host_tier_flags(args, num_prefill + args.decode)
@@ -248,7 +257,16 @@ def _disk_tier_flags(args: argparse.Namespace, name: str) -> list[str]:
 
 
 def _decode_flags(args: argparse.Namespace) -> list[str]:
-    return ["--local-prefill-threshold", str(args.local_prefill_threshold)]
+    return [
+        "--local-prefill-threshold",
+        str(args.local_prefill_threshold),
+        "--quantization",
+        args.quantization,
+    ]
+
+
+def _prefill_quantization(args: argparse.Namespace) -> list[str]:
+    return ["--quantization", args.prefill_quantization or args.quantization]
 
 
 def _engine_flags(args: argparse.Namespace, transport: str) -> list[str]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+# ModelConfig.quantization's values; shared/model/quantization.py says what each does.
+QUANTIZATION_METHODS = ("none", "int8", "int4", "gguf")
 
 
 # CacheConfig.eviction_policy's values; shared/kv/eviction.py says what each does.
@@ -27,10 +29,28 @@ class ModelConfig:
     # trained past it).
     max_model_len: int | None = None
     device: str = "cpu"
+    # Weight-only quantization (vLLM's name): "none", "int8" (per output channel), "int4"
+    # (groups of 32), "gguf" (a GGUF file's Q4_0/Q4_1 blocks kept as they are). CPU only.
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                f"got {self.quantization!r}"
+            )
+        if self.quantization != "none" and not self.device.startswith("cpu"):
+            raise ValueError(
+                f"quantization {self.quantization!r} runs on the CPU only, device is "
+                f"{self.device!r}"
+            )
+        if self.quantization == "gguf" and not str(self.model or ".gguf").endswith(".gguf"):
+            raise ValueError(
+                f"quantization 'gguf' keeps a GGUF file's blocks, but model {self.model!r} is "
+                "not a .gguf file (use 'int8' or 'int4')"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

@@ -98,7 +98,9 @@ class EngineCore:
         self.thread_tuner = None
         if config.adaptive_threads and self._num_threads > 1:
             self.thread_tuner = ThreadTuner(self._num_threads)
-        checkpoint = load_checkpoint(config.model.model, progress=progress)
+        checkpoint = load_checkpoint(
+            config.model.model, progress, keep_quantized=config.model.quantization == "gguf"
+        )
         self.architecture = checkpoint.architecture
         self.tokenizer = checkpoint.tokenizer
         self.model_name = checkpoint.source
@@ -108,7 +110,9 @@ class EngineCore:
         self.eos_token_ids = tuple(
             sorted(set(self.architecture.eos_token_ids) | set(self.tokenizer.eos_token_ids))
         )
-        model = LlamaForCausalLM(self.architecture, self.max_model_len, self.device)
+        model = LlamaForCausalLM(
+            self.architecture, self.max_model_len, self.device, config.model.quantization
+        )
         model.materialize(self.device, self.dtype)
         model.load_hf_weights(checkpoint.weights)
         del checkpoint

@@ -297,6 +297,7 @@ BAD_VALUES = [
     ({"engine": {"kvTransport": "rdma"}}, "/engine/kvTransport"),
     ({"gateway": {"routingPolicy": "random"}}, "/gateway/routingPolicy"),
     ({"decode": {"speculative": {"method": "medusa"}}}, "/decode/speculative/method"),
+    ({"decode": {"quantization": "int3"}}, "/decode/quantization"),
     ({"decode": {"kvCacheBytes": "eight gigabytes"}}, "/decode/kvCacheBytes"),
     ({"prefill": {"kvCacheMemoryFraction": 1.5}}, "/prefill/kvCacheMemoryFraction"),
     ({"decode": {"kvOffload": {"hostBytes": "lots"}}}, "/decode/kvOffload/hostBytes"),
@@ -339,6 +340,15 @@ def test_settings_reach_the_pods_through_the_engine_config_map():
         args = command_line(deployment_containers(objects, role)[0], objects)
         assert _flag(args, "--model") == model_path
         assert _flag(args, "--model-name") == values["model"]["name"]
+
+
+def test_each_role_gets_its_own_quantization():
+    # cpu-dev quantizes the decode pods only: prefill pods keep dense weights.
+    objects = case_objects("cpu-dev")
+    decode_args = command_line(deployment_containers(objects, "decode")[0], objects)
+    prefill_args = command_line(deployment_containers(objects, "prefill")[0], objects)
+    assert _flag(decode_args, "--quantization") == "gguf"
+    assert _flag(prefill_args, "--quantization") == "none"
 
 
 def test_engine_settings_change_rolls_the_pods():

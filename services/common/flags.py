@@ -10,7 +10,7 @@ import argparse
 import logging
 import re
 
-from shared.config import EVICTION_POLICIES
+from shared.config import EVICTION_POLICIES, QUANTIZATION_METHODS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -47,6 +47,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--model", default=None, help="a .gguf file or HF directory (default: SmolLM2)"
     )
     group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_quantization_flag(group)
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument(
         "--kv-cache-bytes",
@@ -134,6 +135,16 @@ def _add_offload_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_quantization_flag(parser: argparse._ActionsContainer) -> None:
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=QUANTIZATION_METHODS,
+        help="weight-only quantization on the CPU: int8 per channel, int4 in groups of 32, or "
+        "gguf (a .gguf model's Q4_0/Q4_1 blocks as they are); docs/quantization.md",
+    )
+
+
 def _add_speculative_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding")
     group.add_argument(
@@ -158,6 +169,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
     """Keyword options for `AsyncLLM(model, **options)` from `add_engine_flags`' flags."""
     return {
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "block_size": args.block_size,
         "kv_cache_bytes": args.kv_cache_bytes,
         "kv_cache_memory_fraction": args.kv_cache_memory_fraction,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from shared.model.gguf_blocks import BlockQuantized
     from shared.tokenizer import Tokenizer
 
 
@@ -61,7 +62,8 @@ class ModelArchitecture:
 @dataclass
 class LoadedCheckpoint:
     architecture: ModelArchitecture
-    # HF-named tensors, already dequantized to float32 (the engine casts to its dtype).
-    weights: dict[str, torch.Tensor]
+    # HF-named tensors, already dequantized to float32 (the engine casts to its dtype); with
+    # quantization="gguf", a GGUF file's Q4_0/Q4_1 layer matrices are `BlockQuantized` instead.
+    weights: dict[str, torch.Tensor | BlockQuantized]
     tokenizer: Tokenizer
     source: str  # the file or directory the weights came from, for messages and /v1/models

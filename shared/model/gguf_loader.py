@@ -2,7 +2,9 @@
 
 Three translations happen here:
 - names: llama.cpp's `blk.N.attn_q.weight` becomes `model.layers.N.self_attn.q_proj.weight`;
-- values: quantized blocks are dequantized with the `gguf` package, whole tensor at a time;
+- values: quantized blocks are dequantized with the `gguf` package, whole tensor at a time, or
+  with `keep_quantized` (quantization="gguf") Q4_0/Q4_1 matrices are kept as codes and block
+  scales (`shared.model.gguf_blocks`);
 - layout: llama.cpp's converter reorders the rows of q_proj and k_proj so that its interleaved
   RoPE (rotating row pairs 2i, 2i+1) computes what Hugging Face's rotate-half RoPE computes on the
   original rows (pairs i, i + head_dim/2). We run rotate-half, so we put the rows back.
@@ -19,6 +21,7 @@ import torch
 from gguf.quants import dequantize
 
 from shared.model.architecture import LoadedCheckpoint, ModelArchitecture, RopeScaling
+from shared.model.gguf_blocks import PACKED_TYPES, BlockQuantized, read_blocks
 from shared.progress import ProgressFn
 from shared.tokenizer import Tokenizer
 
@@ -42,14 +45,17 @@ _BLOCK_NAMES = {
 }
 
 
-def load_gguf(path: str, progress: ProgressFn | None = None) -> LoadedCheckpoint:
-    """Reads architecture, tokenizer and all weights (dequantized to float32) from `path`."""
+def load_gguf(
+    path: str, progress: ProgressFn | None = None, keep_quantized: bool = False
+) -> LoadedCheckpoint:
+    """Reads architecture, tokenizer and all weights from `path`: float32, except that with
+    `keep_quantized` the Q4_0/Q4_1 matrices stay `BlockQuantized`."""
     reader = gguf.GGUFReader(path)
     meta = _Metadata(reader)
     _check_architecture(meta.require("general.architecture"), path)
     tokenizer = Tokenizer.from_gguf_reader(reader)
     architecture = read_architecture(reader, tokenizer)
-    weights = _read_weights(reader, architecture, progress)
+    weights = _read_weights(reader, architecture, progress, keep_quantized)
     return LoadedCheckpoint(
         architecture=architecture, weights=weights, tokenizer=tokenizer, source=os.fspath(path)
     )
@@ -112,20 +118,34 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _read_weights(
-    reader: gguf.GGUFReader, architecture: ModelArchitecture, progress: ProgressFn | None
-) -> dict[str, torch.Tensor]:
+    reader: gguf.GGUFReader,
+    architecture: ModelArchitecture,
+    progress: ProgressFn | None,
+    keep_quantized: bool,
+) -> dict[str, torch.Tensor | BlockQuantized]:
     heads_of = {"attn_q": architecture.num_heads, "attn_k": architecture.num_kv_heads}
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | BlockQuantized] = {}
     for done, tensor in enumerate(reader.tensors, start=1):
         name = gguf_to_hf_name(tensor.name)
-        values = _dequantize(tensor)
         kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
-        if kind in heads_of:
-            values = unpermute_rope_rows(values, heads_of[kind])
-        weights[name] = torch.from_numpy(np.ascontiguousarray(values))
+        if keep_quantized and kind and tensor.tensor_type in PACKED_TYPES:
+            weights[name] = _read_packed(tensor, heads_of.get(kind))
+        else:
+            values = _dequantize(tensor)
+            if kind in heads_of:
+                values = unpermute_rope_rows(values, heads_of[kind])
+            weights[name] = torch.from_numpy(np.ascontiguousarray(values))
         if progress is not None:
             progress(done, len(reader.tensors), name)
     return weights
+
+
+def _read_packed(tensor: gguf.ReaderTensor, num_heads: int | None) -> BlockQuantized:
+    """A layer's Q4 matrix as blocks; q and k get the same row order as the float path."""
+    blocks = read_blocks(tensor)
+    if num_heads is None:
+        return blocks
+    return blocks.permute_rows(unpermute_rope_rows(np.arange(blocks.shape[0]), num_heads))
 
 
 def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:

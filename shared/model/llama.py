@@ -6,14 +6,30 @@ row of `[num_tokens, hidden]`, and only attention needs to know which row belong
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shared.model.architecture import ModelArchitecture
 from shared.model.attention_metadata import AttentionBackend, AttentionMetadata
+from shared.model.gguf_blocks import BlockQuantized
 from shared.model.linear import Linear, linear, onednn_weight
+from shared.model.quantization import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    cat_rows,
+    dense,
+    effective_method,
+    log_gguf_notes,
+    make_linear,
+    pack_weight,
+    weight_nbytes,
+)
 from shared.model.rotary import RotaryAngles, RotaryEmbedding
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -30,7 +46,7 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArchitecture) -> None:
+    def __init__(self, arch: ModelArchitecture, quantization: str) -> None:
         super().__init__()
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
@@ -39,9 +55,10 @@ class LlamaAttention(nn.Module):
         q_size = arch.num_heads * arch.head_dim
         kv_size = arch.num_kv_heads * arch.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
-        # q, k and v in one matmul: one pass over the activations instead of three.
-        self.qkv_proj = Linear(arch.hidden_size, q_size + 2 * kv_size)
-        self.o_proj = Linear(q_size, arch.hidden_size)
+        # q, k and v in one matmul: one pass over the activations instead of three (quantized,
+        # the fused matrix is: its rows are the three matrices' rows, each quantized alike).
+        self.qkv_proj = make_linear(arch.hidden_size, q_size + 2 * kv_size, quantization)
+        self.o_proj = make_linear(q_size, arch.hidden_size, quantization)
 
     def forward(
         self,
@@ -63,11 +80,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArchitecture) -> None:
+    def __init__(self, arch: ModelArchitecture, quantization: str) -> None:
         super().__init__()
         self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size)
+        self.gate_up_proj = make_linear(arch.hidden_size, 2 * arch.intermediate_size, quantization)
+        self.down_proj = make_linear(arch.intermediate_size, arch.hidden_size, quantization)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -75,12 +92,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchitecture) -> None:
+    def __init__(self, arch: ModelArchitecture, quantization: str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch)
+        self.self_attn = LlamaAttention(arch, quantization)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch)
+        self.mlp = LlamaMLP(arch, quantization)
 
     def forward(
         self,
@@ -96,16 +113,26 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArchitecture, max_positions: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        arch: ModelArchitecture,
+        max_positions: int,
+        device: torch.device,
+        quantization: str = "none",  # ModelConfig.quantization (shared/model/quantization.py)
+    ) -> None:
         super().__init__()
         self.arch = arch
+        self.quantization = effective_method(quantization, device)
         # Built on the meta device: random initialisation of weights about to be overwritten
         # would cost seconds. `materialize` gives them real storage.
         with torch.device("meta"):
-            self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-            self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_layers))
+            self.layers = nn.ModuleList(
+                LlamaDecoderLayer(arch, self.quantization) for _ in range(arch.num_layers)
+            )
             self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+            if self.quantization == "none":
+                self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+                self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(arch, max_positions, device)
         self.requires_grad_(False)
 
@@ -113,7 +140,16 @@ class LlamaForCausalLM(nn.Module):
         """Allocates uninitialised storage for every weight; `load_hf_weights` fills it."""
         self.to_empty(device=device)
         self.to(dtype)
-        if self.arch.tie_word_embeddings:
+        if self.quantization != "none":
+            # One int8 copy serves the lookup and, tied, the head (quantization.py says why).
+            vocab, hidden = self.arch.vocab_size, self.arch.hidden_size
+            self.embed_tokens = QuantizedEmbedding(vocab, hidden, dtype)
+            self.lm_head = (
+                self.embed_tokens
+                if self.arch.tie_word_embeddings
+                else QuantizedEmbedding(vocab, hidden, dtype)
+            )
+        elif self.arch.tie_word_embeddings:
             # to_empty replaces parameters one module at a time, which unties them.
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -134,19 +170,31 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(hidden, angles, kv_cache[layer_id], meta, backend)
         # Norm and project only the rows that are sampled: a prefill chunk needs one, not all.
         last = self.norm(hidden[logits_indices])
+        if isinstance(self.lm_head, QuantizedEmbedding):
+            return self.lm_head.project(last).float()
         weight = self.lm_head.weight
         return linear(last, weight, self._lm_head_onednn).float()  # [num_sampled, vocab]
 
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copies Hugging Face-named tensors in, fusing q/k/v and gate/up; mutates self."""
+    def load_hf_weights(self, weights: dict[str, torch.Tensor | BlockQuantized]) -> None:
+        """Copies Hugging Face-named tensors in, fusing q/k/v and gate/up, packing them when
+        quantized; mutates self."""
         params = dict(self.named_parameters())
+        packed = _packed_modules(self)
         try:
             internal = _to_internal_names(weights, self.arch)
         except KeyError as missing:
             raise ValueError(f"checkpoint lacks weight {missing.args[0]!r}") from None
+        if self.quantization == "gguf":
+            log_gguf_notes(weights)
         for name, tensor in internal.items():
+            if name in packed:
+                module = packed.pop(name)
+                is_linear = isinstance(module, QuantizedLinear)
+                module.load(pack_weight(tensor, self.quantization) if is_linear else tensor)
+                continue
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} for this architecture")
+            tensor = dense(tensor)
             target = params.pop(name)
             if target.shape != tensor.shape:
                 raise ValueError(
@@ -154,20 +202,35 @@ class LlamaForCausalLM(nn.Module):
                     f"expected {tuple(target.shape)}"
                 )
             target.data.copy_(tensor)
-        if params:
-            raise ValueError(f"checkpoint lacks weights: {sorted(params)[:5]}")
-        # On the CPU every product, the vocabulary projection too, runs on oneDNN (see
-        # shared/model/linear.py): its weights are reordered once, here.
-        self._lm_head_onednn = onednn_weight(self.lm_head.weight)
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.prepare_cpu_kernel()
+        if params or packed:
+            raise ValueError(f"checkpoint lacks weights: {sorted([*params, *packed])[:5]}")
+        if self.quantization == "none":
+            # On the CPU every product, the vocabulary projection too, runs on oneDNN (see
+            # shared/model/linear.py): its weights are reordered once, here.
+            self._lm_head_onednn = onednn_weight(self.lm_head.weight)
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.prepare_cpu_kernel()
+        logger.info(
+            "weights: quantization %s, %.0f MiB resident",
+            self.quantization,
+            weight_nbytes(self) / 2**20,
+        )
+
+
+def _packed_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Internal weight name -> the quantized module that takes it (tied: the embedding)."""
+    return {
+        f"{name}.weight": module
+        for name, module in model.named_modules()
+        if isinstance(module, QuantizedLinear | QuantizedEmbedding)
+    }
 
 
 def _to_internal_names(
-    weights: dict[str, torch.Tensor], arch: ModelArchitecture
-) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {
+    weights: dict[str, torch.Tensor | BlockQuantized], arch: ModelArchitecture
+) -> dict[str, torch.Tensor | BlockQuantized]:
+    out: dict[str, torch.Tensor | BlockQuantized] = {
         "embed_tokens.weight": weights["model.embed_tokens.weight"],
         "norm.weight": weights["model.norm.weight"],
     }
@@ -177,7 +240,7 @@ def _to_internal_names(
         hf = f"model.layers.{i}."
         ours = f"layers.{i}."
         attn, mlp = hf + "self_attn.", hf + "mlp."
-        out[ours + "self_attn.qkv_proj.weight"] = torch.cat(
+        out[ours + "self_attn.qkv_proj.weight"] = cat_rows(
             [
                 weights[attn + "q_proj.weight"],
                 weights[attn + "k_proj.weight"],
@@ -185,7 +248,7 @@ def _to_internal_names(
             ]
         )
         out[ours + "self_attn.o_proj.weight"] = weights[attn + "o_proj.weight"]
-        out[ours + "mlp.gate_up_proj.weight"] = torch.cat(
+        out[ours + "mlp.gate_up_proj.weight"] = cat_rows(
             [weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]
         )
         out[ours + "mlp.down_proj.weight"] = weights[mlp + "down_proj.weight"]

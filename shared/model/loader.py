@@ -32,8 +32,12 @@ _LAYER_TENSORS = (
 )
 
 
-def load_checkpoint(model: str | None, progress: ProgressFn | None = None) -> LoadedCheckpoint:
-    """Loads `model` (see the module docstring) with HF-named float32 weights.
+def load_checkpoint(
+    model: str | None, progress: ProgressFn | None = None, keep_quantized: bool = False
+) -> LoadedCheckpoint:
+    """Loads `model` (see the module docstring) with HF-named float32 weights; with
+    `keep_quantized` a GGUF file's Q4_0/Q4_1 layer matrices stay packed (`BlockQuantized`),
+    for quantization="gguf" (a directory has none: its weights are float as ever).
 
     `progress(done, total, what)` is called after each tensor is loaded.
     """
@@ -41,7 +45,7 @@ def load_checkpoint(model: str | None, progress: ProgressFn | None = None) -> Lo
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path {path!r} does not exist")
     if os.path.isfile(path) and path.endswith(".gguf"):
-        checkpoint = load_gguf(path, progress)
+        checkpoint = load_gguf(path, progress, keep_quantized)
     elif os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
         checkpoint = load_hf_dir(path, progress)
     else:

@@ -52,6 +52,8 @@ so the ConfigMap is the one place they are written. */}}
 {{- end }}
 - $({{ include "splitserve.worker.configKey" (dict "component" .component "setting" "KV_CACHE") }})
 {{- include "splitserve.worker.offloadArgs" $values }}
+- --quantization
+- $({{ include "splitserve.worker.configKey" (dict "component" .component "setting" "QUANTIZATION") }})
 - --redis-url
 - $(REDIS_URL)
 {{- include "splitserve.worker.threadArgs" $values }}

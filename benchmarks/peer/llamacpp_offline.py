@@ -1,0 +1,58 @@
+"""Runs inside llama-cpp-python's virtual environment (`benchmarks.quantization` starts it):
+the offline measures of `benchmarks/quantization.py` with llama.cpp on the same GGUF file and
+threads, printed as one JSON line.
+
+llama-cpp-python's `Llama` serves one sequence at a time (no continuous batching), so the
+64-request figure runs the requests one after another: what its users get. Greedy sampling
+(top_k=1), EOS ignored (the generator yields tokens until told to stop), no prefix reuse
+(`reset()` before every prompt), one warm-up run per measure on other prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+
+
+def main(model_path: str, threads: int, seed: int, num_requests: int, decode_tokens: int) -> None:
+    from llama_cpp import Llama, llama_model_size
+
+    from benchmarks.engine import make_workload, random_prompt
+
+    llm = Llama(
+        model_path=model_path,
+        n_ctx=2048,
+        n_batch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+
+    def run(prompt: list[int], num_tokens: int) -> float:
+        """Seconds from the call to the num_tokens-th generated token."""
+        llm.reset()
+        start = time.perf_counter()
+        for count, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True), start=1):
+            if count == num_tokens:
+                break
+        return time.perf_counter() - start
+
+    rng = random.Random(seed + 1000)
+    run(random_prompt(rng, 32), decode_tokens)  # warm-up
+    batch1 = decode_tokens / run(random_prompt(random.Random(seed + 2), 32), decode_tokens)
+    work = make_workload(seed, num_requests)
+    start = time.perf_counter()
+    for prompt, num_tokens in zip(work.prompts, work.output_lens, strict=True):
+        run(prompt, num_tokens)
+    sequential = sum(work.output_lens) / (time.perf_counter() - start)
+    run(random_prompt(rng, 1024), 1)
+    ttft = run(random_prompt(random.Random(seed + 1), 1024), 1)
+    weights = llama_model_size(llm.model)
+    figures = {"batch1": batch1, "continuous": sequential, "ttft_1024": ttft}
+    print(json.dumps({**figures, "weight_bytes": weights}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], *(int(arg) for arg in sys.argv[2:6]))

@@ -1,0 +1,152 @@
+"""`python -m benchmarks.quantization`: weight-only quantization side by side, beside llama.cpp.
+
+    python -m benchmarks.quantization [--quick] [--threads N] [--skip-llamacpp]
+
+For quantization none (float32) / int8 / int4 / gguf on the shipped SmolLM2-135M Q4_1 GGUF:
+
+a. batch-1 decode tokens/s (a 32-token prompt, then --decode-tokens tokens, EOS ignored);
+b. output tokens/s of 64 seeded requests (prompts 32-512, outputs 16-256; continuous batching);
+c. TTFT of a cold 1024-token prompt;
+d. resident weight MiB (every weight tensor the model keeps, oneDNN's reordered copies too).
+
+Beside them llama.cpp through llama-cpp-python on the same file and threads, in its own
+virtual environment (benchmarks/peer/llamacpp_venv.py builds it; it compiles llama.cpp, tens
+of minutes the first time), one sequence at a time as its `Llama` serves them. The four
+engines stay loaded and each measure runs on all of them back to back, so load that comes and
+goes on a shared machine falls on all alike; llama.cpp runs after ours, in a subprocess.
+Ratios against float32 and against llama.cpp come in the same table. Progress on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import subprocess
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks.engine import (
+    log,
+    make_workload,
+    our_batch1_tokens_per_s,
+    our_continuous_tokens_per_s,
+    our_ttfts,
+    random_prompt,
+)
+from shared import LLM
+from shared.model.quantization import weight_nbytes
+from shared.model_paths import default_model_path
+
+METHODS = ("none", "int8", "int4", "gguf")
+MEASURES = {
+    "batch1": "a. batch-1 decode tokens/s",
+    "continuous": "b. {n}-request output tokens/s",
+    "ttft_1024": "c. TTFT 1024-token prompt (s)",
+    "weight_mib": "d. resident weight MiB",
+}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    num_requests: int
+    decode_tokens: int
+
+    @classmethod
+    def chosen(cls, quick: bool, num_requests: int, decode_tokens: int) -> Sizes:
+        return cls(8, 32) if quick else cls(num_requests, decode_tokens)
+
+
+def load_engines(threads: int) -> dict[str, LLM]:
+    engines = {}
+    for method in METHODS:
+        log(f"loading quantization={method}")
+        engines[method] = LLM(quantization=method, num_threads=threads, kv_cache_bytes=2 * 2**30)
+    return engines
+
+
+def measure_ours(engines: dict[str, LLM], seed: int, sizes: Sizes) -> dict[str, dict[str, float]]:
+    """method -> measure -> value; each measure on every engine before the next measure."""
+    figures: dict[str, dict[str, float]] = {m: {} for m in engines}
+    short_prompt = random_prompt(random.Random(seed + 2), 32)
+    for method, llm in engines.items():
+        figures[method]["weight_mib"] = weight_nbytes(llm.engine.runner.model) / 2**20
+    for method, llm in engines.items():
+        log(f"a. batch-1 decode, {method}")
+        figures[method]["batch1"] = our_batch1_tokens_per_s(llm, short_prompt, sizes.decode_tokens)
+    for method, llm in engines.items():
+        log(f"b. {sizes.num_requests} requests, {method}")
+        work = make_workload(seed, sizes.num_requests)
+        figures[method]["continuous"] = our_continuous_tokens_per_s(llm, work)
+    for method, llm in engines.items():
+        log(f"c. TTFT 1024 tokens, {method}")
+        figures[method]["ttft_1024"] = our_ttfts(llm, seed)[0]
+    return figures
+
+
+def measure_llamacpp(threads: int, seed: int, sizes: Sizes) -> dict[str, float] | None:
+    from benchmarks.peer.llamacpp_venv import ensure_llamacpp_venv
+
+    try:
+        python = ensure_llamacpp_venv()
+    except (subprocess.CalledProcessError, RuntimeError) as error:
+        log(f"llama.cpp: no environment ({error}); its column stays empty")
+        return None
+    log("llama.cpp: a, b, c (with warm-up runs)")
+    argv = [str(python), "-m", "benchmarks.peer.llamacpp_offline", default_model_path()]
+    argv += [str(threads), str(seed), str(sizes.num_requests), str(sizes.decode_tokens)]
+    done = subprocess.run(argv, check=True, capture_output=True, text=True)
+    line = [text for text in done.stdout.splitlines() if text.startswith('{"batch1"')][-1]
+    figures = json.loads(line)
+    figures["weight_mib"] = figures.pop("weight_bytes") / 2**20
+    return figures
+
+
+def print_table(ours: dict[str, dict[str, float]], peer: dict[str, float] | None, n: int) -> None:
+    columns = [*METHODS, "llama.cpp"]
+    print(f"\n{'measure':<34}" + "".join(f"{c:>11}" for c in columns))
+    for key, name in MEASURES.items():
+        values = [ours[m][key] for m in METHODS] + [peer[key] if peer else float("nan")]
+        print(f"{name.format(n=n):<34}" + "".join(f"{v:>11.3f}" for v in values))
+    print("\nratios (> 1: better than the reference; memory and TTFT: reference / ours)")
+    for reference in ("none", "llama.cpp"):
+        if reference == "llama.cpp" and peer is None:
+            continue
+        base = ours["none"] if reference == "none" else peer
+        for key, name in MEASURES.items():
+            cells = [_ratio(key, ours[m][key], base[key]) for m in METHODS]
+            label = f"{name.format(n=n)} vs {reference}"
+            print(f"{label:<47}" + "".join(f"{c:>9.2f}x" for c in cells))
+
+
+def _ratio(key: str, ours: float, base: float) -> float:
+    lower_is_better = key in ("ttft_1024", "weight_mib")
+    return base / ours if lower_is_better else ours / base
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="8 requests, 32 decode tokens")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--skip-llamacpp", action="store_true")
+    args = parser.parse_args(argv)
+    sizes = Sizes.chosen(args.quick, args.requests, args.decode_tokens)
+    torch.set_num_threads(args.threads)
+    engines = load_engines(args.threads)
+    ours = measure_ours(engines, args.seed, sizes)
+    del engines
+    gc.collect()  # llama.cpp runs in the memory our engines held
+    peer = None if args.skip_llamacpp else measure_llamacpp(args.threads, args.seed, sizes)
+    print(f"torch {torch.__version__}, {args.threads} threads, {default_model_path()}")
+    print_table(ours, peer, sizes.num_requests)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,163 @@
+"""Which layer classes the decoder builds for `ModelConfig.quantization`, and how a loaded
+tensor becomes their packed weight.
+
+    "none"  dense `Linear`s, dense embedding and head (the model's dtype)
+    "int8"  every decoder matrix int8 per output channel
+    "int4"  every decoder matrix int4 in groups of 32
+    "gguf"  a GGUF file's Q4_0/Q4_1 matrices repacked as they are into the int4 layout; any
+            other type (Q8_0, K-quants, floats) dequantized and re-quantized to int8 per
+            channel, with a logged note
+
+With any of the three, the vocabulary matrix (embedding and head, one copy when tied) is int8
+per row: dense float32 it alone would be a third of SmolLM2's float32 weights (49152 x 576),
+more than the whole int4 decoder. A GGUF file's Q8_0 embedding has one scale per 32 values,
+which per-row int8 cannot hold exactly: it is re-quantized (logged).
+
+Where torch's packed CPU kernel is missing or wrong (checked once on a small product), the
+model is built dense instead, with a warning: slower and larger, never silently so.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from shared.config import QUANTIZATION_METHODS
+from shared.model.gguf_blocks import BlockQuantized
+from shared.model.linear import Linear
+from shared.model.quantized_linear import (
+    Int8Weight,
+    QuantizedLinear,
+    QuantizedWeight,
+    int4_from_codes,
+    kernels_usable,
+    quantize,
+    quantize_int8,
+    quantized_matmul,
+    warn_if_kernel_is_slow,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["QUANTIZATION_METHODS"]  # re-exported for the model's callers
+# Which packed kernels each method needs.
+_KERNELS = {"int8": ("int8",), "int4": ("int8", "int4"), "gguf": ("int8", "int4")}
+
+
+def effective_method(method: str, device: torch.device) -> str:
+    """`method`, or "none" (with a warning) where its kernels cannot run here."""
+    if method == "none":
+        return method
+    if device.type != "cpu":
+        raise ValueError(f"quantization {method!r} is implemented for the CPU only")
+    if not all(kernels_usable(kernel) for kernel in _KERNELS[method]):
+        return "none"
+    warn_if_kernel_is_slow("int8" if method == "int8" else "int4")
+    return method
+
+
+def make_linear(in_features: int, out_features: int, method: str) -> nn.Module:
+    if method == "none":
+        return Linear(in_features, out_features)
+    return QuantizedLinear(in_features, out_features, method)
+
+
+def pack_weight(weight: torch.Tensor | BlockQuantized, method: str) -> QuantizedWeight:
+    """A decoder matrix in `method`'s packed form."""
+    if isinstance(weight, BlockQuantized):
+        if method == "gguf":
+            return int4_from_codes(
+                weight.codes, weight.scale, weight.minimum, in_features=weight.shape[1]
+            )
+        weight = weight.dequantize()  # blocks only come with "gguf"; kept general
+    return quantize(weight, "int8" if method == "gguf" else method)
+
+
+def dense(weight: torch.Tensor | BlockQuantized) -> torch.Tensor:
+    return weight.dequantize() if isinstance(weight, BlockQuantized) else weight
+
+
+def cat_rows(parts: list[torch.Tensor | BlockQuantized]) -> torch.Tensor | BlockQuantized:
+    """Fused q/k/v or gate/up: blocks stay blocks when every part is; otherwise floats."""
+    if all(isinstance(part, BlockQuantized) for part in parts):
+        return BlockQuantized.cat(parts)  # type: ignore[arg-type]
+    return torch.cat([dense(part) for part in parts])
+
+
+def log_gguf_notes(weights: dict[str, torch.Tensor | BlockQuantized]) -> None:
+    """Says which matrices of a GGUF file could not be kept as they are (quantization=gguf)."""
+    matrices = {name: w for name, w in weights.items() if len(w.shape) == 2}
+    requantized = sorted(n for n, w in matrices.items() if not isinstance(w, BlockQuantized))
+    if requantized:
+        logger.info(
+            "quantization 'gguf': %d of %d matrices are not Q4_0/Q4_1 (%s%s): dequantized and "
+            "re-quantized to int8 per channel (per row for the vocabulary matrix)",
+            len(requantized),
+            len(matrices),
+            ", ".join(requantized[:3]),
+            " ..." if len(requantized) > 3 else "",
+        )
+
+
+class QuantizedEmbedding(nn.Module):
+    """The vocabulary matrix [vocab, hidden] as int8 per row: looked up for the embedding and,
+    tied or as the separate head, multiplied for the logits (a row's scale is then its output
+    channel's)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.vocab_size, self.hidden_size, self.dtype = vocab_size, hidden_size, dtype
+        self.qweight: Int8Weight | None = None
+
+    def load(self, weight: torch.Tensor | BlockQuantized) -> None:
+        weight = dense(weight)
+        if tuple(weight.shape) != (self.vocab_size, self.hidden_size):
+            raise ValueError(
+                f"vocabulary matrix has shape {tuple(weight.shape)}, expected "
+                f"{(self.vocab_size, self.hidden_size)}"
+            )
+        self.qweight = quantize_int8(weight)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] -> [num_tokens, hidden] in the model's dtype."""
+        assert self.qweight is not None, "QuantizedEmbedding used before load()"
+        codes = self.qweight.codes[token_ids, : self.hidden_size].to(self.dtype)
+        return codes * self.qweight.scales[token_ids].to(self.dtype)[:, None]
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> logits [rows, vocab] in hidden's dtype."""
+        assert self.qweight is not None, "QuantizedEmbedding used before load()"
+        return quantized_matmul(hidden, self.qweight)
+
+
+def weight_nbytes(model: nn.Module) -> int:
+    """Bytes of weights `model` keeps resident: parameters (each storage once), oneDNN's
+    reordered copies, packed weights."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(tensor: torch.Tensor | None) -> None:
+        nonlocal total
+        if tensor is None or tensor.device.type == "meta":
+            return
+        try:
+            key, nbytes = tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()
+        except NotImplementedError:  # oneDNN's reordered weights are opaque: no storage
+            key, nbytes = id(tensor), tensor.numel() * tensor.element_size()
+        if key not in seen:
+            seen.add(key)
+            total += nbytes
+
+    for param in model.parameters():
+        add(param)
+    for module in model.modules():
+        add(getattr(module, "onednn_weight", None))
+        add(getattr(module, "_lm_head_onednn", None))
+        packed = getattr(module, "qweight", None)
+        if packed is not None:
+            for tensor in vars(packed).values():
+                if isinstance(tensor, torch.Tensor):
+                    add(tensor)
+    return total

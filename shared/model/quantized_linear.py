@@ -1,0 +1,331 @@
+"""Weight-only quantized linear layers on the CPU: int8 per output channel, int4 in groups of 32.
+
+The weights stay packed in memory; what runs depends on how many rows a product has, because
+torch's CPU kernels (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`) are fast
+only at few rows and only with bfloat16 activations (with float32 ones both fall to a path
+4-7x slower: measured below). Rough figures, 2 threads, the 120 products of SmolLM2-135M's
+decoder (30 layers of qkv, o, gate_up, down), ms per pass; one throwaway run, not a benchmark:
+
+    rows                          1      4     16     64    256    512
+    float32, oneDNN            10.5   10.5   16.7   41     131     -
+    bfloat16, oneDNN            7      7.5   12.4   26      71     -
+    int8 kernel                 5.7    5.4   16.3   51     189    423
+    int4 kernel (group 32)      3.7    4.7   13.3   45     167    331-342
+    int8 dequantized + dense     -      -      -     ~56     95    173
+    int4 dequantized + dense     -      -      -    130    157    223
+
+So decode rows (few) go through the quantized kernel, and a product with many rows (a
+prefill chunk) dequantizes the weight to bfloat16 on the fly, multiplies densely and drops the
+copy: resident memory stays the packed size (the point of quantizing), at ~30 ms (int8) or
+~90 ms (int4) of dequantizing per forward. The crossovers below come from that table. Neither
+path reaches dense bfloat16 at 64+ rows: a prefill pod that has the memory should run
+`quantization="none"` (see docs/quantization.md).
+
+Activations are cast to bfloat16 for both paths and the result back to the caller's dtype, so
+the rest of the model keeps its dtype. Group size 32: GGUF's Q4_0/Q4_1 blocks are 32 weights
+with one scale (and minimum) each, so the same layout holds them exactly (`int4_from_codes`);
+it costs 1 bit per weight in bfloat16 scales and zeros (64 would cost 0.5) and the kernel ran
+as fast with either.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+GROUP_SIZE = 32
+# Products with at least this many rows dequantize on the fly (see the module docstring).
+INT8_DEQUANTIZE_FROM_ROWS = 96
+INT4_DEQUANTIZE_FROM_ROWS = 256
+# The int4 kernel's layout packs rows in blocks of 64 (two rows per byte, j and j + 32);
+# both kernels misbehaved on inner sizes that are not multiples of 16 (garbage at 40, a
+# crash at 5), so both dimensions are padded with zero weights where needed.
+_INT4_ROW_BLOCK = 64
+_INNER_MULTIPLE = GROUP_SIZE
+_ACT_DTYPE = torch.bfloat16
+
+
+def _pad_to(size: int, multiple: int) -> int:
+    return -(-size // multiple) * multiple
+
+
+def _pad2d(tensor: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return F.pad(tensor, (0, cols - tensor.shape[1], 0, rows - tensor.shape[0]))
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """`weight[n, k] ~= codes[n, k] * scales[n]`: one scale per output channel."""
+
+    codes: torch.Tensor  # [out, in_padded] int8
+    scales: torch.Tensor  # [out] bfloat16
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.codes, self.scales)
+
+    def dequantize(self, dtype: torch.dtype = _ACT_DTYPE) -> torch.Tensor:
+        """[out, in_padded] in `dtype` (columns past in_features are zero)."""
+        return self.codes.to(dtype) * self.scales.to(dtype)[:, None]
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_padded] bfloat16 -> [rows, out] bfloat16."""
+        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """`weight[n, k] ~= (q[n, k] - 8) * scale[g, n] + zero[g, n]` with g = k // 32 and q in
+    0..15: the affine form of torch's int4 kernel, which holds GGUF's Q4_1 (`d * q + m`: scale
+    d, zero m + 8d) and Q4_0 (`d * (q - 8)`: zero 0) as they are."""
+
+    packed: torch.Tensor  # [out_padded, in_padded / 2] uint8, the kernel's layout
+    scales_zeros: torch.Tensor  # [in_padded / 32, out_padded, 2] bfloat16
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.packed, self.scales_zeros)
+
+    def codes(self) -> torch.Tensor:
+        """The 4-bit codes [out_padded, in_padded] uint8, read back from the kernel's layout:
+        per block of 64 rows, in_padded runs of 32 bytes, byte j holding row j (low nibble) and
+        row j + 32 (high nibble) of that column (checked against the kernel in the tests)."""
+        out_padded, in_padded = self.packed.shape[0], self.packed.shape[1] * 2
+        blocks = self.packed.view(out_padded // _INT4_ROW_BLOCK, in_padded, 32)
+        halves = torch.stack([blocks & 15, blocks >> 4], dim=1)  # [blocks, 2, in, 32]
+        return halves.permute(0, 1, 3, 2).reshape(out_padded, in_padded)
+
+    def dequantize(self, dtype: torch.dtype = _ACT_DTYPE) -> torch.Tensor:
+        """[out_padded, in_padded] in `dtype`, computed in float32 and rounded once (see
+        dequantize_transposed for why)."""
+        out_padded, in_padded = self.packed.shape[0], self.packed.shape[1] * 2
+        groups = self.codes().float().view(out_padded, in_padded // GROUP_SIZE, GROUP_SIZE)
+        scale = self.scales_zeros[..., 0].t().float()[..., None]  # [out, groups, 1]
+        zero = self.scales_zeros[..., 1].t().float()[..., None]
+        return ((groups - 8) * scale + zero).view(out_padded, in_padded).to(dtype)
+
+    def dequantize_transposed(self) -> torch.Tensor:
+        """[in_padded, out_padded] bfloat16, built in the order the packed bytes lie (no
+        transposing copy of the result): the on-the-fly path (~90 ms per SmolLM2 forward in
+        bfloat16 arithmetic, measured once; float32 arithmetic costs somewhat more).
+
+        The arithmetic is float32, rounded to bfloat16 once at the end: `q * scale + minimum`
+        in bfloat16 rounds twice, and where the two terms nearly cancel (weights near zero in a
+        block whose minimum is far from it) the error is large against the weight; that cost
+        +1.3% perplexity on SmolLM2 against +0.1% rounding once."""
+        out_padded, in_padded = self.packed.shape[0], self.packed.shape[1] * 2
+        blocks = self.packed.view(out_padded // _INT4_ROW_BLOCK, in_padded, 32)
+        out = torch.empty(in_padded, out_padded // _INT4_ROW_BLOCK, 2, 32)
+        out[:, :, 0, :].copy_((blocks & 15).permute(1, 0, 2))
+        out[:, :, 1, :].copy_((blocks >> 4).permute(1, 0, 2))
+        scales_zeros = self.scales_zeros.float()
+        scale = scales_zeros[..., 0].unsqueeze(1)  # [groups, 1, out]
+        minimum = (scales_zeros[..., 1] - 8 * scales_zeros[..., 0]).unsqueeze(1)
+        grouped = out.view(in_padded // GROUP_SIZE, GROUP_SIZE, out_padded)
+        grouped.mul_(scale).add_(minimum)
+        return out.view(in_padded, out_padded).to(_ACT_DTYPE)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_padded] bfloat16 -> [rows, out_padded] bfloat16."""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.packed, GROUP_SIZE, self.scales_zeros
+        )
+
+
+QuantizedWeight = Int8Weight | Int4Weight
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    """Symmetric per-output-channel int8 of `weight` [out, in] (round to nearest)."""
+    w = weight.detach().float()
+    out_features, in_features = w.shape
+    w = _pad2d(w, out_features, _pad_to(in_features, _INNER_MULTIPLE))
+    # Scales are rounded to bfloat16 first, so codes are computed against the scale used.
+    scales = (w.abs().amax(dim=1) / 127).clamp_min(1e-12).to(_ACT_DTYPE)
+    codes = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return Int8Weight(codes.contiguous(), scales, in_features)
+
+
+def quantize_int4(weight: torch.Tensor) -> Int4Weight:
+    """Asymmetric int4 of `weight` [out, in] in groups of 32 along `in` (min/max per group)."""
+    w = weight.detach().float()
+    out_features, in_features = w.shape
+    padded = _pad2d(w, out_features, _pad_to(in_features, GROUP_SIZE))
+    groups = padded.view(out_features, -1, GROUP_SIZE)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((high - low) / 15).clamp_min(1e-12)
+    codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+    return int4_from_codes(codes.view(out_features, -1).to(torch.uint8), scale, low, in_features)
+
+
+def int4_from_codes(
+    codes: torch.Tensor,  # [out, in_padded] uint8 in 0..15
+    scale: torch.Tensor,  # [out, in_padded / 32]
+    minimum: torch.Tensor,  # [out, in_padded / 32]: weight = scale * code + minimum
+    in_features: int,
+) -> Int4Weight:
+    """Packs affine 4-bit groups of 32 into the kernel's layout (GGUF's Q4_0/Q4_1 included)."""
+    out_features, in_padded = codes.shape
+    assert in_padded % GROUP_SIZE == 0, f"inner size {in_padded} is not whole groups"
+    out_padded = _pad_to(out_features, _INT4_ROW_BLOCK)
+    codes32 = _pad2d(codes.to(torch.int32), out_padded, in_padded)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes32.contiguous(), 1)
+    scale, minimum = scale.float(), minimum.float()
+    # [groups, out, 2]: (scale, zero) with zero = minimum + 8 * scale (the kernel subtracts 8).
+    pairs = torch.stack([scale, minimum + 8 * scale], dim=-1).transpose(0, 1)
+    pairs = F.pad(pairs, (0, 0, 0, out_padded - out_features))
+    return Int4Weight(packed, pairs.to(_ACT_DTYPE).contiguous(), out_features, in_features)
+
+
+def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
+    if method == "int8":
+        return quantize_int8(weight)
+    if method == "int4":
+        return quantize_int4(weight)
+    raise ValueError(f"no quantized CPU weight for method {method!r}")
+
+
+def quantized_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x [rows, in] @ dequantized(weight).T -> [rows, out] in x's dtype, through the packed
+    kernel for few rows and a transient dense bfloat16 weight for many."""
+    rows, in_features = x.shape
+    xb = x.to(_ACT_DTYPE)
+    in_padded = _inner_size(weight)
+    if in_padded != in_features:
+        xb = F.pad(xb, (0, in_padded - in_features))
+    if isinstance(weight, Int4Weight):
+        if rows < INT4_DEQUANTIZE_FROM_ROWS:
+            out = weight.kernel(xb)
+        else:
+            out = torch.mm(xb, weight.dequantize_transposed())
+        out = out[:, : weight.out_features]
+    elif rows < INT8_DEQUANTIZE_FROM_ROWS:
+        out = weight.kernel(xb)
+    else:
+        out = F.linear(xb, weight.dequantize())
+    return out.to(x.dtype)
+
+
+def _inner_size(weight: QuantizedWeight) -> int:
+    if isinstance(weight, Int4Weight):
+        return weight.packed.shape[1] * 2
+    return weight.codes.shape[1]
+
+
+class QuantizedLinear(nn.Module):
+    """A bias-free linear layer whose weight is packed; `load` sets it (no parameter, so the
+    model's `to(dtype)` never touches the packed tensors)."""
+
+    def __init__(self, in_features: int, out_features: int, method: str) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.method = in_features, out_features, method
+        self.qweight: QuantizedWeight | None = None
+
+    def load(self, packed: QuantizedWeight) -> None:
+        """Sets the packed weight (shared.model.quantization.pack_weight makes it)."""
+        shape = (packed.out_features, packed.in_features)
+        if shape != (self.out_features, self.in_features):
+            raise ValueError(
+                f"quantized weight has shape {shape}, expected "
+                f"{(self.out_features, self.in_features)}"
+            )
+        self.qweight = packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.qweight is not None, "QuantizedLinear used before load()"
+        return quantized_matmul(x, self.qweight)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, method={self.method}"
+
+
+@functools.cache
+def cpu_kernel_problem(method: str) -> str | None:
+    """None when torch's packed kernel for `method` exists here and gives the right answer on
+    a small random product; otherwise why not (the caller falls back, loudly)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(128, 96, generator=generator)
+    x = torch.randn(3, 96, generator=generator).to(_ACT_DTYPE)
+    try:
+        packed = quantize(weight, method)
+        got = packed.kernel(x)[:, :128].float()
+    except (RuntimeError, AttributeError, NotImplementedError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    want = x.float() @ packed.dequantize(torch.float32)[:128].t()
+    error = (got - want).abs().max().item() / want.abs().max().item()
+    if not error < 0.02:
+        return f"its result is off by {error:.3g} (relative) on a test product"
+    return None
+
+
+def kernels_usable(method: str) -> bool:
+    """Whether `method`'s kernel path can be used; logs a warning once when it cannot."""
+    problem = cpu_kernel_problem(method)
+    if problem is not None:
+        logger.warning(
+            "quantization %r: torch's packed CPU kernel is not usable here (%s); the weights "
+            "are dequantized and run densely instead (no memory is saved)",
+            method,
+            problem,
+        )
+    return problem is None
+
+
+@functools.cache
+def warn_if_kernel_is_slow(method: str) -> None:
+    """Times the packed kernel against a dense float32 product at one row (a decode step's
+    shape) on one thread, best of a few runs, and warns when it is not faster: a torch build
+    or CPU without the fast bfloat16 path still answers right (cpu_kernel_problem) but
+    slowly. Warns only: the packed weights still save their memory. Tens of ms (quantizing the
+    test matrix), once per process."""
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(1024, 2048, generator=generator)
+    x = torch.randn(1, 2048, generator=generator)
+    packed = quantize(weight, method)
+    # One thread: another process holding a core slows a parallel kernel at its barrier,
+    # which says nothing about the kernel; the fast path's presence shows on one thread.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dense_s = _best_seconds(lambda: F.linear(x, weight))
+        packed_s = _best_seconds(lambda: quantized_matmul(x, packed))
+    finally:
+        torch.set_num_threads(threads)
+    if packed_s >= dense_s:
+        logger.warning(
+            "quantization %r: torch's packed CPU kernel is not faster than a dense float32 "
+            "product here (%.2f ms against %.2f ms, 1024 x 2048, one row, one thread): the weights "
+            "take less memory, but decoding will not be faster",
+            method,
+            packed_s * 1e3,
+            dense_s * 1e3,
+        )
+
+
+def _best_seconds(product, runs: int = 5) -> float:
+    product()  # first call: allocations, dispatch
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        product()
+        best = min(best, time.perf_counter() - start)
+    return best

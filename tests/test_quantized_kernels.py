@@ -1,0 +1,315 @@
+"""Weight-only quantized products against their float references, and GGUF blocks repacked
+bit for bit (shared/model/quantized_linear.py, gguf_blocks.py, quantization.py).
+
+Every product runs on fresh random inputs (never zeros) at 1, 3, 16 and 64 rows (the packed
+kernels) and 300 rows (dequantized on the fly), with odd sizes that need padding.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+
+from shared.config import ModelConfig
+from shared.model import quantized_linear
+from shared.model.gguf_blocks import BlockQuantized, read_blocks
+from shared.model.gguf_loader import unpermute_rope_rows
+from shared.model.quantization import QuantizedEmbedding, effective_method, pack_weight
+from shared.model.quantized_linear import (
+    INT4_DEQUANTIZE_FROM_ROWS,
+    INT8_DEQUANTIZE_FROM_ROWS,
+    Int4Weight,
+    cpu_kernel_problem,
+    int4_from_codes,
+    quantize,
+    quantized_matmul,
+)
+
+ROWS = (1, 3, 16, 64, 300)
+# (out, in): SmolLM2's qkv and down shapes, and odd ones (rows padded to 64, columns to 32).
+SHAPES = ((960, 576), (576, 1536), (200, 96), (7, 50))
+# A product of bfloat16 activations with bfloat16-scaled weights, against float32: relative to
+# the largest output, what bfloat16's 8-bit mantissa leaves (a few 2^-9 over hundreds of terms).
+PRODUCT_TOLERANCE = 0.01
+
+
+def _random(*shape: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=generator) + 0.1  # never zeros, and not centred
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def test_kernels_are_usable_on_this_machine():
+    # The start-up check the model runs: None means the fast path is there and answers right.
+    assert cpu_kernel_problem("int8") is None
+    assert cpu_kernel_problem("int4") is None
+    assert effective_method("int4", torch.device("cpu")) == "int4"
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_product_matches_its_float_reference(method, out_features, in_features):
+    weight = _random(out_features, in_features, seed=out_features)
+    packed = quantize(weight, method)
+    reference = packed.dequantize(torch.float32)[:out_features, :in_features]
+    for rows in ROWS:
+        x = _random(rows, in_features, seed=rows)
+        got = quantized_matmul(x, packed)
+        assert got.shape == (rows, out_features) and got.dtype == torch.float32
+        error = _relative_error(got, x @ reference.t())
+        assert error < PRODUCT_TOLERANCE, f"{method} {rows} rows: {error:.4f}"
+
+
+def test_both_paths_are_exercised_by_the_row_counts():
+    # Few rows go through the packed kernel, 300 through the dequantized dense weight.
+    assert min(ROWS) < INT8_DEQUANTIZE_FROM_ROWS <= max(ROWS)
+    assert min(ROWS) < INT4_DEQUANTIZE_FROM_ROWS <= max(ROWS)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantization_error_is_what_the_format_allows(method):
+    weight = _random(256, 256, seed=1)
+    restored = quantize(weight, method).dequantize(torch.float32)
+    # int8: half a step of max|w|/127 per row; int4: half a step of (max-min)/15 per group of
+    # 32, plus bfloat16 rounding of the scales.
+    bound = 0.5 / 127 + 2**-8 if method == "int8" else 0.5 / 15 * 2 + 2**-7
+    assert _relative_error(restored, weight) < bound
+
+
+def test_int4_codes_read_back_from_the_kernels_layout():
+    codes = torch.randint(0, 16, (128, 64), generator=torch.Generator().manual_seed(2))
+    scale = torch.rand(128, 2) + 0.5
+    packed = int4_from_codes(codes.to(torch.uint8), scale, -8 * scale, in_features=64)
+    assert torch.equal(packed.codes(), codes.to(torch.uint8))
+    # The kernel itself, fed the identity, gives the weight it holds: the layout we read is
+    # the one it reads.
+    identity = torch.eye(64, dtype=torch.bfloat16)
+    from_kernel = packed.kernel(identity).t().float()
+    assert torch.equal(from_kernel, packed.dequantize(torch.bfloat16).float())
+    transposed = packed.dequantize_transposed().t().float()
+    assert _relative_error(transposed, from_kernel) < 2**-7
+
+
+def test_quantized_embedding_looks_up_and_projects_with_one_copy():
+    weight = _random(300, 64, seed=3)
+    embedding = QuantizedEmbedding(300, 64, torch.float32)
+    embedding.load(weight)
+    ids = torch.tensor([0, 5, 299, 5])
+    restored = embedding.qweight.dequantize(torch.float32)
+    assert torch.allclose(embedding(ids), restored[ids], rtol=0, atol=1e-6)
+    assert _relative_error(embedding(ids), weight[ids]) < 0.5 / 127 + 2**-8
+    hidden = _random(3, 64, seed=4)
+    assert _relative_error(embedding.project(hidden), hidden @ restored.t()) < PRODUCT_TOLERANCE
+
+
+# ---- GGUF blocks --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gguf_reader(smollm2_gguf_path) -> gguf.GGUFReader:
+    return gguf.GGUFReader(smollm2_gguf_path)
+
+
+def _tensor(reader: gguf.GGUFReader, name: str) -> gguf.ReaderTensor:
+    return next(t for t in reader.tensors if t.name == name)
+
+
+def test_shipped_file_is_q4_1_with_a_q8_0_embedding(gguf_reader):
+    # What the gguf mode has to handle in the shipped model (docs/quantization.md says so).
+    types = {t.tensor_type.name for t in gguf_reader.tensors if len(t.shape) == 2}
+    assert types == {"Q4_1", "Q8_0"}
+    assert _tensor(gguf_reader, "token_embd.weight").tensor_type.name == "Q8_0"
+
+
+@pytest.mark.parametrize("name", ["blk.0.ffn_down.weight", "blk.3.attn_q.weight"])
+def test_blocks_equal_ggufs_own_dequantization(gguf_reader, name):
+    tensor = _tensor(gguf_reader, name)
+    blocks = read_blocks(tensor)
+    want = dequantize(tensor.data, tensor.tensor_type).reshape(blocks.shape)
+    assert np.array_equal(blocks.dequantize().numpy(), want)
+
+
+def test_q4_0_blocks_read_like_ggufs(gguf_reader):
+    # No Q4_0 tensor ships: quantize random values with gguf's own Q4_0 and read them back.
+    values = _random(8, 64, seed=5).numpy()
+    raw = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_0)
+
+    class _Tensor:  # the two fields read_blocks reads, as GGUFReader gives them
+        name, tensor_type, shape, data = "q4_0", gguf.GGMLQuantizationType.Q4_0, [64, 8], raw
+
+    want = dequantize(raw, gguf.GGMLQuantizationType.Q4_0).reshape(8, 64)
+    assert np.array_equal(read_blocks(_Tensor).dequantize().numpy(), want)
+
+
+def test_repacked_q4_1_keeps_the_codes_and_rounds_only_the_scales(gguf_reader):
+    tensor = _tensor(gguf_reader, "blk.0.ffn_gate.weight")
+    blocks = read_blocks(tensor)
+    packed = pack_weight(blocks, "gguf")
+    assert isinstance(packed, Int4Weight)
+    assert torch.equal(packed.codes()[: blocks.shape[0]], blocks.codes)
+    # Q4_1's weight = d * q + m is the kernel's (q - 8) * scale + zero with scale d and zero
+    # m + 8d, both rounded to bfloat16 once.
+    scale, zero = packed.scales_zeros[..., 0].t(), packed.scales_zeros[..., 1].t()
+    assert torch.equal(scale, blocks.scale.to(torch.bfloat16))
+    assert torch.equal(zero, (blocks.minimum + 8 * blocks.scale).to(torch.bfloat16))
+    restored = packed.dequantize(torch.float32)
+    assert _relative_error(restored, blocks.dequantize()) < 2**-7
+
+
+def test_q_and_k_blocks_get_the_float_paths_row_order(gguf_reader, smollm2_gguf_path):
+    from shared.model.loader import load_checkpoint
+
+    packed = load_checkpoint(smollm2_gguf_path, keep_quantized=True).weights
+    dense = load_checkpoint(smollm2_gguf_path).weights
+    for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "mlp.up_proj.weight"):
+        blocks = packed[f"model.layers.2.{name}"]
+        assert isinstance(blocks, BlockQuantized)
+        assert torch.equal(blocks.dequantize(), dense[f"model.layers.2.{name}"])
+    # The permutation is not the identity (the check above would hold trivially otherwise).
+    order = unpermute_rope_rows(np.arange(576), 9)
+    assert not np.array_equal(order, np.arange(576))
+    assert torch.equal(packed["model.embed_tokens.weight"], dense["model.embed_tokens.weight"])
+
+
+# ---- configuration and fallback ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["int3", "fp8", "", "INT4"])
+def test_config_rejects_unknown_methods_naming_them(bad):
+    with pytest.raises(ValueError, match=repr(bad)):
+        ModelConfig(quantization=bad)
+
+
+def test_gguf_needs_a_gguf_file():
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        ModelConfig(model="/models/llama-dir", quantization="gguf")
+    ModelConfig(model=None, quantization="gguf")  # the shipped GGUF
+    ModelConfig(model="/models/llama-dir", quantization="int4")
+
+
+def test_quantization_needs_the_cpu_device():
+    with pytest.raises(ValueError, match="CPU only"):
+        ModelConfig(quantization="int4", device="cuda")
+    ModelConfig(quantization="none", device="cuda")
+
+
+def test_missing_kernel_falls_back_to_dense_with_a_warning(monkeypatch, caplog):
+    # Stands in for a torch build without the int4 kernel: the model is built dense, loudly.
+    monkeypatch.setattr(
+        quantized_linear, "cpu_kernel_problem", lambda method: f"no {method} kernel"
+    )
+    with caplog.at_level(logging.WARNING, logger="shared.model.quantized_linear"):
+        assert effective_method("int4", torch.device("cpu")) == "none"
+    assert "no int8 kernel" in caplog.text and "no memory is saved" in caplog.text
+
+
+def test_quantization_is_cpu_only():
+    with pytest.raises(ValueError, match="CPU only"):
+        effective_method("int8", torch.device("meta"))
+
+
+# ---- flags -------------------------------------------------------------------------------
+
+
+def test_pod_flag_reaches_the_engine_config_and_refuses_bad_values():
+    import argparse
+
+    from services.common.flags import add_engine_flags, engine_options
+    from shared.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    config = EngineConfig.from_options(
+        **engine_options(parser.parse_args(["--quantization", "int4"]))
+    )
+    assert config.model.quantization == "int4"
+    assert (
+        EngineConfig.from_options(**engine_options(parser.parse_args([]))).model.quantization
+        == "none"
+    )
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "q4"])
+
+
+def test_splitserve_up_passes_each_role_its_quantization():
+    from services.cli import build_parser
+    from services.launcher import plan
+
+    def flag(argv: list[str]) -> str:
+        return argv[argv.index("--quantization") + 1]
+
+    args = build_parser().parse_args(
+        ["up", "--quantization", "gguf", "--prefill-quantization", "none"]
+    )
+    specs = plan(args, prefill_available=True, redis_url="redis://127.0.0.1:1").specs
+    roles = {spec.name.split("-")[0]: spec.argv for spec in specs if "-" in spec.name}
+    assert flag(roles["decode"]) == "gguf" and flag(roles["prefill"]) == "none"
+    same = plan(
+        build_parser().parse_args(["up", "--quantization", "int8"]), True, "redis://x"
+    ).specs
+    assert {flag(s.argv) for s in same if "--quantization" in s.argv} == {"int8"}
+
+
+# ---- a whole model ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_untied_hf_model_quantizes_its_head_apart(make_tiny_hf_checkpoint, method):
+    """A Hugging Face directory with its own lm_head: both vocabulary matrices are int8, the
+    logits stay near float32's, and the engine serves it."""
+    from shared import LLM, SamplingParams
+    from shared.model.attention_backend import select_attention_backend
+    from shared.model.attention_metadata import AttentionMetadata, PrefillChunk
+    from shared.model.llama import LlamaForCausalLM
+    from shared.model.loader import load_checkpoint
+
+    directory = make_tiny_hf_checkpoint(tie_word_embeddings=False)
+    checkpoint = load_checkpoint(directory)
+    assert not checkpoint.architecture.tie_word_embeddings
+    ids = torch.randint(100, 40000, (20,), generator=torch.Generator().manual_seed(6))
+    logits = {}
+    for name in ("none", method):
+        model = LlamaForCausalLM(checkpoint.architecture, 256, torch.device("cpu"), name)
+        model.materialize(torch.device("cpu"), torch.float32)
+        model.load_hf_weights(checkpoint.weights)
+        arch = model.arch
+        cache = torch.zeros(arch.num_layers, 2, 2, 16, arch.num_kv_heads, arch.head_dim)
+        meta = AttentionMetadata(torch.arange(20), 0, [PrefillChunk(0, 20, 20, torch.arange(2))])
+        backend = select_attention_backend(torch.device("cpu"), torch.float32)
+        logits[name] = model(ids, torch.arange(20), cache, meta, backend, torch.arange(20))
+    assert model.lm_head is not model.embed_tokens
+    # Random Gaussian weights are int4's worst case (no structure; a group's step is ~1/4 of
+    # a weight's spread): ~10% of the largest logit after two layers, int8 ~1%.
+    bound = {"int8": 0.05, "int4": 0.2}[method]
+    assert _relative_error(logits[method], logits["none"]) < bound
+    if method == "int4":  # one engine start is enough for the file's time budget
+        llm = LLM(directory, quantization=method, kv_cache_bytes=8 * 2**20, num_threads=1)
+        output = llm.generate([ids.tolist()], SamplingParams(temperature=0.0, max_tokens=4))
+        assert len(output[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.slow  # two engines
+def test_prefill_and_decode_pods_may_differ_in_weight_format():
+    """A dense prefill pod's pages go to a gguf decode pod: the KV format is the same whatever
+    the weights, so the decode pod takes them and finishes the request."""
+    from shared import LLM, SamplingParams
+    from tests.test_disaggregation_engine import disaggregated
+
+    options = {"kv_cache_bytes": 32 * 2**20, "num_threads": 1}
+    prefill, decode = LLM(**options), LLM(quantization="gguf", **options)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    prompt = prefill.tokenizer.encode("The lighthouse keeper climbed the stairs every evening and")
+    dense_first = prefill.generate([prompt], params)[0].outputs[0].token_ids[0]
+    # disaggregated() checks the exported pages have the shape the decode pod reserved.
+    _, final = disaggregated(prefill.engine, decode.engine, "mixed", prompt, params)
+    assert final.token_ids[0] == dense_first  # the prefill pod's token
+    assert len(final.token_ids) == 8
+    assert decode.stats().num_kv_blocks_free == decode.stats().num_kv_blocks_total

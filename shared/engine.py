@@ -36,6 +36,8 @@ from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import load_checkpoint
 from shared.output_processor import OutputProcessor
 from shared.outputs import StreamDelta
+from shared.parallel.group import TensorParallelGroup
+from shared.parallel.setup import start_tensor_parallel
 from shared.prompts import check_prompt
 from shared.request import Request, RequestStatus
 from shared.runner import ModelRunner
@@ -102,14 +104,21 @@ class EngineCore:
         self.eos_token_ids = tuple(
             sorted(set(self.architecture.eos_token_ids) | set(self.tokenizer.eos_token_ids))
         )
-        model = LlamaForCausalLM(self.architecture, self.max_model_len, self.device)
-        model.materialize(self.device, self.dtype)
-        model.load_hf_weights(checkpoint.weights)
+        # Tensor parallel (shared/parallel/): this process is rank 0 and holds one slice.
+        self.tensor_parallel: TensorParallelGroup | None = None
+        if config.parallel.tensor_parallel_size > 1:
+            rank0 = start_tensor_parallel(config, checkpoint, self.max_model_len)
+            self.tensor_parallel, model = rank0.group, rank0.model
+            self.kv_spec, kv_cache = rank0.kv_spec, rank0.kv_cache
+        else:
+            model = LlamaForCausalLM(self.architecture, self.max_model_len, self.device)
+            model.materialize(self.device, self.dtype)
+            model.load_hf_weights(checkpoint.weights)
+            self.kv_spec: KVCacheSpec = size_kv_cache(
+                self.architecture, config.cache, self.dtype, self.device
+            )
+            kv_cache = allocate_kv_cache(self.kv_spec, self.architecture, self.dtype, self.device)
         del checkpoint
-        self.kv_spec: KVCacheSpec = size_kv_cache(
-            self.architecture, config.cache, self.dtype, self.device
-        )
-        kv_cache = allocate_kv_cache(self.kv_spec, self.architecture, self.dtype, self.device)
         self.kv_manager = KVCacheManager.from_config(config.cache, self.kv_spec.num_blocks)
         self.speculation = build_policy(config.speculative)
         self.scheduler = Scheduler(
@@ -119,7 +128,9 @@ class EngineCore:
             self.eos_token_ids,
             self.speculation,
         )
-        self.runner = ModelRunner(model, kv_cache, config.cache.block_size, self.eos_token_ids)
+        self.runner = ModelRunner(
+            model, kv_cache, config.cache.block_size, self.eos_token_ids, self.tensor_parallel
+        )
         self.speculator = None
         if self.speculation is not None:
             self.speculator = build_speculator(
@@ -362,6 +373,11 @@ class EngineCore:
         self.runner.release([request.request_id for request in dropped])
         deltas = [self.output_processor.abort(request) for request in dropped]
         return [delta for delta in deltas if delta is not None]
+
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks, if any (also done at exit). Idempotent."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     def stats(self) -> EngineStats:
         prefix = self.kv_manager.prefix_cache_stats

@@ -6,6 +6,8 @@ row of `[num_tokens, hidden]`, and only attention needs to know which row belong
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +16,12 @@ from shared.model.architecture import ModelArchitecture
 from shared.model.attention_metadata import AttentionBackend, AttentionMetadata
 from shared.model.linear import Linear, linear, onednn_weight
 from shared.model.rotary import RotaryAngles, RotaryEmbedding
+
+
+class AllReduce(Protocol):
+    """Sums a tensor over the tensor-parallel ranks in place (shared/parallel/comm.py)."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> None: ...
 
 
 class RMSNorm(nn.Module):
@@ -30,6 +38,9 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    # Tensor parallel: this rank's heads only; o_proj is row-parallel, summed over the ranks.
+    tensor_parallel: AllReduce | None = None
+
     def __init__(self, arch: ModelArchitecture) -> None:
         super().__init__()
         self.num_heads = arch.num_heads
@@ -59,10 +70,16 @@ class LlamaAttention(nn.Module):
         q, k = rotary.apply(q, k)
         backend.write_kv(k, v, layer_cache, meta)
         out = backend.attend(q, layer_cache, meta, self.scale)  # [num_tokens, heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, -1))
+        out = self.o_proj(out.reshape(num_tokens, -1))
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.all_reduce(out)
+        return out
 
 
 class LlamaMLP(nn.Module):
+    # Tensor parallel: this rank's intermediate columns; down is row-parallel, summed.
+    tensor_parallel: AllReduce | None = None
+
     def __init__(self, arch: ModelArchitecture) -> None:
         super().__init__()
         self.intermediate_size = arch.intermediate_size
@@ -71,7 +88,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.all_reduce(out)
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -117,6 +137,13 @@ class LlamaForCausalLM(nn.Module):
             # to_empty replaces parameters one module at a time, which unties them.
             self.lm_head.weight = self.embed_tokens.weight
 
+    def set_tensor_parallel(self, group: AllReduce) -> None:
+        """This model holds one rank's slice (its arch says which sizes): the row-parallel
+        products are summed over the ranks through `group`."""
+        for layer in self.layers:
+            layer.self_attn.tensor_parallel = group
+            layer.mlp.tensor_parallel = group
+
     @torch.inference_mode()
     def forward(
         self,
@@ -128,14 +155,29 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [num_sampled] rows whose next token is sampled
         num_layers: int | None = None,  # only the first layers (a self-speculative draft)
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        angles = self.rotary.lookup(positions, hidden.dtype)
-        for layer_id, layer in enumerate(self.layers[:num_layers]):
-            hidden = layer(hidden, angles, kv_cache[layer_id], meta, backend)
+        hidden = self.decode_layers(input_ids, positions, kv_cache, meta, backend, num_layers)
         # Norm and project only the rows that are sampled: a prefill chunk needs one, not all.
         last = self.norm(hidden[logits_indices])
         weight = self.lm_head.weight
         return linear(last, weight, self._lm_head_onednn).float()  # [num_sampled, vocab]
+
+    @torch.inference_mode()
+    def decode_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        num_layers: int | None = None,
+    ) -> torch.Tensor:
+        """The hidden states after the decoder layers, [num_tokens, hidden] (no head: tensor-
+        parallel ranks other than 0 stop here)."""
+        hidden = self.embed_tokens(input_ids)
+        angles = self.rotary.lookup(positions, hidden.dtype)
+        for layer_id, layer in enumerate(self.layers[:num_layers]):
+            hidden = layer(hidden, angles, kv_cache[layer_id], meta, backend)
+        return hidden
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copies Hugging Face-named tensors in, fusing q/k/v and gate/up; mutates self."""

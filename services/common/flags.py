@@ -77,7 +77,24 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="each step measures whether 1 thread or --num-threads is faster now (another "
         "process may hold a core)",
     )
+    group.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=1,
+        help="processes that each hold a slice of every layer's heads (must divide the "
+        "model's attention and KV heads; docs/parallelism.md)",
+    )
     _add_speculative_flags(parser)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _add_speculative_flags(parser: argparse.ArgumentParser) -> None:
@@ -116,6 +133,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "max_retention_s": args.max_retention,
         "num_threads": args.num_threads,
         "adaptive_threads": args.adaptive_threads,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "speculative_method": args.speculative_method,
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_draft_model": args.speculative_draft_model,

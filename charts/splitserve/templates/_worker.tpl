@@ -54,6 +54,10 @@ so the ConfigMap is the one place they are written. */}}
 - --redis-url
 - $(REDIS_URL)
 {{- include "splitserve.worker.threadArgs" $values }}
+{{- if gt (int (default 1 $values.tensorParallelSize)) 1 }}
+- --tensor-parallel-size
+- {{ $values.tensorParallelSize | quote }}
+{{- end }}
 {{- include "splitserve.worker.topologyArgs" $root }}
 - --drain-timeout
 - {{ include "splitserve.worker.drainTimeout" . | quote }}
@@ -152,7 +156,9 @@ livenessProbe:
 {{- $resources := deepCopy (default dict $values.resources) -}}
 {{- if gt (int $values.gpus) 0 -}}
 {{- $limits := default dict $resources.limits -}}
-{{- $_ := set $limits .root.Values.gpuResourceName (int $values.gpus) -}}
+{{/* gpus is per tensor-parallel rank: a pod of N ranks asks for N times as many. */}}
+{{- $gpus := mul (int $values.gpus) (int (default 1 $values.tensorParallelSize)) -}}
+{{- $_ := set $limits .root.Values.gpuResourceName $gpus -}}
 {{- $_ := set $resources "limits" $limits -}}
 {{- end -}}
 {{- with $resources }}

@@ -337,6 +337,7 @@ class AsyncLLM:
             error = RuntimeError("AsyncLLM was shut down")
             self._fail_open_requests(error)
             self._fail_queued_submits(error)
+            self.engine.close()  # the other tensor-parallel ranks, if any
 
     # ---- the engine thread ------------------------------------------------------------------
 

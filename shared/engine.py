@@ -23,10 +23,10 @@ import torch
 from shared.config import EngineConfig
 from shared.disaggregation import (
     KVPageExporter,
+    LocalPages,
+    PageIO,
     RemotePrefillPlan,
     RemotePrefillResult,
-    page_shape,
-    unpack_pages,
 )
 from shared.kv.block_hash import cache_salt_keys
 from shared.kv.eviction import retention_for
@@ -37,6 +37,7 @@ from shared.model.loader import load_checkpoint
 from shared.output_processor import OutputProcessor
 from shared.outputs import StreamDelta
 from shared.parallel.group import TensorParallelGroup
+from shared.parallel.pages import TensorParallelPages
 from shared.parallel.setup import start_tensor_parallel
 from shared.prompts import check_prompt
 from shared.request import Request, RequestStatus
@@ -142,7 +143,11 @@ class EngineCore:
             self.tokenizer.to_json(), self.architecture.vocab_size, self.eos_token_ids
         )
         # Prefill pods: the pages of requests added with export_kv_from_block, until taken.
-        self.kv_exporter = KVPageExporter(kv_cache)
+        # Pages in and out in the model's layout, whatever this engine's tensor parallelism.
+        self.pages: PageIO = LocalPages(kv_cache)
+        if self.tensor_parallel is not None:
+            self.pages = TensorParallelPages(self.tensor_parallel, kv_cache)
+        self.kv_exporter = KVPageExporter(self.pages)
         # Called after every forward pass with what it computed and when: the exporter, the
         # speculation policy's step-cost curve, a pod's per-request timings (shared/telemetry).
         self.step_observers: list[StepObserver] = [self.kv_exporter]
@@ -271,14 +276,13 @@ class EngineCore:
         self.output_processor.add(request, 0)
         first_block = num_cached // self.kv_spec.block_size
         block_ids = self.kv_manager.get_block_ids(request_id)[first_block:]
-        kv_cache = self.runner.kv_cache
         return RemotePrefillPlan(
             request_id,
             num_cached,
             first_block,
             block_ids,
-            page_shape(kv_cache, len(block_ids)),
-            kv_cache.dtype,
+            self.pages.shape(len(block_ids)),
+            self.runner.kv_cache.dtype,
         )
 
     def complete_remote_prefill(
@@ -291,7 +295,7 @@ class EngineCore:
             return []
         first_block = request.num_cached_tokens // self.kv_spec.block_size
         block_ids = self.kv_manager.get_block_ids(request_id)[first_block:]
-        unpack_pages(result.kv_pages, self.runner.kv_cache, block_ids)
+        self.pages.unpack(result.kv_pages, block_ids)
         update = self.scheduler.complete_remote_kv(request_id, result.first_token_id)
         if result.first_logprobs is not None:
             update.logprobs.append(result.first_logprobs)

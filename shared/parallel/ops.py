@@ -66,6 +66,6 @@ def run_page_op(
     if header.opcode == Opcode.GATHER_PAGES:
         gather_pages(comm, kv_cache, payload)
     elif header.opcode == Opcode.SCATTER_PAGES:
-        scatter_pages(comm, kv_cache, payload, None)
+        scatter_pages(comm, kv_cache, payload)
     else:
         raise AssertionError(f"unknown opcode {header.opcode}")

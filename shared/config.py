@@ -163,9 +163,22 @@ class ParallelConfig:
 
     # Ranks that each hold a slice of every layer's heads and MLP columns (vLLM's name).
     tensor_parallel_size: int = 1
+    # Ranks that each hold consecutive layers (a stage); vLLM's name.
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _check_count("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_count("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} and pipeline_parallel_size "
+                f"{self.pipeline_parallel_size} cannot be combined yet: set one of them to 1"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Processes per engine."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 def _check_count(name: str, value: object, low: int) -> None:
@@ -193,12 +206,12 @@ class EngineConfig:
         if not isinstance(self.adaptive_threads, bool):
             value = self.adaptive_threads
             raise ValueError(f"adaptive_threads must be true or false, got {value!r}")
-        tp_size = self.parallel.tensor_parallel_size
-        if tp_size > 1 and self.speculative.speculative_method == "self":
+        if self.parallel.world_size > 1 and self.speculative.speculative_method == "self":
             # The early-exit draft would run the target's sharded layers on rank 0 alone.
             raise ValueError(
-                f"speculative_method 'self' does not support tensor_parallel_size {tp_size} "
-                "(use 'ngram' or 'draft')"
+                "speculative_method 'self' does not support tensor_parallel_size "
+                f"{self.parallel.tensor_parallel_size} / pipeline_parallel_size "
+                f"{self.parallel.pipeline_parallel_size} (use 'ngram' or 'draft')"
             )
 
     @classmethod

@@ -36,9 +36,9 @@ from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import load_checkpoint
 from shared.output_processor import OutputProcessor
 from shared.outputs import StreamDelta
-from shared.parallel.group import TensorParallelGroup
-from shared.parallel.pages import TensorParallelPages
-from shared.parallel.setup import start_tensor_parallel
+from shared.parallel.group import ParallelGroup
+from shared.parallel.pages import ParallelPages
+from shared.parallel.setup import start_parallel
 from shared.prompts import check_prompt
 from shared.request import Request, RequestStatus
 from shared.runner import ModelRunner
@@ -105,11 +105,11 @@ class EngineCore:
         self.eos_token_ids = tuple(
             sorted(set(self.architecture.eos_token_ids) | set(self.tokenizer.eos_token_ids))
         )
-        # Tensor parallel (shared/parallel/): this process is rank 0 and holds one slice.
-        self.tensor_parallel: TensorParallelGroup | None = None
-        if config.parallel.tensor_parallel_size > 1:
-            rank0 = start_tensor_parallel(config, checkpoint, self.max_model_len)
-            self.tensor_parallel, model = rank0.group, rank0.model
+        # Tensor or pipeline parallel (shared/parallel/): this process is rank 0, one part.
+        self.parallel: ParallelGroup | None = None
+        if config.parallel.world_size > 1:
+            rank0 = start_parallel(config, checkpoint, self.max_model_len)
+            self.parallel, model = rank0.group, rank0.model
             self.kv_spec, kv_cache = rank0.kv_spec, rank0.kv_cache
         else:
             model = LlamaForCausalLM(self.architecture, self.max_model_len, self.device)
@@ -130,7 +130,7 @@ class EngineCore:
             self.speculation,
         )
         self.runner = ModelRunner(
-            model, kv_cache, config.cache.block_size, self.eos_token_ids, self.tensor_parallel
+            model, kv_cache, config.cache.block_size, self.eos_token_ids, self.parallel
         )
         self.speculator = None
         if self.speculation is not None:
@@ -143,10 +143,10 @@ class EngineCore:
             self.tokenizer.to_json(), self.architecture.vocab_size, self.eos_token_ids
         )
         # Prefill pods: the pages of requests added with export_kv_from_block, until taken.
-        # Pages in and out in the model's layout, whatever this engine's tensor parallelism.
+        # Pages in and out in the model's layout, whatever this engine's parallel layout.
         self.pages: PageIO = LocalPages(kv_cache)
-        if self.tensor_parallel is not None:
-            self.pages = TensorParallelPages(self.tensor_parallel, kv_cache)
+        if self.parallel is not None:
+            self.pages = ParallelPages(self.parallel, kv_cache)
         self.kv_exporter = KVPageExporter(self.pages)
         # Called after every forward pass with what it computed and when: the exporter, the
         # speculation policy's step-cost curve, a pod's per-request timings (shared/telemetry).
@@ -379,9 +379,9 @@ class EngineCore:
         return [delta for delta in deltas if delta is not None]
 
     def close(self) -> None:
-        """Stops the other tensor-parallel ranks, if any (also done at exit). Idempotent."""
-        if self.tensor_parallel is not None:
-            self.tensor_parallel.close()
+        """Stops the other ranks of a parallel engine, if any (also done at exit). Idempotent."""
+        if self.parallel is not None:
+            self.parallel.close()
 
     def stats(self) -> EngineStats:
         prefix = self.kv_manager.prefix_cache_stats

@@ -18,7 +18,7 @@ from shared.step import ModelOutput, ScheduledChunk, SchedulerOutput
 from shared.structured_output.matcher import NO_MASKS, StepMasks
 
 if TYPE_CHECKING:
-    from shared.parallel.group import TensorParallelGroup
+    from shared.parallel.group import ParallelGroup
 
 
 @dataclass
@@ -28,7 +28,7 @@ class ModelInputs:
     meta: AttentionMetadata
     # [num_logits]: the last row of each sampled chunk; every row of a verification chunk.
     logits_indices: torch.Tensor
-    # What the inputs were built from: tensor-parallel ranks rebuild them from these.
+    # What the inputs were built from: the other ranks of a parallel engine rebuild them.
     chunks: Sequence[ScheduledChunk] = ()
 
 
@@ -39,11 +39,11 @@ class ModelRunner:
         kv_cache: torch.Tensor,
         block_size: int,
         eos_token_ids: tuple[int, ...],
-        tensor_parallel: TensorParallelGroup | None = None,
+        parallel: ParallelGroup | None = None,
     ) -> None:
         self.model = model
-        # Rank 0 of a tensor-parallel engine: each forward is sent to the other ranks first.
-        self.tensor_parallel = tensor_parallel
+        # Rank 0 of a parallel engine: each forward is sent to the other ranks first.
+        self.parallel = parallel
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = kv_cache.device
@@ -78,8 +78,8 @@ class ModelRunner:
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """One batched forward over the paged cache; logits of `inputs.logits_indices` rows."""
-        if self.tensor_parallel is not None:
-            return self.tensor_parallel.run_step(inputs.chunks, lambda: self._forward(inputs))
+        if self.parallel is not None:
+            return self.parallel.run_step(inputs.chunks, lambda: self._forward(inputs))
         return self._forward(inputs)
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from shared.llm import LLM
-from shared.parallel.group import TensorParallelError
+from shared.parallel.group import ParallelError
 from shared.sampling_params import SamplingParams
 
 KV_BYTES = 8 * 2**20
@@ -86,14 +86,14 @@ def test_tp2_greedy_equals_tp1_under_preemption(tiny_gqa_checkpoint, tp1):
 def test_a_killed_rank_fails_the_step_instead_of_hanging(tiny_gqa_checkpoint):
     llm = LLM(tiny_gqa_checkpoint, kv_cache_bytes=KV_BYTES, tensor_parallel_size=2, **ONE_THREAD)
     try:
-        (worker,) = llm.engine.tensor_parallel.processes
+        (worker,) = llm.engine.parallel.processes
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)
         start = time.monotonic()
-        with pytest.raises(TensorParallelError, match="rank 1 .*died"):
+        with pytest.raises(ParallelError, match="rank 1 .*died"):
             llm.generate(_prompts(llm)[:1], GREEDY)
         assert time.monotonic() - start < 10
-        with pytest.raises(TensorParallelError):  # and every later step too, at once
+        with pytest.raises(ParallelError):  # and every later step too, at once
             llm.generate(_prompts(llm)[:1], GREEDY)
     finally:
         llm.close()

@@ -115,7 +115,18 @@ class LlamaDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+class PipelineHandOff(Protocol):
+    """Rank 0 of a pipeline-parallel engine (shared/parallel/pipeline.py)."""
+
+    def sampled_rows(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """This stage's output on to the next stages; the last stage's sampled rows back."""
+        ...
+
+
 class LlamaForCausalLM(nn.Module):
+    # Pipeline parallel, rank 0: its layers are the first stage's only.
+    pipeline: PipelineHandOff | None = None
+
     def __init__(self, arch: ModelArchitecture, max_positions: int, device: torch.device) -> None:
         super().__init__()
         self.arch = arch
@@ -157,7 +168,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         hidden = self.decode_layers(input_ids, positions, kv_cache, meta, backend, num_layers)
         # Norm and project only the rows that are sampled: a prefill chunk needs one, not all.
-        last = self.norm(hidden[logits_indices])
+        if self.pipeline is None:
+            rows = hidden[logits_indices]
+        else:  # the later stages' layers run in other processes
+            rows = self.pipeline.sampled_rows(hidden, logits_indices)
+        last = self.norm(rows)
         weight = self.lm_head.weight
         return linear(last, weight, self._lm_head_onednn).float()  # [num_sampled, vocab]
 
@@ -174,6 +189,19 @@ class LlamaForCausalLM(nn.Module):
         """The hidden states after the decoder layers, [num_tokens, hidden] (no head: tensor-
         parallel ranks other than 0 stop here)."""
         hidden = self.embed_tokens(input_ids)
+        return self.run_layers(hidden, positions, kv_cache, meta, backend, num_layers)
+
+    @torch.inference_mode()
+    def run_layers(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        num_layers: int | None = None,
+    ) -> torch.Tensor:
+        """`hidden` through this model's decoder layers (a pipeline stage starts here)."""
         angles = self.rotary.lookup(positions, hidden.dtype)
         for layer_id, layer in enumerate(self.layers[:num_layers]):
             hidden = layer(hidden, angles, kv_cache[layer_id], meta, backend)

@@ -70,6 +70,18 @@ class Communicator:
             self.group.broadcast(tensor, 0).wait()
         self.comm_seconds += time.perf_counter() - start
 
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Point to point (pipeline stages); `tensor` contiguous."""
+        start = time.perf_counter()
+        self.group.send([tensor], dst, 0).wait()
+        self.comm_seconds += time.perf_counter() - start
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        """Into `tensor` (contiguous, the sent shape and dtype)."""
+        start = time.perf_counter()
+        self.group.recv([tensor], src, 0).wait()
+        self.comm_seconds += time.perf_counter() - start
+
     def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `tensor` (same shape) on rank 0, in rank order; None elsewhere."""
         if self.rank == 0:

@@ -1,9 +1,9 @@
-"""Rank 0's handle on a tensor-parallel engine: starts the other ranks, sends them each step,
-stops them, and turns a dead or hung rank into an exception out of the engine's step.
+"""Rank 0's handle on a parallel engine: starts the other ranks, sends them each step, stops
+them, and turns a dead or hung rank into an exception out of the engine's step.
 
-The engine process is rank 0: it schedules once, broadcasts what to compute, runs its own
-slice of the forward, and alone computes the logits and samples. See shared/parallel/layout.py
-for who holds which heads and docs/parallelism.md for the design.
+The engine process is rank 0: it schedules once, broadcasts what to compute, runs its own part
+of the forward, and alone computes the logits and samples. Who holds what: shared/parallel/
+layout.py (tensor parallel, by heads), pipeline.py (by layers); docs/parallelism.md.
 """
 
 from __future__ import annotations
@@ -14,17 +14,18 @@ import os
 import time
 import weakref
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch.multiprocessing as mp
 
 from shared.config import EngineConfig
-from shared.model.architecture import ModelArchitecture
 from shared.parallel.comm import Communicator, make_store
-from shared.parallel.layout import TensorParallelLayout
 from shared.parallel.ops import Opcode, send
 from shared.parallel.step_tensors import ChunkInputs, pack_chunks
 from shared.parallel.worker import WorkerSpec, run_worker
+
+if TYPE_CHECKING:
+    from shared.parallel.rank import RankLayout
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ START_TIMEOUT_S = 600.0
 _READY_POLL_S = 0.05
 
 
-class TensorParallelError(RuntimeError):
+class ParallelError(RuntimeError):
     """A rank died or hung: this engine cannot run another step."""
 
 
@@ -46,39 +47,39 @@ def threads_per_rank(config: EngineConfig) -> int:
     """num_threads applies to every rank; by default the cores are shared out."""
     if config.num_threads:
         return config.num_threads
-    return max(1, (os.cpu_count() or 1) // config.parallel.tensor_parallel_size)
+    return max(1, (os.cpu_count() or 1) // config.parallel.world_size)
 
 
-class TensorParallelGroup:
-    def __init__(self, layout: TensorParallelLayout, processes: list, comm: Communicator) -> None:
+class ParallelGroup:
+    def __init__(self, layout: RankLayout, processes: list, comm: Communicator) -> None:
         self.layout = layout
         self.processes = processes
         self.comm = comm
-        self.failure: TensorParallelError | None = None
+        self.failure: ParallelError | None = None
         self._finalizer = weakref.finalize(self, _stop, comm, processes)
 
     @classmethod
     def start(
         cls,
         config: EngineConfig,
-        arch: ModelArchitecture,
+        layout: RankLayout,
         num_blocks: int,
         max_model_len: int,
         build_rank0: Callable[[], T],
-    ) -> tuple[TensorParallelGroup, T]:
-        """Spawns ranks 1..tp-1 (they load their slices meanwhile), calls `build_rank0` (rank
+    ) -> tuple[ParallelGroup, T]:
+        """Spawns ranks 1..n-1 (they load their parts meanwhile), calls `build_rank0` (rank
         0's own model and cache), then waits for every rank to join the group."""
-        tp_size = config.parallel.tensor_parallel_size
-        store = make_store(tp_size, START_TIMEOUT_S)
-        processes = _spawn(config, tp_size, store.port, num_blocks, max_model_len)
+        world_size = layout.world_size
+        store = make_store(world_size, START_TIMEOUT_S)
+        processes = _spawn(config, world_size, store.port, num_blocks, max_model_len)
         try:
             built = build_rank0()
             _wait_until_ready(store, processes)
-            comm = Communicator(store, 0, tp_size, COLLECTIVE_TIMEOUT_S)
+            comm = Communicator(store, 0, world_size, COLLECTIVE_TIMEOUT_S)
         except BaseException:
             _terminate(processes)
             raise
-        return cls(TensorParallelLayout.of(arch, tp_size, 0), processes, comm), built
+        return cls(layout, processes, comm), built
 
     def run_step(self, chunks: list[ChunkInputs], forward: Callable[[], T]) -> T:
         """Sends the step to the other ranks, then runs rank 0's `forward` of it."""
@@ -89,13 +90,13 @@ class TensorParallelGroup:
         return forward()
 
     def guard(self, action: Callable[[], T]) -> T:
-        """Runs a collective `action`; a failure (now or before) is a TensorParallelError."""
+        """Runs a collective `action`; a failure (now or before) is a ParallelError."""
         if self.failure is not None:
             raise self.failure
         try:
             return action()
         except RuntimeError as exc:
-            self.failure = TensorParallelError(self._describe_failure(exc))
+            self.failure = ParallelError(self._describe_failure(exc))
             raise self.failure from exc
 
     def _describe_failure(self, exc: RuntimeError) -> str:
@@ -105,8 +106,8 @@ class TensorParallelGroup:
             if not process.is_alive()
         ]
         if dead:
-            return f"tensor-parallel {', '.join(dead)} died"
-        return f"tensor-parallel collective failed: {str(exc)[:300]}"
+            return f"parallel engine {', '.join(dead)} died"
+        return f"parallel engine collective failed: {str(exc)[:300]}"
 
     def close(self) -> None:
         """Stops the other ranks (idempotent)."""
@@ -114,14 +115,14 @@ class TensorParallelGroup:
 
 
 def _spawn(
-    config: EngineConfig, tp_size: int, port: int, num_blocks: int, max_model_len: int
+    config: EngineConfig, world_size: int, port: int, num_blocks: int, max_model_len: int
 ) -> list:
     context = mp.get_context("spawn")
     processes = []
-    for rank in range(1, tp_size):
+    for rank in range(1, world_size):
         spec = WorkerSpec(
             rank,
-            tp_size,
+            world_size,
             port,
             config,
             num_blocks,
@@ -131,9 +132,7 @@ def _spawn(
             START_TIMEOUT_S,
             threads_per_rank(config),
         )
-        process = context.Process(
-            target=run_worker, args=(spec,), name=f"tp-rank-{rank}", daemon=True
-        )
+        process = context.Process(target=run_worker, args=(spec,), name=f"rank-{rank}", daemon=True)
         process.start()
         processes.append(process)
     return processes
@@ -147,11 +146,11 @@ def _wait_until_ready(store, processes: list) -> None:
         for rank, process in enumerate(processes, start=1):
             if not process.is_alive():
                 raise RuntimeError(
-                    f"tensor-parallel rank {rank} exited with code {process.exitcode} "
+                    f"parallel engine rank {rank} exited with code {process.exitcode} "
                     "while starting (its error is in this process's stderr)"
                 )
         if time.monotonic() > deadline:
-            raise RuntimeError(f"tensor-parallel ranks not ready after {START_TIMEOUT_S:.0f} s")
+            raise RuntimeError(f"parallel engine ranks not ready after {START_TIMEOUT_S:.0f} s")
         time.sleep(_READY_POLL_S)
 
 

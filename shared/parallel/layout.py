@@ -19,10 +19,18 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from shared.model.architecture import ModelArchitecture
+
+if TYPE_CHECKING:
+    from shared.model.attention_metadata import AttentionBackend
+    from shared.model.llama import AllReduce, LlamaForCausalLM
+    from shared.runner import ModelInputs
+
+_HEADS_DIM = 4  # of a packed page buffer [blocks, layers, 2, block_size, heads, head_dim]
 
 logger = logging.getLogger(__name__)
 
@@ -46,24 +54,20 @@ def check_tensor_parallel(tp_size: int, arch: ModelArchitecture, device: str) ->
             f"tensor_parallel_size {tp_size} must divide the model's MLP intermediate size "
             f"{arch.intermediate_size}"
         )
-    _check_devices(tp_size, device)
+    check_devices("tensor_parallel_size", tp_size, device)
 
 
-def _check_devices(tp_size: int, device: str) -> None:
+def check_devices(name: str, size: int, device: str) -> None:
+    """Raises ValueError when `size` ranks (`name`, the option) need more CUDA devices than
+    there are. A CPU may run more ranks than cores (slower, still correct): logged."""
     if device.startswith("cuda"):
         num_devices = torch.cuda.device_count()
-        if tp_size > num_devices:
-            raise ValueError(
-                f"tensor_parallel_size {tp_size} exceeds the {num_devices} CUDA devices here"
-            )
+        if size > num_devices:
+            raise ValueError(f"{name} {size} exceeds the {num_devices} CUDA devices here")
         return
     num_cores = os.cpu_count() or 1
-    if tp_size > num_cores:
-        logger.warning(
-            "tensor_parallel_size %d exceeds the %d CPU cores: ranks share cores",
-            tp_size,
-            num_cores,
-        )
+    if size > num_cores:
+        logger.warning("%s %d exceeds the %d CPU cores: ranks share cores", name, size, num_cores)
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,13 @@ class TensorParallelLayout:
         return cls(
             tp_size, rank, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size
         )
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size
+
+    def of_rank(self, rank: int) -> TensorParallelLayout:
+        return dataclasses.replace(self, rank=rank)
 
     @property
     def heads_per_rank(self) -> int:
@@ -122,6 +133,10 @@ class TensorParallelLayout:
             intermediate_size=self.intermediate_size // self.tp_size,
         )
 
+    def pod_kv_arch(self, arch: ModelArchitecture) -> ModelArchitecture:
+        """What the pod's KV budget is sized for: every rank's heads (replicas each time)."""
+        return dataclasses.replace(arch, num_kv_heads=self.kv_heads_per_rank * self.tp_size)
+
     def shard_weights(
         self, weights: dict[str, torch.Tensor], num_layers: int
     ) -> dict[str, torch.Tensor]:
@@ -140,6 +155,43 @@ class TensorParallelLayout:
                 out[mlp + name] = weights[mlp + name][self.mlp_columns]
             out[mlp + "down_proj.weight"] = weights[mlp + "down_proj.weight"][:, self.mlp_columns]
         return out
+
+    def attach(self, model: LlamaForCausalLM, comm: AllReduce) -> None:
+        model.set_tensor_parallel(comm)
+
+    def run_step(
+        self,
+        model: LlamaForCausalLM,
+        inputs: ModelInputs,
+        kv_cache: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> None:
+        """A rank other than 0: its slice of the layers (the all-reduces inside); no head."""
+        model.decode_layers(inputs.input_ids, inputs.positions, kv_cache, inputs.meta, backend)
+
+    # ---- pages in the wire layout (shared/parallel/pages.py) --------------------------------
+
+    def wire_shape(self, kv_cache: torch.Tensor, num_blocks: int) -> tuple[int, ...]:
+        """The model's KV heads, not this rank's."""
+        num_layers, _, _, block_size, _, head_dim = kv_cache.shape
+        return (num_blocks, num_layers, 2, block_size, self.num_kv_heads, head_dim)
+
+    def split_pages(self, pages: torch.Tensor) -> list[torch.Tensor]:
+        """Wire-layout pages -> each rank's heads (contiguous, replicas included), rank order."""
+        return [
+            pages[..., heads.start : heads.stop, :].contiguous()
+            for heads in map(self.kv_heads_of, range(self.tp_size))
+        ]
+
+    def join_pages(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Each rank's packed pages -> wire layout (a replicated head is taken once)."""
+        shape = list(parts[0].shape)
+        shape[_HEADS_DIM] = self.num_kv_heads
+        pages = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)
+        for rank, part in enumerate(parts):
+            heads = self.kv_heads_of(rank)
+            pages[..., heads.start : heads.stop, :] = part
+        return pages
 
 
 def _rows(heads: range, head_dim: int) -> slice:

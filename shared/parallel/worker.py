@@ -1,9 +1,10 @@
-"""Ranks 1..tp-1 of a tensor-parallel engine: a process that runs rank 0's steps on its slice.
+"""Ranks 1..n-1 of a parallel engine: a process that runs rank 0's steps on its part.
 
     rank 0 (the engine)                      rank r (this module)
     scheduler.schedule()
     broadcast header, payload      ----->    unpack chunks, prepare_inputs (same code)
-    forward over its slice         <---->    forward over its slice (all-reduce x2 per layer)
+    forward over its part          <---->    forward over its part (tensor parallel: all-reduce
+                                             x2 per layer; pipeline: hidden states in and out)
     lm head, sampling                        wait for the next header
 
 It never schedules, samples or sees a request: only token ids, positions and block ids. It
@@ -23,12 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from shared.config import EngineConfig
-from shared.model.kv_cache import KVCacheSpec, allocate_kv_cache
-from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import load_checkpoint
 from shared.parallel.comm import Communicator, connect_store
-from shared.parallel.layout import TensorParallelLayout
 from shared.parallel.ops import Opcode, receive_header, run_page_op
+from shared.parallel.rank import RankLayout, build_rank, layout_for
 from shared.parallel.step_tensors import unpack_chunks
 from shared.runner import ModelRunner
 
@@ -42,7 +41,7 @@ class WorkerSpec:
     """Everything a rank needs to start: pickled once, at spawn."""
 
     rank: int
-    tp_size: int
+    world_size: int
     port: int
     config: EngineConfig
     num_blocks: int
@@ -57,46 +56,38 @@ def run_worker(spec: WorkerSpec) -> None:
     """The process entry point (torch.multiprocessing spawn target)."""
     _exit_with_parent(spec.parent_pid)
     torch.set_num_threads(spec.num_threads)
-    store = connect_store(spec.port, spec.tp_size, spec.start_timeout_s)
-    model, kv_cache, block_size = _build(spec)
-    store.set(f"loaded/{spec.rank}", "1")
-    comm = Communicator(store, spec.rank, spec.tp_size, spec.timeout_s)
-    model.set_tensor_parallel(comm)
-    runner = ModelRunner(model, kv_cache, block_size, eos_token_ids=())
-    try:
-        _serve(comm, runner)
-    except RuntimeError as exc:  # rank 0 went away mid-collective: nothing left to serve
-        logger.warning("tensor-parallel rank %d stops: %s", spec.rank, exc)
-
-
-def _build(spec: WorkerSpec) -> tuple[LlamaForCausalLM, torch.Tensor, int]:
-    config = spec.config
-    checkpoint = load_checkpoint(config.model.model)
-    arch = checkpoint.architecture
-    layout = TensorParallelLayout.of(arch, spec.tp_size, spec.rank)
-    local_arch = layout.local_arch(arch)
-    device, dtype = torch.device(config.model.device), getattr(torch, config.model.dtype)
-    model = LlamaForCausalLM(local_arch, spec.max_model_len, device)
-    model.materialize(device, dtype)
-    model.load_hf_weights(layout.shard_weights(checkpoint.weights, arch.num_layers))
+    store = connect_store(spec.port, spec.world_size, spec.start_timeout_s)
+    checkpoint = load_checkpoint(spec.config.model.model)
+    layout = layout_for(spec.config, checkpoint.architecture, spec.rank)
+    model, kv_cache = build_rank(
+        layout,
+        checkpoint.architecture,
+        checkpoint.weights,
+        spec.config,
+        spec.max_model_len,
+        spec.num_blocks,
+    )
     del checkpoint
-    block_size = config.cache.block_size
-    # Only the block count matters for allocation; rank 0 sized it for the whole pod.
-    kv_spec = KVCacheSpec(spec.num_blocks, block_size, bytes_per_block=0)
-    return model, allocate_kv_cache(kv_spec, local_arch, dtype, device), block_size
+    # Before announcing readiness: the runner's attention backend may compile the CPU kernel
+    # first (minutes on a busy machine), longer than a step's collectives wait.
+    runner = ModelRunner(model, kv_cache, spec.config.cache.block_size, eos_token_ids=())
+    store.set(f"loaded/{spec.rank}", "1")
+    comm = Communicator(store, spec.rank, spec.world_size, spec.timeout_s)
+    layout.attach(model, comm)
+    try:
+        _serve(comm, runner, layout)
+    except RuntimeError as exc:  # rank 0 went away mid-collective: nothing left to serve
+        logger.warning("parallel engine rank %d stops: %s", spec.rank, exc)
 
 
-def _serve(comm: Communicator, runner: ModelRunner) -> None:
-    model = runner.model
+def _serve(comm: Communicator, runner: ModelRunner, layout: RankLayout) -> None:
     while True:
         header, payload = receive_header(comm)
         if header.opcode == Opcode.STOP:
             return
         if header.opcode == Opcode.STEP:
             inputs = runner.prepare_inputs(unpack_chunks(payload, header.count))
-            model.decode_layers(
-                inputs.input_ids, inputs.positions, runner.kv_cache, inputs.meta, runner.backend
-            )
+            layout.run_step(runner.model, inputs, runner.kv_cache, runner.backend)
         else:
             run_page_op(comm, header, payload, runner.kv_cache)
 

@@ -84,6 +84,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="processes that each hold a slice of every layer's heads (must divide the "
         "model's attention and KV heads; docs/parallelism.md)",
     )
+    group.add_argument(
+        "--pipeline-parallel-size",
+        type=_positive_int,
+        default=1,
+        help="processes that each hold consecutive layers (must divide the model's layers; "
+        "not combined with --tensor-parallel-size yet)",
+    )
     _add_speculative_flags(parser)
 
 
@@ -134,6 +141,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "num_threads": args.num_threads,
         "adaptive_threads": args.adaptive_threads,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
         "speculative_method": args.speculative_method,
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_draft_model": args.speculative_draft_model,

@@ -58,6 +58,10 @@ so the ConfigMap is the one place they are written. */}}
 - --tensor-parallel-size
 - {{ $values.tensorParallelSize | quote }}
 {{- end }}
+{{- if gt (int (default 1 $values.pipelineParallelSize)) 1 }}
+- --pipeline-parallel-size
+- {{ $values.pipelineParallelSize | quote }}
+{{- end }}
 {{- include "splitserve.worker.topologyArgs" $root }}
 - --drain-timeout
 - {{ include "splitserve.worker.drainTimeout" . | quote }}
@@ -156,8 +160,10 @@ livenessProbe:
 {{- $resources := deepCopy (default dict $values.resources) -}}
 {{- if gt (int $values.gpus) 0 -}}
 {{- $limits := default dict $resources.limits -}}
-{{/* gpus is per tensor-parallel rank: a pod of N ranks asks for N times as many. */}}
-{{- $gpus := mul (int $values.gpus) (int (default 1 $values.tensorParallelSize)) -}}
+{{/* gpus is per rank: a pod of tensorParallelSize x pipelineParallelSize ranks asks for
+that many times as many. */}}
+{{- $ranks := mul (int (default 1 $values.tensorParallelSize)) (int (default 1 $values.pipelineParallelSize)) -}}
+{{- $gpus := mul (int $values.gpus) $ranks -}}
 {{- $_ := set $limits .root.Values.gpuResourceName $gpus -}}
 {{- $_ := set $resources "limits" $limits -}}
 {{- end -}}

@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 
 
 def check_tensor_parallel(tp_size: int, arch: ModelArchitecture, device: str) -> None:
-    """Raises ValueError naming the numbers when `tp_size` cannot split `arch` or exceeds the
-    devices there are. A CPU may run more ranks than cores (slower, still correct): logged."""
+    """Raises ValueError naming the numbers when `tp_size` cannot split `arch`, or for a
+    device the ranks cannot share (`check_devices`)."""
     if arch.num_heads % tp_size:
         raise ValueError(
             f"tensor_parallel_size {tp_size} must divide the model's {arch.num_heads} "
@@ -58,13 +58,16 @@ def check_tensor_parallel(tp_size: int, arch: ModelArchitecture, device: str) ->
 
 
 def check_devices(name: str, size: int, device: str) -> None:
-    """Raises ValueError when `size` ranks (`name`, the option) need more CUDA devices than
-    there are. A CPU may run more ranks than cores (slower, still correct): logged."""
-    if device.startswith("cuda"):
-        num_devices = torch.cuda.device_count()
-        if size > num_devices:
-            raise ValueError(f"{name} {size} exceeds the {num_devices} CUDA devices here")
+    """Raises ValueError for a device the ranks cannot share out yet (CUDA: every rank would
+    use the same GPU, over gloo; NCCL with a GPU per rank is not wired). A CPU may run more
+    ranks than cores (slower, still correct): logged."""
+    if size == 1:
         return
+    if not device.startswith("cpu"):
+        raise ValueError(
+            f"{name} {size} runs on device 'cpu' only so far (gloo between processes), "
+            f"got device {device!r}"
+        )
     num_cores = os.cpu_count() or 1
     if size > num_cores:
         logger.warning("%s %d exceeds the %d CPU cores: ranks share cores", name, size, num_cores)

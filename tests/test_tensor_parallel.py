@@ -10,6 +10,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from shared.llm import LLM
 from shared.parallel.group import ParallelError
@@ -148,3 +149,16 @@ def test_tp3_smollm2_greedy_equals_tp1():
         assert _tokens(llm, prompts) == expected
     finally:
         llm.close()
+
+
+def test_a_step_packs_into_one_tensor_and_back():
+    from shared.parallel.step_tensors import ChunkView, pack_chunks, unpack_chunks
+
+    chunks = [
+        ChunkView(7, 1, 1, [42], [3, 9]),
+        ChunkView(0, 5, 1, [1, 2, 3, 4, 5], [4, 8, 2]),
+        ChunkView(16, 3, 3, [6, 7, 8], [1]),  # a verification chunk: 3 logits rows
+    ]
+    payload = pack_chunks(chunks)
+    assert payload.dtype == torch.int64 and payload.dim() == 1
+    assert unpack_chunks(payload, len(chunks)) == chunks

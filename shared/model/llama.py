@@ -176,7 +176,6 @@ class LlamaForCausalLM(nn.Module):
         weight = self.lm_head.weight
         return linear(last, weight, self._lm_head_onednn).float()  # [num_sampled, vocab]
 
-    @torch.inference_mode()
     def decode_layers(
         self,
         input_ids: torch.Tensor,
@@ -187,11 +186,10 @@ class LlamaForCausalLM(nn.Module):
         num_layers: int | None = None,
     ) -> torch.Tensor:
         """The hidden states after the decoder layers, [num_tokens, hidden] (no head: tensor-
-        parallel ranks other than 0 stop here)."""
+        parallel ranks other than 0 stop here). Callers hold torch.inference_mode."""
         hidden = self.embed_tokens(input_ids)
         return self.run_layers(hidden, positions, kv_cache, meta, backend, num_layers)
 
-    @torch.inference_mode()
     def run_layers(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden]

@@ -80,6 +80,7 @@ def run_worker(spec: WorkerSpec) -> None:
         logger.warning("parallel engine rank %d stops: %s", spec.rank, exc)
 
 
+@torch.inference_mode()
 def _serve(comm: Communicator, runner: ModelRunner, layout: RankLayout) -> None:
     while True:
         header, payload = receive_header(comm)

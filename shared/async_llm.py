@@ -28,6 +28,7 @@ from shared.engine import EngineCore, EngineStats
 from shared.kv.block_hash import BlockHash
 from shared.kv.events import KVCacheEvent
 from shared.outputs import StreamDelta, merge_deltas
+from shared.parallel.group import ParallelError
 from shared.prompts import child_sequences
 from shared.sampling_params import SamplingParams
 
@@ -165,6 +166,9 @@ class AsyncLLM:
         self._kv_events_lock = threading.Lock()
         self._is_keeping_kv_events = False
         self._stopped = threading.Event()
+        # Set when a step failed in a way no later step recovers from (a parallel engine lost
+        # a rank): a pod then stops serving, so its streams move elsewhere.
+        self.engine_lost = threading.Event()
         self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -368,6 +372,8 @@ class AsyncLLM:
             # freeing its blocks) keeps the thread, and so the server, alive for the next ones.
             logger.exception("engine step failed; failing all in-flight requests")
             self._fail_open_requests(RuntimeError(f"engine step failed: {error!r}"))
+            if isinstance(error, ParallelError):
+                self.engine_lost.set()
             return
         # Snapshot first: a client that sees its final delta then sees its blocks freed.
         self._stats = self.engine.stats()

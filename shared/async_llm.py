@@ -341,7 +341,7 @@ class AsyncLLM:
             error = RuntimeError("AsyncLLM was shut down")
             self._fail_open_requests(error)
             self._fail_queued_submits(error)
-            self.engine.close()  # the other tensor-parallel ranks, if any
+            self.engine.close()  # the other processes of a parallel engine, if any
 
     # ---- the engine thread ------------------------------------------------------------------
 

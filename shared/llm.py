@@ -23,7 +23,7 @@ class LLM:
         self._ids = itertools.count()
 
     def close(self) -> None:
-        """Stops the engine's other tensor-parallel ranks, if any (also done at exit)."""
+        """Stops the other processes of a parallel engine, if any (also done at exit)."""
         self.engine.close()
 
     def generate(

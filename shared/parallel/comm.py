@@ -1,4 +1,5 @@
-"""The collectives tensor-parallel ranks run: a gloo process group of their own on loopback.
+"""The collectives the ranks of a parallel engine run: a gloo process group of their own on
+loopback.
 
 No `torch.distributed.init_process_group`: the group is a `ProcessGroupGloo` object held here,
 so an engine leaves no global state behind and a process may hold several engines (tests,

@@ -1,10 +1,10 @@
 """What rank 0 asks the other ranks to do: a fixed-size header, then an int64 payload.
 
-    header [opcode, count, payload_len, arg]
+    header [opcode, count, payload_len]
     STEP           count = chunks; payload = shared.parallel.step_tensors.pack_chunks
     STOP           the engine is closing
-    GATHER_PAGES   payload = block ids; each rank sends rank 0 its heads of those pages
-    SCATTER_PAGES  payload = block ids; rank 0 sends each rank its heads of those pages
+    GATHER_PAGES   payload = block ids; each rank sends rank 0 its part of those pages
+    SCATTER_PAGES  payload = block ids; rank 0 sends each rank its part of those pages
 
 Rank 0 calls `send`; the others `receive_header` in a loop.
 """
@@ -18,7 +18,7 @@ import torch
 
 from shared.parallel.comm import Communicator
 
-_HEADER_LEN = 4
+_HEADER_LEN = 3
 
 
 class Opcode(enum.IntEnum):
@@ -33,15 +33,12 @@ class Header:
     opcode: Opcode
     count: int
     payload_len: int
-    arg: int = 0
 
 
-def send(
-    comm: Communicator, opcode: Opcode, payload: torch.Tensor | None, count: int = 0, arg: int = 0
-) -> None:
+def send(comm: Communicator, opcode: Opcode, payload: torch.Tensor | None, count: int = 0) -> None:
     """Rank 0: the header, then the payload (int64) when there is one."""
     length = 0 if payload is None else payload.numel()
-    comm.broadcast(torch.tensor([int(opcode), count, length, arg], dtype=torch.int64))
+    comm.broadcast(torch.tensor([int(opcode), count, length], dtype=torch.int64))
     if payload is not None and length:
         comm.broadcast(payload)
 
@@ -50,11 +47,11 @@ def receive_header(comm: Communicator) -> tuple[Header, torch.Tensor]:
     """Ranks other than 0: waits (without limit) for rank 0's next header, then its payload."""
     raw = torch.empty(_HEADER_LEN, dtype=torch.int64)
     comm.broadcast(raw, idle=True)
-    opcode, count, length, arg = raw.tolist()
+    opcode, count, length = raw.tolist()
     payload = torch.empty(length, dtype=torch.int64)
     if length:
         comm.broadcast(payload)
-    return Header(Opcode(opcode), count, length, arg), payload
+    return Header(Opcode(opcode), count, length), payload
 
 
 def run_page_op(

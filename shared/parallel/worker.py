@@ -101,4 +101,4 @@ def _exit_with_parent(parent_pid: int) -> None:
 
     if os.getppid() != parent_pid:
         os._exit(0)  # the engine died before this rank started
-    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -79,10 +79,11 @@ class ModelRunner:
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """One batched forward over the paged cache; logits of `inputs.logits_indices` rows."""
         if self.parallel is not None:
-            return self.parallel.run_step(inputs.chunks, lambda: self._forward(inputs))
-        return self._forward(inputs)
+            return self.parallel.run_step(self, inputs)
+        return self.forward_local(inputs)
 
-    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+    def forward_local(self, inputs: ModelInputs) -> torch.Tensor:
+        """`forward` in this process only (a parallel engine's rank 0 runs its part here)."""
         return self.model(
             inputs.input_ids,
             inputs.positions,

@@ -70,3 +70,31 @@ def test_pp2_greedy_equals_pp1_under_preemption(tiny_hf_checkpoint, expected):
 def test_sizes_that_do_not_split_the_model_are_rejected(tiny_hf_checkpoint, options, message):
     with pytest.raises(ValueError, match=message):
         LLM(tiny_hf_checkpoint, kv_cache_bytes=KV_BYTES, **options)
+
+
+def test_a_step_is_cut_into_micro_batches_of_about_equal_tokens():
+    from shared.parallel.pipeline import split_micro_batches
+    from shared.parallel.step_tensors import ChunkView
+
+    def chunk(num_tokens: int) -> ChunkView:
+        return ChunkView(0, num_tokens, 1, [0] * num_tokens, [0])
+
+    decodes = [chunk(1) for _ in range(4)]
+    batches = split_micro_batches([*decodes, chunk(4), chunk(2)], 2)
+    assert [[c.num_tokens for c in batch] for batch in batches] == [[1, 1, 1, 1, 4], [2]]
+    assert split_micro_batches([chunk(9)], 2) == [[chunk(9)]]  # one chunk stays whole
+    assert len(split_micro_batches(decodes, 3)) == 3
+
+
+@pytest.mark.slow
+def test_pp3_smollm2_greedy_equals_pp1():
+    """Three stages of SmolLM2's 30 layers: micro-batches pass through a middle stage."""
+    prompts = [[17 + i] * (20 + i) for i in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    reference = LLM(kv_cache_bytes=KV_BYTES, **ONE_THREAD)
+    expected = [r.outputs[0].token_ids for r in reference.generate(prompts, params)]
+    llm = LLM(kv_cache_bytes=KV_BYTES, pipeline_parallel_size=3, **ONE_THREAD)
+    try:
+        assert [r.outputs[0].token_ids for r in llm.generate(prompts, params)] == expected
+    finally:
+        llm.close()

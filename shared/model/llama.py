@@ -115,18 +115,7 @@ class LlamaDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class PipelineHandOff(Protocol):
-    """Rank 0 of a pipeline-parallel engine (shared/parallel/pipeline.py)."""
-
-    def sampled_rows(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        """This stage's output on to the next stages; the last stage's sampled rows back."""
-        ...
-
-
 class LlamaForCausalLM(nn.Module):
-    # Pipeline parallel, rank 0: its layers are the first stage's only.
-    pipeline: PipelineHandOff | None = None
-
     def __init__(self, arch: ModelArchitecture, max_positions: int, device: torch.device) -> None:
         super().__init__()
         self.arch = arch
@@ -168,13 +157,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         hidden = self.decode_layers(input_ids, positions, kv_cache, meta, backend, num_layers)
         # Norm and project only the rows that are sampled: a prefill chunk needs one, not all.
-        if self.pipeline is None:
-            rows = hidden[logits_indices]
-        else:  # the later stages' layers run in other processes
-            rows = self.pipeline.sampled_rows(hidden, logits_indices)
-        last = self.norm(rows)
-        weight = self.lm_head.weight
-        return linear(last, weight, self._lm_head_onednn).float()  # [num_sampled, vocab]
+        return self.compute_logits(hidden[logits_indices])
+
+    def compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """Final norm and vocabulary projection of hidden rows [num_sampled, hidden] ->
+        [num_sampled, vocab] float32 (a pipeline's rank 0 gets the rows from its last stage).
+        Callers hold torch.inference_mode."""
+        return linear(self.norm(rows), self.lm_head.weight, self._lm_head_onednn).float()
 
     def decode_layers(
         self,

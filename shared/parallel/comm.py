@@ -77,6 +77,11 @@ class Communicator:
         self.group.send([tensor], dst, 0).wait()
         self.comm_seconds += time.perf_counter() - start
 
+    def isend(self, tensor: torch.Tensor, dst: int):
+        """Starts a send; the caller keeps `tensor` alive and waits for the returned work. It
+        completes only once `dst` has posted the matching receive."""
+        return self.group.send([tensor], dst, 0)
+
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         """Into `tensor` (contiguous, the sent shape and dtype)."""
         start = time.perf_counter()

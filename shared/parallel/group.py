@@ -21,11 +21,13 @@ import torch.multiprocessing as mp
 from shared.config import EngineConfig
 from shared.parallel.comm import Communicator, make_store
 from shared.parallel.ops import Opcode, send
-from shared.parallel.step_tensors import ChunkInputs, pack_chunks
 from shared.parallel.worker import WorkerSpec, run_worker
 
 if TYPE_CHECKING:
+    import torch
+
     from shared.parallel.rank import RankLayout
+    from shared.runner import ModelInputs, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -81,13 +83,10 @@ class ParallelGroup:
             raise
         return cls(layout, processes, comm), built
 
-    def run_step(self, chunks: list[ChunkInputs], forward: Callable[[], T]) -> T:
-        """Sends the step to the other ranks, then runs rank 0's `forward` of it."""
-        return self.guard(lambda: self._step(chunks, forward))
-
-    def _step(self, chunks: list[ChunkInputs], forward: Callable[[], T]) -> T:
-        send(self.comm, Opcode.STEP, pack_chunks(chunks), count=len(chunks))
-        return forward()
+    def run_step(self, runner: ModelRunner, inputs: ModelInputs) -> torch.Tensor:
+        """One forward over every rank: rank 0 sends the step and runs its part through
+        `runner`; the logits [num_logits, vocab]."""
+        return self.guard(lambda: self.layout.run_first_rank(self.comm, runner, inputs))
 
     def guard(self, action: Callable[[], T]) -> T:
         """Runs a collective `action`; a failure (now or before) is a ParallelError."""
@@ -95,11 +94,12 @@ class ParallelGroup:
             raise self.failure
         try:
             return action()
-        except RuntimeError as exc:
+        except Exception as exc:
+            # Whatever failed mid-step, the ranks are out of step now: none can be trusted.
             self.failure = ParallelError(self._describe_failure(exc))
             raise self.failure from exc
 
-    def _describe_failure(self, exc: RuntimeError) -> str:
+    def _describe_failure(self, exc: Exception) -> str:
         dead = [
             f"rank {rank} (exit code {process.exitcode})"
             for rank, process in enumerate(self.processes, start=1)
@@ -107,7 +107,7 @@ class ParallelGroup:
         ]
         if dead:
             return f"parallel engine {', '.join(dead)} died"
-        return f"parallel engine collective failed: {str(exc)[:300]}"
+        return f"parallel engine step failed: {type(exc).__name__}: {str(exc)[:300]}"
 
     def close(self) -> None:
         """Stops the other ranks (idempotent)."""

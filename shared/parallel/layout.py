@@ -24,11 +24,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from shared.model.architecture import ModelArchitecture
+from shared.parallel.ops import Opcode, send
+from shared.parallel.step_tensors import pack_chunks, unpack_chunks
 
 if TYPE_CHECKING:
-    from shared.model.attention_metadata import AttentionBackend
     from shared.model.llama import AllReduce, LlamaForCausalLM
-    from shared.runner import ModelInputs
+    from shared.parallel.comm import Communicator
+    from shared.runner import ModelInputs, ModelRunner
 
 _HEADS_DIM = 4  # of a packed page buffer [blocks, layers, 2, block_size, heads, head_dim]
 
@@ -162,15 +164,21 @@ class TensorParallelLayout:
     def attach(self, model: LlamaForCausalLM, comm: AllReduce) -> None:
         model.set_tensor_parallel(comm)
 
-    def run_step(
-        self,
-        model: LlamaForCausalLM,
-        inputs: ModelInputs,
-        kv_cache: torch.Tensor,
-        backend: AttentionBackend,
+    def run_first_rank(
+        self, comm: Communicator, runner: ModelRunner, inputs: ModelInputs
+    ) -> torch.Tensor:
+        """Rank 0: the step to the other ranks, then its slice, the head and the logits."""
+        send(comm, Opcode.STEP, pack_chunks(inputs.chunks), count=len(inputs.chunks))
+        return runner.forward_local(inputs)
+
+    def run_other_rank(
+        self, comm: Communicator, runner: ModelRunner, payload: torch.Tensor, num_chunks: int
     ) -> None:
         """A rank other than 0: its slice of the layers (the all-reduces inside); no head."""
-        model.decode_layers(inputs.input_ids, inputs.positions, kv_cache, inputs.meta, backend)
+        inputs = runner.prepare_inputs(unpack_chunks(payload, num_chunks))
+        runner.model.decode_layers(
+            inputs.input_ids, inputs.positions, runner.kv_cache, inputs.meta, runner.backend
+        )
 
     # ---- pages in the wire layout (shared/parallel/pages.py) --------------------------------
 

@@ -5,6 +5,7 @@
     STOP           the engine is closing
     GATHER_PAGES   payload = block ids; each rank sends rank 0 its part of those pages
     SCATTER_PAGES  payload = block ids; rank 0 sends each rank its part of those pages
+    PIPELINE_STEP  count = micro-batches; payload = chunks per micro-batch, then STEP's payload
 
 Rank 0 calls `send`; the others `receive_header` in a loop.
 """
@@ -26,6 +27,7 @@ class Opcode(enum.IntEnum):
     STOP = 2
     GATHER_PAGES = 3
     SCATTER_PAGES = 4
+    PIPELINE_STEP = 5
 
 
 @dataclass(frozen=True)

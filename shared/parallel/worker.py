@@ -28,7 +28,6 @@ from shared.model.loader import load_checkpoint
 from shared.parallel.comm import Communicator, connect_store
 from shared.parallel.ops import Opcode, receive_header, run_page_op
 from shared.parallel.rank import RankLayout, build_rank, layout_for
-from shared.parallel.step_tensors import unpack_chunks
 from shared.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -86,9 +85,8 @@ def _serve(comm: Communicator, runner: ModelRunner, layout: RankLayout) -> None:
         header, payload = receive_header(comm)
         if header.opcode == Opcode.STOP:
             return
-        if header.opcode == Opcode.STEP:
-            inputs = runner.prepare_inputs(unpack_chunks(payload, header.count))
-            layout.run_step(runner.model, inputs, runner.kv_cache, runner.backend)
+        if header.opcode in (Opcode.STEP, Opcode.PIPELINE_STEP):
+            layout.run_other_rank(comm, runner, payload, header.count)
         else:
             run_page_op(comm, header, payload, runner.kv_cache)
 

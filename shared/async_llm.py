@@ -29,6 +29,7 @@ from shared.kv.block_hash import BlockHash
 from shared.kv.events import KVCacheEvent
 from shared.kv.tiers import Tier
 from shared.outputs import StreamDelta, merge_deltas
+from shared.parallel.group import ParallelError
 from shared.prompts import child_sequences
 from shared.sampling_params import SamplingParams
 
@@ -166,6 +167,9 @@ class AsyncLLM:
         self._kv_events_lock = threading.Lock()
         self._is_keeping_kv_events = False
         self._stopped = threading.Event()
+        # Set when a step failed in a way no later step recovers from (a parallel engine lost
+        # a rank): a pod then stops serving, so its streams move elsewhere.
+        self.engine_lost = threading.Event()
         self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -338,7 +342,9 @@ class AsyncLLM:
             error = RuntimeError("AsyncLLM was shut down")
             self._fail_open_requests(error)
             self._fail_queued_submits(error)
-            self.engine.close()  # the disk tier's queued writes land (a warm restart finds them)
+            # The disk tier's queued writes land (a warm restart finds them); the other
+            # processes of a parallel engine stop.
+            self.engine.close()
 
     # ---- the engine thread ------------------------------------------------------------------
 
@@ -369,6 +375,8 @@ class AsyncLLM:
             # freeing its blocks) keeps the thread, and so the server, alive for the next ones.
             logger.exception("engine step failed; failing all in-flight requests")
             self._fail_open_requests(RuntimeError(f"engine step failed: {error!r}"))
+            if isinstance(error, ParallelError):
+                self.engine_lost.set()
             return
         # Snapshot first: a client that sees its final delta then sees its blocks freed.
         self._stats = self.engine.stats()

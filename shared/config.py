@@ -222,6 +222,31 @@ class SpeculativeConfig:
         return self.speculative_method is not None
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How one engine splits the model over processes (shared/parallel/, docs/parallelism.md).
+    Whether a size divides the model's heads is checked once the model is loaded."""
+
+    # Ranks that each hold a slice of every layer's heads and MLP columns (vLLM's name).
+    tensor_parallel_size: int = 1
+    # Ranks that each hold consecutive layers (a stage); vLLM's name.
+    pipeline_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _check_count("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_count("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} and pipeline_parallel_size "
+                f"{self.pipeline_parallel_size} cannot be combined yet: set one of them to 1"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Processes per engine."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
 def _check_count(name: str, value: object, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -233,7 +258,9 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
-    # torch intra-op threads; None = all cores.
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # torch intra-op threads (of each tensor-parallel rank); None = all cores (shared out
+    # among the ranks).
     num_threads: int | None = None
     # Each step measures whether one thread or num_threads is faster right now (another
     # process may hold a core: shared/thread_tuner.py); False keeps num_threads throughout.
@@ -245,6 +272,21 @@ class EngineConfig:
         if not isinstance(self.adaptive_threads, bool):
             value = self.adaptive_threads
             raise ValueError(f"adaptive_threads must be true or false, got {value!r}")
+        if self.parallel.world_size > 1 and self.speculative.speculative_method == "self":
+            # The early-exit draft would run the target's sharded layers on rank 0 alone.
+            raise ValueError(
+                "speculative_method 'self' does not support tensor_parallel_size "
+                f"{self.parallel.tensor_parallel_size} / pipeline_parallel_size "
+                f"{self.parallel.pipeline_parallel_size} (use 'ngram' or 'draft')"
+            )
+        if self.parallel.world_size > 1 and self.model.quantization != "none":
+            # The ranks load and slice Hugging Face weights; packed weights are not sliced yet.
+            raise ValueError(
+                f"quantization {self.model.quantization!r} does not support "
+                f"tensor_parallel_size {self.parallel.tensor_parallel_size} / "
+                f"pipeline_parallel_size {self.parallel.pipeline_parallel_size} yet "
+                "(use quantization 'none')"
+            )
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: object) -> EngineConfig:
@@ -265,6 +307,7 @@ class EngineConfig:
             cache=CacheConfig(**groups.get(CacheConfig, {})),
             scheduler=SchedulerConfig(**groups.get(SchedulerConfig, {})),
             speculative=SpeculativeConfig(**groups.get(SpeculativeConfig, {})),
+            parallel=ParallelConfig(**groups.get(ParallelConfig, {})),
             num_threads=engine.get("num_threads"),  # type: ignore[arg-type]
             adaptive_threads=engine.get("adaptive_threads", True),  # type: ignore[arg-type]
         )
@@ -279,6 +322,7 @@ _OPTION_OWNERS: dict[str, type] = {
     **{name: CacheConfig for name in _field_names(CacheConfig)},
     **{name: SchedulerConfig for name in _field_names(SchedulerConfig)},
     **{name: SpeculativeConfig for name in _field_names(SpeculativeConfig)},
+    **{name: ParallelConfig for name in _field_names(ParallelConfig)},
     "num_threads": EngineConfig,
     "adaptive_threads": EngineConfig,
 }

@@ -13,7 +13,10 @@ what a prefill pod exports, and moving KV pages between the paged cache and a tr
 The cache is `[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`, so one block's pages
 are `num_layers * 2` separate runs in memory; a transfer therefore moves one packed, block-major
 buffer `[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]`, and the receiver pays one
-scatter copy from it into its cache.
+scatter copy from it into its cache. `kv_heads` on the wire is always the model's (each head
+once, model order), whatever the tensor-parallel layout of either pod: a TP pod gathers and
+cuts its ranks' heads (shared/parallel/pages.py), so prefill and decode pods of different
+layouts exchange pages.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -75,13 +78,40 @@ class ExportedPrefill:
         return self.output.logprobs[0] if self.output.logprobs else None
 
 
+class PageIO(Protocol):
+    """Pages of an engine's cache in and out of the wire layout (module docstring): the local
+    cache here; a tensor-parallel engine's ranks in shared/parallel/pages.py."""
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]: ...
+
+    def pack(self, block_ids: list[int]) -> torch.Tensor: ...
+
+    def unpack(self, pages: torch.Tensor, block_ids: list[int]) -> None: ...
+
+
+class LocalPages:
+    """One process holds the whole cache: the wire layout is its own."""
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        return page_shape(self.kv_cache, num_blocks)
+
+    def pack(self, block_ids: list[int]) -> torch.Tensor:
+        return pack_pages(self.kv_cache, block_ids)
+
+    def unpack(self, pages: torch.Tensor, block_ids: list[int]) -> None:
+        unpack_pages(pages, self.kv_cache, block_ids)
+
+
 class KVPageExporter:
     """A step observer that packs the prompt pages of requests marked `export_kv_from_block`
     in the step that samples their first token: it runs before `Scheduler.update` frees the
     blocks. Pages wait here until `take`n. `observe` runs on the engine thread, `take` on any."""
 
-    def __init__(self, kv_cache: torch.Tensor) -> None:
-        self.kv_cache = kv_cache
+    def __init__(self, pages: PageIO) -> None:
+        self.pages = pages
         self._lock = threading.Lock()
         self._pages: dict[str, torch.Tensor] = {}  # request id -> packed pages
 
@@ -92,7 +122,7 @@ class KVPageExporter:
             # The chunk that completes the prompt is the one whose pages are wanted.
             if first_block is None or not chunk.is_sampled or request.num_output_tokens:
                 continue
-            pages = pack_pages(self.kv_cache, chunk.block_ids[first_block:])
+            pages = self.pages.pack(chunk.block_ids[first_block:])
             with self._lock:
                 self._pages[request.request_id] = pages
 

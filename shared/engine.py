@@ -23,10 +23,10 @@ import torch
 from shared.config import EngineConfig
 from shared.disaggregation import (
     KVPageExporter,
+    LocalPages,
+    PageIO,
     RemotePrefillPlan,
     RemotePrefillResult,
-    page_shape,
-    unpack_pages,
 )
 from shared.kv.block_hash import BlockHash, cache_salt_keys
 from shared.kv.events import KVCacheEvent
@@ -40,6 +40,9 @@ from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import load_checkpoint
 from shared.output_processor import OutputProcessor
 from shared.outputs import StreamDelta
+from shared.parallel.group import ParallelGroup
+from shared.parallel.pages import ParallelPages
+from shared.parallel.setup import start_parallel
 from shared.prompts import check_prompt
 from shared.request import Request, RequestStatus
 from shared.runner import ModelRunner
@@ -110,16 +113,23 @@ class EngineCore:
         self.eos_token_ids = tuple(
             sorted(set(self.architecture.eos_token_ids) | set(self.tokenizer.eos_token_ids))
         )
-        model = LlamaForCausalLM(
-            self.architecture, self.max_model_len, self.device, config.model.quantization
-        )
-        model.materialize(self.device, self.dtype)
-        model.load_hf_weights(checkpoint.weights)
+        # Tensor or pipeline parallel (shared/parallel/): this process is rank 0, one part.
+        self.parallel: ParallelGroup | None = None
+        if config.parallel.world_size > 1:
+            rank0 = start_parallel(config, checkpoint, self.max_model_len)
+            self.parallel, model = rank0.group, rank0.model
+            self.kv_spec, kv_cache = rank0.kv_spec, rank0.kv_cache
+        else:
+            model = LlamaForCausalLM(
+                self.architecture, self.max_model_len, self.device, config.model.quantization
+            )
+            model.materialize(self.device, self.dtype)
+            model.load_hf_weights(checkpoint.weights)
+            self.kv_spec: KVCacheSpec = size_kv_cache(
+                self.architecture, config.cache, self.dtype, self.device
+            )
+            kv_cache = allocate_kv_cache(self.kv_spec, self.architecture, self.dtype, self.device)
         del checkpoint
-        self.kv_spec: KVCacheSpec = size_kv_cache(
-            self.architecture, config.cache, self.dtype, self.device
-        )
-        kv_cache = allocate_kv_cache(self.kv_spec, self.architecture, self.dtype, self.device)
         self.kv_manager = KVCacheManager.from_config(config.cache, self.kv_spec.num_blocks)
         self.speculation = build_policy(config.speculative)
         self.scheduler = Scheduler(
@@ -130,10 +140,12 @@ class EngineCore:
             self.speculation,
         )
         # Offload tiers (host memory, disk) below the pool, when the cache config asks for them.
-        self.offloader = build_offloader(config.cache, kv_cache)
+        self.offloader = build_offloader(config.cache, kv_cache, config.parallel.world_size)
         if self.offloader is not None:
             attach_offloader(self.offloader, self.kv_manager, self.scheduler)
-        self.runner = ModelRunner(model, kv_cache, config.cache.block_size, self.eos_token_ids)
+        self.runner = ModelRunner(
+            model, kv_cache, config.cache.block_size, self.eos_token_ids, self.parallel
+        )
         self.speculator = None
         if self.speculation is not None:
             self.speculator = build_speculator(
@@ -145,7 +157,11 @@ class EngineCore:
             self.tokenizer.to_json(), self.architecture.vocab_size, self.eos_token_ids
         )
         # Prefill pods: the pages of requests added with export_kv_from_block, until taken.
-        self.kv_exporter = KVPageExporter(kv_cache)
+        # Pages in and out in the model's layout, whatever this engine's parallel layout.
+        self.pages: PageIO = LocalPages(kv_cache)
+        if self.parallel is not None:
+            self.pages = ParallelPages(self.parallel, kv_cache)
+        self.kv_exporter = KVPageExporter(self.pages)
         # Called after every forward pass with what it computed and when: the exporter, the
         # speculation policy's step-cost curve, a pod's per-request timings (shared/telemetry).
         self.step_observers: list[StepObserver] = [self.kv_exporter]
@@ -280,14 +296,13 @@ class EngineCore:
         self.output_processor.add(request, 0)
         first_block = num_cached // self.kv_spec.block_size
         block_ids = self.kv_manager.get_block_ids(request_id)[first_block:]
-        kv_cache = self.runner.kv_cache
         return RemotePrefillPlan(
             request_id,
             num_cached,
             first_block,
             block_ids,
-            page_shape(kv_cache, len(block_ids)),
-            kv_cache.dtype,
+            self.pages.shape(len(block_ids)),
+            self.runner.kv_cache.dtype,
         )
 
     def complete_remote_prefill(
@@ -300,7 +315,7 @@ class EngineCore:
             return []
         first_block = request.num_cached_tokens // self.kv_spec.block_size
         block_ids = self.kv_manager.get_block_ids(request_id)[first_block:]
-        unpack_pages(result.kv_pages, self.runner.kv_cache, block_ids)
+        self.pages.unpack(result.kv_pages, block_ids)
         update = self.scheduler.complete_remote_kv(
             request_id, result.first_token_id, result.prefill_cached_tokens_by_tier
         )
@@ -348,13 +363,6 @@ class EngineCore:
         if self.offloader is not None:
             hashes.update(self.offloader.cached_block_hashes())
         return hashes
-
-    def close(self) -> None:
-        """Stops the offload tiers' threads; the disk tier's queued writes land first."""
-        if self.offloader is not None:
-            if self.offloader.disk is not None:
-                self.offloader.disk.flush()
-            self.offloader.close()
 
     # ---- the step ---------------------------------------------------------------------------
 
@@ -410,6 +418,16 @@ class EngineCore:
         self.runner.release([request.request_id for request in dropped])
         deltas = [self.output_processor.abort(request) for request in dropped]
         return [delta for delta in deltas if delta is not None]
+
+    def close(self) -> None:
+        """Stops the offload tiers' threads (the disk tier's queued writes land first) and the
+        other ranks of a parallel engine, if any (also done at exit). Idempotent."""
+        if self.offloader is not None:
+            if self.offloader.disk is not None:
+                self.offloader.disk.flush()
+            self.offloader.close()
+        if self.parallel is not None:
+            self.parallel.close()
 
     def stats(self) -> EngineStats:
         prefix = self.kv_manager.prefix_cache_stats

@@ -22,6 +22,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stops the other processes of a parallel engine, if any (also done at exit)."""
+        self.engine.close()
+
     def generate(
         self,
         prompts: object,

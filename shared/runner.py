@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from shared.sampler import Sampler, SamplingRow, advance_generator
 from shared.step import ModelOutput, ScheduledChunk, SchedulerOutput
 from shared.structured_output.matcher import NO_MASKS, StepMasks
 
+if TYPE_CHECKING:
+    from shared.parallel.group import ParallelGroup
+
 
 @dataclass
 class ModelInputs:
@@ -24,6 +28,8 @@ class ModelInputs:
     meta: AttentionMetadata
     # [num_logits]: the last row of each sampled chunk; every row of a verification chunk.
     logits_indices: torch.Tensor
+    # What the inputs were built from: the other ranks of a parallel engine rebuild them.
+    chunks: Sequence[ScheduledChunk] = ()
 
 
 class ModelRunner:
@@ -33,8 +39,11 @@ class ModelRunner:
         kv_cache: torch.Tensor,
         block_size: int,
         eos_token_ids: tuple[int, ...],
+        parallel: ParallelGroup | None = None,
     ) -> None:
         self.model = model
+        # Rank 0 of a parallel engine: each forward is sent to the other ranks first.
+        self.parallel = parallel
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = kv_cache.device
@@ -69,6 +78,12 @@ class ModelRunner:
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """One batched forward over the paged cache; logits of `inputs.logits_indices` rows."""
+        if self.parallel is not None:
+            return self.parallel.run_step(self, inputs)
+        return self.forward_local(inputs)
+
+    def forward_local(self, inputs: ModelInputs) -> torch.Tensor:
+        """`forward` in this process only (a parallel engine's rank 0 runs its part here)."""
         return self.model(
             inputs.input_ids,
             inputs.positions,
@@ -144,6 +159,7 @@ class ModelRunner:
             positions=torch.cat(positions).to(self.device),
             meta=meta,
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
+            chunks=chunks,
         )
 
     def _add_block_tables(self, meta: AttentionMetadata, chunks: list[ScheduledChunk]) -> None:

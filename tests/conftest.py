@@ -12,7 +12,8 @@ Fixtures (names are stable: other test files rely on them):
   random Llama checkpoint directory (config.json, model.safetensors, SmolLM2's tokenizer files)
   and returns its path; identical overrides return the same directory. Overrides:
   `tie_word_embeddings` (False), `rope_scaling` (llama3, factor 8; None for plain RoPE),
-  `dtype` ("float32" or "bfloat16"), `max_shard_size` (e.g. "100KB" to shard; None = one file).
+  `dtype` ("float32" or "bfloat16"), `max_shard_size` (e.g. "100KB" to shard; None = one file),
+  `num_key_value_heads` (2; 1 makes tensor parallelism replicate the KV head).
 - `tiny_hf_checkpoint` (session): `make_tiny_hf_checkpoint()` with the defaults: vocab 49152
   (SmolLM2's tokenizer), hidden 64, 2 layers, 4 heads, 2 KV heads, intermediate 128, untied
   embeddings, llama3 RoPE scaling (factor 8, rope_theta 500000), seed 0.
@@ -104,8 +105,9 @@ def make_tiny_hf_checkpoint(
         rope_scaling: dict[str, Any] | None = TINY_LLAMA3_ROPE,
         dtype: str = "float32",
         max_shard_size: str | None = None,
+        num_key_value_heads: int = 2,
     ) -> str:
-        key = (tie_word_embeddings, repr(rope_scaling), dtype, max_shard_size)
+        key = (tie_word_embeddings, repr(rope_scaling), dtype, max_shard_size, num_key_value_heads)
         if key not in built:
             directory = tmp_path_factory.mktemp("tiny_llama")
             _write_tiny_checkpoint(
@@ -115,6 +117,7 @@ def make_tiny_hf_checkpoint(
                 rope_scaling,
                 dtype,
                 max_shard_size,
+                num_key_value_heads,
             )
             built[key] = str(directory)
         return built[key]
@@ -134,6 +137,7 @@ def _write_tiny_checkpoint(
     rope_scaling: dict[str, Any] | None,
     dtype: str,
     max_shard_size: str | None,
+    num_key_value_heads: int = 2,
 ) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -145,7 +149,7 @@ def _write_tiny_checkpoint(
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=num_key_value_heads,
         max_position_embeddings=131072 if rope_scaling else 8192,
         rope_theta=500000.0 if rope_scaling else 10000.0,
         rope_scaling=dict(rope_scaling) if rope_scaling else None,

@@ -309,6 +309,8 @@ BAD_VALUES = [
     ({"model": {"source": "pvc"}}, "/model/pvc/claimName"),
     ({"model": {"source": "s3"}}, "/model/source"),
     ({"gateway": {"service": {"type": "Ingress"}}}, "/gateway/service/type"),
+    ({"decode": {"tensorParallelSize": 0}}, "/decode/tensorParallelSize"),
+    ({"prefill": {"pipelineParallelSize": 0}}, "/prefill/pipelineParallelSize"),
 ]
 
 
@@ -423,6 +425,28 @@ def test_gpu_install_asks_each_pod_for_its_gpus():
     for role in ("prefill", "decode"):
         container = deployment_containers(objects, role)[0]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_tensor_parallel_pods_get_the_flag_and_a_gpu_per_rank():
+    values = {"decode": {"tensorParallelSize": 2}}
+    objects = objects_of(render(values))
+    decode = deployment_containers(objects, "decode")[0]
+    argv = command_line(decode, objects)
+    assert _flag(argv, "--tensor-parallel-size") == "2"
+    assert not command_problems(argv)
+    assert decode["resources"]["limits"]["nvidia.com/gpu"] == 2
+    prefill = deployment_containers(objects, "prefill")[0]
+    assert "--tensor-parallel-size" not in command_line(prefill, objects)
+    assert prefill["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_pipeline_parallel_pods_get_the_flag_and_a_gpu_per_stage():
+    objects = objects_of(render({"prefill": {"pipelineParallelSize": 2}}))
+    prefill = deployment_containers(objects, "prefill")[0]
+    argv = command_line(prefill, objects)
+    assert _flag(argv, "--pipeline-parallel-size") == "2"
+    assert not command_problems(argv)
+    assert prefill["resources"]["limits"]["nvidia.com/gpu"] == 2
 
 
 def test_autoscaler_owns_worker_replicas_and_may_scale_only_them():

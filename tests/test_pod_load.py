@@ -34,6 +34,8 @@ def test_the_registry_hash_keeps_its_field_names():
         "worker_id", "role", "address", "generation", "model", "kv_address", "kv_transport",
         "region", "zone", "node", "block_size", "hash_namespace", "kv_blocks_total",
         "kv_blocks_free", "num_running", "num_waiting", "recent_ttft_s", "recent_itl_s",
+        # Added with the parallel layout; older readers skip fields they do not know.
+        "tensor_parallel_size", "pipeline_parallel_size",
     }  # fmt: skip
     assert (fields["worker_id"], fields["num_running"], fields["kv_blocks_free"]) == (
         "d-0",

@@ -132,7 +132,16 @@ def test_event_commands_merge_runs_and_keep_order():
 
 
 def test_record_round_trips_through_redis_fields():
-    record = PodRecord("p-0", "decode", "1.2.3.4:5", 17, region="r", zone="z", block_size=32)
+    record = PodRecord(
+        "p-0",
+        "decode",
+        "1.2.3.4:5",
+        17,
+        region="r",
+        zone="z",
+        block_size=32,
+        tensor_parallel_size=2,
+    )
     assert PodRecord.from_fields(record.to_fields()) == record
     encoded = {k.encode(): v.encode() for k, v in record.to_fields().items()}
     assert PodRecord.from_fields(encoded) == record

@@ -97,6 +97,20 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="each step measures whether 1 thread or --num-threads is faster now (another "
         "process may hold a core)",
     )
+    group.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=1,
+        help="processes that each hold a slice of every layer's heads (must divide the "
+        "model's attention and KV heads; docs/parallelism.md)",
+    )
+    group.add_argument(
+        "--pipeline-parallel-size",
+        type=_positive_int,
+        default=1,
+        help="processes that each hold consecutive layers (must divide the model's layers; "
+        "not combined with --tensor-parallel-size yet)",
+    )
     _add_speculative_flags(parser)
 
 
@@ -145,6 +159,16 @@ def add_quantization_flag(parser: argparse._ActionsContainer) -> None:
     )
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _add_speculative_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding")
     group.add_argument(
@@ -188,6 +212,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "kv_load_timeout_s": args.kv_load_timeout,
         "num_threads": args.num_threads,
         "adaptive_threads": args.adaptive_threads,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
         "speculative_method": args.speculative_method,
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_draft_model": args.speculative_draft_model,

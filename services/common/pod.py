@@ -192,9 +192,10 @@ async def serve_pod(
     servicer: PodServicer,
     register: Callable[[object], None],
     load_core: Callable[[], PodCore],
-) -> None:
-    """Serves until SIGTERM / Ctrl-C. `register(server)` adds the servicer to the gRPC server;
-    `load_core()` runs in a daemon thread (it loads the model)."""
+) -> bool:
+    """Serves until SIGTERM / Ctrl-C, or until the engine is lost (then returns True: the
+    process should exit with an error). `register(server)` adds the servicer to the gRPC
+    server; `load_core()` runs in a daemon thread (it loads the model)."""
     configure_tracing(_trace_service_name(service_name))
     server = await start_server(args.host, args.port, [service_name], register)
     metrics = None
@@ -206,13 +207,18 @@ async def serve_pod(
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
     core = loading.result() if loading.done() else None
+    is_engine_lost = False
     if core is not None and not stopping.done():
         await core.start()
         servicer.core = core
         registry = await start_registry(args, core, server.port)
         await server.set_serving(True)
         logger.info("serving as %s", pod_id(args))
-        await stopping
+        lost = in_daemon_thread(core.llm.engine_lost.wait, "engine-watch")
+        await asyncio.wait([stopping, lost], return_when=asyncio.FIRST_COMPLETED)
+        is_engine_lost = lost.done() and not stopping.done()
+        if is_engine_lost:
+            logger.error("the engine lost a rank of its parallel layout: stopping the pod")
         if registry is not None:
             await registry.close()  # out of the registry before the server stops answering
     logger.info("draining: in-flight requests get up to %g s", args.drain_timeout)
@@ -223,6 +229,7 @@ async def serve_pod(
     if metrics is not None:
         metrics.close()
     shutdown_tracing()  # flushes the spans still batched
+    return is_engine_lost
 
 
 def _trace_service_name(service_name: str) -> str:

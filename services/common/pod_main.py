@@ -62,13 +62,13 @@ def run_pod(role: PodRole, argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     setup_logging(args.log_level, args.worker_id or role.name)
-    asyncio.run(_serve(role, args))
-    return 0
+    is_engine_lost = asyncio.run(_serve(role, args))
+    return 1 if is_engine_lost else 0
 
 
-async def _serve(role: PodRole, args: argparse.Namespace) -> None:
+async def _serve(role: PodRole, args: argparse.Namespace) -> bool:
     servicer = role.make_servicer()
-    await serve_pod(
+    return await serve_pod(
         args,
         role.service_name,
         servicer,

@@ -312,6 +312,8 @@ async def start_registry(
             node=node,
             block_size=stats.block_size,
             hash_namespace=core.llm.config.cache.hash_namespace,
+            tensor_parallel_size=core.llm.config.parallel.tensor_parallel_size,
+            pipeline_parallel_size=core.llm.config.parallel.pipeline_parallel_size,
             load=stats.load,
             recent_ttft_s=core.metrics.recent_ttft.value or 0.0,
             recent_itl_s=core.metrics.recent_itl.value or 0.0,

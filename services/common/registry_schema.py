@@ -112,6 +112,10 @@ class PodRecord:
     node: str = ""  # the machine (Kubernetes node): pods on one node exchange pages fastest
     block_size: int = 16
     hash_namespace: str = ""  # with block_size, what the gateway must hash prompts with
+    # The engine's parallel layout (processes per pod: docs/parallelism.md). Pods of any
+    # layouts exchange KV pages; the planner may weigh a pod's capacity by it.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     # For the autoscaler (services/planner/load.py), which reads pods only from here; the
     # gateway takes load from its GetStats polls instead (services/gateway/pods.py).
     load: PodLoad = field(default_factory=PodLoad)

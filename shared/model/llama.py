@@ -7,6 +7,7 @@ row of `[num_tokens, hidden]`, and only attention needs to know which row belong
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,12 @@ from shared.model.rotary import RotaryAngles, RotaryEmbedding
 logger = logging.getLogger(__name__)
 
 
+class AllReduce(Protocol):
+    """Sums a tensor over the tensor-parallel ranks in place (shared/parallel/comm.py)."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> None: ...
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -46,6 +53,9 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    # Tensor parallel: this rank's heads only; o_proj is row-parallel, summed over the ranks.
+    tensor_parallel: AllReduce | None = None
+
     def __init__(self, arch: ModelArchitecture, quantization: str) -> None:
         super().__init__()
         self.num_heads = arch.num_heads
@@ -76,10 +86,16 @@ class LlamaAttention(nn.Module):
         q, k = rotary.apply(q, k)
         backend.write_kv(k, v, layer_cache, meta)
         out = backend.attend(q, layer_cache, meta, self.scale)  # [num_tokens, heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, -1))
+        out = self.o_proj(out.reshape(num_tokens, -1))
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.all_reduce(out)
+        return out
 
 
 class LlamaMLP(nn.Module):
+    # Tensor parallel: this rank's intermediate columns; down is row-parallel, summed.
+    tensor_parallel: AllReduce | None = None
+
     def __init__(self, arch: ModelArchitecture, quantization: str) -> None:
         super().__init__()
         self.intermediate_size = arch.intermediate_size
@@ -88,7 +104,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.all_reduce(out)
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -153,6 +172,13 @@ class LlamaForCausalLM(nn.Module):
             # to_empty replaces parameters one module at a time, which unties them.
             self.lm_head.weight = self.embed_tokens.weight
 
+    def set_tensor_parallel(self, group: AllReduce) -> None:
+        """This model holds one rank's slice (its arch says which sizes): the row-parallel
+        products are summed over the ranks through `group`."""
+        for layer in self.layers:
+            layer.self_attn.tensor_parallel = group
+            layer.mlp.tensor_parallel = group
+
     @torch.inference_mode()
     def forward(
         self,
@@ -164,16 +190,47 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [num_sampled] rows whose next token is sampled
         num_layers: int | None = None,  # only the first layers (a self-speculative draft)
     ) -> torch.Tensor:
+        hidden = self.decode_layers(input_ids, positions, kv_cache, meta, backend, num_layers)
+        # Norm and project only the rows that are sampled: a prefill chunk needs one, not all.
+        return self.compute_logits(hidden[logits_indices])
+
+    def compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """Final norm and vocabulary projection of hidden rows [num_sampled, hidden] ->
+        [num_sampled, vocab] float32 (a pipeline's rank 0 gets the rows from its last stage).
+        Callers hold torch.inference_mode."""
+        last = self.norm(rows)
+        if isinstance(self.lm_head, QuantizedEmbedding):
+            return self.lm_head.project(last).float()
+        return linear(last, self.lm_head.weight, self._lm_head_onednn).float()
+
+    def decode_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        num_layers: int | None = None,
+    ) -> torch.Tensor:
+        """The hidden states after the decoder layers, [num_tokens, hidden] (no head: tensor-
+        parallel ranks other than 0 stop here). Callers hold torch.inference_mode."""
         hidden = self.embed_tokens(input_ids)
+        return self.run_layers(hidden, positions, kv_cache, meta, backend, num_layers)
+
+    def run_layers(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        num_layers: int | None = None,
+    ) -> torch.Tensor:
+        """`hidden` through this model's decoder layers (a pipeline stage starts here)."""
         angles = self.rotary.lookup(positions, hidden.dtype)
         for layer_id, layer in enumerate(self.layers[:num_layers]):
             hidden = layer(hidden, angles, kv_cache[layer_id], meta, backend)
-        # Norm and project only the rows that are sampled: a prefill chunk needs one, not all.
-        last = self.norm(hidden[logits_indices])
-        if isinstance(self.lm_head, QuantizedEmbedding):
-            return self.lm_head.project(last).float()
-        weight = self.lm_head.weight
-        return linear(last, weight, self._lm_head_onednn).float()  # [num_sampled, vocab]
+        return hidden
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor | BlockQuantized]) -> None:
         """Copies Hugging Face-named tensors in, fusing q/k/v and gate/up, packing them when

@@ -57,6 +57,14 @@ so the ConfigMap is the one place they are written. */}}
 - --redis-url
 - $(REDIS_URL)
 {{- include "splitserve.worker.threadArgs" $values }}
+{{- if gt (int (default 1 $values.tensorParallelSize)) 1 }}
+- --tensor-parallel-size
+- {{ $values.tensorParallelSize | quote }}
+{{- end }}
+{{- if gt (int (default 1 $values.pipelineParallelSize)) 1 }}
+- --pipeline-parallel-size
+- {{ $values.pipelineParallelSize | quote }}
+{{- end }}
 {{- include "splitserve.worker.topologyArgs" $root }}
 - --drain-timeout
 - {{ include "splitserve.worker.drainTimeout" . | quote }}
@@ -171,7 +179,11 @@ livenessProbe:
 {{- $resources := deepCopy (default dict $values.resources) -}}
 {{- if gt (int $values.gpus) 0 -}}
 {{- $limits := default dict $resources.limits -}}
-{{- $_ := set $limits .root.Values.gpuResourceName (int $values.gpus) -}}
+{{/* gpus is per rank: a pod of tensorParallelSize x pipelineParallelSize ranks asks for
+that many times as many. */}}
+{{- $ranks := mul (int (default 1 $values.tensorParallelSize)) (int (default 1 $values.pipelineParallelSize)) -}}
+{{- $gpus := mul (int $values.gpus) $ranks -}}
+{{- $_ := set $limits .root.Values.gpuResourceName $gpus -}}
 {{- $_ := set $resources "limits" $limits -}}
 {{- end -}}
 {{- with $resources }}

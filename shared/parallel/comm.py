@@ -1,0 +1,103 @@
+"""The collectives the ranks of a parallel engine run: a gloo process group of their own on
+loopback.
+
+No `torch.distributed.init_process_group`: the group is a `ProcessGroupGloo` object held here,
+so an engine leaves no global state behind and a process may hold several engines (tests,
+a prefill and a decode engine side by side).
+
+Every collective has the group's timeout, so a rank that hangs fails the others after it
+rather than never; a rank that dies fails them at once (its sockets close). The exception
+is waiting for the next step: rank 0 may be idle for hours, so that wait has no limit (a
+dead rank 0 still ends it at once).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+
+_HOST = "127.0.0.1"
+_IDLE_WAIT = datetime.timedelta(days=365)
+
+
+def make_store(world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free loopback port (the OS picks it: no race)."""
+    return dist.TCPStore(
+        _HOST,
+        0,
+        world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def connect_store(port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """A rank other than 0 joins rank 0's store at `port`."""
+    return dist.TCPStore(
+        _HOST, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
+class Communicator:
+    """One rank's end of the group. `comm_seconds` sums the time spent in collectives (the
+    communication share of a step, for benchmarks/parallel.py)."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = datetime.timedelta(seconds=timeout_s)
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=_HOST)]
+        self.group = dist.ProcessGroupGloo(store, rank, world_size, options)
+        self.store = store  # kept alive with the group
+        self.rank = rank
+        self.world_size = world_size
+        self.comm_seconds = 0.0
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sums `tensor` over the ranks, in place."""
+        start = time.perf_counter()
+        self.group.allreduce([tensor]).wait()
+        self.comm_seconds += time.perf_counter() - start
+
+    def broadcast(self, tensor: torch.Tensor, idle: bool = False) -> None:
+        """Rank 0's `tensor` into every rank's (in place). `idle`: a wait with no time limit."""
+        start = time.perf_counter()
+        if idle:
+            self.group.broadcast(tensor, 0, _IDLE_WAIT).wait()
+        else:
+            self.group.broadcast(tensor, 0).wait()
+        self.comm_seconds += time.perf_counter() - start
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Point to point (pipeline stages); `tensor` contiguous."""
+        start = time.perf_counter()
+        self.group.send([tensor], dst, 0).wait()
+        self.comm_seconds += time.perf_counter() - start
+
+    def isend(self, tensor: torch.Tensor, dst: int):
+        """Starts a send; the caller keeps `tensor` alive and waits for the returned work. It
+        completes only once `dst` has posted the matching receive."""
+        return self.group.send([tensor], dst, 0)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        """Into `tensor` (contiguous, the sent shape and dtype)."""
+        start = time.perf_counter()
+        self.group.recv([tensor], src, 0).wait()
+        self.comm_seconds += time.perf_counter() - start
+
+    def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `tensor` (same shape) on rank 0, in rank order; None elsewhere."""
+        if self.rank == 0:
+            outputs = [[torch.empty_like(tensor) for _ in range(self.world_size)]]
+            self.group.gather(outputs, [tensor], dist.GatherOptions()).wait()
+            return outputs[0]
+        self.group.gather([], [tensor], dist.GatherOptions()).wait()
+        return None
+
+    def scatter_from_first(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> None:
+        """Rank 0's `parts[r]` into rank r's `out`."""
+        inputs = [parts] if self.rank == 0 else []
+        self.group.scatter([out], inputs, dist.ScatterOptions()).wait()

@@ -1,0 +1,82 @@
+"""What one rank of a parallel engine holds, and building it: shared by rank 0 (the engine
+process, shared/parallel/setup.py) and the others (shared/parallel/worker.py)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from shared.config import EngineConfig
+from shared.model.architecture import ModelArchitecture
+from shared.model.kv_cache import KVCacheSpec, allocate_kv_cache
+from shared.model.llama import LlamaForCausalLM
+from shared.parallel.layout import TensorParallelLayout, check_devices, check_tensor_parallel
+from shared.parallel.pipeline import PipelineLayout, check_pipeline_parallel
+
+
+class RankLayout(Protocol):
+    """A rank's part of the model: `TensorParallelLayout` (heads) or `PipelineLayout`
+    (layers). Cuts weights and pages, and wires the model's collectives."""
+
+    rank: int
+
+    @property
+    def world_size(self) -> int: ...
+
+    def of_rank(self, rank: int) -> RankLayout: ...
+
+    def local_arch(self, arch: ModelArchitecture) -> ModelArchitecture: ...
+
+    def pod_kv_arch(self, arch: ModelArchitecture) -> ModelArchitecture: ...
+
+    def shard_weights(
+        self, weights: dict[str, torch.Tensor], num_layers: int
+    ) -> dict[str, torch.Tensor]: ...
+
+    def attach(self, model: LlamaForCausalLM, comm) -> None: ...
+
+    def run_first_rank(self, comm, runner, inputs) -> torch.Tensor:
+        """Rank 0: sends the step, runs its part; the logits."""
+        ...
+
+    def run_other_rank(self, comm, runner, payload: torch.Tensor, count: int) -> None:
+        """A rank other than 0: its part of the step rank 0 sent (STEP or PIPELINE_STEP)."""
+        ...
+
+    def wire_shape(self, kv_cache: torch.Tensor, num_blocks: int) -> tuple[int, ...]: ...
+
+    def split_pages(self, pages: torch.Tensor) -> list[torch.Tensor]: ...
+
+    def join_pages(self, parts: list[torch.Tensor]) -> torch.Tensor: ...
+
+
+def layout_for(config: EngineConfig, arch: ModelArchitecture, rank: int = 0) -> RankLayout:
+    """Raises ValueError when the sizes cannot split `arch` (naming the numbers)."""
+    parallel, device = config.parallel, config.model.device
+    if parallel.pipeline_parallel_size > 1:
+        check_pipeline_parallel(parallel.pipeline_parallel_size, arch)
+        check_devices("pipeline_parallel_size", parallel.pipeline_parallel_size, device)
+        return PipelineLayout(parallel.pipeline_parallel_size, rank, arch.num_layers)
+    check_tensor_parallel(parallel.tensor_parallel_size, arch, device)
+    return TensorParallelLayout.of(arch, parallel.tensor_parallel_size, rank)
+
+
+def build_rank(
+    layout: RankLayout,
+    arch: ModelArchitecture,
+    weights: dict[str, torch.Tensor],
+    config: EngineConfig,
+    max_model_len: int,
+    num_blocks: int,
+) -> tuple[LlamaForCausalLM, torch.Tensor]:
+    """This rank's model (its part of the weights) and its part of the paged KV cache (the
+    pod's block count: the scheduler's block ids mean the same block on every rank)."""
+    local_arch = layout.local_arch(arch)
+    device, dtype = torch.device(config.model.device), getattr(torch, config.model.dtype)
+    model = LlamaForCausalLM(local_arch, max_model_len, device)
+    model.materialize(device, dtype)
+    model.load_hf_weights(layout.shard_weights(weights, arch.num_layers))
+    # Only the block count matters for allocation; rank 0 sized it for the whole pod.
+    kv_spec = KVCacheSpec(num_blocks, config.cache.block_size, bytes_per_block=0)
+    return model, allocate_kv_cache(kv_spec, local_arch, dtype, device)

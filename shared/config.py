@@ -279,6 +279,15 @@ class EngineConfig:
                 f"{self.parallel.tensor_parallel_size} / pipeline_parallel_size "
                 f"{self.parallel.pipeline_parallel_size} (use 'ngram' or 'draft')"
             )
+        explicit_tier = self.cache.offload_host_bytes not in (0, "auto") or self.cache.has_disk_tier
+        if self.parallel.world_size > 1 and explicit_tier:
+            # The tiers copy one process's pool; a parallel engine's KV is spread over ranks.
+            raise ValueError(
+                "KV offload tiers (offload_host_bytes, offload_disk_dir) are not supported with "
+                f"tensor_parallel_size {self.parallel.tensor_parallel_size} / "
+                f"pipeline_parallel_size {self.parallel.pipeline_parallel_size} yet; set them "
+                "to 0 (the default 'auto' host tier is left off by itself)"
+            )
         if self.parallel.world_size > 1 and self.model.quantization != "none":
             # The ranks load and slice Hugging Face weights; packed weights are not sliced yet.
             raise ValueError(

@@ -292,3 +292,27 @@ def test_a_load_stuck_on_the_disk_is_cut_short_and_the_prefix_computed(single_th
     assert llm.engine.offloader.counters.load_failures == 1
     assert again.num_cached_tokens == 0 and _all_blocks_free(llm)
     llm.engine.close()
+
+
+def test_parallel_engines_refuse_explicit_tiers_and_leave_auto_off():
+    import pytest
+
+    from shared.config import EngineConfig
+
+    with pytest.raises(ValueError, match="not supported with tensor_parallel_size 2"):
+        EngineConfig.from_options(tensor_parallel_size=2, offload_host_bytes=2**20)
+    with pytest.raises(ValueError, match="not supported with tensor_parallel_size 1 / pipeline"):
+        EngineConfig.from_options(
+            pipeline_parallel_size=2, offload_disk_dir="/tmp/x", offload_disk_bytes=2**20
+        )
+    with pytest.raises(ValueError, match="quantization 'int8' does not support"):
+        EngineConfig.from_options(tensor_parallel_size=2, quantization="int8")
+    config = EngineConfig.from_options(tensor_parallel_size=2, offload_host_bytes="auto")
+    assert config.cache.offload_host_bytes == "auto"  # accepted: build_offloader leaves it off
+    from shared.kv_offload.build import build_offloader
+
+    pool = torch.zeros(2, 2, 4, 16, 1, 8)
+    assert build_offloader(config.cache, pool, world_size=2) is None
+    single = build_offloader(config.cache, pool, world_size=1)
+    assert single is not None and single.host is not None
+    single.close()

@@ -22,18 +22,13 @@ def build_offloader(
 ) -> KVOffloader | None:
     """None when the config asks for no tier (or prefix caching is off: nothing to keep).
 
-    A parallel engine's KV is spread over its ranks, and the tiers copy one process's pool:
-    an explicit tier there is refused, the default "auto" host tier is left off (logged)."""
+    A parallel engine's KV is spread over its ranks, and the tiers copy one process's pool: the
+    config refuses an explicit tier there, and the default "auto" host tier is left off."""
     if not cache.has_offload or not cache.enable_prefix_caching:
         return None
     if world_size > 1:
-        if cache.offload_host_bytes == "auto" and not cache.has_disk_tier:
-            logger.warning("KV offload tiers are off: not supported with parallel ranks yet")
-            return None
-        raise ValueError(
-            "KV offload tiers (offload_host_bytes, offload_disk_dir) are not supported with "
-            f"tensor or pipeline parallelism yet (world size {world_size}); set them to 0"
-        )
+        logger.warning("KV offload tiers are off: not supported with parallel ranks yet")
+        return None
     layout = BlockLayout.of_pool(kv_cache, cache.hash_namespace)
     disk = None
     if cache.has_disk_tier:

@@ -439,7 +439,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queried_tokens=prefix.num_queried_tokens,
             prefix_cache_hit_tokens=prefix.num_hit_tokens,
-            kv_tiers=tier_stats(self.kv_manager, self.offloader),
+            kv_tiers=tier_stats(self.kv_manager, self.offloader, self.kv_spec.bytes_per_block),
             **self._spec_stats(),
         )
 

@@ -36,6 +36,8 @@ def test_the_registry_hash_keeps_its_field_names():
         "kv_blocks_free", "num_running", "num_waiting", "recent_ttft_s", "recent_itl_s",
         # Added with the parallel layout; older readers skip fields they do not know.
         "tensor_parallel_size", "pipeline_parallel_size",
+        # Added with the KV offload tiers (the router credits tiers by these costs).
+        "prefill_s_per_token", "host_load_s_per_block", "disk_load_s_per_block",
     }  # fmt: skip
     assert (fields["worker_id"], fields["num_running"], fields["kv_blocks_free"]) == (
         "d-0",

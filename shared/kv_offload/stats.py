@@ -30,14 +30,25 @@ class KVTierStats:
     load_s_per_block: dict[str, float] = field(default_factory=dict)
 
 
-def tier_stats(kv: KVCacheManager, offloader: KVOffloader | None) -> KVTierStats:
+# Every reason is reported from the start (at 0), so dashboards find the series.
+_EVICTION_REASONS = ("quota", "expired", "capacity")
+
+
+def tier_stats(
+    kv: KVCacheManager, offloader: KVOffloader | None, block_bytes: int
+) -> KVTierStats:
+    """`block_bytes`: one block of the pool, all layers."""
     pool = kv.block_pool
-    block_bytes = offloader.layout.block_bytes if offloader is not None else 0
     blocks = {Tier.DEVICE.label: pool.num_cached_blocks}
     hit_tokens = {Tier.DEVICE.label: kv.prefix_cache_stats.num_hit_tokens}
-    evictions = dict(pool.eviction_counts)
+    evictions = {(reason, 0): 0 for reason in _EVICTION_REASONS} | dict(pool.eviction_counts)
     if offloader is None:
-        return KVTierStats(blocks=blocks, hit_tokens=hit_tokens, evictions=evictions)
+        return KVTierStats(
+            blocks=blocks,
+            bytes={Tier.DEVICE.label: blocks[Tier.DEVICE.label] * block_bytes},
+            hit_tokens=hit_tokens,
+            evictions=evictions,
+        )
     counters, disk = offloader.counters, offloader.disk
     sizes = {Tier.HOST: len(offloader.host or ()), Tier.DISK: len(disk or ())}
     blocks.update({tier.label: count for tier, count in sizes.items()})

@@ -23,6 +23,7 @@ from shared.progress import ProgressFn
 from shared.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama",)
+_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "mixtral", "deepseek2", "dbrx", "grok")
 
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -47,6 +48,7 @@ def load_gguf(path: str, progress: ProgressFn | None = None) -> LoadedCheckpoint
     reader = gguf.GGUFReader(path)
     meta = _Metadata(reader)
     _check_architecture(meta.require("general.architecture"), path)
+    _check_dense(meta, meta.require("general.architecture"), path)
     tokenizer = Tokenizer.from_gguf_reader(reader)
     architecture = read_architecture(reader, tokenizer)
     weights = _read_weights(reader, architecture, progress)
@@ -156,10 +158,26 @@ def _rope_scaling(meta: _Metadata, arch: str) -> RopeScaling:
 
 
 def _check_architecture(arch: str, path: str) -> None:
+    if arch in _MOE_ARCHITECTURES:
+        raise ValueError(
+            f"{os.fspath(path)!r} holds a {arch!r} mixture-of-experts model: GGUF MoE models are "
+            "not supported yet; load the Hugging Face directory instead (docs/moe.md)"
+        )
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{os.fspath(path)!r} holds a {arch!r} model; supported GGUF architectures: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
+def _check_dense(meta: _Metadata, arch: str, path: str) -> None:
+    # llama.cpp writes Mixtral as a "llama" model with experts: its stacked expert tensors
+    # (ffn_*_exps) are not mapped yet, so such a file is refused here by name.
+    num_experts = _scalar(meta.get(f"{arch}.expert_count", 0), "expert_count")
+    if num_experts > 0:
+        raise ValueError(
+            f"{os.fspath(path)!r} is a mixture-of-experts GGUF ({num_experts} experts): GGUF MoE "
+            "models are not supported yet; load the Hugging Face directory instead (docs/moe.md)"
         )
 
 

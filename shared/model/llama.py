@@ -1,5 +1,8 @@
 """A Llama-family decoder that runs flattened ragged batches over the paged KV cache.
 
+Mixtral and Qwen2-MoE share it: only the feed-forward block differs (`feed_forward`,
+shared/model/moe_layer.py) and Qwen2's q/k/v biases (`ModelArchitecture.attention_bias`).
+
 One forward serves prefill chunks and decode tokens of many requests at once: every token is a
 row of `[num_tokens, hidden]`, and only attention needs to know which row belongs to whom.
 """
@@ -12,7 +15,9 @@ from torch import nn
 
 from shared.model.architecture import ModelArchitecture
 from shared.model.attention_metadata import AttentionBackend, AttentionMetadata
+from shared.model.feed_forward import internal_feed_forward_weights
 from shared.model.linear import Linear, linear, onednn_weight
+from shared.model.moe_layer import SparseMoeBlock
 from shared.model.rotary import RotaryAngles, RotaryEmbedding
 
 
@@ -40,7 +45,7 @@ class LlamaAttention(nn.Module):
         kv_size = arch.num_kv_heads * arch.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         # q, k and v in one matmul: one pass over the activations instead of three.
-        self.qkv_proj = Linear(arch.hidden_size, q_size + 2 * kv_size)
+        self.qkv_proj = Linear(arch.hidden_size, q_size + 2 * kv_size, bias=arch.attention_bias)
         self.o_proj = Linear(q_size, arch.hidden_size)
 
     def forward(
@@ -74,13 +79,18 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def feed_forward(arch: ModelArchitecture) -> nn.Module:
+    """A layer's MLP: dense SwiGLU, or the sparse experts of Mixtral and Qwen2-MoE."""
+    return LlamaMLP(arch) if arch.moe is None else SparseMoeBlock(arch)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: ModelArchitecture) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = LlamaAttention(arch)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch)
+        self.mlp = feed_forward(arch)
 
     def forward(
         self,
@@ -176,7 +186,7 @@ def _to_internal_names(
     for i in range(arch.num_layers):
         hf = f"model.layers.{i}."
         ours = f"layers.{i}."
-        attn, mlp = hf + "self_attn.", hf + "mlp."
+        attn = hf + "self_attn."
         out[ours + "self_attn.qkv_proj.weight"] = torch.cat(
             [
                 weights[attn + "q_proj.weight"],
@@ -184,11 +194,12 @@ def _to_internal_names(
                 weights[attn + "v_proj.weight"],
             ]
         )
+        if arch.attention_bias:
+            out[ours + "self_attn.qkv_proj.bias"] = torch.cat(
+                [weights[attn + f"{p}_proj.bias"] for p in ("q", "k", "v")]
+            )
         out[ours + "self_attn.o_proj.weight"] = weights[attn + "o_proj.weight"]
-        out[ours + "mlp.gate_up_proj.weight"] = torch.cat(
-            [weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]
-        )
-        out[ours + "mlp.down_proj.weight"] = weights[mlp + "down_proj.weight"]
+        out.update(internal_feed_forward_weights(weights, arch, i))
         out[ours + "input_layernorm.weight"] = weights[hf + "input_layernorm.weight"]
         out[ours + "post_attention_layernorm.weight"] = weights[
             hf + "post_attention_layernorm.weight"

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels import _checks as checks
+from kernels._paged_tile import dot, dot_meta
 
 _BLOCK_M = 16  # tl.dot needs 16 at least; decode slices are a few rows per expert
 _BLOCK_N = 64
@@ -39,7 +40,8 @@ def _grouped_gemm_kernel(
     stride_wn,
     stride_om,
     HAS_SCALE: tl.constexpr,
-    IEEE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -69,10 +71,7 @@ def _grouped_gemm_kernel(
             mask=k_mask[:, None] & col_mask[None, :],
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]: the expert's [N, K] matrix read transposed
-        if IEEE:  # float32 weights: keep full precision rather than TF32
-            acc += tl.dot(a, b, input_precision="ieee")
-        else:
-            acc += tl.dot(a, b)
+        acc += dot(a, b, DOT_PRECISION, UPCAST_DOT)  # float32 stays ieee, not tf32
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     out = out_ptr + rows[:, None] * stride_om + cols[None, :]
@@ -120,7 +119,7 @@ def grouped_gemm(
         x, weights, out, x if row_scale is None else row_scale, expert_offsets,
         tile_expert, tile_row, num_cols, x.shape[1], weights.shape[0], x.stride(0),
         weights.stride(0), weights.stride(1), out.stride(0), HAS_SCALE=row_scale is not None,
-        IEEE=x.dtype == torch.float32, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, **dot_meta(x.dtype),
     )  # fmt: skip
     return out
 

@@ -38,6 +38,7 @@ from shared.kv_offload.stats import KVTierStats, tier_stats
 from shared.model.kv_cache import KVCacheSpec, allocate_kv_cache, size_kv_cache
 from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import load_checkpoint
+from shared.model.moe_layer import expert_token_counts
 from shared.output_processor import OutputProcessor
 from shared.outputs import StreamDelta
 from shared.prompts import check_prompt
@@ -70,6 +71,9 @@ class EngineStats:
     num_spec_verify_steps: int = 0
     # The cache's tiers: blocks, hits, writes, loads, evictions, measured costs.
     kv_tiers: KVTierStats = field(default_factory=KVTierStats)
+    # Mixture-of-experts models: token-expert assignments per expert, cumulative, summed over
+    # the layers (shared/model/moe_layer.py); () for a dense model.
+    moe_expert_tokens: tuple[int, ...] = ()
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -418,6 +422,7 @@ class EngineCore:
             prefix_cache_queried_tokens=prefix.num_queried_tokens,
             prefix_cache_hit_tokens=prefix.num_hit_tokens,
             kv_tiers=tier_stats(self.kv_manager, self.offloader),
+            moe_expert_tokens=expert_token_counts(self.runner.model),
             **self._spec_stats(),
         )
 

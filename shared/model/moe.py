@@ -135,3 +135,17 @@ def select_moe_experts(device: torch.device) -> ExpertsFn:
 
 def _nth(items: list[torch.Tensor | None] | None, index: int) -> torch.Tensor | None:
     return None if items is None else items[index]
+
+
+def naive_experts(hidden: torch.Tensor, experts: ExpertWeights, routing: Routing) -> torch.Tensor:
+    """The definition, one token and one chosen expert at a time (a per-token Python loop):
+    what the tests check the fused paths against and the benchmark's baseline."""
+    out = torch.zeros_like(hidden)
+    intermediate = experts.down.shape[2]
+    for token in range(hidden.shape[0]):
+        for slot in range(routing.expert_ids.shape[1]):
+            local = int(routing.expert_ids[token, slot]) - experts.first_expert
+            gate, up = F.linear(hidden[token], experts.gate_up[local]).split(intermediate)
+            down = F.linear(F.silu(gate) * up, experts.down[local])
+            out[token] += routing.weights[token, slot] * down
+    return out

@@ -77,7 +77,7 @@ class SparseMoeBlock(nn.Module):
     def _prepared(self, device: torch.device) -> tuple[ExpertWeights, ExpertsFn]:
         if self._experts is None or self._experts_fn is None:
             self._experts_fn = select_moe_experts(device)
-            self._experts = _expert_weights(self.experts_gate_up, self.experts_down)
+            self._experts = prepare_expert_weights(self.experts_gate_up, self.experts_down)
             self.expert_tokens = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
         return self._experts, self._experts_fn
 
@@ -99,8 +99,9 @@ def _parameter(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-def _expert_weights(gate_up: torch.Tensor, down: torch.Tensor) -> ExpertWeights:
-    # One oneDNN layout per expert on the CPU (shared/model/linear.py says why); None elsewhere.
+def prepare_expert_weights(gate_up: torch.Tensor, down: torch.Tensor) -> ExpertWeights:
+    """Stacked experts as the fused step reads them: with one oneDNN layout per expert on the
+    CPU (shared/model/linear.py says why; costs the experts' memory once more), none elsewhere."""
     gate_up_onednn = [onednn_weight(w) for w in gate_up]
     down_onednn = [onednn_weight(w) for w in down]
     has_onednn = gate_up_onednn and gate_up_onednn[0] is not None

@@ -35,6 +35,18 @@ _EXPERT_NAMES = {
 _SHARED = "mlp.shared_expert."
 
 
+def hf_router_name(family: str) -> str:
+    """The router's module name in a layer of a `family` checkpoint."""
+    return f"{_EXPERT_NAMES[family].prefix}gate"
+
+
+def hf_expert_names(family: str, expert: int) -> dict[str, str]:
+    """"gate", "up", "down" -> expert `expert`'s module names in a layer of `family`."""
+    names = _EXPERT_NAMES[family]
+    prefix = f"{names.prefix}experts.{expert}."
+    return {"gate": prefix + names.gate, "up": prefix + names.up, "down": prefix + names.down}
+
+
 def hf_feed_forward_shapes(arch: ModelArchitecture) -> dict[str, tuple[int, ...]]:
     """One layer's feed-forward tensors in the checkpoint, with their [out, in] shapes."""
     hidden = arch.hidden_size

@@ -153,6 +153,29 @@ def test_triton_step_equals_torch_step(shape):
     torch.testing.assert_close(triton_experts(x, experts, order), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "path",
+    ["torch", pytest.param("triton", marks=needs_interpreter)],
+)
+def test_experts_split_in_ranges_sum_to_the_whole(path):
+    """What expert parallelism relies on (docs/moe.md): a layer holding a contiguous range of
+    experts computes exactly their share, so the ranks' outputs add up to the whole layer."""
+    experts_fn = torch_experts if path == "torch" else triton_experts
+    num_tokens, hidden, inter, num_experts, top_k = SHAPES[1]
+    whole = random_experts(num_experts, hidden, inter, seed=5)
+    routing = random_routing(num_tokens, num_experts, top_k, seed=6)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(7))
+    order = sort_by_expert(routing, num_experts)
+    expected = torch_experts(x, whole, order)
+    total = torch.zeros_like(expected)
+    for first, end in [(0, 3), (3, 8)]:
+        part = ExpertWeights(whole.gate_up[first:end], whole.down[first:end], first_expert=first)
+        share = experts_fn(x, part, order)
+        assert share.abs().sum() > 0
+        total += share
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_backend_choice_follows_the_device_and_the_environment(monkeypatch):
     monkeypatch.delenv("SPLITSERVE_MOE_BACKEND", raising=False)
     assert select_moe_experts(torch.device("cpu")) is torch_experts

@@ -106,8 +106,9 @@ def triton_experts(
     hidden: torch.Tensor, experts: ExpertWeights, order: ExpertOrder
 ) -> torch.Tensor:
     """The CUDA path: the sorted rows through two grouped GEMMs (the routing weight applied in
-    the second one's epilogue), then the same combine. No host sync. Every assignment must go
-    to an expert held here (true while a layer holds all its experts)."""
+    the second one's epilogue), then the same combine. No host sync. When the layer holds only
+    a range of the experts, rows of the others are left out of the combine (their sum is what
+    the other ranks add)."""
     from kernels.moe_gemm import grouped_gemm
 
     first, num_local = experts.first_expert, experts.gate_up.shape[0]
@@ -116,6 +117,10 @@ def triton_experts(
     gate_up = grouped_gemm(sorted_rows, experts.gate_up, offsets)  # [T*k, 2*I]
     gate, up = gate_up.split(experts.down.shape[2], dim=-1)
     down = grouped_gemm(F.silu(gate) * up, experts.down, offsets, order.weights)
+    if num_local != order.counts.shape[0]:  # rows outside the range were never written
+        rows = torch.arange(down.shape[0], device=down.device)
+        held = (rows >= offsets[0]) & (rows < offsets[-1])
+        down = torch.where(held[:, None], down, 0.0)
     out = torch.zeros_like(hidden)
     out.index_add_(0, order.token_ids, down)
     return out

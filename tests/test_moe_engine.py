@@ -6,6 +6,7 @@ tests/conftest.py builds them):
   with a prefix-cache hit on a repeated prompt;
 - the per-expert counters move by exactly the token-expert assignments the steps made, and the
   pods' Prometheus series carries them;
+- self-speculative decoding (a one-layer draft) keeps the greedy tokens;
 - a disaggregated request (prefill engine exports pages, decode engine takes them) equals the
   colocated one;
 - the Triton MoE path (grouped GEMM, in the interpreter) gives the same tokens as the CPU path.
@@ -108,6 +109,16 @@ def test_chunked_prefill_matches_transformers(single_thread, checkpoint, referen
     prompts = [prompt for prompt, _, _ in references]
     assert max(len(p) for p in prompts) > 3 * 16, "the long prompt must take several chunks"
     assert _greedy(chunked, prompts) == [tokens for _, tokens, _ in references]
+
+
+def test_self_speculative_decoding_keeps_the_greedy_tokens(single_thread, checkpoint, references):
+    """The draft is the first layer (its MoE block included) and the head; verification runs
+    1 + k rows per request through every layer."""
+    options = {"speculative_method": "self", "speculative_draft_layers": 1}
+    speculative = LLM(checkpoint, kv_cache_bytes=KV_BYTES, **options)
+    prompts = [prompt for prompt, _, _ in references]
+    assert _greedy(speculative, prompts) == [tokens for _, tokens, _ in references]
+    assert speculative.stats().num_spec_proposed_tokens > 0
 
 
 def test_prefix_cache_hit_gives_the_same_tokens(llm, references):

@@ -98,9 +98,10 @@ def test_unsupported_qwen2_moe_variants(qwen2_moe, tmp_path, edit, message):
     "edit,message",
     [
         (lambda c: c.update(sliding_window=4096), r"sliding_window"),
+        (lambda c: c.pop("num_local_experts"), r"needs an integer 'num_local_experts'"),
         (lambda c: c.update(num_experts_per_tok=0), r"num_experts_per_tok \(0\)"),
     ],
-    ids=["sliding", "top_k"],
+    ids=["sliding", "no_num_experts", "top_k"],
 )
 def test_unsupported_mixtral_variants(mixtral, tmp_path, edit, message):
     with pytest.raises(ValueError, match=message):

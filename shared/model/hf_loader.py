@@ -76,20 +76,26 @@ def architecture_from_config(config: dict[str, Any], tokenizer: Tokenizer) -> Mo
 def _moe_config(config: dict[str, Any], family: str) -> MoEConfig | None:
     if family == "mixtral":
         return MoEConfig(
-            num_experts=int(config["num_local_experts"]),
-            num_experts_per_tok=int(config["num_experts_per_tok"]),
-            expert_intermediate_size=int(config["intermediate_size"]),
+            num_experts=_required_int(config, "num_local_experts"),
+            num_experts_per_tok=_required_int(config, "num_experts_per_tok"),
+            expert_intermediate_size=_required_int(config, "intermediate_size"),
             norm_topk_prob=True,
         )
     if family == "qwen2_moe":
         return MoEConfig(
-            num_experts=int(config["num_experts"]),
-            num_experts_per_tok=int(config["num_experts_per_tok"]),
-            expert_intermediate_size=int(config["moe_intermediate_size"]),
+            num_experts=_required_int(config, "num_experts"),
+            num_experts_per_tok=_required_int(config, "num_experts_per_tok"),
+            expert_intermediate_size=_required_int(config, "moe_intermediate_size"),
             norm_topk_prob=bool(config.get("norm_topk_prob", False)),
             shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size", 0)),
         )
     return None
+
+
+def _required_int(config: dict[str, Any], key: str) -> int:
+    if not isinstance(config.get(key), int):
+        raise ValueError(f"{config['model_type']} config needs an integer {key!r}")
+    return config[key]
 
 
 def _read_config(path: str) -> dict[str, Any]:

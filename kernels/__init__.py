@@ -11,9 +11,10 @@ works where Triton is not installed; `has_triton()` says whether they can be use
 | write_kv, pack_kv_pages, unpack_kv_pages | kernels.kv_cache_ops      |
 | fused_add_rms_norm                       | kernels.rms_norm          |
 | rotary_embedding                         | kernels.rotary            |
+| grouped_gemm                             | kernels.moe_gemm          |
 
-The engine uses the attention and KV wrappers on CUDA; `kernels/README.md` says which module
-serves whom, and why RMSNorm and rotary are not wired into the model yet.
+The engine uses the attention, KV and grouped-GEMM (MoE) wrappers on CUDA; `kernels/README.md`
+says which module serves whom, and why RMSNorm and rotary are not wired into the model yet.
 
 Module names differ from the wrappers' names on purpose: a submodule imported as
 `kernels.paged_decode_attention` would shadow the function of that name on the package.
@@ -31,6 +32,7 @@ _TRITON_WRAPPERS = {
     "unpack_kv_pages": "kernels.kv_cache_ops",
     "fused_add_rms_norm": "kernels.rms_norm",
     "rotary_embedding": "kernels.rotary",
+    "grouped_gemm": "kernels.moe_gemm",
 }
 
 __all__ = ["has_triton", *_TRITON_WRAPPERS]

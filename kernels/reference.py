@@ -192,3 +192,22 @@ def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
         return result
     out.copy_(result)
     return out
+
+
+def grouped_gemm(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    row_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rows `expert_offsets[e]:expert_offsets[e + 1]` of x [M, K] times weights[e] [N, K].T,
+    each output row times `row_scale` [M] when given; [M, N] in x's dtype."""
+    out = torch.empty(x.shape[0], weights.shape[1], dtype=x.dtype, device=x.device)
+    bounds = expert_offsets.tolist()
+    for expert in range(weights.shape[0]):
+        start, end = bounds[expert], bounds[expert + 1]
+        product = x[start:end].float() @ weights[expert].float().T
+        if row_scale is not None:
+            product = product * row_scale[start:end, None].float()
+        out[start:end] = product.to(x.dtype)
+    return out

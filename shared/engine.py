@@ -38,6 +38,7 @@ from shared.kv_offload.stats import KVTierStats, tier_stats
 from shared.model.kv_cache import KVCacheSpec, allocate_kv_cache, size_kv_cache
 from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import load_checkpoint
+from shared.model.moe_layer import expert_token_counts
 from shared.output_processor import OutputProcessor
 from shared.outputs import StreamDelta
 from shared.parallel.group import ParallelGroup
@@ -73,6 +74,9 @@ class EngineStats:
     num_spec_verify_steps: int = 0
     # The cache's tiers: blocks, hits, writes, loads, evictions, measured costs.
     kv_tiers: KVTierStats = field(default_factory=KVTierStats)
+    # Mixture-of-experts models: token-expert assignments per expert, cumulative, summed over
+    # the layers (shared/model/moe_layer.py); () for a dense model.
+    moe_expert_tokens: tuple[int, ...] = ()
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -116,6 +120,7 @@ class EngineCore:
         # Tensor or pipeline parallel (shared/parallel/): this process is rank 0, one part.
         self.parallel: ParallelGroup | None = None
         if config.parallel.world_size > 1:
+            _check_parallel_model(self.architecture)
             rank0 = start_parallel(config, checkpoint, self.max_model_len)
             self.parallel, model = rank0.group, rank0.model
             self.kv_spec, kv_cache = rank0.kv_spec, rank0.kv_cache
@@ -440,6 +445,7 @@ class EngineCore:
             prefix_cache_queried_tokens=prefix.num_queried_tokens,
             prefix_cache_hit_tokens=prefix.num_hit_tokens,
             kv_tiers=tier_stats(self.kv_manager, self.offloader, self.kv_spec.bytes_per_block),
+            moe_expert_tokens=expert_token_counts(self.runner.model),
             **self._spec_stats(),
         )
 
@@ -467,6 +473,15 @@ def validate_params(params: object, vocab_size: int) -> None:
         )
     if params.structured_output is not None:
         grammar_for(params.structured_output)  # raises GrammarError (a ValueError)
+
+
+def _check_parallel_model(arch) -> None:
+    """Before any rank starts: the ranks slice dense Llama weights only."""
+    if arch.moe is not None:
+        raise ValueError(
+            f"tensor_parallel_size / pipeline_parallel_size do not support mixture-of-experts "
+            f"models ({arch.family}) yet: expert parallelism is not built"
+        )
 
 
 def _max_model_len(model_limit: int, config: EngineConfig) -> int:

@@ -14,6 +14,11 @@ Fixtures (names are stable: other test files rely on them):
   `tie_word_embeddings` (False), `rope_scaling` (llama3, factor 8; None for plain RoPE),
   `dtype` ("float32" or "bfloat16"), `max_shard_size` (e.g. "100KB" to shard; None = one file),
   `num_key_value_heads` (2; 1 makes tensor parallelism replicate the KV head).
+- `make_tiny_moe_checkpoint` (session): factory `make(family, **config_overrides) -> str` that
+  writes a tiny random mixture-of-experts checkpoint directory, family "mixtral" (8 experts, top
+  2, renormalised) or "qwen2_moe" (8 experts, top 2, not renormalised, a shared expert, q/k/v
+  biases), with SmolLM2's tokenizer; overrides go into the transformers config (a bad value
+  still writes, for the loader's refusal tests). Identical arguments return the same directory.
 - `tiny_hf_checkpoint` (session): `make_tiny_hf_checkpoint()` with the defaults: vocab 49152
   (SmolLM2's tokenizer), hidden 64, 2 layers, 4 heads, 2 KV heads, intermediate 128, untied
   embeddings, llama3 RoPE scaling (factor 8, rope_theta 500000), seed 0.
@@ -123,6 +128,68 @@ def make_tiny_hf_checkpoint(
         return built[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def make_tiny_moe_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory, hf_reference_tokenizer: Any
+) -> Callable[..., str]:
+    built: dict[tuple, str] = {}
+
+    def make(family: str, **overrides: Any) -> str:
+        key = (family, repr(sorted(overrides.items())))
+        if key not in built:
+            directory = str(tmp_path_factory.mktemp(f"tiny_{family}"))
+            _write_tiny_moe_checkpoint(directory, hf_reference_tokenizer, family, overrides)
+            built[key] = directory
+        return built[key]
+
+    return make
+
+
+_TINY_MOE_COMMON = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts_per_tok=2,
+    max_position_embeddings=4096,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+
+
+def _write_tiny_moe_checkpoint(
+    directory: str, hf_tokenizer: Any, family: str, overrides: dict[str, Any]
+) -> None:
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    _quiet_transformers()
+    if family == "mixtral":
+        options = dict(_TINY_MOE_COMMON, intermediate_size=32, num_local_experts=8)
+        config_class, model_class = MixtralConfig, MixtralForCausalLM
+    else:
+        options = dict(
+            _TINY_MOE_COMMON,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            norm_topk_prob=False,
+        )
+        config_class, model_class = Qwen2MoeConfig, Qwen2MoeForCausalLM
+    config = config_class(**{**options, **overrides})
+    torch.manual_seed(0)
+    model = model_class(config)
+    with torch.no_grad():  # random biases: zeros (the default init) would not test them
+        for name, param in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.normal_(0.0, 0.02)
+    model.save_pretrained(directory, safe_serialization=True)
+    hf_tokenizer.save_pretrained(directory)
 
 
 @pytest.fixture(scope="session")

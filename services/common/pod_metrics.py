@@ -10,7 +10,9 @@ Names follow vLLM's under our prefix, so a vLLM dashboard maps by replacing `vll
 `prefix_cache_hits_total`, `spec_decode_num_drafts_total`, `spec_decode_num_draft_tokens_total`,
 `spec_decode_num_accepted_tokens_total`. Ours alone: `num_kv_blocks_used` / `_total`,
 `kv_transfer_bytes_total` and `kv_transfer_time_seconds` (by transport and direction), and
-`remote_prefill_requests_total` (decode pods, by how the prompt was prefilled).
+`remote_prefill_requests_total` (decode pods, by how the prompt was prefilled), and for
+mixture-of-experts models `moe_expert_tokens_total` (token-expert assignments by `expert`,
+summed over layers: the load imbalance expert parallelism suffers from shows here).
 
 Every series carries `model_name` (as vLLM's do) and `role` (prefill / decode). Latencies are
 measured on the pod, from when its gRPC handler received the request.
@@ -248,6 +250,19 @@ class _EngineCollector:
         for name, (text, value) in counters.items():
             yield self._family(CounterMetricFamily, name, text, value)
         yield from self._tier_families(stats.kv_tiers)
+        experts = getattr(stats, "moe_expert_tokens", ())
+        if experts:  # dense models have no such series
+            yield self._expert_tokens(experts)
+
+    def _expert_tokens(self, counts: tuple[int, ...]) -> Metric:
+        family = CounterMetricFamily(
+            PREFIX + "moe_expert_tokens",
+            "Tokens routed to each expert (token-expert assignments, summed over MoE layers).",
+            labels=[*LABELS, "expert"],
+        )
+        for expert, count in enumerate(counts):
+            family.add_metric([*self._labels, str(expert)], count)
+        return family
 
     def _tier_families(self, tiers: KVTierStats) -> Iterator[Metric]:
         """The offload tiers (shared/kv_offload/): per-tier series carry a `tier` label."""

@@ -29,6 +29,41 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+FAMILIES = ("llama", "mixtral", "qwen2_moe")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A sparse feed-forward block: a router picks `num_experts_per_tok` of `num_experts`
+    SwiGLU experts for each token (docs/moe.md). Every decoder layer is sparse: families that
+    mix dense and sparse layers are refused by the loaders."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    expert_intermediate_size: int
+    # Mixtral renormalises the k chosen probabilities to sum to 1; Qwen2-MoE only if it says so.
+    norm_topk_prob: bool
+    # Qwen2-MoE: one dense expert every token goes through, scaled by a sigmoid gate (0 = none).
+    shared_expert_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1 or self.expert_intermediate_size < 1:
+            raise ValueError(
+                f"num_experts ({self.num_experts}) and expert_intermediate_size "
+                f"({self.expert_intermediate_size}) must be positive"
+            )
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
+                f"num_experts ({self.num_experts})"
+            )
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(
+                "shared_expert_intermediate_size must be >= 0, got "
+                f"{self.shared_expert_intermediate_size}"
+            )
+
+
 @dataclass(frozen=True)
 class ModelArchitecture:
     name: str
@@ -46,8 +81,17 @@ class ModelArchitecture:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    # Which decoder: "llama" (dense, Mistral too), "mixtral" or "qwen2_moe" (sparse, `moe` set).
+    family: str = "llama"
+    moe: MoEConfig | None = None
+    # Biases on q, k and v (Qwen2 attention); o_proj and the MLPs never have one.
+    attention_bias: bool = False
 
     def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown model family {self.family!r}; known: {', '.join(FAMILIES)}")
+        if (self.moe is None) != (self.family == "llama"):
+            raise ValueError(f"model family {self.family!r} and moe={self.moe!r} disagree")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of "

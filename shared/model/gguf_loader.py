@@ -1,4 +1,5 @@
-"""Loads a llama-architecture GGUF file into Hugging Face-named float32 tensors.
+"""Loads a llama-architecture GGUF file into Hugging Face-named float32 tensors (Mixtral,
+a llama with experts, and qwen2moe too: shared/model/gguf_moe.py splits their stacked experts).
 
 Three translations happen here:
 - names: llama.cpp's `blk.N.attn_q.weight` becomes `model.layers.N.self_attn.q_proj.weight`;
@@ -22,10 +23,11 @@ from gguf.quants import dequantize
 
 from shared.model.architecture import LoadedCheckpoint, ModelArchitecture, RopeScaling
 from shared.model.gguf_blocks import PACKED_TYPES, BlockQuantized, read_blocks
+from shared.model.gguf_moe import UNSUPPORTED_MOE_ARCHITECTURES, moe_fields, moe_tensors
 from shared.progress import ProgressFn
 from shared.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2moe")
 
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -72,11 +74,13 @@ def read_architecture(reader: gguf.GGUFReader, tokenizer: Tokenizer) -> ModelArc
     _check_rope_dim(int(meta.get(f"{arch}.rope.dimension_count", head_dim)), head_dim)
     tensor_names = {tensor.name for tensor in reader.tensors}
     vocab_size = _vocab_size(reader, tokenizer)
+    family, moe = moe_fields(meta.get, arch)
+    dense_size = meta.get(f"{arch}.feed_forward_length") if moe else None
     return ModelArchitecture(
         name=arch,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=int(meta.require(f"{arch}.feed_forward_length")),
+        intermediate_size=int(dense_size or meta.require(f"{arch}.feed_forward_length")),
         num_layers=int(meta.require(f"{arch}.block_count")),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
@@ -88,6 +92,9 @@ def read_architecture(reader: gguf.GGUFReader, tokenizer: Tokenizer) -> ModelArc
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
         rope_scaling=_rope_scaling(meta, arch),
+        family=family,
+        moe=moe,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
     )
 
 
@@ -123,20 +130,26 @@ def _read_weights(
     progress: ProgressFn | None,
     keep_quantized: bool,
 ) -> dict[str, torch.Tensor | BlockQuantized]:
+    # Only llama's converter permutes Q/K rows; qwen2moe is stored in Hugging Face's order.
     heads_of = {"attn_q": architecture.num_heads, "attn_k": architecture.num_kv_heads}
+    if architecture.name != "llama":
+        heads_of = {}
     weights: dict[str, torch.Tensor | BlockQuantized] = {}
     for done, tensor in enumerate(reader.tensors, start=1):
-        name = gguf_to_hf_name(tensor.name)
         kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
         if keep_quantized and kind and tensor.tensor_type in PACKED_TYPES:
-            weights[name] = _read_packed(tensor, heads_of.get(kind))
-        else:
-            values = _dequantize(tensor)
-            if kind in heads_of:
-                values = unpermute_rope_rows(values, heads_of[kind])
-            weights[name] = torch.from_numpy(np.ascontiguousarray(values))
+            weights[gguf_to_hf_name(tensor.name)] = _read_packed(tensor, heads_of.get(kind))
+            continue
+        values = _dequantize(tensor)
+        if kind in heads_of:
+            values = unpermute_rope_rows(values, heads_of[kind])
+        named = moe_tensors(tensor.name, values, architecture.family)
+        if named is None:
+            named = {gguf_to_hf_name(tensor.name): values}
+        for name, array in named.items():
+            weights[name] = torch.from_numpy(np.ascontiguousarray(array))
         if progress is not None:
-            progress(done, len(reader.tensors), name)
+            progress(done, len(reader.tensors), next(iter(named)))
     return weights
 
 
@@ -176,6 +189,11 @@ def _rope_scaling(meta: _Metadata, arch: str) -> RopeScaling:
 
 
 def _check_architecture(arch: str, path: str) -> None:
+    if arch in UNSUPPORTED_MOE_ARCHITECTURES:
+        raise ValueError(
+            f"{os.fspath(path)!r} holds a {arch!r} mixture-of-experts model, which is not "
+            "supported; supported MoE GGUF files: Mixtral (llama with experts), qwen2moe"
+        )
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{os.fspath(path)!r} holds a {arch!r} model; supported GGUF architectures: "

@@ -1,8 +1,9 @@
-"""Loads a Hugging Face Llama checkpoint directory (config.json + safetensors) as float32.
+"""Loads a Hugging Face checkpoint directory (config.json + safetensors) as float32.
 
 Accepts single-file and sharded (`model.safetensors.index.json`) safetensors, both spellings of
 RoPE settings (transformers 5's `rope_parameters` with `rope_theta` inside; older `rope_theta` +
-`rope_scaling`), and Mistral configs that describe exactly a Llama (no sliding window).
+`rope_scaling`), Mistral configs that describe exactly a Llama (no sliding window), and the
+mixture-of-experts families Mixtral and Qwen2-MoE (docs/moe.md) where every layer is sparse.
 """
 
 from __future__ import annotations
@@ -14,11 +15,18 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from shared.model.architecture import LoadedCheckpoint, ModelArchitecture, RopeScaling
+from shared.model.architecture import LoadedCheckpoint, ModelArchitecture, MoEConfig, RopeScaling
 from shared.progress import ProgressFn
 from shared.tokenizer import Tokenizer
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+# config.json's model_type -> the decoder family that runs it.
+_FAMILY_OF_MODEL_TYPE = {
+    "llama": "llama",
+    "mistral": "llama",
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen2_moe",
+}
+SUPPORTED_MODEL_TYPES = tuple(_FAMILY_OF_MODEL_TYPE)
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
@@ -36,8 +44,10 @@ def load_hf_dir(path: str, progress: ProgressFn | None = None) -> LoadedCheckpoi
 
 
 def architecture_from_config(config: dict[str, Any], tokenizer: Tokenizer) -> ModelArchitecture:
-    """`ModelArchitecture` from a parsed config.json; raises ValueError for non-Llama models."""
+    """`ModelArchitecture` from a parsed config.json; raises ValueError naming what is not
+    supported (another model type, or a setting our decoder does not compute)."""
     _check_supported(config)
+    family = _FAMILY_OF_MODEL_TYPE[config["model_type"]]
     hidden_size = int(config["hidden_size"])
     num_heads = int(config["num_attention_heads"])
     rope_theta, rope_scaling = _rope_settings(config)
@@ -57,7 +67,35 @@ def architecture_from_config(config: dict[str, Any], tokenizer: Tokenizer) -> Mo
         bos_token_id=_bos_token_id(config, tokenizer),
         eos_token_ids=_eos_token_ids(config, tokenizer),
         rope_scaling=rope_scaling,
+        family=family,
+        moe=_moe_config(config, family),
+        attention_bias=family == "qwen2_moe" and bool(config.get("qkv_bias", True)),
     )
+
+
+def _moe_config(config: dict[str, Any], family: str) -> MoEConfig | None:
+    if family == "mixtral":
+        return MoEConfig(
+            num_experts=_required_int(config, "num_local_experts"),
+            num_experts_per_tok=_required_int(config, "num_experts_per_tok"),
+            expert_intermediate_size=_required_int(config, "intermediate_size"),
+            norm_topk_prob=True,
+        )
+    if family == "qwen2_moe":
+        return MoEConfig(
+            num_experts=_required_int(config, "num_experts"),
+            num_experts_per_tok=_required_int(config, "num_experts_per_tok"),
+            expert_intermediate_size=_required_int(config, "moe_intermediate_size"),
+            norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size", 0)),
+        )
+    return None
+
+
+def _required_int(config: dict[str, Any], key: str) -> int:
+    if not isinstance(config.get(key), int):
+        raise ValueError(f"{config['model_type']} config needs an integer {key!r}")
+    return config[key]
 
 
 def _read_config(path: str) -> dict[str, Any]:
@@ -75,19 +113,33 @@ def _check_supported(config: dict[str, Any]) -> None:
             f"unsupported model_type {model_type!r} (architectures "
             f"{config.get('architectures')}); supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    # Each of these would change the computation our Llama implementation performs.
-    differences = {
-        "sliding_window": config.get("sliding_window") is not None,
-        "attention_bias": bool(config.get("attention_bias", False)),
+    unsupported = [name for name, differs in _differences(config).items() if differs]
+    if unsupported:
+        raise ValueError(
+            f"{model_type} config sets {', '.join(unsupported)}, which this "
+            f"{_FAMILY_OF_MODEL_TYPE[model_type]} implementation does not support"
+        )
+
+
+def _differences(config: dict[str, Any]) -> dict[str, bool]:
+    """Settings that would change the computation our decoder performs, by name."""
+    common = {
         "mlp_bias": bool(config.get("mlp_bias", False)),
         "hidden_act": config.get("hidden_act", "silu") != "silu",
     }
-    unsupported = [name for name, differs in differences.items() if differs]
-    if unsupported:
-        raise ValueError(
-            f"{model_type} config sets {', '.join(unsupported)}, which this Llama "
-            "implementation does not support"
-        )
+    if config["model_type"] != "qwen2_moe":
+        return common | {
+            "sliding_window": config.get("sliding_window") is not None,
+            "attention_bias": bool(config.get("attention_bias", False)),
+        }
+    # Qwen2-MoE keeps sliding_window set even when off; use_sliding_window says.
+    return common | {
+        "use_sliding_window": bool(config.get("use_sliding_window", False)),
+        "mlp_only_layers": bool(config.get("mlp_only_layers")),
+        "decoder_sparse_step": int(config.get("decoder_sparse_step", 1)) != 1,
+        "num_experts": int(config.get("num_experts", 0)) < 1,
+        "layer_types": any(t != "full_attention" for t in config.get("layer_types") or []),
+    }
 
 
 def _rope_settings(config: dict[str, Any]) -> tuple[float, RopeScaling]:

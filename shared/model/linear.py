@@ -1,4 +1,5 @@
-"""A bias-free linear layer, and the CPU kernel its products (and the vocabulary projection) run on.
+"""A linear layer (with a bias only where a checkpoint has one: Qwen2's q/k/v), and the CPU
+kernel its products (and the vocabulary projection) run on.
 
 On the CPU, F.linear goes to MKL's sgemm, which on AMD processors takes a generic code path: on
 this project's machines (AMD EPYC, AVX-512) oneDNN's inner product ran the decoder's 120
@@ -23,9 +24,10 @@ _CPU_LINEAR_ENV = "SPLITSERVE_CPU_LINEAR"
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         # The weight in oneDNN's layout; set by prepare_cpu_kernel, None elsewhere.
         self.onednn_weight: torch.Tensor | None = None
 
@@ -34,7 +36,8 @@ class Linear(nn.Module):
         self.onednn_weight = onednn_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.onednn_weight)
+        out = linear(x, self.weight, self.onednn_weight)
+        return out if self.bias is None else out + self.bias
 
 
 def onednn_weight(weight: torch.Tensor) -> torch.Tensor | None:

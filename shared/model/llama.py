@@ -1,5 +1,8 @@
 """A Llama-family decoder that runs flattened ragged batches over the paged KV cache.
 
+Mixtral and Qwen2-MoE share it: only the feed-forward block differs (`feed_forward`,
+shared/model/moe_layer.py) and Qwen2's q/k/v biases (`ModelArchitecture.attention_bias`).
+
 One forward serves prefill chunks and decode tokens of many requests at once: every token is a
 row of `[num_tokens, hidden]`, and only attention needs to know which row belongs to whom.
 """
@@ -15,8 +18,10 @@ from torch import nn
 
 from shared.model.architecture import ModelArchitecture
 from shared.model.attention_metadata import AttentionBackend, AttentionMetadata
+from shared.model.feed_forward import internal_feed_forward_weights
 from shared.model.gguf_blocks import BlockQuantized
 from shared.model.linear import Linear, linear, onednn_weight
+from shared.model.moe_layer import SparseMoeBlock
 from shared.model.quantization import (
     QuantizedEmbedding,
     QuantizedLinear,
@@ -67,7 +72,12 @@ class LlamaAttention(nn.Module):
         self.split_sizes = [q_size, kv_size, kv_size]
         # q, k and v in one matmul: one pass over the activations instead of three (quantized,
         # the fused matrix is: its rows are the three matrices' rows, each quantized alike).
-        self.qkv_proj = make_linear(arch.hidden_size, q_size + 2 * kv_size, quantization)
+        # Qwen2's q/k/v biases: a dense layer (MoE models are not quantized).
+        self.qkv_proj = (
+            Linear(arch.hidden_size, q_size + 2 * kv_size, bias=True)
+            if arch.attention_bias
+            else make_linear(arch.hidden_size, q_size + 2 * kv_size, quantization)
+        )
         self.o_proj = make_linear(q_size, arch.hidden_size, quantization)
 
     def forward(
@@ -110,13 +120,19 @@ class LlamaMLP(nn.Module):
         return out
 
 
+def feed_forward(arch: ModelArchitecture, quantization: str = "none") -> nn.Module:
+    """A layer's MLP: dense SwiGLU (quantized as asked), or the sparse experts of Mixtral and
+    Qwen2-MoE (never quantized: LlamaForCausalLM refuses that combination)."""
+    return LlamaMLP(arch, quantization) if arch.moe is None else SparseMoeBlock(arch)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: ModelArchitecture, quantization: str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = LlamaAttention(arch, quantization)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch, quantization)
+        self.mlp = feed_forward(arch, quantization)
 
     def forward(
         self,
@@ -142,6 +158,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.quantization = effective_method(quantization, device)
+        if arch.moe is not None and self.quantization != "none":
+            raise ValueError(
+                f"quantization {quantization!r} does not support mixture-of-experts models "
+                f"({arch.family}) yet: their experts are stacked tensors, not packed layers; "
+                "use quantization 'none'"
+            )
         # Built on the meta device: random initialisation of weights about to be overwritten
         # would cost seconds. `materialize` gives them real storage.
         with torch.device("meta"):
@@ -296,7 +318,7 @@ def _to_internal_names(
     for i in range(arch.num_layers):
         hf = f"model.layers.{i}."
         ours = f"layers.{i}."
-        attn, mlp = hf + "self_attn.", hf + "mlp."
+        attn = hf + "self_attn."
         out[ours + "self_attn.qkv_proj.weight"] = cat_rows(
             [
                 weights[attn + "q_proj.weight"],
@@ -304,11 +326,12 @@ def _to_internal_names(
                 weights[attn + "v_proj.weight"],
             ]
         )
+        if arch.attention_bias:
+            out[ours + "self_attn.qkv_proj.bias"] = torch.cat(
+                [weights[attn + f"{p}_proj.bias"] for p in ("q", "k", "v")]
+            )
         out[ours + "self_attn.o_proj.weight"] = weights[attn + "o_proj.weight"]
-        out[ours + "mlp.gate_up_proj.weight"] = cat_rows(
-            [weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]
-        )
-        out[ours + "mlp.down_proj.weight"] = weights[mlp + "down_proj.weight"]
+        out.update(internal_feed_forward_weights(weights, arch, i))
         out[ours + "input_layernorm.weight"] = weights[hf + "input_layernorm.weight"]
         out[ours + "post_attention_layernorm.weight"] = weights[
             hf + "post_attention_layernorm.weight"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from shared.model.architecture import LoadedCheckpoint, ModelArchitecture
+from shared.model.feed_forward import hf_feed_forward_shapes
 from shared.model.gguf_loader import load_gguf
 from shared.model.hf_loader import load_hf_dir
 from shared.model_paths import default_model_path
@@ -26,9 +27,6 @@ _LAYER_TENSORS = (
     "self_attn.v_proj.weight",
     "self_attn.o_proj.weight",
     "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
 )
 
 
@@ -55,7 +53,8 @@ def load_checkpoint(
 
 
 def expected_weight_shapes(arch: ModelArchitecture) -> dict[str, tuple[int, ...]]:
-    """Every tensor the Llama implementation reads, with its [out, in] shape."""
+    """Every tensor the decoder reads, with its [out, in] shape (the feed-forward block's
+    depend on the model family: shared/model/feed_forward.py)."""
     q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     per_layer = dict(
         zip(
@@ -67,12 +66,15 @@ def expected_weight_shapes(arch: ModelArchitecture) -> dict[str, tuple[int, ...]
                 (kv_size, arch.hidden_size),
                 (arch.hidden_size, q_size),
                 (arch.hidden_size,),
-                (arch.intermediate_size, arch.hidden_size),
-                (arch.intermediate_size, arch.hidden_size),
-                (arch.hidden_size, arch.intermediate_size),
             ],
         )
     )
+    if arch.attention_bias:
+        per_layer.update(
+            {"self_attn.q_proj.bias": (q_size,)}
+            | {f"self_attn.{p}_proj.bias": (kv_size,) for p in ("k", "v")}
+        )
+    per_layer.update(hf_feed_forward_shapes(arch))
     shapes = {"model.embed_tokens.weight": (arch.vocab_size, arch.hidden_size)}
     for layer in range(arch.num_layers):
         for name, shape in per_layer.items():

@@ -1,0 +1,118 @@
+"""Each decoder layer's feed-forward block, per model family: its checkpoint tensor names and
+shapes (for the loader's check) and how they map onto the model's parameters (fused, stacked).
+
+    llama      mlp.{gate,up,down}_proj                       -> LlamaMLP (gate_up fused)
+    mixtral    block_sparse_moe.gate, .experts.{e}.w1/w3/w2  -> SparseMoeBlock (experts stacked)
+    qwen2_moe  mlp.gate, mlp.experts.{e}.{gate,up,down}_proj,
+               mlp.shared_expert.*, mlp.shared_expert_gate   -> SparseMoeBlock + shared expert
+
+Names are relative to `model.layers.{i}.` in the checkpoint and `layers.{i}.` in the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.model.architecture import ModelArchitecture
+from shared.model.quantization import cat_rows
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """Where a family's checkpoints keep the router and each expert's three matrices."""
+
+    prefix: str
+    gate: str
+    up: str
+    down: str
+
+
+_EXPERT_NAMES = {
+    "mixtral": ExpertNames("block_sparse_moe.", "w1", "w3", "w2"),
+    "qwen2_moe": ExpertNames("mlp.", "gate_proj", "up_proj", "down_proj"),
+}
+_SHARED = "mlp.shared_expert."
+
+
+def hf_router_name(family: str) -> str:
+    """The router's module name in a layer of a `family` checkpoint."""
+    return f"{_EXPERT_NAMES[family].prefix}gate"
+
+
+def hf_expert_names(family: str, expert: int) -> dict[str, str]:
+    """"gate", "up", "down" -> expert `expert`'s module names in a layer of `family`."""
+    names = _EXPERT_NAMES[family]
+    prefix = f"{names.prefix}experts.{expert}."
+    return {"gate": prefix + names.gate, "up": prefix + names.up, "down": prefix + names.down}
+
+
+def hf_feed_forward_shapes(arch: ModelArchitecture) -> dict[str, tuple[int, ...]]:
+    """One layer's feed-forward tensors in the checkpoint, with their [out, in] shapes."""
+    hidden = arch.hidden_size
+    if arch.moe is None:
+        inter = arch.intermediate_size
+        return _swiglu_shapes("mlp.", "gate_proj", "up_proj", "down_proj", hidden, inter)
+    names = _EXPERT_NAMES[arch.family]
+    moe = arch.moe
+    shapes = {f"{names.prefix}gate.weight": (moe.num_experts, hidden)}
+    for expert in range(moe.num_experts):
+        prefix = f"{names.prefix}experts.{expert}."
+        inter = moe.expert_intermediate_size
+        shapes.update(_swiglu_shapes(prefix, names.gate, names.up, names.down, hidden, inter))
+    if moe.shared_expert_intermediate_size:
+        inter = moe.shared_expert_intermediate_size
+        shapes.update(_swiglu_shapes(_SHARED, "gate_proj", "up_proj", "down_proj", hidden, inter))
+        shapes["mlp.shared_expert_gate.weight"] = (1, hidden)
+    return shapes
+
+
+def internal_feed_forward_weights(
+    weights: dict[str, torch.Tensor], arch: ModelArchitecture, layer: int
+) -> dict[str, torch.Tensor]:
+    """Layer `layer`'s feed-forward tensors under the model's parameter names (KeyError for a
+    missing one, which the model reports)."""
+    hf, ours = f"model.layers.{layer}.", f"layers.{layer}.mlp."
+    if arch.moe is None:
+        return _swiglu(weights, hf + "mlp.", "gate_proj", "up_proj", "down_proj", ours)
+    names = _EXPERT_NAMES[arch.family]
+    experts = [f"{hf}{names.prefix}experts.{e}." for e in range(arch.moe.num_experts)]
+    out = {
+        ours + "gate.weight": weights[f"{hf}{names.prefix}gate.weight"],
+        # [E, 2*I, H]: each expert's gate rows then its up rows, as LlamaMLP fuses them.
+        ours + "experts_gate_up": torch.stack(
+            [
+                torch.cat([weights[p + f"{names.gate}.weight"], weights[p + f"{names.up}.weight"]])
+                for p in experts
+            ]
+        ),  # fmt: skip
+        ours + "experts_down": torch.stack([weights[p + f"{names.down}.weight"] for p in experts]),
+    }
+    if arch.moe.shared_expert_intermediate_size:
+        shared = ours + "shared_expert."
+        out.update(_swiglu(weights, hf + _SHARED, "gate_proj", "up_proj", "down_proj", shared))
+        out[ours + "shared_expert_gate.weight"] = weights[hf + "mlp.shared_expert_gate.weight"]
+    return out
+
+
+def _swiglu_shapes(
+    prefix: str, gate: str, up: str, down: str, hidden: int, inter: int
+) -> dict[str, tuple[int, ...]]:
+    return {
+        f"{prefix}{gate}.weight": (inter, hidden),
+        f"{prefix}{up}.weight": (inter, hidden),
+        f"{prefix}{down}.weight": (hidden, inter),
+    }
+
+
+def _swiglu(
+    weights: dict[str, torch.Tensor], hf: str, gate: str, up: str, down: str, ours: str
+) -> dict[str, torch.Tensor]:
+    return {
+        # cat_rows: a GGUF file's blocks stay blocks for quantization=gguf.
+        ours + "gate_up_proj.weight": cat_rows(
+            [weights[f"{hf}{gate}.weight"], weights[f"{hf}{up}.weight"]]
+        ),
+        ours + "down_proj.weight": weights[f"{hf}{down}.weight"],
+    }

@@ -1,0 +1,113 @@
+"""The sparse feed-forward block of Mixtral and Qwen2-MoE decoder layers (`mlp` of a layer).
+
+    x [T, H] -> router (`gate`) -> top-k routing -> fused experts (shared/model/moe.py)
+             (+ Qwen2-MoE: sigmoid(shared_expert_gate(x)) * shared_expert(x))
+
+Parameter names are the internal ones `shared/model/feed_forward.py` maps checkpoints onto.
+Each block counts the token-expert assignments its router made, per expert, since start: the
+load imbalance that expert parallelism suffers from shows there first (`expert_token_counts`,
+EngineStats.moe_expert_tokens, the pods' splitserve:moe_expert_tokens_total).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.model.architecture import ModelArchitecture
+from shared.model.linear import Linear, onednn_weight
+from shared.model.moe import (
+    ExpertsFn,
+    ExpertWeights,
+    route_tokens,
+    select_moe_experts,
+    sort_by_expert,
+)
+
+
+class SwiGLU(nn.Module):
+    """A dense SwiGLU MLP (Qwen2-MoE's shared expert), gate and up fused as in LlamaMLP."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, arch: ModelArchitecture) -> None:
+        super().__init__()
+        moe = arch.moe
+        assert moe is not None, "SparseMoeBlock needs an architecture with moe set"
+        self.num_experts = moe.num_experts
+        self.top_k = moe.num_experts_per_tok
+        self.renormalize = moe.norm_topk_prob
+        hidden, inter = arch.hidden_size, moe.expert_intermediate_size
+        self.gate = Linear(hidden, moe.num_experts)  # the router
+        # Stacked experts, gate and up fused: [E, 2*I, H] and [E, H, I].
+        self.experts_gate_up = _parameter(moe.num_experts, 2 * inter, hidden)
+        self.experts_down = _parameter(moe.num_experts, hidden, inter)
+        self.shared_expert: SwiGLU | None = None
+        self.shared_expert_gate: Linear | None = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = SwiGLU(hidden, moe.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(hidden, 1)
+        # Built on the first forward, after the weights are loaded (the model is built on the
+        # meta device): the experts' view with CPU layouts, the implementation, the counters.
+        self._experts: ExpertWeights | None = None
+        self._experts_fn: ExpertsFn | None = None
+        self.expert_tokens: torch.Tensor | None = None  # [E] int64, cumulative
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routing = route_tokens(self.gate(x), self.top_k, self.renormalize)
+        order = sort_by_expert(routing, self.num_experts)
+        experts, experts_fn = self._prepared(x.device)
+        self.expert_tokens += order.counts
+        out = experts_fn(x, experts, order)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def _prepared(self, device: torch.device) -> tuple[ExpertWeights, ExpertsFn]:
+        if self._experts is None or self._experts_fn is None:
+            self._experts_fn = select_moe_experts(device)
+            self._experts = prepare_expert_weights(self.experts_gate_up, self.experts_down)
+            self.expert_tokens = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+        return self._experts, self._experts_fn
+
+
+def expert_token_counts(model: nn.Module) -> tuple[int, ...]:
+    """Token-expert assignments per expert index, summed over the model's MoE layers since
+    start; () for a dense model."""
+    counters = [
+        module.expert_tokens
+        for module in model.modules()
+        if isinstance(module, SparseMoeBlock) and module.expert_tokens is not None
+    ]
+    if not counters:
+        return ()
+    return tuple(torch.stack(counters).sum(0).tolist())
+
+
+def _parameter(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def prepare_expert_weights(gate_up: torch.Tensor, down: torch.Tensor) -> ExpertWeights:
+    """Stacked experts as the fused step reads them: with one oneDNN layout per expert on the
+    CPU (shared/model/linear.py says why; costs the experts' memory once more), none elsewhere."""
+    gate_up_onednn = [onednn_weight(w) for w in gate_up]
+    down_onednn = [onednn_weight(w) for w in down]
+    has_onednn = gate_up_onednn and gate_up_onednn[0] is not None
+    return ExpertWeights(
+        gate_up,
+        down,
+        gate_up_onednn=gate_up_onednn if has_onednn else None,
+        down_onednn=down_onednn if has_onednn else None,
+    )

@@ -244,3 +244,12 @@ def test_gguf_moe_architecture_not_supported_is_named(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="'qwen3moe' mixture-of-experts model, which is not"):
         load_checkpoint(str(path))
+
+
+def test_moe_models_refuse_quantization_and_parallel_ranks(mixtral):
+    from shared import LLM
+
+    with pytest.raises(ValueError, match="quantization 'int8' does not support mixture-of-experts"):
+        LLM(mixtral, quantization="int8", kv_cache_bytes=2**20)
+    with pytest.raises(ValueError, match="do not support mixture-of-experts models \\(mixtral\\)"):
+        LLM(mixtral, tensor_parallel_size=2, kv_cache_bytes=2**20)

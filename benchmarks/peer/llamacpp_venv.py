@@ -3,7 +3,9 @@
 `python -m benchmarks.peer.llamacpp_venv` prints the environment's python after making sure
 `llama_cpp` imports. The registry has llama-cpp-python as source only, so pip compiles
 llama.cpp here (CMake and a C++ compiler; ~10-30 minutes on 2 cores), tuned for this machine's
-CPU (llama.cpp's GGML_NATIVE default), as a user who builds it would get. The environment sees
+CPU (llama.cpp's GGML_NATIVE default), as a user who builds it would get. pip keeps the wheel
+it built in its cache, so rebuilding the environment (a fresh checkout, a removed build/) takes
+seconds after the first time. The environment sees
 this machine's site-packages (`--system-site-packages`) for numpy and jinja2.
 
 `--jobs N` caps the compiler's parallelism (CMAKE_BUILD_PARALLEL_LEVEL): on a shared machine,
@@ -42,7 +44,6 @@ def ensure_llamacpp_venv(directory: Path = DEFAULT_DIR, jobs: int | None = None)
             "-m",
             "pip",
             "install",
-            "--no-cache-dir",
             "-v",
             f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
         ],

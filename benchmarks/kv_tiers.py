@@ -1,11 +1,12 @@
 """Multi-turn chat sessions against a KV cache a fraction of their working set: the offload
 tiers on against off, side by side on one engine configuration and one workload.
 
-Agentic shape: every session starts with one long shared system prompt, then alternates a user
-turn and the model's answer; sessions take turns round-robin, so between two turns of a session
+Agentic shape: every session starts with one long shared system prompt, then alternates a turn
+(a tool's output, about a hundred tokens, and a question) and the model's answer; sessions take
+turns round-robin, so between two turns of a session
 every other session runs one (the idle gap, measured in other sessions' work: with LRU or the
 host tier what matters is the work in between, not the seconds). The sessions' final contexts
-are 3-5x the pool (`--sessions`, `--turns`).
+hold 3-5x the pool in distinct tokens (`--sessions`, `--turns`, `--pool-mib`).
 
 Reported for the resumed turns (every turn after a session's first): TTFT p50 / p90 and the
 prefill tokens computed, offload off against on; then a premium session (priority policy,
@@ -35,7 +36,13 @@ SYSTEM = (
     "You are a meticulous travel-planning agent. You keep a running itinerary, check every "
     "date against the traveller's calendar, compare train and flight options on price and "
     "time, and answer in short numbered steps. "
-) * 6
+) * 10
+TOOL_OUTPUT = (
+    "Tool result {n}: {city} timetable rows: 06:12 regional, 07:40 intercity (change at the "
+    "junction, 9 minutes), 08:05 express, 09:30 regional; fares 18.40, 32.10, 41.00, 18.40 "
+    "euros; the 07:40 runs on weekdays only and the express needs a seat reservation. Hotel "
+    "rows: three places under budget within 800 metres of the station, one with late check-in."
+)
 QUESTIONS = [
     "Which museums in {city} open before nine on weekdays?",
     "Find me a hotel in {city} under 150 euros near the old town.",
@@ -70,7 +77,8 @@ class TurnResult:
 def _turn_prompt(llm: LLM, session: Session, turn: int) -> list[int]:
     city = CITIES[session.index % len(CITIES)]
     question = QUESTIONS[turn % len(QUESTIONS)].format(city=city)
-    text = f"\nUser ({session.index}-{turn}): {question}\nAgent:"
+    tool = TOOL_OUTPUT.format(n=f"{session.index}-{turn}", city=city)
+    text = f"\n{tool}\nUser ({session.index}-{turn}): {question}\nAgent:"
     if not session.history:
         text = SYSTEM + text
     return session.history + llm.tokenizer.encode(text)
@@ -100,10 +108,10 @@ def multi_turn(llm: LLM, num_sessions: int, num_turns: int) -> list[TurnResult]:
     return results
 
 
-def premium_under_flood(llm: LLM, num_flood: int, num_turns: int) -> list[float]:
-    """Resumed-turn TTFTs of one priority -1 session, `num_flood` low-class sessions running
-    one turn each between its turns."""
-    premium = Session(100, priority=-1)
+def premium_under_flood(llm: LLM, index: int, num_flood: int, num_turns: int) -> list[float]:
+    """Resumed-turn TTFTs of one priority -1 session (its own content: `index`), `num_flood`
+    low-class sessions running one turn each between its turns."""
+    premium = Session(index, priority=-1)
     flood = [Session(200 + i) for i in range(num_flood)]
     ttfts = []
     for turn in range(num_turns):
@@ -166,9 +174,9 @@ def plot(off: list[TurnResult], on: list[TurnResult], path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sessions", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--pool-mib", type=int, default=64, help="the KV cache (tier 1)")
+    parser.add_argument("--sessions", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--pool-mib", type=int, default=96, help="the KV cache (tier 1)")
     parser.add_argument("--host-mib", type=int, default=1024, help="the host tier when on")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--plot", default="docs/kv_tiers_ttft.png")
@@ -181,10 +189,12 @@ def main() -> None:
         engines[name] = LLM(**common, **extra)
         runs[name] = multi_turn(engines[name], args.sessions, args.turns)
     pool_tokens = engines["on"].engine.kv_spec.num_tokens
-    working_set = sum(r.prompt_tokens for r in runs["on"][-args.sessions :])
+    # Distinct tokens at the end: the shared system prompt once, each session's own history.
+    system = len(engines["on"].tokenizer.encode(SYSTEM))
+    working_set = system + sum(r.prompt_tokens - system for r in runs["on"][-args.sessions :])
     reload_llm = engines["on"]
 
-    print(f"\nKV cache {pool_tokens} tokens; final working set {working_set} tokens "
+    print(f"\nKV cache {pool_tokens} tokens; final working set {working_set} distinct tokens "
           f"({working_set / pool_tokens:.1f}x the cache)")
     print("| resumed turns | TTFT p50 | TTFT p90 | prefill tokens computed |")
     print("|---|---|---|---|")
@@ -196,8 +206,10 @@ def main() -> None:
 
     log("premium session, quiet and under a flood (priority policy, host tier on)")
     premium = LLM(**common, offload_host_bytes=args.host_mib * 2**20, eviction_policy="priority")
-    quiet = premium_under_flood(premium, 0, args.turns + 2)
-    flooded = premium_under_flood(premium, args.sessions, args.turns + 2)
+    # Two premium sessions of the same shape and length (their own texts, so the second does
+    # not find the first's turns cached), one alone, one among the flood.
+    quiet = premium_under_flood(premium, 100, 0, args.turns)
+    flooded = premium_under_flood(premium, 101, args.sessions, args.turns)
     q50, f50 = statistics.median(quiet), statistics.median(flooded)
     print(f"premium resumed-turn TTFT p50: quiet {q50 * 1e3:.0f} ms, under a flood of "
           f"{args.sessions} low-class sessions {f50 * 1e3:.0f} ms ({f50 / q50:.2f}x)")

@@ -15,7 +15,7 @@ import torch
 from openai import OpenAI
 
 from shared import LLM, SamplingParams
-from tests.services_util import MODEL_NAME, prefill_stats, start_stack
+from tests.services_util import MODEL_NAME, decode_stats, prefill_stats, start_stack
 
 pytestmark = pytest.mark.slow
 
@@ -57,6 +57,10 @@ def test_remote_prefill_into_a_tp3_decode_pod_equals_the_offline_engine(stack):
         assert got.choices[0].model_extra["token_ids"] == want.outputs[0].token_ids
     queried = prefill_stats(stack.prefill_addresses[0]).prefix_cache_queried_tokens - before
     assert queried == sum(len(r.prompt_token_ids) for r in expected)  # prefilled remotely
+    layout = decode_stats(stack.decode_addresses[0])
+    assert (layout.tensor_parallel_size, layout.pipeline_parallel_size) == (3, 1)
+    prefill_layout = prefill_stats(stack.prefill_addresses[0])
+    assert (prefill_layout.tensor_parallel_size, prefill_layout.pipeline_parallel_size) == (1, 1)
 
 
 def test_a_killed_rank_takes_the_decode_pod_down(stack):

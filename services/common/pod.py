@@ -62,6 +62,8 @@ class PodStats:
     max_model_len: int
     block_size: int
     vocab_size: int
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     @property
     def load(self) -> PodLoad:
@@ -76,6 +78,8 @@ def pod_stats(llm: AsyncLLM, identity: PodIdentity) -> PodStats:
         max_model_len=llm.engine.max_model_len,
         block_size=llm.config.cache.block_size,
         vocab_size=llm.engine.architecture.vocab_size,
+        tensor_parallel_size=llm.config.parallel.tensor_parallel_size,
+        pipeline_parallel_size=llm.config.parallel.pipeline_parallel_size,
     )
 
 
@@ -99,6 +103,8 @@ def pod_stats_to_proto(stats: PodStats) -> worker_pb2.WorkerStats:
         spec_proposed_tokens=engine.num_spec_proposed_tokens,
         spec_accepted_tokens=engine.num_spec_accepted_tokens,
         spec_verify_steps=engine.num_spec_verify_steps,
+        tensor_parallel_size=stats.tensor_parallel_size,
+        pipeline_parallel_size=stats.pipeline_parallel_size,
     )
 
 

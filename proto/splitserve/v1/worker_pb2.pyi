@@ -127,7 +127,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "num_preemptions", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "kv_address", "model", "max_model_len", "block_size", "vocab_size", "kv_transport", "spec_proposed_tokens", "spec_accepted_tokens", "spec_verify_steps", "region", "zone")
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "num_preemptions", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "kv_address", "model", "max_model_len", "block_size", "vocab_size", "kv_transport", "spec_proposed_tokens", "spec_accepted_tokens", "spec_verify_steps", "region", "zone", "tensor_parallel_size", "pipeline_parallel_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,8 @@ class WorkerStats(_message.Message):
     SPEC_VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     ZONE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_running: int
@@ -168,4 +170,6 @@ class WorkerStats(_message.Message):
     spec_verify_steps: int
     region: str
     zone: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., kv_address: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_transport: _Optional[str] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_verify_steps: _Optional[int] = ..., region: _Optional[str] = ..., zone: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., kv_address: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_transport: _Optional[str] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_verify_steps: _Optional[int] = ..., region: _Optional[str] = ..., zone: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ...) -> None: ...

@@ -13,7 +13,7 @@ allocated preempts the least important running request (highest priority value, 
 recomputation: its blocks are freed and it waits again with its tokens so far.
 
 With offload tiers, an admission whose prefix continues in host memory or on disk takes its
-blocks, starts loading them (`KVLoader`) and waits aside (WAITING_FOR_KV_LOAD) while other
+blocks, starts loading them (`shared/kv_loads.py`) and waits aside (WAITING_FOR_KV_LOAD) while other
 requests keep running; a later step takes the loaded blocks as computed and schedules the rest
 of its prompt. A load that fails or outlives its deadline ends where it stands: what it did not
 load is computed instead.
@@ -23,30 +23,16 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from shared.config import SchedulerConfig
-from shared.kv.manager import ComputedBlocks, KVCacheManager
-from shared.kv_offload.loading import LoadItem, LoadJob
+from shared.kv.manager import KVCacheManager
 from shared.request import Request, RequestStatus
 from shared.step import ModelOutput, RequestUpdate, ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
+    from shared.kv_loads import KVLoads
     from shared.spec_decode.adaptive import SpeculationPolicy, StepPlan
-
-
-# The longest one step waits for a load when nothing else can run (no busy loop, and the engine
-# thread still takes new requests between steps).
-_IDLE_LOAD_WAIT_S = 0.05
-
-
-class KVLoader(Protocol):
-    """Loads cached blocks from the lower tiers (shared/kv_offload/offloader.py)."""
-
-    def start_load(self, request_id: str, items: list[LoadItem]) -> LoadJob: ...
-
-    def record_finished(self, job: LoadJob, num_loaded: int) -> None: ...
 
 
 class Scheduler:
@@ -71,11 +57,8 @@ class Scheduler:
         self.num_preemptions = 0
         # Requests ended inside schedule() (their context outgrew the cache), until taken.
         self._dropped: list[Request] = []
-        # Offload tiers: the loader, and admitted requests whose cached blocks are loading.
-        self.loader: KVLoader | None = None
-        self._loading: dict[str, LoadJob] = {}
-        # Disaggregation: loads of requests whose other pages a prefill pod sends.
-        self._reserved_loads: dict[str, LoadJob] = {}
+        # Offload tiers: requests whose cached prefix is loading (None: no tiers).
+        self.loads: KVLoads | None = None
 
     # ---- admission and removal ------------------------------------------------------------
 
@@ -95,10 +78,9 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            elif request.status == RequestStatus.WAITING_FOR_KV_LOAD:
-                self._loading.pop(request_id).finish()  # nothing writes its blocks after this
-            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-                self._end_reserved_load(request_id)
+            elif request.status in _LOADING_OR_REMOTE:
+                if self.loads is not None:
+                    self.loads.stop(request_id)  # nothing writes its blocks after this
             else:
                 self._remove_waiting(request)
             self.kv.free(request)
@@ -119,14 +101,20 @@ class Scheduler:
         return bool(self.requests)
 
     def has_schedulable_requests(self) -> bool:
-        return bool(self.running or self._waiting or self._loading)
+        return bool(self.running or self._waiting or self._num_loading)
+
+    @property
+    def _num_loading(self) -> int:
+        return len(self.loads) if self.loads is not None else 0
 
     # ---- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(chunks=[])
-        if self._loading:
-            self._take_loaded()
+        if self._num_loading:
+            assert self.loads is not None, "loading needs the tiers"
+            loaded = self.loads.take_due(nothing_else_to_run=not self.running and not self._waiting)
+            self.running.extend(loaded)
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted_request_ids:
@@ -231,8 +219,8 @@ class Scheduler:
         while self._waiting and budget > 0 and self._has_seq_room():
             request = self._waiting[0][3]
             computed = self.kv.get_computed_blocks(request)
-            if computed.load_hashes and self.loader is not None:
-                if not self._start_load(request, computed):
+            if computed.load_hashes and self.loads is not None:
+                if not self.loads.start_admission(request, computed):
                     break
                 heapq.heappop(self._waiting)
                 continue
@@ -250,60 +238,9 @@ class Scheduler:
             out.chunks.append(self._chunk(request, num_new))
             budget -= num_new
 
+
     def _has_seq_room(self) -> bool:
-        return len(self.running) + len(self._loading) < self.config.max_num_seqs
-
-    # ---- offload tiers: admissions that load cached blocks first ------------------------------
-
-    def _start_load(self, request: Request, computed: ComputedBlocks) -> bool:
-        """Takes blocks for the request's cached prefix (the pool's hits, then one new block per
-        block to load) and starts the load; False when the blocks are not free now."""
-        if not self.kv.allocate_slots(request, 0, computed):
-            return False
-        request.num_computed_tokens = computed.num_tokens
-        request.status = RequestStatus.WAITING_FOR_KV_LOAD
-        self._loading[request.request_id] = self._load(request, computed)
-        return True
-
-    def _load(self, request: Request, computed: ComputedBlocks) -> LoadJob:
-        """Starts loading `computed.load_hashes` into the blocks allocated after its hits."""
-        assert self.loader is not None, "only with a loader"
-        first = len(computed.blocks)
-        num_loads = len(computed.load_hashes)
-        block_ids = self.kv.get_block_ids(request.request_id)[first : first + num_loads]
-        items = [
-            LoadItem(block_hash, block_id, tier)
-            for block_hash, block_id, tier in zip(
-                computed.load_hashes, block_ids, computed.load_tiers, strict=True
-            )
-        ]
-        return self.loader.start_load(request.request_id, items)
-
-    def _loaded_tokens_by_tier(self, job: LoadJob) -> dict[str, int]:
-        return {tier.label: n * self.kv.block_size for tier, n in job.loaded_by_tier.items()}
-
-    def _take_loaded(self) -> None:
-        """Moves requests whose loads are done (or overdue) into the running batch. Waits a
-        little for one when nothing else could run this step."""
-        if not self.running and not self._waiting:
-            first = next(iter(self._loading.values()))
-            first.wait(min(_IDLE_LOAD_WAIT_S, max(0.0, first.deadline - time.monotonic())))
-        now = time.monotonic()
-        for request_id, job in list(self._loading.items()):
-            if job.is_due(now):
-                del self._loading[request_id]
-                self._resume_loaded(self.requests[request_id], job)
-
-    def _resume_loaded(self, request: Request, job: LoadJob) -> None:
-        assert self.loader is not None, "only with a loader"
-        num_loaded = job.finish()
-        self.loader.record_finished(job, num_loaded)
-        request.num_computed_tokens += num_loaded * self.kv.block_size
-        request.num_cached_tokens = request.num_computed_tokens
-        request.loaded_tokens_by_tier = self._loaded_tokens_by_tier(job)
-        self.kv.cache_blocks(request, request.num_computed_tokens)
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        return len(self.running) + self._num_loading < self.config.max_num_seqs
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -400,7 +337,7 @@ class Scheduler:
         the prefill pod sends only the pages after it."""
         assert request.request_id not in self.requests, f"duplicate id {request.request_id}"
         computed = self.kv.get_computed_blocks(request)
-        if self.loader is None:
+        if self.loads is None:
             computed = computed.without_loads()
         num_cached = computed.num_tokens + len(computed.load_hashes) * self.kv.block_size
         if not self.kv.allocate_slots(request, request.num_tokens - num_cached, computed):
@@ -408,29 +345,11 @@ class Scheduler:
         request.num_computed_tokens = computed.num_tokens
         request.num_cached_tokens = num_cached
         if computed.load_hashes:
-            self._reserved_loads[request.request_id] = self._load(request, computed)
+            assert self.loads is not None, "loads found only with the tiers"
+            self.loads.start_reserved(request, computed)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         return num_cached
-
-    def _end_reserved_load(self, request_id: str) -> LoadJob | None:
-        """Stops a reserved request's load where it stands, and counts it."""
-        job = self._reserved_loads.pop(request_id, None)
-        if job is not None:
-            assert self.loader is not None, "only with a loader"
-            self.loader.record_finished(job, job.finish())
-        return job
-
-    def _take_reserved_load(self, request: Request) -> bool:
-        """Waits (until its deadline) for the load of a request whose pages have landed;
-        False when it ended short: those blocks hold neither loaded nor sent KV."""
-        job = self._reserved_loads.get(request.request_id)
-        if job is None:
-            return True
-        job.wait(max(0.0, job.deadline - time.monotonic()))
-        self._end_reserved_load(request.request_id)
-        request.loaded_tokens_by_tier = self._loaded_tokens_by_tier(job)
-        return job.num_loaded == len(job.items)
 
     def complete_remote_kv(
         self,
@@ -446,7 +365,7 @@ class Scheduler:
         a local prefill."""
         request = self.requests[request_id]
         assert request.status == RequestStatus.WAITING_FOR_REMOTE_KV, f"{request_id} not remote"
-        if not self._take_reserved_load(request):
+        if self.loads is not None and not self.loads.finish_reserved(request):
             return None
         remote = prefill_cached_tokens_by_tier or {}
         if sum(remote.values()) > request.num_cached_tokens:
@@ -467,7 +386,8 @@ class Scheduler:
         """The remote prefill failed: free the reserved blocks and queue a normal prefill."""
         request = self.requests[request_id]
         assert request.status == RequestStatus.WAITING_FOR_REMOTE_KV, f"{request_id} not remote"
-        self._end_reserved_load(request_id)
+        if self.loads is not None:
+            self.loads.stop(request_id)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
@@ -482,6 +402,9 @@ class Scheduler:
     def _remove_waiting(self, request: Request) -> None:
         self._waiting = [entry for entry in self._waiting if entry[3] is not request]
         heapq.heapify(self._waiting)
+
+
+_LOADING_OR_REMOTE = (RequestStatus.WAITING_FOR_KV_LOAD, RequestStatus.WAITING_FOR_REMOTE_KV)
 
 
 def _is_decoding(request: Request) -> bool:

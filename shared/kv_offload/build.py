@@ -8,6 +8,7 @@ import torch
 
 from shared.config import CacheConfig
 from shared.kv.manager import KVCacheManager
+from shared.kv_loads import KVLoads
 from shared.kv_offload.disk_store import DiskBlockStore
 from shared.kv_offload.host_store import HostBlockStore
 from shared.kv_offload.layout import BlockLayout
@@ -68,4 +69,4 @@ def attach_offloader(offloader: KVOffloader, kv_manager: KVCacheManager, schedul
     """Evictions write down, prefix lookups continue in the tiers, admissions load from them."""
     kv_manager.block_pool.eviction_sink = offloader.save_evicted
     kv_manager.lower_tiers = offloader
-    scheduler.loader = offloader
+    scheduler.loads = KVLoads(kv_manager, offloader)

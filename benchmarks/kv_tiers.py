@@ -2,7 +2,7 @@
 tiers on against off, side by side on one engine configuration and one workload.
 
 Agentic shape: every session starts with one long shared system prompt, then alternates a turn
-(a tool's output, about a hundred tokens, and a question) and the model's answer; sessions take
+(a tool's output, 128 tokens, and a question) and the model's answer; sessions take
 turns round-robin, so between two turns of a session
 every other session runs one (the idle gap, measured in other sessions' work: with LRU or the
 host tier what matters is the work in between, not the seconds). The sessions' final contexts

@@ -38,7 +38,7 @@ from shared.kv_offload.stats import KVTierStats, tier_stats
 from shared.model.kv_cache import KVCacheSpec, allocate_kv_cache, size_kv_cache
 from shared.model.llama import LlamaForCausalLM
 from shared.model.loader import load_checkpoint
-from shared.model.moe_layer import expert_token_counts
+from shared.model.moe_layer import expert_token_counts, moe_blocks
 from shared.output_processor import OutputProcessor
 from shared.outputs import StreamDelta
 from shared.parallel.group import ParallelGroup
@@ -151,6 +151,7 @@ class EngineCore:
         self.runner = ModelRunner(
             model, kv_cache, config.cache.block_size, self.eos_token_ids, self.parallel
         )
+        self._moe_blocks = moe_blocks(model)  # their expert counters, for stats
         self.speculator = None
         if self.speculation is not None:
             self.speculator = build_speculator(
@@ -445,7 +446,7 @@ class EngineCore:
             prefix_cache_queried_tokens=prefix.num_queried_tokens,
             prefix_cache_hit_tokens=prefix.num_hit_tokens,
             kv_tiers=tier_stats(self.kv_manager, self.offloader, self.kv_spec.bytes_per_block),
-            moe_expert_tokens=expert_token_counts(self.runner.model),
+            moe_expert_tokens=expert_token_counts(self._moe_blocks),
             **self._spec_stats(),
         )
 

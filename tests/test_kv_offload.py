@@ -117,6 +117,14 @@ def _resume_after_flood(llm: LLM, session: list[int], flood: list[list[int]]):
     return first, llm.generate([session], GREEDY)[0].outputs[0]
 
 
+def _disk_tier(directory, **extra) -> dict:
+    """Engine options: the small pool and a 512 MiB disk tier in `directory`, no host tier."""
+    options = dict(
+        kv_cache_bytes=POOL_BYTES, offload_disk_dir=str(directory), offload_disk_bytes=512 * 2**20
+    )
+    return {**options, **extra}
+
+
 def _all_blocks_free(llm: LLM) -> bool:
     return llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_blocks
 
@@ -146,11 +154,7 @@ def test_without_offload_the_session_is_computed_again(single_thread):
 def test_reused_blocks_reach_the_disk_and_a_restarted_engine_serves_them(
     single_thread, tmp_path
 ):
-    options = dict(
-        kv_cache_bytes=POOL_BYTES,
-        offload_disk_dir=str(tmp_path),
-        offload_disk_bytes=512 * 2**20,
-    )
+    options = _disk_tier(tmp_path)
     llm = LLM(**options)
     session, flood = _session_and_flood(llm)
     llm.generate([session], GREEDY)
@@ -173,12 +177,7 @@ def test_reused_blocks_reach_the_disk_and_a_restarted_engine_serves_them(
 
 
 def test_a_failed_disk_load_falls_back_to_computing_the_prefix(single_thread, tmp_path):
-    llm = LLM(
-        kv_cache_bytes=POOL_BYTES,
-        offload_disk_dir=str(tmp_path),
-        offload_disk_bytes=512 * 2**20,
-        offload_disk_min_hits=0,
-    )
+    llm = LLM(**_disk_tier(tmp_path, offload_disk_min_hits=0))
     session, flood = _session_and_flood(llm)
     first = llm.generate([session], GREEDY)[0].outputs[0]
     for prompt in flood:
@@ -215,12 +214,7 @@ def test_a_restarted_decode_pod_serves_its_disk_tier_and_asks_only_for_the_rest(
 ):
     from tests.test_disaggregation_engine import prefill_remotely, run_until_done
 
-    options = dict(
-        kv_cache_bytes=POOL_BYTES,
-        offload_disk_dir=str(tmp_path),
-        offload_disk_bytes=512 * 2**20,
-        offload_disk_min_hits=0,
-    )
+    options = _disk_tier(tmp_path, offload_disk_min_hits=0)
     prefill, reference = LLM(kv_cache_bytes=POOL_BYTES), LLM(kv_cache_bytes=POOL_BYTES)
     session, flood = _session_and_flood(reference)
     expected = reference.generate([session], GREEDY)[0].outputs[0].token_ids
@@ -266,13 +260,7 @@ def test_a_load_stuck_on_the_disk_is_cut_short_and_the_prefix_computed(single_th
 
     from shared.kv.block_hash import hash_full_blocks
 
-    llm = LLM(
-        kv_cache_bytes=POOL_BYTES,
-        offload_disk_dir=str(tmp_path),
-        offload_disk_bytes=512 * 2**20,
-        offload_disk_min_hits=0,
-        kv_load_timeout_s=0.5,
-    )
+    llm = LLM(**_disk_tier(tmp_path, offload_disk_min_hits=0, kv_load_timeout_s=0.5))
     session, flood = _session_and_flood(llm)
     first = llm.generate([session], GREEDY)[0].outputs[0]
     for prompt in flood:

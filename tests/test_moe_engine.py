@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.pod_metrics import PREFIX, PodMetrics
 from shared import LLM, SamplingParams
+from tests.hf_reference import transformers_greedy
 from tests.test_disaggregation_engine import disaggregated
 
 FAMILIES = ["mixtral", "qwen2_moe"]
@@ -64,18 +65,9 @@ def references(checkpoint, llm) -> list[tuple[list[int], list[int], torch.Tensor
     out = []
     for text in TEXTS:
         prompt = llm.tokenizer.encode(text)
-        ids = torch.tensor([prompt])
+        tokens = transformers_greedy(model, prompt, MAX_TOKENS, eos_token_id=EOS_TOKEN_ID)
         with torch.no_grad():
-            generated = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=EOS_TOKEN_ID,
-                pad_token_id=EOS_TOKEN_ID,
-            )
-            logprobs = torch.log_softmax(model(ids).logits[0, -1], dim=-1)
-        tokens = generated[0, len(prompt) :].tolist()
+            logprobs = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1], dim=-1)
         if EOS_TOKEN_ID in tokens:
             tokens = tokens[: tokens.index(EOS_TOKEN_ID) + 1]
         out.append((prompt, tokens, logprobs))

@@ -17,26 +17,7 @@ import torch
 
 from shared.model.architecture import ModelArchitecture, MoEConfig
 from shared.model.loader import expected_weight_shapes, load_checkpoint
-from tests.test_loaders import _TINY_TOKENS, llama_cpp_permute
-
-
-def _variant(source: str, target, edit_config=None, drop_tensor: str | None = None) -> str:
-    """A copy of `source` in `target` with config.json edited or one tensor dropped."""
-    from safetensors.torch import load_file, save_file
-
-    for file in os.listdir(source):
-        if file == "config.json" and edit_config is not None:
-            with open(os.path.join(source, file)) as f:
-                config = json.load(f)
-            edit_config(config)
-            (target / file).write_text(json.dumps(config))
-        elif file == "model.safetensors" and drop_tensor is not None:
-            tensors = load_file(os.path.join(source, file))
-            del tensors[drop_tensor]
-            save_file(tensors, str(target / file))
-        else:
-            os.symlink(os.path.join(source, file), target / file)
-    return str(target)
+from tests.test_loaders import _TINY_TOKENS, _variant, llama_cpp_permute
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -518,22 +519,17 @@ class Generation:
         self.usage.completion_tokens += usage.completion_tokens
         # A prompt is counted once, whatever its n; its sequences may find different amounts
         # cached (a later one reuses an earlier one's blocks), so report the most.
-        previous = self._cached_tokens.get(child.prompt_index, (0, {}))
-        if usage.cached_tokens > previous[0] or child.prompt_index not in self._cached_tokens:
-            by_tier = {tier: n for tier, n in usage.cached_tokens_by_tier.items() if n}
-            self._cached_tokens[child.prompt_index] = (usage.cached_tokens, by_tier)
+        previous, _ = self._cached_tokens.get(child.prompt_index, (0, {}))
+        if usage.cached_tokens > previous:
+            tiers = {tier: n for tier, n in usage.cached_tokens_by_tier.items() if n}
+            self._cached_tokens[child.prompt_index] = (usage.cached_tokens, tiers)
         self.usage.cached_tokens = sum(n for n, _ in self._cached_tokens.values())
-        self.usage.cached_tokens_by_tier = _summed(t for _, t in self._cached_tokens.values())
+        by_tier: Counter[str] = Counter()
+        for _, counts in self._cached_tokens.values():
+            by_tier.update(counts)
+        self.usage.cached_tokens_by_tier = dict(by_tier)
         if self._num_open == 0:
             self._metrics.observe_finished(time.monotonic() - self._start_time, self.usage)
-
-
-def _summed(counts: Iterable[dict[str, int]]) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for by_tier in counts:
-        for tier, count in by_tier.items():
-            total[tier] = total.get(tier, 0) + count
-    return total
 
 
 def _is_unreachable_before_output(child: _Child, outcome: object) -> bool:

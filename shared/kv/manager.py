@@ -18,6 +18,7 @@ thread safe: the engine loop owns it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Protocol, cast
@@ -155,22 +156,23 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        hashes = request.block_hashes[len(blocks) : max_num_blocks]
-        load_hashes, load_tiers = self._lower_tier_run(cast("list[BlockHash]", hashes))
+        if self.lower_tiers is None:
+            return ComputedBlocks(tuple(blocks), len(blocks) * self.block_size)
+        hashes = islice(request.block_hashes, len(blocks), max_num_blocks)
+        load_hashes, load_tiers = self._lower_tier_run(self.lower_tiers, hashes)
         return ComputedBlocks(
             tuple(blocks), len(blocks) * self.block_size, load_hashes, load_tiers
         )
 
+    @staticmethod
     def _lower_tier_run(
-        self, hashes: list[BlockHash]
+        lower_tiers: LowerTiers, hashes: Iterable[bytes]
     ) -> tuple[tuple[BlockHash, ...], tuple[Tier, ...]]:
         """The leading hashes the lower tiers hold, and where each is."""
-        if self.lower_tiers is None:
-            return (), ()
         found: list[BlockHash] = []
         tiers: list[Tier] = []
-        for block_hash in hashes:
-            tier = self.lower_tiers.tier_of(block_hash)
+        for block_hash in cast("Iterable[BlockHash]", hashes):
+            tier = lower_tiers.tier_of(block_hash)
             if tier is None:
                 break
             found.append(block_hash)

@@ -22,6 +22,3 @@ class Tier(enum.IntEnum):
     def label(self) -> str:
         """The name in metrics, the Redis index and the API ("device", "host", "disk")."""
         return self.name.lower()
-
-
-LOWER_TIERS = (Tier.HOST, Tier.DISK)

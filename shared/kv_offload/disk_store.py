@@ -61,10 +61,6 @@ class DiskBlockStore:
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._index
 
-    @property
-    def num_bytes(self) -> int:
-        return len(self._index) * self.layout.block_bytes
-
     def hashes(self) -> list[BlockHash]:
         with self._lock:
             return list(self._index)

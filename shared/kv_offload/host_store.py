@@ -58,10 +58,6 @@ class HostBlockStore:
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._entries
 
-    @property
-    def num_bytes(self) -> int:
-        return len(self._entries) * self.layout.block_bytes
-
     def hashes(self) -> list[BlockHash]:
         with self.lock:
             return list(self._entries)

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 class OffloadCounters:
     """Cumulative, for the pod's metrics."""
 
-    writes: Counter[Tier] = field(default_factory=Counter)  # blocks written into each tier
+    host_writes: int = 0  # blocks written into the host tier (the disk store counts its own)
     load_hits: Counter[Tier] = field(default_factory=Counter)  # blocks loaded from each tier
     load_failures: int = 0  # loads that ended short of their blocks (missing, bad, late)
     num_loads: int = 0  # loads that brought at least one block
@@ -84,7 +84,7 @@ class KVOffloader:
                 removed.extend(self._spill(spilled))
             elif block.num_hits >= self.disk_min_hits:
                 self._write_to_disk(block.block_hash, source.clone())
-        self.counters.writes[Tier.HOST] += len(stored)
+        self.counters.host_writes += len(stored)
         if removed:
             self._events.append(BlockRemoved(removed, Tier.HOST))
         if stored:

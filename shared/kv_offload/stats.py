@@ -55,7 +55,7 @@ def tier_stats(
     hit_tokens.update(
         {tier.label: counters.load_hits[tier] * kv.block_size for tier in (Tier.HOST, Tier.DISK)}
     )
-    writes = {Tier.HOST.label: counters.writes[Tier.HOST]}
+    writes = {Tier.HOST.label: counters.host_writes}
     writes[Tier.DISK.label] = disk.num_writes if disk is not None else 0
     return KVTierStats(
         blocks=blocks,

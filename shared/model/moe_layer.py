@@ -82,14 +82,16 @@ class SparseMoeBlock(nn.Module):
         return self._experts, self._experts_fn
 
 
-def expert_token_counts(model: nn.Module) -> tuple[int, ...]:
-    """Token-expert assignments per expert index, summed over the model's MoE layers since
+def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
+    """The model's MoE layers ([] for a dense model): found once, since the engine reads their
+    counters after every step and walking every module each time would cost the step."""
+    return [module for module in model.modules() if isinstance(module, SparseMoeBlock)]
+
+
+def expert_token_counts(blocks: list[SparseMoeBlock]) -> tuple[int, ...]:
+    """Token-expert assignments per expert index, summed over `blocks` (moe_blocks) since
     start; () for a dense model."""
-    counters = [
-        module.expert_tokens
-        for module in model.modules()
-        if isinstance(module, SparseMoeBlock) and module.expert_tokens is not None
-    ]
+    counters = [block.expert_tokens for block in blocks if block.expert_tokens is not None]
     if not counters:
         return ()
     return tuple(torch.stack(counters).sum(0).tolist())

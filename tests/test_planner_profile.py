@@ -7,7 +7,15 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from services.planner.profile import PrefillSample, load_profile, synthetic_profile
+from services.planner.profile import (
+    EngineSetup,
+    MixedGrid,
+    PrefillSample,
+    Profile,
+    ServingCosts,
+    load_profile,
+    synthetic_profile,
+)
 from services.planner.profiler import ProfileSettings, measure_profile
 
 KV_CACHE_BYTES = 64 * 2**20
@@ -22,6 +30,8 @@ def test_profile_measures_the_engine(single_thread, tmp_path) -> None:
         repeats=1,
         kv_cache_bytes=KV_CACHE_BYTES,
         transfer_blocks=(1, 8),
+        mixed_batch_sizes=(1, 4),
+        mixed_chunk_lens=(16, 128),
     )
     progress: list[str] = []
     profile = measure_profile(settings, log=progress.append)
@@ -40,6 +50,13 @@ def test_profile_measures_the_engine(single_thread, tmp_path) -> None:
     assert all(seconds > 0 for row in profile.decode.seconds for seconds in row)
     assert profile.kv_transfer.bandwidth_bytes_per_s > 0
     assert profile.prefill_s(256) == pytest.approx(profile.prefill[-1].seconds, rel=0.5)
+    assert any(line.startswith("mixed: 4 decodes + 128 prompt tokens") for line in progress)
+    mixed = profile.mixed
+    assert mixed.batch_sizes == [1, 4] and mixed.chunk_lens == [16, 128]
+    assert mixed.context_len == 32
+    # A step computing 128 prompt tokens beside its decodes costs more than one with 16.
+    assert all(row[1] > row[0] for row in mixed.seconds)
+    assert profile.engine == EngineSetup(num_threads=1)
 
 
 def test_bad_profile_settings_name_the_flag() -> None:
@@ -72,3 +89,70 @@ def test_prefill_fit_holds_negative_terms_at_zero() -> None:
     assert best_a > 0 and best_b > 0, "the best line must itself be non-negative here"
     assert c == 0.0
     assert (a, b) == pytest.approx((best_a, best_b), rel=1e-9)
+
+
+def _mixed_profile(interaction_s: float) -> Profile:
+    """Synthetic prefill (10 ms + 1 ms/token) and decode (20 ms + 2 ms/row) costs, and mixed
+    steps measured at exactly their sum plus `interaction_s`."""
+    base = synthetic_profile(0.01, 0.001, decode_step_s=0.02, decode_per_seq_s=0.002)
+    batches, chunks = [1, 8], [32, 256]
+    seconds = [
+        [base.prefill_s(c) + base.decode.step_s(b, 64) + interaction_s for c in chunks]
+        for b in batches
+    ]
+    return replace(base, mixed=MixedGrid(batches, chunks, 64, seconds))
+
+
+def test_mixed_steps_cost_the_measured_grid() -> None:
+    profile = _mixed_profile(0.005)
+    flat = [value for row in profile.mixed_interaction for value in row]
+    assert flat == pytest.approx([0.005] * 4)
+    # Inside the grid: prefill by the formula + decodes by their grid + the interaction.
+    step = profile.step_s([(100, 0)], 4, 4 * 64)
+    assert step == pytest.approx(0.01 + 0.1 + 0.02 + 4 * 0.002 + 0.005)
+    # A version-1 profile (no mixed grid) keeps the old rule: the prefill formula over every
+    # token, decodes adding only their attention beyond the shortest context.
+    old = replace(profile, mixed=None)
+    assert old.step_s([(100, 0)], 4, 4 * 16) == pytest.approx(0.01 + 0.104)
+
+
+def test_mixed_step_never_costs_less_than_its_parts() -> None:
+    # A measured mixed step cheaper than its parts (noise) must not make it cheaper than the
+    # larger of the two alone.
+    profile = _mixed_profile(-0.03)
+    assert profile.step_s([(100, 0)], 4, 4 * 64) == pytest.approx(0.01 + 0.1)
+
+
+def test_serving_costs_apply_by_topology() -> None:
+    base = synthetic_profile(0.05, decode_step_s=0.02)
+    serving = {
+        "colocated": ServingCosts(step_s=0.001, row_s=0.0005, request_s=0.03),
+        "disaggregated": ServingCosts(step_s=0.002, row_s=0.0, request_s=0.05),
+    }
+    profile = replace(base, serving=serving)
+    colocated, split = profile.for_topology(0), profile.for_topology(1)
+    assert colocated.step_s([], 8, 8 * 64) == pytest.approx(0.02 + 0.001 + 8 * 0.0005)
+    assert split.step_s([], 8, 8 * 64) == pytest.approx(0.022)
+    assert (colocated.request_overhead_s, split.request_overhead_s) == (0.03, 0.05)
+    assert base.for_topology(0) is base
+
+
+def test_profile_json_round_trips_and_reads_version_1(tmp_path) -> None:
+    profile = replace(
+        _mixed_profile(0.003),
+        serving={"colocated": ServingCosts(0.001, 0.0002, 0.02)},
+        engine=EngineSetup(quantization="int8", tensor_parallel_size=2),
+    )
+    path = tmp_path / "profile.json"
+    profile.save(str(path))
+    assert load_profile(str(path)) == profile
+    assert load_profile(str(path)).engine.devices_per_pod == 2
+    body = profile.to_json()
+    for key in ("mixed", "serving", "engine"):
+        body.pop(key)
+    body["version"] = 1
+    old = Profile.from_json(body)
+    assert old.mixed is None and old.serving == {} and old.engine == EngineSetup()
+    body["serving"] = {"sideways": {"step_s": 0.0}}
+    with pytest.raises(ValueError, match="sideways"):
+        Profile.from_json(body)

@@ -49,6 +49,14 @@ def _add_profile(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--kv-transport", default="tcp", choices=["tcp", "ucx"])
     sub.add_argument("--repeats", type=int, default=3, help="timed steps per point")
     sub.add_argument("--quick", action="store_true", help="a smaller grid (about 30 s)")
+    sub.add_argument("--quantization", default="none", help="weights, as the pods run them")
+    sub.add_argument("--tensor-parallel-size", type=int, default=1)
+    sub.add_argument("--pipeline-parallel-size", type=int, default=1)
+    sub.add_argument(
+        "--serving",
+        action="store_true",
+        help="also measure the serving path's costs on local stacks (about 2 minutes)",
+    )
 
 
 def _add_simulation_flags(sub: argparse.ArgumentParser) -> None:
@@ -102,9 +110,17 @@ def run_profile(args: argparse.Namespace) -> int:
         model=args.model,
         kv_transport=args.kv_transport,
         repeats=args.repeats,
+        quantization=args.quantization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         **(QUICK_GRID if args.quick else {}),
     )
     profile = measure_profile(settings)
+    if args.serving:
+        from services.planner.profiler import log_to_stderr
+        from services.planner.serving_costs import measure_serving
+
+        profile = measure_serving(profile, log_to_stderr)
     profile.save(args.output)
     a, b, c = profile.prefill_coefficients
     print(f"wrote {args.output}: {profile.description}")
@@ -120,6 +136,12 @@ def run_profile(args: argparse.Namespace) -> int:
         f"{profile.kv_transfer.bandwidth_bytes_per_s / 1e9:.2f} GB/s + "
         f"{profile.kv_transfer.latency_s * 1e3:.2f} ms"
     )
+    print(f"  engine: {profile.engine.describe()}")
+    for topology, costs in profile.serving.items():
+        print(
+            f"  serving ({topology}): {costs.step_s * 1e3:.1f} ms/step + "
+            f"{costs.row_s * 1e3:.2f} ms/row, {costs.request_s * 1e3:.0f} ms/request"
+        )
     return 0
 
 

@@ -10,62 +10,49 @@ the simulator. It keeps the raw measurements, and the model derived from them:
 - decode: step time against batch size and mean context length, interpolated bilinearly on
   the measured grid (and extrapolated linearly past it): on CPUs small batches take a different
   matmul path, so no low-order formula fits the whole range;
-- a mixed step (prefill chunks beside decodes, as a colocated pod runs) costs the prefill
-  formula over all its tokens plus the decodes' attention beyond the shortest measured context;
-- KV transfer: a fixed latency plus bytes over the measured bandwidth.
+- a mixed step (prefill chunks beside decodes, as a colocated pod runs) costs its prefill by
+  the formula plus its decodes by the grid plus the interaction of the two: what a measured
+  mixed step (`mixed`, a grid over decodes x chunk tokens) cost beyond that sum, interpolated;
+  profiles without `mixed` fall back to the prefill formula over all the step's tokens;
+- KV transfer: a fixed latency plus bytes over the measured bandwidth;
+- the serving path (`serving`, per topology): costs per step, per streamed row and per
+  request that a running stack adds to the bare engine, measured as part of the profile;
+- the engine setup it was measured with (weights, KV dtype, parallel layout).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
-from bisect import bisect_right
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-PROFILE_VERSION = 1
+from services.planner.profile_parts import (
+    TOPOLOGIES,
+    DecodeGrid,
+    EngineSetup,
+    KVTransferModel,
+    MixedGrid,
+    PrefillSample,
+    ServingCosts,
+    bilinear,
+    nonnegative_least_squares,
+)
 
+PROFILE_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1: no mixed steps, serving costs or engine setup
 
-@dataclass(frozen=True)
-class PrefillSample:
-    num_tokens: int  # prompt tokens computed in the step (one prompt, from position 0)
-    seconds: float
-
-
-@dataclass(frozen=True)
-class DecodeGrid:
-    """Decode step seconds measured at every (batch size, context length) pair."""
-
-    batch_sizes: list[int]  # increasing
-    context_lens: list[int]  # increasing
-    seconds: list[list[float]]  # [batch index][context index]
-
-    def __post_init__(self) -> None:
-        _check_increasing(self.batch_sizes, "decode.batch_sizes")
-        _check_increasing(self.context_lens, "decode.context_lens")
-        shape_ok = len(self.seconds) == len(self.batch_sizes) and all(
-            len(row) == len(self.context_lens) for row in self.seconds
-        )
-        if not shape_ok:
-            raise ValueError("decode.seconds must be [len(batch_sizes)][len(context_lens)]")
-        if any(value <= 0 for row in self.seconds for value in row):
-            raise ValueError("decode.seconds must all be > 0")
-
-    def step_s(self, batch_size: float, context_len: float) -> float:
-        """Bilinear in (batch, context), linear extrapolation outside the grid."""
-        per_batch = [_interpolate(self.context_lens, row, context_len) for row in self.seconds]
-        return max(_interpolate(self.batch_sizes, per_batch, batch_size), 1e-9)
-
-
-@dataclass(frozen=True)
-class KVTransferModel:
-    bandwidth_bytes_per_s: float
-    latency_s: float  # per transfer: the offer/ready/done round trips and the RPC
-
-    def __post_init__(self) -> None:
-        if self.bandwidth_bytes_per_s <= 0 or self.latency_s < 0:
-            raise ValueError("kv_transfer needs bandwidth_bytes_per_s > 0 and latency_s >= 0")
+__all__ = [
+    "DecodeGrid",
+    "EngineSetup",
+    "KVTransferModel",
+    "MixedGrid",
+    "PrefillSample",
+    "Profile",
+    "ServingCosts",
+    "load_profile",
+    "synthetic_profile",
+]
 
 
 @dataclass(frozen=True)
@@ -84,61 +71,120 @@ class Profile:
     # Fixed client-visible cost per request (gateway, tokenizer, RPC hops), added to TTFT.
     request_overhead_s: float = 0.0
     # Fixed cost the serving process adds to every engine step (asyncio hand-offs, streaming
-    # the step's tokens over gRPC); 0 for the bare engine that `profile` measures.
+    # the step's tokens over gRPC); 0 for the bare engine.
     step_overhead_s: float = 0.0
+    # Cost per request a step streams a token for (one gRPC message and one SSE event each).
+    row_overhead_s: float = 0.0
+    mixed: MixedGrid | None = None
+    # Topology ("colocated", "disaggregated") -> what its running stack adds; `for_topology`
+    # turns one into the overheads above.
+    serving: dict[str, ServingCosts] = field(default_factory=dict)
+    engine: EngineSetup = field(default_factory=EngineSetup)
     version: int = PROFILE_VERSION
     # Derived from `prefill` in __post_init__: seconds = a + b * tokens + c * attention work.
     prefill_coefficients: tuple[float, float, float] = field(default=(0.0, 0.0, 0.0))
+    # Derived from `mixed`: [batch][chunk] seconds beyond prefill formula + decode grid.
+    mixed_interaction: tuple[tuple[float, ...], ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if self.version != PROFILE_VERSION:
-            raise ValueError(f"profile version must be {PROFILE_VERSION}, got {self.version}")
+        if self.version not in READABLE_VERSIONS:
+            raise ValueError(
+                f"profile version must be one of {READABLE_VERSIONS}, got {self.version}"
+            )
         if len(self.prefill) < 3:
             raise ValueError("profile.prefill needs at least 3 samples to fit")
         for name in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"profile.{name} must be >= 1, got {getattr(self, name)}")
-        if min(self.kv_bytes_per_token, self.request_overhead_s, self.step_overhead_s) < 0:
-            raise ValueError(
-                "kv_bytes_per_token, request_overhead_s and step_overhead_s must be >= 0"
-            )
+        overheads = (self.request_overhead_s, self.step_overhead_s, self.row_overhead_s)
+        if min(self.kv_bytes_per_token, *overheads) < 0:
+            raise ValueError("kv_bytes_per_token and the overheads must be >= 0")
+        unknown = set(self.serving) - set(TOPOLOGIES)
+        if unknown:
+            raise ValueError(f"profile.serving: unknown topologies {sorted(unknown)}")
         object.__setattr__(self, "prefill_coefficients", _fit_prefill(self.prefill))
+        object.__setattr__(self, "mixed_interaction", self._interaction_grid())
 
     # ---- the cost model ------------------------------------------------------------------
 
     def step_s(self, prefill_chunks: list[tuple[int, int]], num_decodes: int, context_sum: int):
         """Seconds of one engine step computing `prefill_chunks` ((num_tokens, start) each)
         beside `num_decodes` decode tokens whose contexts add up to `context_sum`."""
+        if not prefill_chunks and num_decodes == 0:
+            return 0.0
+        num_rows = num_decodes + len(prefill_chunks)
+        serving_s = self.step_overhead_s + self.row_overhead_s * num_rows
         if not prefill_chunks:
-            if num_decodes == 0:
-                return 0.0
-            decode_s = self.decode.step_s(num_decodes, context_sum / num_decodes)
-            return decode_s + self.step_overhead_s
-        a, b, c = self.prefill_coefficients
-        num_tokens = sum(n for n, _ in prefill_chunks) + num_decodes
-        work = sum(n * n + 2 * n * start for n, start in prefill_chunks)
-        seconds = a + b * num_tokens + c * work + self.step_overhead_s
-        if num_decodes:
-            seconds += self._decode_attention_s(num_decodes, context_sum / num_decodes)
-        return seconds
+            return self.decode.step_s(num_decodes, context_sum / num_decodes) + serving_s
+        prefill_s = self._prefill_formula_s(prefill_chunks, 0)
+        if not num_decodes:
+            return prefill_s + serving_s
+        context_len = context_sum / num_decodes
+        if self.mixed is None:  # a version-1 profile: the prefill formula over every token
+            seconds = self._prefill_formula_s(prefill_chunks, num_decodes)
+            return seconds + self._decode_attention_s(num_decodes, context_len) + serving_s
+        decode_s = self.decode.step_s(num_decodes, context_len)
+        num_tokens = sum(n for n, _ in prefill_chunks)
+        interaction_s = bilinear(
+            self.mixed.batch_sizes,
+            self.mixed.chunk_lens,
+            self.mixed_interaction,
+            num_decodes,
+            num_tokens,
+        )
+        return max(prefill_s + decode_s + interaction_s, prefill_s, decode_s) + serving_s
 
     def prefill_s(self, num_tokens: int, start: int = 0) -> float:
         return self.step_s([(num_tokens, start)], 0, 0)
+
+    def _prefill_formula_s(self, chunks: list[tuple[int, int]], extra_tokens: int) -> float:
+        a, b, c = self.prefill_coefficients
+        num_tokens = sum(n for n, _ in chunks) + extra_tokens
+        work = sum(n * n + 2 * n * start for n, start in chunks)
+        return a + b * num_tokens + c * work
 
     def _decode_attention_s(self, batch_size: int, context_len: float) -> float:
         shortest = self.decode.context_lens[0]
         extra = self.decode.step_s(batch_size, context_len)
         return max(extra - self.decode.step_s(batch_size, shortest), 0.0)
 
+    def _interaction_grid(self) -> tuple[tuple[float, ...], ...]:
+        if self.mixed is None:
+            return ()
+        mixed = self.mixed
+        return tuple(
+            tuple(
+                seconds
+                - self._prefill_formula_s([(chunk, 0)], 0)
+                - self.decode.step_s(batch, mixed.context_len)
+                for chunk, seconds in zip(mixed.chunk_lens, row)
+            )
+            for batch, row in zip(mixed.batch_sizes, mixed.seconds)
+        )
+
     def transfer_s(self, num_tokens: int) -> float:
         num_bytes = num_tokens * self.kv_bytes_per_token
         return self.kv_transfer.latency_s + num_bytes / self.kv_transfer.bandwidth_bytes_per_s
+
+    def for_topology(self, num_prefill: int) -> Profile:
+        """This profile with the serving costs measured for a topology like the cluster's
+        (P = 0 colocated, else disaggregated) as its overheads; unchanged without them."""
+        costs = self.serving.get("colocated" if num_prefill == 0 else "disaggregated")
+        if costs is None:
+            return self
+        return replace(
+            self,
+            step_overhead_s=costs.step_s,
+            row_overhead_s=costs.row_s,
+            request_overhead_s=costs.request_s,
+        )
 
     # ---- JSON ----------------------------------------------------------------------------
 
     def to_json(self) -> dict:
         body = asdict(self)
         body.pop("prefill_coefficients")
+        body.pop("mixed_interaction")
         return body
 
     @classmethod
@@ -146,11 +192,18 @@ class Profile:
         try:
             fields = dict(body)
             fields.pop("prefill_coefficients", None)
+            fields.pop("mixed_interaction", None)
             fields["prefill"] = [PrefillSample(**sample) for sample in body["prefill"]]
             fields["decode"] = DecodeGrid(**body["decode"])
             fields["kv_transfer"] = KVTransferModel(**body["kv_transfer"])
+            if body.get("mixed") is not None:
+                fields["mixed"] = MixedGrid(**body["mixed"])
+            fields["serving"] = {
+                name: ServingCosts(**costs) for name, costs in body.get("serving", {}).items()
+            }
+            fields["engine"] = EngineSetup(**body.get("engine", {}))
             return cls(**fields)
-        except (KeyError, TypeError) as error:
+        except (KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"not a planner profile: {error}") from None
 
     def save(self, path: str) -> None:
@@ -181,45 +234,6 @@ def _fit_prefill(samples: list[PrefillSample]) -> tuple[float, float, float]:
     coefficients = nonnegative_least_squares(features * weights[:, None], seconds * weights)
     a, b, c = (float(value) for value in coefficients)
     return a, b, c
-
-
-def nonnegative_least_squares(matrix: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """argmin ||matrix @ x - target|| over x >= 0, for a few columns (what scipy's `nnls`
-    computes, without scipy: it is not a dependency, and the autoscaler loads profiles).
-
-    Exact by enumeration: the optimum is the unconstrained least-squares solution on its own
-    support (the columns where it is > 0), so among the 2^n supports the best one whose
-    solution comes out non-negative is it. 8 small solves for the prefill fit's 3 columns."""
-    num_columns = matrix.shape[1]
-    best = np.zeros(num_columns)
-    best_residual = float(np.linalg.norm(target))  # the empty support: x = 0
-    for support in itertools.product((False, True), repeat=num_columns):
-        columns = np.flatnonzero(support)
-        if columns.size == 0:
-            continue
-        solution = np.linalg.lstsq(matrix[:, columns], target, rcond=None)[0]
-        if (solution < 0).any():
-            continue
-        candidate = np.zeros(num_columns)
-        candidate[columns] = solution
-        residual = float(np.linalg.norm(matrix @ candidate - target))
-        if residual < best_residual:
-            best, best_residual = candidate, residual
-    return best
-
-
-def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
-    """Piecewise linear through (xs, ys); flat below xs[0], linear past xs[-1]."""
-    if len(xs) == 1 or x <= xs[0]:
-        return ys[0]
-    i = min(max(bisect_right(xs, x) - 1, 0), len(xs) - 2)
-    x0, x1 = xs[i], xs[i + 1]
-    return ys[i] + (ys[i + 1] - ys[i]) * (x - x0) / (x1 - x0)
-
-
-def _check_increasing(values: list[int], name: str) -> None:
-    if not values or any(b <= a for a, b in zip(values, values[1:])):
-        raise ValueError(f"{name} must be a non-empty increasing list, got {values}")
 
 
 def synthetic_profile(

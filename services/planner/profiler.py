@@ -1,14 +1,18 @@
 """`splitserve plan profile`: measures one pod's costs with the real engine on this machine.
 
-Every figure is the fastest of `repeats` timed `EngineCore.step()` calls (the loop a pod
-runs): on a shared machine other processes only ever add time to a step, so the minimum is the
-closest to what the hardware itself costs.
+Every figure is the median of `repeats` timed `EngineCore.step()` calls (the loop a pod
+runs). The median, not the fastest: a loaded pod pays a step's typical cost, and profiles
+made of minimums put every simulated figure of the last validation below the measured one.
+Measure on a quiet machine all the same: other processes only ever add time to a step.
 
 - prefill: one prompt of N tokens (fresh token ids, so nothing is cached) in one step;
 - decode: B requests decoding at context L. Each shares one L-token prompt prefix that was
   prefilled once and sits in the prefix cache, plus one block of its own, so setting up a
   point costs B blocks of prefill instead of B * L tokens; then the decode steps are timed;
-- KV capacity: the blocks `--kv-cache-bytes` holds (what `splitserve up` gives a pod);
+- mixed: B requests decoding at one context, as above, and beside them one fresh prompt of C
+  tokens computed whole in the same step (what a colocated pod runs);
+- KV capacity: the blocks `--kv-cache-bytes` holds (what `splitserve up` gives a pod), at the
+  engine's `--quantization` / `--kv-cache-dtype` / parallel layout, which the profile records;
 - KV transfer: pack a request's pages, send them through `shared.kv_transfer` to a receiver
   in this process, unpack them, at two sizes; the fit gives latency and bandwidth.
 """
@@ -25,7 +29,9 @@ from dataclasses import dataclass
 
 from services.planner.profile import (
     DecodeGrid,
+    EngineSetup,
     KVTransferModel,
+    MixedGrid,
     PrefillSample,
     Profile,
 )
@@ -39,7 +45,9 @@ class ProfileSettings:
     prefill_lens: tuple[int, ...] = (16, 64, 128, 256, 512, 1024)
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     context_lens: tuple[int, ...] = (64, 256, 1024)
-    repeats: int = 3  # timed steps per point (the fastest is kept)
+    mixed_batch_sizes: tuple[int, ...] = (1, 4, 16)  # () = no mixed steps measured
+    mixed_chunk_lens: tuple[int, ...] = (32, 128, 384)
+    repeats: int = 3  # timed steps per point (the median is kept)
     num_threads: int = 1
     kv_cache_bytes: int = 256 * 2**20  # as `splitserve up` gives each engine process
     max_num_batched_tokens: int = 512  # the pods' default budget, recorded for the simulator
@@ -47,13 +55,19 @@ class ProfileSettings:
     model: str | None = None
     kv_transport: str = "tcp"
     transfer_blocks: tuple[int, int] = (1, 32)
+    quantization: str = "none"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.num_threads < 1:
             raise ValueError("--repeats and --num-threads must be >= 1")
-        for name in ("prefill_lens", "batch_sizes", "context_lens"):
+        for name in ("prefill_lens", "batch_sizes", "context_lens", "mixed_chunk_lens"):
             values = getattr(self, name)
             if not values or min(values) < 1 or list(values) != sorted(set(values)):
+                raise ValueError(f"--{name.replace('_', '-')} must be increasing and >= 1")
+        values = self.mixed_batch_sizes
+        if values and (min(values) < 1 or list(values) != sorted(set(values))):
                 raise ValueError(f"--{name.replace('_', '-')} must be increasing and >= 1")
 
 
@@ -62,6 +76,8 @@ QUICK_GRID = {
     "prefill_lens": (16, 64, 128, 256, 512),
     "batch_sizes": (1, 2, 4, 8, 16),
     "context_lens": (64, 512),
+    "mixed_batch_sizes": (1, 4, 16),
+    "mixed_chunk_lens": (32, 128, 384),
 }
 
 Log = Callable[[str], None]
@@ -77,6 +93,7 @@ def measure_profile(settings: ProfileSettings, log: Log = log_to_stderr) -> Prof
     _warm_up(engine)
     prefill = _measure_prefill(engine, settings, log)
     decode = _measure_decode(engine, settings, log)
+    mixed = _measure_mixed(engine, settings, log) if settings.mixed_batch_sizes else None
     transfer = _measure_transfer(engine, settings, log)
     spec = engine.kv_spec
     log(f"measured in {time.monotonic() - started:.0f} s")
@@ -90,6 +107,19 @@ def measure_profile(settings: ProfileSettings, log: Log = log_to_stderr) -> Prof
         kv_bytes_per_token=spec.total_bytes // spec.num_tokens,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=engine.config.scheduler.max_num_seqs,
+        mixed=mixed,
+        engine=_engine_setup(engine, settings),
+    )
+
+
+def _engine_setup(engine, settings: ProfileSettings) -> EngineSetup:
+    config = engine.config
+    return EngineSetup(
+        quantization=config.model.quantization,
+        kv_cache_dtype=getattr(config.cache, "kv_cache_dtype", "auto"),
+        tensor_parallel_size=config.parallel.tensor_parallel_size,
+        pipeline_parallel_size=config.parallel.pipeline_parallel_size,
+        num_threads=settings.num_threads,
     )
 
 
@@ -99,7 +129,9 @@ def _load_engine(settings: ProfileSettings, log: Log):
     from shared.progress import ConsoleProgress
 
     # The measuring engine's budget fits the longest measured prompt in one step.
-    budget = max(settings.max_num_batched_tokens, *settings.prefill_lens)
+    # (and a mixed step's decodes and prompt together).
+    mixed_tokens = max(settings.mixed_batch_sizes, default=0) + max(settings.mixed_chunk_lens)
+    budget = max(settings.max_num_batched_tokens, *settings.prefill_lens, mixed_tokens)
     longest = max(settings.prefill_lens[-1], settings.context_lens[-1] + 2 * settings.block_size)
     config = EngineConfig.from_options(
         settings.model,
@@ -109,6 +141,9 @@ def _load_engine(settings: ProfileSettings, log: Log):
         max_num_batched_tokens=budget,
         max_num_seqs=max(128, *settings.batch_sizes),
         max_model_len=max(2048, longest + 64),
+        quantization=settings.quantization,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        pipeline_parallel_size=settings.pipeline_parallel_size,
     )
     log(f"loading the model ({settings.num_threads} torch thread(s))")
     return EngineCore(config, progress=ConsoleProgress("loading model"))
@@ -182,7 +217,7 @@ def _measure_prefill(engine, settings: ProfileSettings, log: Log) -> list[Prefil
             _add(engine, _fresh_tokens(num_tokens), 1)
             times.append(_timed_step(engine))
             _drain(engine)
-        seconds = min(times)
+        seconds = statistics.median(times)
         samples.append(PrefillSample(num_tokens, seconds))
         log(f"prefill {i}/{len(settings.prefill_lens)}: {num_tokens} tokens {seconds * 1e3:.1f} ms")
     return samples
@@ -213,16 +248,57 @@ def _measure_decode(engine, settings: ProfileSettings, log: Log) -> DecodeGrid:
 def _decode_point(
     engine, prefix: list[int], own_len: int, batch_size: int, settings: ProfileSettings
 ) -> float:
-    num_steps = settings.repeats + 1  # the first decode step is not timed
-    for _ in range(batch_size):
-        _add(engine, prefix + _fresh_tokens(own_len), num_steps + 1)
-    engine.step()  # the prompts' own tokens (the prefix comes from the cache)
-    while any(r.num_tokens - r.num_computed_tokens > 1 for r in engine.scheduler.running):
-        engine.step()  # budget ran out: finish the prefills first
-    engine.step()
+    _start_decodes(engine, prefix, own_len, batch_size, settings.repeats + 1)
     times = [_timed_step(engine) for _ in range(settings.repeats)]
     _drain(engine)
-    return min(times)
+    return statistics.median(times)
+
+
+def _start_decodes(
+    engine, prefix: list[int], own_len: int, batch_size: int, num_steps: int
+) -> None:
+    """`batch_size` requests that each decode `num_steps` more tokens after this returns, at a
+    context of len(prefix) + own_len (the prefix comes from the cache)."""
+    for _ in range(batch_size):
+        _add(engine, prefix + _fresh_tokens(own_len), num_steps + 2)
+    engine.step()  # the prompts' own tokens
+    while any(r.num_tokens - r.num_computed_tokens > 1 for r in engine.scheduler.running):
+        engine.step()  # budget ran out: finish the prefills first
+    engine.step()  # the first decode step is not timed
+
+
+# ---- mixed steps ----------------------------------------------------------------------------
+
+
+def _measure_mixed(engine, settings: ProfileSettings, log: Log) -> MixedGrid:
+    """Each point: B decodes at the shortest measured context, then `repeats` times a fresh
+    C-token prompt (one output token) added and the step that computes it beside them timed."""
+    block = settings.block_size
+    context_len = settings.context_lens[0]
+    prefix_len = max(block, context_len // block * block - block)
+    prefix = _fresh_tokens(prefix_len)
+    _add(engine, prefix, 1)
+    _drain(engine)
+    rows = []
+    for batch_size in settings.mixed_batch_sizes:
+        num_steps = settings.repeats * len(settings.mixed_chunk_lens) + 1
+        _start_decodes(engine, prefix, context_len - prefix_len, batch_size, num_steps)
+        row = []
+        for chunk_len in settings.mixed_chunk_lens:
+            times = []
+            for _ in range(settings.repeats):
+                _add(engine, _fresh_tokens(chunk_len), 1)
+                times.append(_timed_step(engine))
+            row.append(statistics.median(times))
+            log(
+                f"mixed: {batch_size} decodes + {chunk_len} prompt tokens: "
+                f"{row[-1] * 1e3:.1f} ms/step"
+            )
+        rows.append(row)
+        _drain(engine)
+    return MixedGrid(
+        list(settings.mixed_batch_sizes), list(settings.mixed_chunk_lens), context_len, rows
+    )
 
 
 # ---- KV transfer ----------------------------------------------------------------------------

@@ -110,6 +110,8 @@ class Simulation:
     _num_pending_arrivals: int = 0  # polls go on while requests are still to come
 
     def __post_init__(self) -> None:
+        # The serving path's measured costs of this topology (none in a bare profile).
+        self.profile = self.profile.for_topology(self.cluster.num_prefill)
         limits = self.cluster.limits(self.profile)
         self.prefill_pods = [
             SimPod(f"prefill-{i}", limits, self.profile) for i in range(self.cluster.num_prefill)

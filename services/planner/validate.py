@@ -1,24 +1,20 @@
 """`splitserve plan validate`: the simulator against the real services on this machine.
 
-Three configurations that fit two cores, each engine process pinned to a core with one torch
-thread (what the profile measures):
-
-- colocated-1: one decode pod prefilling for itself (`up --colocated --decode 1`);
-- colocated-2: two such pods, one per core (`up --colocated --decode 2`);
-- 1P+1D: a prefill pod and a decode pod (`up --prefill 1 --decode 1`), KV over UCX or TCP.
+Three configurations that fit two cores (`local_stacks.py`), each engine process pinned to a
+core with one torch thread (what the profile measures): colocated-1 (`up --colocated --decode
+1`), colocated-2 (two such pods, one per core) and 1P+1D (a prefill pod and a decode pod).
 
 Two workloads, both seeded Poisson arrivals with exact output lengths (EOS ignored): "chat"
 (prompts 32-128 tokens, outputs 8-32) and "long-prompt" (prompts 256-512, outputs 4-12). The
 rate of each is set from the profile so that one pod is about half busy. With `--fresh-profile`
-the profile is measured first, pinned to the core the pods will use, so that both see the
-machine in the same state (on a shared machine, a profile from another hour is another
-machine). Each run is measured client-side with the open-loop streaming client of
-`services/loadgen` (TTFT, every inter-token gap), then the same requests (arrival times and
-lengths) are simulated with the profile, and the percentiles are printed side by side, twice:
-with the bare engine's profile, and with the serving path's fixed costs added (a per-step and a
-per-request overhead, measured on each running stack from four requests sent one at a time
-before the loaded runs: what the engine profile cannot see, such as gRPC streaming and the
-gateway).
+the profile is measured first (the engine pinned to the core the pods will use, then the
+serving path's costs on a colocated-1 and a 1P+1D stack, `serving_costs.py`), so that both see
+the machine in the same state. Each run is measured client-side with the open-loop streaming
+client of `services/loadgen` (TTFT, every inter-token gap), then the same requests (arrival
+times and lengths) are simulated with the profile, and the percentiles are printed side by
+side, twice: with the bare engine's costs, and with the profile's serving costs (the figures
+the planner stands by). Last, each workload's configurations are ranked by a latency score,
+measured and simulated, to check that the planner would pick the one that measures best.
 """
 
 from __future__ import annotations
@@ -32,37 +28,27 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
-from services.loadgen.stats import Percentiles, Slo, summarize
+from services.loadgen.stats import Percentiles, summarize
 from services.loadgen.workload import (
     LengthDistribution,
     SimRequest,
     WorkloadShape,
     as_sim_requests,
     poisson_workload,
-    sequential_workload,
 )
-from services.planner.profile import Profile, load_profile
+from services.planner.local_stacks import (
+    CONFIGS,
+    LOOSE_SLO,
+    LocalConfig,
+    completions_target,
+    running_stack,
+    warm_up,
+)
+from services.planner.profile import Profile, ServingCosts, load_profile
 from services.planner.simulator import ClusterConfig, simulate
 
-TOLERANCE = 0.25
+TOLERANCE = 0.20
 TARGET_UTILIZATION = 0.5  # of one pod, by the profile: loaded, but well short of saturation
-LOOSE_SLO = Slo(ttft_s=1e9, itl_s=1e9)  # validation compares latencies, not goodput
-
-
-@dataclass(frozen=True)
-class LocalConfig:
-    name: str
-    up_flags: tuple[str, ...]
-    pins: tuple[str, ...]  # process names pinned to core 0, core 1 (in that order)
-    num_prefill: int
-    num_decode: int
-
-
-CONFIGS = (
-    LocalConfig("colocated-1", ("--colocated", "--decode", "1"), ("decode-0",), 0, 1),
-    LocalConfig("colocated-2", ("--colocated", "--decode", "2"), ("decode-0", "decode-1"), 0, 2),
-    LocalConfig("1P+1D", ("--prefill", "1", "--decode", "1"), ("prefill-0", "decode-0"), 1, 1),
-)
 
 
 @dataclass(frozen=True)
@@ -93,15 +79,6 @@ class Latencies:
 
 
 @dataclass(frozen=True)
-class Overheads:
-    """The serving path's fixed costs, measured on the running stack with one request at a
-    time (see `_measure_overheads`)."""
-
-    step_s: float
-    request_s: float
-
-
-@dataclass(frozen=True)
 class Comparison:
     config: str
     workload: str
@@ -110,9 +87,9 @@ class Comparison:
     num_ok: int
     foreign_cores: float  # other processes' CPU use meanwhile
     measured: Latencies
-    simulated: Latencies  # the profile as measured (the bare engine)
-    overheads: Overheads
-    simulated_with_overheads: Latencies
+    simulated: Latencies  # the bare engine's costs
+    overheads: ServingCosts  # the profile's, for this configuration's topology
+    simulated_with_overheads: Latencies  # the profile as the planner uses it
 
     def errors(self, with_overheads: bool = True) -> dict[str, float]:
         """Relative error of each simulated figure against the measured one."""
@@ -138,68 +115,18 @@ def workload_rate(profile: Profile, workload: LocalWorkload) -> float:
 
 
 def run_config(config: LocalConfig, profile: Profile, args: argparse.Namespace) -> list[Comparison]:
-    from services.loadgen.stacks import RunningStack, SystemSetup, usable_cores
-
-    cores = usable_cores()
-    pins = {name: {core} for name, core in zip(config.pins, cores)}
-    setup = SystemSetup(config.name, [*config.up_flags, "--num-threads", "1"], pins, config.name)
     log(f"starting {config.name}")
-    with RunningStack(setup) as stack:
+    with running_stack(config) as stack:
         log(f"{config.name} is up ({stack.plan.mode_note})")
-        target = _target(stack)
-        _warm_up(target, args.seed)
-        overheads = _measure_overheads(target, config, profile, args.seed)
-        log(
-            f"{config.name} unloaded: {overheads.step_s * 1e3:.1f} ms per step and "
-            f"{overheads.request_s * 1e3:.0f} ms per request beyond the bare engine"
-        )
-        return [
-            _measure(stack, target, config, workload, profile, overheads, args)
-            for workload in WORKLOADS
-        ]
+        target = completions_target(stack)
+        warm_up(target, args.seed)
+        return [_measure(stack, target, config, workload, profile, args) for workload in WORKLOADS]
 
 
-def _target(stack):
-    from services.loadgen.client import Target
-
-    return Target(f"{stack.base_url}/v1/completions", stack.model_name())
-
-
-def _warm_up(target, seed: int) -> None:
-    from services.loadgen.client import run_sequential
-
-    shape = WorkloadShape(LengthDistribution(64, 256), LengthDistribution(8, 8))
-    asyncio.run(run_sequential(target, sequential_workload(f"{seed}/warm-up", 2, shape)))
-
-
-UNLOADED_REQUESTS = 4
-
-
-def _measure_overheads(target, config: LocalConfig, profile: Profile, seed: int) -> Overheads:
-    """What the serving path adds to the bare engine, from requests sent one at a time: the
-    gap between measured and simulated median ITL is a per-step cost (streaming each step's
-    tokens through the pod's gRPC, the gateway and SSE); what then remains of the TTFT gap is
-    a per-request cost (HTTP, routing, the RPC hops before the first step)."""
-    from services.loadgen.client import run_sequential
-
-    shape = WorkloadShape(LengthDistribution(64, 128), LengthDistribution(16, 16))
-    specs = sequential_workload(f"{seed}/unloaded", UNLOADED_REQUESTS, shape)
-    run = asyncio.run(run_sequential(target, specs))
-    if not any(r.ok for r in run.results):
-        return Overheads(0.0, 0.0)
-    measured = _measured(run)
-    # One at a time in the simulation too: arrivals far apart.
-    apart = [replace(spec, arrival_s=i * 1000.0) for i, spec in enumerate(specs)]
-    requests = as_sim_requests(apart)
-    bare = _simulate_requests(profile, config, requests)
-    step_s = max(measured.itl_p50 - bare.itl_p50, 0.0)
-    with_steps = _simulate_requests(replace(profile, step_overhead_s=step_s), config, requests)
-    return Overheads(step_s, max(measured.ttft_p50 - with_steps.ttft_p50, 0.0))
-
-
-def _with_overheads(profile: Profile, overheads: Overheads) -> Profile:
-    return replace(
-        profile, step_overhead_s=overheads.step_s, request_overhead_s=overheads.request_s
+def _serving_costs(profile: Profile, config: LocalConfig) -> ServingCosts:
+    applied = profile.for_topology(config.num_prefill)
+    return ServingCosts(
+        applied.step_overhead_s, applied.row_overhead_s, applied.request_overhead_s
     )
 
 
@@ -209,7 +136,7 @@ def _measured(run) -> Latencies:
     return Latencies.of(summary.ttft, summary.itl)
 
 
-def _measure(stack, target, config, workload, profile, overheads, args) -> Comparison:
+def _measure(stack, target, config, workload, profile, args) -> Comparison:
     from services.loadgen.client import print_progress, run_open_loop
     from services.loadgen.cpu import ForeignLoad
 
@@ -233,9 +160,9 @@ def _measure(stack, target, config, workload, profile, overheads, args) -> Compa
         num_ok,
         foreign_cores,
         _measured(run),
+        _simulate_requests(replace(profile, serving={}), config, requests),
+        _serving_costs(profile, config),
         _simulate_requests(profile, config, requests),
-        overheads,
-        _simulate_requests(_with_overheads(profile, overheads), config, requests),
     )
     log(f"{label}: {num_ok}/{len(specs)} finished; {_errors_line(comparison)}")
     stack.wait_idle(timeout_s=30.0)
@@ -268,7 +195,7 @@ def _errors_line(comparison: Comparison) -> str:
 def format_report(comparisons: list[Comparison], with_overheads: bool = True) -> str:
     header = f"{'config':<12} {'workload':<12} {'rate':>5} {'ok':>7} {'other':>5}"
     header += "".join(f" {title + ' meas/sim (ms)':>24}" for _, title in _FIGURES)
-    kind = "with the serving overheads measured unloaded" if with_overheads else "bare engine"
+    kind = "with its serving costs" if with_overheads else "bare engine"
     lines = [f"simulated with the profile, {kind}:", header]
     within = total = 0
     for c in comparisons:
@@ -288,7 +215,51 @@ def format_report(comparisons: list[Comparison], with_overheads: bool = True) ->
         f"{within}/{total} simulated figures within {TOLERANCE:.0%} of the measured ones "
         "('other' = cores other processes kept busy during the run)"
     )
+    lines.append(_bias_line(comparisons, with_overheads))
     return "\n".join(lines)
+
+
+def _bias_line(comparisons: list[Comparison], with_overheads: bool) -> str:
+    errors = [
+        error
+        for c in comparisons
+        for error in c.errors(with_overheads).values()
+        if not math.isnan(error)
+    ]
+    above = sum(error > 0 for error in errors)
+    below = sum(error < 0 for error in errors)
+    mean = sum(errors) / len(errors) if errors else math.nan
+    return f"sign: {above} simulated above the measured, {below} below; mean error {mean:+.1%}"
+
+
+def latency_score(latencies: Latencies, workload: LocalWorkload) -> float:
+    """A request's median latency, about: first token, then the mean output's gaps."""
+    return latencies.ttft_p50 + (workload.shape.output_lens.mean - 1) * latencies.itl_p50
+
+
+def format_ranking(comparisons: list[Comparison]) -> str:
+    """Per workload, the configurations by latency score, simulated (the profile with its
+    serving costs) and measured: the planner's pick should be the one that measures best."""
+    lines = ["ranking by median request latency (TTFT p50 + (mean output - 1) x ITL p50):"]
+    for workload in WORKLOADS:
+        rows = [c for c in comparisons if c.workload == workload.name]
+        if len(rows) < 2:
+            continue
+        simulated = sorted(rows, key=lambda c: latency_score(c.simulated_with_overheads, workload))
+        measured = sorted(rows, key=lambda c: latency_score(c.measured, workload))
+        same = "yes" if simulated[0].config == measured[0].config else "NO"
+        lines.append(
+            f"  {workload.name}: simulated {_order(simulated, workload, True)}; measured "
+            f"{_order(measured, workload, False)}; the simulated best measures best: {same}"
+        )
+    return "\n".join(lines)
+
+
+def _order(rows: list[Comparison], workload: LocalWorkload, simulated: bool) -> str:
+    def score(c: Comparison) -> float:
+        return latency_score(c.simulated_with_overheads if simulated else c.measured, workload)
+
+    return " < ".join(f"{c.config} ({score(c) * 1e3:.0f} ms)" for c in rows)
 
 
 def run_validation(args: argparse.Namespace) -> int:
@@ -309,11 +280,13 @@ def run_validation(args: argparse.Namespace) -> int:
     print(format_report(comparisons, with_overheads=False), flush=True)
     print()
     print(format_report(comparisons), flush=True)
-    for config_name, overheads in {c.config: c.overheads for c in comparisons}.items():
+    for config_name, costs in {c.config: c.overheads for c in comparisons}.items():
         print(
-            f"  {config_name}: {overheads.step_s * 1e3:.1f} ms per step, "
-            f"{overheads.request_s * 1e3:.0f} ms per request"
+            f"  {config_name}: serving costs {costs.step_s * 1e3:.1f} ms per step + "
+            f"{costs.row_s * 1e3:.2f} ms per row, {costs.request_s * 1e3:.0f} ms per request"
         )
+    print()
+    print(format_ranking(comparisons), flush=True)
     if args.json:
         with open(args.json, "w") as file:
             json.dump([asdict(c) for c in comparisons], file, indent=2)
@@ -330,6 +303,7 @@ def _profile(path: str, fresh: bool) -> Profile:
         return load_profile(path)
     from services.loadgen.stacks import usable_cores
     from services.planner.profiler import QUICK_GRID, ProfileSettings, measure_profile
+    from services.planner.serving_costs import measure_serving
 
     log(f"measuring a profile into {path} first, pinned to CPU {usable_cores()[0]}")
     affinity = os.sched_getaffinity(0)
@@ -338,5 +312,6 @@ def _profile(path: str, fresh: bool) -> Profile:
         profile = measure_profile(ProfileSettings(repeats=5, **QUICK_GRID), log=log)
     finally:
         os.sched_setaffinity(0, affinity)
+    profile = measure_serving(profile, log)
     profile.save(path)
     return profile

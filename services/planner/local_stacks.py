@@ -1,0 +1,58 @@
+"""The local stacks the planner measures on this machine: each engine process pinned to its
+own core with one torch thread (what a profile measures), started the way `splitserve up` does.
+Shared by `plan profile --serving` (the serving path's costs) and `plan validate`."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from services.loadgen.stats import Slo
+from services.loadgen.workload import LengthDistribution, WorkloadShape, sequential_workload
+
+LOOSE_SLO = Slo(ttft_s=1e9, itl_s=1e9)  # the planner's runs compare latencies, not goodput
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    name: str
+    up_flags: tuple[str, ...]
+    pins: tuple[str, ...]  # process names pinned to core 0, core 1 (in that order)
+    num_prefill: int
+    num_decode: int
+
+
+COLOCATED_1 = LocalConfig("colocated-1", ("--colocated", "--decode", "1"), ("decode-0",), 0, 1)
+COLOCATED_2 = LocalConfig(
+    "colocated-2", ("--colocated", "--decode", "2"), ("decode-0", "decode-1"), 0, 2
+)
+ONE_P_ONE_D = LocalConfig(
+    "1P+1D", ("--prefill", "1", "--decode", "1"), ("prefill-0", "decode-0"), 1, 1
+)
+CONFIGS = (COLOCATED_1, COLOCATED_2, ONE_P_ONE_D)
+# The stack each topology's serving costs are measured on: the smallest of its kind.
+TOPOLOGY_CONFIGS = {"colocated": COLOCATED_1, "disaggregated": ONE_P_ONE_D}
+
+
+def running_stack(config: LocalConfig):
+    """A `RunningStack` context for `config`, pinned and single-threaded."""
+    from services.loadgen.stacks import RunningStack, SystemSetup, usable_cores
+
+    cores = usable_cores()
+    pins = {name: {core} for name, core in zip(config.pins, cores)}
+    setup = SystemSetup(config.name, [*config.up_flags, "--num-threads", "1"], pins, config.name)
+    return RunningStack(setup)
+
+
+def completions_target(stack):
+    from services.loadgen.client import Target
+
+    return Target(f"{stack.base_url}/v1/completions", stack.model_name())
+
+
+def warm_up(target, seed: int | str) -> None:
+    """Two requests one at a time: the first calls of a stack pay one-off costs."""
+    from services.loadgen.client import run_sequential
+
+    shape = WorkloadShape(LengthDistribution(64, 256), LengthDistribution(8, 8))
+    asyncio.run(run_sequential(target, sequential_workload(f"{seed}/warm-up", 2, shape)))

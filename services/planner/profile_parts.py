@@ -1,0 +1,167 @@
+"""The measured pieces a planner profile is made of (see `profile.py` for how they combine).
+
+Each is a small frozen record that checks itself, so a hand-edited or truncated profile file
+fails at load with the field's name rather than deep inside a simulation.
+"""
+
+from __future__ import annotations
+
+import itertools
+from bisect import bisect_right
+from dataclasses import dataclass
+
+import numpy as np
+
+TOPOLOGIES = ("colocated", "disaggregated")
+
+
+@dataclass(frozen=True)
+class PrefillSample:
+    num_tokens: int  # prompt tokens computed in the step (one prompt, from position 0)
+    seconds: float
+
+
+@dataclass(frozen=True)
+class DecodeGrid:
+    """Decode step seconds measured at every (batch size, context length) pair."""
+
+    batch_sizes: list[int]  # increasing
+    context_lens: list[int]  # increasing
+    seconds: list[list[float]]  # [batch index][context index]
+
+    def __post_init__(self) -> None:
+        _check_grid(self.batch_sizes, self.context_lens, self.seconds, "decode", "context_lens")
+
+    def step_s(self, batch_size: float, context_len: float) -> float:
+        """Bilinear in (batch, context), linear extrapolation outside the grid."""
+        per_batch = [interpolate(self.context_lens, row, context_len) for row in self.seconds]
+        return max(interpolate(self.batch_sizes, per_batch, batch_size), 1e-9)
+
+
+@dataclass(frozen=True)
+class MixedGrid:
+    """Steps that compute one fresh prefill chunk of C tokens beside B decodes at one context
+    length, as a colocated pod runs them: seconds measured at every (B, C) pair.
+
+    Measured because such a step costs more than its prefill and its decodes measured apart
+    add up to (the last validation missed a colocated ITL p90 by a third for that reason)."""
+
+    batch_sizes: list[int]  # decodes in the step, increasing
+    chunk_lens: list[int]  # prefill tokens in the step, increasing
+    context_len: int  # of the decodes
+    seconds: list[list[float]]  # [batch index][chunk index]
+
+    def __post_init__(self) -> None:
+        _check_grid(self.batch_sizes, self.chunk_lens, self.seconds, "mixed", "chunk_lens")
+        if self.context_len < 1:
+            raise ValueError(f"mixed.context_len must be >= 1, got {self.context_len}")
+
+
+@dataclass(frozen=True)
+class KVTransferModel:
+    bandwidth_bytes_per_s: float
+    latency_s: float  # per transfer: the offer/ready/done round trips and the RPC
+
+    def __post_init__(self) -> None:
+        if self.bandwidth_bytes_per_s <= 0 or self.latency_s < 0:
+            raise ValueError("kv_transfer needs bandwidth_bytes_per_s > 0 and latency_s >= 0")
+
+
+@dataclass(frozen=True)
+class ServingCosts:
+    """What the serving path adds to the bare engine, measured on a running stack of one
+    topology (`profiler_serving.py`): a cost per engine step, one per request streamed in the
+    step (its gRPC message, the gateway's SSE event, on the same core as the engine), and one
+    per request before its first token (HTTP, routing, the RPC hops before a remote prefill)."""
+
+    step_s: float = 0.0
+    row_s: float = 0.0
+    request_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if min(self.step_s, self.row_s, self.request_s) < 0:
+            raise ValueError("serving costs must be >= 0 seconds")
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """The engine options a profile was measured with: they change step costs and KV capacity,
+    so a profile describes one setup, and the planner counts devices by its layout."""
+
+    quantization: str = "none"
+    kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    num_threads: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "num_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def devices_per_pod(self) -> int:
+        """Ranks a pod runs: GPUs on a GPU node, cores' worth of workers on the CPU."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def describe(self) -> str:
+        layout = f"TP={self.tensor_parallel_size} PP={self.pipeline_parallel_size}"
+        return f"weights {self.quantization}, KV {self.kv_cache_dtype}, {layout}"
+
+
+# ---- numeric helpers ------------------------------------------------------------------------
+
+
+def interpolate(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise linear through (xs, ys); flat below xs[0], linear past xs[-1]."""
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    i = min(max(bisect_right(xs, x) - 1, 0), len(xs) - 2)
+    x0, x1 = xs[i], xs[i + 1]
+    return ys[i] + (ys[i + 1] - ys[i]) * (x - x0) / (x1 - x0)
+
+
+def bilinear(xs: list[int], ys: list[int], values: list[list[float]], x: float, y: float):
+    """`values[i][j]` at (xs[i], ys[j]), interpolated as `interpolate` does on each axis."""
+    per_x = [interpolate(ys, row, y) for row in values]
+    return interpolate(xs, per_x, x)
+
+
+def nonnegative_least_squares(matrix: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """argmin ||matrix @ x - target|| over x >= 0, for a few columns (what scipy's `nnls`
+    computes, without scipy: it is not a dependency, and the autoscaler loads profiles).
+
+    Exact by enumeration: the optimum is the unconstrained least-squares solution on its own
+    support (the columns where it is > 0), so among the 2^n supports the best one whose
+    solution comes out non-negative is it. 8 small solves for the prefill fit's 3 columns."""
+    num_columns = matrix.shape[1]
+    best = np.zeros(num_columns)
+    best_residual = float(np.linalg.norm(target))  # the empty support: x = 0
+    for support in itertools.product((False, True), repeat=num_columns):
+        columns = np.flatnonzero(support)
+        if columns.size == 0:
+            continue
+        solution = np.linalg.lstsq(matrix[:, columns], target, rcond=None)[0]
+        if (solution < 0).any():
+            continue
+        candidate = np.zeros(num_columns)
+        candidate[columns] = solution
+        residual = float(np.linalg.norm(matrix @ candidate - target))
+        if residual < best_residual:
+            best, best_residual = candidate, residual
+    return best
+
+
+def check_increasing(values: list[int], name: str) -> None:
+    if not values or any(b <= a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{name} must be a non-empty increasing list, got {values}")
+
+
+def _check_grid(xs: list[int], ys: list[int], seconds, kind: str, y_name: str) -> None:
+    check_increasing(xs, f"{kind}.batch_sizes")
+    check_increasing(ys, f"{kind}.{y_name}")
+    shape_ok = len(seconds) == len(xs) and all(len(row) == len(ys) for row in seconds)
+    if not shape_ok:
+        raise ValueError(f"{kind}.seconds must be [len(batch_sizes)][len({y_name})]")
+    if any(value <= 0 for row in seconds for value in row):
+        raise ValueError(f"{kind}.seconds must all be > 0")

@@ -1,0 +1,115 @@
+"""The serving path's costs, measured as part of a profile (`plan profile --serving`).
+
+A profile measures the bare engine: `EngineCore.step()` in one process. A running stack adds
+to every step (the pod streams each row's token over gRPC and the gateway writes an SSE event,
+on the engine's core) and to every request (HTTP, tokenizing, routing, the RPC hops before a
+remote prefill). They are measured on the smallest stack of each topology (`local_stacks.py`),
+from requests whose simulation is exact enough to take differences against:
+
+- one request at a time, then the same number sent together (a batch of `BATCH` rows): the
+  gap between measured and simulated median ITL is `step_s + rows * row_s` at each, two points
+  that give both;
+- what remains of the gap between measured and simulated median TTFT one at a time, with the
+  step costs applied, is `request_s`.
+
+They go into the profile per topology, and the simulator applies the topology's costs to every
+configuration of that kind, so a validation run on another configuration (two colocated pods)
+checks them rather than refitting them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import replace
+
+from services.loadgen.stats import summarize
+from services.loadgen.workload import (
+    LengthDistribution,
+    RequestSpec,
+    SimRequest,
+    WorkloadShape,
+    as_sim_requests,
+    sequential_workload,
+)
+from services.planner.local_stacks import (
+    LOOSE_SLO,
+    TOPOLOGY_CONFIGS,
+    LocalConfig,
+    completions_target,
+    running_stack,
+    warm_up,
+)
+from services.planner.profile import Profile, ServingCosts
+from services.planner.simulator import ClusterConfig, simulate
+
+NUM_REQUESTS = 4  # one at a time, then all together (BATCH rows)
+BATCH = NUM_REQUESTS
+SHAPE = WorkloadShape(LengthDistribution(64, 128), LengthDistribution(24, 24))
+
+Log = Callable[[str], None]
+
+
+def measure_serving(profile: Profile, log: Log, seed: int = 0) -> Profile:
+    """`profile` with the serving costs of both topologies measured on running stacks."""
+    serving = dict(profile.serving)
+    for topology, config in TOPOLOGY_CONFIGS.items():
+        log(f"serving costs ({topology}): starting {config.name}")
+        with running_stack(config) as stack:
+            target = completions_target(stack)
+            warm_up(target, seed)
+            serving[topology] = measure_costs(target, config, profile, seed)
+        costs = serving[topology]
+        log(
+            f"serving costs ({topology}): {costs.step_s * 1e3:.1f} ms per step + "
+            f"{costs.row_s * 1e3:.2f} ms per streamed row, {costs.request_s * 1e3:.0f} ms "
+            "per request"
+        )
+    return replace(profile, serving=serving)
+
+
+def measure_costs(target, config: LocalConfig, profile: Profile, seed: int) -> ServingCosts:
+    from services.loadgen.client import run_open_loop, run_sequential
+
+    specs = sequential_workload(f"{seed}/serving", NUM_REQUESTS, SHAPE)
+    alone = asyncio.run(run_sequential(target, specs))
+    together_specs = [replace(spec, arrival_s=0.0) for spec in specs]
+    together = asyncio.run(run_open_loop(target, together_specs, drain_timeout_s=120.0))
+    if not all(r.ok for r in alone.results + together.results):
+        raise RuntimeError(f"{config.name}: a request failed while measuring serving costs")
+    bare = replace(profile, serving={})
+    alone_requests = _far_apart(specs)
+    gap_1 = _itl_p50(alone) - _simulated_itl_p50(bare, config, alone_requests)
+    gap_n = _itl_p50(together) - _simulated_itl_p50(bare, config, as_sim_requests(together_specs))
+    row_s = max((gap_n - gap_1) / (BATCH - 1), 0.0)
+    step_s = max(gap_1 - row_s, 0.0)
+    with_steps = _with_costs(bare, config, ServingCosts(step_s, row_s, 0.0))
+    simulated = simulate(with_steps, _cluster(config), alone_requests, LOOSE_SLO)
+    request_s = max(_ttft_p50(alone) - simulated.ttft.p50, 0.0)
+    return ServingCosts(step_s, row_s, request_s)
+
+
+def _far_apart(specs: list[RequestSpec]) -> list[SimRequest]:
+    """One at a time in the simulation too: arrivals far apart."""
+    return as_sim_requests([replace(spec, arrival_s=i * 1000.0) for i, spec in enumerate(specs)])
+
+
+def _cluster(config: LocalConfig) -> ClusterConfig:
+    return ClusterConfig(config.num_prefill, config.num_decode)
+
+
+def _with_costs(profile: Profile, config: LocalConfig, costs: ServingCosts) -> Profile:
+    topology = "colocated" if config.num_prefill == 0 else "disaggregated"
+    return replace(profile, serving={topology: costs})
+
+
+def _simulated_itl_p50(profile: Profile, config: LocalConfig, requests) -> float:
+    return simulate(profile, _cluster(config), requests, LOOSE_SLO).itl.p50
+
+
+def _itl_p50(run) -> float:
+    return summarize(run, LOOSE_SLO).itl.p50
+
+
+def _ttft_p50(run) -> float:
+    return summarize(run, LOOSE_SLO).ttft.p50

@@ -52,12 +52,13 @@ def test_recommend_command_prints_table_plot_and_helm_values(tmp_path, capsys) -
             "plan", "recommend", "--profile", str(profile_path), "--rate", "2.5",
             "--num-requests", "300", "--input-lens", "64", "--output-lens", "32",
             "--ttft-slo", "8", "--itl-slo", "0.1", "--max-pods", "4", "--ratio-max-pods", "3",
-            "--plot", str(plot_path),
+            "--plot", str(plot_path), "--seeds", "3",
         ]
     )  # fmt: skip
     out = capsys.readouterr().out
     assert status == 0
-    assert "3P+1D" in out and "<== fewest pods" in out
+    assert "3P+1D" in out and "<== fewest devices" in out
+    assert "binds on prefill compute" in out
     assert "prefill:\n  replicas: 3\ndecode:\n  replicas: 1" in out
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

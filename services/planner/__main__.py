@@ -78,6 +78,19 @@ def _add_simulation_flags(sub: argparse.ArgumentParser) -> None:
 
 def _add_recommend_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--attainment", type=float, default=0.9, help="share meeting both SLOs")
+    sub.add_argument(
+        "--confidence",
+        type=float,
+        default=0.8,
+        help="share of the seeded workloads in which the attainment must hold",
+    )
+    sub.add_argument("--seeds", type=int, default=5, help="seeded workloads per configuration")
+    sub.add_argument(
+        "--prefill-profile",
+        default=None,
+        metavar="PATH",
+        help="the prefill pods' profile when they run another setup (default: --profile)",
+    )
     sub.add_argument("--max-pods", type=int, default=8)
     sub.add_argument("--ratio-max-pods", type=int, default=4, help="pods in the ratio sweep")
     sub.add_argument("--no-colocated", action="store_true", help="leave out P = 0")
@@ -227,26 +240,36 @@ def run_recommend(args: argparse.Namespace) -> int:
     if args.trace:
         raise ValueError("recommend searches over Poisson rates: use --rate, not --trace")
     profile = load_profile(args.profile)
+    prefill_profile = load_profile(args.prefill_profile) if args.prefill_profile else None
     spec = SearchSpec(
         workload=_workload_spec(args),
         slo=_slo(args),
         attainment=args.attainment,
+        confidence=args.confidence,
+        num_seeds=args.seeds,
         max_pods=args.max_pods,
         ratio_max_pods=args.ratio_max_pods,
         include_colocated=not args.no_colocated,
         seed=args.seed,
         local_prefill_threshold=args.local_prefill_threshold,
     )
-    recommendation = recommend(profile, spec, _progress)
+    recommendation = recommend(profile, spec, _progress, prefill_profile)
     print(format_table(recommendation, spec))
     if args.plot:
         plot_goodput_vs_ratio(recommendation, spec, args.plot)
         print(f"\nwrote {args.plot}")
     if recommendation.best is None:
         print(f"\nno configuration of up to {args.max_pods} pods meets the target")
+        _print_binding(recommendation)
         return 1
     print("\nHelm values:\n" + helm_values(recommendation.best))
     return 0
+
+
+def _print_binding(recommendation) -> None:
+    """Without a configuration that meets the target, what the largest one runs out of."""
+    largest = max(recommendation.candidates, key=lambda c: (c.num_devices, c.result.goodput))
+    print(f"the largest ({largest.cluster.label}) binds on {largest.verdict.binding}")
 
 
 def _progress(message: str) -> None:

@@ -187,6 +187,8 @@ def run_autoscale(args: argparse.Namespace) -> int:
         cooldown_s=args.cooldown,
         breach_readings=args.breach_readings,
         idle_readings=args.idle_readings,
+        attainment=args.attainment,
+        confidence=args.confidence,
     )
     if args.interval <= 0:
         raise ValueError("--interval must be > 0 seconds")
@@ -246,6 +248,12 @@ def add_autoscale_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--interval", type=float, default=15.0, help="seconds between readings")
     sub.add_argument("--breach-readings", type=int, default=3, help="in a row, to scale up")
     sub.add_argument("--idle-readings", type=int, default=6, help="in a row, to scale down")
+    sub.add_argument(
+        "--attainment", type=float, default=0.9, help="the model's target, as recommend's"
+    )
+    sub.add_argument(
+        "--confidence", type=float, default=0.8, help="the model's confidence, as recommend's"
+    )
     sub.add_argument("--dry-run", action="store_true", help="print decisions, patch nothing")
     sub.add_argument(
         "--kube-api-url", default=None, help="API server URL (default: in-cluster, else kubeconfig)"

@@ -9,12 +9,14 @@ Per role, each reading is a breach, idle, or neither:
     decode idle:    ITL p90 < low_water * SLO (or none measured), KV use < 50%, nothing waiting
 
 and the planner's model (with a profile and measured arrival rates) says how many pods the
-load needs at `target_utilization`. A role scales up after `breach_readings` breaches in a row
-(to the model's count if higher, else by one), or as soon as the model's count exceeds the
-current one for as many readings; it scales down by one after `idle_readings` idle readings in
-a row and only if the model agrees. Any change waits `cooldown_s` after the last one of that
-role. The band between low_water and the SLO, the run lengths and the cooldown are what keep
-it from flapping.
+load needs: the fewest with which `recommend`'s test (`sizing.judge`: the measured rate and mean
+lengths simulated under several seeds, `attainment` of the requests within both SLOs in
+`confidence` of them) passes, the other role kept at its current count. A role scales up
+after `breach_readings` breaches in a row (to the model's count if higher, else by one), or
+as soon as the model's count exceeds the current one for as many readings; it scales down by
+one after `idle_readings` idle readings in a row and only if the model agrees. Any change
+waits `cooldown_s` after the last one of that role. The band between low_water and the SLO,
+the run lengths and the cooldown are what keep it from flapping.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from services.loadgen.stats import Slo
 from services.planner.load import LoadSnapshot
 from services.planner.profile import Profile
+from services.planner.sizing import Target, pods_needed, steady_workload
 
 ROLES = ("prefill", "decode")
 
@@ -53,7 +57,10 @@ class PolicySettings:
     breach_readings: int = 3
     idle_readings: int = 6
     low_water: float = 0.5  # idle below this fraction of the SLO
-    target_utilization: float = 0.7  # the model's headroom for queueing
+    # The model's target, as `plan recommend` takes it.
+    attainment: float = 0.9
+    confidence: float = 0.8
+    num_seeds: int = 3
 
     def __post_init__(self) -> None:
         if self.ttft_slo_s <= 0 or self.itl_slo_s <= 0:
@@ -62,8 +69,15 @@ class PolicySettings:
             raise ValueError("--cooldown must be >= 0 seconds")
         if self.breach_readings < 1 or self.idle_readings < 1:
             raise ValueError("breach_readings and idle_readings must be >= 1")
-        if not 0 < self.low_water < 1 or not 0 < self.target_utilization <= 1:
-            raise ValueError("low_water must be in (0, 1) and target_utilization in (0, 1]")
+        if not 0 < self.low_water < 1:
+            raise ValueError("low_water must be in (0, 1)")
+        _ = self.target  # Target checks attainment, confidence and num_seeds
+
+    @property
+    def target(self) -> Target:
+        return Target(
+            Slo(self.ttft_slo_s, self.itl_slo_s), self.attainment, self.confidence, self.num_seeds
+        )
 
     def bounds(self, role: str) -> Bounds:
         return self.prefill if role == "prefill" else self.decode
@@ -98,18 +112,24 @@ class Autoscaler:
     _states: dict[str, _RoleState] = field(
         default_factory=lambda: {role: _RoleState() for role in ROLES}
     )
+    # Model answers by (role, rate, lengths, other counts): a reading like the last one asks
+    # the simulator nothing new.
+    _sized: dict[tuple, int | None] = field(default_factory=dict)
 
     def decide(
         self, now_s: float, load: LoadSnapshot, current: dict[str, int]
     ) -> list[RoleDecision]:
-        return [self._decide_role(role, now_s, load, current[role]) for role in ROLES]
+        return [self._decide_role(role, now_s, load, current) for role in ROLES]
 
-    def _decide_role(self, role: str, now_s: float, load: LoadSnapshot, current: int):
+    def _decide_role(
+        self, role: str, now_s: float, load: LoadSnapshot, counts: dict[str, int]
+    ) -> RoleDecision:
+        current = counts[role]
         state = self._states[role]
         breach, idle = self._signals(role, load)
         state.num_breaches = state.num_breaches + 1 if breach else 0
         state.num_idle = state.num_idle + 1 if idle else 0
-        needed = self.model_replicas(role, load)
+        needed = self.model_replicas(role, load, counts)
         above = needed is not None and needed > current
         state.num_model_above = state.num_model_above + 1 if above else 0
         signal = breach or ("idle" if idle else "")
@@ -157,32 +177,28 @@ class Autoscaler:
         idle = (latency is None or latency < s.low_water * slo) and pods.kv_usage < 0.5
         return "", idle
 
-    def model_replicas(self, role: str, load: LoadSnapshot) -> int | None:
-        """Pods the measured arrival rate needs by the profile, or None without both."""
-        if self.profile is None or load.request_rate is None or load.request_rate <= 0:
+    def model_replicas(self, role: str, load: LoadSnapshot, current: dict[str, int]) -> int | None:
+        """Pods of `role` the measured load needs by the profile (None without a profile, a
+        measured rate or its token rates, or when even the role's maximum falls short: the
+        breach signals then scale it one pod at a time)."""
+        rate = load.request_rate
+        if self.profile is None or not rate or rate <= 0:
             return None
-        utilization = self.settings.target_utilization
-        if role == "prefill":
-            return _prefill_pods(self.profile, load, utilization)
-        return _decode_pods(self.profile, load, utilization, self.settings.itl_slo_s)
-
-
-def _prefill_pods(profile: Profile, load: LoadSnapshot, utilization: float) -> int | None:
-    if not load.prompt_tokens_per_s:
-        return None
-    mean_input = load.prompt_tokens_per_s / load.request_rate
-    busy_s_per_s = load.request_rate * profile.prefill_s(max(int(mean_input), 1))
-    return max(1, math.ceil(busy_s_per_s / utilization))
-
-
-def _decode_pods(profile: Profile, load: LoadSnapshot, utilization: float, itl_slo_s: float):
-    if not load.output_tokens_per_s:
-        return None
-    mean_output = load.output_tokens_per_s / load.request_rate
-    context = profile.decode.context_lens[0] + mean_output / 2
-    # The largest batch whose step still meets the ITL SLO sets one pod's token rate.
-    batch = 1
-    while batch < profile.max_num_seqs and profile.decode.step_s(batch + 1, context) <= itl_slo_s:
-        batch += 1
-    tokens_per_s = batch / profile.decode.step_s(batch, context)
-    return max(1, math.ceil(load.output_tokens_per_s / (tokens_per_s * utilization)))
+        if not load.prompt_tokens_per_s or not load.output_tokens_per_s:
+            return None
+        workload = steady_workload(
+            rate, load.prompt_tokens_per_s / rate, load.output_tokens_per_s / rate
+        )
+        key = (
+            role,
+            round(rate, 2),
+            workload.input_lens,
+            workload.output_lens,
+            tuple(current.items()),
+        )
+        if key not in self._sized:
+            max_pods = max(self.settings.bounds(role).max_replicas, 1)
+            self._sized[key] = pods_needed(
+                self.profile, workload, self.settings.target, role, current, max_pods
+            )
+        return self._sized[key]

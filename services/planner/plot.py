@@ -23,9 +23,10 @@ def plot_goodput_vs_ratio(recommendation: Recommendation, spec: SearchSpec, path
     axis.bar(range(len(points)), values, color=colors)
     axis.set_xticks(range(len(points)), labels, rotation=45, ha="right")
     axis.set_xlabel("prefill pods : decode pods (0:D = colocated)")
-    axis.set_ylabel("goodput per pod (req/s)")
+    axis.set_ylabel("goodput per device (req/s)")
     axis.set_title(
-        f"Highest rate with >= {spec.attainment:.0%} of requests meeting\n{spec.slo}, per pod",
+        f"Highest rate with >= {spec.attainment:.0%} of requests meeting\n{spec.slo} "
+        f"in >= {spec.confidence:.0%} of {spec.num_seeds} seeds, per device",
         fontsize=9,
     )
     axis.grid(axis="y", alpha=0.3)

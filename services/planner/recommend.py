@@ -1,13 +1,16 @@
-"""`splitserve plan recommend`: the fewest pods meeting a target rate and SLOs, and the
-prefill:decode ratio with the best goodput per pod.
+"""`splitserve plan recommend`: the fewest devices meeting a target rate and SLOs with a stated
+confidence, the resource that binds, and the prefill:decode ratio with the best goodput per pod.
 
-1. Fewest pods: every (P, D) with P + D <= max_pods is simulated at the target rate; a
-   configuration meets the target when at least `attainment` of the requests meet both SLOs.
-   The smallest P + D that meets it wins; ties go to the higher goodput. P = 0 is the colocated
-   baseline (decode pods prefill for themselves).
+1. Fewest devices: every (P, D) with P + D <= max_pods is judged at the target rate
+   (`sizing.judge`: several seeded workloads; it meets the target when at least `attainment`
+   of the requests meet both SLOs in at least `confidence` of the seeds). The fewest devices
+   (pods times each pod's parallel layout, from the profiles) that meet it win; ties go to
+   fewer pods, then the higher median goodput. P = 0 is the colocated baseline (decode pods
+   prefill for themselves). Each candidate's TTFT and ITL come with their band over the seeds,
+   and its binding resource.
 2. Best ratio: for each (P, D) with P + D <= ratio_max_pods, a bisection on the arrival rate
-   finds the highest rate still meeting the attainment (DistServe's per-GPU goodput); divided
-   by P + D it says which ratio uses a pod best, whatever the target.
+   finds the highest rate still meeting the target the same way (DistServe's per-GPU goodput);
+   divided by the devices it says which ratio uses the hardware best, whatever the target.
 
 Every simulation of one search sees the same seeded requests (common random numbers), so
 differences between configurations are not sampling noise.
@@ -20,10 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from services.loadgen.stats import Slo
-from services.loadgen.workload import WorkloadSpec, poisson_requests
+from services.loadgen.workload import WorkloadSpec
 from services.planner.profile import Profile
 from services.planner.sim_results import SimResult
-from services.planner.simulator import ClusterConfig, simulate
+from services.planner.simulator import ClusterConfig
+from services.planner.sizing import Target, Verdict, judge
 
 RATE_SEARCH_STEPS = 7
 
@@ -33,6 +37,8 @@ class SearchSpec:
     workload: WorkloadSpec  # its rate is the target
     slo: Slo
     attainment: float = 0.9  # fraction of requests that must meet both SLOs
+    confidence: float = 0.8  # fraction of the seeded workloads in which it must hold
+    num_seeds: int = 5
     max_pods: int = 8
     ratio_max_pods: int = 4
     include_colocated: bool = True
@@ -44,13 +50,44 @@ class SearchSpec:
             raise ValueError(f"attainment must be in (0, 1], got {self.attainment}")
         if self.max_pods < 1 or self.ratio_max_pods < 1:
             raise ValueError("max_pods and ratio_max_pods must be >= 1")
+        _ = self.target  # Target checks confidence and num_seeds
+
+    @property
+    def target(self) -> Target:
+        return Target(self.slo, self.attainment, self.confidence, self.num_seeds)
+
+
+@dataclass(frozen=True)
+class Profiles:
+    """The decode pods' profile, and the prefill pods' when they run another setup."""
+
+    decode: Profile
+    prefill: Profile | None = None
+
+    def devices(self, cluster: ClusterConfig) -> int:
+        prefill = self.prefill or self.decode
+        return (
+            cluster.num_prefill * prefill.engine.devices_per_pod
+            + cluster.num_decode * self.decode.engine.devices_per_pod
+        )
 
 
 @dataclass(frozen=True)
 class Candidate:
-    cluster: ClusterConfig
-    result: SimResult  # at the target rate
-    meets: bool
+    verdict: Verdict  # at the target rate
+    num_devices: int
+
+    @property
+    def cluster(self) -> ClusterConfig:
+        return self.verdict.cluster
+
+    @property
+    def result(self) -> SimResult:
+        return self.verdict.result
+
+    @property
+    def meets(self) -> bool:
+        return self.verdict.meets
 
     @property
     def num_pods(self) -> int:
@@ -60,11 +97,13 @@ class Candidate:
 @dataclass(frozen=True)
 class RatioPoint:
     cluster: ClusterConfig
-    max_rate: float  # highest rate found meeting the attainment (0 if none)
+    max_rate: float  # highest rate found meeting the target (0 if none)
+    num_devices: int
 
     @property
     def goodput_per_pod(self) -> float:
-        return self.max_rate / (self.cluster.num_prefill + self.cluster.num_decode)
+        """Per device: a pod of a TP=2 profile counts twice."""
+        return self.max_rate / self.num_devices
 
 
 @dataclass(frozen=True)
@@ -91,39 +130,51 @@ def clusters(max_pods: int, include_colocated: bool, threshold: int) -> list[Clu
     ]
 
 
-def recommend(profile: Profile, spec: SearchSpec, progress: Progress | None = None):
-    requests = poisson_requests(spec.workload, spec.seed)
+def recommend(
+    profile: Profile,
+    spec: SearchSpec,
+    progress: Progress | None = None,
+    prefill_profile: Profile | None = None,
+) -> Recommendation:
+    profiles = Profiles(profile, prefill_profile)
     candidates = []
     configs = clusters(spec.max_pods, spec.include_colocated, spec.local_prefill_threshold)
     for i, cluster in enumerate(configs, 1):
-        result = simulate(profile, cluster, requests, spec.slo)
-        candidates.append(Candidate(cluster, result, result.attainment >= spec.attainment))
+        verdict = judge(profile, cluster, spec.workload, spec.target, spec.seed, prefill_profile)
+        candidates.append(Candidate(verdict, profiles.devices(cluster)))
         if progress is not None:
             progress(f"simulated {i}/{len(configs)}: {cluster.label}")
     meeting = [c for c in candidates if c.meets]
-    best = min(meeting, key=lambda c: (c.num_pods, -c.result.goodput)) if meeting else None
-    ratios = ratio_sweep(profile, spec, progress)
+    best = (
+        min(meeting, key=lambda c: (c.num_devices, c.num_pods, -c.result.goodput))
+        if meeting
+        else None
+    )
+    ratios = ratio_sweep(profiles, spec, progress)
     return Recommendation(candidates, best, ratios)
 
 
-def ratio_sweep(profile: Profile, spec: SearchSpec, progress: Progress | None = None):
+def ratio_sweep(profiles: Profiles, spec: SearchSpec, progress: Progress | None = None):
     configs = clusters(spec.ratio_max_pods, spec.include_colocated, spec.local_prefill_threshold)
     points = []
     for i, cluster in enumerate(configs, 1):
-        points.append(RatioPoint(cluster, max_good_rate(profile, cluster, spec)))
+        rate = max_good_rate(profiles, cluster, spec)
+        points.append(RatioPoint(cluster, rate, profiles.devices(cluster)))
         if progress is not None:
             progress(f"rate search {i}/{len(configs)}: {cluster.label}")
     return points
 
 
-def max_good_rate(profile: Profile, cluster: ClusterConfig, spec: SearchSpec) -> float:
-    """The highest Poisson rate at which `cluster` still meets the attainment (bisection
-    between 0 and a rate that fails; 0 when even a trickle fails)."""
+def max_good_rate(profiles: Profiles, cluster: ClusterConfig, spec: SearchSpec) -> float:
+    """The highest Poisson rate at which `cluster` still meets the target (bisection between
+    0 and a rate that fails; 0 when even a trickle fails)."""
 
     def meets(rate: float) -> bool:
         workload = replace(spec.workload, rate=rate)
-        result = simulate(profile, cluster, poisson_requests(workload, spec.seed), spec.slo)
-        return result.attainment >= spec.attainment
+        verdict = judge(
+            profiles.decode, cluster, workload, spec.target, spec.seed, profiles.prefill
+        )
+        return verdict.meets
 
     low, high = 0.0, spec.workload.rate
     while meets(high):
@@ -141,42 +192,58 @@ def max_good_rate(profile: Profile, cluster: ClusterConfig, spec: SearchSpec) ->
 
 def format_table(recommendation: Recommendation, spec: SearchSpec) -> str:
     header = (
-        f"{'config':>12} {'pods':>4} {'TTFT p50':>9} {'p90':>8} {'ITL p50':>8} {'p90':>7} "
-        f"{'goodput':>8} {'attain':>7}  meets"
+        f"{'config':>12} {'pods':>4} {'dev':>4} {'TTFT p90 (band)':>20} "
+        f"{'ITL p90 (band)':>18} {'goodput':>8} {'attain':>7} {'seeds':>6}  "
+        f"{'binds':<16} meets"
     )
     lines = [
-        f"target: {spec.workload.rate:g} req/s, {spec.slo}, attainment >= {spec.attainment:.0%}",
+        f"target: {spec.workload.rate:g} req/s, {spec.slo}, attainment >= "
+        f"{spec.attainment:.0%} in >= {spec.confidence:.0%} of {spec.num_seeds} seeded "
+        "workloads (bands: lowest-highest over the seeds)",
         header,
     ]
     for candidate in sorted(
-        recommendation.candidates, key=lambda c: (c.num_pods, c.cluster.num_prefill)
+        recommendation.candidates, key=lambda c: (c.num_devices, c.cluster.num_prefill)
     ):
-        r = candidate.result
+        verdict = candidate.verdict
         mark = "yes" if candidate.meets else ""
         if candidate is recommendation.best:
-            mark += "  <== fewest pods"
+            mark += "  <== fewest devices"
         lines.append(
-            f"{candidate.cluster.label:>12} {candidate.num_pods:>4} {_ms(r.ttft.p50):>9} "
-            f"{_ms(r.ttft.p90):>8} {_ms(r.itl.p50):>8} {_ms(r.itl.p90):>7} "
-            f"{r.goodput:>8.2f} {r.attainment:>7.0%}  {mark}"
+            f"{candidate.cluster.label:>12} {candidate.num_pods:>4} {candidate.num_devices:>4} "
+            f"{_band(verdict, 'ttft.p90'):>20} {_band(verdict, 'itl.p90'):>18} "
+            f"{verdict.band('goodput').median:>8.2f} {verdict.band('attainment').median:>7.0%} "
+            f"{verdict.share_meeting:>6.0%}  {verdict.binding:<16} {mark}"
         )
+    best = recommendation.best
+    if best is not None:
+        pressures = ", ".join(
+            f"{name} {value:.0%}" for name, value in best.verdict.pressures.items()
+        )
+        lines.append(f"the pick's pressures (share of what the target allows): {pressures}")
     lines.append("")
-    lines.append("goodput per pod (highest rate meeting the attainment / pods):")
+    lines.append("goodput per device (highest rate meeting the target / devices):")
     for point in recommendation.ratios:
-        best = recommendation.best_ratio
-        mark = "  <== best ratio" if point is best else ""
+        best_ratio = recommendation.best_ratio
+        mark = "  <== best ratio" if point is best_ratio else ""
         lines.append(
             f"{point.cluster.label:>12}  {point.max_rate:7.2f} req/s  "
-            f"{point.goodput_per_pod:6.2f} req/s/pod{mark}"
+            f"{point.goodput_per_pod:6.2f} req/s/device{mark}"
         )
     return "\n".join(lines)
+
+
+def _band(verdict: Verdict, figure: str) -> str:
+    band = verdict.band(figure)
+    return f"{_ms(band.median)} ({_ms(band.low)}-{_ms(band.high)})"
 
 
 def helm_values(candidate: Candidate) -> str:
     cluster = candidate.cluster
     lines = [
         f"# splitserve plan recommend: {cluster.label}, "
-        f"simulated goodput {candidate.result.goodput:.2f} req/s",
+        f"simulated goodput {candidate.result.goodput:.2f} req/s, "
+        f"binds on {candidate.verdict.binding}",
         "prefill:",
         f"  replicas: {cluster.num_prefill}",
         "decode:",

@@ -73,10 +73,15 @@ class SimPod:
     _waiting: list[tuple[float, int, SimSeq]] = field(default_factory=list)
     _tie_break: itertools.count = field(default_factory=itertools.count)
     num_reserved: int = 0  # sequences waiting for remote KV (hold blocks, not scheduled)
+    min_free_blocks: int = 0  # the fewest free blocks seen, for the peak KV use
     dropped: list[SimSeq] = field(default_factory=list)  # ended for capacity, until taken
 
     def __post_init__(self) -> None:
-        self.num_free_blocks = self.limits.num_kv_blocks
+        self.num_free_blocks = self.min_free_blocks = self.limits.num_kv_blocks
+
+    @property
+    def peak_kv_usage(self) -> float:
+        return 1.0 - self.min_free_blocks / self.limits.num_kv_blocks
 
     # ---- load, as the gateway sees it ----------------------------------------------------
 
@@ -116,7 +121,7 @@ class SimPod:
         needed = self._blocks_for(seq.num_tokens)
         if needed > self.num_free_blocks:
             return False
-        self.num_free_blocks -= needed
+        self._take_blocks(needed)
         seq.num_blocks, seq.num_computed, seq.is_waiting_for_kv = needed, cached, True
         self.num_reserved += 1
         return True
@@ -188,9 +193,13 @@ class SimPod:
         needed = self._blocks_for(seq.num_computed + num_new) - seq.num_blocks
         if needed > self.num_free_blocks:
             return False
-        self.num_free_blocks -= max(needed, 0)
+        self._take_blocks(max(needed, 0))
         seq.num_blocks += max(needed, 0)
         return True
+
+    def _take_blocks(self, num_blocks: int) -> None:
+        self.num_free_blocks -= num_blocks
+        self.min_free_blocks = min(self.min_free_blocks, self.num_free_blocks)
 
     def _preempt(self, victim: SimSeq, chunks: list[tuple[SimSeq, int]]) -> None:
         chunks[:] = [(seq, n) for seq, n in chunks if seq is not victim]

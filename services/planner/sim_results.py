@@ -21,6 +21,7 @@ class RequestRecord:
     itls_s: list[float] = field(default_factory=list)  # gaps between successive tokens
     finish_s: float | None = None
     is_dropped: bool = False  # ended for capacity before all its tokens
+    transfer_s: float = 0.0  # its KV pages' time between a prefill pod and its decode pod
 
     @property
     def is_finished(self) -> bool:
@@ -47,6 +48,10 @@ class SimResult:
     attainment: float  # fraction of all requests meeting both SLOs
     num_preemptions: int
     utilization: dict[str, float]  # role -> busy fraction of its pods, averaged
+    # Per finished request: its own mean ITL (what the ITL SLO bounds), and its KV transfer.
+    mean_itl: Percentiles = field(default_factory=lambda: Percentiles.of([]))
+    transfer: Percentiles = field(default_factory=lambda: Percentiles.of([]))
+    peak_kv_usage: float = 0.0  # the fullest any pod's KV cache got, 0..1
 
 
 def summarize(records: list[RequestRecord], slo: Slo, pods: list[SimPod]) -> SimResult:
@@ -67,6 +72,9 @@ def summarize(records: list[RequestRecord], slo: Slo, pods: list[SimPod]) -> Sim
         attainment=num_good / max(len(records), 1),
         num_preemptions=sum(pod.num_preemptions for pod in pods),
         utilization=_utilization(pods, duration),
+        mean_itl=Percentiles.of([r.mean_itl_s for r in finished if r.itls_s]),
+        transfer=Percentiles.of([r.transfer_s for r in finished]),
+        peak_kv_usage=max((pod.peak_kv_usage for pod in pods), default=0.0),
     )
 
 

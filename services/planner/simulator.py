@@ -99,6 +99,9 @@ class _Flight:
 class Simulation:
     profile: Profile
     cluster: ClusterConfig
+    # The prefill pods' own profile, when they run another setup than the decode pods (other
+    # weights or parallel layout); None = `profile`. The KV format must be the same.
+    prefill_profile: Profile | None = None
     prefill_pods: list[SimPod] = field(default_factory=list)
     decode_pods: list[SimPod] = field(default_factory=list)
     _events: list[tuple[float, int, int, int, object]] = field(default_factory=list)
@@ -112,9 +115,19 @@ class Simulation:
     def __post_init__(self) -> None:
         # The serving path's measured costs of this topology (none in a bare profile).
         self.profile = self.profile.for_topology(self.cluster.num_prefill)
+        prefill_profile = (self.prefill_profile or self.profile).for_topology(
+            self.cluster.num_prefill
+        )
+        if prefill_profile.kv_bytes_per_token != self.profile.kv_bytes_per_token:
+            raise ValueError(
+                "the prefill and decode profiles hold KV in different formats "
+                f"({prefill_profile.kv_bytes_per_token} and {self.profile.kv_bytes_per_token} "
+                "bytes per token): pods exchange pages in one format"
+            )
         limits = self.cluster.limits(self.profile)
         self.prefill_pods = [
-            SimPod(f"prefill-{i}", limits, self.profile) for i in range(self.cluster.num_prefill)
+            SimPod(f"prefill-{i}", self.cluster.limits(prefill_profile), prefill_profile)
+            for i in range(self.cluster.num_prefill)
         ]
         self.decode_pods = [
             SimPod(f"decode-{i}", limits, self.profile) for i in range(self.cluster.num_decode)
@@ -232,7 +245,8 @@ class Simulation:
             prefill_pod.cached_groups.add(seq.request.prefix_group)
         flight = self._flights[seq.request.request_id]
         num_tokens = seq.request.input_len - flight.decode_seq.num_computed
-        self._push(now + self.profile.transfer_s(num_tokens), KV_LANDED, flight)
+        flight.record.transfer_s = self.profile.transfer_s(num_tokens)
+        self._push(now + flight.record.transfer_s, KV_LANDED, flight)
 
     def _on_kv_landed(self, now: float, flight: _Flight) -> None:
         pod, seq = flight.decode_pod, flight.decode_seq
@@ -261,6 +275,10 @@ class Simulation:
 
 
 def simulate(
-    profile: Profile, cluster: ClusterConfig, requests: list[SimRequest], slo: Slo
+    profile: Profile,
+    cluster: ClusterConfig,
+    requests: list[SimRequest],
+    slo: Slo,
+    prefill_profile: Profile | None = None,
 ) -> SimResult:
-    return Simulation(profile, cluster).run(requests, slo)
+    return Simulation(profile, cluster, prefill_profile).run(requests, slo)

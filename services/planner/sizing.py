@@ -1,0 +1,172 @@
+"""Whether a configuration meets a target, how sure the planner is, and what binds.
+
+One test, used by `recommend` to rank configurations and by the autoscaler to size a role, so
+that what `recommend` promises is what `autoscale` does:
+
+- the workload is simulated under `num_seeds` seeds (other arrival times and lengths drawn
+  from the same distributions); in each, the attainment is the share of requests meeting both
+  SLOs;
+- the configuration meets the target when the attainment holds in at least `confidence` of
+  the seeds; the report gives each figure's band over the seeds (lowest, median, highest);
+- the binding resource is the one under the most pressure, each as a fraction of what it may
+  take: prefill compute (TTFT p90 without the KV transfer, over the TTFT SLO), the decode step
+  (the p90 of the requests' own mean ITL, over the ITL SLO), KV capacity (the fullest any pod's
+  cache got; 1 once a request is preempted) and the transfer (KV transfer p90 over the TTFT
+  SLO). The planner names it so that the fix is clear: more prefill pods, more decode pods,
+  more KV per pod, or a faster link.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, replace
+
+from services.loadgen.stats import Slo
+from services.loadgen.workload import LengthDistribution, WorkloadSpec, poisson_requests
+from services.planner.profile import Profile
+from services.planner.sim_results import SimResult
+from services.planner.simulator import ClusterConfig, simulate
+
+RESOURCES = ("prefill compute", "decode step", "KV capacity", "KV transfer")
+
+
+@dataclass(frozen=True)
+class Target:
+    slo: Slo
+    attainment: float = 0.9  # share of requests that must meet both SLOs
+    confidence: float = 0.8  # share of seeded workloads in which that attainment must hold
+    num_seeds: int = 5
+
+    def __post_init__(self) -> None:
+        if not 0 < self.attainment <= 1:
+            raise ValueError(f"attainment must be in (0, 1], got {self.attainment}")
+        if not 0 < self.confidence <= 1:
+            raise ValueError(f"confidence must be in (0, 1], got {self.confidence}")
+        if self.num_seeds < 1:
+            raise ValueError(f"num_seeds must be >= 1, got {self.num_seeds}")
+
+
+@dataclass(frozen=True)
+class Band:
+    low: float
+    median: float
+    high: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Band:
+        finite = [value for value in values if not math.isnan(value)]
+        if not finite:
+            nan = float("nan")
+            return cls(nan, nan, nan)
+        return cls(min(finite), statistics.median(finite), max(finite))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    cluster: ClusterConfig
+    results: list[SimResult]  # one per seed
+    share_meeting: float  # of the seeds, in which the attainment held
+    meets: bool
+    binding: str  # one of RESOURCES
+    pressures: dict[str, float]  # resource -> median pressure over the seeds
+
+    @property
+    def result(self) -> SimResult:
+        """The seed with the median attainment, for tables that show one run."""
+        ranked = sorted(self.results, key=lambda r: r.attainment)
+        return ranked[len(ranked) // 2]
+
+    def band(self, figure: str) -> Band:
+        """`figure` is a dotted SimResult path, such as "ttft.p90" or "goodput"."""
+        return Band.of([_figure(result, figure) for result in self.results])
+
+
+def judge(
+    profile: Profile,
+    cluster: ClusterConfig,
+    workload: WorkloadSpec,
+    target: Target,
+    seed: int = 0,
+    prefill_profile: Profile | None = None,
+) -> Verdict:
+    results = [
+        simulate(
+            profile,
+            cluster,
+            poisson_requests(workload, f"{seed}/{i}"),
+            target.slo,
+            prefill_profile,
+        )
+        for i in range(target.num_seeds)
+    ]
+    share = sum(r.attainment >= target.attainment for r in results) / len(results)
+    pressures = {
+        resource: statistics.median(pressure(r, target.slo)[resource] for r in results)
+        for resource in RESOURCES
+    }
+    binding = max(RESOURCES, key=lambda resource: pressures[resource])
+    meets = share >= target.confidence - 1e-9
+    return Verdict(cluster, results, share, meets, binding, pressures)
+
+
+def pressure(result: SimResult, slo: Slo) -> dict[str, float]:
+    """Each resource's use as a fraction of what the target lets it take (see the module)."""
+    if result.num_finished == 0:
+        return dict.fromkeys(RESOURCES, math.inf)
+    transfer_p90 = _zero_if_nan(result.transfer.p90)
+    kv = 1.0 if result.num_preemptions else result.peak_kv_usage
+    return {
+        "prefill compute": max(result.ttft.p90 - transfer_p90, 0.0) / slo.ttft_s,
+        "decode step": _zero_if_nan(result.mean_itl.p90) / slo.itl_s,
+        "KV capacity": kv,
+        "KV transfer": transfer_p90 / slo.ttft_s,
+    }
+
+
+def pods_needed(
+    profile: Profile,
+    workload: WorkloadSpec,
+    target: Target,
+    role: str,
+    current: dict[str, int],
+    max_pods: int,
+    prefill_profile: Profile | None = None,
+) -> int | None:
+    """The fewest pods of `role` ("prefill" or "decode"), the other role kept at its current
+    count, with which `judge` says the cluster meets the target; None if `max_pods` do not."""
+    for count in range(1, max_pods + 1):
+        counts = {**current, role: count}
+        cluster = ClusterConfig(counts["prefill"], counts["decode"])
+        if judge(profile, cluster, workload, target, 0, prefill_profile).meets:
+            return count
+    return None
+
+
+def steady_workload(
+    rate: float, mean_input: float, mean_output: float, duration_s: float = 120.0
+) -> WorkloadSpec:
+    """A Poisson workload at a measured rate with the measured mean lengths (all the
+    autoscaler knows of the load), long enough for queues to form: `duration_s` of arrivals,
+    between 50 and 400 requests."""
+    num_requests = min(max(int(rate * duration_s), 50), 400)
+    inputs = max(int(round(mean_input)), 1)
+    outputs = max(int(round(mean_output)), 1)
+    return WorkloadSpec(
+        rate, num_requests, LengthDistribution(inputs, inputs), LengthDistribution(outputs, outputs)
+    )
+
+
+def with_rate(workload: WorkloadSpec, rate: float) -> WorkloadSpec:
+    return replace(workload, rate=rate)
+
+
+def _figure(result: SimResult, figure: str) -> float:
+    value: object = result
+    for part in figure.split("."):
+        value = getattr(value, part)
+    return float(value)
+
+
+def _zero_if_nan(value: float) -> float:
+    return 0.0 if math.isnan(value) else value

@@ -202,3 +202,39 @@ def test_the_gateway_routes_from_stats_polled_every_interval() -> None:
         assert [sim.decode_pod_name(r.request_id) for r in requests] == expected
     with pytest.raises(ValueError, match="gateway_poll_interval_s"):
         ClusterConfig(0, 2, gateway_poll_interval_s=-1.0)
+
+
+def _alone(speculation, output_len: int = 41):
+    from services.planner.sim_speculation import SpeculationModel
+
+    profile = synthetic_profile(0.05, decode_step_s=0.01, decode_per_seq_s=0.001)
+    model = SpeculationModel(3, speculation) if speculation is not None else None
+    cluster = ClusterConfig(0, 1, speculation=model)
+    requests = [SimRequest(0, 0.0, 16, output_len)]
+    return simulate(profile, cluster, requests, LOOSE)
+
+
+def test_speculation_yields_accepted_drafts_at_the_verify_steps_cost() -> None:
+    # Alone on its pod: a plain step is 11 ms; verifying 3 drafts is a 4-row step, 14 ms.
+    plain = _alone(None)
+    assert plain.itl.p50 == pytest.approx(0.011)
+    # Every draft right: 4 tokens per 14 ms step, 40 tokens after the first in 10 steps.
+    every = _alone(1.0)
+    assert every.itl.p50 == pytest.approx(0.014 / 4)
+    assert every.duration_s == pytest.approx(0.05 + 10 * 0.014)
+    # Every draft wrong: one token per 14 ms step, slower than not speculating.
+    none = _alone(0.0)
+    assert none.itl.p50 == pytest.approx(0.014)
+
+
+def test_speculation_mean_tokens_per_step_follow_the_acceptance_rate() -> None:
+    from services.planner.sim_speculation import SpeculationModel
+
+    model = SpeculationModel(3, 0.6)
+    result = _alone(0.6, output_len=20_001)
+    num_steps = (result.duration_s - 0.05) / 0.014
+    tokens_per_step = 20_000 / num_steps
+    assert tokens_per_step == pytest.approx(model.expected_tokens_per_row, rel=0.03)
+    assert model.expected_tokens_per_row == pytest.approx(1 + 0.6 + 0.36 + 0.216)
+    with pytest.raises(ValueError, match="acceptance_rate"):
+        SpeculationModel(3, 1.5)

@@ -74,6 +74,15 @@ def _add_simulation_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--local-prefill-threshold", type=int, default=32)
     sub.add_argument("--max-num-batched-tokens", type=int, default=None)
     sub.add_argument("--kv-blocks", type=int, default=None, help="per pod (default: profile's)")
+    sub.add_argument(
+        "--speculative-tokens", type=int, default=0, help="drafts per decode row (0 = off)"
+    )
+    sub.add_argument(
+        "--acceptance-rate",
+        type=float,
+        default=0.7,
+        help="per draft token, as the pods' spec_decode metrics report for this workload",
+    )
 
 
 def _add_recommend_flags(sub: argparse.ArgumentParser) -> None:
@@ -204,7 +213,16 @@ def _cluster(args: argparse.Namespace, num_prefill: int, num_decode: int):
         local_prefill_threshold=args.local_prefill_threshold,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.kv_blocks,
+        speculation=_speculation(args),
     )
+
+
+def _speculation(args: argparse.Namespace):
+    from services.planner.sim_speculation import SpeculationModel
+
+    if args.speculative_tokens == 0:
+        return None
+    return SpeculationModel(args.speculative_tokens, args.acceptance_rate)
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -252,6 +270,7 @@ def run_recommend(args: argparse.Namespace) -> int:
         include_colocated=not args.no_colocated,
         seed=args.seed,
         local_prefill_threshold=args.local_prefill_threshold,
+        speculation=_speculation(args),
     )
     recommendation = recommend(profile, spec, _progress, prefill_profile)
     print(format_table(recommendation, spec))

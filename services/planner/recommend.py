@@ -26,6 +26,7 @@ from services.loadgen.stats import Slo
 from services.loadgen.workload import WorkloadSpec
 from services.planner.profile import Profile
 from services.planner.sim_results import SimResult
+from services.planner.sim_speculation import SpeculationModel
 from services.planner.simulator import ClusterConfig
 from services.planner.sizing import Target, Verdict, judge
 
@@ -44,6 +45,7 @@ class SearchSpec:
     include_colocated: bool = True
     seed: int = 0
     local_prefill_threshold: int = 32
+    speculation: SpeculationModel | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.attainment <= 1:
@@ -121,10 +123,15 @@ class Recommendation:
 Progress = Callable[[str], None]
 
 
-def clusters(max_pods: int, include_colocated: bool, threshold: int) -> list[ClusterConfig]:
-    first_prefill = 0 if include_colocated else 1
+def clusters(spec: SearchSpec, max_pods: int) -> list[ClusterConfig]:
+    first_prefill = 0 if spec.include_colocated else 1
     return [
-        ClusterConfig(p, total - p, local_prefill_threshold=threshold)
+        ClusterConfig(
+            p,
+            total - p,
+            local_prefill_threshold=spec.local_prefill_threshold,
+            speculation=spec.speculation,
+        )
         for total in range(1, max_pods + 1)
         for p in range(first_prefill, total)
     ]
@@ -138,7 +145,7 @@ def recommend(
 ) -> Recommendation:
     profiles = Profiles(profile, prefill_profile)
     candidates = []
-    configs = clusters(spec.max_pods, spec.include_colocated, spec.local_prefill_threshold)
+    configs = clusters(spec, spec.max_pods)
     for i, cluster in enumerate(configs, 1):
         verdict = judge(profile, cluster, spec.workload, spec.target, spec.seed, prefill_profile)
         candidates.append(Candidate(verdict, profiles.devices(cluster)))
@@ -155,7 +162,7 @@ def recommend(
 
 
 def ratio_sweep(profiles: Profiles, spec: SearchSpec, progress: Progress | None = None):
-    configs = clusters(spec.ratio_max_pods, spec.include_colocated, spec.local_prefill_threshold)
+    configs = clusters(spec, spec.ratio_max_pods)
     points = []
     for i, cluster in enumerate(configs, 1):
         rate = max_good_rate(profiles, cluster, spec)

@@ -37,6 +37,7 @@ class SimSeq:
     is_prefill_only: bool = False
     # Decode pods: blocks reserved, KV arriving from a prefill pod; not schedulable yet.
     is_waiting_for_kv: bool = False
+    num_drafts: int = 0  # draft tokens its decode row verifies in the step in flight
 
     @property
     def is_decode(self) -> bool:
@@ -56,6 +57,7 @@ class PodLimits:
     num_kv_blocks: int
     block_size: int
     long_prefill_token_threshold: int | None = None
+    num_speculative_tokens: int = 0  # drafts each decode row verifies (0 = no speculation)
 
 
 @dataclass(eq=False)
@@ -160,6 +162,9 @@ class SimPod:
             if seq not in self.running:
                 continue  # preempted earlier in this loop
             num_new = self._chunk_size(seq, budget)
+            if seq.is_decode and self.limits.num_speculative_tokens:
+                num_new = min(1 + self.limits.num_speculative_tokens, budget)
+            seq.num_drafts = num_new - 1 if seq.is_decode else 0
             while not self._allocate(seq, num_new):
                 preempted = True
                 victim = max(self.running, key=lambda s: s.request.arrival_s)
@@ -215,21 +220,22 @@ class SimPod:
         prefill_chunks = []
         num_decodes = context_sum = 0
         for seq, num_new in chunks:
-            if num_new == 1 and seq.is_decode:
-                num_decodes += 1
-                context_sum += seq.num_tokens
+            if seq.is_decode:  # one row, or 1 + drafts rows being verified
+                num_decodes += num_new
+                context_sum += seq.num_tokens * num_new
             else:
                 prefill_chunks.append((num_new, seq.num_computed))
         return self.profile.step_s(prefill_chunks, num_decodes, context_sum)
 
     def apply(self, step: ScheduledStep) -> list[SimSeq]:
         """Advances the computed counts after the step; returns the sequences that sampled
-        a token (their chunk reached the newest token)."""
+        a token (their chunk reached the newest token; a verified row counts its drafts'
+        KV once the simulation knows how many were accepted)."""
         sampled = []
         for seq, num_new in step.chunks:
             if seq not in self.running:
                 continue  # finished or preempted meanwhile
-            seq.num_computed += num_new
+            seq.num_computed = min(seq.num_computed + num_new, seq.num_tokens)
             if seq.num_computed == seq.num_tokens:
                 sampled.append(seq)
         return sampled

@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ from services.planner.profile import Profile
 from services.planner.sim_gateway import SimGateway
 from services.planner.sim_pod import PodLimits, ScheduledStep, SimPod, SimSeq
 from services.planner.sim_results import RequestRecord, SimResult, summarize
+from services.planner.sim_speculation import SpeculationModel
 
 ARRIVAL, STEP_DONE, KV_LANDED, KICK, POLL = 0, 1, 2, 3, 4
 
@@ -51,6 +53,8 @@ class ClusterConfig:
     # How often the gateway refreshes its pod stats (the real gateway's constant); 0 = it sees
     # every pod's exact load at each arrival.
     gateway_poll_interval_s: float = POLL_INTERVAL_SECONDS
+    # Speculative decoding on the decode pods (drafts per row and their acceptance rate).
+    speculation: SpeculationModel | None = None
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -81,6 +85,9 @@ class ClusterConfig:
             num_kv_blocks=self.num_kv_blocks or profile.num_kv_blocks,
             block_size=profile.block_size,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            num_speculative_tokens=(
+                self.speculation.num_speculative_tokens if self.speculation else 0
+            ),
         )
 
 
@@ -111,6 +118,7 @@ class Simulation:
     _in_flight_step: dict[str, ScheduledStep] = field(default_factory=dict)  # pod name -> step
     gateway: SimGateway = field(init=False)
     _num_pending_arrivals: int = 0  # polls go on while requests are still to come
+    _rng: random.Random = field(default_factory=lambda: random.Random(0))  # draft acceptance
 
     def __post_init__(self) -> None:
         # The serving path's measured costs of this topology (none in a bare profile).
@@ -229,8 +237,14 @@ class Simulation:
             if seq.is_prefill_only:
                 self._send_kv(pod, seq, now)
             else:
-                self._emit_token(pod, seq, now)
+                self._emit_tokens(pod, seq, now, 1 + self._accepted_drafts(seq))
         self._kick(pod, now)
+
+    def _accepted_drafts(self, seq: SimSeq) -> int:
+        speculation = self.cluster.speculation
+        if not seq.num_drafts or speculation is None:
+            return 0
+        return speculation.draw_accepted(self._rng, seq.num_drafts)
 
     def _end_dropped(self, pod: SimPod, now: float) -> None:
         for seq in pod.dropped:
@@ -251,27 +265,35 @@ class Simulation:
     def _on_kv_landed(self, now: float, flight: _Flight) -> None:
         pod, seq = flight.decode_pod, flight.decode_seq
         pod.complete_reserved(seq)
-        self._emit_token(pod, seq, now)
+        self._emit_tokens(pod, seq, now, 1)
         self._kick(pod, now)
 
     # ---- tokens to the client ---------------------------------------------------------------
 
-    def _emit_token(self, pod: SimPod, seq: SimSeq, now: float) -> None:
+    def _emit_tokens(self, pod: SimPod, seq: SimSeq, now: float, count: int) -> None:
+        """`count` tokens reach the client together (a verified row's accepted drafts and its
+        own token); like the client, each gets an equal share of the gap since the last."""
         flight = self._flights[seq.request.request_id]
         record = flight.record
+        count = min(count, seq.request.output_len - flight.num_emitted)
         if flight.num_emitted == 0:
             record.ttft_s = now - seq.request.arrival_s + self.profile.request_overhead_s
             if seq.request.prefix_group is not None:
                 pod.cached_groups.add(seq.request.prefix_group)
+            num_gaps = count - 1  # the rest of the first burst came with the first token
+            gap = 0.0
         else:
-            record.itls_s.append(now - flight.last_token_s)
-        flight.num_emitted += 1
+            num_gaps = count
+            gap = now - flight.last_token_s
+        record.itls_s += [gap / max(num_gaps, 1)] * num_gaps
+        flight.num_emitted += count
         flight.last_token_s = now
         if flight.num_emitted >= seq.request.output_len:
             record.finish_s = now
             pod.finish(seq)
         else:
-            seq.num_tokens += 1
+            seq.num_tokens += count
+            seq.num_computed = seq.num_tokens - 1  # the accepted drafts' KV stays
 
 
 def simulate(

@@ -238,3 +238,47 @@ def test_speculation_mean_tokens_per_step_follow_the_acceptance_rate() -> None:
     assert model.expected_tokens_per_row == pytest.approx(1 + 0.6 + 0.36 + 0.216)
     with pytest.raises(ValueError, match="acceptance_rate"):
         SpeculationModel(3, 1.5)
+
+
+def _with_failure(failure, num_requests: int = 4):
+    from services.planner.sim_failures import PodFailure  # noqa: F401  (the type under test)
+
+    profile = synthetic_profile(0.05, prefill_per_token_s=0.001, decode_step_s=0.01)
+    cluster = ClusterConfig(0, 2, gateway_poll_interval_s=0, failures=(failure,))
+    requests = [SimRequest(i, 0.0, 64, 100) for i in range(num_requests)]
+    simulation = Simulation(profile, cluster)
+    return simulation, simulation.run(requests, LOOSE), profile
+
+
+def test_a_dead_decode_pods_streams_move_and_pay_a_re_prefill() -> None:
+    from services.planner.sim_failures import PodFailure
+
+    simulation, result, profile = _with_failure(PodFailure(at_s=0.5, decode_pod=0))
+    records = [flight.record for flight in simulation._flights.values()]
+    moved = [r for r in records if r.num_moves]
+    assert len(moved) == 2 and result.num_moved == 2  # the gateway spread 4 over 2 pods
+    assert result.num_finished == 4  # nothing lost: every stream completes on decode-1
+    assert all(simulation.decode_pod_name(r.request.request_id) == "decode-1" for r in records)
+    # Each moved stream has one long gap: its prompt and delivered tokens prefilled again.
+    delivered_before = 1 + int((0.5 - 0.05 - 0.064) / 0.01)  # ~ tokens by the failure
+    re_prefill_s = profile.prefill_s(64 + delivered_before)
+    for record in moved:
+        assert max(record.itls_s) >= re_prefill_s * 0.9
+    unmoved = [r for r in records if not r.num_moves]
+    assert max(max(r.itls_s) for r in unmoved) < re_prefill_s * 3  # they only share steps
+    # A wedged pod is noticed after the stall timeout: the gap grows by it.
+    wedged, _, _ = _with_failure(PodFailure(at_s=0.5, decode_pod=0, detect_s=2.0))
+    longest = max(max(flight.record.itls_s) for flight in wedged._flights.values())
+    assert longest >= 2.0 + re_prefill_s * 0.9
+    assert max(max(r.itls_s) for r in moved) < 2.0
+
+
+def test_streams_past_the_replay_limit_end_instead_of_moving() -> None:
+    from services.planner.sim_failures import PodFailure
+
+    _, result, _ = _with_failure(PodFailure(at_s=0.5, decode_pod=0, max_replay_tokens=70))
+    assert result.num_finished == 2  # the two on decode-0 had > 70 tokens to replay
+    with pytest.raises(ValueError, match="decode pod past"):
+        ClusterConfig(0, 1, failures=(PodFailure(1.0, decode_pod=1),))
+    with pytest.raises(ValueError, match=">= 0 seconds"):
+        PodFailure(-1.0, 0)

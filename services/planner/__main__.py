@@ -30,6 +30,14 @@ def add_plan_subcommands(parser: argparse.ArgumentParser) -> None:
     simulate.add_argument("--prefill", type=int, default=1, metavar="P", help="0 = colocated")
     simulate.add_argument("--decode", type=int, default=1, metavar="D")
     simulate.add_argument("--json", default=None, metavar="PATH", help="also write the result")
+    simulate.add_argument(
+        "--decode-failure",
+        action="append",
+        default=[],
+        metavar="AT_S[,POD[,DETECT_S]]",
+        help="a decode pod (index, default 0) dies at AT_S; the gateway sees it after DETECT_S "
+        "(0: a reset; its stall timeout for a wedged pod); streams move (repeatable)",
+    )
     recommend = commands.add_parser("recommend", help="search (P, D) for a rate and SLOs")
     _add_simulation_flags(recommend)
     _add_recommend_flags(recommend)
@@ -214,7 +222,21 @@ def _cluster(args: argparse.Namespace, num_prefill: int, num_decode: int):
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.kv_blocks,
         speculation=_speculation(args),
+        failures=tuple(_failure(text) for text in getattr(args, "decode_failure", [])),
     )
+
+
+def _failure(text: str):
+    from services.planner.sim_failures import PodFailure
+
+    try:
+        parts = [float(part) for part in text.split(",")]
+        if not 1 <= len(parts) <= 3:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--decode-failure wants AT_S[,POD[,DETECT_S]], got {text!r}") from None
+    at_s, pod, detect_s = (parts + [0.0, 0.0])[:3]
+    return PodFailure(at_s, int(pod), detect_s)
 
 
 def _speculation(args: argparse.Namespace):
@@ -244,6 +266,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     )
     busy = ", ".join(f"{role} {share:.0%}" for role, share in result.utilization.items())
     print(f"  busy: {busy}; preemptions {result.num_preemptions}")
+    if result.num_moved:
+        print(f"  {result.num_moved} requests moved off a dead decode pod")
     if args.json:
         with open(args.json, "w") as file:
             json.dump(asdict(result), file, indent=2)

@@ -22,6 +22,7 @@ class RequestRecord:
     finish_s: float | None = None
     is_dropped: bool = False  # ended for capacity before all its tokens
     transfer_s: float = 0.0  # its KV pages' time between a prefill pod and its decode pod
+    num_moves: int = 0  # to another decode pod after its own died
 
     @property
     def is_finished(self) -> bool:
@@ -52,6 +53,7 @@ class SimResult:
     mean_itl: Percentiles = field(default_factory=lambda: Percentiles.of([]))
     transfer: Percentiles = field(default_factory=lambda: Percentiles.of([]))
     peak_kv_usage: float = 0.0  # the fullest any pod's KV cache got, 0..1
+    num_moved: int = 0  # requests moved off a dead decode pod
 
 
 def summarize(records: list[RequestRecord], slo: Slo, pods: list[SimPod]) -> SimResult:
@@ -75,6 +77,7 @@ def summarize(records: list[RequestRecord], slo: Slo, pods: list[SimPod]) -> Sim
         mean_itl=Percentiles.of([r.mean_itl_s for r in finished if r.itls_s]),
         transfer=Percentiles.of([r.transfer_s for r in finished]),
         peak_kv_usage=max((pod.peak_kv_usage for pod in pods), default=0.0),
+        num_moved=sum(record.num_moves > 0 for record in records),
     )
 
 

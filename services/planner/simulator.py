@@ -33,12 +33,13 @@ from services.gateway.pods import POLL_INTERVAL_SECONDS
 from services.loadgen.stats import Slo
 from services.loadgen.workload import SimRequest
 from services.planner.profile import Profile
+from services.planner.sim_failures import PodFailure
 from services.planner.sim_gateway import SimGateway
 from services.planner.sim_pod import PodLimits, ScheduledStep, SimPod, SimSeq
 from services.planner.sim_results import RequestRecord, SimResult, summarize
 from services.planner.sim_speculation import SpeculationModel
 
-ARRIVAL, STEP_DONE, KV_LANDED, KICK, POLL = 0, 1, 2, 3, 4
+ARRIVAL, STEP_DONE, KV_LANDED, KICK, POLL, POD_DIES, STREAMS_BROKEN = 0, 1, 2, 3, 4, 5, 6
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,14 @@ class ClusterConfig:
     gateway_poll_interval_s: float = POLL_INTERVAL_SECONDS
     # Speculative decoding on the decode pods (drafts per row and their acceptance rate).
     speculation: SpeculationModel | None = None
+    # Decode pods that die during the run (`sim_failures.py`).
+    failures: tuple[PodFailure, ...] = ()
 
     def __post_init__(self) -> None:
+        if any(f.decode_pod >= self.num_decode for f in self.failures):
+            raise ValueError(
+                f"a pod failure names a decode pod past the {self.num_decode} there are"
+            )
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ValueError(
                 f"need prefill pods >= 0 and decode pods >= 1, got {self.num_prefill}, "
@@ -119,6 +126,7 @@ class Simulation:
     gateway: SimGateway = field(init=False)
     _num_pending_arrivals: int = 0  # polls go on while requests are still to come
     _rng: random.Random = field(default_factory=lambda: random.Random(0))  # draft acceptance
+    _dead: set[str] = field(default_factory=set)  # names of pods that died
 
     def __post_init__(self) -> None:
         # The serving path's measured costs of this topology (none in a bare profile).
@@ -151,6 +159,8 @@ class Simulation:
             self._push(min(request.arrival_s for request in requests), POLL, None)
         for request in requests:
             self._push(request.arrival_s, ARRIVAL, request)
+        for failure in self.cluster.failures:
+            self._push(failure.at_s, POD_DIES, failure)
         self._num_pending_arrivals = len(requests)
         handlers: dict[int, Callable[[float, object], None]] = {
             ARRIVAL: self._on_arrival,
@@ -158,6 +168,8 @@ class Simulation:
             KV_LANDED: self._on_kv_landed,
             KICK: self._on_kick,
             POLL: self._on_poll,
+            POD_DIES: self._on_pod_dies,
+            STREAMS_BROKEN: self._on_streams_broken,
         }
         while self._events:
             now, _, _, kind, payload = heapq.heappop(self._events)
@@ -219,7 +231,7 @@ class Simulation:
 
     def _on_kick(self, now: float, pod: SimPod) -> None:
         self._kick_pending.discard(pod.name)
-        if pod.is_busy or not pod.has_work():
+        if pod.is_busy or not pod.has_work() or pod.name in self._dead:
             return
         step = pod.schedule()
         self._end_dropped(pod, now)
@@ -233,6 +245,8 @@ class Simulation:
     def _on_step_done(self, now: float, pod: SimPod) -> None:
         pod.is_busy = False
         step = self._in_flight_step.pop(pod.name)
+        if pod.name in self._dead:
+            return  # it died mid-step: nothing of the step reaches anyone
         for seq in pod.apply(step):
             if seq.is_prefill_only:
                 self._send_kv(pod, seq, now)
@@ -264,6 +278,9 @@ class Simulation:
 
     def _on_kv_landed(self, now: float, flight: _Flight) -> None:
         pod, seq = flight.decode_pod, flight.decode_seq
+        if pod.name in self._dead:
+            self._move(flight, now, None)  # the pages had nowhere to go
+            return
         pod.complete_reserved(seq)
         self._emit_tokens(pod, seq, now, 1)
         self._kick(pod, now)
@@ -294,6 +311,42 @@ class Simulation:
         else:
             seq.num_tokens += count
             seq.num_computed = seq.num_tokens - 1  # the accepted drafts' KV stays
+
+    # ---- pods that die ----------------------------------------------------------------------
+
+    def _on_pod_dies(self, now: float, failure: PodFailure) -> None:
+        pod = next(p for p in self.decode_pods if p.name == failure.pod_name)
+        self._dead.add(pod.name)
+        if pod in self.gateway.decode_pods:
+            self.gateway.decode_pods.remove(pod)  # the registry drops it: no new arrivals
+        self._push(now + failure.detect_s, STREAMS_BROKEN, failure)
+
+    def _on_streams_broken(self, now: float, failure: PodFailure) -> None:
+        broken = [
+            flight
+            for flight in self._flights.values()
+            if flight.decode_pod.name == failure.pod_name
+            and flight.record.finish_s is None
+            and not flight.record.is_dropped
+            and not flight.decode_seq.is_waiting_for_kv  # those move when their pages land
+        ]
+        for flight in broken:
+            self._move(flight, now, failure)
+
+    def _move(self, flight: _Flight, now: float, failure: PodFailure | None) -> None:
+        """The sequence goes to a live decode pod with what the client has, prefilled there."""
+        request = flight.record.request
+        num_tokens = request.input_len + flight.num_emitted
+        limit = failure.max_replay_tokens if failure else math.inf
+        if not self.gateway.decode_pods or (flight.num_emitted and num_tokens > limit):
+            flight.record.is_dropped = True
+            return
+        _, pod = self.gateway.pick(request)
+        seq = SimSeq(request, num_tokens=num_tokens)
+        flight.decode_pod, flight.decode_seq = pod, seq
+        flight.record.num_moves += 1
+        pod.add(seq)
+        self._kick(pod, now)
 
 
 def simulate(

@@ -86,6 +86,12 @@ def _add_simulation_flags(sub: argparse.ArgumentParser) -> None:
         "--speculative-tokens", type=int, default=0, help="drafts per decode row (0 = off)"
     )
     sub.add_argument(
+        "--host-tier-blocks", type=int, default=0, help="KV offload host tier per pod (0 = off)"
+    )
+    sub.add_argument(
+        "--disk-tier-blocks", type=int, default=0, help="KV offload disk tier per pod (0 = off)"
+    )
+    sub.add_argument(
         "--acceptance-rate",
         type=float,
         default=0.7,
@@ -223,7 +229,14 @@ def _cluster(args: argparse.Namespace, num_prefill: int, num_decode: int):
         num_kv_blocks=args.kv_blocks,
         speculation=_speculation(args),
         failures=tuple(_failure(text) for text in getattr(args, "decode_failure", [])),
+        tier_sizes=_tier_sizes(args),
     )
+
+
+def _tier_sizes(args: argparse.Namespace):
+    from services.planner.sim_cache import TierSizes
+
+    return TierSizes(args.host_tier_blocks, args.disk_tier_blocks)
 
 
 def _failure(text: str):
@@ -266,6 +279,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     )
     busy = ", ".join(f"{role} {share:.0%}" for role, share in result.utilization.items())
     print(f"  busy: {busy}; preemptions {result.num_preemptions}")
+    tiers = ", ".join(f"{t} {n}" for t, n in result.cached_tokens_by_tier.items() if n)
+    if tiers:
+        print(f"  prompt tokens from cache: {tiers}")
     if result.num_moved:
         print(f"  {result.num_moved} requests moved off a dead decode pod")
     if args.json:
@@ -295,6 +311,7 @@ def run_recommend(args: argparse.Namespace) -> int:
         seed=args.seed,
         local_prefill_threshold=args.local_prefill_threshold,
         speculation=_speculation(args),
+        tier_sizes=_tier_sizes(args),
     )
     recommendation = recommend(profile, spec, _progress, prefill_profile)
     print(format_table(recommendation, spec))

@@ -17,7 +17,8 @@ the simulator. It keeps the raw measurements, and the model derived from them:
 - KV transfer: a fixed latency plus bytes over the measured bandwidth;
 - the serving path (`serving`, per topology): costs per step, per streamed row and per
   request that a running stack adds to the bare engine, measured as part of the profile;
-- the engine setup it was measured with (weights, KV dtype, parallel layout).
+- the engine setup it was measured with (weights, KV dtype, parallel layout);
+- KV tier loads (`tier_loads`): bytes per second back from the host and disk tiers.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from services.planner.profile_parts import (
     MixedGrid,
     PrefillSample,
     ServingCosts,
+    TierLoadModel,
     bilinear,
     nonnegative_least_squares,
 )
@@ -50,6 +52,7 @@ __all__ = [
     "PrefillSample",
     "Profile",
     "ServingCosts",
+    "TierLoadModel",
     "load_profile",
     "synthetic_profile",
 ]
@@ -80,6 +83,7 @@ class Profile:
     # turns one into the overheads above.
     serving: dict[str, ServingCosts] = field(default_factory=dict)
     engine: EngineSetup = field(default_factory=EngineSetup)
+    tier_loads: TierLoadModel | None = None  # None: no offload tiers measured
     version: int = PROFILE_VERSION
     # Derived from `prefill` in __post_init__: seconds = a + b * tokens + c * attention work.
     prefill_coefficients: tuple[float, float, float] = field(default=(0.0, 0.0, 0.0))
@@ -166,6 +170,12 @@ class Profile:
         num_bytes = num_tokens * self.kv_bytes_per_token
         return self.kv_transfer.latency_s + num_bytes / self.kv_transfer.bandwidth_bytes_per_s
 
+    def tier_load_s(self, tier: str, num_tokens: int) -> float:
+        """Seconds to bring `num_tokens` of cached KV back from `tier` ("host" or "disk")."""
+        if self.tier_loads is None:
+            raise ValueError("the profile has no KV tier loads: measure with `plan profile`")
+        return num_tokens * self.kv_bytes_per_token / self.tier_loads.bytes_per_s(tier)
+
     def for_topology(self, num_prefill: int) -> Profile:
         """This profile with the serving costs measured for a topology like the cluster's
         (P = 0 colocated, else disaggregated) as its overheads; unchanged without them."""
@@ -202,6 +212,8 @@ class Profile:
                 name: ServingCosts(**costs) for name, costs in body.get("serving", {}).items()
             }
             fields["engine"] = EngineSetup(**body.get("engine", {}))
+            if body.get("tier_loads") is not None:
+                fields["tier_loads"] = TierLoadModel(**body["tier_loads"])
             return cls(**fields)
         except (KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"not a planner profile: {error}") from None

@@ -68,6 +68,21 @@ class KVTransferModel:
 
 
 @dataclass(frozen=True)
+class TierLoadModel:
+    """How fast the KV offload tiers give blocks back (`profiler_tiers.py`)."""
+
+    host_bytes_per_s: float
+    disk_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if self.host_bytes_per_s <= 0 or self.disk_bytes_per_s <= 0:
+            raise ValueError("tier_loads needs host_bytes_per_s and disk_bytes_per_s > 0")
+
+    def bytes_per_s(self, tier: str) -> float:
+        return self.host_bytes_per_s if tier == "host" else self.disk_bytes_per_s
+
+
+@dataclass(frozen=True)
 class ServingCosts:
     """What the serving path adds to the bare engine, measured on a running stack of one
     topology (`profiler_serving.py`): a cost per engine step, one per request streamed in the

@@ -35,6 +35,7 @@ from services.planner.profile import (
     PrefillSample,
     Profile,
 )
+from services.planner.profiler_tiers import measure_tier_loads
 
 VOCAB_RANGE = (1000, 40000)  # ordinary word pieces of SmolLM2's vocabulary
 TIMEOUT_S = 60.0
@@ -95,6 +96,7 @@ def measure_profile(settings: ProfileSettings, log: Log = log_to_stderr) -> Prof
     decode = _measure_decode(engine, settings, log)
     mixed = _measure_mixed(engine, settings, log) if settings.mixed_batch_sizes else None
     transfer = _measure_transfer(engine, settings, log)
+    tier_loads = measure_tier_loads(engine, settings.repeats, log)
     spec = engine.kv_spec
     log(f"measured in {time.monotonic() - started:.0f} s")
     return Profile(
@@ -109,6 +111,7 @@ def measure_profile(settings: ProfileSettings, log: Log = log_to_stderr) -> Prof
         max_num_seqs=engine.config.scheduler.max_num_seqs,
         mixed=mixed,
         engine=_engine_setup(engine, settings),
+        tier_loads=tier_loads,
     )
 
 

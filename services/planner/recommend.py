@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from services.loadgen.stats import Slo
 from services.loadgen.workload import WorkloadSpec
 from services.planner.profile import Profile
+from services.planner.sim_cache import TierSizes
 from services.planner.sim_results import SimResult
 from services.planner.sim_speculation import SpeculationModel
 from services.planner.simulator import ClusterConfig
@@ -46,6 +47,7 @@ class SearchSpec:
     seed: int = 0
     local_prefill_threshold: int = 32
     speculation: SpeculationModel | None = None
+    tier_sizes: TierSizes = field(default_factory=TierSizes)
 
     def __post_init__(self) -> None:
         if not 0 < self.attainment <= 1:
@@ -131,6 +133,7 @@ def clusters(spec: SearchSpec, max_pods: int) -> list[ClusterConfig]:
             total - p,
             local_prefill_threshold=spec.local_prefill_threshold,
             speculation=spec.speculation,
+            tier_sizes=spec.tier_sizes,
         )
         for total in range(1, max_pods + 1)
         for p in range(first_prefill, total)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from services.common.pod_load import PodLoad
 from services.loadgen.workload import SimRequest
 from services.planner.profile import Profile
+from services.planner.sim_cache import SimPrefixCache, TierSizes
 
 
 @dataclass(eq=False)
@@ -58,6 +59,7 @@ class PodLimits:
     block_size: int
     long_prefill_token_threshold: int | None = None
     num_speculative_tokens: int = 0  # drafts each decode row verifies (0 = no speculation)
+    tier_sizes: TierSizes = field(default_factory=TierSizes)  # KV offload tiers per pod
 
 
 @dataclass(eq=False)
@@ -70,7 +72,7 @@ class SimPod:
     is_busy: bool = False  # a step is in flight
     busy_s: float = 0.0  # total step time, for utilization
     num_preemptions: int = 0
-    cached_groups: set[str] = field(default_factory=set)
+    cache: SimPrefixCache = field(init=False)
     # Heap of (arrival, tie-break, seq): waiting requests in arrival order.
     _waiting: list[tuple[float, int, SimSeq]] = field(default_factory=list)
     _tie_break: itertools.count = field(default_factory=itertools.count)
@@ -80,6 +82,7 @@ class SimPod:
 
     def __post_init__(self) -> None:
         self.num_free_blocks = self.min_free_blocks = self.limits.num_kv_blocks
+        self.cache = SimPrefixCache(self.limits.tier_sizes)
 
     @property
     def peak_kv_usage(self) -> float:
@@ -107,10 +110,20 @@ class SimPod:
     def num_cached_tokens(self, request: SimRequest) -> int:
         """Prompt tokens this pod's prefix cache holds: whole blocks, and never the last
         prompt token (the engine always computes one, to sample from)."""
-        if request.prefix_group is None or request.prefix_group not in self.cached_groups:
+        if request.prefix_group is None or request.prefix_group not in self.cache:
             return 0
+        return self._cacheable_tokens(request)
+
+    def _cacheable_tokens(self, request: SimRequest) -> int:
         usable = min(request.prefix_len, request.input_len - 1)
         return usable // self.limits.block_size * self.limits.block_size
+
+    def remember_prefix(self, request: SimRequest) -> None:
+        """The request's prefix blocks were computed here: cached on the device, most recent."""
+        if request.prefix_group is not None:
+            num_blocks = self._cacheable_tokens(request) // self.limits.block_size
+            self.cache.add(request.prefix_group, num_blocks)
+            self.cache.fit(self.num_free_blocks)
 
     # ---- queueing ------------------------------------------------------------------------
 
@@ -205,6 +218,7 @@ class SimPod:
     def _take_blocks(self, num_blocks: int) -> None:
         self.num_free_blocks -= num_blocks
         self.min_free_blocks = min(self.min_free_blocks, self.num_free_blocks)
+        self.cache.fit(self.num_free_blocks)  # cached prefixes live in the free blocks
 
     def _preempt(self, victim: SimSeq, chunks: list[tuple[SimSeq, int]]) -> None:
         chunks[:] = [(seq, n) for seq, n in chunks if seq is not victim]

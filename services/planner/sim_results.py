@@ -54,6 +54,8 @@ class SimResult:
     transfer: Percentiles = field(default_factory=lambda: Percentiles.of([]))
     peak_kv_usage: float = 0.0  # the fullest any pod's KV cache got, 0..1
     num_moved: int = 0  # requests moved off a dead decode pod
+    # Prompt tokens served from each cache tier ("device", "host", "disk"), all pods.
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 def summarize(records: list[RequestRecord], slo: Slo, pods: list[SimPod]) -> SimResult:
@@ -78,7 +80,16 @@ def summarize(records: list[RequestRecord], slo: Slo, pods: list[SimPod]) -> Sim
         transfer=Percentiles.of([r.transfer_s for r in finished]),
         peak_kv_usage=max((pod.peak_kv_usage for pod in pods), default=0.0),
         num_moved=sum(record.num_moves > 0 for record in records),
+        cached_tokens_by_tier=_cached_tokens_by_tier(pods),
     )
+
+
+def _cached_tokens_by_tier(pods: list[SimPod]) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    for pod in pods:
+        for tier, tokens in pod.cache.hit_tokens.items():
+            totals[tier] = totals.get(tier, 0) + tokens
+    return totals
 
 
 def _utilization(pods: list[SimPod], duration_s: float) -> dict[str, float]:

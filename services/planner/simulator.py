@@ -33,13 +33,14 @@ from services.gateway.pods import POLL_INTERVAL_SECONDS
 from services.loadgen.stats import Slo
 from services.loadgen.workload import SimRequest
 from services.planner.profile import Profile
+from services.planner.sim_cache import TierSizes
 from services.planner.sim_failures import PodFailure
 from services.planner.sim_gateway import SimGateway
 from services.planner.sim_pod import PodLimits, ScheduledStep, SimPod, SimSeq
 from services.planner.sim_results import RequestRecord, SimResult, summarize
 from services.planner.sim_speculation import SpeculationModel
 
-ARRIVAL, STEP_DONE, KV_LANDED, KICK, POLL, POD_DIES, STREAMS_BROKEN = 0, 1, 2, 3, 4, 5, 6
+ARRIVAL, STEP_DONE, KV_LANDED, KICK, POLL, POD_DIES, STREAMS_BROKEN, LOADED = range(8)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class ClusterConfig:
     speculation: SpeculationModel | None = None
     # Decode pods that die during the run (`sim_failures.py`).
     failures: tuple[PodFailure, ...] = ()
+    # KV offload tiers below each pod's cache (`sim_cache.py`); loads cost the profile's
+    # measured tier bandwidth.
+    tier_sizes: TierSizes = field(default_factory=TierSizes)
 
     def __post_init__(self) -> None:
         if any(f.decode_pod >= self.num_decode for f in self.failures):
@@ -95,6 +99,7 @@ class ClusterConfig:
             num_speculative_tokens=(
                 self.speculation.num_speculative_tokens if self.speculation else 0
             ),
+            tier_sizes=self.tier_sizes,
         )
 
 
@@ -140,6 +145,9 @@ class Simulation:
                 f"({prefill_profile.kv_bytes_per_token} and {self.profile.kv_bytes_per_token} "
                 "bytes per token): pods exchange pages in one format"
             )
+        tiers = self.cluster.tier_sizes
+        if (tiers.host_blocks or tiers.disk_blocks) and self.profile.tier_loads is None:
+            raise ValueError("KV offload tiers need a profile with tier loads (`plan profile`)")
         limits = self.cluster.limits(self.profile)
         self.prefill_pods = [
             SimPod(f"prefill-{i}", self.cluster.limits(prefill_profile), prefill_profile)
@@ -170,6 +178,7 @@ class Simulation:
             POLL: self._on_poll,
             POD_DIES: self._on_pod_dies,
             STREAMS_BROKEN: self._on_streams_broken,
+            LOADED: self._on_loaded,
         }
         while self._events:
             now, _, _, kind, payload = heapq.heappop(self._events)
@@ -214,12 +223,38 @@ class Simulation:
             or not decode_pod.try_reserve(seq)
         )
         if is_local:
-            decode_pod.add(seq)
-            self._kick(decode_pod, now)
+            self._enqueue(decode_pod, seq, now)
             return
+        # The decode pod loads what its own tiers hold while the prefill pod computes the rest
+        # (the load overlaps the remote prefill, so it costs no time here).
+        group = request.prefix_group
+        if group is not None and group in decode_pod.cache:
+            decode_pod.cache.count_hit(group, seq.num_computed)
+            decode_pod.remember_prefix(request)
         prefill_seq = SimSeq(request, num_tokens=request.input_len, is_prefill_only=True)
-        prefill_pod.add(prefill_seq)
-        self._kick(prefill_pod, now)
+        self._enqueue(prefill_pod, prefill_seq, now)
+
+    def _enqueue(self, pod: SimPod, seq: SimSeq, now: float) -> None:
+        """Into the pod's queue; a prefix its offload tiers hold is loaded back first."""
+        group = seq.request.prefix_group
+        tier = pod.cache.tier_of(group) if group is not None else None
+        if tier is not None:
+            pod.cache.count_hit(group, pod.num_cached_tokens(seq.request))
+        if tier in ("host", "disk"):
+            load_s = self.profile.tier_load_s(tier, pod.num_cached_tokens(seq.request))
+            pod.remember_prefix(seq.request)  # back on the device once loaded
+            self._push(now + load_s, LOADED, (pod, seq))
+            return
+        pod.add(seq)
+        self._kick(pod, now)
+
+    def _on_loaded(self, now: float, payload: tuple[SimPod, SimSeq]) -> None:
+        pod, seq = payload
+        if pod.name in self._dead:
+            self._move(self._flights[seq.request.request_id], now, None)
+            return
+        pod.add(seq)
+        self._kick(pod, now)
 
     # ---- engine steps -----------------------------------------------------------------------
 
@@ -269,8 +304,7 @@ class Simulation:
 
     def _send_kv(self, prefill_pod: SimPod, seq: SimSeq, now: float) -> None:
         prefill_pod.finish(seq)
-        if seq.request.prefix_group is not None:
-            prefill_pod.cached_groups.add(seq.request.prefix_group)
+        prefill_pod.remember_prefix(seq.request)
         flight = self._flights[seq.request.request_id]
         num_tokens = seq.request.input_len - flight.decode_seq.num_computed
         flight.record.transfer_s = self.profile.transfer_s(num_tokens)
@@ -295,8 +329,7 @@ class Simulation:
         count = min(count, seq.request.output_len - flight.num_emitted)
         if flight.num_emitted == 0:
             record.ttft_s = now - seq.request.arrival_s + self.profile.request_overhead_s
-            if seq.request.prefix_group is not None:
-                pod.cached_groups.add(seq.request.prefix_group)
+            pod.remember_prefix(seq.request)
             num_gaps = count - 1  # the rest of the first burst came with the first token
             gap = 0.0
         else:
@@ -345,8 +378,7 @@ class Simulation:
         seq = SimSeq(request, num_tokens=num_tokens)
         flight.decode_pod, flight.decode_seq = pod, seq
         flight.record.num_moves += 1
-        pod.add(seq)
-        self._kick(pod, now)
+        self._enqueue(pod, seq, now)
 
 
 def simulate(

@@ -57,6 +57,10 @@ def test_profile_measures_the_engine(single_thread, tmp_path) -> None:
     # A step computing 128 prompt tokens beside its decodes costs more than one with 16.
     assert all(row[1] > row[0] for row in mixed.seconds)
     assert profile.engine == EngineSetup(num_threads=1)
+    # Host-memory loads are copies within RAM: faster than going through files.
+    loads = profile.tier_loads
+    assert loads.host_bytes_per_s > 0 and loads.disk_bytes_per_s > 0
+    assert profile.tier_load_s("host", 512) < profile.tier_load_s("host", 2048)
 
 
 def test_bad_profile_settings_name_the_flag() -> None:

@@ -1,0 +1,30 @@
+"""`plan profile --serving`: the serving path's costs measured on a real local stack."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.planner.local_stacks import (
+    COLOCATED_1,
+    completions_target,
+    running_stack,
+    warm_up,
+)
+from services.planner.profile import synthetic_profile
+from services.planner.serving_costs import measure_costs
+
+pytestmark = pytest.mark.slow  # a whole stack: about a minute
+
+
+def test_serving_costs_fill_the_gap_to_a_running_stack() -> None:
+    # A bare profile far cheaper than any real step (1 ms prefill, 1 ms decode): whatever the
+    # machine's speed, the running stack is slower, so every cost must come out positive, and
+    # the fitted per-step cost must carry the simulated ITL up to the measured one.
+    bare = synthetic_profile(0.001, decode_step_s=0.001)
+    with running_stack(COLOCATED_1) as stack:
+        target = completions_target(stack)
+        warm_up(target, 0)
+        costs = measure_costs(target, COLOCATED_1, bare, seed=0)
+    assert costs.request_s > 0
+    assert costs.step_s + costs.row_s > 0.005  # a real decode step is milliseconds at least
+    assert costs.request_s < 5.0  # not a stack that hung

@@ -326,3 +326,25 @@ def test_offload_tiers_turn_evicted_prefixes_into_loads() -> None:
             [SimRequest(0, 0.0, 16, 2)],
             LOOSE,
         )
+
+
+def test_prefix_cache_pushes_least_recent_groups_down_the_tiers() -> None:
+    from services.planner.sim_cache import SimPrefixCache, TierSizes
+
+    cache = SimPrefixCache(TierSizes(host_blocks=10, disk_blocks=4))
+    for group in "abcd":
+        cache.add(group, 4)
+    cache.count_hit("a", 64)  # a is now the most recent
+    cache.fit(8)  # room for two groups on the device: b and c go down, in that order
+    assert [cache.tier_of(g) for g in "abcd"] == ["device", "host", "host", "device"]
+    # d then a go down; the host holds 10 blocks, so b then c (oldest first) go on to the
+    # disk, which holds one group: b falls out of it.
+    cache.fit(0)
+    assert [cache.tier_of(g) for g in "abcd"] == ["host", None, "disk", "host"]
+    assert cache.num_blocks == {"device": 0, "host": 8, "disk": 4}
+    cache.add("e", 20)  # too big for the host and the disk tiers: when evicted it is gone
+    cache.fit(0)
+    assert cache.tier_of("e") is None
+    cache.add("c", 4)  # loaded back: on the device, off the disk
+    assert cache.tier_of("c") == "device" and cache.num_blocks["disk"] == 0
+    assert cache.hit_tokens["device"] == 64

@@ -40,6 +40,8 @@ class SimPrefixCache:
         default_factory=lambda: {tier: OrderedDict() for tier in TIERS}
     )
     hit_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    # Blocks held per tier, kept as the tiers change (fit runs at every allocation).
+    num_blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
 
     def tier_of(self, group: str) -> str | None:
         return next((tier for tier in TIERS if group in self.tiers[tier]), None)
@@ -50,8 +52,9 @@ class SimPrefixCache:
     def add(self, group: str, num_blocks: int) -> None:
         """The group's blocks were just computed (or loaded) on the pod: most recent."""
         for tier in TIERS:
-            self.tiers[tier].pop(group, None)
+            self.num_blocks[tier] -= self.tiers[tier].pop(group, 0)
         self.tiers["device"][group] = num_blocks
+        self.num_blocks["device"] += num_blocks
 
     def count_hit(self, group: str, num_tokens: int) -> None:
         tier = self.tier_of(group)
@@ -63,8 +66,9 @@ class SimPrefixCache:
         """Cached groups on the device hold at most the pool's free blocks: the least recently
         used go down a tier (or are gone) until they fit."""
         device = self.tiers["device"]
-        while device and sum(device.values()) > max(free_blocks, 0):
+        while device and self.num_blocks["device"] > max(free_blocks, 0):
             group, num_blocks = device.popitem(last=False)
+            self.num_blocks["device"] -= num_blocks
             self._push_down("host", group, num_blocks)
 
     def _push_down(self, tier: str, group: str, num_blocks: int) -> None:
@@ -75,7 +79,9 @@ class SimPrefixCache:
             return
         entries = self.tiers[tier]
         entries[group] = num_blocks
-        while sum(entries.values()) > capacity:
+        self.num_blocks[tier] += num_blocks
+        while self.num_blocks[tier] > capacity:
             older, older_blocks = entries.popitem(last=False)
+            self.num_blocks[tier] -= older_blocks
             if tier == "host":
                 self._push_down("disk", older, older_blocks)

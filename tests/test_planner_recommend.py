@@ -24,7 +24,9 @@ def _prefill_bound_profile() -> Profile:
 
 def _spec(max_pods: int = 4) -> SearchSpec:
     workload = WorkloadSpec(2.5, 300, LengthDistribution(64, 64), LengthDistribution(32, 32))
-    return SearchSpec(workload, Slo(ttft_s=8.0, itl_s=0.1), max_pods=max_pods, ratio_max_pods=3)
+    return SearchSpec(
+        workload, Slo(ttft_s=8.0, itl_s=0.1), max_pods=max_pods, ratio_max_pods=3, num_seeds=2
+    )
 
 
 def test_recommend_finds_the_prefill_heavy_ratio() -> None:

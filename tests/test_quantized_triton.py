@@ -1,0 +1,224 @@
+"""Quantized weights on the Triton backend (the CUDA path, shared/model/quantized_triton.py):
+which backend a device gets, GGUF blocks in its layout bit for bit, its start-up check and
+fallback, and a model and the engine multiplying through the dequantizing matmuls.
+
+No GPU here: the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before Triton is
+imported) and SPLITSERVE_QUANTIZED_BACKEND=triton forces the Triton path on the CPU, as
+SPLITSERVE_ATTENTION_BACKEND does for attention. The kernels themselves are checked against
+their references in tests/test_kernels_dequant.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")  # Triton wheels exist for Linux only
+
+import logging  # noqa: E402
+
+import gguf  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from gguf.quants import dequantize  # noqa: E402
+
+from shared.model import quantized_triton  # noqa: E402
+from shared.model.gguf_blocks import read_blocks  # noqa: E402
+from shared.model.quantization import effective_method, pack_weight  # noqa: E402
+from shared.model.quantized_linear import quantize, quantized_matmul  # noqa: E402
+from shared.model.quantized_triton import (  # noqa: E402
+    BACKEND_ENV,
+    Int4GroupWeight,
+    TritonInt8Weight,
+    quantize_for_triton,
+    select_quantized_backend,
+    triton_kernel_problem,
+)
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def _random(*shape: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=generator) + 0.1  # never zeros, and not centred
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.fixture
+def fresh_check():
+    """The start-up check is cached per device; these tests change what it finds."""
+    triton_kernel_problem.cache_clear()
+    yield
+    triton_kernel_problem.cache_clear()
+
+
+# ---- which backend ---------------------------------------------------------------------------
+
+
+def test_backend_follows_the_device_and_the_override(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert select_quantized_backend(CPU) == "torch"
+    assert select_quantized_backend(CUDA) == "triton"
+    assert select_quantized_backend(torch.device("cuda:1")) == "triton"
+    with pytest.raises(ValueError, match="CPU or CUDA only, device is meta"):
+        select_quantized_backend(torch.device("meta"))
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    assert select_quantized_backend(CPU) == "triton"
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    assert select_quantized_backend(CPU) == "torch"
+    with pytest.raises(ValueError, match="CPU only, device is cuda"):
+        select_quantized_backend(CUDA)
+    monkeypatch.setenv(BACKEND_ENV, "cuda")
+    with pytest.raises(ValueError, match="got 'cuda'"):
+        select_quantized_backend(CPU)
+
+
+# ---- layouts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_gguf_blocks_keep_their_bytes_and_numbers(kind):
+    """A Q4 block's 16 nibble bytes are the layout's bytes, its float16 d (and m) the scale and
+    minimum exactly; the product equals one with gguf's own dequantization."""
+    qtype = gguf.GGMLQuantizationType[kind]
+    values = _random(8, 96, seed=1).numpy()
+    raw = gguf.quants.quantize(values, qtype)
+
+    class _Tensor:  # the fields read_blocks reads, as GGUFReader gives them
+        name, tensor_type, shape, data = kind, qtype, [96, 8], raw
+
+    packed = pack_weight(read_blocks(_Tensor), "gguf", "triton", CPU)
+    assert isinstance(packed, Int4GroupWeight)
+    header = 2 if kind == "Q4_0" else 4
+    blocks = raw.reshape(8, 3, header + 16)
+    assert np.array_equal(packed.packed.numpy(), blocks[..., header:].reshape(8, 48))
+    d = blocks[..., :2].copy().view(np.float16)[..., 0]
+    assert np.array_equal(packed.scales.numpy(), d)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0] if kind == "Q4_1" else -8 * d
+    assert np.array_equal(packed.minimums.numpy(), m)
+    want_weight = torch.from_numpy(dequantize(raw, qtype).reshape(8, 96))
+    assert torch.equal(packed.dequantize(), want_weight)
+    x = _random(3, 96, seed=2)
+    assert _relative_error(packed.matmul(x), x @ want_weight.t()) < 1e-5
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_triton_layout_holds_what_the_cpu_layout_holds(method):
+    """Same quantization, other layout: the products agree with the CPU path's (which rounds
+    activations and scales to bfloat16), and exactly with the layout's own dequantization."""
+    weight = _random(200, 96, seed=3)
+    packed = quantize_for_triton(weight, method)
+    assert isinstance(packed, TritonInt8Weight if method == "int8" else Int4GroupWeight)
+    assert (packed.out_features, packed.in_features) == (200, 96)
+    x = _random(5, 96, seed=4)
+    got = packed.matmul(x)
+    assert _relative_error(got, x @ packed.dequantize(torch.float32)[:, :96].t()) < 1e-5
+    assert _relative_error(got, quantized_matmul(x, quantize(weight, method))) < 0.02
+
+
+def test_int4_layout_is_a_quarter_of_bfloat16_plus_its_scales():
+    packed = quantize_for_triton(_random(64, 1024, seed=5), "int4")
+    # 4 bits per weight, and a float16 scale and minimum per 32 weights (1 bit per weight).
+    assert packed.nbytes == 64 * 1024 * 5 // 8
+
+
+# ---- start-up check --------------------------------------------------------------------------
+
+
+def test_start_up_check_passes_in_the_interpreter(monkeypatch, fresh_check):
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    assert triton_kernel_problem(CPU) is None
+    assert effective_method("int4", CPU) == "int4"
+
+
+def test_missing_triton_falls_back_dense_with_a_warning(monkeypatch, caplog, fresh_check):
+    # Stands in for an image without Triton: a CUDA model is built dense, loudly.
+    monkeypatch.setattr(quantized_triton, "has_triton", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="shared.model.quantization"):
+        assert effective_method("gguf", CUDA) == "none"
+    assert "Triton is not installed" in caplog.text and "no memory is saved" in caplog.text
+
+
+def test_triton_forced_without_a_gpu_or_the_interpreter_falls_back(
+    monkeypatch, caplog, fresh_check
+):
+    # The kernels' own device check refuses CPU tensors outside the interpreter: the real
+    # failure, caught by the start-up check.
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with caplog.at_level(logging.WARNING, logger="shared.model.quantization"):
+        assert effective_method("int8", CPU) == "none"
+    assert "need a GPU tensor" in caplog.text
+
+
+# ---- a model and the engine ------------------------------------------------------------------
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    from shared.model.attention_backend import select_attention_backend
+    from shared.model.attention_metadata import AttentionMetadata, PrefillChunk
+
+    arch, num = model.arch, ids.shape[0]
+    cache = torch.zeros(arch.num_layers, 2, 2, 16, arch.num_kv_heads, arch.head_dim)
+    meta = AttentionMetadata(torch.arange(num), 0, [PrefillChunk(0, num, num, torch.arange(2))])
+    backend = select_attention_backend(CPU, torch.float32)
+    return model(ids, torch.arange(num), cache, meta, backend, torch.arange(num))
+
+
+def _build(checkpoint, quantization: str, weights) -> torch.nn.Module:
+    from shared.model.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM(checkpoint.architecture, 256, CPU, quantization)
+    model.materialize(CPU, torch.float32)
+    model.load_hf_weights(weights)
+    return model
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_model_on_the_triton_path_is_its_weights_dequantized(
+    make_tiny_hf_checkpoint, monkeypatch, method
+):
+    """Every packed layer (the untied int8 head included) multiplies through the Triton kernels,
+    and the logits equal a dense float32 model holding the same weights dequantized."""
+    from shared.model.loader import load_checkpoint
+
+    checkpoint = load_checkpoint(make_tiny_hf_checkpoint(tie_word_embeddings=False))
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    model = _build(checkpoint, method, checkpoint.weights)
+    assert model.quantized_backend == "triton"
+    layout = TritonInt8Weight if method == "int8" else Int4GroupWeight
+    assert isinstance(model.layers[1].mlp.down_proj.qweight, layout)
+    assert isinstance(model.lm_head.qweight, TritonInt8Weight)
+    monkeypatch.delenv(BACKEND_ENV)
+    restored = {}
+    for name, tensor in checkpoint.weights.items():
+        is_vocab = name in ("model.embed_tokens.weight", "lm_head.weight")
+        if tensor.dim() == 2:
+            packed = quantize_for_triton(tensor, "int8" if is_vocab else method)
+            tensor = packed.dequantize(torch.float32)[:, : tensor.shape[1]]
+        restored[name] = tensor
+    dense = _build(checkpoint, "none", restored)
+    ids = torch.randint(100, 40000, (12,), generator=torch.Generator().manual_seed(6))
+    assert _relative_error(_logits(model, ids), _logits(dense, ids)) < 1e-4
+
+
+def test_engine_serves_int4_through_the_triton_path(tiny_hf_checkpoint, monkeypatch):
+    """The engine on the Triton backend (decode steps of one row, a prefill of several) picks
+    the CPU backend's greedy tokens: the same quantization, another layout and kernel."""
+    from shared import LLM, SamplingParams
+
+    prompt = torch.randint(100, 40000, (9,), generator=torch.Generator().manual_seed(7)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv(BACKEND_ENV, backend)
+        llm = LLM(tiny_hf_checkpoint, quantization="int4", kv_cache_bytes=8 * 2**20, num_threads=1)
+        tokens[backend] = llm.generate([prompt], params)[0].outputs[0].token_ids
+    assert len(tokens["triton"]) == 5
+    assert tokens["triton"] == tokens["torch"]

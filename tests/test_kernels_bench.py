@@ -61,6 +61,9 @@ def expected_check_names(shapes: bench.BenchShapes) -> set[str]:
         names |= {f"rotary {layout} query", f"rotary {layout} key"}
     for hidden in shapes.norm_hidden_sizes:
         names |= {f"fused_add_rms_norm h{hidden}", f"fused_add_rms_norm h{hidden} residual"}
+    for out, inner in shapes.dequant_shapes:
+        for rows in shapes.dequant_rows:
+            names |= {f"int8 matmul {rows}x{inner}->{out}", f"int4 matmul {rows}x{inner}->{out}"}
     return names
 
 
@@ -95,8 +98,14 @@ def test_smoke_run_checks_every_kernel_against_its_reference(dtype):
     shapes = bench.SMOKE
     num_decode_rows = len(shapes.decode_partition_sizes) + 2
     num_rows_per_layout = num_decode_rows + len(shapes.prefill_shapes) + 1  # + rotary
+    # int8, int4 and dense per dequantizing-matmul shape and row count
+    num_dequant_rows = 3 * len(shapes.dequant_shapes) * len(shapes.dequant_rows)
     expected_rows = (
-        len(shapes.head_layouts) * num_rows_per_layout + 1 + 3 + len(shapes.norm_hidden_sizes)
+        len(shapes.head_layouts) * num_rows_per_layout
+        + 1
+        + 3
+        + len(shapes.norm_hidden_sizes)
+        + num_dequant_rows
     )
     assert len(rows) == expected_rows, result.stdout
     assert all(" us " in row and "% of copy" in row for row in rows)

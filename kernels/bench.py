@@ -538,6 +538,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="tiny shapes, any device: runs every check and code path quickly",
     )
+    parser.add_argument(
+        "--step",
+        default="",
+        help="only the steps whose title contains this (e.g. 'dequant', 'decode')",
+    )
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     shapes = SMOKE if args.smoke else FULL
@@ -556,7 +561,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{copy_gbps:.1f} GB/s",
         flush=True,
     )
-    steps = bench_steps(ctx)
+    steps = [(title, step) for title, step in bench_steps(ctx) if args.step in title]
+    if not steps:
+        titles = ", ".join(title for title, _ in bench_steps(ctx))
+        parser.error(f"--step {args.step!r} matches no step (steps: {titles})")
     for i, (title, step) in enumerate(steps, 1):
         print(f"[{i}/{len(steps)}] {title}", flush=True)
         for timing in step():

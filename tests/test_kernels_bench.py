@@ -156,3 +156,14 @@ def test_shapes_reject_a_partition_size_the_decode_kernel_refuses():
     for size in (24, 8, 0):
         with pytest.raises(ValueError, match="partition size"):
             dataclasses.replace(bench.SMOKE, decode_partition_sizes=(size,))
+
+
+def test_step_option_runs_only_the_matching_steps():
+    # The GPU runbook times the dequantizing matmuls alone with --step dequant.
+    result = run_bench("--smoke", "--step", "dequant", interpret=os.environ["TRITON_INTERPRET"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    names = {name for name, _, _ in CHECK_LINE.findall(result.stdout)}
+    assert names and all(" matmul " in name for name in names)
+    assert "[1/1] dequantizing matmul" in result.stdout
+    refused = run_bench("--smoke", "--step", "nothing", interpret="1")
+    assert refused.returncode != 0 and "matches no step" in refused.stderr

@@ -4,8 +4,10 @@ fallback, and a model and the engine multiplying through the dequantizing matmul
 
 No GPU here: the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before Triton is
 imported) and SPLITSERVE_QUANTIZED_BACKEND=triton forces the Triton path on the CPU, as
-SPLITSERVE_ATTENTION_BACKEND does for attention. The kernels themselves are checked against
-their references in tests/test_kernels_dequant.py.
+SPLITSERVE_ATTENTION_BACKEND does for attention. `TRITON_INTERPRET=0 pytest
+tests/test_quantized_triton.py` runs the same checks with the layers on a GPU (compared with
+the CPU backend on the CPU). The kernels themselves are checked against their references in
+tests/test_kernels_dequant.py.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from shared.model.quantized_triton import (  # noqa: E402
 )
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+DEVICE = CUDA if os.environ["TRITON_INTERPRET"] == "0" else CPU
 
 
 def _random(*shape: int, seed: int) -> torch.Tensor:
@@ -93,18 +96,18 @@ def test_gguf_blocks_keep_their_bytes_and_numbers(kind):
     class _Tensor:  # the fields read_blocks reads, as GGUFReader gives them
         name, tensor_type, shape, data = kind, qtype, [96, 8], raw
 
-    packed = pack_weight(read_blocks(_Tensor), "gguf", "triton", CPU)
-    assert isinstance(packed, Int4GroupWeight)
+    packed = pack_weight(read_blocks(_Tensor), "gguf", "triton", DEVICE)
+    assert isinstance(packed, Int4GroupWeight) and packed.packed.device.type == DEVICE.type
     header = 2 if kind == "Q4_0" else 4
     blocks = raw.reshape(8, 3, header + 16)
-    assert np.array_equal(packed.packed.numpy(), blocks[..., header:].reshape(8, 48))
+    assert np.array_equal(packed.packed.cpu().numpy(), blocks[..., header:].reshape(8, 48))
     d = blocks[..., :2].copy().view(np.float16)[..., 0]
-    assert np.array_equal(packed.scales.numpy(), d)
+    assert np.array_equal(packed.scales.cpu().numpy(), d)
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0] if kind == "Q4_1" else -8 * d
-    assert np.array_equal(packed.minimums.numpy(), m)
-    want_weight = torch.from_numpy(dequantize(raw, qtype).reshape(8, 96))
+    assert np.array_equal(packed.minimums.cpu().numpy(), m)
+    want_weight = torch.from_numpy(dequantize(raw, qtype).reshape(8, 96)).to(DEVICE)
     assert torch.equal(packed.dequantize(), want_weight)
-    x = _random(3, 96, seed=2)
+    x = _random(3, 96, seed=2).to(DEVICE)
     assert _relative_error(packed.matmul(x), x @ want_weight.t()) < 1e-5
 
 
@@ -113,13 +116,14 @@ def test_triton_layout_holds_what_the_cpu_layout_holds(method):
     """Same quantization, other layout: the products agree with the CPU path's (which rounds
     activations and scales to bfloat16), and exactly with the layout's own dequantization."""
     weight = _random(200, 96, seed=3)
-    packed = quantize_for_triton(weight, method)
+    packed = quantize_for_triton(weight.to(DEVICE), method)
     assert isinstance(packed, TritonInt8Weight if method == "int8" else Int4GroupWeight)
     assert (packed.out_features, packed.in_features) == (200, 96)
     x = _random(5, 96, seed=4)
-    got = packed.matmul(x)
-    assert _relative_error(got, x @ packed.dequantize(torch.float32)[:, :96].t()) < 1e-5
-    assert _relative_error(got, quantized_matmul(x, quantize(weight, method))) < 0.02
+    got = packed.matmul(x.to(DEVICE))
+    want = x.to(DEVICE) @ packed.dequantize(torch.float32)[:, :96].t()
+    assert _relative_error(got, want) < 1e-5
+    assert _relative_error(got.cpu(), quantized_matmul(x, quantize(weight, method))) < 0.02
 
 
 def test_int4_layout_is_a_quarter_of_bfloat16_plus_its_scales():
@@ -133,8 +137,8 @@ def test_int4_layout_is_a_quarter_of_bfloat16_plus_its_scales():
 
 def test_start_up_check_passes_in_the_interpreter(monkeypatch, fresh_check):
     monkeypatch.setenv(BACKEND_ENV, "triton")
-    assert triton_kernel_problem(CPU) is None
-    assert effective_method("int4", CPU) == "int4"
+    assert triton_kernel_problem(DEVICE) is None
+    assert effective_method("int4", DEVICE) == "int4"
 
 
 def test_missing_triton_falls_back_dense_with_a_warning(monkeypatch, caplog, fresh_check):
@@ -161,21 +165,25 @@ def test_triton_forced_without_a_gpu_or_the_interpreter_falls_back(
 
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
-    from shared.model.attention_backend import select_attention_backend
+    from shared.model.attention import TorchPagedAttention
     from shared.model.attention_metadata import AttentionMetadata, PrefillChunk
 
     arch, num = model.arch, ids.shape[0]
-    cache = torch.zeros(arch.num_layers, 2, 2, 16, arch.num_kv_heads, arch.head_dim)
-    meta = AttentionMetadata(torch.arange(num), 0, [PrefillChunk(0, num, num, torch.arange(2))])
-    backend = select_attention_backend(CPU, torch.float32)
-    return model(ids, torch.arange(num), cache, meta, backend, torch.arange(num))
+    shape = (arch.num_layers, 2, 2, 16, arch.num_kv_heads, arch.head_dim)
+    cache = torch.zeros(shape, device=DEVICE)
+    positions = torch.arange(num, device=DEVICE)
+    chunk = PrefillChunk(0, num, num, torch.arange(2, device=DEVICE))
+    meta = AttentionMetadata(positions, 0, [chunk])
+    # PyTorch attention on either device: only the quantized layers are under test here.
+    backend = TorchPagedAttention(torch.float32)
+    return model(ids.to(DEVICE), positions, cache, meta, backend, positions)
 
 
 def _build(checkpoint, quantization: str, weights) -> torch.nn.Module:
     from shared.model.llama import LlamaForCausalLM
 
-    model = LlamaForCausalLM(checkpoint.architecture, 256, CPU, quantization)
-    model.materialize(CPU, torch.float32)
+    model = LlamaForCausalLM(checkpoint.architecture, 256, DEVICE, quantization)
+    model.materialize(DEVICE, torch.float32)
     model.load_hf_weights(weights)
     return model
 
@@ -216,9 +224,15 @@ def test_engine_serves_int4_through_the_triton_path(tiny_hf_checkpoint, monkeypa
     prompt = torch.randint(100, 40000, (9,), generator=torch.Generator().manual_seed(7)).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     tokens = {}
-    for backend in ("torch", "triton"):
+    for backend, device in (("torch", CPU), ("triton", DEVICE)):
         monkeypatch.setenv(BACKEND_ENV, backend)
-        llm = LLM(tiny_hf_checkpoint, quantization="int4", kv_cache_bytes=8 * 2**20, num_threads=1)
+        llm = LLM(
+            tiny_hf_checkpoint,
+            quantization="int4",
+            kv_cache_bytes=8 * 2**20,
+            num_threads=1,
+            device=str(device),
+        )
         tokens[backend] = llm.generate([prompt], params)[0].outputs[0].token_ids
     assert len(tokens["triton"]) == 5
     assert tokens["triton"] == tokens["torch"]

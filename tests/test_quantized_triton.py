@@ -37,7 +37,9 @@ from shared.model.quantized_triton import (  # noqa: E402
     TritonInt8Weight,
     quantize_for_triton,
     select_quantized_backend,
+    slow_kernel_note,
     triton_kernel_problem,
+    triton_slowness,
 )
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -159,6 +161,15 @@ def test_triton_forced_without_a_gpu_or_the_interpreter_falls_back(
     with caplog.at_level(logging.WARNING, logger="shared.model.quantization"):
         assert effective_method("int8", CPU) == "none"
     assert "need a GPU tensor" in caplog.text
+
+
+def test_a_kernel_slower_than_dense_is_named_in_a_warning():
+    # On CUDA the start-up check times the kernel at one row against dense bfloat16; off CUDA
+    # (the interpreter) it measures nothing.
+    assert slow_kernel_note("int4", kernel_ms=0.010, dense_ms=0.030) is None
+    note = slow_kernel_note("gguf", kernel_ms=0.050, dense_ms=0.030)
+    assert "'gguf'" in note and "0.050 ms against 0.030 ms" in note and "not be faster" in note
+    assert triton_slowness("int4", CPU) is None
 
 
 # ---- a model and the engine ------------------------------------------------------------------

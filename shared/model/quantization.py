@@ -50,6 +50,7 @@ from shared.model.quantized_triton import (
     select_quantized_backend,
     to_triton_int8,
     triton_kernel_problem,
+    triton_slowness,
 )
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,12 @@ def effective_method(method: str, device: torch.device) -> str:
     if method == "none":
         return method
     if select_quantized_backend(device) == "triton":
-        return method if triton_kernels_usable(method, device) else "none"
+        if not triton_kernels_usable(method, device):
+            return "none"
+        note = triton_slowness(method, device)
+        if note is not None:
+            logger.warning(note)
+        return method
     if not all(kernels_usable(kernel) for kernel in _KERNELS[method]):
         return "none"
     warn_if_kernel_is_slow("int8" if method == "int8" else "int4")

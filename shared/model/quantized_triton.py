@@ -25,10 +25,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from kernels import has_triton
 from kernels.reference import dequantize_int4_groups, pack_int4_groups
@@ -153,10 +156,62 @@ def triton_kernel_problem(device: torch.device) -> str | None:
         packed = quantize_for_triton(weight, method)
         try:
             got = packed.matmul(x)
-        except (RuntimeError, ImportError, ValueError) as exc:
+        except _kernel_errors() as exc:
             return f"the {method} kernel failed: {type(exc).__name__}: {exc}"
         want = x @ packed.dequantize(torch.float32)[:, :80].t()
         error = (got - want).abs().max().item() / want.abs().max().item()
         if not error < 1e-3:  # float32 in and out: only summation order differs
             return f"the {method} kernel's result is off by {error:.3g} (relative)"
     return None
+
+
+def _kernel_errors() -> tuple[type[Exception], ...]:
+    """What a kernel that cannot run here raises: a missing driver or device (RuntimeError),
+    refused arguments (ValueError), Triton's compile and resource errors (TritonError)."""
+    errors: tuple[type[Exception], ...] = (RuntimeError, ImportError, ValueError)
+    try:
+        from triton.errors import TritonError
+    except ImportError:  # Triton missing, or a version without the common base class
+        return errors
+    return (*errors, TritonError)
+
+
+def slow_kernel_note(method: str, kernel_ms: float, dense_ms: float) -> str | None:
+    """The warning when `method`'s kernel at a decode step's shape is not faster than the dense
+    bfloat16 product it replaces; None when it is."""
+    if kernel_ms < dense_ms:
+        return None
+    return (
+        f"quantization {method!r}: the Triton dequantizing matmul is not faster than a dense "
+        f"bfloat16 product here ({kernel_ms:.3f} ms against {dense_ms:.3f} ms, 4096 x 4096, one "
+        "row): the weights take less memory, but decoding will not be faster"
+    )
+
+
+@functools.cache
+def triton_slowness(method: str, device: torch.device) -> str | None:
+    """On CUDA, times `method`'s kernel against dense bfloat16 at one row (what a decode step
+    multiplies), best of a few runs, and returns slow_kernel_note's warning; None elsewhere (the
+    interpreter's timings mean nothing). A few ms, once per process."""
+    if device.type != "cuda":
+        return None
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(4096, 4096, generator=generator).to(device, torch.bfloat16)
+    x = torch.randn(1, 4096, generator=generator).to(device, torch.bfloat16)
+    packed = quantize_for_triton(weight, "int8" if method == "int8" else "int4")
+    kernel_ms = _best_cuda_ms(lambda: packed.matmul(x))
+    dense_ms = _best_cuda_ms(lambda: F.linear(x, weight))
+    return slow_kernel_note(method, kernel_ms, dense_ms)
+
+
+def _best_cuda_ms(product: Callable[[], object], runs: int = 5, calls: int = 20) -> float:
+    product()  # compile, allocate
+    best = float("inf")
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            product()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) * 1e3 / calls)
+    return best

@@ -247,3 +247,36 @@ def test_engine_serves_int4_through_the_triton_path(tiny_hf_checkpoint, monkeypa
         tokens[backend] = llm.generate([prompt], params)[0].outputs[0].token_ids
     assert len(tokens["triton"]) == 5
     assert tokens["triton"] == tokens["torch"]
+
+
+@pytest.mark.slow  # the shipped model's 30 layers in the interpreter: ~3 min on 2 shared cores
+def test_shipped_gguf_on_the_triton_path_is_the_files_weights(smollm2_gguf_path, monkeypatch):
+    """The Q4_1 file's blocks, kept as they are and multiplied by the int4 kernel, are its
+    weights exactly (float16 d and m, codes bit for bit): the decoder layers' output equals the
+    float32 model's (the file dequantized) up to summation order. The embedding is left out: the
+    vocabulary matrix is re-quantized to int8 either way (docs/quantization.md)."""
+    from shared.model.attention import TorchPagedAttention
+    from shared.model.attention_metadata import AttentionMetadata, PrefillChunk
+    from shared.model.loader import load_checkpoint
+
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    blocks = load_checkpoint(smollm2_gguf_path, keep_quantized=True)
+    model = _build(blocks, "gguf", blocks.weights)
+    assert isinstance(model.layers[0].self_attn.qkv_proj.qweight, Int4GroupWeight)
+    del blocks
+    monkeypatch.delenv(BACKEND_ENV)
+    floats = load_checkpoint(smollm2_gguf_path)
+    dense = _build(floats, "none", floats.weights)
+    num = 6
+    ids = torch.randint(100, 40000, (num,), generator=torch.Generator().manual_seed(8))
+    arch = model.arch
+    outputs = []
+    for each in (model, dense):
+        cache = torch.zeros(arch.num_layers, 2, 1, 16, arch.num_kv_heads, arch.head_dim)
+        positions = torch.arange(num)
+        meta = AttentionMetadata(positions, 0, [PrefillChunk(0, num, num, torch.arange(1))])
+        hidden = dense.embed_tokens(ids)  # the same input for both
+        backend = TorchPagedAttention(torch.float32)
+        with torch.inference_mode():
+            outputs.append(each.run_layers(hidden, positions, cache, meta, backend))
+    assert _relative_error(outputs[0], outputs[1]) < 1e-4

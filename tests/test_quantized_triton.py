@@ -272,10 +272,12 @@ def test_shipped_gguf_on_the_triton_path_is_the_files_weights(smollm2_gguf_path,
     arch = model.arch
     outputs = []
     for each in (model, dense):
-        cache = torch.zeros(arch.num_layers, 2, 1, 16, arch.num_kv_heads, arch.head_dim)
-        positions = torch.arange(num)
-        meta = AttentionMetadata(positions, 0, [PrefillChunk(0, num, num, torch.arange(1))])
-        hidden = dense.embed_tokens(ids)  # the same input for both
+        shape = (arch.num_layers, 2, 1, 16, arch.num_kv_heads, arch.head_dim)
+        cache = torch.zeros(shape, device=DEVICE)
+        positions = torch.arange(num, device=DEVICE)
+        chunk = PrefillChunk(0, num, num, torch.arange(1, device=DEVICE))
+        meta = AttentionMetadata(positions, 0, [chunk])
+        hidden = dense.embed_tokens(ids.to(DEVICE))  # the same input for both
         backend = TorchPagedAttention(torch.float32)
         with torch.inference_mode():
             outputs.append(each.run_layers(hidden, positions, cache, meta, backend))

@@ -12,9 +12,11 @@ works where Triton is not installed; `has_triton()` says whether they can be use
 | fused_add_rms_norm                       | kernels.rms_norm          |
 | rotary_embedding                         | kernels.rotary            |
 | grouped_gemm                             | kernels.moe_gemm          |
+| int8_matmul, int4_group_matmul           | kernels.dequant_matmul    |
 
-The engine uses the attention, KV and grouped-GEMM (MoE) wrappers on CUDA; `kernels/README.md`
-says which module serves whom, and why RMSNorm and rotary are not wired into the model yet.
+The engine uses the attention, KV, grouped-GEMM (MoE) and dequantizing-matmul (quantized
+weights) wrappers on CUDA; `kernels/README.md` says which module serves whom, and why RMSNorm
+and rotary are not wired into the model yet.
 
 Module names differ from the wrappers' names on purpose: a submodule imported as
 `kernels.paged_decode_attention` would shadow the function of that name on the package.
@@ -33,6 +35,8 @@ _TRITON_WRAPPERS = {
     "fused_add_rms_norm": "kernels.rms_norm",
     "rotary_embedding": "kernels.rotary",
     "grouped_gemm": "kernels.moe_gemm",
+    "int8_matmul": "kernels.dequant_matmul",
+    "int4_group_matmul": "kernels.dequant_matmul",
 }
 
 __all__ = ["has_triton", *_TRITON_WRAPPERS]

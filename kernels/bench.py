@@ -5,8 +5,10 @@ For each kernel: check the result on CUDA against `kernels.reference`, time it w
 achieves (bytes it must move / time) next to the device's copy bandwidth measured the same way,
 so "% of copy" says how close a memory-bound kernel is to the roofline. Decode attention is also
 checked and timed against `torch.nn.functional.scaled_dot_product_attention` on contiguous K/V
-of the same sizes: the same bytes without paging, a bar the paged kernel should meet. Prints
-figures; never asserts a speed. Exits 1 if any result disagrees with its reference.
+of the same sizes: the same bytes without paging, a bar the paged kernel should meet; the
+dequantizing matmuls beside a dense product of the same sizes in the run's dtype at 1, 16 and
+256 rows (kernels/bench_dequant.py). Prints figures; never asserts a speed. Exits 1 if any
+result disagrees with its reference.
 
 `--smoke` runs the same steps and checks with tiny shapes on whatever device there is: CUDA
 (still timed by do_bench), or the CPU under Triton's interpreter (TRITON_INTERPRET=1, timed by
@@ -60,6 +62,9 @@ class BenchShapes:
     page_cache_blocks: int  # blocks in the cache
     page_blocks: int  # blocks packed and unpacked
     copy_buffer_bytes: int  # the copy-bandwidth reference moves twice this (read + write)
+    # Dequantizing matmuls (kernels/bench_dequant.py): weights (out, in) and rows of x.
+    dequant_shapes: tuple[tuple[int, int], ...]
+    dequant_rows: tuple[int, ...]
 
     def __post_init__(self) -> None:
         for size in self.decode_partition_sizes:
@@ -110,6 +115,10 @@ FULL = BenchShapes(
     page_cache_blocks=2048,
     page_blocks=512,
     copy_buffer_bytes=1 << 29,
+    # SmolLM2-135M's gate_up and down, a Llama-3-8B-like q/o and gate (or up); decode rows,
+    # a decode batch, a prefill chunk.
+    dequant_shapes=((3072, 576), (576, 1536), (4096, 4096), (14336, 4096)),
+    dequant_rows=(1, 16, 256),
 )
 
 # Odd sizes on purpose: a context that ends mid-block and mid-partition, a GQA group of 3
@@ -133,6 +142,8 @@ SMOKE = BenchShapes(
     page_cache_blocks=8,
     page_blocks=3,
     copy_buffer_bytes=1 << 20,
+    dequant_shapes=((100, 64),),  # 100: not a multiple of the kernels' 64-column tile
+    dequant_rows=(1, 3),
 )
 
 
@@ -467,6 +478,8 @@ def bench_rotary(ctx: BenchContext) -> list[Timing]:
 
 
 def bench_steps(ctx: BenchContext) -> list[tuple[str, Callable[[], list[Timing]]]]:
+    from kernels.bench_dequant import bench_dequant_matmul  # it imports this module
+
     layouts = ctx.shapes.head_layouts
     return [
         *[(f"decode {lay}", lambda lay=lay: bench_decode(ctx, lay)) for lay in layouts],
@@ -475,6 +488,7 @@ def bench_steps(ctx: BenchContext) -> list[tuple[str, Callable[[], list[Timing]]
         ("pack/unpack", lambda: bench_pages(ctx)),
         ("rms norm", lambda: bench_rms_norm(ctx)),
         ("rotary", lambda: bench_rotary(ctx)),
+        ("dequantizing matmul", lambda: bench_dequant_matmul(ctx)),
     ]
 
 
@@ -524,6 +538,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="tiny shapes, any device: runs every check and code path quickly",
     )
+    parser.add_argument(
+        "--step",
+        default="",
+        help="only the steps whose title contains this (e.g. 'dequant', 'decode')",
+    )
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     shapes = SMOKE if args.smoke else FULL
@@ -542,7 +561,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{copy_gbps:.1f} GB/s",
         flush=True,
     )
-    steps = bench_steps(ctx)
+    steps = [(title, step) for title, step in bench_steps(ctx) if args.step in title]
+    if not steps:
+        titles = ", ".join(title for title, _ in bench_steps(ctx))
+        parser.error(f"--step {args.step!r} matches no step (steps: {titles})")
     for i, (title, step) in enumerate(steps, 1):
         print(f"[{i}/{len(steps)}] {title}", flush=True)
         for timing in step():

@@ -211,3 +211,48 @@ def grouped_gemm(
             product = product * row_scale[start:end, None].float()
         out[start:end] = product.to(x.dtype)
     return out
+
+
+# ---- weight-only quantized products (kernels/dequant_matmul.py) -----------------------------
+
+INT4_GROUP_SIZE = 32  # columns per scale and minimum: one GGUF Q4 block
+
+
+def pack_int4_groups(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K_pad] (values 0..15, K_pad a multiple of 32) -> [N, K_pad / 2] uint8: byte
+    16g + j holds column 32g + j (low nibble) and 32g + j + 16 (high nibble), ggml's Q4 order."""
+    rows, cols = codes.shape
+    groups = codes.to(torch.uint8).view(rows, cols // INT4_GROUP_SIZE, 2, INT4_GROUP_SIZE // 2)
+    return (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(rows, cols // 2)
+
+
+def unpack_int4_groups(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_int4_groups: [N, K_pad / 2] uint8 -> codes [N, K_pad] uint8."""
+    rows, num_bytes = packed.shape
+    groups = packed.view(rows, num_bytes // (INT4_GROUP_SIZE // 2), 1, INT4_GROUP_SIZE // 2)
+    return torch.cat([groups & 15, groups >> 4], dim=2).reshape(rows, num_bytes * 2)
+
+
+def dequantize_int4_groups(
+    packed: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor
+) -> torch.Tensor:
+    """float32 [N, K_pad]: `scales[n, g] * code + minimums[n, g]`, g = k // 32."""
+    codes = unpack_int4_groups(packed).float()
+    rows, cols = codes.shape
+    grouped = codes.view(rows, cols // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+    weight = grouped * scales.float()[..., None] + minimums.float()[..., None]
+    return weight.view(rows, cols)
+
+
+def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (codes [N, K_pad] * scales [N, 1])[:, :K].T -> [M, N] in x's dtype."""
+    weight = codes[:, : x.shape[1]].float() * scales.float()[:, None]
+    return (x.float() @ weight.T).to(x.dtype)
+
+
+def int4_group_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor
+) -> torch.Tensor:
+    """x [M, K] @ dequantize_int4_groups(...)[:, :K].T -> [M, N] in x's dtype."""
+    weight = dequantize_int4_groups(packed, scales, minimums)[:, : x.shape[1]]
+    return (x.float() @ weight.T).to(x.dtype)

@@ -30,7 +30,8 @@ class ModelConfig:
     max_model_len: int | None = None
     device: str = "cpu"
     # Weight-only quantization (vLLM's name): "none", "int8" (per output channel), "int4"
-    # (groups of 32), "gguf" (a GGUF file's Q4_0/Q4_1 blocks kept as they are). CPU only.
+    # (groups of 32), "gguf" (a GGUF file's Q4_0/Q4_1 blocks kept as they are). CPU (torch's
+    # packed kernels) or CUDA (Triton dequantizing matmuls).
     quantization: str = "none"
 
     def __post_init__(self) -> None:
@@ -41,9 +42,9 @@ class ModelConfig:
                 f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
                 f"got {self.quantization!r}"
             )
-        if self.quantization != "none" and not self.device.startswith("cpu"):
+        if self.quantization != "none" and not self.device.startswith(("cpu", "cuda")):
             raise ValueError(
-                f"quantization {self.quantization!r} runs on the CPU only, device is "
+                f"quantization {self.quantization!r} runs on the CPU or CUDA only, device is "
                 f"{self.device!r}"
             )
         if self.quantization == "gguf" and not str(self.model or ".gguf").endswith(".gguf"):

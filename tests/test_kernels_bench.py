@@ -61,6 +61,9 @@ def expected_check_names(shapes: bench.BenchShapes) -> set[str]:
         names |= {f"rotary {layout} query", f"rotary {layout} key"}
     for hidden in shapes.norm_hidden_sizes:
         names |= {f"fused_add_rms_norm h{hidden}", f"fused_add_rms_norm h{hidden} residual"}
+    for out, inner in shapes.dequant_shapes:
+        for rows in shapes.dequant_rows:
+            names |= {f"int8 matmul {rows}x{inner}->{out}", f"int4 matmul {rows}x{inner}->{out}"}
     return names
 
 
@@ -95,8 +98,14 @@ def test_smoke_run_checks_every_kernel_against_its_reference(dtype):
     shapes = bench.SMOKE
     num_decode_rows = len(shapes.decode_partition_sizes) + 2
     num_rows_per_layout = num_decode_rows + len(shapes.prefill_shapes) + 1  # + rotary
+    # int8, int4 and dense per dequantizing-matmul shape and row count
+    num_dequant_rows = 3 * len(shapes.dequant_shapes) * len(shapes.dequant_rows)
     expected_rows = (
-        len(shapes.head_layouts) * num_rows_per_layout + 1 + 3 + len(shapes.norm_hidden_sizes)
+        len(shapes.head_layouts) * num_rows_per_layout
+        + 1
+        + 3
+        + len(shapes.norm_hidden_sizes)
+        + num_dequant_rows
     )
     assert len(rows) == expected_rows, result.stdout
     assert all(" us " in row and "% of copy" in row for row in rows)
@@ -147,3 +156,14 @@ def test_shapes_reject_a_partition_size_the_decode_kernel_refuses():
     for size in (24, 8, 0):
         with pytest.raises(ValueError, match="partition size"):
             dataclasses.replace(bench.SMOKE, decode_partition_sizes=(size,))
+
+
+def test_step_option_runs_only_the_matching_steps():
+    # The GPU runbook times the dequantizing matmuls alone with --step dequant.
+    result = run_bench("--smoke", "--step", "dequant", interpret=os.environ["TRITON_INTERPRET"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    names = {name for name, _, _ in CHECK_LINE.findall(result.stdout)}
+    assert names and all(" matmul " in name for name in names)
+    assert "[1/1] dequantizing matmul" in result.stdout
+    refused = run_bench("--smoke", "--step", "nothing", interpret="1")
+    assert refused.returncode != 0 and "matches no step" in refused.stderr

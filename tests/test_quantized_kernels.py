@@ -195,10 +195,12 @@ def test_gguf_needs_a_gguf_file():
     ModelConfig(model="/models/llama-dir", quantization="int4")
 
 
-def test_quantization_needs_the_cpu_device():
-    with pytest.raises(ValueError, match="CPU only"):
-        ModelConfig(quantization="int4", device="cuda")
-    ModelConfig(quantization="none", device="cuda")
+def test_quantization_needs_the_cpu_or_cuda():
+    # CUDA multiplies through the Triton dequantizing matmuls (tests/test_quantized_triton.py).
+    with pytest.raises(ValueError, match="CPU or CUDA only"):
+        ModelConfig(quantization="int4", device="mps")
+    ModelConfig(quantization="int4", device="cuda")
+    ModelConfig(quantization="none", device="mps")
 
 
 def test_missing_kernel_falls_back_to_dense_with_a_warning(monkeypatch, caplog):
@@ -211,8 +213,8 @@ def test_missing_kernel_falls_back_to_dense_with_a_warning(monkeypatch, caplog):
     assert "no int8 kernel" in caplog.text and "no memory is saved" in caplog.text
 
 
-def test_quantization_is_cpu_only():
-    with pytest.raises(ValueError, match="CPU only"):
+def test_quantization_is_cpu_or_cuda_only():
+    with pytest.raises(ValueError, match="CPU or CUDA only"):
         effective_method("int8", torch.device("meta"))
 
 

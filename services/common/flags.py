@@ -154,8 +154,9 @@ def add_quantization_flag(parser: argparse._ActionsContainer) -> None:
         "--quantization",
         default="none",
         choices=QUANTIZATION_METHODS,
-        help="weight-only quantization on the CPU: int8 per channel, int4 in groups of 32, or "
-        "gguf (a .gguf model's Q4_0/Q4_1 blocks as they are); docs/quantization.md",
+        help="weight-only quantization (CPU, or CUDA through Triton): int8 per channel, int4 "
+        "in groups of 32, or gguf (a .gguf model's Q4_0/Q4_1 blocks as they are); "
+        "docs/quantization.md",
     )
 
 

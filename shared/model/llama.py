@@ -31,6 +31,7 @@ from shared.model.quantization import (
     log_gguf_notes,
     make_linear,
     pack_weight,
+    select_quantized_backend,
     weight_nbytes,
 )
 from shared.model.rotary import RotaryAngles, RotaryEmbedding
@@ -158,6 +159,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.quantization = effective_method(quantization, device)
+        # Which kernels the packed layers multiply with, so which layout they keep: torch's
+        # CPU kernels or the Triton dequantizing matmuls (CUDA); packed straight onto `device`.
+        self.quantized_backend = (
+            select_quantized_backend(device) if self.quantization != "none" else "torch"
+        )
+        self.weight_device = device
         if arch.moe is not None and self.quantization != "none":
             raise ValueError(
                 f"quantization {quantization!r} does not support mixture-of-experts models "
@@ -184,11 +191,12 @@ class LlamaForCausalLM(nn.Module):
         if self.quantization != "none":
             # One int8 copy serves the lookup and, tied, the head (quantization.py says why).
             vocab, hidden = self.arch.vocab_size, self.arch.hidden_size
-            self.embed_tokens = QuantizedEmbedding(vocab, hidden, dtype)
+            options = dict(device=device, backend=self.quantized_backend)
+            self.embed_tokens = QuantizedEmbedding(vocab, hidden, dtype, **options)
             self.lm_head = (
                 self.embed_tokens
                 if self.arch.tie_word_embeddings
-                else QuantizedEmbedding(vocab, hidden, dtype)
+                else QuantizedEmbedding(vocab, hidden, dtype, **options)
             )
         elif self.arch.tie_word_embeddings:
             # to_empty replaces parameters one module at a time, which unties them.
@@ -269,7 +277,11 @@ class LlamaForCausalLM(nn.Module):
             if name in packed:
                 module = packed.pop(name)
                 is_linear = isinstance(module, QuantizedLinear)
-                module.load(pack_weight(tensor, self.quantization) if is_linear else tensor)
+                if is_linear:
+                    tensor = pack_weight(
+                        tensor, self.quantization, self.quantized_backend, self.weight_device
+                    )
+                module.load(tensor)
                 continue
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} for this architecture")

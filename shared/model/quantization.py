@@ -15,6 +15,10 @@ which per-row int8 cannot hold exactly: it is re-quantized (logged).
 
 Where torch's packed CPU kernel is missing or wrong (checked once on a small product), the
 model is built dense instead, with a warning: slower and larger, never silently so.
+
+On CUDA (`select_quantized_backend`) the same methods keep the layouts the Triton dequantizing
+matmuls read (shared/model/quantized_triton.py), packed on the device; where Triton is missing
+or its kernels fail their check, the model is built dense, with a warning, as on the CPU.
 """
 
 from __future__ import annotations
@@ -35,13 +39,24 @@ from shared.model.quantized_linear import (
     kernels_usable,
     quantize,
     quantize_int8,
-    quantized_matmul,
     warn_if_kernel_is_slow,
+)
+from shared.model.quantized_triton import (
+    QuantizedBackend,
+    TritonInt8Weight,
+    TritonWeight,
+    int4_group_weight,
+    quantize_for_triton,
+    select_quantized_backend,
+    to_triton_int8,
+    triton_kernel_problem,
+    triton_slowness,
 )
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["QUANTIZATION_METHODS"]  # re-exported for the model's callers
+_CPU = torch.device("cpu")
 # Which packed kernels each method needs.
 _KERNELS = {"int8": ("int8",), "int4": ("int8", "int4"), "gguf": ("int8", "int4")}
 
@@ -50,12 +65,31 @@ def effective_method(method: str, device: torch.device) -> str:
     """`method`, or "none" (with a warning) where its kernels cannot run here."""
     if method == "none":
         return method
-    if device.type != "cpu":
-        raise ValueError(f"quantization {method!r} is implemented for the CPU only")
+    if select_quantized_backend(device) == "triton":
+        if not triton_kernels_usable(method, device):
+            return "none"
+        note = triton_slowness(method, device)
+        if note is not None:
+            logger.warning(note)
+        return method
     if not all(kernels_usable(kernel) for kernel in _KERNELS[method]):
         return "none"
     warn_if_kernel_is_slow("int8" if method == "int8" else "int4")
     return method
+
+
+def triton_kernels_usable(method: str, device: torch.device) -> bool:
+    """Whether the Triton kernels run right on `device`; logs a warning when they do not."""
+    problem = triton_kernel_problem(device)
+    if problem is not None:
+        logger.warning(
+            "quantization %r: the Triton dequantizing matmuls are not usable on %s (%s); the "
+            "weights are dequantized and run densely instead (no memory is saved)",
+            method,
+            device,
+            problem,
+        )
+    return problem is None
 
 
 def make_linear(in_features: int, out_features: int, method: str) -> nn.Module:
@@ -64,8 +98,15 @@ def make_linear(in_features: int, out_features: int, method: str) -> nn.Module:
     return QuantizedLinear(in_features, out_features, method)
 
 
-def pack_weight(weight: torch.Tensor | BlockQuantized, method: str) -> QuantizedWeight:
-    """A decoder matrix in `method`'s packed form."""
+def pack_weight(
+    weight: torch.Tensor | BlockQuantized,
+    method: str,
+    backend: QuantizedBackend = "torch",
+    device: torch.device = _CPU,
+) -> QuantizedWeight | TritonWeight:
+    """A decoder matrix in `method`'s packed form for `backend`'s kernels, on `device`."""
+    if backend == "triton":
+        return _pack_for_triton(weight, method, device)
     if isinstance(weight, BlockQuantized):
         if method == "gguf":
             return int4_from_codes(
@@ -73,6 +114,19 @@ def pack_weight(weight: torch.Tensor | BlockQuantized, method: str) -> Quantized
             )
         weight = weight.dequantize()  # blocks only come with "gguf"; kept general
     return quantize(weight, "int8" if method == "gguf" else method)
+
+
+def _pack_for_triton(
+    weight: torch.Tensor | BlockQuantized, method: str, device: torch.device
+) -> TritonWeight:
+    """Moved to the device first: quantizing there is the fast part of loading on a GPU."""
+    if isinstance(weight, BlockQuantized):
+        if method == "gguf":
+            parts = (weight.codes, weight.scale, weight.minimum)
+            codes, scale, minimum = (part.to(device) for part in parts)
+            return int4_group_weight(codes, scale, minimum, in_features=weight.shape[1])
+        weight = weight.dequantize()
+    return quantize_for_triton(weight.to(device), "int8" if method == "gguf" else method)
 
 
 def dense(weight: torch.Tensor | BlockQuantized) -> torch.Tensor:
@@ -106,10 +160,18 @@ class QuantizedEmbedding(nn.Module):
     tied or as the separate head, multiplied for the logits (a row's scale is then its output
     channel's)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device = _CPU,
+        backend: QuantizedBackend = "torch",
+    ) -> None:
         super().__init__()
         self.vocab_size, self.hidden_size, self.dtype = vocab_size, hidden_size, dtype
-        self.qweight: Int8Weight | None = None
+        self.device, self.backend = device, backend
+        self.qweight: Int8Weight | TritonInt8Weight | None = None
 
     def load(self, weight: torch.Tensor | BlockQuantized) -> None:
         weight = dense(weight)
@@ -118,7 +180,8 @@ class QuantizedEmbedding(nn.Module):
                 f"vocabulary matrix has shape {tuple(weight.shape)}, expected "
                 f"{(self.vocab_size, self.hidden_size)}"
             )
-        self.qweight = quantize_int8(weight)
+        packed = quantize_int8(weight.to(self.device))
+        self.qweight = to_triton_int8(packed) if self.backend == "triton" else packed
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] -> [num_tokens, hidden] in the model's dtype."""
@@ -129,7 +192,7 @@ class QuantizedEmbedding(nn.Module):
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> logits [rows, vocab] in hidden's dtype."""
         assert self.qweight is not None, "QuantizedEmbedding used before load()"
-        return quantized_matmul(hidden, self.qweight)
+        return self.qweight.matmul(hidden)
 
 
 def weight_nbytes(model: nn.Module) -> int:

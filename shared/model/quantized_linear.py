@@ -34,10 +34,14 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:  # quantized_triton imports this module
+    from shared.model.quantized_triton import TritonWeight
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +88,10 @@ class Int8Weight:
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_padded] bfloat16 -> [rows, out] bfloat16."""
         return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] -> [rows, out] in x's dtype (the layer's product)."""
+        return quantized_matmul(x, self)
 
 
 @dataclass(frozen=True)
@@ -146,6 +154,10 @@ class Int4Weight:
             x, self.packed, GROUP_SIZE, self.scales_zeros
         )
 
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] -> [rows, out_features] in x's dtype (the layer's product)."""
+        return quantized_matmul(x, self)
+
 
 QuantizedWeight = Int8Weight | Int4Weight
 
@@ -167,6 +179,14 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
 
 def quantize_int4(weight: torch.Tensor) -> Int4Weight:
     """Asymmetric int4 of `weight` [out, in] in groups of 32 along `in` (min/max per group)."""
+    codes, scale, low = int4_groups(weight)
+    return int4_from_codes(codes, scale, low, weight.shape[1])
+
+
+def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`weight` [out, in] as (codes [out, in_padded] uint8 in 0..15, scale, minimum
+    [out, in_padded / 32] float32): min/max per group of 32, round to nearest; any layout's
+    int4 (the CPU kernel's, the Triton one's) packs these."""
     w = weight.detach().float()
     out_features, in_features = w.shape
     padded = _pad2d(w, out_features, _pad_to(in_features, GROUP_SIZE))
@@ -174,7 +194,7 @@ def quantize_int4(weight: torch.Tensor) -> Int4Weight:
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = ((high - low) / 15).clamp_min(1e-12)
     codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
-    return int4_from_codes(codes.view(out_features, -1).to(torch.uint8), scale, low, in_features)
+    return codes.view(out_features, -1).to(torch.uint8), scale, low
 
 
 def int4_from_codes(
@@ -238,9 +258,10 @@ class QuantizedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, method: str) -> None:
         super().__init__()
         self.in_features, self.out_features, self.method = in_features, out_features, method
-        self.qweight: QuantizedWeight | None = None
+        # Any packed layout with `matmul`: the CPU ones here, or quantized_triton's on CUDA.
+        self.qweight: QuantizedWeight | TritonWeight | None = None
 
-    def load(self, packed: QuantizedWeight) -> None:
+    def load(self, packed: QuantizedWeight | TritonWeight) -> None:
         """Sets the packed weight (shared.model.quantization.pack_weight makes it)."""
         shape = (packed.out_features, packed.in_features)
         if shape != (self.out_features, self.in_features):
@@ -252,7 +273,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.qweight is not None, "QuantizedLinear used before load()"
-        return quantized_matmul(x, self.qweight)
+        return self.qweight.matmul(x)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, method={self.method}"

@@ -1,0 +1,225 @@
+"""Dequantizing matmuls for weight-only quantized linear layers: `y = x @ dequant(W).T`.
+
+Two layouts, both plain enough for a tile to read its codes straight from memory (no
+dequantized copy of the weight is ever made; each program dequantizes the tile it multiplies):
+
+- int8 per output channel: `codes [N, K_pad] int8`, `scales [N]`; `W[n, k] = codes * scales[n]`.
+  The scale is constant along k, so it is applied once to the accumulated row, after the loop.
+- int4 in groups of 32 along k (`kernels.reference.pack_int4_groups` says the byte order):
+  `packed [N, K_pad / 2] uint8`, `scales`, `minimums [N, K_pad / 32]`;
+  `W[n, k] = scales[n, g] * code + minimums[n, g]` with g = k // 32. Byte 16g + j holds column
+  32g + j in its low nibble and 32g + j + 16 in its high one: ggml's Q4_0 / Q4_1 block order, so
+  a GGUF block's 16 nibble bytes are this layout's bytes as they are (Q4_0: minimum = -8 d).
+  A tile of BLOCK_K columns is BLOCK_K / 2 consecutive bytes per row; its low nibbles meet the
+  first 16 columns of each group and its high nibbles the last 16, so each tile is two dots
+  of BLOCK_K / 2, with no interleaving of nibbles.
+
+The weight is dequantized in float32 and rounded once to x's dtype before the dot (rounding
+`code * scale` and then `+ minimum` separately loses most of a weight near zero in a group
+whose minimum is far from it, see shared/model/quantized_linear.py); products accumulate in
+float32. x's K may be shorter than the layout's padded K_pad: columns past K are never read.
+
+Tile sizes are a first guess, not tuned: no GPU has run these kernels (kernels/README.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import _checks as checks
+from kernels._paged_tile import dot, dot_meta
+
+GROUP_SIZE = 32  # int4 columns sharing one scale and minimum (one GGUF block)
+_BLOCK_N = 64
+_BLOCK_K = 64  # int4: two groups (32 bytes of codes) per row and step
+SCALE_DTYPES = checks.FLOAT_DTYPES
+
+
+@triton.jit
+def _int8_matmul_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_cn,
+    stride_om,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(
+            x_ptr + rows[:, None] * stride_xm + ks[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_K]
+        codes = tl.load(
+            codes_ptr + cols[None, :].to(tl.int64) * stride_cn + ks[:, None],
+            mask=k_ok[:, None] & col_ok[None, :],
+            other=0,
+        )  # [BLOCK_K, BLOCK_N]: W's [N, K] codes read transposed
+        # |code| <= 127 is exact in every float dtype, so only the scale is left to apply.
+        # Through float32: Triton's interpreter casts int8 to bfloat16 by reinterpreting the
+        # bits (NaNs); on a GPU the extra convert is free beside the load.
+        acc += dot(a, codes.to(tl.float32).to(a.dtype), DOT_PRECISION, UPCAST_DOT)
+    acc *= tl.load(scales_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _int4_matmul_kernel(
+    x_ptr,
+    packed_ptr,
+    scales_ptr,
+    minimums_ptr,
+    out_ptr,
+    M,
+    N,
+    K,  # x's columns
+    K_PAD,  # the layout's columns (a multiple of 32)
+    stride_xm,
+    stride_pn,
+    stride_sn,
+    stride_om,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    byte_in_tile = tl.arange(0, BLOCK_K // 2)
+    # The column each byte's low nibble holds, relative to the tile's first column: bytes
+    # 16g..16g+15 hold columns 32g..32g+15 (low) and 32g+16..32g+31 (high).
+    low_col_in_tile = (byte_in_tile // 16) * 32 + byte_in_tile % 16
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K_PAD, BLOCK_K):
+        byte = k0 // 2 + byte_in_tile
+        byte_ok = byte < K_PAD // 2
+        w_mask = byte_ok[:, None] & col_ok[None, :]
+        packed = tl.load(
+            packed_ptr + cols[None, :].to(tl.int64) * stride_pn + byte[:, None],
+            mask=w_mask,
+            other=0,
+        )  # [BLOCK_K / 2, BLOCK_N] uint8
+        group_offsets = cols[None, :].to(tl.int64) * stride_sn + (byte // 16)[:, None]
+        scale = tl.load(scales_ptr + group_offsets, mask=w_mask, other=0.0).to(tl.float32)
+        minimum = tl.load(minimums_ptr + group_offsets, mask=w_mask, other=0.0).to(tl.float32)
+        low_cols = k0 + low_col_in_tile
+        a_low = tl.load(
+            x_ptr + rows[:, None] * stride_xm + low_cols[None, :],
+            mask=row_ok[:, None] & (low_cols < K)[None, :],
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_K / 2]
+        a_high = tl.load(
+            x_ptr + rows[:, None] * stride_xm + (low_cols + 16)[None, :],
+            mask=row_ok[:, None] & (low_cols + 16 < K)[None, :],
+            other=0.0,
+        )
+        w_low = ((packed & 15).to(tl.float32) * scale + minimum).to(a_low.dtype)
+        w_high = ((packed >> 4).to(tl.float32) * scale + minimum).to(a_low.dtype)
+        acc += dot(a_low, w_low, DOT_PRECISION, UPCAST_DOT)
+        acc += dot(a_high, w_high, DOT_PRECISION, UPCAST_DOT)
+    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _block_m(num_rows: int) -> int:
+    """16 rows (tl.dot's least) for decode steps, up to 64 for prefill chunks."""
+    return min(64, max(16, triton.next_power_of_2(num_rows)))
+
+
+def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`x @ (codes * scales[:, None])[:, :K].T` -> [M, N] in x's dtype, float32 inside.
+
+    x: [M, K] float, last dim contiguous; codes: [N, K_pad] int8 contiguous, K <= K_pad (the
+    padding columns are not read); scales: [N] any float dtype, contiguous. Mutates nothing.
+    """
+    checks.check_tensor("x", x, 2, checks.FLOAT_DTYPES)
+    checks.check_last_dim_contiguous("x", x)
+    checks.check_tensor("codes", codes, 2, (torch.int8,))
+    checks.check_contiguous("codes", codes)
+    _check_inner_size(x, codes.shape[1])
+    checks.check_tensor("scales", scales, 1, SCALE_DTYPES)
+    checks.check_shape("scales", scales, (codes.shape[0],))
+    checks.check_contiguous("scales", scales)
+    checks.check_same_device(dict(x=x, codes=codes, scales=scales))
+    num_rows, num_cols = x.shape[0], codes.shape[0]
+    out = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    block_m = _block_m(num_rows)
+    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, _BLOCK_N))
+    _int8_matmul_kernel[grid](
+        x, codes, scales, out, num_rows, num_cols, x.shape[1], x.stride(0), codes.stride(0),
+        out.stride(0), BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, **dot_meta(x.dtype),
+    )  # fmt: skip
+    return out
+
+
+def int4_group_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor
+) -> torch.Tensor:
+    """`x @ dequant(W)[:, :K].T` -> [M, N] in x's dtype, float32 inside (the module docstring
+    gives the layout).
+
+    x: [M, K] float, last dim contiguous; packed: [N, K_pad / 2] uint8 contiguous, K_pad a
+    multiple of 32 and K <= K_pad; scales, minimums: [N, K_pad / 32], one float dtype,
+    contiguous. Mutates nothing.
+    """
+    checks.check_tensor("x", x, 2, checks.FLOAT_DTYPES)
+    checks.check_last_dim_contiguous("x", x)
+    checks.check_tensor("packed", packed, 2, (torch.uint8,))
+    checks.check_contiguous("packed", packed)
+    padded = packed.shape[1] * 2
+    if padded % GROUP_SIZE:
+        raise ValueError(
+            f"packed must hold whole groups of {GROUP_SIZE} columns ({GROUP_SIZE // 2} bytes) "
+            f"per row, got shape {tuple(packed.shape)}"
+        )
+    _check_inner_size(x, padded)
+    groups = (packed.shape[0], padded // GROUP_SIZE)
+    for name, tensor in (("scales", scales), ("minimums", minimums)):
+        checks.check_tensor(name, tensor, 2, SCALE_DTYPES)
+        checks.check_shape(name, tensor, groups)
+        checks.check_contiguous(name, tensor)
+    checks.check_same_dtype("minimums", minimums, "scales", scales)
+    checks.check_same_device(dict(x=x, packed=packed, scales=scales, minimums=minimums))
+    num_rows, num_cols = x.shape[0], packed.shape[0]
+    out = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    block_m = _block_m(num_rows)
+    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, _BLOCK_N))
+    _int4_matmul_kernel[grid](
+        x, packed, scales, minimums, out, num_rows, num_cols, x.shape[1], padded, x.stride(0),
+        packed.stride(0), scales.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
+        BLOCK_K=_BLOCK_K, **dot_meta(x.dtype),
+    )  # fmt: skip
+    return out
+
+
+def _check_inner_size(x: torch.Tensor, padded: int) -> None:
+    if x.shape[1] > padded:
+        raise ValueError(
+            f"x has {x.shape[1]} columns but the weight only {padded} (its in_features, padded)"
+        )

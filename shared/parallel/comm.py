@@ -79,8 +79,9 @@ class Communicator:
         receive_counts[s] rows from each rank s, concatenated in rank order. rows: [N, ...]."""
         start = time.perf_counter()
         out = rows.new_empty((sum(receive_counts), *rows.shape[1:]))
+        rows = rows.contiguous()
         options = dist.AllToAllOptions()
-        self.group.alltoall_base(out, rows.contiguous(), receive_counts, send_counts, options).wait()
+        self.group.alltoall_base(out, rows, receive_counts, send_counts, options).wait()
         self._count_all_to_all(start)
         return out
 

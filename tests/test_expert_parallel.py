@@ -8,20 +8,27 @@ on tiny random Mixtral- and Qwen2-MoE-shaped checkpoints (tests/conftest.py buil
 - tensor-parallel MoE (each expert's intermediate size split): the same tokens;
 - a disaggregated request with an expert-parallel prefill or decode engine equals colocated;
 - sizes that do not split the experts are a ValueError naming the numbers, before any rank
-  starts.
+  starts;
+- the dispatch alone (two ranks as threads of this process on a real gloo group): the ranks'
+  outputs add up to one process's fused step, for the CPU and the Triton expert products.
 
 Ranks are real processes, one torch thread each.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 import torch
 
 from shared import LLM, SamplingParams
 from shared.config import ParallelConfig
-from shared.model.moe_layer import moe_blocks
-from shared.parallel.expert_parallel import token_share
+from shared.model.moe import route_tokens, sort_by_expert, torch_experts, triton_experts
+from shared.model.moe_layer import moe_blocks, prepare_expert_weights
+from shared.parallel.comm import Communicator, connect_store, make_store
+from shared.parallel.expert_parallel import ExpertAllToAll, token_share
 from tests.hf_reference import transformers_greedy
 from tests.test_disaggregation_engine import disaggregated
 
@@ -207,3 +214,67 @@ def test_token_shares_cover_every_row_once(num_tokens, world_size):
     assert rows == list(range(num_tokens))
     sizes = [share.stop - share.start for share in shares]
     assert max(sizes) - min(sizes) <= 1
+
+
+def _on_two_ranks(action) -> list:
+    """action(comm) on ranks 0 and 1 of a gloo group, each in a thread; their results."""
+    store = make_store(2, timeout_s=30)
+    results: list = [None, None]
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            rank_store = store if r == 0 else connect_store(store.port, 2, timeout_s=30)
+            results[r] = action(Communicator(rank_store, r, 2, timeout_s=30))
+        except BaseException as error:  # re-raised below, in the test's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+EXPERT_FNS = [torch_experts]
+if os.environ.get("TRITON_INTERPRET") == "1":  # the Triton grouped GEMM, in the interpreter
+    EXPERT_FNS.append(triton_experts)
+
+
+@pytest.mark.parametrize("experts_fn", EXPERT_FNS, ids=lambda fn: fn.__name__)
+@pytest.mark.parametrize("num_tokens", [1, 7, 33])
+def test_dispatch_over_two_ranks_adds_up_to_one_process(experts_fn, num_tokens):
+    num_experts, hidden, inter, top_k = 8, 16, 12, 2
+    generator = torch.Generator().manual_seed(num_tokens)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=generator) / hidden**0.5
+    down = torch.randn(num_experts, hidden, inter, generator=generator) / inter**0.5
+    router = torch.randn(num_experts, hidden, generator=generator)
+    x = torch.randn(num_tokens, hidden, generator=generator)
+
+    def route(rows: torch.Tensor):
+        return route_tokens(rows @ router.T, top_k, renormalize=True)
+
+    whole = sort_by_expert(route(x), num_experts)
+    expected = torch_experts(x, prepare_expert_weights(gate_up, down), whole)
+
+    # Triton's interpreter patches module state while it runs: one rank's thread at a time
+    # (ranks are processes in the engine). The products hold no collective, so no deadlock.
+    lock = threading.Lock()
+
+    def one_at_a_time(*args):
+        with lock:
+            return experts_fn(*args)
+
+    def run(comm: Communicator):
+        held = slice(4 * comm.rank, 4 * comm.rank + 4)
+        experts = prepare_expert_weights(gate_up[held], down[held], held.start)
+        return ExpertAllToAll(comm, num_experts).run(x, route, experts, one_at_a_time)
+
+    (out0, counts0), (out1, counts1) = _on_two_ranks(run)
+    torch.testing.assert_close(out0 + out1, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(counts0, whole.counts) and torch.equal(counts1, whole.counts)
+    mine = token_share(num_tokens, 2, 0)
+    assert not out1[mine].any(), "rank 1 writes only its own rows"

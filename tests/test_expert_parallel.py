@@ -246,16 +246,19 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # the Triton grouped GEMM, in the
 
 @pytest.mark.parametrize("experts_fn", EXPERT_FNS, ids=lambda fn: fn.__name__)
 @pytest.mark.parametrize("num_tokens", [1, 7, 33])
-def test_dispatch_over_two_ranks_adds_up_to_one_process(experts_fn, num_tokens):
+@pytest.mark.parametrize("skewed", [False, True], ids=["spread", "all_to_rank_0"])
+def test_dispatch_over_two_ranks_adds_up_to_one_process(experts_fn, num_tokens, skewed):
+    """`skewed`: every row routed to rank 0's experts, so rank 1 receives none."""
     num_experts, hidden, inter, top_k = 8, 16, 12, 2
     generator = torch.Generator().manual_seed(num_tokens)
     gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=generator) / hidden**0.5
     down = torch.randn(num_experts, hidden, inter, generator=generator) / inter**0.5
     router = torch.randn(num_experts, hidden, generator=generator)
     x = torch.randn(num_tokens, hidden, generator=generator)
+    bias = torch.tensor([0.0] * 4 + [-1e4 if skewed else 0.0] * 4)
 
     def route(rows: torch.Tensor):
-        return route_tokens(rows @ router.T, top_k, renormalize=True)
+        return route_tokens(rows @ router.T + bias, top_k, renormalize=True)
 
     whole = sort_by_expert(route(x), num_experts)
     expected = torch_experts(x, prepare_expert_weights(gate_up, down), whole)
@@ -276,5 +279,7 @@ def test_dispatch_over_two_ranks_adds_up_to_one_process(experts_fn, num_tokens):
     (out0, counts0), (out1, counts1) = _on_two_ranks(run)
     torch.testing.assert_close(out0 + out1, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(counts0, whole.counts) and torch.equal(counts1, whole.counts)
+    if skewed:
+        assert whole.counts[4:].sum() == 0, "rank 1's experts got rows"
     mine = token_share(num_tokens, 2, 0)
     assert not out1[mine].any(), "rank 1 writes only its own rows"

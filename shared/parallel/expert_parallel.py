@@ -57,7 +57,9 @@ class ExpertAllToAll:
         local = self._local_columns(counts)  # [n, E_local]: from each source, per local expert
         receive_counts = local.sum(1).tolist()
         received = self.comm.all_to_all(mine[order.token_ids], send_counts, receive_counts)
-        computed = experts_fn(received, experts, self._received_order(local, received.dtype))
+        computed = received  # [0, H] when no row came for this rank's experts
+        if received.shape[0]:
+            computed = experts_fn(received, experts, self._received_order(local, received.dtype))
         returned = self.comm.all_to_all(computed, receive_counts, send_counts)  # send order
         out = torch.zeros_like(x)
         out[rows].index_add_(0, order.token_ids, returned * order.weights[:, None])

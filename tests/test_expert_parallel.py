@@ -207,6 +207,21 @@ def test_bad_expert_parallel_options_are_refused(options, message):
         ParallelConfig(**options)
 
 
+def test_pod_flag_maps_to_the_engine_option():
+    import argparse
+
+    from services.common.flags import add_engine_flags, engine_options
+    from shared.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    argv = ["--tensor-parallel-size", "2", "--enable-expert-parallel"]
+    parallel = EngineConfig.from_options(**engine_options(parser.parse_args(argv))).parallel
+    assert (parallel.tensor_parallel_size, parallel.enable_expert_parallel) == (2, True)
+    default = EngineConfig.from_options(**engine_options(parser.parse_args([])))
+    assert default.parallel.enable_expert_parallel is False
+
+
 @pytest.mark.parametrize(("num_tokens", "world_size"), [(1, 2), (7, 2), (16, 2), (5, 4), (2, 3)])
 def test_token_shares_cover_every_row_once(num_tokens, world_size):
     shares = [token_share(num_tokens, world_size, rank) for rank in range(world_size)]

@@ -1,10 +1,12 @@
 """`python -m benchmarks.moe_parallel`: a mixture-of-experts model over 2 processes (expert
 parallel, and tensor-parallel MoE) against 1 process, on the CPU.
 
-Layouts (`--layouts`, default all three):
+Layouts (`--layouts`, default all four):
 - `single`: one process;
 - `ep2`: tensor_parallel_size 2 with enable_expert_parallel: 4 of the 8 experts per rank, rows
   dispatched and combined by all-to-all (shared/parallel/expert_parallel.py);
+- `ep2_ar`: the same experts per rank, SPLITSERVE_EXPERT_DISPATCH=all_reduce: every rank routes
+  every row through its own experts and the block's all-reduce sums (no rows move);
 - `tp2`: tensor_parallel_size 2 without it: every expert's intermediate size split in two.
 
 Figures per layout and batch size B (`--batch`, default 1 16 64): decode tokens/s of B requests
@@ -31,14 +33,13 @@ import time
 from dataclasses import dataclass
 
 from shared import LLM, SamplingParams
+from shared.parallel.moe_shard import DISPATCH_ENV
 
 MODEL_DIR = os.path.join("build", "bench_moe_parallel_model")
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
-LAYOUTS = {
-    "single": {},
-    "ep2": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
-    "tp2": {"tensor_parallel_size": 2},
-}
+_EP2 = {"tensor_parallel_size": 2, "enable_expert_parallel": True}
+LAYOUTS = {"single": {}, "ep2": _EP2, "ep2_ar": _EP2, "tp2": {"tensor_parallel_size": 2}}
+DISPATCH = {"ep2_ar": "all_reduce"}  # the others: the default (all_to_all)
 FULL_SIZES = {"hidden_size": 512, "intermediate_size": 1792, "num_hidden_layers": 8}
 QUICK_SIZES = {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2}
 
@@ -92,6 +93,7 @@ def measure(model: str, layout: str, args: argparse.Namespace) -> list[Figures]:
     ranks = LAYOUTS[layout].get("tensor_parallel_size", 1)
     threads = args.threads or max(1, (os.cpu_count() or 1) // ranks)
     log(f"{layout}: loading ({threads} thread(s) per rank)")
+    os.environ[DISPATCH_ENV] = DISPATCH.get(layout, "all_to_all")  # the ranks inherit it
     llm = LLM(
         model,
         num_threads=threads,
@@ -118,7 +120,9 @@ def _run(llm: LLM, layout: str, prompt: list[int], batch: int, max_tokens: int) 
     whole_s = _timed(lambda: llm.generate(prompts, decode))
     wall = time.perf_counter() - start
     a2a_after, comm_after = _comm_seconds(llm)
-    tps = batch * max_tokens / max(whole_s - prefill_s, 1e-9)
+    decode_s = whole_s - prefill_s
+    # nan when noise swallowed the decode time (--quick's few tokens on a busy machine)
+    tps = batch * max_tokens / decode_s if decode_s > 0 else float("nan")
     log(f"{layout}: batch {batch}: {tps:.1f} decode tok/s")
     return Figures(
         layout, batch, tps, (a2a_after - a2a_before) / wall, (comm_after - comm_before) / wall

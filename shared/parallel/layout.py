@@ -27,7 +27,7 @@ import torch
 from shared.model.architecture import ModelArchitecture
 from shared.model.moe_layer import moe_blocks
 from shared.parallel.expert_parallel import ExpertAllToAll
-from shared.parallel.moe_shard import MoeShard, check_moe_parallel
+from shared.parallel.moe_shard import MoeShard, check_moe_parallel, expert_dispatch
 from shared.parallel.ops import Opcode, send
 from shared.parallel.step_tensors import pack_chunks, unpack_chunks
 
@@ -102,7 +102,8 @@ class TensorParallelLayout:
     ) -> TensorParallelLayout:
         moe = None
         if arch.moe is not None:
-            moe = MoeShard(tp_size, rank, expert_parallel, arch.family, arch.moe)
+            dispatch = expert_dispatch()  # a bad value fails here, before any rank starts
+            moe = MoeShard(tp_size, rank, expert_parallel, arch.family, arch.moe, dispatch)
         return cls(
             tp_size,
             rank,
@@ -196,7 +197,9 @@ class TensorParallelLayout:
 
     def attach(self, model: LlamaForCausalLM, comm: Communicator) -> None:
         model.set_tensor_parallel(comm)
-        if self.moe is not None and self.moe.expert_parallel:
+        # all_reduce dispatch: nothing to add, each rank's experts compute their share of
+        # every row and the block's all-reduce sums the shares.
+        if self.moe is not None and self.moe.uses_all_to_all:
             dispatch = ExpertAllToAll(comm, self.moe.moe.num_experts)
             for block in moe_blocks(model):
                 block.expert_parallel = dispatch

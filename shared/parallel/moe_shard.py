@@ -9,11 +9,17 @@
 
 Either way the block ends in one all-reduce of [T, H], as a dense layer's MLP does. Attention
 is split by heads as for dense models (shared/parallel/layout.py).
+
+Expert parallel's rows move by all-to-all by default. SPLITSERVE_EXPERT_DISPATCH=all_reduce
+picks the scheme tensor-parallel attention allows instead: every rank routes every row, runs
+its own experts on the rows routed to them, and the block's all-reduce sums the ranks' shares
+(no rows move; docs/moe.md says when each pays off). benchmarks/moe_parallel.py compares them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +28,17 @@ from shared.model.architecture import MoEConfig
 from shared.model.feed_forward import hf_expert_names
 
 _SHARED = "mlp.shared_expert."
+DISPATCH_ENV = "SPLITSERVE_EXPERT_DISPATCH"
+_DISPATCHES = ("all_to_all", "all_reduce")
+
+
+def expert_dispatch() -> str:
+    """How expert parallel exchanges rows: SPLITSERVE_EXPERT_DISPATCH, all_to_all by default.
+    Every rank reads it (the ranks inherit rank 0's environment), so they agree."""
+    choice = os.environ.get(DISPATCH_ENV, "") or "all_to_all"
+    if choice not in _DISPATCHES:
+        raise ValueError(f"{DISPATCH_ENV} must be one of {', '.join(_DISPATCHES)}, got {choice!r}")
+    return choice
 
 
 def check_moe_parallel(tp_size: int, moe: MoEConfig, expert_parallel: bool) -> None:
@@ -53,6 +70,11 @@ class MoeShard:
     expert_parallel: bool
     family: str
     moe: MoEConfig  # the whole model's
+    dispatch: str = "all_to_all"  # expert parallel's exchange (expert_dispatch)
+
+    @property
+    def uses_all_to_all(self) -> bool:
+        return self.expert_parallel and self.dispatch == "all_to_all"
 
     @property
     def experts(self) -> range:

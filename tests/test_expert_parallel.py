@@ -5,7 +5,8 @@ on tiny random Mixtral- and Qwen2-MoE-shaped checkpoints (tests/conftest.py buil
   all-to-all over gloo): greedy tokens equal transformers' `generate`, through chunked prefill,
   a prefix-cache hit and batch-1 decodes (one rank routes no rows then);
 - rank 0's per-expert counters count every rank's rows, equal to one process's;
-- tensor-parallel MoE (each expert's intermediate size split): the same tokens;
+- tensor-parallel MoE (each expert's intermediate size split), and expert parallel with the
+  all-reduce dispatch (SPLITSERVE_EXPERT_DISPATCH): the same tokens;
 - a disaggregated request with an expert-parallel prefill or decode engine equals colocated;
 - sizes that do not split the experts are a ValueError naming the numbers, before any rank
   starts;
@@ -153,6 +154,27 @@ def test_tensor_parallel_moe_matches_transformers(checkpoint, references):
         assert _greedy(llm, prompts) == [tokens for _, tokens in references]
     finally:
         llm.close()
+
+
+@pytest.mark.slow
+def test_all_reduce_dispatch_matches_transformers(checkpoint, references, monkeypatch):
+    """SPLITSERVE_EXPERT_DISPATCH=all_reduce: the same experts per rank, no rows moved."""
+    monkeypatch.setenv("SPLITSERVE_EXPERT_DISPATCH", "all_reduce")  # the ranks inherit it
+    llm = LLM(checkpoint, **EXPERT_PARALLEL, **OPTIONS)
+    try:
+        blocks = moe_blocks(llm.engine.runner.model)
+        assert blocks[0].experts_gate_up.shape[0] == 4 and blocks[0].expert_parallel is None
+        prompts = [prompt for prompt, _ in references]
+        assert _greedy(llm, prompts) == [tokens for _, tokens in references]
+        assert llm.engine.parallel.comm.all_to_all_seconds == 0
+    finally:
+        llm.close()
+
+
+def test_unknown_dispatch_is_refused_before_any_rank_starts(make_tiny_moe_checkpoint, monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_EXPERT_DISPATCH", "broadcast")
+    with pytest.raises(ValueError, match="SPLITSERVE_EXPERT_DISPATCH must be one of"):
+        LLM(make_tiny_moe_checkpoint("mixtral"), **EXPERT_PARALLEL, **OPTIONS)
 
 
 @pytest.mark.parametrize(

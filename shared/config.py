@@ -232,10 +232,23 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     # Ranks that each hold consecutive layers (a stage); vLLM's name.
     pipeline_parallel_size: int = 1
+    # Mixture-of-experts models: the experts are partitioned over the tensor_parallel_size
+    # ranks (rank r of n holds a contiguous E/n range), tokens dispatched and combined with
+    # all-to-all; attention and a shared expert stay tensor-parallel (vLLM's name). Off, each
+    # expert's intermediate size is split over the ranks instead. No effect on dense models.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         _check_count("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_count("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        if not isinstance(self.enable_expert_parallel, bool):
+            value = self.enable_expert_parallel
+            raise ValueError(f"enable_expert_parallel must be true or false, got {value!r}")
+        if self.enable_expert_parallel and self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "enable_expert_parallel partitions experts over the tensor_parallel_size ranks; "
+                f"it cannot be combined with pipeline_parallel_size {self.pipeline_parallel_size}"
+            )
         if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
             raise ValueError(
                 f"tensor_parallel_size {self.tensor_parallel_size} and pipeline_parallel_size "

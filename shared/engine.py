@@ -120,7 +120,7 @@ class EngineCore:
         # Tensor or pipeline parallel (shared/parallel/): this process is rank 0, one part.
         self.parallel: ParallelGroup | None = None
         if config.parallel.world_size > 1:
-            _check_parallel_model(self.architecture)
+            _check_parallel_model(self.architecture, config.parallel.pipeline_parallel_size)
             rank0 = start_parallel(config, checkpoint, self.max_model_len)
             self.parallel, model = rank0.group, rank0.model
             self.kv_spec, kv_cache = rank0.kv_spec, rank0.kv_cache
@@ -476,12 +476,14 @@ def validate_params(params: object, vocab_size: int) -> None:
         grammar_for(params.structured_output)  # raises GrammarError (a ValueError)
 
 
-def _check_parallel_model(arch) -> None:
-    """Before any rank starts: the ranks slice dense Llama weights only."""
-    if arch.moe is not None:
+def _check_parallel_model(arch, pipeline_parallel_size: int) -> None:
+    """Before any rank starts: mixture-of-experts models split over tensor-parallel ranks
+    (their experts by range with enable_expert_parallel), not over pipeline stages yet."""
+    if arch.moe is not None and pipeline_parallel_size > 1:
         raise ValueError(
-            f"tensor_parallel_size / pipeline_parallel_size do not support mixture-of-experts "
-            f"models ({arch.family}) yet: expert parallelism is not built"
+            f"pipeline_parallel_size {pipeline_parallel_size} does not support "
+            f"mixture-of-experts models ({arch.family}) yet: use tensor_parallel_size, with "
+            "enable_expert_parallel to spread the experts"
         )
 
 

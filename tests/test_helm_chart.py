@@ -311,6 +311,7 @@ BAD_VALUES = [
     ({"gateway": {"service": {"type": "Ingress"}}}, "/gateway/service/type"),
     ({"decode": {"tensorParallelSize": 0}}, "/decode/tensorParallelSize"),
     ({"prefill": {"pipelineParallelSize": 0}}, "/prefill/pipelineParallelSize"),
+    ({"decode": {"enableExpertParallel": "yes"}}, "/decode/enableExpertParallel"),
 ]
 
 
@@ -438,6 +439,17 @@ def test_tensor_parallel_pods_get_the_flag_and_a_gpu_per_rank():
     prefill = deployment_containers(objects, "prefill")[0]
     assert "--tensor-parallel-size" not in command_line(prefill, objects)
     assert prefill["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_expert_parallel_pods_get_the_flag():
+    values = {"decode": {"tensorParallelSize": 2, "enableExpertParallel": True}}
+    objects = objects_of(render(values))
+    decode_argv = command_line(deployment_containers(objects, "decode")[0], objects)
+    assert "--enable-expert-parallel" in decode_argv
+    assert _flag(decode_argv, "--tensor-parallel-size") == "2"
+    assert not command_problems(decode_argv)
+    prefill_argv = command_line(deployment_containers(objects, "prefill")[0], objects)
+    assert "--enable-expert-parallel" not in prefill_argv
 
 
 def test_pipeline_parallel_pods_get_the_flag_and_a_gpu_per_stage():

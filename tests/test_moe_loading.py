@@ -227,10 +227,11 @@ def test_gguf_moe_architecture_not_supported_is_named(tmp_path):
         load_checkpoint(str(path))
 
 
-def test_moe_models_refuse_quantization_and_parallel_ranks(mixtral):
+def test_moe_models_refuse_quantization_and_pipeline_ranks(mixtral):
+    """Tensor and expert parallel MoE: tests/test_expert_parallel.py."""
     from shared import LLM
 
     with pytest.raises(ValueError, match="quantization 'int8' does not support mixture-of-experts"):
         LLM(mixtral, quantization="int8", kv_cache_bytes=2**20)
-    with pytest.raises(ValueError, match="do not support mixture-of-experts models \\(mixtral\\)"):
-        LLM(mixtral, tensor_parallel_size=2, kv_cache_bytes=2**20)
+    with pytest.raises(ValueError, match="support mixture-of-experts models \\(mixtral\\)"):
+        LLM(mixtral, pipeline_parallel_size=2, kv_cache_bytes=2**20)

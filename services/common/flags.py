@@ -111,6 +111,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="processes that each hold consecutive layers (must divide the model's layers; "
         "not combined with --tensor-parallel-size yet)",
     )
+    group.add_argument(
+        "--enable-expert-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="mixture-of-experts models: partition the experts over the --tensor-parallel-size "
+        "ranks (their count must divide the experts), tokens exchanged by all-to-all; off, "
+        "each expert's intermediate size is split (docs/moe.md)",
+    )
     _add_speculative_flags(parser)
 
 
@@ -215,6 +223,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "adaptive_threads": args.adaptive_threads,
         "tensor_parallel_size": args.tensor_parallel_size,
         "pipeline_parallel_size": args.pipeline_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel,
         "speculative_method": args.speculative_method,
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_draft_model": args.speculative_draft_model,

@@ -45,6 +45,17 @@ class MoEConfig:
     norm_topk_prob: bool
     # Qwen2-MoE: one dense expert every token goes through, scaled by a sigmoid gate (0 = none).
     shared_expert_intermediate_size: int = 0
+    # Expert parallel (shared/parallel/moe_shard.py): this model holds experts
+    # first_local_expert .. first_local_expert + num_local_experts - 1; 0 = all of them.
+    first_local_expert: int = 0
+    num_local_experts: int = 0
+
+    @property
+    def local_experts(self) -> range:
+        """The expert indices whose weights this model holds (the router still scores all)."""
+        if self.num_local_experts == 0:
+            return range(self.num_experts)
+        return range(self.first_local_expert, self.first_local_expert + self.num_local_experts)
 
     def __post_init__(self) -> None:
         if self.num_experts < 1 or self.expert_intermediate_size < 1:
@@ -61,6 +72,14 @@ class MoEConfig:
             raise ValueError(
                 "shared_expert_intermediate_size must be >= 0, got "
                 f"{self.shared_expert_intermediate_size}"
+            )
+        local_end = self.first_local_expert + self.num_local_experts
+        if self.first_local_expert < 0 or self.num_local_experts < 0 or (
+            local_end > self.num_experts
+        ):
+            raise ValueError(
+                f"local experts {self.first_local_expert}..{local_end - 1} are not within the "
+                f"model's {self.num_experts} experts"
             )
 
 

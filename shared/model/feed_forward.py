@@ -77,7 +77,8 @@ def internal_feed_forward_weights(
     if arch.moe is None:
         return _swiglu(weights, hf + "mlp.", "gate_proj", "up_proj", "down_proj", ours)
     names = _EXPERT_NAMES[arch.family]
-    experts = [f"{hf}{names.prefix}experts.{e}." for e in range(arch.moe.num_experts)]
+    # Only the experts this model holds (a range of them under expert parallelism).
+    experts = [f"{hf}{names.prefix}experts.{e}." for e in arch.moe.local_experts]
     out = {
         ours + "gate.weight": weights[f"{hf}{names.prefix}gate.weight"],
         # [E, 2*I, H]: each expert's gate rows then its up rows, as LlamaMLP fuses them.

@@ -10,9 +10,9 @@ matmul each), the CUDA path runs every expert's product in one Triton launch
 (`kernels/moe_gemm.py`). `select_moe_experts` is the one place that picks between them.
 
 Expert weights are stacked, gate and up fused: gate_up [E, 2*I, H], down [E, H, I]. The
-sort-then-combine split is also where expert parallelism will sit (docs/moe.md): a rank holds a
-contiguous range of experts, the sorted slices are what an all-to-all dispatches, and the
-combine runs after the reverse all-to-all.
+sort-then-combine split is also where expert parallelism sits (shared/parallel/expert_parallel.py,
+docs/moe.md): a rank holds a contiguous range of experts, the sorted slices are what an
+all-to-all dispatches, and the combine runs after the reverse all-to-all.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class ExpertWeights:
 
     gate_up: torch.Tensor  # [E_local, 2*I, H]
     down: torch.Tensor  # [E_local, H, I]
-    # The experts held are first_expert .. first_expert + E_local - 1 (all of them today; a
+    # The experts held are first_expert .. first_expert + E_local - 1 (all of them, or a
     # contiguous range per rank under expert parallelism, docs/moe.md).
     first_expert: int = 0
     gate_up_onednn: list[torch.Tensor | None] | None = None

@@ -7,9 +7,17 @@ Parameter names are the internal ones `shared/model/feed_forward.py` maps checkp
 Each block counts the token-expert assignments its router made, per expert, since start: the
 load imbalance that expert parallelism suffers from shows there first (`expert_token_counts`,
 EngineStats.moe_expert_tokens, the pods' splitserve:moe_expert_tokens_total).
+
+Parallel (shared/parallel/moe_shard.py): under tensor parallelism each rank's block holds a
+slice of every expert's (and the shared expert's) intermediate size and the output is summed
+over the ranks (`tensor_parallel`); under expert parallelism it holds a range of the experts
+and `expert_parallel` dispatches rows to the ranks holding their experts and back.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,10 +28,34 @@ from shared.model.linear import Linear, onednn_weight
 from shared.model.moe import (
     ExpertsFn,
     ExpertWeights,
+    Routing,
     route_tokens,
     select_moe_experts,
     sort_by_expert,
 )
+
+
+class SumOverRanks(Protocol):
+    """Sums a tensor over the tensor-parallel ranks in place (shared/parallel/comm.py)."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> None: ...
+
+
+class ExpertDispatch(Protocol):
+    """Expert parallel: the routed experts' output for this rank's share of the rows, with the
+    rows of other experts computed on the ranks holding them (shared/parallel/expert_parallel.py).
+    """
+
+    def run(
+        self,
+        x: torch.Tensor,
+        route: Callable[[torch.Tensor], Routing],
+        experts: ExpertWeights,
+        experts_fn: ExpertsFn,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] (every rank the same) -> ([T, H] this rank's rows' outputs, zero on the
+        other rows; [E] int64 assignments per expert over every rank's rows)."""
+        ...
 
 
 class SwiGLU(nn.Module):
@@ -41,6 +73,11 @@ class SwiGLU(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
+    # Tensor parallel: the experts' (or, with expert parallel, the rows') partial outputs and
+    # the shared expert's are summed over the ranks by one all-reduce.
+    tensor_parallel: SumOverRanks | None = None
+    expert_parallel: ExpertDispatch | None = None
+
     def __init__(self, arch: ModelArchitecture) -> None:
         super().__init__()
         moe = arch.moe
@@ -49,10 +86,12 @@ class SparseMoeBlock(nn.Module):
         self.top_k = moe.num_experts_per_tok
         self.renormalize = moe.norm_topk_prob
         hidden, inter = arch.hidden_size, moe.expert_intermediate_size
-        self.gate = Linear(hidden, moe.num_experts)  # the router
-        # Stacked experts, gate and up fused: [E, 2*I, H] and [E, H, I].
-        self.experts_gate_up = _parameter(moe.num_experts, 2 * inter, hidden)
-        self.experts_down = _parameter(moe.num_experts, hidden, inter)
+        self.gate = Linear(hidden, moe.num_experts)  # the router, over every expert
+        # Stacked experts held here, gate and up fused: [E_local, 2*I, H] and [E_local, H, I].
+        self.local_experts = moe.local_experts
+        num_local = len(self.local_experts)
+        self.experts_gate_up = _parameter(num_local, 2 * inter, hidden)
+        self.experts_down = _parameter(num_local, hidden, inter)
         self.shared_expert: SwiGLU | None = None
         self.shared_expert_gate: Linear | None = None
         if moe.shared_expert_intermediate_size:
@@ -65,19 +104,29 @@ class SparseMoeBlock(nn.Module):
         self.expert_tokens: torch.Tensor | None = None  # [E] int64, cumulative
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routing = route_tokens(self.gate(x), self.top_k, self.renormalize)
-        order = sort_by_expert(routing, self.num_experts)
         experts, experts_fn = self._prepared(x.device)
-        self.expert_tokens += order.counts
-        out = experts_fn(x, experts, order)
+        if self.expert_parallel is not None:
+            out, counts = self.expert_parallel.run(x, self.route, experts, experts_fn)
+        else:
+            order = sort_by_expert(self.route(x), self.num_experts)
+            out, counts = experts_fn(x, experts, order), order.counts
+        self.expert_tokens += counts
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.all_reduce(out)
         return out
+
+    def route(self, x: torch.Tensor) -> Routing:
+        """Each row's top-k experts and weights (the router holds every expert)."""
+        return route_tokens(self.gate(x), self.top_k, self.renormalize)
 
     def _prepared(self, device: torch.device) -> tuple[ExpertWeights, ExpertsFn]:
         if self._experts is None or self._experts_fn is None:
             self._experts_fn = select_moe_experts(device)
-            self._experts = prepare_expert_weights(self.experts_gate_up, self.experts_down)
+            self._experts = prepare_expert_weights(
+                self.experts_gate_up, self.experts_down, self.local_experts.start
+            )
             self.expert_tokens = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
         return self._experts, self._experts_fn
 
@@ -101,7 +150,9 @@ def _parameter(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-def prepare_expert_weights(gate_up: torch.Tensor, down: torch.Tensor) -> ExpertWeights:
+def prepare_expert_weights(
+    gate_up: torch.Tensor, down: torch.Tensor, first_expert: int = 0
+) -> ExpertWeights:
     """Stacked experts as the fused step reads them: with one oneDNN layout per expert on the
     CPU (shared/model/linear.py says why; costs the experts' memory once more), none elsewhere."""
     gate_up_onednn = [onednn_weight(w) for w in gate_up]
@@ -110,6 +161,7 @@ def prepare_expert_weights(gate_up: torch.Tensor, down: torch.Tensor) -> ExpertW
     return ExpertWeights(
         gate_up,
         down,
+        first_expert,
         gate_up_onednn=gate_up_onednn if has_onednn else None,
         down_onednn=down_onednn if has_onednn else None,
     )

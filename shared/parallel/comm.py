@@ -44,7 +44,8 @@ def connect_store(port: int, world_size: int, timeout_s: float) -> dist.TCPStore
 
 class Communicator:
     """One rank's end of the group. `comm_seconds` sums the time spent in collectives (the
-    communication share of a step, for benchmarks/parallel.py)."""
+    communication share of a step, for benchmarks/parallel.py); `all_to_all_seconds` the part
+    of it in expert parallelism's dispatch and combine (benchmarks/moe_parallel.py)."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
         options = dist.ProcessGroupGloo._Options()
@@ -55,12 +56,39 @@ class Communicator:
         self.rank = rank
         self.world_size = world_size
         self.comm_seconds = 0.0
+        self.all_to_all_seconds = 0.0
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sums `tensor` over the ranks, in place."""
         start = time.perf_counter()
         self.group.allreduce([tensor]).wait()
         self.comm_seconds += time.perf_counter() - start
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` (same shape everywhere) stacked in rank order: [world, ...]."""
+        start = time.perf_counter()
+        outputs = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self.group.allgather([outputs], [tensor]).wait()
+        self._count_all_to_all(start)
+        return torch.stack(outputs)
+
+    def all_to_all(
+        self, rows: torch.Tensor, send_counts: list[int], receive_counts: list[int]
+    ) -> torch.Tensor:
+        """Rank r sends rows[sum(send_counts[:d]) : ...][send_counts[d] rows] to rank d and gets
+        receive_counts[s] rows from each rank s, concatenated in rank order. rows: [N, ...]."""
+        start = time.perf_counter()
+        out = rows.new_empty((sum(receive_counts), *rows.shape[1:]))
+        rows = rows.contiguous()
+        options = dist.AllToAllOptions()
+        self.group.alltoall_base(out, rows, receive_counts, send_counts, options).wait()
+        self._count_all_to_all(start)
+        return out
+
+    def _count_all_to_all(self, start: float) -> None:
+        elapsed = time.perf_counter() - start
+        self.comm_seconds += elapsed
+        self.all_to_all_seconds += elapsed
 
     def broadcast(self, tensor: torch.Tensor, idle: bool = False) -> None:
         """Rank 0's `tensor` into every rank's (in place). `idle`: a wait with no time limit."""

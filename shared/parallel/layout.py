@@ -4,6 +4,7 @@
                    KV heads    [r * K/tp, (r+1) * K/tp)       when K >= tp
                    KV head     r // (tp/K), replicated         when K < tp (GQA)
                    gate/up rows and down columns [r * I/tp, (r+1) * I/tp)
+                   MoE layers: a range of experts, or a slice of each (moe_shard.py)
 
 With fewer KV heads than ranks, each KV head is held by tp/K ranks: exactly the ranks whose
 query heads read it, so every rank attends locally and never needs another rank's KV.
@@ -24,11 +25,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from shared.model.architecture import ModelArchitecture
+from shared.model.moe_layer import moe_blocks
+from shared.parallel.expert_parallel import ExpertAllToAll
+from shared.parallel.moe_shard import MoeShard, check_moe_parallel, expert_dispatch
 from shared.parallel.ops import Opcode, send
 from shared.parallel.step_tensors import pack_chunks, unpack_chunks
 
 if TYPE_CHECKING:
-    from shared.model.llama import AllReduce, LlamaForCausalLM
+    from shared.model.llama import LlamaForCausalLM
     from shared.parallel.comm import Communicator
     from shared.runner import ModelInputs, ModelRunner
 
@@ -37,9 +41,12 @@ _HEADS_DIM = 4  # of a packed page buffer [blocks, layers, 2, block_size, heads,
 logger = logging.getLogger(__name__)
 
 
-def check_tensor_parallel(tp_size: int, arch: ModelArchitecture, device: str) -> None:
-    """Raises ValueError naming the numbers when `tp_size` cannot split `arch`, or for a
-    device the ranks cannot share (`check_devices`)."""
+def check_tensor_parallel(
+    tp_size: int, arch: ModelArchitecture, device: str, expert_parallel: bool = False
+) -> None:
+    """Raises ValueError naming the numbers when `tp_size` cannot split `arch` (its experts,
+    by range with `expert_parallel`), or for a device the ranks cannot share (`check_devices`).
+    """
     if arch.num_heads % tp_size:
         raise ValueError(
             f"tensor_parallel_size {tp_size} must divide the model's {arch.num_heads} "
@@ -51,7 +58,9 @@ def check_tensor_parallel(tp_size: int, arch: ModelArchitecture, device: str) ->
             f"tensor_parallel_size {tp_size} must divide the model's {kv} KV heads or be a "
             "multiple of them (then KV heads are replicated)"
         )
-    if arch.intermediate_size % tp_size:
+    if arch.moe is not None:
+        check_moe_parallel(tp_size, arch.moe, expert_parallel)
+    elif arch.intermediate_size % tp_size:
         raise ValueError(
             f"tensor_parallel_size {tp_size} must divide the model's MLP intermediate size "
             f"{arch.intermediate_size}"
@@ -85,11 +94,24 @@ class TensorParallelLayout:
     num_kv_heads: int  # the whole model's
     head_dim: int
     intermediate_size: int  # the whole model's
+    moe: MoeShard | None = None  # MoE layers' split; None for a dense model
 
     @classmethod
-    def of(cls, arch: ModelArchitecture, tp_size: int, rank: int) -> TensorParallelLayout:
+    def of(
+        cls, arch: ModelArchitecture, tp_size: int, rank: int, expert_parallel: bool = False
+    ) -> TensorParallelLayout:
+        moe = None
+        if arch.moe is not None:
+            dispatch = expert_dispatch()  # a bad value fails here, before any rank starts
+            moe = MoeShard(tp_size, rank, expert_parallel, arch.family, arch.moe, dispatch)
         return cls(
-            tp_size, rank, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size
+            tp_size,
+            rank,
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+            arch.intermediate_size,
+            moe,
         )
 
     @property
@@ -97,7 +119,8 @@ class TensorParallelLayout:
         return self.tp_size
 
     def of_rank(self, rank: int) -> TensorParallelLayout:
-        return dataclasses.replace(self, rank=rank)
+        moe = None if self.moe is None else dataclasses.replace(self.moe, rank=rank)
+        return dataclasses.replace(self, rank=rank, moe=moe)
 
     @property
     def heads_per_rank(self) -> int:
@@ -131,11 +154,15 @@ class TensorParallelLayout:
 
     def local_arch(self, arch: ModelArchitecture) -> ModelArchitecture:
         """The architecture of this rank's slice: the model code builds it unchanged."""
+        if self.moe is not None:  # every layer sparse: intermediate_size is not used
+            feed_forward = {"moe": self.moe.local_moe()}
+        else:
+            feed_forward = {"intermediate_size": self.intermediate_size // self.tp_size}
         return dataclasses.replace(
             arch,
             num_heads=self.heads_per_rank,
             num_kv_heads=self.kv_heads_per_rank,
-            intermediate_size=self.intermediate_size // self.tp_size,
+            **feed_forward,
         )
 
     def pod_kv_arch(self, arch: ModelArchitecture) -> ModelArchitecture:
@@ -156,13 +183,26 @@ class TensorParallelLayout:
             out[attn + "k_proj.weight"] = weights[attn + "k_proj.weight"][kv_rows]
             out[attn + "v_proj.weight"] = weights[attn + "v_proj.weight"][kv_rows]
             out[attn + "o_proj.weight"] = weights[attn + "o_proj.weight"][:, q_rows]
+            if attn + "q_proj.bias" in weights:  # Qwen2's q/k/v biases: the heads' entries
+                out[attn + "q_proj.bias"] = weights[attn + "q_proj.bias"][q_rows]
+                out[attn + "k_proj.bias"] = weights[attn + "k_proj.bias"][kv_rows]
+                out[attn + "v_proj.bias"] = weights[attn + "v_proj.bias"][kv_rows]
+            if self.moe is not None:
+                self.moe.shard_layer(out, i)
+                continue
             for name in ("gate_proj.weight", "up_proj.weight"):
                 out[mlp + name] = weights[mlp + name][self.mlp_columns]
             out[mlp + "down_proj.weight"] = weights[mlp + "down_proj.weight"][:, self.mlp_columns]
         return out
 
-    def attach(self, model: LlamaForCausalLM, comm: AllReduce) -> None:
+    def attach(self, model: LlamaForCausalLM, comm: Communicator) -> None:
         model.set_tensor_parallel(comm)
+        # all_reduce dispatch: nothing to add, each rank's experts compute their share of
+        # every row and the block's all-reduce sums the shares.
+        if self.moe is not None and self.moe.uses_all_to_all:
+            dispatch = ExpertAllToAll(comm, self.moe.moe.num_experts)
+            for block in moe_blocks(model):
+                block.expert_parallel = dispatch
 
     def run_first_rank(
         self, comm: Communicator, runner: ModelRunner, inputs: ModelInputs

@@ -58,8 +58,9 @@ def layout_for(config: EngineConfig, arch: ModelArchitecture, rank: int = 0) -> 
         check_pipeline_parallel(parallel.pipeline_parallel_size, arch)
         check_devices("pipeline_parallel_size", parallel.pipeline_parallel_size, device)
         return PipelineLayout(parallel.pipeline_parallel_size, rank, arch.num_layers)
-    check_tensor_parallel(parallel.tensor_parallel_size, arch, device)
-    return TensorParallelLayout.of(arch, parallel.tensor_parallel_size, rank)
+    tp_size, expert_parallel = parallel.tensor_parallel_size, parallel.enable_expert_parallel
+    check_tensor_parallel(tp_size, arch, device, expert_parallel)
+    return TensorParallelLayout.of(arch, tp_size, rank, expert_parallel)
 
 
 def build_rank(

@@ -65,6 +65,9 @@ so the ConfigMap is the one place they are written. */}}
 - --pipeline-parallel-size
 - {{ $values.pipelineParallelSize | quote }}
 {{- end }}
+{{- if $values.enableExpertParallel }}
+- --enable-expert-parallel
+{{- end }}
 {{- include "splitserve.worker.topologyArgs" $root }}
 - --drain-timeout
 - {{ include "splitserve.worker.drainTimeout" . | quote }}

@@ -9,7 +9,9 @@ Decodes attend in a few padded, batched calls, one per group of similar context 
 (`shared.model.decode_groups`); each prefill chunk attends causally to its cached prefix plus
 itself. `shared.model.attention_backend.select_attention_backend` picks this path or the
 Triton kernels; both read the same cache layout:
-`kv_cache[layer]` is `[2, num_blocks, block_size, num_kv_heads, head_dim]`.
+`kv_cache[layer]` is `[2, num_blocks, block_size, num_kv_heads, head_dim]`, or with
+`kv_cache_dtype="int8"` int8 rows of `head_dim + 2` (codes then a bfloat16 scale,
+`kernels.kv_int8`): the write quantizes, the gather dequantizes to the query's dtype.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu as cpu_kernels
+from kernels import kv_int8
 from shared.model.attention_metadata import AttentionMetadata, PrefillChunk
 from shared.model.decode_groups import DecodeGroup
 
@@ -36,7 +39,9 @@ class TorchPagedAttention:
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self._buffer = torch.empty(0)
-        # Decodes read the cache in place where the C++ kernel built (float32 caches only).
+        self._values = torch.empty(0)  # an int8 cache's gathered rows, dequantized
+        # Decodes read the cache in place where the C++ kernel built (float32 caches only: an
+        # int8 cache's decodes take the gather path, which dequantizes as it copies).
         self.reads_decodes_in_place = dtype == torch.float32 and cpu_kernels.load() is not None
 
     def write_kv(
@@ -47,8 +52,10 @@ class TorchPagedAttention:
         meta: AttentionMetadata,
     ) -> None:
         # key, value: [num_tokens, num_kv_heads, head_dim]
-        num_kv_heads, head_dim = key.shape[1], key.shape[2]
-        flat = layer_cache.view(2, -1, num_kv_heads, head_dim)
+        if kv_int8.is_int8_cache(layer_cache):
+            key, value = kv_int8.quantize_rows(key), kv_int8.quantize_rows(value)
+        num_kv_heads, row = key.shape[1], key.shape[2]
+        flat = layer_cache.view(2, -1, num_kv_heads, row)
         flat[0].index_copy_(0, meta.slot_mapping, key)
         flat[1].index_copy_(0, meta.slot_mapping, value)
 
@@ -70,8 +77,11 @@ class TorchPagedAttention:
             out[rows] = self._prefill(query[rows], layer_cache, chunk, scale)
         return out
 
-    def _gather_blocks(self, layer_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        """[2, num_kv_heads, len(block_ids) * block_size, head_dim], valid until the next call.
+    def _gather_blocks(
+        self, layer_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """[2, num_kv_heads, len(block_ids) * block_size, head_dim], valid until the next call;
+        an int8 cache's rows come back dequantized to `dtype`.
 
         Heads come first so each head's positions are contiguous, the layout SDPA reads
         fastest; the gather writes that layout directly (it reads head_dim-long runs instead of
@@ -89,7 +99,20 @@ class TorchPagedAttention:
             self._buffer = torch.empty(numel, dtype=layer_cache.dtype, device=layer_cache.device)
         gathered = self._buffer[:numel].view(shape)
         torch.index_select(by_head, 2, block_ids, out=gathered)
-        return gathered.view(2, num_kv_heads, -1, head_dim)
+        gathered = gathered.view(2, num_kv_heads, -1, head_dim)
+        if kv_int8.is_int8_cache(layer_cache):
+            return self._dequantize(gathered, dtype)
+        return gathered
+
+    def _dequantize(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Gathered int8 rows -> values in a second reused buffer: one more pass over the
+        gathered bytes, the price of reading an int8 cache on this path."""
+        codes, scales = kv_int8.split_rows(rows)
+        if self._values.numel() < codes.numel() or self._values.dtype != dtype:
+            self._values = torch.empty(codes.numel(), dtype=dtype, device=rows.device)
+        values = self._values[: codes.numel()].view(codes.shape)
+        values.copy_(codes)
+        return values.mul_(scales)
 
     def _decode(
         self, query: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float
@@ -119,7 +142,7 @@ class TorchPagedAttention:
         self, query: torch.Tensor, layer_cache: torch.Tensor, group: DecodeGroup, scale: float
     ) -> torch.Tensor:
         num_rows = query.shape[0]
-        kv = self._gather_blocks(layer_cache, group.block_ids)
+        kv = self._gather_blocks(layer_cache, group.block_ids, query.dtype)
         # [2, kv_heads, num_rows * max_len, dim] -> [2, num_rows, kv_heads, max_len, dim]
         kv = kv.view(2, kv.shape[1], num_rows, -1, kv.shape[-1]).transpose(1, 2)
         out = F.scaled_dot_product_attention(
@@ -135,7 +158,7 @@ class TorchPagedAttention:
     def _prefill(
         self, query: torch.Tensor, layer_cache: torch.Tensor, chunk: PrefillChunk, scale: float
     ) -> torch.Tensor:
-        kv = self._gather_blocks(layer_cache, chunk.block_ids)[:, :, : chunk.seq_len]
+        kv = self._gather_blocks(layer_cache, chunk.block_ids, query.dtype)[:, :, : chunk.seq_len]
         # A batch dimension of 1 throughout: with 3-D inputs SDPA on the CPU falls back to its
         # unfused math path, which measured 3x slower on a 512-token chunk than the fused one.
         keys, values = kv[0, None], kv[1, None]  # [1, num_kv_heads, seq_len, head_dim]

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import torch
 
+from kernels._checks import INT8_SCALE_BYTES
+
 SCALE_DTYPE = torch.bfloat16
-SCALE_BYTES = 2
+SCALE_BYTES = INT8_SCALE_BYTES
 QMAX = 127.0
 
 

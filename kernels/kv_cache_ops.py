@@ -75,7 +75,8 @@ def _store_int8(code_ptrs, scale_ptrs, x, mask, head_ok):
     x = x.to(tl.float32)
     scale_f = _round_to_bfloat16(tl.max(tl.abs(x), 1) / 127.0)  # [HEADS_PAD]; kv_int8.QMAX
     scale = scale_f.to(tl.bfloat16)  # exact: the low 16 bits are zero
-    inverse = tl.where(scale_f > 0, 1.0 / scale_f, 0.0)
+    is_scaled = scale_f > 0  # a row of zeros (or a padding head) keeps codes 0
+    inverse = tl.where(is_scaled, 1.0 / tl.where(is_scaled, scale_f, 1.0), 0.0)
     scaled = x * inverse[:, None]
     # Half away from zero, as the reference rounds.
     codes = tl.where(scaled >= 0, tl.floor(scaled + 0.5), -tl.floor(0.5 - scaled))

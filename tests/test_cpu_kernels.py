@@ -57,3 +57,29 @@ def test_bad_inputs_are_refused_before_the_kernel_runs():
         paged_decode_attention(query, keys, values, tables + 1000, lens, scale)
     with pytest.raises(ValueError, match="multiple"):
         paged_decode_attention(query[:, :8], keys, values, tables, lens, scale)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_over_int8_rows_matches_the_reference(shape):
+    """kv_cache_dtype int8: codes and their bfloat16 scale per row (kernels/kv_int8.py), read in
+    place with the scale applied once per row; the reference dequantizes, then attends."""
+    from kernels.kv_int8 import quantize_rows
+
+    for seed in range(3):
+        query, keys, values, tables, lens, scale = random_case(shape, seed + 10)
+        case = (query, quantize_rows(keys), quantize_rows(values), tables, lens, scale)
+        got = paged_decode_attention(*case)
+        expected = reference.paged_decode_attention(*case)
+        assert not torch.equal(expected, torch.zeros_like(expected))
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_int8_rows_of_the_wrong_width_are_refused():
+    from kernels.kv_int8 import quantize_rows
+
+    query, keys, values, tables, lens, scale = random_case(SHAPES[0], 0)
+    with pytest.raises(ValueError, match="do not fit query"):
+        paged_decode_attention(query, quantize_rows(keys)[..., :-2].contiguous(),
+                               quantize_rows(values)[..., :-2].contiguous(), tables, lens, scale)
+    with pytest.raises(ValueError, match="caches of"):
+        paged_decode_attention(query, quantize_rows(keys), values, tables, lens, scale)

@@ -37,7 +37,10 @@ def load() -> ModuleType | None:
         from torch.utils.cpp_extension import load as build_and_load
 
         return build_and_load(
-            name="splitserve_cpu_kernels",
+            # Versioned: every worktree and install shares torch's extension cache, and a
+            # changed source under the old name would make processes rebuild over each other.
+            # v2: int8 KV rows with their scales.
+            name="splitserve_cpu_kernels_v2",
             sources=[str(path) for path in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
@@ -56,11 +59,12 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """`kernels.reference.paged_decode_attention`, reading the cache in place (float32, CPU).
+    """`kernels.reference.paged_decode_attention`, reading the cache in place (CPU).
 
-    query [num_seqs, num_heads, head_dim]; key_cache, value_cache [num_blocks, block_size,
-    num_kv_heads, head_dim]; block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs]
-    int32 (0: a padding row, zeros out)."""
+    query [num_seqs, num_heads, head_dim] float32; key_cache, value_cache [num_blocks,
+    block_size, num_kv_heads, head_dim] float32, or int8 rows of head_dim + 2 (codes and their
+    bfloat16 scale, kernels.kv_int8); block_tables [num_seqs, max_blocks] int32; seq_lens
+    [num_seqs] int32 (0: a padding row, zeros out)."""
     module = load()
     if module is None:
         raise RuntimeError("the CPU kernels are not available on this machine")
@@ -73,9 +77,11 @@ def paged_decode_attention(
 def _check(query, key_cache, value_cache, block_tables, seq_lens) -> None:
     tensors = {"query": query, "key_cache": key_cache, "value_cache": value_cache}
     for name, tensor in tensors.items():
-        if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+        allowed = (torch.float32,) if name == "query" else (torch.float32, torch.int8)
+        if tensor.dtype not in allowed or tensor.device.type != "cpu":
             raise ValueError(
-                f"{name} must be a float32 CPU tensor, got {tensor.dtype} on {tensor.device}"
+                f"{name} must be a {' or '.join(map(str, allowed))} CPU tensor, got "
+                f"{tensor.dtype} on {tensor.device}"
             )
         if not tensor.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
@@ -84,7 +90,10 @@ def _check(query, key_cache, value_cache, block_tables, seq_lens) -> None:
             raise ValueError(f"{name} must be a contiguous int32 tensor, got {tensor.dtype}")
     num_seqs, num_heads, head_dim = query.shape
     _, _, num_kv_heads, cache_dim = key_cache.shape
-    if value_cache.shape != key_cache.shape or cache_dim != head_dim:
+    row = head_dim + 2 if key_cache.dtype == torch.int8 else head_dim  # int8: codes, scale
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"caches of {key_cache.dtype} and {value_cache.dtype}")
+    if value_cache.shape != key_cache.shape or cache_dim != row:
         shapes = f"{tuple(key_cache.shape)} / {tuple(value_cache.shape)}"
         raise ValueError(f"caches {shapes} do not fit query {tuple(query.shape)}")
     if num_heads % num_kv_heads:

@@ -40,9 +40,10 @@ class TorchPagedAttention:
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self._buffer = torch.empty(0)
         self._values = torch.empty(0)  # an int8 cache's gathered rows, dequantized
-        # Decodes read the cache in place where the C++ kernel built (float32 caches only: an
-        # int8 cache's decodes take the gather path, which dequantizes as it copies).
-        self.reads_decodes_in_place = dtype == torch.float32 and cpu_kernels.load() is not None
+        # Decodes read the cache in place where the C++ kernel built: float32 caches, and int8
+        # ones, whose codes it reads with their scales (it computes in float32 either way).
+        in_place_dtypes = (torch.float32, torch.int8)
+        self.reads_decodes_in_place = dtype in in_place_dtypes and cpu_kernels.load() is not None
 
     def write_kv(
         self,
@@ -119,14 +120,17 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         # query: [num_decodes, num_heads, head_dim]
         if meta.decode_block_tables is not None:
-            return cpu_kernels.paged_decode_attention(
-                query.contiguous(),
+            # A bfloat16 model over an int8 cache: the kernel takes float32 queries (a few
+            # rows per step to convert).
+            out = cpu_kernels.paged_decode_attention(
+                query.float().contiguous(),
                 layer_cache[0],
                 layer_cache[1],
                 meta.decode_block_tables,
                 meta.decode_seq_lens,
                 scale,
             )
+            return out.to(query.dtype)
         assert meta.decode_groups, "the runner builds decode groups or tables for this backend"
         if len(meta.decode_groups) == 1:
             return self._decode_group(query, layer_cache, meta.decode_groups[0], scale)

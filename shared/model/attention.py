@@ -27,7 +27,7 @@ from shared.model.decode_groups import DecodeGroup
 
 class TorchPagedAttention:
     """Attention for the CPU. Decodes go to the C++ kernel that reads the paged cache in place
-    (`kernels.cpu`, float32) when the runner built decode block tables for it; otherwise, and
+    (`kernels.cpu`, float32 or int8 rows) when the runner built decode block tables for it; otherwise, and
     for prefill chunks, each sequence's blocks are copied into one reused buffer for SDPA.
 
     Whole blocks are gathered (per kv head, one run of block_size * head_dim values written

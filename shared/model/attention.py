@@ -27,8 +27,9 @@ from shared.model.decode_groups import DecodeGroup
 
 class TorchPagedAttention:
     """Attention for the CPU. Decodes go to the C++ kernel that reads the paged cache in place
-    (`kernels.cpu`, float32 or int8 rows) when the runner built decode block tables for it; otherwise, and
-    for prefill chunks, each sequence's blocks are copied into one reused buffer for SDPA.
+    (`kernels.cpu`, float32 or int8 rows) when the runner built decode block tables for it;
+    otherwise, and for prefill chunks, each sequence's blocks are copied into one reused buffer
+    for SDPA (an int8 cache's rows dequantized into a second one).
 
     Whole blocks are gathered (per kv head, one run of block_size * head_dim values written
     contiguously), not single slots: far fewer, longer copies. The buffer is kept across layers

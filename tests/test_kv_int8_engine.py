@@ -129,6 +129,25 @@ def test_a_disaggregated_int8_request_equals_the_colocated_int8_output(tiny):
         assert llm.stats().num_kv_blocks_free == llm.stats().num_kv_blocks_total
 
 
+def test_int8_pages_cross_parallel_layouts(tiny, tiny_hf_checkpoint):
+    """A TP=2 int8 prefill pod (each rank its KV head's rows, scales inside) and a PP=2 int8
+    decode pod exchange pages through the model's layout: output equals colocated int8."""
+    options = dict(kv_cache_bytes=KV_BYTES, kv_cache_dtype="int8", num_threads=1,
+                   adaptive_threads=False)
+    tp2 = LLM(tiny_hf_checkpoint, tensor_parallel_size=2, **options)
+    pp2 = LLM(tiny_hf_checkpoint, pipeline_parallel_size=2, **options)
+    try:
+        for i, prompt in enumerate(_prompts(tiny.int8)[:2]):
+            expected = tiny.int8.generate([prompt], GREEDY)[0].outputs[0].token_ids
+            for prefill, decode, name in ((tp2, pp2, "tp-pp"), (tiny.prefill, tp2, "1-tp")):
+                _, got = disaggregated(prefill.engine, decode.engine, f"{name}-{i}", prompt,
+                                       GREEDY)
+                assert got.token_ids == expected, name
+    finally:
+        tp2.close()
+        pp2.close()
+
+
 def test_int8_kv_output_stays_close_to_float_kv(tiny):
     """A random tiny model has no meaning to keep, so this asks only what must hold: the first
     tokens agree (the prompt's logits barely move) and the runs are deterministic."""

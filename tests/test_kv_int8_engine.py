@@ -148,6 +148,19 @@ def test_int8_pages_cross_parallel_layouts(tiny, tiny_hf_checkpoint):
         pp2.close()
 
 
+def test_a_draft_model_gets_an_int8_cache_too_and_greedy_output_is_unchanged(
+    tiny, tiny_hf_checkpoint
+):
+    spec = LLM(tiny_hf_checkpoint, kv_cache_bytes=KV_BYTES, kv_cache_dtype="int8",
+               num_threads=1, speculative_method="draft",
+               speculative_draft_model=tiny_hf_checkpoint)
+    prompts = _prompts(tiny.int8)
+    expected = [r.outputs[0].token_ids for r in tiny.int8.generate(prompts, GREEDY)]
+    assert [r.outputs[0].token_ids for r in spec.generate(prompts, GREEDY)] == expected
+    draft_cache = spec.engine.speculator.proposer.draft_runner.kv_cache
+    assert draft_cache.dtype == torch.int8 and draft_cache.shape[-1] == 16 + 2
+
+
 def test_int8_kv_output_stays_close_to_float_kv(tiny):
     """A random tiny model has no meaning to keep, so this asks only what must hold: the first
     tokens agree (the prompt's logits barely move) and the runs are deterministic."""

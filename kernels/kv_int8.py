@@ -55,24 +55,24 @@ def split_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x `[..., head_dim]` (any float dtype) -> codes `[..., head_dim]` int8, scales `[..., 1]`
-    bfloat16. Rounds half away from zero (the Triton write kernel rounds the same way)."""
+    bfloat16. Rounds half away from zero (the Triton write kernel rounds the same way).
+
+    Few, whole-tensor ops on purpose: the engine quantizes every layer's new keys and values
+    at every step, where a decode step's tensors are tiny and each op's fixed cost dominates."""
     x = x.float()
-    scale = (x.abs().amax(dim=-1, keepdim=True) / QMAX).to(SCALE_DTYPE)
+    scale = x.abs().amax(dim=-1, keepdim=True).div_(QMAX).to(SCALE_DTYPE)
     scale_f = scale.float()
-    inverse = torch.where(scale_f > 0, 1.0 / scale_f, torch.zeros_like(scale_f))
+    inverse = torch.where(scale_f > 0, scale_f.reciprocal(), 0.0)  # a zero row stays zero
     scaled = x * inverse
-    codes = torch.trunc(scaled + torch.where(scaled >= 0, 0.5, -0.5)).clamp_(-QMAX, QMAX)
+    # Adding +-0.5, then the cast's truncation toward zero: round half away from zero.
+    codes = scaled.add_(torch.copysign(torch.tensor(0.5), scaled)).clamp_(-QMAX, QMAX)
     return codes.to(torch.int8), scale
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """x `[..., head_dim]` -> int8 rows `[..., head_dim + 2]` (codes then scale bytes)."""
     codes, scale = quantize(x)
-    rows = torch.empty((*x.shape[:-1], row_width(x.shape[-1])), dtype=torch.int8, device=x.device)
-    row_codes, row_scale = split_rows(rows)
-    row_codes.copy_(codes)
-    row_scale.copy_(scale)
-    return rows
+    return torch.cat((codes, scale.view(torch.int8)), dim=-1)
 
 
 def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -111,6 +111,29 @@ def test_an_int8_pool_is_int8_rows_with_room_for_their_scales():
     assert layout.to_dict()["kv_cache_dtype"] == "int8"  # layout.json names the format
 
 
+def test_the_disk_tier_keeps_int8_blocks_and_empties_itself_for_another_kv_cache_dtype(
+    tmp_path,
+):
+    from kernels.kv_int8 import quantize_rows
+    from shared.kv.block_hash import BlockHash
+    from shared.kv_offload.disk_store import DiskBlockStore
+
+    pool = quantize_rows(torch.randn(2, 2, 3, 4, 1, 8))  # [layers, 2, blocks, 4, heads, 8 + 2]
+    layout = BlockLayout.of_pool(pool, "test")
+    block, block_hash = pool[:, :, 1].contiguous(), BlockHash(bytes(16))
+    store = DiskBlockStore(tmp_path, 4 * layout.block_bytes, layout)
+    store.write_async(block_hash, block)
+    store.flush()
+    store.close()
+    reopened = DiskBlockStore(tmp_path, 4 * layout.block_bytes, layout)
+    assert torch.equal(reopened.read(block_hash), block)  # codes and scales, as they were
+    reopened.close()
+    auto = BlockLayout(2, 4, 1, 8, "float32", "test")  # the same model, kv_cache_dtype auto
+    emptied = DiskBlockStore(tmp_path, 4 * auto.block_bytes, auto)
+    assert len(emptied) == 0 and not list(tmp_path.glob("*.kv"))
+    emptied.close()
+
+
 # ---- output -----------------------------------------------------------------------------------
 
 

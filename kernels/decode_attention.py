@@ -81,6 +81,10 @@ def _decode_partition_kernel(
         other=0.0,
     )
 
+    if KV_INT8:
+        # int8 tiles dequantize to float32: the query comes up to them rather than rounding
+        # every key and value down to a half-precision query's dtype.
+        q = q.to(tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)

@@ -90,6 +90,10 @@ def _prefill_kernel(
     unmasked_end = tl.where(is_empty, 0, (first_pos + 1) // BLOCK_N * BLOCK_N)
     kv_end = tl.where(is_empty, 0, last_pos + 1)
 
+    if KV_INT8:
+        # int8 tiles dequantize to float32: the query comes up to them rather than rounding
+        # every key and value down to a half-precision query's dtype.
+        q = q.to(tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)

@@ -3,6 +3,7 @@
 | kernel                 | source                     | reference                          |
 | ---------------------- | -------------------------- | ---------------------------------- |
 | paged_decode_attention | paged_decode_attention.cpp | kernels.reference (same name)      |
+| write_kv_int8          | write_kv_int8.cpp          | kernels.reference.write_kv (int8)  |
 
 The build (g++ with OpenMP, tuned for this processor: -O3 -march=native) takes a few tens of
 seconds once; torch caches it under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions)
@@ -24,7 +25,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("paged_decode_attention.cpp")]
+_SOURCES = [
+    Path(__file__).with_name("paged_decode_attention.cpp"),
+    Path(__file__).with_name("write_kv_int8.cpp"),
+]
 _ENV = "SPLITSERVE_CPU_KERNELS"
 
 
@@ -39,7 +43,7 @@ def load() -> ModuleType | None:
         return build_and_load(
             # Versioned: every worktree and install shares torch's extension cache, and a
             # changed source under the old name would make processes rebuild over each other.
-            # v2: int8 KV rows with their scales.
+            # v2: int8 KV rows with their scales (attention reads them, write_kv_int8 writes).
             name="splitserve_cpu_kernels_v2",
             sources=[str(path) for path in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
@@ -72,6 +76,40 @@ def paged_decode_attention(
     return module.paged_decode_attention(
         query, key_cache, value_cache, block_tables, seq_lens, float(scale)
     )
+
+
+def write_kv_int8(
+    key: torch.Tensor, value: torch.Tensor, layer_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """`kernels.reference.write_kv` into an int8 cache, quantizing in place of fourteen ops.
+
+    key, value [num_tokens, num_kv_heads, head_dim] float32 (rows contiguous); layer_cache [2,
+    num_blocks, block_size, num_kv_heads, head_dim + 2] int8, contiguous (kernels.kv_int8);
+    slot_mapping [num_tokens] int64, -1 skipped. Mutates layer_cache."""
+    module = load()
+    if module is None:
+        raise RuntimeError("the CPU kernels are not available on this machine")
+    for name, tensor in {"key": key, "value": value}.items():
+        if tensor.dtype != torch.float32 or tensor.dim() != 3 or tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must be float32 [tokens, heads, head_dim] with rows "
+                             f"contiguous, got {tensor.dtype} {tuple(tensor.shape)}")
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if value.shape != key.shape:
+        raise ValueError(f"value {tuple(value.shape)} differs from key {tuple(key.shape)}")
+    if (
+        layer_cache.dtype != torch.int8
+        or not layer_cache.is_contiguous()
+        or layer_cache.dim() != 5
+        or layer_cache.shape[0] != 2
+        or tuple(layer_cache.shape[3:]) != (num_kv_heads, head_dim + 2)
+    ):
+        raise ValueError(
+            f"layer_cache must be a contiguous int8 [2, blocks, block_size, {num_kv_heads}, "
+            f"{head_dim + 2}], got {layer_cache.dtype} {tuple(layer_cache.shape)}"
+        )
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be int64 [{num_tokens}]")
+    module.write_kv_int8(key, value, layer_cache, slot_mapping.contiguous())
 
 
 def _check(query, key_cache, value_cache, block_tables, seq_lens) -> None:

@@ -45,6 +45,7 @@ class TorchPagedAttention:
         # ones, whose codes it reads with their scales (it computes in float32 either way).
         in_place_dtypes = (torch.float32, torch.int8)
         self.reads_decodes_in_place = dtype in in_place_dtypes and cpu_kernels.load() is not None
+        self._writes_int8 = dtype == torch.int8 and cpu_kernels.load() is not None
 
     def write_kv(
         self,
@@ -55,6 +56,10 @@ class TorchPagedAttention:
     ) -> None:
         # key, value: [num_tokens, num_kv_heads, head_dim]
         if kv_int8.is_int8_cache(layer_cache):
+            if self._writes_int8 and key.dtype == torch.float32:
+                # The C++ write quantizes straight into the slots (kernels/cpu).
+                cpu_kernels.write_kv_int8(key, value, layer_cache, meta.slot_mapping)
+                return
             # Keys and values quantized in one go: half the (small, per-layer) ops.
             key, value = kv_int8.quantize_rows(torch.cat((key, value))).chunk(2)
         num_kv_heads, row = key.shape[1], key.shape[2]

@@ -194,6 +194,19 @@ def test_int8_kv_output_stays_close_to_float_kv(tiny):
     assert int8 == [r.outputs[0].token_ids for r in tiny.int8.generate(prompts, GREEDY)]
 
 
+def test_a_bfloat16_model_over_an_int8_cache(tiny, tiny_hf_checkpoint):
+    """bfloat16 queries through the float32 C++ decode kernel, bfloat16 keys through the
+    PyTorch write: the first tokens agree with the bfloat16 model's own KV, as for float32."""
+    options = dict(kv_cache_bytes=KV_BYTES, num_threads=1, dtype="bfloat16")
+    auto = LLM(tiny_hf_checkpoint, **options)
+    int8 = LLM(tiny_hf_checkpoint, kv_cache_dtype="int8", **options)
+    assert int8.stats().num_kv_blocks_total / auto.stats().num_kv_blocks_total >= 1.7  # 32/18
+    prompts = _prompts(tiny.auto)
+    want = [r.outputs[0].token_ids[0] for r in auto.generate(prompts, GREEDY)]
+    outputs = [r.outputs[0].token_ids for r in int8.generate(prompts, GREEDY)]
+    assert [ids[0] for ids in outputs] == want and all(len(ids) == 12 for ids in outputs)
+
+
 def test_int8_blocks_go_to_the_host_tier_and_come_back_unchanged(
     single_thread, tiny_hf_checkpoint
 ):

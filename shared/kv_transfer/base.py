@@ -89,9 +89,10 @@ class KVTransferDescriptor:
     request_id: str
     # The receiver's block ids the pages belong to, in packed order (shape[0] of them).
     block_ids: tuple[int, ...]
-    # Shape of the packed buffer: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim].
+    # Shape of the packed buffer: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim];
+    # int8 pages (kv_cache_dtype int8) end in head_dim + 2: each row's codes, then its scale.
     shape: tuple[int, ...]
-    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32" or "int8"
     num_bytes: int
     checksum: int | None = None  # of the payload bytes; None = not checked
     checksum_algorithm: str | None = None  # one of CHECKSUM_ALGORITHMS when checksum is set

@@ -7,7 +7,11 @@ For quantization none (float32) / int8 / int4 / gguf on the shipped SmolLM2-135M
 a. batch-1 decode tokens/s (a 32-token prompt, then --decode-tokens tokens, EOS ignored);
 b. output tokens/s of 64 seeded requests (prompts 32-512, outputs 16-256; continuous batching);
 c. TTFT of a cold 1024-token prompt;
-d. resident weight MiB (every weight tensor the model keeps, oneDNN's reordered copies too).
+d. resident weight MiB (every weight tensor the model keeps, oneDNN's reordered copies too);
+
+and, unless --skip-kv, kv_cache_dtype auto against int8 on the float32 weights
+(benchmarks/kv_cache_dtype.py): e. KV tokens that fit the same budget, f. batch-1 decode,
+g. the same requests' output tokens/s.
 
 Beside them llama.cpp through llama-cpp-python on the same file and threads, in its own
 virtual environment (benchmarks/peer/llamacpp_venv.py builds it; it compiles llama.cpp, tens
@@ -37,6 +41,7 @@ from benchmarks.engine import (
     our_ttfts,
     random_prompt,
 )
+from benchmarks.kv_cache_dtype import load_int8_kv_engine, measure_kv, print_kv_table
 from shared import LLM
 from shared.model.quantization import weight_nbytes
 from shared.model_paths import default_model_path
@@ -60,11 +65,16 @@ class Sizes:
         return cls(8, 32) if quick else cls(num_requests, decode_tokens)
 
 
+KV_CACHE_BYTES = 2 * 2**30  # every engine's KV budget
+
+
 def load_engines(threads: int) -> dict[str, LLM]:
     engines = {}
     for method in METHODS:
         log(f"loading quantization={method}")
-        engines[method] = LLM(quantization=method, num_threads=threads, kv_cache_bytes=2 * 2**30)
+        engines[method] = LLM(
+            quantization=method, num_threads=threads, kv_cache_bytes=KV_CACHE_BYTES
+        )
     return engines
 
 
@@ -135,16 +145,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--skip-llamacpp", action="store_true")
+    parser.add_argument("--skip-kv", action="store_true", help="no KV auto vs int8 table")
     args = parser.parse_args(argv)
     sizes = Sizes.chosen(args.quick, args.requests, args.decode_tokens)
     torch.set_num_threads(args.threads)
     engines = load_engines(args.threads)
     ours = measure_ours(engines, args.seed, sizes)
+    kv = None
+    if not args.skip_kv:
+        kv_engines = {"auto": engines["none"]}
+        kv_engines["int8"] = load_int8_kv_engine(args.threads, KV_CACHE_BYTES)
+        kv = measure_kv(kv_engines, args.seed, sizes.num_requests, sizes.decode_tokens)
+        del kv_engines
     del engines
     gc.collect()  # llama.cpp runs in the memory our engines held
     peer = None if args.skip_llamacpp else measure_llamacpp(args.threads, args.seed, sizes)
     print(f"torch {torch.__version__}, {args.threads} threads, {default_model_path()}")
     print_table(ours, peer, sizes.num_requests)
+    if kv is not None:
+        print_kv_table(kv, KV_CACHE_BYTES, sizes.num_requests)
     return 0
 
 

@@ -1,6 +1,7 @@
 """Where a decode step's time goes, at batch 1, 2, 4, 8 and 16, beside the floor it aims at.
 
     python -m benchmarks.step_breakdown [--batches 1 2 4 8 16] [--steps 40] [--threads 2]
+                                        [--kv-cache-dtype auto|int8]
 
 For each batch size, that many requests with different ~128-token prompts are prefilled, then
 `--steps` decode steps are timed. Each engine part is timed by wrapping its entry point in this
@@ -149,9 +150,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--threads", type=int, default=2)
+    # int8: the KV write quantizes and attention reads codes and scales (docs/quantization.md)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     args = parser.parse_args(argv)
     print(f"loading the model ({args.threads} threads)...", flush=True)
-    llm = LLM(num_threads=args.threads, adaptive_threads=False, kv_cache_bytes=256 * 2**20)
+    llm = LLM(
+        num_threads=args.threads,
+        adaptive_threads=False,
+        kv_cache_bytes=256 * 2**20,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     clock = StageClock()
     instrument(llm, clock)
     floor_ms, bandwidth = weight_read_floor_ms(llm)

@@ -16,6 +16,9 @@ import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# A KV cache holds float values, or int8 rows of codes and a scale (kernels.kv_int8).
+CACHE_DTYPES = (*FLOAT_DTYPES, torch.int8)
+INT8_SCALE_BYTES = 2  # kernels.kv_int8.SCALE_BYTES (imported there from here would cycle)
 
 
 class CacheShape(NamedTuple):
@@ -83,13 +86,14 @@ def check_same_device(tensors: dict[str, torch.Tensor]) -> torch.device:
 
 
 def check_kv_cache_pair(key_cache: object, value_cache: object) -> CacheShape:
-    """Checks the per-layer caches `[num_blocks, block_size, num_kv_heads, head_dim]`.
+    """Checks the per-layer caches `[num_blocks, block_size, num_kv_heads, head_dim]` (an int8
+    cache: `head_dim + 2`, codes then the scale's bytes, kernels.kv_int8).
 
-    Returns that shape. Both caches must share shape, dtype and strides, because the kernels
-    compute one offset and use it for both.
+    Returns that shape, with the model's head_dim. Both caches must share shape, dtype and
+    strides, because the kernels compute one offset and use it for both.
     """
-    check_tensor("key_cache", key_cache, 4, FLOAT_DTYPES)
-    check_tensor("value_cache", value_cache, 4, FLOAT_DTYPES)
+    check_tensor("key_cache", key_cache, 4, CACHE_DTYPES)
+    check_tensor("value_cache", value_cache, 4, CACHE_DTYPES)
     assert isinstance(key_cache, torch.Tensor) and isinstance(value_cache, torch.Tensor)
     check_shape("value_cache", value_cache, tuple(key_cache.shape))
     check_same_dtype("value_cache", value_cache, "key_cache", key_cache)
@@ -99,7 +103,17 @@ def check_kv_cache_pair(key_cache: object, value_cache: object) -> CacheShape:
             f"{key_cache.stride()}"
         )
     check_last_dim_contiguous("key_cache", key_cache)
-    return CacheShape(*key_cache.shape)
+    num_blocks, block_size, num_kv_heads, row = key_cache.shape
+    if key_cache.dtype != torch.int8:
+        return CacheShape(num_blocks, block_size, num_kv_heads, row)
+    head_dim = row - INT8_SCALE_BYTES
+    if head_dim < 2 or head_dim % 2 or any(stride % 2 for stride in key_cache.stride()[:3]):
+        raise ValueError(
+            f"an int8 key_cache needs rows of an even head_dim + {INT8_SCALE_BYTES} and even "
+            f"strides (its bfloat16 scales), got shape {tuple(key_cache.shape)}, strides "
+            f"{key_cache.stride()}"
+        )
+    return CacheShape(num_blocks, block_size, num_kv_heads, head_dim)
 
 
 def check_query_and_cache(query: object, key_cache: object, value_cache: object) -> CacheShape:
@@ -108,7 +122,8 @@ def check_query_and_cache(query: object, key_cache: object, value_cache: object)
     check_tensor("query", query, 3, FLOAT_DTYPES)
     assert isinstance(query, torch.Tensor)
     shape = check_kv_cache_pair(key_cache, value_cache)
-    check_same_dtype("key_cache", key_cache, "query", query)  # type: ignore[arg-type]
+    if key_cache.dtype != torch.int8:  # type: ignore[union-attr]
+        check_same_dtype("key_cache", key_cache, "query", query)  # type: ignore[arg-type]
     if query.shape[2] != shape.head_dim:
         raise ValueError(
             f"query head_dim ({query.shape[2]}) differs from the cache's ({shape.head_dim})"

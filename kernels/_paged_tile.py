@@ -13,10 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_int8 import split_rows
+
 
 @triton.jit
 def load_kv_tile(
     cache_ptr,
+    scale_ptr,  # an int8 cache's bfloat16 scales (kernels.kv_int8); unused otherwise
     block_table_ptr,  # this sequence's row of the block table
     toks,  # [TILE_N] token positions in the sequence
     tok_ok,  # [TILE_N] which positions exist
@@ -26,9 +29,14 @@ def load_kv_tile(
     stride_block,
     stride_tok,
     stride_head,
+    stride_s_block,  # the scale view's strides, in scales
+    stride_s_tok,
+    stride_s_head,
     BLOCK_SIZE: tl.constexpr,
+    KV_INT8: tl.constexpr,
 ):
-    """Loads `[TILE_N, HEAD_DIM_PAD]` of one kv head; missing positions read as 0."""
+    """Loads `[TILE_N, HEAD_DIM_PAD]` of one kv head; missing positions read as 0. An int8
+    cache's codes come back multiplied by their row's scale, in float32."""
     block_ids = tl.load(block_table_ptr + toks // BLOCK_SIZE, mask=tok_ok, other=0)
     # int64: block_id * stride overflows int32 for caches past 2^31 elements.
     rows = (
@@ -36,11 +44,20 @@ def load_kv_tile(
         + (toks % BLOCK_SIZE) * stride_tok
         + kv_head * stride_head
     )
-    return tl.load(
+    tile = tl.load(
         cache_ptr + rows[:, None] + dims[None, :],
         mask=tok_ok[:, None] & dim_ok[None, :],
         other=0.0,
     )
+    if KV_INT8:
+        scale_rows = (
+            block_ids.to(tl.int64) * stride_s_block
+            + (toks % BLOCK_SIZE) * stride_s_tok
+            + kv_head * stride_s_head
+        )
+        scales = tl.load(scale_ptr + scale_rows, mask=tok_ok, other=0.0).to(tl.float32)
+        tile = tile.to(tl.float32) * scales[:, None]
+    return tile
 
 
 @triton.jit
@@ -80,6 +97,18 @@ def dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
     else:
         result = tl.dot(a, b, input_precision=DOT_PRECISION)
     return result
+
+
+def scale_args(
+    key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    """What the attention kernels take for the caches' scales: an int8 cache's key and value
+    scale views and their (block, token, head) strides; otherwise the caches themselves and
+    zero strides, never read (KV_INT8 False)."""
+    if key_cache.dtype != torch.int8:
+        return key_cache, value_cache, 0, 0, 0
+    key_scales = split_rows(key_cache)[1]
+    return (key_scales, split_rows(value_cache)[1], *key_scales.stride()[:3])
 
 
 def dot_meta(dtype: torch.dtype) -> dict[str, object]:

@@ -332,6 +332,27 @@ def bench_decode(ctx: BenchContext, layout: tuple[int, int, int]) -> list[Timing
     return timings
 
 
+def bench_decode_int8(ctx: BenchContext, layout: tuple[int, int, int]) -> list[Timing]:
+    """Decode attention over an int8 cache (kv_cache_dtype int8: codes and a bfloat16 scale per
+    row, kernels/kv_int8.py) of the same keys: about half the bytes of bfloat16 to read."""
+    from kernels.decode_attention import paged_decode_attention
+    from kernels.kv_int8 import quantize_rows
+
+    num_heads, num_kv_heads, head_dim = layout
+    batch, context = ctx.shapes.decode_batch, ctx.shapes.decode_context
+    cache = paged_cache(ctx, batch, context, num_kv_heads, head_dim)
+    kv = quantize_rows(cache.kv)
+    query = ctx.randn(batch, num_heads, head_dim)
+    args = (query, kv[0], kv[1], cache.block_tables, cache.seq_lens, head_dim**-0.5)
+    name = f"decode {num_heads}/{num_kv_heads}x{head_dim} b{batch} ctx{context} int8"
+    out = paged_decode_attention(*args)
+    expected = reference.paged_decode_attention(query.float(), *args[1:])
+    ctx.checker.check(name, out, expected)
+    moved = nbytes(kv, query, out, cache.block_tables)
+    flops = 4 * batch * num_heads * context * head_dim
+    return [Timing(name, ctx.time_ms(lambda: paged_decode_attention(*args)), moved, flops)]
+
+
 def bench_prefill(ctx: BenchContext, layout: tuple[int, int, int]) -> list[Timing]:
     return [
         bench_prefill_shape(ctx, layout, context, query_len)
@@ -483,6 +504,7 @@ def bench_steps(ctx: BenchContext) -> list[tuple[str, Callable[[], list[Timing]]
     layouts = ctx.shapes.head_layouts
     return [
         *[(f"decode {lay}", lambda lay=lay: bench_decode(ctx, lay)) for lay in layouts],
+        *[(f"decode int8 {lay}", lambda lay=lay: bench_decode_int8(ctx, lay)) for lay in layouts],
         *[(f"prefill {lay}", lambda lay=lay: bench_prefill(ctx, lay)) for lay in layouts],
         ("write_kv", lambda: bench_write_kv(ctx)),
         ("pack/unpack", lambda: bench_pages(ctx)),

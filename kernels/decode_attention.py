@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels import _checks as checks
-from kernels._paged_tile import dot_meta, load_kv_tile, online_softmax_step
+from kernels._paged_tile import dot_meta, load_kv_tile, online_softmax_step, scale_args
 
 LOG2E = 1.4426950408889634
 DEFAULT_PARTITION_SIZE = 512
@@ -30,6 +30,8 @@ def _decode_partition_kernel(
     query_ptr,
     key_cache_ptr,
     value_cache_ptr,
+    key_scale_ptr,  # an int8 cache's scales (load_kv_tile)
+    value_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     out_ptr,  # [num_seqs, num_heads, head_dim], written when IS_SINGLE_PARTITION
@@ -41,6 +43,9 @@ def _decode_partition_kernel(
     stride_c_block,
     stride_c_tok,
     stride_c_head,
+    stride_s_block,
+    stride_s_tok,
+    stride_s_head,
     stride_bt_seq,
     stride_o_seq,
     stride_o_head,
@@ -56,6 +61,7 @@ def _decode_partition_kernel(
     IS_SINGLE_PARTITION: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    KV_INT8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -75,6 +81,10 @@ def _decode_partition_kernel(
         other=0.0,
     )
 
+    if KV_INT8:
+        # int8 tiles dequantize to float32: the query comes up to them rather than rounding
+        # every key and value down to a half-precision query's dtype.
+        q = q.to(tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
@@ -83,10 +93,13 @@ def _decode_partition_kernel(
     for tile_start in range(part_start, part_end, TILE_N):
         toks = tile_start + tl.arange(0, TILE_N)
         tok_ok = toks < part_end
-        k = load_kv_tile(key_cache_ptr, table_ptr, toks, tok_ok, kv_head, dims, dim_ok,
-                         stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE)
-        v = load_kv_tile(value_cache_ptr, table_ptr, toks, tok_ok, kv_head, dims, dim_ok,
-                         stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE)
+        k = load_kv_tile(key_cache_ptr, key_scale_ptr, table_ptr, toks, tok_ok, kv_head, dims,
+                         dim_ok, stride_c_block, stride_c_tok, stride_c_head, stride_s_block,
+                         stride_s_tok, stride_s_head, BLOCK_SIZE, KV_INT8).to(q.dtype)
+        v = load_kv_tile(value_cache_ptr, value_scale_ptr, table_ptr, toks, tok_ok, kv_head,
+                         dims, dim_ok, stride_c_block, stride_c_tok, stride_c_head,
+                         stride_s_block, stride_s_tok, stride_s_head, BLOCK_SIZE,
+                         KV_INT8).to(q.dtype)
         acc, l_i, m_i = online_softmax_step(q, k, v, tok_ok[None, :], acc, l_i, m_i,
                                             scale_log2, True, DOT_PRECISION, UPCAST_DOT)
 
@@ -171,7 +184,8 @@ def paged_decode_attention(
 
     query: [num_seqs, num_heads, head_dim], the token at position `seq_lens[s] - 1`, whose own
     key and value are already in the cache. key_cache, value_cache: [num_blocks, block_size,
-    num_kv_heads, head_dim]. block_tables: [num_seqs, max_blocks_per_seq] int32. seq_lens:
+    num_kv_heads, head_dim] of query's dtype, or int8 rows of head_dim + 2 (kernels.kv_int8),
+    dequantized as they are read. block_tables: [num_seqs, max_blocks_per_seq] int32. seq_lens:
     [num_seqs] int32. Returns `out` (or a new tensor) of query's shape and dtype.
 
     Preconditions not checked (they would need a device sync): `0 <= seq_lens[s] <=
@@ -202,6 +216,7 @@ def paged_decode_attention(
         TILE_N=min(64, partition_size),
         PARTITION_SIZE=partition_size,
         IS_SINGLE_PARTITION=num_partitions == 1,
+        KV_INT8=key_cache.dtype == torch.int8,
         **dot_meta(query.dtype),
     )
     if num_partitions == 1:
@@ -211,11 +226,12 @@ def paged_decode_attention(
                                dtype=torch.float32, device=query.device)
         part_lse = torch.empty((num_seqs, num_heads, num_partitions),
                                dtype=torch.float32, device=query.device)
+    key_scales, value_scales, *scale_strides = scale_args(key_cache, value_cache)
     _decode_partition_kernel[(num_seqs, shape.num_kv_heads, num_partitions)](
-        query, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * LOG2E, query.stride(0), query.stride(1), key_cache.stride(0),
-        key_cache.stride(1), key_cache.stride(2), block_tables.stride(0), out.stride(0),
-        out.stride(1), num_heads, num_partitions, **meta,
+        query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens, out,
+        part_out, part_lse, scale * LOG2E, query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), *scale_strides,
+        block_tables.stride(0), out.stride(0), out.stride(1), num_heads, num_partitions, **meta,
     )
     if num_partitions > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](

@@ -2,7 +2,8 @@
 
 A block's *page* is what one block holds for one layer and one of K/V: `[block_size,
 num_kv_heads, head_dim]`, contiguous inside the engine's cache `[num_layers, 2, num_blocks,
-block_size, num_kv_heads, head_dim]`.
+block_size, num_kv_heads, head_dim]`. An int8 cache (`kernels.kv_int8`) has rows of head_dim + 2
+int8 elements: the write quantizes each (token, head) row; pages move as bytes, scales inside.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels import _checks as checks
+from kernels.kv_int8 import split_rows
 
 COPY_TILE = 1024  # elements per step of the page copy
 
@@ -24,17 +26,23 @@ def _write_kv_kernel(
     value_ptr,
     key_cache_ptr,
     value_cache_ptr,
+    key_scale_ptr,  # an int8 cache's scale views (kernels.kv_int8); unused otherwise
+    value_scale_ptr,
     slot_mapping_ptr,
     stride_in_tok,
     stride_in_head,
     stride_c_block,
     stride_c_tok,
     stride_c_head,
+    stride_s_block,
+    stride_s_tok,
+    stride_s_head,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    KV_INT8: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
@@ -42,13 +50,49 @@ def _write_kv_kernel(
     dims = tl.arange(0, HEAD_DIM_PAD)
     # slot -1 (padding) masks every element; a vector compare keeps the mask a block.
     is_real = (slot + tl.zeros_like(heads).to(slot.dtype)) >= 0
-    mask = (is_real & (heads < NUM_KV_HEADS))[:, None] & (dims < HEAD_DIM)[None, :]
+    head_ok = is_real & (heads < NUM_KV_HEADS)
+    mask = head_ok[:, None] & (dims < HEAD_DIM)[None, :]
     slot = tl.maximum(slot, 0)
     src = token * stride_in_tok + heads[:, None] * stride_in_head + dims[None, :]
     dst = ((slot // BLOCK_SIZE) * stride_c_block + (slot % BLOCK_SIZE) * stride_c_tok
            + heads[:, None] * stride_c_head + dims[None, :])
-    tl.store(key_cache_ptr + dst, tl.load(key_ptr + src, mask=mask), mask=mask)
-    tl.store(value_cache_ptr + dst, tl.load(value_ptr + src, mask=mask), mask=mask)
+    key = tl.load(key_ptr + src, mask=mask, other=0.0)
+    value = tl.load(value_ptr + src, mask=mask, other=0.0)
+    if KV_INT8:
+        scale_dst = ((slot // BLOCK_SIZE) * stride_s_block + (slot % BLOCK_SIZE) * stride_s_tok
+                     + heads * stride_s_head)
+        _store_int8(key_cache_ptr + dst, key_scale_ptr + scale_dst, key, mask, head_ok)
+        _store_int8(value_cache_ptr + dst, value_scale_ptr + scale_dst, value, mask, head_ok)
+    else:
+        tl.store(key_cache_ptr + dst, key, mask=mask)
+        tl.store(value_cache_ptr + dst, value, mask=mask)
+
+
+@triton.jit
+def _store_int8(code_ptrs, scale_ptrs, x, mask, head_ok):
+    """`kernels.kv_int8.quantize` of each head's row of x `[HEADS_PAD, HEAD_DIM_PAD]` (masked
+    elements are 0, so they leave the absmax alone): codes to code_ptrs, scales to scale_ptrs."""
+    x = x.to(tl.float32)
+    scale_f = _round_to_bfloat16(tl.max(tl.abs(x), 1) / 127.0)  # [HEADS_PAD]; kv_int8.QMAX
+    scale = scale_f.to(tl.bfloat16)  # exact: the low 16 bits are zero
+    is_scaled = scale_f > 0  # a row of zeros (or a padding head) keeps codes 0
+    inverse = tl.where(is_scaled, 1.0 / tl.where(is_scaled, scale_f, 1.0), 0.0)
+    scaled = x * inverse[:, None]
+    # Half away from zero, as the reference rounds.
+    codes = tl.where(scaled >= 0, tl.floor(scaled + 0.5), -tl.floor(0.5 - scaled))
+    codes = tl.minimum(tl.maximum(codes, -127.0), 127.0)
+    tl.store(code_ptrs, codes.to(tl.int8), mask=mask)
+    tl.store(scale_ptrs, scale, mask=head_ok)
+
+
+@triton.jit
+def _round_to_bfloat16(x):
+    """float32 -> the nearest bfloat16 (ties to even), as torch's `.to(bfloat16)` rounds, still
+    in float32. Done on the bits because Triton's interpreter truncates in `.to(bfloat16)`
+    whatever rounding is asked for. x is finite and >= 0 here."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
 
 
 def write_kv(
@@ -61,8 +105,9 @@ def write_kv(
     """Writes token t's key and value `[num_kv_heads, head_dim]` into slot `slot_mapping[t]`
     (`block_id * block_size + offset`) of key_cache and value_cache, which it mutates.
 
-    key, value: [num_tokens, num_kv_heads, head_dim] of the caches' dtype; slot_mapping:
-    [num_tokens] int64, -1 for padding tokens (skipped). Precondition not checked: every other
+    key, value: [num_tokens, num_kv_heads, head_dim] of the caches' dtype (of any float dtype
+    for an int8 cache, whose rows it quantizes: kernels.kv_int8); slot_mapping: [num_tokens]
+    int64, -1 for padding tokens (skipped). Precondition not checked: every other
     slot is below `num_blocks * block_size`, and no two tokens share a slot.
     """
     shape = checks.check_kv_cache_pair(key_cache, value_cache)
@@ -71,8 +116,10 @@ def write_kv(
     num_tokens = key.shape[0]
     checks.check_shape("key", key, (num_tokens, shape.num_kv_heads, shape.head_dim))
     checks.check_shape("value", value, tuple(key.shape))
-    checks.check_same_dtype("key", key, "key_cache", key_cache)
-    checks.check_same_dtype("value", value, "key_cache", key_cache)
+    kv_int8 = key_cache.dtype == torch.int8
+    if not kv_int8:
+        checks.check_same_dtype("key", key, "key_cache", key_cache)
+    checks.check_same_dtype("value", value, "key", key)
     if key.stride() != value.stride():
         raise ValueError(f"value strides {value.stride()} differ from key strides {key.stride()}")
     checks.check_last_dim_contiguous("key", key)
@@ -83,12 +130,17 @@ def write_kv(
                                   value_cache=value_cache, slot_mapping=slot_mapping))
     if num_tokens == 0:
         return
+    key_scales, value_scales, scale_strides = key_cache, value_cache, (0, 0, 0)
+    if kv_int8:
+        key_scales, value_scales = split_rows(key_cache)[1], split_rows(value_cache)[1]
+        scale_strides = key_scales.stride()[:3]
     _write_kv_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping, key.stride(0), key.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        NUM_KV_HEADS=shape.num_kv_heads, HEAD_DIM=shape.head_dim,
-        HEADS_PAD=triton.next_power_of_2(shape.num_kv_heads),
+        key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping,
+        key.stride(0), key.stride(1), key_cache.stride(0), key_cache.stride(1),
+        key_cache.stride(2), *scale_strides, NUM_KV_HEADS=shape.num_kv_heads,
+        HEAD_DIM=shape.head_dim, HEADS_PAD=triton.next_power_of_2(shape.num_kv_heads),
         HEAD_DIM_PAD=triton.next_power_of_2(shape.head_dim), BLOCK_SIZE=shape.block_size,
+        KV_INT8=kv_int8,
     )
 
 
@@ -161,7 +213,7 @@ def _check_pages_args(
     kv_cache: torch.Tensor, block_ids: torch.Tensor | Sequence[int]
 ) -> torch.Tensor:
     """Checks the cache and returns block_ids as a 1-D integer tensor on its device."""
-    checks.check_tensor("kv_cache", kv_cache, 6, checks.FLOAT_DTYPES)
+    checks.check_tensor("kv_cache", kv_cache, 6, checks.CACHE_DTYPES)
     if kv_cache.shape[1] != 2:
         raise ValueError(f"kv_cache dim 1 must be 2 (K, V), got shape {tuple(kv_cache.shape)}")
     block_size, num_kv_heads, head_dim = kv_cache.shape[3:]

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels import _checks as checks
-from kernels._paged_tile import dot_meta, load_kv_tile, online_softmax_step
+from kernels._paged_tile import dot_meta, load_kv_tile, online_softmax_step, scale_args
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # rows (tokens x heads of one group) per program
@@ -30,6 +30,8 @@ def _prefill_kernel(
     query_ptr,
     key_cache_ptr,
     value_cache_ptr,
+    key_scale_ptr,  # an int8 cache's scales (load_kv_tile)
+    value_scale_ptr,
     block_tables_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
@@ -40,6 +42,9 @@ def _prefill_kernel(
     stride_c_block,
     stride_c_tok,
     stride_c_head,
+    stride_s_block,
+    stride_s_tok,
+    stride_s_head,
     stride_bt_seq,
     stride_o_tok,
     stride_o_head,
@@ -52,6 +57,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    KV_INT8: tl.constexpr,
 ):
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP_PAD
     seq = tl.program_id(0)
@@ -84,6 +90,10 @@ def _prefill_kernel(
     unmasked_end = tl.where(is_empty, 0, (first_pos + 1) // BLOCK_N * BLOCK_N)
     kv_end = tl.where(is_empty, 0, last_pos + 1)
 
+    if KV_INT8:
+        # int8 tiles dequantize to float32: the query comes up to them rather than rounding
+        # every key and value down to a half-precision query's dtype.
+        q = q.to(tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -91,19 +101,25 @@ def _prefill_kernel(
     for start_n in range(0, unmasked_end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         key_ok = keys < unmasked_end
-        k = load_kv_tile(key_cache_ptr, table_ptr, keys, key_ok, kv_head, dims, dim_ok,
-                         stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE)
-        v = load_kv_tile(value_cache_ptr, table_ptr, keys, key_ok, kv_head, dims, dim_ok,
-                         stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE)
+        k = load_kv_tile(key_cache_ptr, key_scale_ptr, table_ptr, keys, key_ok, kv_head, dims,
+                         dim_ok, stride_c_block, stride_c_tok, stride_c_head, stride_s_block,
+                         stride_s_tok, stride_s_head, BLOCK_SIZE, KV_INT8).to(q.dtype)
+        v = load_kv_tile(value_cache_ptr, value_scale_ptr, table_ptr, keys, key_ok, kv_head,
+                         dims, dim_ok, stride_c_block, stride_c_tok, stride_c_head,
+                         stride_s_block, stride_s_tok, stride_s_head, BLOCK_SIZE,
+                         KV_INT8).to(q.dtype)
         acc, l_i, m_i = online_softmax_step(q, k, v, key_ok[None, :], acc, l_i, m_i,
                                             scale_log2, False, DOT_PRECISION, UPCAST_DOT)
     for start_n in range(unmasked_end, kv_end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         key_ok = keys < kv_end
-        k = load_kv_tile(key_cache_ptr, table_ptr, keys, key_ok, kv_head, dims, dim_ok,
-                         stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE)
-        v = load_kv_tile(value_cache_ptr, table_ptr, keys, key_ok, kv_head, dims, dim_ok,
-                         stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE)
+        k = load_kv_tile(key_cache_ptr, key_scale_ptr, table_ptr, keys, key_ok, kv_head, dims,
+                         dim_ok, stride_c_block, stride_c_tok, stride_c_head, stride_s_block,
+                         stride_s_tok, stride_s_head, BLOCK_SIZE, KV_INT8).to(q.dtype)
+        v = load_kv_tile(value_cache_ptr, value_scale_ptr, table_ptr, keys, key_ok, kv_head,
+                         dims, dim_ok, stride_c_block, stride_c_tok, stride_c_head,
+                         stride_s_block, stride_s_tok, stride_s_head, BLOCK_SIZE,
+                         KV_INT8).to(q.dtype)
         visible = (keys[None, :] <= positions[:, None]) & key_ok[None, :]
         acc, l_i, m_i = online_softmax_step(q, k, v, visible, acc, l_i, m_i,
                                             scale_log2, True, DOT_PRECISION, UPCAST_DOT)
@@ -132,8 +148,9 @@ def paged_prefill_attention(
     query: [num_tokens, num_heads, head_dim]; sequence s owns rows
     `query_start_loc[s]:query_start_loc[s + 1]` (query_start_loc: [num_seqs + 1] int32,
     starting at 0, non-decreasing), the tokens at positions `seq_lens[s] - q_len ..
-    seq_lens[s] - 1`, whose keys and values are already in the cache. Returns `out` (or a new
-    tensor) of query's shape and dtype.
+    seq_lens[s] - 1`, whose keys and values are already in the cache (key_cache, value_cache:
+    [num_blocks, block_size, num_kv_heads, head_dim] of query's dtype, or int8 rows of
+    head_dim + 2, kernels.kv_int8). Returns `out` (or a new tensor) of query's shape and dtype.
 
     max_query_len sizes the launch; pass it (the scheduler knows it) to avoid a device sync.
     Preconditions not checked: `q_len <= seq_lens[s] <= max_blocks_per_seq * block_size`,
@@ -156,13 +173,15 @@ def paged_prefill_attention(
     group_pad = triton.next_power_of_2(group)
     block_m = max(BLOCK_M, group_pad)
     grid = (num_seqs, triton.cdiv(max_query_len, block_m // group_pad), shape.num_kv_heads)
+    key_scales, value_scales, *scale_strides = scale_args(key_cache, value_cache)
     _prefill_kernel[grid](
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
-        scale * LOG2E, query.stride(0), query.stride(1), key_cache.stride(0),
-        key_cache.stride(1), key_cache.stride(2), block_tables.stride(0), out.stride(0),
-        out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=shape.block_size, BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N, **dot_meta(query.dtype),
+        query, key_cache, value_cache, key_scales, value_scales, block_tables, query_start_loc,
+        seq_lens, out, scale * LOG2E, query.stride(0), query.stride(1), key_cache.stride(0),
+        key_cache.stride(1), key_cache.stride(2), *scale_strides, block_tables.stride(0),
+        out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), GROUP=group, GROUP_PAD=group_pad,
+        BLOCK_SIZE=shape.block_size, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        KV_INT8=key_cache.dtype == torch.int8, **dot_meta(query.dtype),
     )
     return out
 

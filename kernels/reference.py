@@ -7,7 +7,9 @@ obviousness over speed: one sequence at a time, math in float32, results cast on
 KV layout: per layer a key cache and a value cache `[num_blocks, block_size, num_kv_heads,
 head_dim]` (views `kv[l, 0]`, `kv[l, 1]` of `[num_layers, 2, num_blocks, block_size,
 num_kv_heads, head_dim]`); token `t` of a sequence lives in slot
-`block_tables[s, t // block_size] * block_size + t % block_size`.
+`block_tables[s, t // block_size] * block_size + t % block_size`. An int8 cache
+(`kernels.kv_int8`) has rows of `head_dim + 2` int8 elements, codes then their scale: the write
+quantizes and the attention dequantizes on read, to the query's dtype.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+
+from kernels import kv_int8
 
 
 class AddRMSNormOutput(NamedTuple):
@@ -26,11 +30,15 @@ class AddRMSNormOutput(NamedTuple):
 def gather_kv(
     cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
 ) -> torch.Tensor:
-    """The first `seq_len` tokens of one sequence, in order: `[seq_len, num_kv_heads, head_dim]`."""
+    """The first `seq_len` tokens of one sequence, in order: `[seq_len, num_kv_heads, head_dim]`
+    (float32 values when the cache is int8)."""
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
     pages = cache[block_table[:num_blocks].long()]  # [num_blocks, block_size, kv_heads, dim]
-    return pages.reshape(-1, *cache.shape[2:])[:seq_len]
+    rows = pages.reshape(-1, *cache.shape[2:])[:seq_len]
+    if kv_int8.is_int8_cache(cache):  # int8 rows -> float32 values
+        return kv_int8.dequantize_rows(rows, torch.float32)
+    return rows
 
 
 def _attend(
@@ -124,6 +132,10 @@ def write_kv(
     slots = slot_mapping[keep]
     block_size = key_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
+    if kv_int8.is_int8_cache(key_cache):
+        key_cache[blocks, offsets] = kv_int8.quantize_rows(key[keep])
+        value_cache[blocks, offsets] = kv_int8.quantize_rows(value[keep])
+        return
     key_cache[blocks, offsets] = key[keep].to(key_cache.dtype)
     value_cache[blocks, offsets] = value[keep].to(value_cache.dtype)
 

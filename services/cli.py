@@ -6,12 +6,13 @@ import argparse
 import sys
 import time
 
-from services.common.flags import add_quantization_flag
+from services.common.flags import add_kv_cache_dtype_flag, add_quantization_flag
 from services.launcher import add_up_flags, run_up
 
 ENGINE_FLAGS = (
     "dtype",
     "quantization",
+    "kv_cache_dtype",
     "block_size",
     "max_num_batched_tokens",
     "max_model_len",
@@ -53,6 +54,7 @@ def _add_generate(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--seed", type=int, default=None)
     sub.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     add_quantization_flag(sub)
+    add_kv_cache_dtype_flag(sub)
     sub.add_argument("--block-size", type=int, default=16)
     sub.add_argument("--max-num-batched-tokens", type=int, default=512)
     sub.add_argument("--max-model-len", type=int, default=None)

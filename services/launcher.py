@@ -18,7 +18,12 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from services.common.flags import add_quantization_flag, parse_size, parse_tier_size
+from services.common.flags import (
+    add_kv_cache_dtype_flag,
+    add_quantization_flag,
+    parse_size,
+    parse_tier_size,
+)
 from services.common.redis_server import RedisServer
 from services.common.supervisor import (
     HealthCheck,
@@ -78,6 +83,8 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
         choices=QUANTIZATION_METHODS,
         help="the prefill processes' weights, where they should differ (default: --quantization)",
     )
+    # One value for every engine process: pages travel between pods as they are stored.
+    add_kv_cache_dtype_flag(sub)
     sub.add_argument(
         "--kv-cache-bytes", default="256MiB", help="KV cache of each engine process, e.g. 256MiB"
     )
@@ -271,6 +278,7 @@ def _prefill_quantization(args: argparse.Namespace) -> list[str]:
 
 def _engine_flags(args: argparse.Namespace, transport: str) -> list[str]:
     flags = ["--kv-cache-bytes", str(args.kv_cache_bytes)]
+    flags += ["--kv-cache-dtype", args.kv_cache_dtype]
     flags += ["--kv-transport", transport, "--log-level", args.log_level]
     if args.model is not None:
         flags += ["--model", args.model]

@@ -16,6 +16,9 @@ QUANTIZATION_METHODS = ("none", "int8", "int4", "gguf")
 
 # CacheConfig.eviction_policy's values; shared/kv/eviction.py says what each does.
 EVICTION_POLICIES = ("lru", "idle_ttl", "priority")
+# CacheConfig.kv_cache_dtype's values (vLLM's name): "auto" = the model's dtype; "int8" = int8
+# codes with a scale per token and KV head (kernels/kv_int8.py, docs/quantization.md).
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,10 @@ class CacheConfig:
     # A load from the lower tiers still running after this long ends where it stands; the
     # blocks it did not load are computed instead.
     kv_load_timeout_s: float = 2.0
+    # How keys and values are stored (KV_CACHE_DTYPES): "int8" fits about 2x (bfloat16 model)
+    # or 3.9x (float32) the tokens in the same budget. A prefill pod and its decode pods must
+    # agree: pages travel as they are stored.
+    kv_cache_dtype: str = "auto"
 
     def tenant_quota_blocks(self, num_blocks: int) -> int | None:
         """`tenant_cache_quota` in blocks of a pool of `num_blocks`; None without a bound."""
@@ -119,6 +126,7 @@ class CacheConfig:
                 f"{self.max_retention_s}"
             )
         _check_offload(self)
+        _check_kv_cache_dtype(self.kv_cache_dtype)
         if not 0.0 < self.tenant_cache_quota <= 1.0:
             raise ValueError(f"tenant_cache_quota must be in (0, 1], got {self.tenant_cache_quota}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -132,6 +140,20 @@ class CacheConfig:
             )
         if self.num_blocks_override is not None and self.num_blocks_override < 2:
             raise ValueError(f"num_blocks_override must be >= 2, got {self.num_blocks_override}")
+
+
+def _check_kv_cache_dtype(kv_cache_dtype: object) -> None:
+    if kv_cache_dtype == "fp8":
+        # vLLM's fp8 KV needs a GPU with fp8 arithmetic; the CPU has none and no fp8 path is
+        # built here, so it is refused rather than emulated.
+        raise ValueError(
+            "kv_cache_dtype 'fp8' is not supported: the CPU has no fp8 arithmetic and no fp8 "
+            "KV path is built yet; use 'int8' (or 'auto')"
+        )
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+        )
 
 
 def _check_offload(cache: CacheConfig) -> None:

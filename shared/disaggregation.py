@@ -16,7 +16,9 @@ buffer `[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]`, and the re
 scatter copy from it into its cache. `kv_heads` on the wire is always the model's (each head
 once, model order), whatever the tensor-parallel layout of either pod: a TP pod gathers and
 cuts its ranks' heads (shared/parallel/pages.py), so prefill and decode pods of different
-layouts exchange pages.
+layouts exchange pages. An int8 cache (kv_cache_dtype int8) packs int8 rows of head_dim + 2,
+codes then scale (kernels/kv_int8.py): its pages move as they are, and a pod of the other
+kv_cache_dtype refuses them (`KVTransferDescriptor.check_destination`).
 """
 
 from __future__ import annotations

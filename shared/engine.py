@@ -133,7 +133,13 @@ class EngineCore:
             self.kv_spec: KVCacheSpec = size_kv_cache(
                 self.architecture, config.cache, self.dtype, self.device
             )
-            kv_cache = allocate_kv_cache(self.kv_spec, self.architecture, self.dtype, self.device)
+            kv_cache = allocate_kv_cache(
+                self.kv_spec,
+                self.architecture,
+                self.dtype,
+                self.device,
+                config.cache.kv_cache_dtype,
+            )
         del checkpoint
         self.kv_manager = KVCacheManager.from_config(config.cache, self.kv_spec.num_blocks)
         self.speculation = build_policy(config.speculative)
@@ -176,11 +182,12 @@ class EngineCore:
         if self.offloader is not None:  # measures what recomputing a prefix costs
             self.step_observers.append(self.offloader.costs)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)",
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, kv_cache_dtype %s)",
             self.kv_spec.num_blocks,
             self.kv_spec.block_size,
             self.kv_spec.num_tokens,
             self.kv_spec.total_bytes / 2**20,
+            config.cache.kv_cache_dtype,
         )
 
     # ---- requests ---------------------------------------------------------------------------

@@ -57,3 +57,62 @@ def test_bad_inputs_are_refused_before_the_kernel_runs():
         paged_decode_attention(query, keys, values, tables + 1000, lens, scale)
     with pytest.raises(ValueError, match="multiple"):
         paged_decode_attention(query[:, :8], keys, values, tables, lens, scale)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_over_int8_rows_matches_the_reference(shape):
+    """kv_cache_dtype int8: codes and their bfloat16 scale per row (kernels/kv_int8.py), read in
+    place with the scale applied once per row; the reference dequantizes, then attends."""
+    from kernels.kv_int8 import quantize_rows
+
+    for seed in range(3):
+        query, keys, values, tables, lens, scale = random_case(shape, seed + 10)
+        case = (query, quantize_rows(keys), quantize_rows(values), tables, lens, scale)
+        got = paged_decode_attention(*case)
+        expected = reference.paged_decode_attention(*case)
+        assert not torch.equal(expected, torch.zeros_like(expected))
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_int8_rows_of_the_wrong_width_are_refused():
+    from kernels.kv_int8 import quantize_rows
+
+    query, keys, values, tables, lens, scale = random_case(SHAPES[0], 0)
+    with pytest.raises(ValueError, match="do not fit query"):
+        paged_decode_attention(query, quantize_rows(keys)[..., :-2].contiguous(),
+                               quantize_rows(values)[..., :-2].contiguous(), tables, lens, scale)
+    with pytest.raises(ValueError, match="caches of"):
+        paged_decode_attention(query, quantize_rows(keys), values, tables, lens, scale)
+
+
+@pytest.mark.parametrize(("num_tokens", "num_kv_heads", "head_dim"), [(1, 3, 64), (200, 2, 128),
+                                                                       (7, 1, 80)])
+def test_write_kv_int8_writes_what_the_reference_writes(num_tokens, num_kv_heads, head_dim):
+    """Bit for bit: codes and scales, the slots not written left alone, padding skipped."""
+    from kernels.cpu import write_kv_int8
+    from kernels.kv_int8 import quantize_rows
+
+    generator = torch.Generator().manual_seed(num_tokens)
+    num_blocks, block_size = 30, 16
+    cache = quantize_rows(torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim,
+                                      generator=generator))
+    qkv = torch.randn(num_tokens, 3, num_kv_heads, head_dim, generator=generator) * 4
+    key, value = qkv[:, 1].contiguous(), qkv[:, 2]  # value as a view of a fused projection
+    key[0, 0] = 0.0  # a zero row: scale 0, codes 0
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens]
+    if num_tokens > 1:
+        slots[1] = -1  # a padding token
+    expected = cache.clone()
+    reference.write_kv(key, value, expected[0], expected[1], slots)
+
+    write_kv_int8(key, value, cache, slots)
+
+    assert torch.equal(cache, expected)
+
+
+def test_write_kv_int8_refuses_a_float_cache():
+    from kernels.cpu import write_kv_int8
+
+    key = torch.randn(2, 1, 64)
+    with pytest.raises(ValueError, match="contiguous int8"):
+        write_kv_int8(key, key, torch.zeros(2, 4, 16, 1, 66), torch.tensor([0, 1]))

@@ -298,6 +298,7 @@ BAD_VALUES = [
     ({"gateway": {"routingPolicy": "random"}}, "/gateway/routingPolicy"),
     ({"decode": {"speculative": {"method": "medusa"}}}, "/decode/speculative/method"),
     ({"decode": {"quantization": "int3"}}, "/decode/quantization"),
+    ({"engine": {"kvCacheDtype": "fp8"}}, "/engine/kvCacheDtype"),
     ({"decode": {"kvCacheBytes": "eight gigabytes"}}, "/decode/kvCacheBytes"),
     ({"prefill": {"kvCacheMemoryFraction": 1.5}}, "/prefill/kvCacheMemoryFraction"),
     ({"decode": {"kvOffload": {"hostBytes": "lots"}}}, "/decode/kvOffload/hostBytes"),
@@ -352,6 +353,15 @@ def test_each_role_gets_its_own_quantization():
     prefill_args = command_line(deployment_containers(objects, "prefill")[0], objects)
     assert _flag(decode_args, "--quantization") == "gguf"
     assert _flag(prefill_args, "--quantization") == "none"
+
+
+def test_both_roles_get_the_one_kv_cache_dtype():
+    # Pages travel as they are stored: prefill and decode pods must agree, so it is one value.
+    for case, expected in (("default", "auto"), ("cpu-dev", "int8")):
+        objects = case_objects(case)
+        for role in ("prefill", "decode"):
+            args = command_line(deployment_containers(objects, role)[0], objects)
+            assert _flag(args, "--kv-cache-dtype") == expected, (case, role)
 
 
 def test_engine_settings_change_rolls_the_pods():

@@ -54,6 +54,7 @@ def expected_check_names(shapes: bench.BenchShapes) -> set[str]:
         layout = f"{num_heads}/{num_kv_heads}x{head_dim}"
         decode = f"decode {layout} b{shapes.decode_batch} ctx{shapes.decode_context}"
         names |= {f"{decode} part{size}" for size in partitions} | {f"{decode} vs sdpa"}
+        names.add(f"{decode} int8")  # the same keys in an int8 cache (kv_cache_dtype int8)
         names |= {
             f"prefill {layout} {shapes.prefill_seqs}x{query_len} ctx{context}"
             for context, query_len in shapes.prefill_shapes
@@ -96,7 +97,7 @@ def test_smoke_run_checks_every_kernel_against_its_reference(dtype):
         if line.startswith("  ") and not line.startswith("  check ")
     ]
     shapes = bench.SMOKE
-    num_decode_rows = len(shapes.decode_partition_sizes) + 2
+    num_decode_rows = len(shapes.decode_partition_sizes) + 2 + 1  # + the int8 cache's
     num_rows_per_layout = num_decode_rows + len(shapes.prefill_shapes) + 1  # + rotary
     # int8, int4 and dense per dequantizing-matmul shape and row count
     num_dequant_rows = 3 * len(shapes.dequant_shapes) * len(shapes.dequant_rows)

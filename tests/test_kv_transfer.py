@@ -240,6 +240,22 @@ def test_mismatched_offer_is_rejected_before_any_payload(
     assert torch.count_nonzero(destination) == 0
 
 
+def test_int8_pages_into_a_float_cache_are_refused_naming_kv_cache_dtype(
+    endpoints: Endpoints, loop_thread: LoopThread
+) -> None:
+    """A prefill pod with kv_cache_dtype int8 and a decode pod with auto (or the reverse)."""
+    from kernels.kv_int8 import quantize_rows
+
+    pages = quantize_rows(_pages(2))  # int8 rows: head_dim + 2 elements, scales inside
+    destination = torch.zeros(pages.shape[:-1] + (pages.shape[-1] - 2,))
+    received, sent = loop_thread.run(_send_and_receive(endpoints, "kvdt", pages, destination))
+    for outcome in (received, sent):
+        assert isinstance(outcome, KVTransferError)
+        assert "must run the same kv_cache_dtype" in str(outcome)
+        assert "int8 (kv_cache_dtype 'int8')" in str(outcome)
+    assert torch.count_nonzero(destination) == 0
+
+
 def test_offer_without_posted_receive_is_rejected(
     endpoints: Endpoints, loop_thread: LoopThread
 ) -> None:

@@ -36,12 +36,18 @@ PROMPT_LENS = [5, 12, 45, 33, 20]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
 
 
-def _make_llm(checkpoint: str, backend: str) -> LLM:
+def _make_llm(checkpoint: str, backend: str, kv_cache_dtype: str = "auto") -> LLM:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(BACKEND_ENV, backend)
         # A 32-token budget chunks the 45-token prompt and puts decodes and prefill chunks in the
         # same steps.
-        return LLM(checkpoint, kv_cache_bytes=16 * 2**20, max_num_batched_tokens=32, device=DEVICE)
+        return LLM(
+            checkpoint,
+            kv_cache_bytes=16 * 2**20,
+            max_num_batched_tokens=32,
+            device=DEVICE,
+            kv_cache_dtype=kv_cache_dtype,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +175,47 @@ def test_attend_matches_torch_backend_on_a_mixed_step(triton_llm):
     assert error < 1e-4
     # Per row as well: a wrong row would hide in the norm of the whole batch.
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_attend_over_an_int8_cache_matches_torch_backend_on_a_mixed_step(triton_llm):
+    """kv_cache_dtype int8: both backends write the same codes and scales, and attend alike."""
+    from kernels.kv_int8 import quantize_rows
+
+    meta = triton_llm.engine.runner.prepare_inputs(_mixed_chunks()).meta
+    decodes = MIXED_BATCH[: meta.num_decodes]
+    num_heads, num_kv_heads, head_dim = 4, 2, 16
+    meta.decode_groups = group_decodes(
+        [seq_len for seq_len, _, _ in decodes],
+        [block_ids for _, _, block_ids in decodes],
+        BLOCK_SIZE,
+        2 * BLOCK_SIZE * num_kv_heads * (head_dim + 2),
+        torch.device(DEVICE),
+    )
+    num_tokens = meta.slot_mapping.shape[0]
+    gen = torch.Generator().manual_seed(2)
+    cache = quantize_rows(torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim,
+                                      generator=gen))
+    key, value = torch.randn(2, num_tokens, num_kv_heads, head_dim, generator=gen)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
+    cache, key, value, query = (t.to(DEVICE) for t in (cache, key, value, query))
+
+    triton_cache, torch_cache = cache.clone(), cache.clone()
+    TritonPagedAttention().write_kv(key, value, triton_cache, meta)
+    TorchPagedAttention(torch.int8).write_kv(key, value, torch_cache, meta)
+    assert torch.equal(triton_cache, torch_cache) and not torch.equal(triton_cache, cache)
+
+    out = TritonPagedAttention().attend(query, triton_cache, meta, head_dim**-0.5)
+    expected = TorchPagedAttention().attend(query, torch_cache, meta, head_dim**-0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_int8_kv_engine_greedy_tokens_match_torch_backend(tiny_hf_checkpoint, prompts):
+    torch_int8 = _make_llm(tiny_hf_checkpoint, "torch", "int8")
+    triton_int8 = _make_llm(tiny_hf_checkpoint, "triton", "int8")
+    expected_ids, expected_lp, _ = _generate(torch_int8, prompts)
+    token_ids, logprobs, _ = _generate(triton_int8, prompts)
+    assert token_ids == expected_ids
+    torch.testing.assert_close(logprobs, expected_lp, rtol=1e-4, atol=1e-4)
 
 
 def test_write_kv_accepts_value_as_a_view_of_fused_qkv(triton_llm):

@@ -3,6 +3,7 @@
 | kernel                 | source                     | reference                          |
 | ---------------------- | -------------------------- | ---------------------------------- |
 | paged_decode_attention | paged_decode_attention.cpp | kernels.reference (same name)      |
+| write_kv_int8          | write_kv_int8.cpp          | kernels.reference.write_kv (int8)  |
 
 The build (g++ with OpenMP, tuned for this processor: -O3 -march=native) takes a few tens of
 seconds once; torch caches it under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions)
@@ -24,7 +25,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("paged_decode_attention.cpp")]
+_SOURCES = [
+    Path(__file__).with_name("paged_decode_attention.cpp"),
+    Path(__file__).with_name("write_kv_int8.cpp"),
+]
 _ENV = "SPLITSERVE_CPU_KERNELS"
 
 
@@ -37,7 +41,10 @@ def load() -> ModuleType | None:
         from torch.utils.cpp_extension import load as build_and_load
 
         return build_and_load(
-            name="splitserve_cpu_kernels",
+            # Versioned: every worktree and install shares torch's extension cache, and a
+            # changed source under the old name would make processes rebuild over each other.
+            # v2: int8 KV rows with their scales (attention reads them, write_kv_int8 writes).
+            name="splitserve_cpu_kernels_v2",
             sources=[str(path) for path in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
@@ -56,11 +63,12 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """`kernels.reference.paged_decode_attention`, reading the cache in place (float32, CPU).
+    """`kernels.reference.paged_decode_attention`, reading the cache in place (CPU).
 
-    query [num_seqs, num_heads, head_dim]; key_cache, value_cache [num_blocks, block_size,
-    num_kv_heads, head_dim]; block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs]
-    int32 (0: a padding row, zeros out)."""
+    query [num_seqs, num_heads, head_dim] float32; key_cache, value_cache [num_blocks,
+    block_size, num_kv_heads, head_dim] float32, or int8 rows of head_dim + 2 (codes and their
+    bfloat16 scale, kernels.kv_int8); block_tables [num_seqs, max_blocks] int32; seq_lens
+    [num_seqs] int32 (0: a padding row, zeros out)."""
     module = load()
     if module is None:
         raise RuntimeError("the CPU kernels are not available on this machine")
@@ -70,12 +78,48 @@ def paged_decode_attention(
     )
 
 
+def write_kv_int8(
+    key: torch.Tensor, value: torch.Tensor, layer_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """`kernels.reference.write_kv` into an int8 cache, quantizing in place of fourteen ops.
+
+    key, value [num_tokens, num_kv_heads, head_dim] float32 (rows contiguous); layer_cache [2,
+    num_blocks, block_size, num_kv_heads, head_dim + 2] int8, contiguous (kernels.kv_int8);
+    slot_mapping [num_tokens] int64, -1 skipped. Mutates layer_cache."""
+    module = load()
+    if module is None:
+        raise RuntimeError("the CPU kernels are not available on this machine")
+    for name, tensor in {"key": key, "value": value}.items():
+        if tensor.dtype != torch.float32 or tensor.dim() != 3 or tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must be float32 [tokens, heads, head_dim] with rows "
+                             f"contiguous, got {tensor.dtype} {tuple(tensor.shape)}")
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if value.shape != key.shape:
+        raise ValueError(f"value {tuple(value.shape)} differs from key {tuple(key.shape)}")
+    if (
+        layer_cache.dtype != torch.int8
+        or not layer_cache.is_contiguous()
+        or layer_cache.dim() != 5
+        or layer_cache.shape[0] != 2
+        or tuple(layer_cache.shape[3:]) != (num_kv_heads, head_dim + 2)
+    ):
+        raise ValueError(
+            f"layer_cache must be a contiguous int8 [2, blocks, block_size, {num_kv_heads}, "
+            f"{head_dim + 2}], got {layer_cache.dtype} {tuple(layer_cache.shape)}"
+        )
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be int64 [{num_tokens}]")
+    module.write_kv_int8(key, value, layer_cache, slot_mapping.contiguous())
+
+
 def _check(query, key_cache, value_cache, block_tables, seq_lens) -> None:
     tensors = {"query": query, "key_cache": key_cache, "value_cache": value_cache}
     for name, tensor in tensors.items():
-        if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+        allowed = (torch.float32,) if name == "query" else (torch.float32, torch.int8)
+        if tensor.dtype not in allowed or tensor.device.type != "cpu":
             raise ValueError(
-                f"{name} must be a float32 CPU tensor, got {tensor.dtype} on {tensor.device}"
+                f"{name} must be a {' or '.join(map(str, allowed))} CPU tensor, got "
+                f"{tensor.dtype} on {tensor.device}"
             )
         if not tensor.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
@@ -84,7 +128,10 @@ def _check(query, key_cache, value_cache, block_tables, seq_lens) -> None:
             raise ValueError(f"{name} must be a contiguous int32 tensor, got {tensor.dtype}")
     num_seqs, num_heads, head_dim = query.shape
     _, _, num_kv_heads, cache_dim = key_cache.shape
-    if value_cache.shape != key_cache.shape or cache_dim != head_dim:
+    row = head_dim + 2 if key_cache.dtype == torch.int8 else head_dim  # int8: codes, scale
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"caches of {key_cache.dtype} and {value_cache.dtype}")
+    if value_cache.shape != key_cache.shape or cache_dim != row:
         shapes = f"{tuple(key_cache.shape)} / {tuple(value_cache.shape)}"
         raise ValueError(f"caches {shapes} do not fit query {tuple(query.shape)}")
     if num_heads % num_kv_heads:

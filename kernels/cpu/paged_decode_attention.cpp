@@ -9,15 +9,20 @@
 //   p[g][t] = exp(scores[g][t] - max_t) / sum      (softmax in float32)
 //   out[g] = sum_t p[g][t] * v[t]                  (second pass, over the values)
 //
-// Layouts (what the engine's cache holds, float32):
-//   query        [num_seqs, num_heads, head_dim]
-//   key_cache    [num_blocks, block_size, num_kv_heads, head_dim]  (value_cache the same)
+// Layouts (what the engine's cache holds):
+//   query        [num_seqs, num_heads, head_dim] float32
+//   key_cache    [num_blocks, block_size, num_kv_heads, head_dim] float32  (value_cache the same)
+//                or int8 [..., head_dim + 2]: each row's codes, then its bfloat16 scale in the
+//                last two bytes (kernels/kv_int8.py); a row's dot product and weighted add run
+//                on the codes and apply the scale once, so nothing is dequantized to memory
 //   block_tables [num_seqs, max_blocks] int32;  seq_lens [num_seqs] int32
 
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -35,28 +40,53 @@ inline void add_scaled(float* out, const float* v, float weight, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] += weight * v[i];
 }
 
+// An int8 row's scale: the bfloat16 after its head_dim codes (the upper half of a float32).
+inline float row_scale(const int8_t* row, int64_t head_dim) {
+  uint16_t half;
+  std::memcpy(&half, row + head_dim, sizeof(half));
+  const uint32_t bits = static_cast<uint32_t>(half) << 16;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return scale;
+}
+
+inline float dot(const float* q, const int8_t* codes, int64_t n) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += q[i] * static_cast<float>(codes[i]);
+  return sum * row_scale(codes, n);
+}
+
+inline void add_scaled(float* out, const int8_t* codes, float weight, int64_t n) {
+  const float w = weight * row_scale(codes, n);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] += w * static_cast<float>(codes[i]);
+}
+
 struct Geometry {
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, group;
-  int64_t token_stride;  // floats from one slot of a block to the next: num_kv_heads * head_dim
-  int64_t block_stride;  // floats from one block to the next: block_size * token_stride
+  int64_t row;           // elements of one (slot, kv head) row: head_dim (+ 2 for int8)
+  int64_t token_stride;  // elements from one slot of a block to the next: num_kv_heads * row
+  int64_t block_stride;  // elements from one block to the next: block_size * token_stride
 };
 
 // One sequence, every head: `seq_len` keys, read block by block. A slot's keys for all kv
 // heads are one contiguous run (num_kv_heads * head_dim floats), so each cache line fetched
 // is used whole; query head h reads kv head h / group (GQA).
-void attend_sequence(const Geometry& g, const float* q, const float* k_cache,
-                     const float* v_cache, const int32_t* table, int64_t seq_len, float scale,
-                     float* out, std::vector<float>& scores) {
+template <typename T>  // float (float32 cache) or int8_t (int8 rows with scales)
+void attend_sequence(const Geometry& g, const float* q, const T* k_cache, const T* v_cache,
+                     const int32_t* table, int64_t seq_len, float scale, float* out,
+                     std::vector<float>& scores) {
   scores.resize(g.num_heads * seq_len);
   const int64_t num_blocks = (seq_len + g.block_size - 1) / g.block_size;
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const float* block = k_cache + table[b] * g.block_stride;
+    const T* block = k_cache + table[b] * g.block_stride;
     const int64_t first = b * g.block_size;
     const int64_t count = std::min(g.block_size, seq_len - first);
     for (int64_t slot = 0; slot < count; ++slot) {
-      const float* keys = block + slot * g.token_stride;  // [num_kv_heads, head_dim]
+      const T* keys = block + slot * g.token_stride;  // [num_kv_heads, row]
       for (int64_t h = 0; h < g.num_heads; ++h) {
-        const float* key = keys + (h / g.group) * g.head_dim;
+        const T* key = keys + (h / g.group) * g.row;
         scores[h * seq_len + first + slot] = scale * dot(q + h * g.head_dim, key, g.head_dim);
       }
     }
@@ -77,15 +107,32 @@ void attend_sequence(const Geometry& g, const float* q, const float* k_cache,
   }
   std::fill(out, out + g.num_heads * g.head_dim, 0.0f);
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const float* block = v_cache + table[b] * g.block_stride;
+    const T* block = v_cache + table[b] * g.block_stride;
     const int64_t first = b * g.block_size;
     const int64_t count = std::min(g.block_size, seq_len - first);
     for (int64_t slot = 0; slot < count; ++slot) {
-      const float* values = block + slot * g.token_stride;
+      const T* values = block + slot * g.token_stride;
       for (int64_t h = 0; h < g.num_heads; ++h) {
-        const float* value = values + (h / g.group) * g.head_dim;
+        const T* value = values + (h / g.group) * g.row;
         add_scaled(out + h * g.head_dim, value, scores[h * seq_len + first + slot], g.head_dim);
       }
+    }
+  }
+}
+
+template <typename T>
+void attend_all(const Geometry& g, int64_t num_seqs, const float* q, const T* k, const T* v,
+                const int32_t* tables, const int32_t* lens, float scale, float* o) {
+#pragma omp parallel
+  {
+    std::vector<float> scores;  // one per thread, reused across its sequences
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t seq = 0; seq < num_seqs; ++seq) {
+      const int64_t seq_len = lens[seq];
+      if (seq_len == 0) continue;  // a padding row: zeros, as the reference gives
+      const int64_t row = seq * g.num_heads * g.head_dim;
+      attend_sequence(g, q + row, k, v, tables + seq * g.max_blocks, seq_len, scale, o + row,
+                      scores);
     }
   }
 }
@@ -103,7 +150,11 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   g.num_kv_heads = key_cache.size(2);
   g.max_blocks = block_tables.size(1);
   g.group = g.num_heads / g.num_kv_heads;
-  g.token_stride = g.num_kv_heads * g.head_dim;
+  const bool is_int8 = key_cache.scalar_type() == torch::kChar;
+  g.row = is_int8 ? g.head_dim + 2 : g.head_dim;
+  TORCH_CHECK(key_cache.size(3) == g.row, "cache rows of ", key_cache.size(3),
+              " elements for head_dim ", g.head_dim);
+  g.token_stride = g.num_kv_heads * g.row;
   g.block_stride = g.block_size * g.token_stride;
   const int64_t num_blocks = key_cache.size(0);
   const int32_t* lens_in = seq_lens.data_ptr<int32_t>();
@@ -122,27 +173,27 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   }
   auto out = torch::zeros_like(query);
   const float* q = query.data_ptr<float>();
-  const float* k = key_cache.data_ptr<float>();
-  const float* v = value_cache.data_ptr<float>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   float* o = out.data_ptr<float>();
-#pragma omp parallel
-  {
-    std::vector<float> scores;  // one per thread, reused across its sequences
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t seq = 0; seq < num_seqs; ++seq) {
-      const int64_t seq_len = lens[seq];
-      if (seq_len == 0) continue;  // a padding row: zeros, as the reference gives
-      const int64_t row = seq * g.num_heads * g.head_dim;
-      attend_sequence(g, q + row, k, v, tables + seq * g.max_blocks, seq_len,
-                      static_cast<float>(scale), o + row, scores);
-    }
+  const float s = static_cast<float>(scale);
+  if (is_int8) {
+    attend_all(g, num_seqs, q, key_cache.data_ptr<int8_t>(), value_cache.data_ptr<int8_t>(),
+               tables, lens, s, o);
+  } else {
+    attend_all(g, num_seqs, q, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
+               tables, lens, s, o);
   }
   return out;
 }
 
+// write_kv_int8.cpp
+void write_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor layer_cache,
+                   torch::Tensor slot_mapping);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("write_kv_int8", &write_kv_int8,
+        "new keys and values quantized into their slots of an int8 KV cache (CPU)");
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV cache, read in place (float32, CPU)");
+        "decode attention over a paged KV cache, read in place (float32 or int8 rows, CPU)");
 }

@@ -2,7 +2,10 @@
 
 The pool is [layers, 2, blocks, block_size, kv_heads, head_dim]; a block taken out of it is
 [layers, 2, block_size, kv_heads, head_dim], contiguous, so a store keeps it as one run of
-bytes: one memcpy to load it back, one file on disk.
+bytes: one memcpy to load it back, one file on disk. With kv_cache_dtype "int8" the pool's rows
+are head_dim codes plus a 2-byte scale (kernels/kv_int8.py), so a block's bytes carry its codes
+and scales together and the stores keep them as they are; `layout.json` names the format, and
+a disk tier written in another one (or before the field existed) is emptied at start-up.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+
+from kernels import kv_int8
 
 
 @dataclass(frozen=True)
@@ -21,16 +26,30 @@ class BlockLayout:
     dtype: str  # torch dtype name, e.g. "float32"
     # The prefix-cache hash namespace: blocks hashed under another one are not ours.
     hash_namespace: str
+    # "auto" (values of `dtype`) or "int8" (rows of head_dim codes and a scale, dtype int8).
+    kv_cache_dtype: str = "auto"
 
     @classmethod
     def of_pool(cls, kv_cache: torch.Tensor, hash_namespace: str) -> BlockLayout:
-        num_layers, _two, _blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        num_layers, _two, _blocks, block_size, num_kv_heads, row = kv_cache.shape
         dtype = str(kv_cache.dtype).removeprefix("torch.")
-        return cls(num_layers, block_size, num_kv_heads, head_dim, dtype, hash_namespace)
+        if kv_int8.is_int8_cache(kv_cache):
+            head_dim = kv_int8.head_dim_of(kv_cache)
+            return cls(
+                num_layers, block_size, num_kv_heads, head_dim, dtype, hash_namespace, "int8"
+            )
+        return cls(num_layers, block_size, num_kv_heads, row, dtype, hash_namespace)
+
+    @property
+    def row_width(self) -> int:
+        """Elements of one (token, head) row in the pool: head_dim, plus int8's scale bytes."""
+        if self.kv_cache_dtype == "int8":
+            return kv_int8.row_width(self.head_dim)
+        return self.head_dim
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.row_width)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -40,7 +59,7 @@ class BlockLayout:
     def block_bytes(self) -> int:
         element_size = torch.empty((), dtype=self.torch_dtype).element_size()
         return element_size * self.num_layers * 2 * self.block_size * self.num_kv_heads * (
-            self.head_dim
+            self.row_width
         )
 
     def to_dict(self) -> dict[str, object]:

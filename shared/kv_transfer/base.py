@@ -66,6 +66,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def kv_format(name: str) -> str:
+    """A page dtype in kv_cache_dtype terms, for errors: int8 pages are kv_cache_dtype int8
+    (codes and scales, kernels/kv_int8.py); any float dtype is 'auto' in that model dtype."""
+    if name == "int8":
+        return "int8 (kv_cache_dtype 'int8')"
+    return f"{name} (kv_cache_dtype 'auto')"
+
+
 def _torch_dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
@@ -81,9 +89,10 @@ class KVTransferDescriptor:
     request_id: str
     # The receiver's block ids the pages belong to, in packed order (shape[0] of them).
     block_ids: tuple[int, ...]
-    # Shape of the packed buffer: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim].
+    # Shape of the packed buffer: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim];
+    # int8 pages (kv_cache_dtype int8) end in head_dim + 2: each row's codes, then its scale.
     shape: tuple[int, ...]
-    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32" or "int8"
     num_bytes: int
     checksum: int | None = None  # of the payload bytes; None = not checked
     checksum_algorithm: str | None = None  # one of CHECKSUM_ALGORITHMS when checksum is set
@@ -139,8 +148,9 @@ class KVTransferDescriptor:
         """Raises KVTransferError unless `destination` can hold exactly this payload."""
         if dtype_name(destination.dtype) != self.dtype:
             raise KVTransferError(
-                f"request {self.request_id}: dtype {self.dtype} does not match the "
-                f"destination's {dtype_name(destination.dtype)}"
+                f"request {self.request_id}: pages of {kv_format(self.dtype)} do not fit this "
+                f"pod's cache of {kv_format(dtype_name(destination.dtype))}: prefill and decode "
+                "pods must run the same kv_cache_dtype (and model dtype)"
             )
         if tuple(destination.shape) != self.shape:
             raise KVTransferError(

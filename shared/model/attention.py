@@ -9,7 +9,9 @@ Decodes attend in a few padded, batched calls, one per group of similar context 
 (`shared.model.decode_groups`); each prefill chunk attends causally to its cached prefix plus
 itself. `shared.model.attention_backend.select_attention_backend` picks this path or the
 Triton kernels; both read the same cache layout:
-`kv_cache[layer]` is `[2, num_blocks, block_size, num_kv_heads, head_dim]`.
+`kv_cache[layer]` is `[2, num_blocks, block_size, num_kv_heads, head_dim]`, or with
+`kv_cache_dtype="int8"` int8 rows of `head_dim + 2` (codes then a bfloat16 scale,
+`kernels.kv_int8`): the write quantizes, the gather dequantizes to the query's dtype.
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu as cpu_kernels
+from kernels import kv_int8
 from shared.model.attention_metadata import AttentionMetadata, PrefillChunk
 from shared.model.decode_groups import DecodeGroup
 
 
 class TorchPagedAttention:
     """Attention for the CPU. Decodes go to the C++ kernel that reads the paged cache in place
-    (`kernels.cpu`, float32) when the runner built decode block tables for it; otherwise, and
-    for prefill chunks, each sequence's blocks are copied into one reused buffer for SDPA.
+    (`kernels.cpu`, float32 or int8 rows) when the runner built decode block tables for it;
+    otherwise, and for prefill chunks, each sequence's blocks are copied into one reused buffer
+    for SDPA (an int8 cache's rows dequantized into a second one).
 
     Whole blocks are gathered (per kv head, one run of block_size * head_dim values written
     contiguously), not single slots: far fewer, longer copies. The buffer is kept across layers
@@ -36,8 +40,12 @@ class TorchPagedAttention:
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self._buffer = torch.empty(0)
-        # Decodes read the cache in place where the C++ kernel built (float32 caches only).
-        self.reads_decodes_in_place = dtype == torch.float32 and cpu_kernels.load() is not None
+        self._values = torch.empty(0)  # an int8 cache's gathered rows, dequantized
+        # Decodes read the cache in place where the C++ kernel built: float32 caches, and int8
+        # ones, whose codes it reads with their scales (it computes in float32 either way).
+        in_place_dtypes = (torch.float32, torch.int8)
+        self.reads_decodes_in_place = dtype in in_place_dtypes and cpu_kernels.load() is not None
+        self._writes_int8 = dtype == torch.int8 and cpu_kernels.load() is not None
 
     def write_kv(
         self,
@@ -47,8 +55,15 @@ class TorchPagedAttention:
         meta: AttentionMetadata,
     ) -> None:
         # key, value: [num_tokens, num_kv_heads, head_dim]
-        num_kv_heads, head_dim = key.shape[1], key.shape[2]
-        flat = layer_cache.view(2, -1, num_kv_heads, head_dim)
+        if kv_int8.is_int8_cache(layer_cache):
+            if self._writes_int8 and key.dtype == torch.float32:
+                # The C++ write quantizes straight into the slots (kernels/cpu).
+                cpu_kernels.write_kv_int8(key, value, layer_cache, meta.slot_mapping)
+                return
+            # Keys and values quantized in one go: half the (small, per-layer) ops.
+            key, value = kv_int8.quantize_rows(torch.cat((key, value))).chunk(2)
+        num_kv_heads, row = key.shape[1], key.shape[2]
+        flat = layer_cache.view(2, -1, num_kv_heads, row)
         flat[0].index_copy_(0, meta.slot_mapping, key)
         flat[1].index_copy_(0, meta.slot_mapping, value)
 
@@ -70,8 +85,11 @@ class TorchPagedAttention:
             out[rows] = self._prefill(query[rows], layer_cache, chunk, scale)
         return out
 
-    def _gather_blocks(self, layer_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        """[2, num_kv_heads, len(block_ids) * block_size, head_dim], valid until the next call.
+    def _gather_blocks(
+        self, layer_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """[2, num_kv_heads, len(block_ids) * block_size, head_dim], valid until the next call;
+        an int8 cache's rows come back dequantized to `dtype`.
 
         Heads come first so each head's positions are contiguous, the layout SDPA reads
         fastest; the gather writes that layout directly (it reads head_dim-long runs instead of
@@ -89,21 +107,37 @@ class TorchPagedAttention:
             self._buffer = torch.empty(numel, dtype=layer_cache.dtype, device=layer_cache.device)
         gathered = self._buffer[:numel].view(shape)
         torch.index_select(by_head, 2, block_ids, out=gathered)
-        return gathered.view(2, num_kv_heads, -1, head_dim)
+        gathered = gathered.view(2, num_kv_heads, -1, head_dim)
+        if kv_int8.is_int8_cache(layer_cache):
+            return self._dequantize(gathered, dtype)
+        return gathered
+
+    def _dequantize(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Gathered int8 rows -> values in a second reused buffer: one more pass over the
+        gathered bytes, the price of reading an int8 cache on this path."""
+        codes, scales = kv_int8.split_rows(rows)
+        if self._values.numel() < codes.numel() or self._values.dtype != dtype:
+            self._values = torch.empty(codes.numel(), dtype=dtype, device=rows.device)
+        values = self._values[: codes.numel()].view(codes.shape)
+        values.copy_(codes)
+        return values.mul_(scales)
 
     def _decode(
         self, query: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         # query: [num_decodes, num_heads, head_dim]
         if meta.decode_block_tables is not None:
-            return cpu_kernels.paged_decode_attention(
-                query.contiguous(),
+            # A bfloat16 model over an int8 cache: the kernel takes float32 queries (a few
+            # rows per step to convert).
+            out = cpu_kernels.paged_decode_attention(
+                query.float().contiguous(),
                 layer_cache[0],
                 layer_cache[1],
                 meta.decode_block_tables,
                 meta.decode_seq_lens,
                 scale,
             )
+            return out.to(query.dtype)
         assert meta.decode_groups, "the runner builds decode groups or tables for this backend"
         if len(meta.decode_groups) == 1:
             return self._decode_group(query, layer_cache, meta.decode_groups[0], scale)
@@ -119,7 +153,7 @@ class TorchPagedAttention:
         self, query: torch.Tensor, layer_cache: torch.Tensor, group: DecodeGroup, scale: float
     ) -> torch.Tensor:
         num_rows = query.shape[0]
-        kv = self._gather_blocks(layer_cache, group.block_ids)
+        kv = self._gather_blocks(layer_cache, group.block_ids, query.dtype)
         # [2, kv_heads, num_rows * max_len, dim] -> [2, num_rows, kv_heads, max_len, dim]
         kv = kv.view(2, kv.shape[1], num_rows, -1, kv.shape[-1]).transpose(1, 2)
         out = F.scaled_dot_product_attention(
@@ -135,7 +169,7 @@ class TorchPagedAttention:
     def _prefill(
         self, query: torch.Tensor, layer_cache: torch.Tensor, chunk: PrefillChunk, scale: float
     ) -> torch.Tensor:
-        kv = self._gather_blocks(layer_cache, chunk.block_ids)[:, :, : chunk.seq_len]
+        kv = self._gather_blocks(layer_cache, chunk.block_ids, query.dtype)[:, :, : chunk.seq_len]
         # A batch dimension of 1 throughout: with 3-D inputs SDPA on the CPU falls back to its
         # unfused math path, which measured 3x slower on a 512-token chunk than the fused one.
         keys, values = kv[0, None], kv[1, None]  # [1, num_kv_heads, seq_len, head_dim]

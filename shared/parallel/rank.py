@@ -80,4 +80,7 @@ def build_rank(
     model.load_hf_weights(layout.shard_weights(weights, arch.num_layers))
     # Only the block count matters for allocation; rank 0 sized it for the whole pod.
     kv_spec = KVCacheSpec(num_blocks, config.cache.block_size, bytes_per_block=0)
-    return model, allocate_kv_cache(kv_spec, local_arch, dtype, device)
+    kv_cache = allocate_kv_cache(
+        kv_spec, local_arch, dtype, device, config.cache.kv_cache_dtype
+    )
+    return model, kv_cache

@@ -73,12 +73,13 @@ def load_draft_model(path: str, config: EngineConfig, target: LlamaForCausalLM, 
 
 
 def draft_kv_cache(model: LlamaForCausalLM, target_kv: torch.Tensor, block_size: int):
-    """A cache for the draft with as many blocks as the target's (same block ids)."""
+    """A cache for the draft with as many blocks as the target's (same block ids), in the
+    target's format (an int8 target cache gives an int8 draft cache)."""
     num_blocks = target_kv.shape[2]
-    spec = KVCacheSpec(
-        num_blocks, block_size, bytes_per_block(model.arch, block_size, target_kv.dtype)
-    )
-    return allocate_kv_cache(spec, model.arch, target_kv.dtype, target_kv.device)
+    kv_cache_dtype = "int8" if target_kv.dtype == torch.int8 else "auto"
+    per_block = bytes_per_block(model.arch, block_size, target_kv.dtype, kv_cache_dtype)
+    spec = KVCacheSpec(num_blocks, block_size, per_block)
+    return allocate_kv_cache(spec, model.arch, target_kv.dtype, target_kv.device, kv_cache_dtype)
 
 
 @dataclass

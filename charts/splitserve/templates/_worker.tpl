@@ -54,6 +54,8 @@ so the ConfigMap is the one place they are written. */}}
 {{- include "splitserve.worker.offloadArgs" $values }}
 - --quantization
 - $({{ include "splitserve.worker.configKey" (dict "component" .component "setting" "QUANTIZATION") }})
+- --kv-cache-dtype
+- $(SPLITSERVE_KV_CACHE_DTYPE)
 - --redis-url
 - $(REDIS_URL)
 {{- include "splitserve.worker.threadArgs" $values }}

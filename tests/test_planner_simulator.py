@@ -348,3 +348,19 @@ def test_prefix_cache_pushes_least_recent_groups_down_the_tiers() -> None:
     cache.add("c", 4)  # loaded back: on the device, off the disk
     assert cache.tier_of("c") == "device" and cache.num_blocks["disk"] == 0
     assert cache.hit_tokens["device"] == 64
+
+
+def test_pages_landing_mid_step_join_and_answer_at_the_steps_end() -> None:
+    # A (16 tokens, under the local-prefill threshold) keeps the decode pod stepping every
+    # 100 ms from t = 50 ms. B's pages land at t = 60 ms, mid-step: the engine thread takes
+    # them, and B's first token goes out, only when that step ends at t = 150 ms.
+    profile = synthetic_profile(0.05, decode_step_s=0.1)
+    cluster = ClusterConfig(1, 1, local_prefill_threshold=32, gateway_poll_interval_s=0)
+    requests = [SimRequest(0, 0.0, 16, 20), SimRequest(1, 0.01, 64, 2)]
+    simulation = Simulation(profile, cluster)
+    simulation.run(requests, LOOSE)
+    records = {f.record.request.request_id: f.record for f in simulation._flights.values()}
+    assert records[0].ttft_s == pytest.approx(0.05)
+    assert records[1].ttft_s == pytest.approx(0.15 - 0.01)
+    # Its second token comes with the next step of the batch it joined.
+    assert records[1].itls_s == pytest.approx([0.1])

@@ -132,6 +132,8 @@ class Simulation:
     _num_pending_arrivals: int = 0  # polls go on while requests are still to come
     _rng: random.Random = field(default_factory=lambda: random.Random(0))  # draft acceptance
     _dead: set[str] = field(default_factory=set)  # names of pods that died
+    # Pod name -> flights whose pages landed while a step ran there (joined at its end).
+    _landed_mid_step: dict[str, list[_Flight]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # The serving path's measured costs of this topology (none in a bare profile).
@@ -287,6 +289,8 @@ class Simulation:
                 self._send_kv(pod, seq, now)
             else:
                 self._emit_tokens(pod, seq, now, 1 + self._accepted_drafts(seq))
+        for flight in self._landed_mid_step.pop(pod.name, []):
+            self._complete(flight, now)
         self._kick(pod, now)
 
     def _accepted_drafts(self, seq: SimSeq) -> int:
@@ -311,10 +315,19 @@ class Simulation:
         self._push(now + flight.record.transfer_s, KV_LANDED, flight)
 
     def _on_kv_landed(self, now: float, flight: _Flight) -> None:
-        pod, seq = flight.decode_pod, flight.decode_seq
+        pod = flight.decode_pod
         if pod.name in self._dead:
             self._move(flight, now, None)  # the pages had nowhere to go
             return
+        if pod.is_busy:
+            # The pod's engine thread takes the pages (and releases the first token) between
+            # steps: a command queued while a step runs waits for its end (shared/async_llm.py).
+            self._landed_mid_step.setdefault(pod.name, []).append(flight)
+            return
+        self._complete(flight, now)
+
+    def _complete(self, flight: _Flight, now: float) -> None:
+        pod, seq = flight.decode_pod, flight.decode_seq
         pod.complete_reserved(seq)
         self._emit_tokens(pod, seq, now, 1)
         self._kick(pod, now)

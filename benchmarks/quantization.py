@@ -146,9 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--skip-llamacpp", action="store_true")
     parser.add_argument("--skip-kv", action="store_true", help="no KV auto vs int8 table")
+    parser.add_argument("--kv-only", action="store_true", help="only the KV auto vs int8 table")
     args = parser.parse_args(argv)
     sizes = Sizes.chosen(args.quick, args.requests, args.decode_tokens)
     torch.set_num_threads(args.threads)
+    if args.kv_only:
+        return run_kv_only(args, sizes)
     engines = load_engines(args.threads)
     ours = measure_ours(engines, args.seed, sizes)
     kv = None
@@ -164,6 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     print_table(ours, peer, sizes.num_requests)
     if kv is not None:
         print_kv_table(kv, KV_CACHE_BYTES, sizes.num_requests)
+    return 0
+
+
+def run_kv_only(args: argparse.Namespace, sizes: Sizes) -> int:
+    """The KV table alone (the weights table and llama.cpp take most of the run's time)."""
+    log("loading quantization=none")
+    kv_engines = {"auto": LLM(num_threads=args.threads, kv_cache_bytes=KV_CACHE_BYTES)}
+    kv_engines["int8"] = load_int8_kv_engine(args.threads, KV_CACHE_BYTES)
+    kv = measure_kv(kv_engines, args.seed, sizes.num_requests, sizes.decode_tokens)
+    print(f"torch {torch.__version__}, {args.threads} threads, {default_model_path()}")
+    print_kv_table(kv, KV_CACHE_BYTES, sizes.num_requests)
     return 0
 
 

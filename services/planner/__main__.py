@@ -58,6 +58,7 @@ def _add_profile(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--repeats", type=int, default=3, help="timed steps per point")
     sub.add_argument("--quick", action="store_true", help="a smaller grid (about 30 s)")
     sub.add_argument("--quantization", default="none", help="weights, as the pods run them")
+    sub.add_argument("--kv-cache-dtype", default="auto", help="KV cache, as the pods run it")
     sub.add_argument("--tensor-parallel-size", type=int, default=1)
     sub.add_argument("--pipeline-parallel-size", type=int, default=1)
     sub.add_argument(
@@ -147,6 +148,7 @@ def run_profile(args: argparse.Namespace) -> int:
         kv_transport=args.kv_transport,
         repeats=args.repeats,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         **(QUICK_GRID if args.quick else {}),

@@ -57,6 +57,7 @@ class ProfileSettings:
     kv_transport: str = "tcp"
     transfer_blocks: tuple[int, int] = (1, 32)
     quantization: str = "none"
+    kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
 
@@ -119,7 +120,7 @@ def _engine_setup(engine, settings: ProfileSettings) -> EngineSetup:
     config = engine.config
     return EngineSetup(
         quantization=config.model.quantization,
-        kv_cache_dtype=getattr(config.cache, "kv_cache_dtype", "auto"),
+        kv_cache_dtype=config.cache.kv_cache_dtype,
         tensor_parallel_size=config.parallel.tensor_parallel_size,
         pipeline_parallel_size=config.parallel.pipeline_parallel_size,
         num_threads=settings.num_threads,
@@ -145,6 +146,7 @@ def _load_engine(settings: ProfileSettings, log: Log):
         max_num_seqs=max(128, *settings.batch_sizes),
         max_model_len=max(2048, longest + 64),
         quantization=settings.quantization,
+        kv_cache_dtype=settings.kv_cache_dtype,
         tensor_parallel_size=settings.tensor_parallel_size,
         pipeline_parallel_size=settings.pipeline_parallel_size,
     )

@@ -30,6 +30,7 @@ from services.planner.profile import Profile
 from services.planner.sizing import Target, pods_needed, steady_workload
 
 ROLES = ("prefill", "decode")
+MODEL_CACHE_SIZE = 256  # model answers kept, by reading
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,8 @@ class Autoscaler:
             tuple(current.items()),
         )
         if key not in self._sized:
+            if len(self._sized) >= MODEL_CACHE_SIZE:
+                self._sized.clear()  # a long run's old readings: not worth keeping
             max_pods = max(self.settings.bounds(role).max_replicas, 1)
             self._sized[key] = pods_needed(
                 self.profile, workload, self.settings.target, role, current, max_pods

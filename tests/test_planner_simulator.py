@@ -364,3 +364,23 @@ def test_pages_landing_mid_step_join_and_answer_at_the_steps_end() -> None:
     assert records[1].ttft_s == pytest.approx(0.15 - 0.01)
     # Its second token comes with the next step of the batch it joined.
     assert records[1].itls_s == pytest.approx([0.1])
+
+
+def test_pages_parked_on_a_pod_that_dies_mid_step_still_move() -> None:
+    from services.planner.sim_failures import PodFailure
+
+    # A and C keep both decode pods stepping every 100 ms from t = 50 ms; B's pages land on
+    # decode-0 at t = 60 ms, mid-step, and wait for its end; decode-0 dies at t = 100 ms.
+    profile = synthetic_profile(0.05, decode_step_s=0.1)
+    failure = PodFailure(at_s=0.1, decode_pod=0)
+    cluster = ClusterConfig(
+        1, 2, local_prefill_threshold=32, gateway_poll_interval_s=0, failures=(failure,)
+    )
+    requests = [SimRequest(0, 0.0, 16, 20), SimRequest(1, 0.0, 16, 20), SimRequest(2, 0.01, 64, 2)]
+    simulation = Simulation(profile, cluster)
+    result = simulation.run(requests, LOOSE)
+    assert result.num_finished == 3
+    assert {simulation.decode_pod_name(i) for i in range(3)} == {"decode-1"}
+    assert result.num_moved == 2  # the stream that had output, and the parked one
+    assert set(result.utilization) == {"prefill", "decode"}
+    assert len(simulation.decode_pods) == 2  # the dead pod still counts in the results

@@ -158,8 +158,9 @@ class Simulation:
         self.decode_pods = [
             SimPod(f"decode-{i}", limits, self.profile) for i in range(self.cluster.num_decode)
         ]
+        # The gateway's own lists: a dead pod leaves its view, not the simulation's pods.
         self.gateway = SimGateway(
-            self.prefill_pods, self.decode_pods, self.cluster.gateway_poll_interval_s
+            list(self.prefill_pods), list(self.decode_pods), self.cluster.gateway_poll_interval_s
         )
 
     def run(self, requests: list[SimRequest], slo: Slo) -> SimResult:
@@ -376,6 +377,8 @@ class Simulation:
             and not flight.record.is_dropped
             and not flight.decode_seq.is_waiting_for_kv  # those move when their pages land
         ]
+        # Pages that landed there mid-step, waiting for a step end that never came.
+        broken += self._landed_mid_step.pop(failure.pod_name, [])
         for flight in broken:
             self._move(flight, now, failure)
 

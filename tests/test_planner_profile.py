@@ -160,3 +160,27 @@ def test_profile_json_round_trips_and_reads_version_1(tmp_path) -> None:
     body["serving"] = {"sideways": {"step_s": 0.0}}
     with pytest.raises(ValueError, match="sideways"):
         Profile.from_json(body)
+
+
+def test_a_margin_slows_every_measured_time_alike() -> None:
+    from services.planner.profile import TierLoadModel
+
+    base = replace(
+        _mixed_profile(0.004),
+        serving={"colocated": ServingCosts(0.001, 0.0002, 0.02)},
+        tier_loads=TierLoadModel(1e9, 1e8),
+        kv_bytes_per_token=1000,
+    )
+    slow = base.with_margin(0.25)
+    for chunks, decodes in (([(100, 0)], 0), ([], 8), ([(100, 0)], 4)):
+        assert slow.step_s(chunks, decodes, decodes * 64) == pytest.approx(
+            1.25 * base.step_s(chunks, decodes, decodes * 64)
+        )
+    assert slow.transfer_s(512) == pytest.approx(1.25 * base.transfer_s(512))
+    assert slow.tier_load_s("disk", 512) == pytest.approx(1.25 * base.tier_load_s("disk", 512))
+    colocated, slow_colocated = base.for_topology(0), slow.for_topology(0)
+    assert slow_colocated.request_overhead_s == pytest.approx(1.25 * colocated.request_overhead_s)
+    assert slow_colocated.step_s([], 8, 512) == pytest.approx(1.25 * colocated.step_s([], 8, 512))
+    assert base.with_margin(0) is base
+    with pytest.raises(ValueError, match="margin"):
+        base.with_margin(-0.1)

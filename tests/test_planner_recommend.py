@@ -54,7 +54,7 @@ def test_recommend_command_prints_table_plot_and_helm_values(tmp_path, capsys) -
             "plan", "recommend", "--profile", str(profile_path), "--rate", "2.5",
             "--num-requests", "300", "--input-lens", "64", "--output-lens", "32",
             "--ttft-slo", "8", "--itl-slo", "0.1", "--max-pods", "4", "--ratio-max-pods", "3",
-            "--plot", str(plot_path), "--seeds", "3",
+            "--plot", str(plot_path), "--seeds", "3", "--margin", "0",
         ]
     )  # fmt: skip
     out = capsys.readouterr().out
@@ -102,3 +102,11 @@ def test_profile_json_round_trip(tmp_path) -> None:
     assert loaded == profile
     assert loaded.prefill_s(100) == pytest.approx(0.1 + 0.2)
     assert loaded.decode.step_s(10, 500) == pytest.approx(0.02 + 0.01)
+
+
+def test_the_margin_makes_the_planner_ask_for_more() -> None:
+    # 1 s per prompt at 2.5 req/s needs 3 prefill pods; taken 25% slower (1.25 s) it needs 4.
+    spec = _spec(max_pods=5)
+    plain = recommend(_prefill_bound_profile(), spec).best
+    pessimistic = recommend(_prefill_bound_profile().with_margin(0.25), spec).best
+    assert (plain.cluster.num_prefill, pessimistic.cluster.num_prefill) == (3, 4)

@@ -10,6 +10,7 @@ import time
 from dataclasses import asdict
 
 from services.planner.autoscaler import add_autoscale_flags, run_autoscale
+from services.planner.profile import DEFAULT_MARGIN
 
 DEFAULT_PROFILE = "planner_profile.json"
 DEFAULT_PLOT = "docs/planner_goodput_vs_ratio.png"
@@ -70,6 +71,12 @@ def _add_profile(sub: argparse.ArgumentParser) -> None:
 
 def _add_simulation_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--profile", default=DEFAULT_PROFILE, metavar="PATH")
+    sub.add_argument(
+        "--margin",
+        type=float,
+        default=DEFAULT_MARGIN,
+        help="measured times are taken this much slower (0.1 = 10%%): the planner errs high",
+    )
     sub.add_argument("--trace", default=None, metavar="PATH", help="JSONL requests (else Poisson)")
     sub.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals, requests/s")
     sub.add_argument("--num-requests", type=int, default=400)
@@ -123,6 +130,12 @@ def _add_recommend_flags(sub: argparse.ArgumentParser) -> None:
 
 def _add_validate_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--profile", default=DEFAULT_PROFILE, metavar="PATH")
+    sub.add_argument(
+        "--margin",
+        type=float,
+        default=DEFAULT_MARGIN,
+        help="measured times are taken this much slower (0.1 = 10%%): the planner errs high",
+    )
     sub.add_argument("--duration", type=float, default=60.0, help="seconds per measured run")
     sub.add_argument(
         "--fresh-profile", action="store_true", help="measure --profile first (quick grid)"
@@ -266,7 +279,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from services.planner.profile import load_profile
     from services.planner.simulator import simulate
 
-    profile = load_profile(args.profile)
+    profile = load_profile(args.profile).with_margin(args.margin)
     cluster = _cluster(args, args.prefill, args.decode)
     requests = _requests(args)
     started = time.monotonic()
@@ -299,8 +312,12 @@ def run_recommend(args: argparse.Namespace) -> int:
 
     if args.trace:
         raise ValueError("recommend searches over Poisson rates: use --rate, not --trace")
-    profile = load_profile(args.profile)
-    prefill_profile = load_profile(args.prefill_profile) if args.prefill_profile else None
+    profile = load_profile(args.profile).with_margin(args.margin)
+    prefill_profile = (
+        load_profile(args.prefill_profile).with_margin(args.margin)
+        if args.prefill_profile
+        else None
+    )
     spec = SearchSpec(
         workload=_workload_spec(args),
         slo=_slo(args),

@@ -24,6 +24,7 @@ from services.planner.load import (
     MetricsLoadSource,
     RedisLoadSource,
 )
+from services.planner.profile import DEFAULT_MARGIN
 
 
 class DeploymentScaler:
@@ -192,7 +193,7 @@ def run_autoscale(args: argparse.Namespace) -> int:
     )
     if args.interval <= 0:
         raise ValueError("--interval must be > 0 seconds")
-    profile = load_profile(args.profile) if args.profile else None
+    profile = load_profile(args.profile).with_margin(args.margin) if args.profile else None
     source = load_source(args)
     scaler = DeploymentScaler(args.namespace or _own_namespace(), args.kube_api_url)
     deployments = Deployments(args.prefill_deployment, args.decode_deployment)
@@ -220,6 +221,12 @@ def add_autoscale_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--prefill-deployment", required=True, help="the prefill Deployment's name")
     sub.add_argument("--decode-deployment", required=True, help="the decode Deployment's name")
     sub.add_argument("--profile", default=None, metavar="PATH", help="a pod profile (JSON)")
+    sub.add_argument(
+        "--margin",
+        type=float,
+        default=DEFAULT_MARGIN,
+        help="the profile's times are taken this much slower, as recommend's --margin",
+    )
     sub.add_argument(
         "--redis-url",
         default=os.environ.get("REDIS_URL") or None,

@@ -42,6 +42,9 @@ from services.planner.profile_parts import (
 )
 
 PROFILE_VERSION = 2
+# The planner's default margin on measured times (`with_margin`, `--margin`): two validations
+# on this VM found the same machine 8-17% slower during the runs than during the profile.
+DEFAULT_MARGIN = 0.10
 READABLE_VERSIONS = (1, 2)  # version 1: no mixed steps, serving costs or engine setup
 
 __all__ = [
@@ -176,6 +179,46 @@ class Profile:
             raise ValueError("the profile has no KV tier loads: measure with `plan profile`")
         return num_tokens * self.kv_bytes_per_token / self.tier_loads.bytes_per_s(tier)
 
+    def with_margin(self, margin: float) -> Profile:
+        """This profile with every measured time multiplied by (1 + margin): steps, serving
+        costs, transfers and tier loads. The planner's deliberate pessimism (`--margin`): a
+        profile taken in half a minute reproduces the machine of that half minute, and on a
+        shared VM the same machine measured 8-17% slower minutes later (docs/planner.md)."""
+        if not 0 <= margin < 10:
+            raise ValueError(f"margin must be in [0, 10), got {margin}")
+        if margin == 0:
+            return self
+        factor = 1.0 + margin
+        return replace(
+            self,
+            prefill=[PrefillSample(s.num_tokens, s.seconds * factor) for s in self.prefill],
+            decode=replace(self.decode, seconds=_scaled(self.decode.seconds, factor)),
+            mixed=(
+                replace(self.mixed, seconds=_scaled(self.mixed.seconds, factor))
+                if self.mixed is not None
+                else None
+            ),
+            kv_transfer=KVTransferModel(
+                self.kv_transfer.bandwidth_bytes_per_s / factor,
+                self.kv_transfer.latency_s * factor,
+            ),
+            tier_loads=(
+                TierLoadModel(
+                    self.tier_loads.host_bytes_per_s / factor,
+                    self.tier_loads.disk_bytes_per_s / factor,
+                )
+                if self.tier_loads is not None
+                else None
+            ),
+            serving={
+                name: ServingCosts(c.step_s * factor, c.row_s * factor, c.request_s * factor)
+                for name, c in self.serving.items()
+            },
+            request_overhead_s=self.request_overhead_s * factor,
+            step_overhead_s=self.step_overhead_s * factor,
+            row_overhead_s=self.row_overhead_s * factor,
+        )
+
     def for_topology(self, num_prefill: int) -> Profile:
         """This profile with the serving costs measured for a topology like the cluster's
         (P = 0 colocated, else disaggregated) as its overheads; unchanged without them."""
@@ -235,6 +278,10 @@ def load_profile(path: str) -> Profile:
     if not isinstance(body, dict):
         raise ValueError(f"--profile: {path} must hold a JSON object")
     return Profile.from_json(body)
+
+
+def _scaled(grid: list[list[float]], factor: float) -> list[list[float]]:
+    return [[value * factor for value in row] for row in grid]
 
 
 def _fit_prefill(samples: list[PrefillSample]) -> tuple[float, float, float]:

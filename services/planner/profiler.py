@@ -70,7 +70,7 @@ class ProfileSettings:
                 raise ValueError(f"--{name.replace('_', '-')} must be increasing and >= 1")
         values = self.mixed_batch_sizes
         if values and (min(values) < 1 or list(values) != sorted(set(values))):
-                raise ValueError(f"--{name.replace('_', '-')} must be increasing and >= 1")
+            raise ValueError(f"--{name.replace('_', '-')} must be increasing and >= 1")
 
 
 # `profile --quick` (and `validate --fresh-profile`): about a third of the default's time.

@@ -125,9 +125,7 @@ def run_config(config: LocalConfig, profile: Profile, args: argparse.Namespace) 
 
 def _serving_costs(profile: Profile, config: LocalConfig) -> ServingCosts:
     applied = profile.for_topology(config.num_prefill)
-    return ServingCosts(
-        applied.step_overhead_s, applied.row_overhead_s, applied.request_overhead_s
-    )
+    return ServingCosts(applied.step_overhead_s, applied.row_overhead_s, applied.request_overhead_s)
 
 
 def _measured(run) -> Latencies:
@@ -141,6 +139,7 @@ def _measure(stack, target, config, workload, profile, args) -> Comparison:
     from services.loadgen.cpu import ForeignLoad
 
     rate = workload_rate(profile, workload)
+    planned = profile.with_margin(args.margin)  # as recommend and autoscale use it
     seed = f"{args.seed}/{workload.name}"
     specs = poisson_workload(seed, rate, args.duration, 10_000, workload.shape)
     label = f"{config.name} {workload.name} {rate:g} req/s"
@@ -161,8 +160,8 @@ def _measure(stack, target, config, workload, profile, args) -> Comparison:
         foreign_cores,
         _measured(run),
         _simulate_requests(replace(profile, serving={}), config, requests),
-        _serving_costs(profile, config),
-        _simulate_requests(profile, config, requests),
+        _serving_costs(planned, config),
+        _simulate_requests(planned, config, requests),
     )
     log(f"{label}: {num_ok}/{len(specs)} finished; {_errors_line(comparison)}")
     stack.wait_idle(timeout_s=30.0)
@@ -195,7 +194,11 @@ def _errors_line(comparison: Comparison) -> str:
 def format_report(comparisons: list[Comparison], with_overheads: bool = True) -> str:
     header = f"{'config':<12} {'workload':<12} {'rate':>5} {'ok':>7} {'other':>5}"
     header += "".join(f" {title + ' meas/sim (ms)':>24}" for _, title in _FIGURES)
-    kind = "with its serving costs" if with_overheads else "bare engine"
+    kind = (
+        "with its serving costs and margin (as the planner uses it)"
+        if with_overheads
+        else "bare engine"
+    )
     lines = [f"simulated with the profile, {kind}:", header]
     within = total = 0
     for c in comparisons:

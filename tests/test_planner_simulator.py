@@ -139,7 +139,9 @@ def test_more_pods_are_never_worse(seed: int) -> None:
         assert more.goodput >= fewer.goodput * 0.99
     for fewer, more in zip(by_decode, by_decode[1:]):
         assert more.itl.mean <= fewer.itl.mean * 1.01
-        assert more.goodput >= fewer.goodput * 0.99
+        # TTFT is the prefill pods' here, near the 1 s SLO: when each decode pod's step ends
+        # (reservations wait for it) moves a few TTFTs across the bound either way.
+        assert more.goodput >= fewer.goodput * 0.97
     # And the sweep is not flat: the first prefill pod and the first decode pod were short.
     assert by_prefill[0].ttft.mean > 1.5 * by_prefill[-1].ttft.mean
     assert by_decode[0].itl.mean > 1.2 * by_decode[-1].itl.mean
@@ -384,3 +386,16 @@ def test_pages_parked_on_a_pod_that_dies_mid_step_still_move() -> None:
     assert result.num_moved == 2  # the stream that had output, and the parked one
     assert set(result.utilization) == {"prefill", "decode"}
     assert len(simulation.decode_pods) == 2  # the dead pod still counts in the results
+
+
+def test_a_reservation_on_a_busy_decode_pod_waits_for_its_step_end() -> None:
+    # A keeps the decode pod stepping every 100 ms from t = 50 ms. B arrives at 60 ms: its
+    # blocks are reserved at the step's end (150 ms), the prefill pod computes it by 200 ms,
+    # and the pages, landing mid-step, join at 250 ms.
+    profile = synthetic_profile(0.05, decode_step_s=0.1)
+    cluster = ClusterConfig(1, 1, local_prefill_threshold=32, gateway_poll_interval_s=0)
+    requests = [SimRequest(0, 0.0, 16, 20), SimRequest(1, 0.06, 64, 2)]
+    simulation = Simulation(profile, cluster)
+    simulation.run(requests, LOOSE)
+    record = next(f.record for f in simulation._flights.values() if f.record.request.request_id)
+    assert record.ttft_s == pytest.approx(0.25 - 0.06)

@@ -134,6 +134,8 @@ class Simulation:
     _dead: set[str] = field(default_factory=set)  # names of pods that died
     # Pod name -> flights whose pages landed while a step ran there (joined at its end).
     _landed_mid_step: dict[str, list[_Flight]] = field(default_factory=dict)
+    # Pod name -> (flight, prefill pod) whose reservation waits for the step in flight there.
+    _reserve_mid_step: dict[str, list[tuple[_Flight, SimPod]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # The serving path's measured costs of this topology (none in a bare profile).
@@ -218,14 +220,22 @@ class Simulation:
         self._num_pending_arrivals -= 1
         prefill_pod, decode_pod = self.gateway.pick(request)
         seq = SimSeq(request, num_tokens=request.input_len)
-        self._flights[request.request_id] = _Flight(RequestRecord(request), decode_pod, seq)
+        flight = _Flight(RequestRecord(request), decode_pod, seq)
+        self._flights[request.request_id] = flight
         uncached = request.input_len - decode_pod.num_cached_tokens(request)
-        is_local = (
-            prefill_pod is None
-            or uncached < self.cluster.local_prefill_threshold
-            or not decode_pod.try_reserve(seq)
-        )
-        if is_local:
+        if prefill_pod is None or uncached < self.cluster.local_prefill_threshold:
+            self._enqueue(decode_pod, seq, now)
+        elif decode_pod.is_busy:
+            # The reservation is a command the pod's engine thread takes between steps
+            # (shared/async_llm.py): the prefill pod is asked only once this step ends.
+            self._reserve_mid_step.setdefault(decode_pod.name, []).append((flight, prefill_pod))
+        else:
+            self._reserve(flight, prefill_pod, now)
+
+    def _reserve(self, flight: _Flight, prefill_pod: SimPod, now: float) -> None:
+        """Blocks on the decode pod for a remote prefill, or a local prefill without them."""
+        decode_pod, seq, request = flight.decode_pod, flight.decode_seq, flight.record.request
+        if not decode_pod.try_reserve(seq):
             self._enqueue(decode_pod, seq, now)
             return
         # The decode pod loads what its own tiers hold while the prefill pod computes the rest
@@ -292,6 +302,8 @@ class Simulation:
                 self._emit_tokens(pod, seq, now, 1 + self._accepted_drafts(seq))
         for flight in self._landed_mid_step.pop(pod.name, []):
             self._complete(flight, now)
+        for flight, prefill_pod in self._reserve_mid_step.pop(pod.name, []):
+            self._reserve(flight, prefill_pod, now)
         self._kick(pod, now)
 
     def _accepted_drafts(self, seq: SimSeq) -> int:
@@ -379,6 +391,7 @@ class Simulation:
         ]
         # Pages that landed there mid-step, waiting for a step end that never came.
         broken += self._landed_mid_step.pop(failure.pod_name, [])
+        broken += [flight for flight, _ in self._reserve_mid_step.pop(failure.pod_name, [])]
         for flight in broken:
             self._move(flight, now, failure)
 

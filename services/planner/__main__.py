@@ -191,7 +191,8 @@ def run_profile(args: argparse.Namespace) -> int:
     for topology, costs in profile.serving.items():
         print(
             f"  serving ({topology}): {costs.step_s * 1e3:.1f} ms/step + "
-            f"{costs.row_s * 1e3:.2f} ms/row, {costs.request_s * 1e3:.0f} ms/request"
+            f"{costs.row_s * 1e3:.2f} ms/row, {costs.request_s * 1e3:.0f} ms/request, "
+            f"{costs.token_s * 1e3:.3f} ms/prompt token"
         )
     return 0
 

@@ -81,6 +81,8 @@ class Profile:
     step_overhead_s: float = 0.0
     # Cost per request a step streams a token for (one gRPC message and one SSE event each).
     row_overhead_s: float = 0.0
+    # Cost per prompt token, added to TTFT (the serving path's part that grows with the prompt).
+    token_overhead_s: float = 0.0
     mixed: MixedGrid | None = None
     # Topology ("colocated", "disaggregated") -> what its running stack adds; `for_topology`
     # turns one into the overheads above.
@@ -103,7 +105,12 @@ class Profile:
         for name in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"profile.{name} must be >= 1, got {getattr(self, name)}")
-        overheads = (self.request_overhead_s, self.step_overhead_s, self.row_overhead_s)
+        overheads = (
+            self.request_overhead_s,
+            self.step_overhead_s,
+            self.row_overhead_s,
+            self.token_overhead_s,
+        )
         if min(self.kv_bytes_per_token, *overheads) < 0:
             raise ValueError("kv_bytes_per_token and the overheads must be >= 0")
         unknown = set(self.serving) - set(TOPOLOGIES)
@@ -211,10 +218,13 @@ class Profile:
                 else None
             ),
             serving={
-                name: ServingCosts(c.step_s * factor, c.row_s * factor, c.request_s * factor)
+                name: ServingCosts(
+                    c.step_s * factor, c.row_s * factor, c.request_s * factor, c.token_s * factor
+                )
                 for name, c in self.serving.items()
             },
             request_overhead_s=self.request_overhead_s * factor,
+            token_overhead_s=self.token_overhead_s * factor,
             step_overhead_s=self.step_overhead_s * factor,
             row_overhead_s=self.row_overhead_s * factor,
         )
@@ -230,6 +240,7 @@ class Profile:
             step_overhead_s=costs.step_s,
             row_overhead_s=costs.row_s,
             request_overhead_s=costs.request_s,
+            token_overhead_s=costs.token_s,
         )
 
     # ---- JSON ----------------------------------------------------------------------------

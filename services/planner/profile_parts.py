@@ -92,9 +92,12 @@ class ServingCosts:
     step_s: float = 0.0
     row_s: float = 0.0
     request_s: float = 0.0
+    # Per prompt token, before the first token (on a disaggregated stack the pages' way from
+    # the prefill pod into the decode pod's cache grows with the prompt).
+    token_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if min(self.step_s, self.row_s, self.request_s) < 0:
+        if min(self.step_s, self.row_s, self.request_s, self.token_s) < 0:
             raise ValueError("serving costs must be >= 0 seconds")
 
 

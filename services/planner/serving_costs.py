@@ -10,7 +10,10 @@ from requests whose simulation is exact enough to take differences against:
   gap between measured and simulated median ITL is `step_s + rows * row_s` at each, two points
   that give both;
 - what remains of the gap between measured and simulated median TTFT one at a time, with the
-  step costs applied, is `request_s`.
+  step costs applied, is `request_s + prompt tokens x token_s`: short prompts (64-128 tokens)
+  and long ones (384-512) give both. On a disaggregated stack the part that grows with the
+  prompt (the pages' way into the decode pod) is what a bare profile's in-process transfer
+  does not see.
 
 They go into the profile per topology, and the simulator applies the topology's costs to every
 configuration of that kind, so a validation run on another configuration (two colocated pods)
@@ -20,6 +23,7 @@ checks them rather than refitting them.
 from __future__ import annotations
 
 import asyncio
+import statistics
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -46,6 +50,8 @@ from services.planner.simulator import ClusterConfig, simulate
 NUM_REQUESTS = 4  # one at a time, then all together (BATCH rows)
 BATCH = NUM_REQUESTS
 SHAPE = WorkloadShape(LengthDistribution(64, 128), LengthDistribution(24, 24))
+# Long prompts one at a time: the TTFT gap's growth with the prompt is `token_s`.
+LONG_SHAPE = WorkloadShape(LengthDistribution(384, 512), LengthDistribution(4, 4))
 
 Log = Callable[[str], None]
 
@@ -63,7 +69,7 @@ def measure_serving(profile: Profile, log: Log, seed: int = 0) -> Profile:
         log(
             f"serving costs ({topology}): {costs.step_s * 1e3:.1f} ms per step + "
             f"{costs.row_s * 1e3:.2f} ms per streamed row, {costs.request_s * 1e3:.0f} ms "
-            "per request"
+            f"per request + {costs.token_s * 1e3:.3f} ms per prompt token"
         )
     return replace(profile, serving=serving)
 
@@ -84,9 +90,26 @@ def measure_costs(target, config: LocalConfig, profile: Profile, seed: int) -> S
     row_s = max((gap_n - gap_1) / (BATCH - 1), 0.0)
     step_s = max(gap_1 - row_s, 0.0)
     with_steps = _with_costs(bare, config, ServingCosts(step_s, row_s, 0.0))
-    simulated = simulate(with_steps, _cluster(config), alone_requests, LOOSE_SLO)
-    request_s = max(_ttft_p50(alone) - simulated.ttft.p50, 0.0)
-    return ServingCosts(step_s, row_s, request_s)
+    short_gap = _ttft_gap(alone, with_steps, config, alone_requests)
+    long_specs = sequential_workload(f"{seed}/serving-long", NUM_REQUESTS, LONG_SHAPE)
+    long_run = asyncio.run(run_sequential(target, long_specs))
+    if not all(r.ok for r in long_run.results):
+        raise RuntimeError(f"{config.name}: a request failed while measuring serving costs")
+    long_gap = _ttft_gap(long_run, with_steps, config, _far_apart(long_specs))
+    short_len, long_len = _median_prompt(specs), _median_prompt(long_specs)
+    token_s = max((long_gap - short_gap) / max(long_len - short_len, 1), 0.0)
+    request_s = max(short_gap - token_s * short_len, 0.0)
+    return ServingCosts(step_s, row_s, request_s, token_s)
+
+
+def _ttft_gap(run, profile: Profile, config: LocalConfig, requests) -> float:
+    """Measured median TTFT less the simulated one, the requests one at a time."""
+    simulated = simulate(profile, _cluster(config), requests, LOOSE_SLO)
+    return _ttft_p50(run) - simulated.ttft.p50
+
+
+def _median_prompt(specs: list[RequestSpec]) -> float:
+    return statistics.median(len(spec.prompt_token_ids) for spec in specs)
 
 
 def _far_apart(specs: list[RequestSpec]) -> list[SimRequest]:

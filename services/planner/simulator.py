@@ -347,6 +347,11 @@ class Simulation:
 
     # ---- tokens to the client ---------------------------------------------------------------
 
+    def _request_overhead_s(self, request: SimRequest) -> float:
+        """The serving path's time before a first token that no pod's step accounts for."""
+        profile = self.profile
+        return profile.request_overhead_s + profile.token_overhead_s * request.input_len
+
     def _emit_tokens(self, pod: SimPod, seq: SimSeq, now: float, count: int) -> None:
         """`count` tokens reach the client together (a verified row's accepted drafts and its
         own token); like the client, each gets an equal share of the gap since the last."""
@@ -354,7 +359,7 @@ class Simulation:
         record = flight.record
         count = min(count, seq.request.output_len - flight.num_emitted)
         if flight.num_emitted == 0:
-            record.ttft_s = now - seq.request.arrival_s + self.profile.request_overhead_s
+            record.ttft_s = now - seq.request.arrival_s + self._request_overhead_s(seq.request)
             pod.remember_prefix(seq.request)
             num_gaps = count - 1  # the rest of the first burst came with the first token
             gap = 0.0

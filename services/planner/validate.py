@@ -286,7 +286,8 @@ def run_validation(args: argparse.Namespace) -> int:
     for config_name, costs in {c.config: c.overheads for c in comparisons}.items():
         print(
             f"  {config_name}: serving costs {costs.step_s * 1e3:.1f} ms per step + "
-            f"{costs.row_s * 1e3:.2f} ms per row, {costs.request_s * 1e3:.0f} ms per request"
+            f"{costs.row_s * 1e3:.2f} ms per row, {costs.request_s * 1e3:.0f} ms per request + "
+            f"{costs.token_s * 1e3:.3f} ms per prompt token"
         )
     print()
     print(format_ranking(comparisons), flush=True)

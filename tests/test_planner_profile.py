@@ -131,13 +131,14 @@ def test_serving_costs_apply_by_topology() -> None:
     base = synthetic_profile(0.05, decode_step_s=0.02)
     serving = {
         "colocated": ServingCosts(step_s=0.001, row_s=0.0005, request_s=0.03),
-        "disaggregated": ServingCosts(step_s=0.002, row_s=0.0, request_s=0.05),
+        "disaggregated": ServingCosts(step_s=0.002, row_s=0.0, request_s=0.05, token_s=1e-4),
     }
     profile = replace(base, serving=serving)
     colocated, split = profile.for_topology(0), profile.for_topology(1)
     assert colocated.step_s([], 8, 8 * 64) == pytest.approx(0.02 + 0.001 + 8 * 0.0005)
     assert split.step_s([], 8, 8 * 64) == pytest.approx(0.022)
     assert (colocated.request_overhead_s, split.request_overhead_s) == (0.03, 0.05)
+    assert (colocated.token_overhead_s, split.token_overhead_s) == (0.0, 1e-4)
     assert base.for_topology(0) is base
 
 

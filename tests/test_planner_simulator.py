@@ -399,3 +399,18 @@ def test_a_reservation_on_a_busy_decode_pod_waits_for_its_step_end() -> None:
     simulation.run(requests, LOOSE)
     record = next(f.record for f in simulation._flights.values() if f.record.request.request_id)
     assert record.ttft_s == pytest.approx(0.25 - 0.06)
+
+
+
+def test_serving_costs_per_prompt_token_add_to_ttft() -> None:
+    from services.planner.profile import ServingCosts
+
+    costs = ServingCosts(request_s=0.02, token_s=0.001)
+    profile = replace(synthetic_profile(0.1), serving={"disaggregated": costs})
+    cluster = ClusterConfig(1, 1, local_prefill_threshold=0)
+    requests = [SimRequest(0, 0.0, 100, 1), SimRequest(1, 100.0, 400, 1)]
+    simulation = Simulation(profile, cluster)
+    simulation.run(requests, LOOSE)
+    ttfts = sorted(flight.record.ttft_s for flight in simulation._flights.values())
+    # 0.1 s of prefill each, then 20 ms + 1 ms per prompt token.
+    assert ttfts == pytest.approx([0.1 + 0.02 + 0.1, 0.1 + 0.02 + 0.4])

@@ -125,7 +125,12 @@ def run_config(config: LocalConfig, profile: Profile, args: argparse.Namespace) 
 
 def _serving_costs(profile: Profile, config: LocalConfig) -> ServingCosts:
     applied = profile.for_topology(config.num_prefill)
-    return ServingCosts(applied.step_overhead_s, applied.row_overhead_s, applied.request_overhead_s)
+    return ServingCosts(
+        applied.step_overhead_s,
+        applied.row_overhead_s,
+        applied.request_overhead_s,
+        applied.token_overhead_s,
+    )
 
 
 def _measured(run) -> Latencies:

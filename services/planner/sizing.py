@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from services.loadgen.stats import Slo
 from services.loadgen.workload import LengthDistribution, WorkloadSpec, poisson_requests
@@ -155,10 +155,6 @@ def steady_workload(
     return WorkloadSpec(
         rate, num_requests, LengthDistribution(inputs, inputs), LengthDistribution(outputs, outputs)
     )
-
-
-def with_rate(workload: WorkloadSpec, rate: float) -> WorkloadSpec:
-    return replace(workload, rate=rate)
 
 
 def _figure(result: SimResult, figure: str) -> float:

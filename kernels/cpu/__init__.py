@@ -4,6 +4,12 @@
 | ---------------------- | -------------------------- | ---------------------------------- |
 | paged_decode_attention | paged_decode_attention.cpp | kernels.reference (same name)      |
 | write_kv_int8          | write_kv_int8.cpp          | kernels.reference.write_kv (int8)  |
+| rms_norm, add_rms_norm | layer_ops.cpp              | kernels.reference.fused_add_rms_norm |
+| silu_and_mul           | layer_ops.cpp              | F.silu(gate) * up                  |
+| rotary_split_qkv       | layer_ops.cpp              | kernels.reference.rotary_embedding |
+
+`module.cpp` binds them. The model reaches the layer ops through shared/model/layer_ops.py,
+which calls the module directly (these wrappers' checks cost more than a decode row's work).
 
 The build (g++ with OpenMP, tuned for this processor: -O3 -march=native) takes a few tens of
 seconds once; torch caches it under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions)
@@ -28,6 +34,8 @@ logger = logging.getLogger(__name__)
 _SOURCES = [
     Path(__file__).with_name("paged_decode_attention.cpp"),
     Path(__file__).with_name("write_kv_int8.cpp"),
+    Path(__file__).with_name("layer_ops.cpp"),
+    Path(__file__).with_name("module.cpp"),
 ]
 _ENV = "SPLITSERVE_CPU_KERNELS"
 
@@ -44,7 +52,8 @@ def load() -> ModuleType | None:
             # Versioned: every worktree and install shares torch's extension cache, and a
             # changed source under the old name would make processes rebuild over each other.
             # v2: int8 KV rows with their scales (attention reads them, write_kv_int8 writes).
-            name="splitserve_cpu_kernels_v2",
+            # v3: the layer ops (layer_ops.cpp).
+            name="splitserve_cpu_kernels_v3",
             sources=[str(path) for path in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
@@ -91,8 +100,10 @@ def write_kv_int8(
         raise RuntimeError("the CPU kernels are not available on this machine")
     for name, tensor in {"key": key, "value": value}.items():
         if tensor.dtype != torch.float32 or tensor.dim() != 3 or tensor.stride(-1) != 1:
-            raise ValueError(f"{name} must be float32 [tokens, heads, head_dim] with rows "
-                             f"contiguous, got {tensor.dtype} {tuple(tensor.shape)}")
+            raise ValueError(
+                f"{name} must be float32 [tokens, heads, head_dim] with rows "
+                f"contiguous, got {tensor.dtype} {tuple(tensor.shape)}"
+            )
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape:
         raise ValueError(f"value {tuple(value.shape)} differs from key {tuple(key.shape)}")
@@ -110,6 +121,42 @@ def write_kv_int8(
     if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping must be int64 [{num_tokens}]")
     module.write_kv_int8(key, value, layer_cache, slot_mapping.contiguous())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of float32 rows `x` [rows, hidden] by `weight` [hidden] (shared/model/llama.py's
+    RMSNorm in float32)."""
+    return _require().rms_norm(x, weight, float(eps))
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) for float32 rows [rows, hidden]."""
+    normed, summed = _require().add_rms_norm(x, residual, weight, float(eps))
+    return normed, summed
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up from float32 `gate_up` [rows, 2 * inner] (gate columns first)."""
+    return _require().silu_and_mul(gate_up)
+
+
+def rotary_split_qkv(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [rows, num_heads, head_dim] and k [rows, num_kv_heads, head_dim], rotated, and v,
+    split from float32 `qkv` [rows, (num_heads + 2 * num_kv_heads) * head_dim]; cos and sin are
+    the rows' angles [rows, head_dim] (both halves repeated, shared/model/rotary.py)."""
+    q, k, v = _require().rotary_split_qkv(qkv, cos, sin, num_heads, num_kv_heads)
+    return q, k, v
+
+
+def _require() -> ModuleType:
+    module = load()
+    if module is None:
+        raise RuntimeError("the CPU kernels are not available on this machine")
+    return module
 
 
 def _check(query, key_cache, value_cache, block_tables, seq_lens) -> None:

@@ -186,14 +186,3 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   }
   return out;
 }
-
-// write_kv_int8.cpp
-void write_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor layer_cache,
-                   torch::Tensor slot_mapping);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("write_kv_int8", &write_kv_int8,
-        "new keys and values quantized into their slots of an int8 KV cache (CPU)");
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV cache, read in place (float32 or int8 rows, CPU)");
-}

@@ -13,13 +13,13 @@ import logging
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shared.model.architecture import ModelArchitecture
 from shared.model.attention_metadata import AttentionBackend, AttentionMetadata
 from shared.model.feed_forward import internal_feed_forward_weights
 from shared.model.gguf_blocks import BlockQuantized
+from shared.model.layer_ops import TorchLayerOps, select_layer_ops
 from shared.model.linear import Linear, linear, onednn_weight
 from shared.model.moe_layer import SparseMoeBlock
 from shared.model.quantization import (
@@ -46,21 +46,28 @@ class AllReduce(Protocol):
 
 
 class RMSNorm(nn.Module):
+    # How the norm runs (shared/model/layer_ops.py); LlamaForCausalLM sets its device's choice.
+    ops: TorchLayerOps = TorchLayerOps()
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the model dtype, as the reference implementation does.
-        x32 = x.float()
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of x + residual, x + residual): a residual add and the norm after it."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
     # Tensor parallel: this rank's heads only; o_proj is row-parallel, summed over the ranks.
     tensor_parallel: AllReduce | None = None
+    ops: TorchLayerOps = TorchLayerOps()  # set by LlamaForCausalLM (layer_ops.py)
 
     def __init__(self, arch: ModelArchitecture, quantization: str) -> None:
         super().__init__()
@@ -70,7 +77,6 @@ class LlamaAttention(nn.Module):
         self.scale = arch.head_dim**-0.5
         q_size = arch.num_heads * arch.head_dim
         kv_size = arch.num_kv_heads * arch.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
         # q, k and v in one matmul: one pass over the activations instead of three (quantized,
         # the fused matrix is: its rows are the three matrices' rows, each quantized alike).
         # Qwen2's q/k/v biases: a dense layer (MoE models are not quantized).
@@ -90,11 +96,8 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary.apply(q, k)
+        qkv = self.qkv_proj(hidden)
+        q, k, v = self.ops.rotary_split_qkv(qkv, rotary, self.num_heads, self.num_kv_heads)
         backend.write_kv(k, v, layer_cache, meta)
         out = backend.attend(q, layer_cache, meta, self.scale)  # [num_tokens, heads, head_dim]
         out = self.o_proj(out.reshape(num_tokens, -1))
@@ -106,6 +109,7 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     # Tensor parallel: this rank's intermediate columns; down is row-parallel, summed.
     tensor_parallel: AllReduce | None = None
+    ops: TorchLayerOps = TorchLayerOps()  # set by LlamaForCausalLM (layer_ops.py)
 
     def __init__(self, arch: ModelArchitecture, quantization: str) -> None:
         super().__init__()
@@ -114,8 +118,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = make_linear(arch.intermediate_size, arch.hidden_size, quantization)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
         if self.tensor_parallel is not None:
             self.tensor_parallel.all_reduce(out)
         return out
@@ -144,8 +147,8 @@ class LlamaDecoderLayer(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         attn_out = self.self_attn(self.input_layernorm(hidden), rotary, layer_cache, meta, backend)
-        hidden = hidden + attn_out
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        normed, hidden = self.post_attention_layernorm.add_and_norm(attn_out, hidden)
+        return hidden + self.mlp(normed)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -183,6 +186,13 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(arch, max_positions, device)
         self.requires_grad_(False)
+        self.use_layer_ops(select_layer_ops(device))
+
+    def use_layer_ops(self, ops: TorchLayerOps) -> None:
+        """Runs the norms, activations and rotary of every layer through `ops`."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | LlamaAttention | LlamaMLP):
+                module.ops = ops
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
         """Allocates uninitialised storage for every weight; `load_hf_weights` fills it."""

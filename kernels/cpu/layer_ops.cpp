@@ -1,0 +1,173 @@
+// The small per-layer operations of a decoder layer on the CPU, each one call instead of the
+// several whole-tensor ops PyTorch spends on it: RMSNorm (with the residual add before it),
+// SwiGLU's activation, and rotary embedding applied while q, k and v are split out of the fused
+// projection. At decode those tensors are a few rows of 576 values, so each op's fixed cost
+// (dispatch, allocation, a pass over memory) was its whole cost: about 100 ops per layer and
+// 5 ms of a 17 ms batch-1 step on SmolLM2-135M (`python -m benchmarks.step_breakdown`).
+//
+// Arithmetic follows the PyTorch references (kernels/reference.py, shared/model/llama.py) in
+// float32, operation for operation; sums may be ordered differently (vectorized), so results
+// agree to float32 rounding, not bit for bit. Rows run in parallel over OpenMP threads only
+// when there are enough of them (a prefill chunk): at decode a thread team costs more than the
+// work.
+
+// Separate multiply and add, as torch computes them.
+#pragma GCC optimize("fp-contract=off")
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kParallelRows = 32;  // fewer rows than this run on the calling thread
+
+void check_rows(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, name, " must be float32, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name,
+              " must be [rows, columns] with contiguous rows");
+}
+
+// out = (x * rsqrt(mean(x^2) + eps)) * weight, as shared/model/llama.py's RMSNorm in float32.
+inline void norm_row(const float* x, const float* weight, float eps, int64_t n, float* out) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  const float inverse_rms = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inverse_rms);
+}
+
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+// Hugging Face's rotate-half rotary: out = x * cos + cat(-x2, x1) * sin, with cos and sin
+// already repeated over both halves (shared/model/rotary.py's table).
+inline void rotate_row(const float* x, const float* cos, const float* sin, int64_t dim,
+                       float* out) {
+  const int64_t half = dim / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] + (-x[i + half]) * sin[i];
+#pragma omp simd
+  for (int64_t i = half; i < dim; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+}  // namespace
+
+// x [rows, hidden] float32; weight [hidden] float32 -> [rows, hidden].
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(weight.numel() == n && weight.is_contiguous() &&
+                  weight.scalar_type() == torch::kFloat32,
+              "weight must be a contiguous float32 [", n, "]");
+  auto out = torch::empty({rows, n}, x.options());
+  const float* in = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t stride = x.stride(0);
+#pragma omp parallel for if (rows >= kParallelRows)
+  for (int64_t r = 0; r < rows; ++r) {
+    norm_row(in + r * stride, w, static_cast<float>(eps), n, o + r * n);
+  }
+  return out;
+}
+
+// summed = x + residual; normed = rms_norm(summed) -> {normed, summed}, both [rows, hidden]:
+// a layer's residual add and the norm after it in one pass.
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
+                                        torch::Tensor weight, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "x ", x.sizes(), " and residual ",
+              residual.sizes(), " differ");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(weight.numel() == n && weight.is_contiguous() &&
+                  weight.scalar_type() == torch::kFloat32,
+              "weight must be a contiguous float32 [", n, "]");
+  auto normed = torch::empty({rows, n}, x.options());
+  auto summed = torch::empty({rows, n}, x.options());
+  const float* a = x.data_ptr<float>();
+  const float* b = residual.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* s = summed.data_ptr<float>();
+  float* o = normed.data_ptr<float>();
+  const int64_t a_stride = x.stride(0), b_stride = residual.stride(0);
+#pragma omp parallel for if (rows >= kParallelRows)
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = s + r * n;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) row[i] = a[r * a_stride + i] + b[r * b_stride + i];
+    norm_row(row, w, static_cast<float>(eps), n, o + r * n);
+  }
+  return {normed, summed};
+}
+
+// gate_up [rows, 2 * inner] (gate columns first) -> silu(gate) * up [rows, inner].
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "gate_up");
+  const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up has an odd number of columns");
+  auto out = torch::empty({rows, inner}, gate_up.options());
+  const float* in = gate_up.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t stride = gate_up.stride(0);
+#pragma omp parallel for if (rows >= kParallelRows)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = in + r * stride;
+    const float* up = gate + inner;
+    float* dst = o + r * inner;
+    for (int64_t i = 0; i < inner; ++i) dst[i] = silu(gate[i]) * up[i];
+  }
+  return out;
+}
+
+// qkv [rows, (num_heads + 2 * num_kv_heads) * head_dim], the fused projection's output;
+// cos, sin [rows, head_dim] (rows contiguous) -> {q [rows, num_heads, head_dim] rotated,
+// k [rows, num_kv_heads, head_dim] rotated, v [rows, num_kv_heads, head_dim]}, each contiguous.
+std::vector<torch::Tensor> rotary_split_qkv(torch::Tensor qkv, torch::Tensor cos,
+                                            torch::Tensor sin, int64_t num_heads,
+                                            int64_t num_kv_heads) {
+  check_rows(qkv, "qkv");
+  const int64_t rows = qkv.size(0);
+  const int64_t heads = num_heads + 2 * num_kv_heads;
+  TORCH_CHECK(heads > 0 && qkv.size(1) % heads == 0, "qkv's ", qkv.size(1),
+              " columns do not split into ", heads, " heads");
+  const int64_t dim = qkv.size(1) / heads;
+  TORCH_CHECK(dim % 2 == 0, "head_dim ", dim, " is odd");
+  for (const auto* angle : {&cos, &sin}) {
+    TORCH_CHECK(angle->scalar_type() == torch::kFloat32 && angle->numel() == rows * dim &&
+                    angle->is_contiguous(),
+                "cos and sin must be contiguous float32 [", rows, ", ", dim, "]");
+  }
+  auto q = torch::empty({rows, num_heads, dim}, qkv.options());
+  auto k = torch::empty({rows, num_kv_heads, dim}, qkv.options());
+  auto v = torch::empty({rows, num_kv_heads, dim}, qkv.options());
+  const float* in = qkv.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  float* qo = q.data_ptr<float>();
+  float* ko = k.data_ptr<float>();
+  float* vo = v.data_ptr<float>();
+  const int64_t stride = qkv.stride(0);
+#pragma omp parallel for if (rows >= kParallelRows)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = in + r * stride;
+    const float* row_cos = c + r * dim;
+    const float* row_sin = s + r * dim;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      rotate_row(row + h * dim, row_cos, row_sin, dim, qo + (r * num_heads + h) * dim);
+    }
+    const float* keys = row + num_heads * dim;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      rotate_row(keys + h * dim, row_cos, row_sin, dim, ko + (r * num_kv_heads + h) * dim);
+    }
+    const float* values = keys + num_kv_heads * dim;
+    std::copy(values, values + num_kv_heads * dim, vo + r * num_kv_heads * dim);
+  }
+  return {q, k, v};
+}

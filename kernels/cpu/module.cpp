@@ -1,0 +1,34 @@
+// The Python module of the CPU kernels: one binding per kernel, each defined in its own file.
+
+#include <torch/extension.h>
+
+#include <vector>
+
+// paged_decode_attention.cpp
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
+                                     torch::Tensor value_cache, torch::Tensor block_tables,
+                                     torch::Tensor seq_lens, double scale);
+// write_kv_int8.cpp
+void write_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor layer_cache,
+                   torch::Tensor slot_mapping);
+// layer_ops.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
+                                        torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+std::vector<torch::Tensor> rotary_split_qkv(torch::Tensor qkv, torch::Tensor cos,
+                                            torch::Tensor sin, int64_t num_heads,
+                                            int64_t num_kv_heads);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("write_kv_int8", &write_kv_int8,
+        "new keys and values quantized into their slots of an int8 KV cache (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "decode attention over a paged KV cache, read in place (float32 or int8 rows, CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (CPU)");
+  m.def("add_rms_norm", &add_rms_norm,
+        "a residual add and the RMSNorm after it, in one pass: {normed, summed} (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "SwiGLU's silu(gate) * up from the fused projection (CPU)");
+  m.def("rotary_split_qkv", &rotary_split_qkv,
+        "q, k, v split from the fused projection, q and k rotated (rotate-half RoPE, CPU)");
+}

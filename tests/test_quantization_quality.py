@@ -161,7 +161,7 @@ def _first_divergence(want: list[int], got: list[int]) -> int | None:
 @pytest.mark.slow  # eight prompts (one of 600+ tokens) through four engines
 def test_greedy_agreement_with_float32(engines, capsys):
     prompts = _prompts(engines["none"].tokenizer)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5)
     outputs = {
         m: [r.outputs[0] for r in llm.generate(prompts, params)] for m, llm in engines.items()
     }
@@ -178,13 +178,37 @@ def test_greedy_agreement_with_float32(engines, capsys):
         for want, got, position in zip(reference, outputs[method], positions):
             if position is None:
                 continue
-            # A divergence must be a near tie in float32: the quantized model's token was
-            # float32's runner-up, within NEAR_TIE nats (measured: 0.002 to 0.37).
-            top = want.logprobs[position].top
-            assert got.token_ids[position] == top[1][0], (method, position, top)
-            assert top[0][1] - top[1][1] < NEAR_TIE, (method, position, top)
-        assert sum(p is None for p in positions) >= len(positions) // 2, (method, report)
+            # A divergence must be a near tie: the quantized model's token within NEAR_TIE nats
+            # of float32's choice in float32's top 5 (measured: 0.002 to 0.37), or float32's
+            # token within NEAR_TIE of the quantized model's choice in its top 5. The second
+            # covers int8, whose vocabulary projection rounds logits to bfloat16: it meets exact
+            # three-way ties, and which of them argmax takes moves with the last bit upstream.
+            assert _near_tie(want, got, position), (method, position, want.logprobs[position])
+        # At least half the prompts agree throughout, or part ways at an exact tie in the
+        # quantized model's logits (argmax's pick among equal values is arbitrary).
+        agreeing = [
+            position is None or _exact_tie(got, want, position)
+            for want, got, position in zip(reference, outputs[method], positions)
+        ]
+        assert sum(agreeing) >= len(positions) // 2, (method, report)
     assert report["int4"] == report["gguf"], report  # the same codes, the same tokens
+
+
+def _near_tie(want, got, position: int) -> bool:
+    """Whether either model ranks the other's token at `position` within NEAR_TIE of its own."""
+    for chooser, other in ((want, got), (got, want)):
+        top = dict(chooser.logprobs[position].top)
+        token = other.token_ids[position]
+        if token in top and max(top.values()) - top[token] < NEAR_TIE:
+            return True
+    return False
+
+
+def _exact_tie(quantized, reference, position: int) -> bool:
+    """Whether the quantized model gave the reference's token exactly its own choice's logprob."""
+    top = dict(quantized.logprobs[position].top)
+    token = reference.token_ids[position]
+    return token in top and top[token] == top[quantized.token_ids[position]]
 
 
 def test_resident_weights_shrink(models):

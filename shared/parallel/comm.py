@@ -55,8 +55,16 @@ class Communicator:
         self.store = store  # kept alive with the group
         self.rank = rank
         self.world_size = world_size
+        self.timeout_s = timeout_s
         self.comm_seconds = 0.0
         self.all_to_all_seconds = 0.0
+
+    def subgroup(self, name: str, rank: int, world_size: int) -> Communicator:
+        """A group of some of this group's ranks (a pipeline stage's tensor-parallel ranks),
+        over this group's store under its own prefix. Every member calls it with the same
+        `name`; it returns once all have (gloo connects them to one another)."""
+        store = dist.PrefixStore(f"{name}/", self.store)
+        return Communicator(store, rank, world_size, self.timeout_s)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sums `tensor` over the ranks, in place."""

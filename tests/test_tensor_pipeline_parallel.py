@@ -146,7 +146,7 @@ def test_grid_sizes_that_do_not_split_the_model_are_refused(tiny_hf_checkpoint, 
 
 def test_expert_parallel_with_stages_stays_refused():
     with pytest.raises(ValueError, match="pipeline_parallel_size 2"):
-        ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, enable_expert_parallel=True)
+        ParallelConfig(**GRID, enable_expert_parallel=True)
 
 
 def test_mixture_of_experts_with_stages_stays_refused(make_tiny_moe_checkpoint):

@@ -90,6 +90,9 @@ def test_each_rank_holds_its_stage_layers_and_its_heads(grid):
     model = grid.engine.runner.model  # rank 0: stage 0's one layer, 2 of the 4 query heads
     assert (len(model.layers), model.arch.num_heads, model.arch.num_kv_heads) == (1, 2, 1)
     assert grid.engine.runner.kv_cache.shape[0] == 1 and grid.engine.runner.kv_cache.shape[4] == 1
+    # The stage's all-reduces run on a group of its two ranks, not the pod's four.
+    stage_comm = model.layers[0].self_attn.tensor_parallel
+    assert stage_comm is not grid.engine.parallel.comm and stage_comm.world_size == 2
     ranks = [layout.of_rank(r) for r in range(4)]
     assert [(r.pipeline.stage, r.tensor.rank) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 

@@ -8,12 +8,17 @@ Four processes on a 2-core machine: one torch thread each, few tokens."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 
 from shared.config import ParallelConfig
 from shared.llm import LLM
 from shared.parallel.grid import GridLayout
+from shared.parallel.group import ParallelError
 from shared.parallel.layout import TensorParallelLayout
 from shared.parallel.pipeline import PipelineLayout
 from shared.sampling_params import SamplingParams
@@ -113,6 +118,43 @@ def test_disaggregated_between_tp1_and_tp2_pp2_equals_colocated(
         assert final.token_ids == expected
     for pod in (prefill, decode):
         assert pod.stats().num_kv_blocks_free == pod.stats().num_kv_blocks_total
+
+
+def test_tp2_pp2_greedy_equals_tp1_under_preemption(tiny_hf_checkpoint, single):
+    # Three requests of 20-22 tokens that need 15 blocks of 4 together with their outputs.
+    prompts = [[17 + i] * (20 + i) for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = [r.outputs[0].token_ids for r in single.generate(prompts, params)]
+    llm = LLM(
+        tiny_hf_checkpoint,
+        kv_cache_bytes=KV_BYTES,
+        block_size=4,
+        num_blocks_override=12,
+        enable_prefix_caching=False,
+        **GRID,
+        **ONE_THREAD,
+    )
+    try:
+        assert [r.outputs[0].token_ids for r in llm.generate(prompts, params)] == expected
+        assert llm.engine.stats().num_preemptions > 0, "the pool was meant to be too small"
+    finally:
+        llm.close()
+
+
+def test_a_killed_rank_of_the_last_stage_fails_the_step(tiny_hf_checkpoint):
+    """Rank 3 (stage 1, tp rank 1) never talks to rank 0 but through broadcasts: its death
+    still fails rank 0's step (its stage peer's all-reduce fails, then rank 0's receive)."""
+    llm = LLM(tiny_hf_checkpoint, kv_cache_bytes=KV_BYTES, **GRID, **ONE_THREAD)
+    try:
+        worker = llm.engine.parallel.processes[2]  # ranks 1..3
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        start = time.monotonic()
+        with pytest.raises(ParallelError, match="rank 3 .*died"):
+            llm.generate([[5, 6, 7]], GREEDY)
+        assert time.monotonic() - start < 20
+    finally:
+        llm.close()
 
 
 @pytest.mark.parametrize(("num_kv_heads", "tp_size", "pp_size"), [(2, 2, 2), (1, 2, 3), (4, 2, 2)])

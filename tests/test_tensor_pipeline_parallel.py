@@ -157,6 +157,23 @@ def test_a_killed_rank_of_the_last_stage_fails_the_step(tiny_hf_checkpoint):
         llm.close()
 
 
+def test_int8_pages_cross_into_and_out_of_the_grid(tiny_hf_checkpoint):
+    """kv_cache_dtype int8: each row's codes and scale are cut with their head."""
+    options = {"kv_cache_bytes": KV_BYTES, "kv_cache_dtype": "int8", **ONE_THREAD}
+    single = LLM(tiny_hf_checkpoint, **options)
+    grid = LLM(tiny_hf_checkpoint, **GRID, **options)
+    try:
+        prompt = single.tokenizer.encode(TEXTS[0])
+        expected = single.generate([prompt], GREEDY)[0].outputs[0].token_ids
+        for prefill, decode, name in ((single, grid, "1-grid"), (grid, single, "grid-1")):
+            plan, got = disaggregated(prefill.engine, decode.engine, name, prompt, GREEDY)
+            assert plan.dtype == torch.int8 and plan.page_shape[1:] == (2, 2, 16, 2, 16 + 2)
+            assert got.token_ids == expected, name
+    finally:
+        grid.close()
+        single.close()
+
+
 @pytest.mark.parametrize(("num_kv_heads", "tp_size", "pp_size"), [(2, 2, 2), (1, 2, 3), (4, 2, 2)])
 def test_pages_cut_per_rank_by_layers_then_heads_join_back(num_kv_heads, tp_size, pp_size):
     num_layers = 2 * pp_size

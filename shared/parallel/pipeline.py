@@ -78,9 +78,9 @@ class PipelineLayout:
         """The rank that sends the sampled rows back to rank 0."""
         return (self.pp_size - 1) * self.tp_size
 
-    def layers_of(self, rank: int) -> range:
+    def layers_of(self, stage: int) -> range:
         per_stage = self.num_layers // self.pp_size
-        return range(rank * per_stage, (rank + 1) * per_stage)
+        return range(stage * per_stage, (stage + 1) * per_stage)
 
     def of_rank(self, rank: int) -> PipelineLayout:
         return dataclasses.replace(self, rank=rank)

@@ -271,15 +271,11 @@ class ParallelConfig:
                 "enable_expert_parallel partitions experts over the tensor_parallel_size ranks; "
                 f"it cannot be combined with pipeline_parallel_size {self.pipeline_parallel_size}"
             )
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"tensor_parallel_size {self.tensor_parallel_size} and pipeline_parallel_size "
-                f"{self.pipeline_parallel_size} cannot be combined yet: set one of them to 1"
-            )
 
     @property
     def world_size(self) -> int:
-        """Processes per engine."""
+        """Processes per engine: a grid of pipeline stages, each tensor_parallel_size ranks
+        (rank = stage * tensor_parallel_size + tp_rank, vLLM's layout)."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 

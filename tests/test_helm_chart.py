@@ -471,6 +471,17 @@ def test_pipeline_parallel_pods_get_the_flag_and_a_gpu_per_stage():
     assert prefill["resources"]["limits"]["nvidia.com/gpu"] == 2
 
 
+def test_tensor_and_pipeline_parallel_pods_get_both_flags_and_a_gpu_per_rank():
+    values = {"decode": {"tensorParallelSize": 2, "pipelineParallelSize": 2}}
+    objects = objects_of(render(values))
+    decode = deployment_containers(objects, "decode")[0]
+    argv = command_line(decode, objects)
+    assert _flag(argv, "--tensor-parallel-size") == "2"
+    assert _flag(argv, "--pipeline-parallel-size") == "2"
+    assert not command_problems(argv)
+    assert decode["resources"]["limits"]["nvidia.com/gpu"] == 4  # 2 stages x 2 ranks
+
+
 def test_autoscaler_owns_worker_replicas_and_may_scale_only_them():
     objects = case_objects("autoscaler")
     workers = {deployment_of(objects, role)["metadata"]["name"] for role in ("prefill", "decode")}

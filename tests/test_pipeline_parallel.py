@@ -57,19 +57,10 @@ def test_pp2_greedy_equals_pp1_under_preemption(tiny_hf_checkpoint, expected):
         llm.close()
 
 
-@pytest.mark.parametrize(
-    ("options", "message"),
-    [
-        ({"pipeline_parallel_size": 3}, "pipeline_parallel_size 3 must divide the model's 2"),
-        (
-            {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
-            "cannot be combined yet",
-        ),
-    ],
-)
-def test_sizes_that_do_not_split_the_model_are_rejected(tiny_hf_checkpoint, options, message):
-    with pytest.raises(ValueError, match=message):
-        LLM(tiny_hf_checkpoint, kv_cache_bytes=KV_BYTES, **options)
+def test_sizes_that_do_not_split_the_model_are_rejected(tiny_hf_checkpoint):
+    # With tensor parallel too: tests/test_tensor_pipeline_parallel.py.
+    with pytest.raises(ValueError, match="pipeline_parallel_size 3 must divide the model's 2"):
+        LLM(tiny_hf_checkpoint, kv_cache_bytes=KV_BYTES, pipeline_parallel_size=3)
 
 
 def test_a_step_is_cut_into_micro_batches_of_about_equal_tokens():

@@ -185,3 +185,9 @@ def test_a_margin_slows_every_measured_time_alike() -> None:
     assert base.with_margin(0) is base
     with pytest.raises(ValueError, match="margin"):
         base.with_margin(-0.1)
+
+
+def test_a_pod_of_tensor_and_pipeline_parallel_counts_every_rank_as_a_device() -> None:
+    setup = EngineSetup(tensor_parallel_size=2, pipeline_parallel_size=3)
+    assert setup.devices_per_pod == 6
+    assert "TP=2 PP=3" in setup.describe()

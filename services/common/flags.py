@@ -109,8 +109,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--pipeline-parallel-size",
         type=_positive_int,
         default=1,
-        help="processes that each hold consecutive layers (must divide the model's layers; "
-        "not combined with --tensor-parallel-size yet)",
+        help="pipeline stages that each hold consecutive layers (must divide the model's "
+        "layers); each stage is --tensor-parallel-size processes",
     )
     group.add_argument(
         "--enable-expert-parallel",

@@ -47,7 +47,14 @@ class Communicator:
     communication share of a step, for benchmarks/parallel.py); `all_to_all_seconds` the part
     of it in expert parallelism's dispatch and combine (benchmarks/moe_parallel.py)."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        parent: Communicator | None = None,
+    ) -> None:
         options = dist.ProcessGroupGloo._Options()
         options._timeout = datetime.timedelta(seconds=timeout_s)
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=_HOST)]
@@ -55,14 +62,24 @@ class Communicator:
         self.store = store  # kept alive with the group
         self.rank = rank
         self.world_size = world_size
+        self.timeout_s = timeout_s
         self.comm_seconds = 0.0
         self.all_to_all_seconds = 0.0
+        # A subgroup's time counts in its parent's too: benchmarks read the pod group's.
+        self._parent = parent
+
+    def subgroup(self, name: str, rank: int, world_size: int) -> Communicator:
+        """A group of some of this group's ranks (a pipeline stage's tensor-parallel ranks),
+        over this group's store under its own prefix. Every member calls it with the same
+        `name`; it returns once all have (gloo connects them to one another)."""
+        store = dist.PrefixStore(f"{name}/", self.store)
+        return Communicator(store, rank, world_size, self.timeout_s, parent=self)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sums `tensor` over the ranks, in place."""
         start = time.perf_counter()
         self.group.allreduce([tensor]).wait()
-        self.comm_seconds += time.perf_counter() - start
+        self._spent(time.perf_counter() - start)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor` (same shape everywhere) stacked in rank order: [world, ...]."""
@@ -87,8 +104,13 @@ class Communicator:
 
     def _count_all_to_all(self, start: float) -> None:
         elapsed = time.perf_counter() - start
-        self.comm_seconds += elapsed
+        self._spent(elapsed)
         self.all_to_all_seconds += elapsed
+
+    def _spent(self, seconds: float) -> None:
+        self.comm_seconds += seconds
+        if self._parent is not None:
+            self._parent._spent(seconds)
 
     def broadcast(self, tensor: torch.Tensor, idle: bool = False) -> None:
         """Rank 0's `tensor` into every rank's (in place). `idle`: a wait with no time limit."""
@@ -97,13 +119,13 @@ class Communicator:
             self.group.broadcast(tensor, 0, _IDLE_WAIT).wait()
         else:
             self.group.broadcast(tensor, 0).wait()
-        self.comm_seconds += time.perf_counter() - start
+        self._spent(time.perf_counter() - start)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Point to point (pipeline stages); `tensor` contiguous."""
         start = time.perf_counter()
         self.group.send([tensor], dst, 0).wait()
-        self.comm_seconds += time.perf_counter() - start
+        self._spent(time.perf_counter() - start)
 
     def isend(self, tensor: torch.Tensor, dst: int):
         """Starts a send; the caller keeps `tensor` alive and waits for the returned work. It
@@ -114,7 +136,7 @@ class Communicator:
         """Into `tensor` (contiguous, the sent shape and dtype)."""
         start = time.perf_counter()
         self.group.recv([tensor], src, 0).wait()
-        self.comm_seconds += time.perf_counter() - start
+        self._spent(time.perf_counter() - start)
 
     def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `tensor` (same shape) on rank 0, in rank order; None elsewhere."""

@@ -3,7 +3,8 @@ them, and turns a dead or hung rank into an exception out of the engine's step.
 
 The engine process is rank 0: it schedules once, broadcasts what to compute, runs its own part
 of the forward, and alone computes the logits and samples. Who holds what: shared/parallel/
-layout.py (tensor parallel, by heads), pipeline.py (by layers); docs/parallelism.md.
+layout.py (tensor parallel, by heads), pipeline.py (by layers), grid.py (both: stages of
+tensor-parallel ranks); docs/parallelism.md.
 """
 
 from __future__ import annotations

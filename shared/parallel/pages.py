@@ -6,11 +6,12 @@ model order; the same bytes a single-process pod packs. So the descriptor's `num
 `num_kv_heads` are the model's, any sender layout meets any receiver layout, and replicated
 heads never travel twice:
 
-    sender (TP=n or PP=n)    each rank packs its part -> gather on rank 0 -> join
-    receiver (TP=m or PP=m)  rank 0 cuts each rank's part (replicas included) -> scatter
+    sender (TP, PP or both)    each rank packs its part -> gather on rank 0 -> join
+    receiver (TP, PP or both)  rank 0 cuts each rank's part (replicas included) -> scatter
 
-The layout says how parts are cut and joined: by KV heads (`TensorParallelLayout`) or by
-layers (`PipelineLayout`). A single-process pod does neither (`LocalPages`).
+The layout says how parts are cut and joined: by KV heads (`TensorParallelLayout`), by
+layers (`PipelineLayout`), or by layers into stages and then by heads into each stage's ranks
+(`GridLayout`). A single-process pod does none of these (`LocalPages`).
 """
 
 from __future__ import annotations

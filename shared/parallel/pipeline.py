@@ -17,6 +17,12 @@ Micro-batches never share a request, so their KV writes and reads are independen
 completes only once its receiver has posted the receive (broadcasts too: hence one header per
 step, not one per micro-batch), so sends are waited for at the end, never before the next
 piece of work.
+
+With tensor parallelism inside each stage (`tp_size` > 1, shared/parallel/grid.py) the ranks
+form a grid, vLLM's layout: rank = stage * tp_size + tp_rank. Every rank of a stage runs the
+stage's layers on its heads; after each block's all-reduce it holds the full hidden rows, so
+rank (s, t) sends them to its counterpart (s+1, t), and only (last stage, 0) sends the sampled
+rows back to rank 0.
 """
 
 from __future__ import annotations
@@ -51,25 +57,36 @@ def check_pipeline_parallel(pp_size: int, arch: ModelArchitecture) -> None:
 
 @dataclass(frozen=True)
 class PipelineLayout:
-    """Rank `rank`'s stage of a model split `pp_size` ways by layers."""
+    """Rank `rank`'s stage of a model split `pp_size` ways by layers (each stage `tp_size`
+    tensor-parallel ranks; `rank` counts over all of them)."""
 
     pp_size: int
     rank: int
     num_layers: int  # the whole model's
+    tp_size: int = 1  # ranks per stage
 
     @property
     def world_size(self) -> int:
-        return self.pp_size
+        return self.pp_size * self.tp_size
 
-    def layers_of(self, rank: int) -> range:
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def _last_stage_first_rank(self) -> int:
+        """The rank that sends the sampled rows back to rank 0."""
+        return (self.pp_size - 1) * self.tp_size
+
+    def layers_of(self, stage: int) -> range:
         per_stage = self.num_layers // self.pp_size
-        return range(rank * per_stage, (rank + 1) * per_stage)
+        return range(stage * per_stage, (stage + 1) * per_stage)
 
     def of_rank(self, rank: int) -> PipelineLayout:
         return dataclasses.replace(self, rank=rank)
 
     def local_arch(self, arch: ModelArchitecture) -> ModelArchitecture:
-        return dataclasses.replace(arch, num_layers=len(self.layers_of(self.rank)))
+        return dataclasses.replace(arch, num_layers=len(self.layers_of(self.stage)))
 
     def pod_kv_arch(self, arch: ModelArchitecture) -> ModelArchitecture:
         """Every layer's KV once, over all stages."""
@@ -80,7 +97,7 @@ class PipelineLayout:
     ) -> dict[str, torch.Tensor]:
         """This stage's layers, renumbered from 0; embedding, norm and head kept (the model
         code expects them; only rank 0 runs them)."""
-        layers = self.layers_of(self.rank)
+        layers = self.layers_of(self.stage)
         out = {name: t for name, t in weights.items() if not name.startswith("model.layers.")}
         for i in layers:
             prefix = f"model.layers.{i}."
@@ -107,21 +124,24 @@ class PipelineLayout:
                 batch.input_ids, batch.positions, runner.kv_cache, batch.meta, runner.backend
             )
             # Not waited for: this stage goes on with the next micro-batch meanwhile.
-            sent.append((Sent(comm.isend(hidden, 1), hidden), batch.logits_indices.shape[0]))
+            # To the next stage's counterpart of this rank (rank 1 without tensor parallel).
+            to = self.tp_size
+            sent.append((Sent(comm.isend(hidden, to), hidden), batch.logits_indices.shape[0]))
         rows = []
         for send_in_flight, num_rows in sent:
             rows.append(send_in_flight.tensor.new_empty(num_rows, model.arch.hidden_size))
-            comm.recv(rows[-1], self.pp_size - 1)
+            comm.recv(rows[-1], self._last_stage_first_rank)
             send_in_flight.work.wait()
         return model.compute_logits(torch.cat(rows))
 
     def run_other_rank(
         self, comm: Communicator, runner: ModelRunner, payload: torch.Tensor, num_micro_batches: int
     ) -> None:
-        """A rank other than 0: each micro-batch's hidden states from the previous stage
-        through this stage's layers, on to the next stage (the last stage: only the sampled
-        rows, to rank 0). Its sends are waited for at the end: each completes only once the
-        receiver posts its receive, which it does in micro-batch order."""
+        """A rank other than 0: each micro-batch's hidden states from the previous stage (the
+        first stage's other tensor-parallel ranks: embedded here) through this stage's layers,
+        on to the next stage (the last stage: only the sampled rows, to rank 0, from its first
+        rank). Its sends are waited for at the end: each completes only once the receiver
+        posts its receive, which it does in micro-batch order."""
         sizes = payload[:num_micro_batches].tolist()
         chunks = unpack_chunks(payload[num_micro_batches:], sum(sizes))
         sent = []
@@ -129,27 +149,42 @@ class PipelineLayout:
             inputs = runner.prepare_inputs(chunks[start : start + size])
             sent.append(self._run_micro_batch(comm, runner, inputs))
         for send_in_flight in sent:
-            send_in_flight.work.wait()
+            if send_in_flight is not None:
+                send_in_flight.work.wait()
 
     def _run_micro_batch(
         self, comm: Communicator, runner: ModelRunner, inputs: ModelInputs
-    ) -> Sent:
-        model, rank = runner.model, self.rank
+    ) -> Sent | None:
+        """This stage's layers over one micro-batch; the send to the next rank (None: a rank
+        of the last stage other than its first sends nothing)."""
+        model, meta, kv_cache = runner.model, inputs.meta, runner.kv_cache
+        if self.stage == 0:  # a tensor-parallel peer of rank 0: it embeds as rank 0 does
+            hidden = model.decode_layers(
+                inputs.input_ids, inputs.positions, kv_cache, meta, runner.backend
+            )
+        else:
+            hidden = self._receive_hidden(comm, model, inputs.input_ids)
+            hidden = model.run_layers(hidden, inputs.positions, kv_cache, meta, runner.backend)
+        if self.stage < self.pp_size - 1:
+            return Sent(comm.isend(hidden, self.rank + self.tp_size), hidden)
+        if self.rank != self._last_stage_first_rank:
+            return None
+        rows = hidden[inputs.logits_indices].contiguous()
+        return Sent(comm.isend(rows, 0), rows)
+
+    def _receive_hidden(
+        self, comm: Communicator, model: LlamaForCausalLM, input_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The previous stage's hidden states [num_tokens, hidden], from this rank's
+        counterpart there."""
         hidden = torch.empty(
-            inputs.input_ids.shape[0],
+            input_ids.shape[0],
             model.arch.hidden_size,
             dtype=model.embed_tokens.weight.dtype,
-            device=inputs.input_ids.device,
+            device=input_ids.device,
         )
-        comm.recv(hidden, rank - 1)
-        hidden = model.run_layers(
-            hidden, inputs.positions, runner.kv_cache, inputs.meta, runner.backend
-        )
-        if rank == self.pp_size - 1:
-            out, dst = hidden[inputs.logits_indices].contiguous(), 0
-        else:
-            out, dst = hidden, rank + 1
-        return Sent(comm.isend(out, dst), out)
+        comm.recv(hidden, self.rank - self.tp_size)
+        return hidden
 
     # ---- pages in the wire layout (shared/parallel/pages.py) --------------------------------
 

@@ -11,13 +11,14 @@ from shared.config import EngineConfig
 from shared.model.architecture import ModelArchitecture
 from shared.model.kv_cache import KVCacheSpec, allocate_kv_cache
 from shared.model.llama import LlamaForCausalLM
+from shared.parallel.grid import GridLayout
 from shared.parallel.layout import TensorParallelLayout, check_devices, check_tensor_parallel
 from shared.parallel.pipeline import PipelineLayout, check_pipeline_parallel
 
 
 class RankLayout(Protocol):
-    """A rank's part of the model: `TensorParallelLayout` (heads) or `PipelineLayout`
-    (layers). Cuts weights and pages, and wires the model's collectives."""
+    """A rank's part of the model: `TensorParallelLayout` (heads), `PipelineLayout` (layers)
+    or `GridLayout` (both). Cuts weights and pages, and wires the model's collectives."""
 
     rank: int
 
@@ -52,15 +53,24 @@ class RankLayout(Protocol):
 
 
 def layout_for(config: EngineConfig, arch: ModelArchitecture, rank: int = 0) -> RankLayout:
-    """Raises ValueError when the sizes cannot split `arch` (naming the numbers)."""
+    """Global rank `rank`'s layout: by heads (TP), by layers (PP) or both (a grid of stages
+    of tensor-parallel ranks). Raises ValueError when the sizes cannot split `arch` (naming
+    the numbers)."""
     parallel, device = config.parallel, config.model.device
-    if parallel.pipeline_parallel_size > 1:
-        check_pipeline_parallel(parallel.pipeline_parallel_size, arch)
-        check_devices("pipeline_parallel_size", parallel.pipeline_parallel_size, device)
-        return PipelineLayout(parallel.pipeline_parallel_size, rank, arch.num_layers)
-    tp_size, expert_parallel = parallel.tensor_parallel_size, parallel.enable_expert_parallel
-    check_tensor_parallel(tp_size, arch, device, expert_parallel)
-    return TensorParallelLayout.of(arch, tp_size, rank, expert_parallel)
+    tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    if pp_size == 1:
+        expert_parallel = parallel.enable_expert_parallel
+        check_tensor_parallel(tp_size, arch, device, expert_parallel)
+        return TensorParallelLayout.of(arch, tp_size, rank, expert_parallel)
+    check_pipeline_parallel(pp_size, arch)
+    check_devices("pipeline_parallel_size", pp_size, device)
+    pipeline = PipelineLayout(pp_size, rank, arch.num_layers, tp_size)
+    if tp_size == 1:
+        return pipeline
+    # MoE and expert parallel with stages are refused before (config, engine).
+    check_tensor_parallel(tp_size, arch, device)
+    check_devices("tensor_parallel_size x pipeline_parallel_size", tp_size * pp_size, device)
+    return GridLayout.of(arch, pipeline)
 
 
 def build_rank(

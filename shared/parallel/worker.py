@@ -4,7 +4,8 @@
     scheduler.schedule()
     broadcast header, payload      ----->    unpack chunks, prepare_inputs (same code)
     forward over its part          <---->    forward over its part (tensor parallel: all-reduce
-                                             x2 per layer; pipeline: hidden states in and out)
+                                             x2 per layer; pipeline: hidden states in and out;
+                                             both: the all-reduces inside the rank's stage)
     lm head, sampling                        wait for the next header
 
 It never schedules, samples or sees a request: only token ids, positions and block ids. It

@@ -97,6 +97,33 @@ def test_rotary_split_qkv_matches_the_reference(rows, heads):
     assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
 
 
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_rotary_into_cache_writes_what_write_kv_writes(rows):
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 8
+    qkv, _, _, angles = rotary_case(rows, num_heads, num_kv_heads, head_dim, seed=rows + 50)
+    g = generator(rows)
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    cache = torch.randn(shape, generator=g)
+    expected_cache = cache.clone()
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:rows]
+    slots[rows // 2] = -1  # a padding token: computed, not written
+    q, k, v = cpu_kernels.rotary_split_qkv(qkv, angles.cos, angles.sin, num_heads, num_kv_heads)
+    reference.write_kv(k, v, expected_cache[0], expected_cache[1], slots)
+    got_q = cpu_kernels.rotary_split_qkv_into_cache(
+        qkv, angles.cos, angles.sin, num_heads, num_kv_heads, cache, slots
+    )
+    assert torch.equal(got_q, q)
+    assert torch.equal(cache, expected_cache)
+    with pytest.raises(RuntimeError, match="outside"):
+        cpu_kernels.rotary_split_qkv_into_cache(
+            qkv, angles.cos, angles.sin, num_heads, num_kv_heads, cache, slots + 10_000
+        )
+    with pytest.raises(RuntimeError, match="layer_cache must be"):
+        cpu_kernels.rotary_split_qkv_into_cache(
+            qkv, angles.cos, angles.sin, num_heads, num_kv_heads, cache[:, :, :, :2], slots
+        )
+
+
 def test_the_kernel_ops_agree_with_the_torch_ops_they_replace():
     torch_ops, kernel_ops = TorchLayerOps(), select_layer_ops(torch.device("cpu"))
     assert isinstance(kernel_ops, CpuKernelLayerOps)

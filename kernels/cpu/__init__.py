@@ -7,6 +7,7 @@
 | rms_norm, add_rms_norm | layer_ops.cpp              | kernels.reference.fused_add_rms_norm |
 | silu_and_mul           | layer_ops.cpp              | F.silu(gate) * up                  |
 | rotary_split_qkv       | layer_ops.cpp              | kernels.reference.rotary_embedding |
+| rotary_split_qkv_into_cache | layer_ops.cpp         | the above, then kernels.reference.write_kv |
 
 `module.cpp` binds them. The model reaches the layer ops through shared/model/layer_ops.py,
 which calls the module directly (these wrappers' checks cost more than a decode row's work).
@@ -150,6 +151,23 @@ def rotary_split_qkv(
     the rows' angles [rows, head_dim] (both halves repeated, shared/model/rotary.py)."""
     q, k, v = _require().rotary_split_qkv(qkv, cos, sin, num_heads, num_kv_heads)
     return q, k, v
+
+
+def rotary_split_qkv_into_cache(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    layer_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """`rotary_split_qkv` with k and v written straight into their slots of a float32
+    `layer_cache` [2, num_blocks, block_size, num_kv_heads, head_dim] (contiguous;
+    `slot_mapping` [rows] int64, -1 skipped) -> q. Mutates layer_cache."""
+    return _require().rotary_split_qkv_into_cache(
+        qkv, cos, sin, num_heads, num_kv_heads, layer_cache, slot_mapping
+    )
 
 
 def _require() -> ModuleType:

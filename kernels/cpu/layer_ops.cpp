@@ -126,17 +126,19 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
-// qkv [rows, (num_heads + 2 * num_kv_heads) * head_dim], the fused projection's output;
-// cos, sin [rows, head_dim] (rows contiguous) -> {q [rows, num_heads, head_dim] rotated,
-// k [rows, num_kv_heads, head_dim] rotated, v [rows, num_kv_heads, head_dim]}, each contiguous.
-std::vector<torch::Tensor> rotary_split_qkv(torch::Tensor qkv, torch::Tensor cos,
-                                            torch::Tensor sin, int64_t num_heads,
-                                            int64_t num_kv_heads) {
+namespace {
+
+struct QkvGeometry {
+  int64_t rows, num_heads, num_kv_heads, dim, stride;
+};
+
+QkvGeometry check_qkv(const torch::Tensor& qkv, const torch::Tensor& cos,
+                      const torch::Tensor& sin, int64_t num_heads, int64_t num_kv_heads) {
   check_rows(qkv, "qkv");
   const int64_t rows = qkv.size(0);
   const int64_t heads = num_heads + 2 * num_kv_heads;
-  TORCH_CHECK(heads > 0 && qkv.size(1) % heads == 0, "qkv's ", qkv.size(1),
-              " columns do not split into ", heads, " heads");
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && qkv.size(1) % heads == 0, "qkv's ",
+              qkv.size(1), " columns do not split into ", heads, " heads");
   const int64_t dim = qkv.size(1) / heads;
   TORCH_CHECK(dim % 2 == 0, "head_dim ", dim, " is odd");
   for (const auto* angle : {&cos, &sin}) {
@@ -144,30 +146,88 @@ std::vector<torch::Tensor> rotary_split_qkv(torch::Tensor qkv, torch::Tensor cos
                     angle->is_contiguous(),
                 "cos and sin must be contiguous float32 [", rows, ", ", dim, "]");
   }
-  auto q = torch::empty({rows, num_heads, dim}, qkv.options());
-  auto k = torch::empty({rows, num_kv_heads, dim}, qkv.options());
-  auto v = torch::empty({rows, num_kv_heads, dim}, qkv.options());
+  return {rows, num_heads, num_kv_heads, dim, qkv.stride(0)};
+}
+
+// Row r's q heads rotated into q_out, and its k heads rotated and v heads copied to k_out and
+// v_out (each num_kv_heads * dim floats).
+inline void split_row(const QkvGeometry& g, const float* row, const float* cos, const float* sin,
+                      float* q_out, float* k_out, float* v_out) {
+  for (int64_t h = 0; h < g.num_heads; ++h) {
+    rotate_row(row + h * g.dim, cos, sin, g.dim, q_out + h * g.dim);
+  }
+  const float* keys = row + g.num_heads * g.dim;
+  for (int64_t h = 0; h < g.num_kv_heads; ++h) {
+    rotate_row(keys + h * g.dim, cos, sin, g.dim, k_out + h * g.dim);
+  }
+  const float* values = keys + g.num_kv_heads * g.dim;
+  std::copy(values, values + g.num_kv_heads * g.dim, v_out);
+}
+
+}  // namespace
+
+// qkv [rows, (num_heads + 2 * num_kv_heads) * head_dim], the fused projection's output;
+// cos, sin [rows, head_dim] (rows contiguous) -> {q [rows, num_heads, head_dim] rotated,
+// k [rows, num_kv_heads, head_dim] rotated, v [rows, num_kv_heads, head_dim]}, each contiguous.
+std::vector<torch::Tensor> rotary_split_qkv(torch::Tensor qkv, torch::Tensor cos,
+                                            torch::Tensor sin, int64_t num_heads,
+                                            int64_t num_kv_heads) {
+  const QkvGeometry g = check_qkv(qkv, cos, sin, num_heads, num_kv_heads);
+  auto q = torch::empty({g.rows, num_heads, g.dim}, qkv.options());
+  auto k = torch::empty({g.rows, num_kv_heads, g.dim}, qkv.options());
+  auto v = torch::empty({g.rows, num_kv_heads, g.dim}, qkv.options());
   const float* in = qkv.data_ptr<float>();
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
   float* qo = q.data_ptr<float>();
   float* ko = k.data_ptr<float>();
   float* vo = v.data_ptr<float>();
-  const int64_t stride = qkv.stride(0);
-#pragma omp parallel for if (rows >= kParallelRows)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = in + r * stride;
-    const float* row_cos = c + r * dim;
-    const float* row_sin = s + r * dim;
-    for (int64_t h = 0; h < num_heads; ++h) {
-      rotate_row(row + h * dim, row_cos, row_sin, dim, qo + (r * num_heads + h) * dim);
-    }
-    const float* keys = row + num_heads * dim;
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      rotate_row(keys + h * dim, row_cos, row_sin, dim, ko + (r * num_kv_heads + h) * dim);
-    }
-    const float* values = keys + num_kv_heads * dim;
-    std::copy(values, values + num_kv_heads * dim, vo + r * num_kv_heads * dim);
+  const int64_t q_row = num_heads * g.dim, kv_row = num_kv_heads * g.dim;
+#pragma omp parallel for if (g.rows >= kParallelRows)
+  for (int64_t r = 0; r < g.rows; ++r) {
+    split_row(g, in + r * g.stride, c + r * g.dim, s + r * g.dim, qo + r * q_row,
+              ko + r * kv_row, vo + r * kv_row);
   }
   return {q, k, v};
+}
+
+// The same split, with k and v written straight into their slots of a float32 layer cache
+// [2, num_blocks, block_size, num_kv_heads, head_dim] (contiguous; slot_mapping [rows] int64,
+// -1 skipped): the write_kv that would follow, without the intermediate tensors -> q.
+torch::Tensor rotary_split_qkv_into_cache(torch::Tensor qkv, torch::Tensor cos,
+                                          torch::Tensor sin, int64_t num_heads,
+                                          int64_t num_kv_heads, torch::Tensor layer_cache,
+                                          torch::Tensor slot_mapping) {
+  const QkvGeometry g = check_qkv(qkv, cos, sin, num_heads, num_kv_heads);
+  TORCH_CHECK(layer_cache.scalar_type() == torch::kFloat32 && layer_cache.is_contiguous() &&
+                  layer_cache.dim() == 5 && layer_cache.size(0) == 2 &&
+                  layer_cache.size(3) == num_kv_heads && layer_cache.size(4) == g.dim,
+              "layer_cache must be a contiguous float32 [2, blocks, block_size, ", num_kv_heads,
+              ", ", g.dim, "], got ", layer_cache.sizes());
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == g.rows,
+              "slot_mapping must be a contiguous int64 [", g.rows, "]");
+  const int64_t num_slots = layer_cache.size(1) * layer_cache.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t r = 0; r < g.rows; ++r) {
+    TORCH_CHECK(slots[r] < num_slots, "slot ", slots[r], " outside [0, ", num_slots, ")");
+  }
+  auto q = torch::empty({g.rows, num_heads, g.dim}, qkv.options());
+  const float* in = qkv.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  float* qo = q.data_ptr<float>();
+  const int64_t kv_row = num_kv_heads * g.dim;
+  float* keys = layer_cache.data_ptr<float>();
+  float* values = keys + num_slots * kv_row;
+  std::vector<float> padding(2 * kv_row);  // where a padding row's k and v go
+#pragma omp parallel for if (g.rows >= kParallelRows) firstprivate(padding)
+  for (int64_t r = 0; r < g.rows; ++r) {
+    const int64_t slot = slots[r];
+    float* k_out = slot < 0 ? padding.data() : keys + slot * kv_row;
+    float* v_out = slot < 0 ? padding.data() + kv_row : values + slot * kv_row;
+    split_row(g, in + r * g.stride, c + r * g.dim, s + r * g.dim, qo + r * num_heads * g.dim,
+              k_out, v_out);
+  }
+  return q;
 }

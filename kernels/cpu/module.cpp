@@ -19,6 +19,10 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 std::vector<torch::Tensor> rotary_split_qkv(torch::Tensor qkv, torch::Tensor cos,
                                             torch::Tensor sin, int64_t num_heads,
                                             int64_t num_kv_heads);
+torch::Tensor rotary_split_qkv_into_cache(torch::Tensor qkv, torch::Tensor cos,
+                                          torch::Tensor sin, int64_t num_heads,
+                                          int64_t num_kv_heads, torch::Tensor layer_cache,
+                                          torch::Tensor slot_mapping);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_int8", &write_kv_int8,
@@ -31,4 +35,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU's silu(gate) * up from the fused projection (CPU)");
   m.def("rotary_split_qkv", &rotary_split_qkv,
         "q, k, v split from the fused projection, q and k rotated (rotate-half RoPE, CPU)");
+  m.def("rotary_split_qkv_into_cache", &rotary_split_qkv_into_cache,
+        "rotary_split_qkv with k and v written into their slots of a float32 cache -> q (CPU)");
 }

@@ -123,7 +123,8 @@ void attend_sequence(const Geometry& g, const float* q, const T* k_cache, const 
 template <typename T>
 void attend_all(const Geometry& g, int64_t num_seqs, const float* q, const T* k, const T* v,
                 const int32_t* tables, const int32_t* lens, float scale, float* o) {
-#pragma omp parallel
+  // One sequence (batch-1 decode) runs on the calling thread: a team would only wait for it.
+#pragma omp parallel if (num_seqs > 1)
   {
     std::vector<float> scores;  // one per thread, reused across its sequences
 #pragma omp for schedule(dynamic, 1)

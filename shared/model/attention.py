@@ -44,7 +44,8 @@ class TorchPagedAttention:
         # Decodes read the cache in place where the C++ kernel built: float32 caches, and int8
         # ones, whose codes it reads with their scales (it computes in float32 either way).
         in_place_dtypes = (torch.float32, torch.int8)
-        self.reads_decodes_in_place = dtype in in_place_dtypes and cpu_kernels.load() is not None
+        self._kernels = cpu_kernels.load()
+        self.reads_decodes_in_place = dtype in in_place_dtypes and self._kernels is not None
         self._writes_int8 = dtype == torch.int8 and cpu_kernels.load() is not None
 
     def write_kv(
@@ -128,8 +129,10 @@ class TorchPagedAttention:
         # query: [num_decodes, num_heads, head_dim]
         if meta.decode_block_tables is not None:
             # A bfloat16 model over an int8 cache: the kernel takes float32 queries (a few
-            # rows per step to convert).
-            out = cpu_kernels.paged_decode_attention(
+            # rows per step to convert). Called unchecked: the runner builds these tensors, the
+            # kernel checks lengths and block ids, and kernels.cpu's argument checks cost more
+            # than a short batch's attention.
+            out = self._kernels.paged_decode_attention(
                 query.float().contiguous(),
                 layer_cache[0],
                 layer_cache[1],

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu as cpu_kernels
+from shared.model.attention_metadata import AttentionBackend, AttentionMetadata
 from shared.model.rotary import RotaryAngles
 
 
@@ -51,6 +52,21 @@ class TorchLayerOps:
         k = k.view(num_tokens, num_kv_heads, head_dim)
         q, k = rotary.apply(q, k)
         return q, k, v.view(num_tokens, num_kv_heads, head_dim)
+
+    def rotary_qkv_into_cache(
+        self,
+        qkv: torch.Tensor,
+        rotary: RotaryAngles,
+        num_heads: int,
+        num_kv_heads: int,
+        layer_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """`rotary_split_qkv`, then k and v written to their slots by `backend` -> q."""
+        q, k, v = self.rotary_split_qkv(qkv, rotary, num_heads, num_kv_heads)
+        backend.write_kv(k, v, layer_cache, meta)
+        return q
 
 
 class CpuKernelLayerOps(TorchLayerOps):
@@ -88,6 +104,32 @@ class CpuKernelLayerOps(TorchLayerOps):
             qkv, rotary.cos, rotary.sin, num_heads, num_kv_heads
         )
         return q, k, v
+
+    def rotary_qkv_into_cache(
+        self,
+        qkv: torch.Tensor,
+        rotary: RotaryAngles,
+        num_heads: int,
+        num_kv_heads: int,
+        layer_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        # A float32 cache in the layout every backend shares (shared/model/attention.py) is
+        # written here, in the same pass as the rotation; int8 caches quantize in the backend.
+        if (
+            layer_cache.dtype != torch.float32
+            or qkv.dtype != torch.float32
+            or rotary.cos.dtype != torch.float32
+            or qkv.dim() != 2
+            or not layer_cache.is_contiguous()
+        ):
+            return super().rotary_qkv_into_cache(
+                qkv, rotary, num_heads, num_kv_heads, layer_cache, meta, backend
+            )
+        return self._module.rotary_split_qkv_into_cache(
+            qkv, rotary.cos, rotary.sin, num_heads, num_kv_heads, layer_cache, meta.slot_mapping
+        )
 
 
 def select_layer_ops(device: torch.device) -> TorchLayerOps:

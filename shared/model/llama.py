@@ -97,8 +97,9 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        q, k, v = self.ops.rotary_split_qkv(qkv, rotary, self.num_heads, self.num_kv_heads)
-        backend.write_kv(k, v, layer_cache, meta)
+        q = self.ops.rotary_qkv_into_cache(
+            qkv, rotary, self.num_heads, self.num_kv_heads, layer_cache, meta, backend
+        )
         out = backend.attend(q, layer_cache, meta, self.scale)  # [num_tokens, heads, head_dim]
         out = self.o_proj(out.reshape(num_tokens, -1))
         if self.tensor_parallel is not None:
@@ -268,7 +269,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """`hidden` through this model's decoder layers (a pipeline stage starts here)."""
         angles = self.rotary.lookup(positions, hidden.dtype)
-        for layer_id, layer in enumerate(self.layers[:num_layers]):
+        # Iterated, not sliced: a slice of a ModuleList builds a new one every step.
+        for layer_id, layer in enumerate(self.layers):
+            if layer_id == num_layers:
+                break
             hidden = layer(hidden, angles, kv_cache[layer_id], meta, backend)
         return hidden
 

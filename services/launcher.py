@@ -41,6 +41,9 @@ GENERATION_SERVICE = "splitserve.v1.Generation"
 
 
 # As a kubelet would: back at once after a one-off crash, slower and slower in a crash loop.
+# Prefill processes run at this niceness beside decode processes on the same cores (measured in
+# _thread_split's docstring and docs/benchmarks.md).
+PREFILL_NICE = 10
 RESTART_POLICY = RestartPolicy(initial_backoff_s=1.0, max_backoff_s=30.0, reset_after_s=60.0)
 
 def add_up_flags(sub: argparse.ArgumentParser) -> None:
@@ -117,6 +120,14 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
         "picking 1 or all per step by measurement; prefill processes a share of the cores)",
     )
     sub.add_argument(
+        "--prefill-nice",
+        type=int,
+        default=PREFILL_NICE,
+        metavar="N",
+        help=f"niceness of prefill processes (default {PREFILL_NICE}; 0: the decode processes' "
+        "priority): on shared cores a decode step, which every stream waits for, goes first",
+    )
+    sub.add_argument(
         "--redis-url",
         default=os.environ.get("REDIS_URL") or None,
         help="the Redis for the registry and prefix index (default: $REDIS_URL, else a "
@@ -162,6 +173,8 @@ def plan(
         raise ValueError("--decode must be >= 1 and --prefill >= 0")
     if args.local_prefill_threshold < 0:
         raise ValueError("--local-prefill-threshold must be >= 0")
+    if not 0 <= args.prefill_nice <= 19:
+        raise ValueError(f"--prefill-nice must be within 0..19, got {args.prefill_nice}")
     if prefill_available is None:
         prefill_available = importlib.util.find_spec("services.prefill") is not None
     colocated, note = _mode(args, prefill_available)
@@ -173,7 +186,7 @@ def plan(
     engine_flags += redis_flags
     prefill_addresses = [f"{args.host}:{args.prefill_port + i}" for i in range(num_prefill)]
     decode_addresses = [f"{args.host}:{args.decode_port + i}" for i in range(args.decode)]
-    prefill_flags = ["--num-threads", str(threads.prefill)]
+    prefill_flags = ["--num-threads", str(threads.prefill), "--nice", str(args.prefill_nice)]
     prefill_flags += ["--kv-checksum"] if args.kv_checksum else []
     prefill_flags += _prefill_quantization(args)
     decode_flags = ["--num-threads", str(threads.decode)]

@@ -70,7 +70,7 @@ def stacks():
     try:
         for transport in TRANSPORTS:  # both start now, so their model loads overlap
             started[transport] = start_stack(
-                num_prefill=1, transport=transport, prefill_flags=["--kv-checksum"]
+                num_prefill=1, transport=transport, prefill_flags=["--kv-checksum", "--nice", "5"]
             )
         yield started
     finally:
@@ -296,10 +296,12 @@ def test_structured_output_holds_across_the_prefill_and_decode_pods(stack, decod
     }
     output = StructuredOutput.json_schema(schema)
     prompts = tagged("json", 2)
-    for i, params in enumerate([
-        SamplingParams(temperature=0.0, max_tokens=30, structured_output=output),
-        SamplingParams(temperature=0.9, seed=5, max_tokens=30, structured_output=output),
-    ]):
+    for i, params in enumerate(
+        [
+            SamplingParams(temperature=0.0, max_tokens=30, structured_output=output),
+            SamplingParams(temperature=0.9, seed=5, max_tokens=30, structured_output=output),
+        ]
+    ):
         (want,) = expected(llm, [prompts[i]], params)
         assert want.text.startswith('{"city": ') and want.finish_reason == "stop", want.text
         request = worker_pb2.DecodeRequest(
@@ -350,6 +352,14 @@ def test_cancel_and_abort_mid_prefill_end_the_requests_on_both_pods(stack, decod
 # ---- last for each transport: the prefill pod dies ------------------------------------------
 
 
+def test_a_prefill_pod_started_with_nice_runs_at_that_niceness(stack):
+    # The fixture starts the prefill pod with --nice 5; this process runs at its own niceness.
+    prefill = stack.processes["prefill-0"].pid
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, prefill) == min(19, own + 5)
+    assert os.getpriority(os.PRIO_PROCESS, stack.processes["decode-0"].pid) == own
+
+
 def test_a_killed_prefill_pod_leaves_requests_to_local_prefill(stack, client, decode, llm):
     os.kill(stack.processes["prefill-0"].pid, signal.SIGKILL)
     stack.processes["prefill-0"].wait(timeout=10)
@@ -390,6 +400,15 @@ def test_up_runs_one_prefill_and_one_decode_pod_by_default():
     assert _flag(default.specs[0].argv, "--num-threads") == str(max(1, cores // 2))
     assert _flag(default.specs[1].argv, "--num-threads") == str(cores)
     assert _flag(default.specs[1].argv, "--local-prefill-threshold") == str(THRESHOLD)
+    # Prefill yields the shared cores to decode steps; decode keeps its priority.
+    assert _flag(default.specs[0].argv, "--nice") == "10"
+    assert "--nice" not in default.specs[1].argv
+    same_priority = plan(
+        build_parser().parse_args(["up", "--prefill-nice", "0"]), prefill_available=True
+    )
+    assert _flag(same_priority.specs[0].argv, "--nice") == "0"
+    with pytest.raises(ValueError, match="--prefill-nice must be within 0..19, got 20"):
+        plan(build_parser().parse_args(["up", "--prefill-nice", "20"]), prefill_available=True)
     assert _flag(default.specs[2].argv, "--prefill") == "127.0.0.1:50071"
     # The host KV tier is on by default, sized once for both pods; no disk tier unless asked.
     host_tiers = {_flag(spec.argv, "--kv-offload-host-bytes") for spec in default.specs[:2]}

@@ -116,10 +116,26 @@ def token_text(llm: AsyncLLM, token_id: int) -> str:
 # ---- flags ----------------------------------------------------------------------------------
 
 
+def _niceness(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 19:
+        raise argparse.ArgumentTypeError(f"--nice must be within 0..19, got {value}")
+    return value
+
+
 def add_pod_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
     """The flags both engine pods take (`splitserve up` passes the same set to each)."""
     add_server_flags(parser, default_port)
     parser.add_argument("--worker-id", default=None, help="name in stats (default: host:port)")
+    parser.add_argument(
+        "--nice",
+        type=_niceness,
+        default=0,
+        metavar="N",
+        help="lower this process's CPU priority by N (0-19, as nice(1)) before it starts: a "
+        "prefill pod that shares cores with decode pods yields to their steps (splitserve up "
+        "sets --prefill-nice)",
+    )
     parser.add_argument(
         "--model-name", default=None, help="served model name (default: the model file's name)"
     )

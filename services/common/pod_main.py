@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -62,6 +63,9 @@ def run_pod(role: PodRole, argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     setup_logging(args.log_level, args.worker_id or role.name)
+    if args.nice:
+        # Before any thread starts: threads inherit the niceness of the thread creating them.
+        os.nice(args.nice)
     is_engine_lost = asyncio.run(_serve(role, args))
     return 1 if is_engine_lost else 0
 

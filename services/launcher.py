@@ -41,9 +41,12 @@ GENERATION_SERVICE = "splitserve.v1.Generation"
 
 
 # As a kubelet would: back at once after a one-off crash, slower and slower in a crash loop.
-# Prefill processes run at this niceness beside decode processes on the same cores (measured in
-# _thread_split's docstring and docs/benchmarks.md).
-PREFILL_NICE = 10
+# Prefill processes' niceness beside decode processes on the same cores. 0 (equal priority):
+# on 2 cores, 1 prefill + 1 decode pod, niceness 10 measured ITL medians of 20.6 / 21.0 /
+# 25.4 / 32.9 / 51.5 ms at 1 / 2 / 4 / 8 / 16 streams against 19.6 / 21.7 / 26.6 / 33.7 /
+# 47.5 ms at 0, back to back (python -m benchmarks.vs_vllm --parts streams --systems
+# disaggregated [--up-flags '--prefill-nice 0']): no gain beyond noise, so no change by default.
+PREFILL_NICE = 0
 RESTART_POLICY = RestartPolicy(initial_backoff_s=1.0, max_backoff_s=30.0, reset_after_s=60.0)
 
 def add_up_flags(sub: argparse.ArgumentParser) -> None:
@@ -124,8 +127,9 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
         type=int,
         default=PREFILL_NICE,
         metavar="N",
-        help=f"niceness of prefill processes (default {PREFILL_NICE}; 0: the decode processes' "
-        "priority): on shared cores a decode step, which every stream waits for, goes first",
+        help=f"niceness of prefill processes (default {PREFILL_NICE}: the decode processes' "
+        "priority); higher lets a decode step, which every stream waits for, go first on "
+        "shared cores",
     )
     sub.add_argument(
         "--redis-url",

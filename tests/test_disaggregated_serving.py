@@ -400,13 +400,11 @@ def test_up_runs_one_prefill_and_one_decode_pod_by_default():
     assert _flag(default.specs[0].argv, "--num-threads") == str(max(1, cores // 2))
     assert _flag(default.specs[1].argv, "--num-threads") == str(cores)
     assert _flag(default.specs[1].argv, "--local-prefill-threshold") == str(THRESHOLD)
-    # Prefill yields the shared cores to decode steps; decode keeps its priority.
-    assert _flag(default.specs[0].argv, "--nice") == "10"
+    # Prefill runs at the decode pods' priority unless told to yield the shared cores.
+    assert _flag(default.specs[0].argv, "--nice") == "0"
     assert "--nice" not in default.specs[1].argv
-    same_priority = plan(
-        build_parser().parse_args(["up", "--prefill-nice", "0"]), prefill_available=True
-    )
-    assert _flag(same_priority.specs[0].argv, "--nice") == "0"
+    args = build_parser().parse_args(["up", "--prefill-nice", "10"])
+    assert _flag(plan(args, prefill_available=True).specs[0].argv, "--nice") == "10"
     with pytest.raises(ValueError, match="--prefill-nice must be within 0..19, got 20"):
         plan(build_parser().parse_args(["up", "--prefill-nice", "20"]), prefill_available=True)
     assert _flag(default.specs[2].argv, "--prefill") == "127.0.0.1:50071"

@@ -8,6 +8,7 @@
 | silu_and_mul           | layer_ops.cpp              | F.silu(gate) * up                  |
 | rotary_split_qkv       | layer_ops.cpp              | kernels.reference.rotary_embedding |
 | rotary_split_qkv_into_cache | layer_ops.cpp         | the above, then kernels.reference.write_kv |
+| DecodeLayers           | decode_layers.cpp          | shared/model/llama.py's layers     |
 
 `module.cpp` binds them. The model reaches the layer ops through shared/model/layer_ops.py,
 which calls the module directly (these wrappers' checks cost more than a decode row's work).
@@ -36,6 +37,7 @@ _SOURCES = [
     Path(__file__).with_name("paged_decode_attention.cpp"),
     Path(__file__).with_name("write_kv_int8.cpp"),
     Path(__file__).with_name("layer_ops.cpp"),
+    Path(__file__).with_name("decode_layers.cpp"),
     Path(__file__).with_name("module.cpp"),
 ]
 _ENV = "SPLITSERVE_CPU_KERNELS"

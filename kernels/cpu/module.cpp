@@ -23,8 +23,11 @@ torch::Tensor rotary_split_qkv_into_cache(torch::Tensor qkv, torch::Tensor cos,
                                           torch::Tensor sin, int64_t num_heads,
                                           int64_t num_kv_heads, torch::Tensor layer_cache,
                                           torch::Tensor slot_mapping);
+// decode_layers.cpp
+void bind_decode_layers(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_decode_layers(m);
   m.def("write_kv_int8", &write_kv_int8,
         "new keys and values quantized into their slots of an int8 KV cache (CPU)");
   m.def("paged_decode_attention", &paged_decode_attention,

@@ -18,6 +18,7 @@ from torch import nn
 from shared.model.architecture import ModelArchitecture
 from shared.model.attention_metadata import AttentionBackend, AttentionMetadata
 from shared.model.feed_forward import internal_feed_forward_weights
+from shared.model.fused_decode import FusedDecode, build_fused_decode
 from shared.model.gguf_blocks import BlockQuantized
 from shared.model.layer_ops import TorchLayerOps, select_layer_ops
 from shared.model.linear import Linear, linear, onednn_weight
@@ -188,6 +189,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(arch, max_positions, device)
         self.requires_grad_(False)
         self.use_layer_ops(select_layer_ops(device))
+        # Decode-only steps through all layers in one C++ call, once the weights are loaded
+        # (shared/model/fused_decode.py); None: the Python layers serve every step.
+        self.fused_decode: FusedDecode | None = None
 
     def use_layer_ops(self, ops: TorchLayerOps) -> None:
         """Runs the norms, activations and rotary of every layer through `ops`."""
@@ -213,12 +217,16 @@ class LlamaForCausalLM(nn.Module):
             # to_empty replaces parameters one module at a time, which unties them.
             self.lm_head.weight = self.embed_tokens.weight
 
+    def _is_tensor_parallel(self) -> bool:
+        return any(layer.self_attn.tensor_parallel is not None for layer in self.layers)
+
     def set_tensor_parallel(self, group: AllReduce) -> None:
         """This model holds one rank's slice (its arch says which sizes): the row-parallel
         products are summed over the ranks through `group`."""
         for layer in self.layers:
             layer.self_attn.tensor_parallel = group
             layer.mlp.tensor_parallel = group
+        self.fused_decode = None  # it has no all-reduce
 
     @torch.inference_mode()
     def forward(
@@ -269,6 +277,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """`hidden` through this model's decoder layers (a pipeline stage starts here)."""
         angles = self.rotary.lookup(positions, hidden.dtype)
+        fused = self.fused_decode
+        if fused is not None and fused.serves(hidden, meta):
+            return fused.run(hidden, angles, kv_cache, meta, num_layers)
         # Iterated, not sliced: a slice of a ModuleList builds a new one every step.
         for layer_id, layer in enumerate(self.layers):
             if layer_id == num_layers:
@@ -316,6 +327,8 @@ class LlamaForCausalLM(nn.Module):
             for module in self.modules():
                 if isinstance(module, Linear):
                     module.prepare_cpu_kernel()
+        if not self._is_tensor_parallel():
+            self.fused_decode = build_fused_decode(self)
         logger.info(
             "weights: quantization %s, %.0f MiB resident",
             self.quantization,

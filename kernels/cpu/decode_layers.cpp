@@ -1,0 +1,174 @@
+// Every decoder layer of a decode-only step in one call from Python: the same operations the
+// model's Python forward runs (shared/model/llama.py: norms, q/k/v projection, rotary and the KV
+// write, paged attention, output projection, the MLP), in the same order with the same
+// kernels, without the interpreter between them. At batch 1 the Python around each layer's
+// dozen operations cost as much as the quantized products themselves (about 4 ms of an 8 ms
+// step with gguf weights on SmolLM2-135M); here it costs one call per step.
+//
+// The products run on the kernels the Python layers use: oneDNN's inner product on weights it
+// reordered (float32 models, shared/model/linear.py), or torch's packed int8 / int4 kernels on
+// bfloat16 activations (shared/model/quantized_linear.py). Only the shapes those layers handle
+// at decode come here: dense Llama-family layers without biases, one process (no tensor
+// parallel), every row a decode token with its slot; LlamaForCausalLM checks that.
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+// layer_ops.cpp, paged_decode_attention.cpp, write_kv_int8.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
+                                        torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+std::vector<torch::Tensor> rotary_split_qkv(torch::Tensor qkv, torch::Tensor cos,
+                                            torch::Tensor sin, int64_t num_heads,
+                                            int64_t num_kv_heads);
+torch::Tensor rotary_split_qkv_into_cache(torch::Tensor qkv, torch::Tensor cos,
+                                          torch::Tensor sin, int64_t num_heads,
+                                          int64_t num_kv_heads, torch::Tensor layer_cache,
+                                          torch::Tensor slot_mapping);
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
+                                     torch::Tensor value_cache, torch::Tensor block_tables,
+                                     torch::Tensor seq_lens, double scale);
+void write_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor layer_cache,
+                   torch::Tensor slot_mapping);
+
+namespace {
+
+constexpr int64_t kInt4GroupSize = 32;  // shared/model/quantized_linear.py's GROUP_SIZE
+
+enum class WeightFormat : int64_t { kOneDnn = 0, kInt8 = 1, kInt4 = 2 };
+
+// One product's weight as the Python layer holds it:
+//   oneDNN  first = the reordered weight
+//   int8    first = codes [out, in_padded], second = scales [out] bfloat16
+//   int4    first = packed, second = scales and zeros [groups, out_padded, 2] bfloat16
+struct Weight {
+  torch::Tensor first, second;
+  int64_t in_padded = 0, out_features = 0;
+};
+
+struct Layer {
+  torch::Tensor input_norm, post_norm;
+  Weight qkv, o, gate_up, down;
+};
+
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& weight) {
+  // Called boxed: the schema's C++ argument types have changed between torch releases, its
+  // boxed form (what torch.ops calls) has not.
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(weight);
+  stack.emplace_back(c10::IValue());  // no bias
+  stack.emplace_back(std::string("none"));  // no fused activation
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// x [rows, in] float32 -> [rows, out] float32, as the Python layer computes it.
+torch::Tensor linear(const torch::Tensor& x, const Weight& w, WeightFormat format) {
+  if (format == WeightFormat::kOneDnn) return onednn_linear(x, w.first);
+  auto xb = x.to(torch::kBFloat16);
+  if (w.in_padded != x.size(1)) xb = at::constant_pad_nd(xb, {0, w.in_padded - x.size(1)}, 0);
+  auto out = format == WeightFormat::kInt8
+                 ? at::_weight_int8pack_mm(xb, w.first, w.second)
+                 : at::_weight_int4pack_mm_for_cpu(xb, w.first, kInt4GroupSize, w.second);
+  if (out.size(1) != w.out_features) out = out.narrow(1, 0, w.out_features);
+  return out.to(torch::kFloat32);
+}
+
+}  // namespace
+
+// The layers of one model, built once after its weights are loaded.
+class DecodeLayers {
+ public:
+  DecodeLayers(int64_t format, int64_t num_heads, int64_t num_kv_heads, double eps,
+               double scale)
+      : format_(static_cast<WeightFormat>(format)),
+        num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads),
+        eps_(eps),
+        scale_(scale) {
+    TORCH_CHECK(format >= 0 && format <= 2, "weight format ", format, " is not 0, 1 or 2");
+  }
+
+  // tensors: input_norm, post_norm, then (first, second) of qkv, o, gate_up, down (second
+  // may be an empty tensor); sizes: (in_padded, out_features) of qkv, o, gate_up, down.
+  void add_layer(std::vector<torch::Tensor> tensors, std::vector<int64_t> sizes) {
+    TORCH_CHECK(tensors.size() == 10 && sizes.size() == 8,
+                "a layer takes 10 tensors and 8 sizes, got ", tensors.size(), " and ",
+                sizes.size());
+    Layer layer;
+    layer.input_norm = tensors[0];
+    layer.post_norm = tensors[1];
+    Weight* weights[] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+    for (int i = 0; i < 4; ++i) {
+      *weights[i] = Weight{tensors[2 + 2 * i], tensors[3 + 2 * i], sizes[2 * i], sizes[2 * i + 1]};
+    }
+    layers_.push_back(std::move(layer));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // hidden [rows, hidden] float32 -> the hidden states after the first num_layers layers.
+  // kv_cache [layers, 2, blocks, block_size, kv_heads, row] (float32, or int8 rows with their
+  // scales); slot_mapping [rows] int64; block_tables [rows, max_blocks] and seq_lens [rows]
+  // int32, the tokens' own slots included; cos, sin [rows, head_dim] float32.
+  torch::Tensor run(torch::Tensor hidden, torch::Tensor kv_cache, torch::Tensor slot_mapping,
+                    torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor cos,
+                    torch::Tensor sin, int64_t num_layers) const {
+    TORCH_CHECK(num_layers >= 0 && num_layers <= this->num_layers(), "num_layers ", num_layers,
+                " outside [0, ", this->num_layers(), "]");
+    TORCH_CHECK(kv_cache.size(0) >= num_layers, "the cache has ", kv_cache.size(0),
+                " layers, fewer than ", num_layers);
+    const bool int8_cache = kv_cache.scalar_type() == torch::kChar;
+    const int64_t rows = hidden.size(0);
+    auto x = hidden;
+    for (int64_t l = 0; l < num_layers; ++l) {
+      const Layer& layer = layers_[l];
+      const auto layer_cache = kv_cache.select(0, l);
+      auto qkv = linear(rms_norm(x, layer.input_norm, eps_), layer.qkv, format_);
+      torch::Tensor q;
+      if (int8_cache) {
+        auto split = rotary_split_qkv(qkv, cos, sin, num_heads_, num_kv_heads_);
+        write_kv_int8(split[1], split[2], layer_cache, slot_mapping);
+        q = split[0];
+      } else {
+        q = rotary_split_qkv_into_cache(qkv, cos, sin, num_heads_, num_kv_heads_, layer_cache,
+                                        slot_mapping);
+      }
+      auto attention = paged_decode_attention(q, layer_cache.select(0, 0),
+                                              layer_cache.select(0, 1), block_tables, seq_lens,
+                                              scale_);
+      auto o = linear(attention.view({rows, -1}), layer.o, format_);
+      auto normed = add_rms_norm(o, x, layer.post_norm, eps_);  // {normed, o + x}
+      auto down = linear(silu_and_mul(linear(normed[0], layer.gate_up, format_)), layer.down,
+                         format_);
+      x = normed[1] + down;
+    }
+    return x;
+  }
+
+ private:
+  WeightFormat format_;
+  int64_t num_heads_, num_kv_heads_;
+  double eps_, scale_;
+  std::vector<Layer> layers_;
+};
+
+void bind_decode_layers(pybind11::module& m) {
+  pybind11::class_<DecodeLayers>(m, "DecodeLayers",
+                                 "every decoder layer of a decode-only step in one call (CPU)")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double>())
+      .def("add_layer", &DecodeLayers::add_layer)
+      .def_property_readonly("num_layers", &DecodeLayers::num_layers)
+      .def("run", &DecodeLayers::run);
+}

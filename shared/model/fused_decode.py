@@ -1,0 +1,138 @@
+"""Decode-only steps through every decoder layer in one C++ call (kernels/cpu/decode_layers.cpp).
+
+At batch 1 the Python between a layer's dozen operations cost as much as the quantized
+products themselves; the C++ loop runs the same operations on the same kernels in the same
+order, so its output is the Python layers' output (tests/test_fused_decode.py holds it to
+that). It serves the steps it can: every row a decode token, float32 activations, dense
+Llama-family layers without biases whose products are all oneDNN, all int8 or all int4, in one
+process. Everything else (prefill chunks, mixed steps, tensor parallel, mixture-of-experts,
+bfloat16 models, CUDA) keeps the Python layers. SPLITSERVE_FUSED_DECODE=0 turns it off (to
+compare the two).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernels import cpu as cpu_kernels
+from shared.model.attention_metadata import AttentionMetadata
+from shared.model.linear import Linear
+from shared.model.quantized_linear import (
+    INT4_DEQUANTIZE_FROM_ROWS,
+    INT8_DEQUANTIZE_FROM_ROWS,
+    Int4Weight,
+    Int8Weight,
+    QuantizedLinear,
+)
+from shared.model.rotary import RotaryAngles
+
+_ENV = "SPLITSERVE_FUSED_DECODE"
+_ONEDNN, _INT8, _INT4 = 0, 1, 2  # decode_layers.cpp's WeightFormat
+# Below this many rows the packed kernels serve the step (quantized_linear.py's crossovers).
+_MAX_ROWS = {_ONEDNN: None, _INT8: INT8_DEQUANTIZE_FROM_ROWS, _INT4: INT4_DEQUANTIZE_FROM_ROWS}
+
+
+class FusedDecode:
+    """The C++ layers of one model, and the test of whether a step may take them."""
+
+    def __init__(self, layers: Any, weight_format: int) -> None:
+        self._layers = layers
+        self._max_rows = _MAX_ROWS[weight_format]
+
+    def serves(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+        rows = hidden.shape[0]
+        return (
+            not meta.prefills
+            and meta.num_decodes == rows
+            and meta.decode_block_tables is not None
+            and hidden.dtype == torch.float32
+            and (self._max_rows is None or rows < self._max_rows)
+        )
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        angles: RotaryAngles,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        num_layers: int | None,
+    ) -> torch.Tensor:
+        count = self._layers.num_layers if num_layers is None else num_layers
+        return self._layers.run(
+            hidden,
+            kv_cache,
+            meta.slot_mapping,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            angles.cos,
+            angles.sin,
+            count,
+        )
+
+
+def build_fused_decode(model: nn.Module) -> FusedDecode | None:
+    """The fused layers for `model` (a loaded LlamaForCausalLM), or None where its layers or
+    this machine do not fit them."""
+    if os.environ.get(_ENV, "1") == "0":
+        return None
+    module = cpu_kernels.load()
+    arch = model.arch
+    if module is None or model.weight_device.type != "cpu" or arch.moe is not None:
+        return None
+    if arch.attention_bias or model.norm.weight.dtype != torch.float32:
+        return None
+    first = model.layers[0]
+    products = [_products(layer) for layer in model.layers]
+    formats = {_format(linear) for layer in products for linear in layer}
+    if len(formats) != 1 or None in formats:
+        return None
+    weight_format = formats.pop()
+    attention = first.self_attn
+    layers = module.DecodeLayers(
+        weight_format,
+        attention.num_heads,
+        attention.num_kv_heads,
+        first.input_layernorm.eps,
+        attention.scale,
+    )
+    for layer, linears in zip(model.layers, products, strict=True):
+        tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        sizes: list[int] = []
+        for linear in linears:
+            first_tensor, second_tensor, in_padded, out_features = _weight_parts(linear)
+            tensors += [first_tensor, second_tensor]
+            sizes += [in_padded, out_features]
+        layers.add_layer(tensors, sizes)
+    return FusedDecode(layers, weight_format)
+
+
+def _products(layer: nn.Module) -> list[nn.Module]:
+    attention, mlp = layer.self_attn, layer.mlp
+    return [attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
+
+def _format(linear: nn.Module) -> int | None:
+    if isinstance(linear, Linear):
+        usable = linear.onednn_weight is not None and linear.bias is None
+        return _ONEDNN if usable else None
+    if isinstance(linear, QuantizedLinear):
+        if isinstance(linear.qweight, Int8Weight):
+            return _INT8
+        if isinstance(linear.qweight, Int4Weight):
+            return _INT4
+    return None
+
+
+def _weight_parts(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """What decode_layers.cpp's Weight holds: (first, second, in_padded, out_features)."""
+    if isinstance(linear, Linear):
+        weight = linear.weight
+        return linear.onednn_weight, torch.empty(0), weight.shape[1], weight.shape[0]
+    packed = linear.qweight
+    if isinstance(packed, Int8Weight):
+        return packed.codes, packed.scales, packed.codes.shape[1], packed.out_features
+    return packed.packed, packed.scales_zeros, packed.packed.shape[1] * 2, packed.out_features

@@ -1,0 +1,98 @@
+"""Decode steps through the C++ layer loop (shared/model/fused_decode.py) against the Python
+layers they replace, on the shipped SmolLM2 weights: the same tokens and the same logprobs,
+for each weight format and KV dtype, through batched and batch-1 decode; and the steps it must
+leave to the Python layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu as cpu_kernels
+from shared import LLM, SamplingParams
+from shared.model.fused_decode import FusedDecode
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler here")
+
+PROMPTS = [
+    "The lighthouse keeper climbed the stairs",
+    "def parse_and_sum(text):\n",
+    "Photosynthesis turns sunlight into",
+    "Once upon a time",
+]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3)
+
+
+class CountingFusedDecode(FusedDecode):
+    """The engine's own fused layers, counting the steps they serve."""
+
+    def __init__(self, fused: FusedDecode) -> None:
+        self.__dict__.update(fused.__dict__)
+        self.steps = 0
+
+    def run(self, *args, **kwargs) -> torch.Tensor:
+        self.steps += 1
+        return super().run(*args, **kwargs)
+
+
+def outputs(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list]]:
+    results = llm.generate(prompts, PARAMS)
+    return [(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in results]
+
+
+def compare_fused_with_python(quantization: str, kv_cache_dtype: str) -> None:
+    llm = LLM(
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_bytes=64 * 2**20,
+        num_threads=torch.get_num_threads(),
+    )
+    model = llm.engine.runner.model
+    assert model.fused_decode is not None, "the model should take the fused layers"
+    counting = CountingFusedDecode(model.fused_decode)
+    model.fused_decode = counting
+    fused = outputs(llm, PROMPTS) + outputs(llm, PROMPTS[:1])  # a batch, then batch 1
+    assert counting.steps >= 2 * (PARAMS.max_tokens - 1)
+    model.fused_decode = None
+    python = outputs(llm, PROMPTS) + outputs(llm, PROMPTS[:1])
+    for (fused_ids, fused_logprobs), (python_ids, python_logprobs) in zip(fused, python):
+        assert fused_ids == python_ids
+        for got, want in zip(fused_logprobs, python_logprobs, strict=True):
+            for (got_id, got_lp), (want_id, want_lp) in zip(got.top, want.top, strict=True):
+                assert got_id == want_id
+                assert got_lp == pytest.approx(want_lp, abs=1e-4)
+
+
+@pytest.mark.parametrize(("quantization", "kv_cache_dtype"), [("none", "int8"), ("gguf", "auto")])
+def test_fused_decode_equals_the_python_layers(quantization, kv_cache_dtype):
+    compare_fused_with_python(quantization, kv_cache_dtype)
+
+
+@pytest.mark.slow  # two more engines of the shipped model
+@pytest.mark.parametrize(("quantization", "kv_cache_dtype"), [("none", "auto"), ("int8", "int8")])
+def test_fused_decode_equals_the_python_layers_in_other_formats(quantization, kv_cache_dtype):
+    compare_fused_with_python(quantization, kv_cache_dtype)
+
+
+def test_steps_with_prefill_rows_or_bfloat16_take_the_python_layers():
+    llm = LLM(kv_cache_bytes=32 * 2**20, num_threads=1)
+    fused = llm.engine.runner.model.fused_decode
+    assert fused is not None
+
+    class Meta:  # the fields serves() reads, as a mixed step's metadata has them
+        prefills = [object()]
+        num_decodes = 2
+        decode_block_tables = torch.zeros(2, 1, dtype=torch.int32)
+
+    hidden = torch.zeros(2, 576)
+    assert not fused.serves(hidden, Meta)
+    Meta.prefills = []
+    assert fused.serves(hidden, Meta)
+    assert not fused.serves(hidden.bfloat16(), Meta)
+    Meta.decode_block_tables = None  # decodes gathered for SDPA: not this kernel's layout
+    assert not fused.serves(hidden, Meta)
+
+
+def test_a_bfloat16_model_keeps_the_python_layers():
+    llm = LLM(kv_cache_bytes=32 * 2**20, num_threads=1, dtype="bfloat16")
+    assert llm.engine.runner.model.fused_decode is None

@@ -8,8 +8,11 @@ For each batch size, that many requests with different ~128-token prompts are pr
 process only (the engine has no timers of its own): the layers' matrix products, attention,
 the KV write, the rest of the forward (embedding, norms, rotary, activations, the vocabulary
 projection), input preparation, sampling, the scheduler, and output processing (incremental
-detokenization, stop strings). The peer figure is the floor: one read of the weights a decode
-step multiplies by, at the read bandwidth measured in this process.
+detokenization, stop strings). A float32 cache is written by the rotary kernel
+(shared/model/layer_ops.py), so its KV write counts in forward_rest. The engine serves
+decode-only steps through the fused C++ layer loop, which no wrapper sees into: its whole step
+is timed separately (fused_total). The peer figure is the floor: one read of the weights a
+decode step multiplies by, at the read bandwidth measured in this process.
 """
 
 from __future__ import annotations
@@ -96,7 +99,12 @@ def breakdown(clock: StageClock, num_steps: int) -> dict[str, float]:
 
 
 def time_decode_steps(llm: LLM, clock: StageClock, batch: int, num_steps: int) -> dict[str, float]:
+    """The parts of `num_steps` decode steps through the Python layers (the wrappers see each
+    part), then the whole of as many steps through the fused C++ layer loop, which serves
+    decode-only steps in the engine (shared/model/fused_decode.py): `fused_total`."""
     engine = llm.engine
+    model = engine.runner.model
+    fused, model.fused_decode = model.fused_decode, None
     params = SamplingParams(temperature=0.0, max_tokens=num_steps + 8, ignore_eos=True)
     for i in range(batch):
         prompt = llm.tokenizer.encode(f"Request {batch}-{i}: " + "a story about the sea. " * 20)
@@ -109,6 +117,13 @@ def time_decode_steps(llm: LLM, clock: StageClock, batch: int, num_steps: int) -
     for _ in range(num_steps):
         engine.step()
     figures = breakdown(clock, num_steps)
+    figures["fused_total"] = float("nan")
+    if fused is not None:
+        model.fused_decode = fused
+        clock.reset()
+        for _ in range(num_steps):
+            engine.step()
+        figures["fused_total"] = 1000 * clock.seconds["step"] / num_steps
     engine.abort_requests(list(engine.scheduler.requests))
     return figures
 
@@ -136,13 +151,18 @@ def read_bandwidth() -> float:
 
 
 def print_table(rows: dict[int, dict[str, float]], floor_ms: float, bandwidth: float) -> None:
-    header = ["batch", *PARTS, "total", "floor", "total/floor"]
+    header = ["batch", *PARTS, "total", "fused_total", "floor", "fused/floor"]
     print(" ".join(f"{h:>12}" for h in header))
     for batch, figures in rows.items():
-        cells = [f"{batch:>12}"] + [f"{figures[p]:>12.2f}" for p in (*PARTS, "total")]
-        cells += [f"{floor_ms:>12.2f}", f"{figures['total'] / floor_ms:>12.2f}"]
+        parts = (*PARTS, "total", "fused_total")
+        cells = [f"{batch:>12}"] + [f"{figures[p]:>12.2f}" for p in parts]
+        cells += [f"{floor_ms:>12.2f}", f"{figures['fused_total'] / floor_ms:>12.2f}"]
         print(" ".join(cells))
-    print(f"(ms per decode step; floor = weights read once at {bandwidth:.1f} GB/s read bandwidth)")
+    print(
+        f"(ms per decode step; parts and total through the Python layers, fused_total through "
+        f"the C++ layer loop the engine takes; floor = weights read once at {bandwidth:.1f} GB/s "
+        "read bandwidth)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -170,5 +170,7 @@ void bind_decode_layers(pybind11::module& m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &DecodeLayers::add_layer)
       .def_property_readonly("num_layers", &DecodeLayers::num_layers)
-      .def("run", &DecodeLayers::run);
+      // Without the GIL, as torch's own ops run: a step takes milliseconds, and the pod's
+      // event loop (streaming the last step's tokens, taking new requests) runs meanwhile.
+      .def("run", &DecodeLayers::run, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

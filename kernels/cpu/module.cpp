@@ -30,8 +30,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_decode_layers(m);
   m.def("write_kv_int8", &write_kv_int8,
         "new keys and values quantized into their slots of an int8 KV cache (CPU)");
+  // Without the GIL, as torch's ops: long contexts take milliseconds.
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV cache, read in place (float32 or int8 rows, CPU)");
+        "decode attention over a paged KV cache, read in place (float32 or int8 rows, CPU)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (CPU)");
   m.def("add_rms_norm", &add_rms_norm,
         "a residual add and the RMSNorm after it, in one pass: {normed, summed} (CPU)");

@@ -9,29 +9,48 @@ crawls: measured on 2 cores with one busy process beside a colocated pod serving
 load right now, so the engine measures it:
 
     steps are grouped by shape: (decode-only or not, tokens rounded up to a power of two)
-    per shape and thread count: a moving average of the step's seconds over a run of steps
-    with that count, started afresh when the count comes back after a pause
-    each step takes the faster count for its shape, and every EXPLORE_EVERY steps of a shape
-    one step tries the other, so a change of load is noticed within EXPLORE_EVERY steps
+    per shape and thread count: the median of its last WINDOW steps (one slow step, a burst
+    of another process, does not outvote the others), started afresh when the count comes
+    back after a pause
+    each step takes the faster count for its shape; now and then one step tries the other,
+    EXPLORE_MIN steps after a try that won, twice as long after each try that lost (up to
+    EXPLORE_MAX): a core taken for good costs few slow tries, and a core that comes back
+    is found again within EXPLORE_MIN steps of the next try
+
+Why not a moving average and a fixed interval: a prefill pod sharing the cores (1P+1D on one
+machine) takes a core for a prompt's ~170 ms now and then. A two-thread decode step caught in
+such a burst took 110-150 ms instead of 28 (16 rows): the average flipped the pod to one
+thread (43 ms a step) and it stayed there until the next try 32 steps later, so most steps
+at 8-16 rows ran on one thread (python -m benchmarks.vs_vllm --parts streams --systems
+disaggregated, each step's threads and duration logged).
 
 Used from the engine thread only.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from shared.step import SchedulerOutput, StepResult
 
-EXPLORE_EVERY = 32  # steps of one shape between two tries of the other thread count
-SMOOTHING = 0.3  # weight of the newest step in a moving average
+WINDOW = 5  # steps per shape and thread count whose median is compared
+EXPLORE_MIN = 8  # steps from a try of the other count that won to the next try
+EXPLORE_MAX = 64  # the longest wait between two tries, after tries that lost
+STALE_AFTER = 8  # a count unused for this many steps of its shape starts a fresh window
 
 
 @dataclass
 class _ShapeStats:
-    seconds: dict[int, float] = field(default_factory=dict)  # thread count -> moving average
+    seconds: dict[int, deque[float]] = field(default_factory=dict)  # count -> last steps
     last_step: dict[int, int] = field(default_factory=dict)  # thread count -> its latest step
     num_steps: int = 0
+    explore_interval: int = EXPLORE_MIN
+    next_explore: int = EXPLORE_MIN
+
+    def estimate(self, num_threads: int) -> float:
+        return statistics.median(self.seconds[num_threads])
 
 
 class ThreadTuner:
@@ -50,21 +69,33 @@ class ThreadTuner:
         untried = [n for n in self.candidates if n not in stats.seconds]
         if untried:
             return untried[0]
-        best = min(self.candidates, key=lambda n: stats.seconds[n])
-        if stats.num_steps % EXPLORE_EVERY == 0:
-            return next(n for n in self.candidates if n != best)
+        best = self._best(stats)
+        if stats.num_steps >= stats.next_explore:
+            return self._other(best)
         return best
 
     def observe(self, step: StepResult, num_threads: int) -> None:
         """Records how long a step of this shape took with `num_threads` threads."""
         stats = self._shapes.setdefault(_shape(step.sched), _ShapeStats())
-        seconds = step.seconds
-        # A count used in the step before is averaged; one back from a while unused (an
-        # exploration) starts afresh: its old figure describes a load that may be gone.
-        if stats.last_step.get(num_threads) == stats.num_steps - 1:
-            seconds = SMOOTHING * seconds + (1 - SMOOTHING) * stats.seconds[num_threads]
-        stats.seconds[num_threads] = seconds
+        tried_all = all(n in stats.seconds for n in self.candidates)
+        best_before = self._best(stats) if tried_all else None
+        last = stats.last_step.get(num_threads)
+        if last is None or stats.num_steps - last > STALE_AFTER:
+            # Back from a while unused (a try): its old steps describe a load that may be gone.
+            stats.seconds[num_threads] = deque(maxlen=WINDOW)
+        stats.seconds[num_threads].append(step.seconds)
         stats.last_step[num_threads] = stats.num_steps
+        if best_before is not None and num_threads != best_before:  # a try of the other count
+            won = self._best(stats) == num_threads
+            interval = EXPLORE_MIN if won else min(2 * stats.explore_interval, EXPLORE_MAX)
+            stats.explore_interval = interval
+            stats.next_explore = stats.num_steps + interval
+
+    def _best(self, stats: _ShapeStats) -> int:
+        return min(self.candidates, key=stats.estimate)
+
+    def _other(self, num_threads: int) -> int:
+        return next(n for n in self.candidates if n != num_threads)
 
 
 def _shape(sched: SchedulerOutput) -> tuple[bool, int]:

@@ -105,7 +105,8 @@ def time_decode_steps(llm: LLM, clock: StageClock, batch: int, num_steps: int) -
     engine = llm.engine
     model = engine.runner.model
     fused, model.fused_decode = model.fused_decode, None
-    params = SamplingParams(temperature=0.0, max_tokens=num_steps + 8, ignore_eos=True)
+    # Enough tokens for both timed runs (the Python parts, then the fused steps).
+    params = SamplingParams(temperature=0.0, max_tokens=2 * num_steps + 16, ignore_eos=True)
     for i in range(batch):
         prompt = llm.tokenizer.encode(f"Request {batch}-{i}: " + "a story about the sea. " * 20)
         engine.add_request(f"b{batch}-{i}", prompt[:128], params)

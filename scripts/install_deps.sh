@@ -32,8 +32,9 @@ fi
 echo "[deps] installing splitserve with test extras"
 "$PYTHON" -m pip install -q -e ".[test]"
 
-# The C++ CPU kernels (kernels/cpu) build once per machine (~20 s) and are cached by torch; doing
-# it here keeps the first engine start, and the first test that loads one, from paying for it.
+# The C++ CPU kernels (kernels/cpu) build once per machine (about a minute on 2 cores) and are
+# cached by torch; doing it here keeps the first engine start, and the first test that loads
+# one, from paying for it.
 # A machine without a compiler still runs: the engine then keeps its PyTorch path.
 echo "[deps] building the CPU kernels"
 "$PYTHON" -c "import kernels.cpu as k; print('[deps] CPU kernels', 'ready' if k.load() else 'unavailable: PyTorch path')"

@@ -39,7 +39,8 @@ _SOURCES = [
     Path(__file__).with_name("layer_ops.cpp"),
     Path(__file__).with_name("decode_layers.cpp"),
     Path(__file__).with_name("module.cpp"),
-]
+]  # kernels.h declares what one file calls from another: torch hashes only these sources, so
+#    a change to the header alone needs the name's version bumped below.
 _ENV = "SPLITSERVE_CPU_KERNELS"
 
 

@@ -18,23 +18,7 @@
 #include <string>
 #include <vector>
 
-// layer_ops.cpp, paged_decode_attention.cpp, write_kv_int8.cpp
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
-                                        torch::Tensor weight, double eps);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-std::vector<torch::Tensor> rotary_split_qkv(torch::Tensor qkv, torch::Tensor cos,
-                                            torch::Tensor sin, int64_t num_heads,
-                                            int64_t num_kv_heads);
-torch::Tensor rotary_split_qkv_into_cache(torch::Tensor qkv, torch::Tensor cos,
-                                          torch::Tensor sin, int64_t num_heads,
-                                          int64_t num_kv_heads, torch::Tensor layer_cache,
-                                          torch::Tensor slot_mapping);
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
-                                     torch::Tensor value_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale);
-void write_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor layer_cache,
-                   torch::Tensor slot_mapping);
+#include "kernels.h"
 
 namespace {
 

@@ -1,0 +1,31 @@
+// The kernels one C++ file calls from another, and module.cpp binds: each defined in its own
+// file (named beside it).
+
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <vector>
+
+// paged_decode_attention.cpp
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
+                                     torch::Tensor value_cache, torch::Tensor block_tables,
+                                     torch::Tensor seq_lens, double scale);
+// write_kv_int8.cpp
+void write_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor layer_cache,
+                   torch::Tensor slot_mapping);
+// layer_ops.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
+                                        torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+std::vector<torch::Tensor> rotary_split_qkv(torch::Tensor qkv, torch::Tensor cos,
+                                            torch::Tensor sin, int64_t num_heads,
+                                            int64_t num_kv_heads);
+torch::Tensor rotary_split_qkv_into_cache(torch::Tensor qkv, torch::Tensor cos,
+                                          torch::Tensor sin, int64_t num_heads,
+                                          int64_t num_kv_heads, torch::Tensor layer_cache,
+                                          torch::Tensor slot_mapping);
+// decode_layers.cpp
+void bind_decode_layers(pybind11::module& m);

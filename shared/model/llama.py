@@ -115,7 +115,6 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, arch: ModelArchitecture, quantization: str) -> None:
         super().__init__()
-        self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = make_linear(arch.hidden_size, 2 * arch.intermediate_size, quantization)
         self.down_proj = make_linear(arch.intermediate_size, arch.hidden_size, quantization)
 

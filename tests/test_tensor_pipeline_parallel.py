@@ -120,6 +120,7 @@ def test_disaggregated_between_tp1_and_tp2_pp2_equals_colocated(
         assert pod.stats().num_kv_blocks_free == pod.stats().num_kv_blocks_total
 
 
+@pytest.mark.slow  # four more processes; the fast suite is near its limit
 def test_tp2_pp2_greedy_equals_tp1_under_preemption(tiny_hf_checkpoint, single):
     # Three requests of 20-22 tokens that need 15 blocks of 4 together with their outputs.
     prompts = [[17 + i] * (20 + i) for i in range(3)]
@@ -141,6 +142,7 @@ def test_tp2_pp2_greedy_equals_tp1_under_preemption(tiny_hf_checkpoint, single):
         llm.close()
 
 
+@pytest.mark.slow  # starts and kills a four-process grid
 def test_a_killed_rank_of_the_last_stage_fails_the_step(tiny_hf_checkpoint):
     """Rank 3 (stage 1, tp rank 1) never talks to rank 0 but through broadcasts: its death
     still fails rank 0's step (its stage peer's all-reduce fails, then rank 0's receive)."""
@@ -157,6 +159,7 @@ def test_a_killed_rank_of_the_last_stage_fails_the_step(tiny_hf_checkpoint):
         llm.close()
 
 
+@pytest.mark.slow  # two more four-process grids
 def test_int8_pages_cross_into_and_out_of_the_grid(tiny_hf_checkpoint):
     """kv_cache_dtype int8: each row's codes and scale are cut with their head."""
     options = {"kv_cache_bytes": KV_BYTES, "kv_cache_dtype": "int8", **ONE_THREAD}

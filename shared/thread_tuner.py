@@ -19,10 +19,12 @@ load right now, so the engine measures it:
 
 Why not a moving average and a fixed interval: a prefill pod sharing the cores (1P+1D on one
 machine) takes a core for a prompt's ~170 ms now and then. A two-thread decode step caught in
-such a burst took 110-150 ms instead of 28 (16 rows): the average flipped the pod to one
+such a burst took 104-130 ms instead of 28-34 (12-16 rows): the average flipped the pod to one
 thread (43 ms a step) and it stayed there until the next try 32 steps later, so most steps
 at 8-16 rows ran on one thread (python -m benchmarks.vs_vllm --parts streams --systems
-disaggregated, each step's threads and duration logged).
+disaggregated, each step's threads and duration logged). Where the slow steps are sustained
+(the 16-stream phase, prefills back to back) the median picks one thread too, as it should;
+what it no longer does is stay there after one unlucky step.
 
 Used from the engine thread only.
 """

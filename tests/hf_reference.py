@@ -33,3 +33,20 @@ def transformers_greedy(
             logits_processor=LogitsProcessorList(list(logits_processors)),
         )
     return generated[0, len(prompt) :].tolist()
+
+
+def greedy_references(
+    checkpoint: str, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int
+) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt of a Hugging Face checkpoint, float32, up to
+    and including EOS (after EOS transformers pads; the engine stops)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    out = []
+    for prompt in prompts:
+        tokens = transformers_greedy(model, prompt, max_new_tokens, eos_token_id=eos_token_id)
+        if eos_token_id in tokens:
+            tokens = tokens[: tokens.index(eos_token_id) + 1]
+        out.append(tokens)
+    return out

@@ -30,7 +30,7 @@ from shared.model.moe import route_tokens, sort_by_expert, torch_experts, triton
 from shared.model.moe_layer import moe_blocks, prepare_expert_weights
 from shared.parallel.comm import Communicator, connect_store, make_store
 from shared.parallel.expert_parallel import ExpertAllToAll, token_share
-from tests.hf_reference import transformers_greedy
+from tests.hf_reference import greedy_references
 from tests.test_disaggregation_engine import disaggregated
 
 # Starting the second rank and transformers' reference take ~40 s on a busy 2-core machine: the
@@ -77,17 +77,9 @@ def expert_parallel(checkpoint):
 @pytest.fixture(scope="module")
 def references(checkpoint, single) -> list[tuple[list[int], list[int]]]:
     """(prompt, transformers' greedy tokens up to EOS) per text."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    out = []
-    for text in TEXTS:
-        prompt = single.tokenizer.encode(text)
-        tokens = transformers_greedy(model, prompt, MAX_TOKENS, eos_token_id=EOS_TOKEN_ID)
-        if EOS_TOKEN_ID in tokens:
-            tokens = tokens[: tokens.index(EOS_TOKEN_ID) + 1]
-        out.append((prompt, tokens))
-    return out
+    prompts = [single.tokenizer.encode(text) for text in TEXTS]
+    tokens = greedy_references(checkpoint, prompts, MAX_TOKENS, EOS_TOKEN_ID)
+    return list(zip(prompts, tokens, strict=True))
 
 
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:

@@ -22,7 +22,7 @@ from shared.parallel.group import ParallelError
 from shared.parallel.layout import TensorParallelLayout
 from shared.parallel.pipeline import PipelineLayout
 from shared.sampling_params import SamplingParams
-from tests.hf_reference import transformers_greedy
+from tests.hf_reference import greedy_references
 from tests.test_disaggregation_engine import disaggregated
 
 KV_BYTES = 8 * 2**20
@@ -62,17 +62,9 @@ def grid(tiny_hf_checkpoint):
 @pytest.fixture(scope="module")
 def references(tiny_hf_checkpoint, single) -> list[tuple[list[int], list[int]]]:
     """(prompt, transformers' greedy tokens up to EOS) per text."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_hf_checkpoint, dtype=torch.float32).eval()
-    out = []
-    for text in TEXTS:
-        prompt = single.tokenizer.encode(text)
-        tokens = transformers_greedy(model, prompt, MAX_TOKENS, eos_token_id=EOS_TOKEN_ID)
-        if EOS_TOKEN_ID in tokens:
-            tokens = tokens[: tokens.index(EOS_TOKEN_ID) + 1]
-        out.append((prompt, tokens))
-    return out
+    prompts = [single.tokenizer.encode(text) for text in TEXTS]
+    tokens = greedy_references(tiny_hf_checkpoint, prompts, MAX_TOKENS, EOS_TOKEN_ID)
+    return list(zip(prompts, tokens, strict=True))
 
 
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:

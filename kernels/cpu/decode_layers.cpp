@@ -1,9 +1,9 @@
 // Every decoder layer of a decode-only step in one call from Python: the same operations the
 // model's Python forward runs (shared/model/llama.py: norms, q/k/v projection, rotary and the KV
 // write, paged attention, output projection, the MLP), in the same order with the same
-// kernels, without the interpreter between them. At batch 1 the Python around each layer's
-// dozen operations cost as much as the quantized products themselves (about 4 ms of an 8 ms
-// step with gguf weights on SmolLM2-135M); here it costs one call per step.
+// kernels, without the interpreter between them. At batch 1 with gguf weights on SmolLM2-135M
+// the Python around each layer's dozen operations was a large part of a step: this loop took
+// the step from 7.7 to 5.9 ms in one process (docs/benchmarks.md).
 //
 // The products run on the kernels the Python layers use: oneDNN's inner product on weights it
 // reordered (float32 models, shared/model/linear.py), or torch's packed int8 / int4 kernels on

@@ -46,7 +46,7 @@ class TorchPagedAttention:
         in_place_dtypes = (torch.float32, torch.int8)
         self._kernels = cpu_kernels.load()
         self.reads_decodes_in_place = dtype in in_place_dtypes and self._kernels is not None
-        self._writes_int8 = dtype == torch.int8 and cpu_kernels.load() is not None
+        self._writes_int8 = dtype == torch.int8 and self._kernels is not None
 
     def write_kv(
         self,

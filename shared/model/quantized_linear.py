@@ -229,7 +229,7 @@ def quantized_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     kernel for few rows and a transient dense bfloat16 weight for many."""
     rows, in_features = x.shape
     xb = x.to(_ACT_DTYPE)
-    in_padded = _inner_size(weight)
+    in_padded = inner_size(weight)
     if in_padded != in_features:
         xb = F.pad(xb, (0, in_padded - in_features))
     if isinstance(weight, Int4Weight):
@@ -245,7 +245,8 @@ def quantized_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     return out.to(x.dtype)
 
 
-def _inner_size(weight: QuantizedWeight) -> int:
+def inner_size(weight: QuantizedWeight) -> int:
+    """The padded inner size the packed kernels multiply over (x is padded to it)."""
     if isinstance(weight, Int4Weight):
         return weight.packed.shape[1] * 2
     return weight.codes.shape[1]

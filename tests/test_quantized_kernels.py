@@ -1,8 +1,9 @@
 """Weight-only quantized products against their float references, and GGUF blocks repacked
 bit for bit (shared/model/quantized_linear.py, gguf_blocks.py, quantization.py).
 
-Every product runs on fresh random inputs (never zeros) at 1, 3, 16 and 64 rows (the packed
-kernels) and 300 rows (dequantized on the fly), with odd sizes that need padding.
+Every product runs on fresh random inputs (never zeros) at 1, 3, 16, 64 and 300 rows (the
+packed kernels, int8 x int8 products from 16 rows, int4 dequantized on the fly at 300), with
+odd sizes that need padding.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from shared.model.gguf_loader import unpermute_rope_rows
 from shared.model.quantization import QuantizedEmbedding, effective_method, pack_weight
 from shared.model.quantized_linear import (
     INT4_DEQUANTIZE_FROM_ROWS,
-    INT8_DEQUANTIZE_FROM_ROWS,
+    INT8_ACTIVATION_QUANT_FROM_ROWS,
     Int4Weight,
     cpu_kernel_problem,
     int4_from_codes,
@@ -36,6 +37,9 @@ SHAPES = ((960, 576), (576, 1536), (200, 96), (7, 50))
 # A product of bfloat16 activations with bfloat16-scaled weights, against float32: relative to
 # the largest output, what bfloat16's 8-bit mantissa leaves (a few 2^-9 over hundreds of terms).
 PRODUCT_TOLERANCE = 0.01
+# int8 x int8 products round each activation to a step of max|x| / 127 of its row (half a step
+# is 0.4% of the largest input): on random rows that leaves ~1% of the largest output.
+ACTIVATION_QUANT_TOLERANCE = 0.02
 
 
 def _random(*shape: int, seed: int) -> torch.Tensor:
@@ -65,13 +69,45 @@ def test_product_matches_its_float_reference(method, out_features, in_features):
         got = quantized_matmul(x, packed)
         assert got.shape == (rows, out_features) and got.dtype == torch.float32
         error = _relative_error(got, x @ reference.t())
-        assert error < PRODUCT_TOLERANCE, f"{method} {rows} rows: {error:.4f}"
+        int8_products = method == "int8" and rows >= INT8_ACTIVATION_QUANT_FROM_ROWS
+        tolerance = ACTIVATION_QUANT_TOLERANCE if int8_products else PRODUCT_TOLERANCE
+        assert error < tolerance, f"{method} {rows} rows: {error:.4f}"
 
 
 def test_both_paths_are_exercised_by_the_row_counts():
-    # Few rows go through the packed kernel, 300 through the dequantized dense weight.
-    assert min(ROWS) < INT8_DEQUANTIZE_FROM_ROWS <= max(ROWS)
+    # Few rows go through the packed kernel; many through int8 x int8 products (int8) or the
+    # dequantized dense weight (int4).
+    assert min(ROWS) < INT8_ACTIVATION_QUANT_FROM_ROWS <= max(ROWS)
     assert min(ROWS) < INT4_DEQUANTIZE_FROM_ROWS <= max(ROWS)
+
+
+def test_int8_products_from_16_rows_multiply_per_row_quantized_activations():
+    weight = _random(200, 96, seed=5)
+    packed = quantize(weight, "int8")
+    x = _random(INT8_ACTIVATION_QUANT_FROM_ROWS, 96, seed=6)
+    # The exact integer product of what the path claims to compute, in float64.
+    x_scale = x.abs().amax(dim=1, keepdim=True) / 127
+    x_codes = torch.round(x / x_scale)
+    exact = (x_codes.double() @ packed.codes[:, :96].double().t()) * x_scale.double()
+    exact = exact * packed.scales.double()
+    got = quantized_matmul(x, packed)
+    assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-5)
+    # One row a thousand times larger leaves the others' products as they were alone: each
+    # row has its own scale.
+    loud = x.clone()
+    loud[0] *= 1000
+    assert torch.equal(quantized_matmul(loud, packed)[1:], got[1:])
+
+
+def test_two_activation_passes_leave_the_weight_only_product():
+    weight = _random(200, 96, seed=7)
+    packed = quantize(weight, "int8")
+    x = _random(INT8_ACTIVATION_QUANT_FROM_ROWS, 96, seed=8)
+    x[:, 3] *= 40  # one large feature per row, as qkv's and down's inputs have
+    weight_only = x @ packed.dequantize(torch.float32)[:, :96].t()
+    one_pass = _relative_error(quantized_matmul(x, packed, activation_passes=1), weight_only)
+    two_passes = _relative_error(quantized_matmul(x, packed, activation_passes=2), weight_only)
+    assert two_passes < 1e-3 < one_pass and two_passes < one_pass / 50, (one_pass, two_passes)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

@@ -23,7 +23,7 @@ from shared.model.attention_metadata import AttentionMetadata
 from shared.model.linear import Linear
 from shared.model.quantized_linear import (
     INT4_DEQUANTIZE_FROM_ROWS,
-    INT8_DEQUANTIZE_FROM_ROWS,
+    INT8_ACTIVATION_QUANT_FROM_ROWS,
     Int4Weight,
     Int8Weight,
     QuantizedLinear,
@@ -33,8 +33,14 @@ from shared.model.rotary import RotaryAngles
 
 _ENV = "SPLITSERVE_FUSED_DECODE"
 _ONEDNN, _INT8, _INT4 = 0, 1, 2  # decode_layers.cpp's WeightFormat
-# Below this many rows the packed kernels serve the step (quantized_linear.py's crossovers).
-_MAX_ROWS = {_ONEDNN: None, _INT8: INT8_DEQUANTIZE_FROM_ROWS, _INT4: INT4_DEQUANTIZE_FROM_ROWS}
+# Below this many rows the packed kernels serve the step (quantized_linear.py's crossovers);
+# from there the Python layers take it (int8: the int8 x int8 products win by more than the
+# loop saves).
+_MAX_ROWS = {
+    _ONEDNN: None,
+    _INT8: INT8_ACTIVATION_QUANT_FROM_ROWS,
+    _INT4: INT4_DEQUANTIZE_FROM_ROWS,
+}
 
 
 class FusedDecode:

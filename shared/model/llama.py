@@ -84,7 +84,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = (
             Linear(arch.hidden_size, q_size + 2 * kv_size, bias=True)
             if arch.attention_bias
-            else make_linear(arch.hidden_size, q_size + 2 * kv_size, quantization)
+            # Two activation passes: a few large features per row (quantized_linear.py).
+            else make_linear(arch.hidden_size, q_size + 2 * kv_size, quantization, 2)
         )
         self.o_proj = make_linear(q_size, arch.hidden_size, quantization)
 
@@ -116,7 +117,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, arch: ModelArchitecture, quantization: str) -> None:
         super().__init__()
         self.gate_up_proj = make_linear(arch.hidden_size, 2 * arch.intermediate_size, quantization)
-        self.down_proj = make_linear(arch.intermediate_size, arch.hidden_size, quantization)
+        # SwiGLU's output has a few large features per row: two activation passes.
+        self.down_proj = make_linear(arch.intermediate_size, arch.hidden_size, quantization, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))

@@ -14,18 +14,19 @@ decoder (30 layers of qkv, o, gate_up, down), ms per pass; one throwaway run, no
     int8 dequantized + dense     -      -      -     ~56     95    173
     int4 dequantized + dense     -      -      -    130    157    223
 
-So decode rows (few) go through the quantized kernel, and a product with many rows (a
-prefill chunk) dequantizes the weight to bfloat16 on the fly, multiplies densely and drops the
-copy: resident memory stays the packed size (the point of quantizing), at ~30 ms (int8) or
-~90 ms (int4) of dequantizing per forward. The crossovers below come from that table. Neither
-path reaches dense bfloat16 at 64+ rows: a prefill pod that has the memory should run
-`quantization="none"` (see docs/quantization.md).
+So decode rows (few) go through the quantized kernel. From 16 rows an int8 product quantizes
+its activations per row and multiplies int8 by int8 (oneDNN's VNNI path through
+torch._int_mm), about 2x float32 at 64 rows (`_int8_activation_product` has the figures). An
+int4 product with many rows (a prefill chunk) dequantizes the weight to bfloat16 on the fly,
+multiplies densely and drops the copy: resident memory stays the packed size (the point of
+quantizing), at ~90 ms of dequantizing per forward. The crossovers below come from these
+tables.
 
-Activations are cast to bfloat16 for both paths and the result back to the caller's dtype, so
-the rest of the model keeps its dtype. Group size 32: GGUF's Q4_0/Q4_1 blocks are 32 weights
-with one scale (and minimum) each, so the same layout holds them exactly (`int4_from_codes`);
-it costs 1 bit per weight in bfloat16 scales and zeros (64 would cost 0.5) and the kernel ran
-as fast with either.
+Activations are cast to bfloat16 for the packed kernels and the result back to the caller's
+dtype, so the rest of the model keeps its dtype. Group size 32: GGUF's Q4_0/Q4_1 blocks are 32
+weights with one scale (and minimum) each, so the same layout holds them exactly
+(`int4_from_codes`); it costs 1 bit per weight in bfloat16 scales and zeros (64 would cost 0.5)
+and the kernel ran as fast with either.
 """
 
 from __future__ import annotations
@@ -46,8 +47,11 @@ if TYPE_CHECKING:  # quantized_triton imports this module
 logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32
-# Products with at least this many rows dequantize on the fly (see the module docstring).
-INT8_DEQUANTIZE_FROM_ROWS = 96
+# int8 products with at least this many rows quantize their activations and multiply int8 by
+# int8 (torch._int_mm on oneDNN's VNNI path; _int8_activation_product has the figures). At 16
+# rows they only tie the packed kernel, which the fused decode loop runs without Python.
+INT8_ACTIVATION_QUANT_FROM_ROWS = 32
+# int4 products with at least this many rows dequantize on the fly (the module docstring).
 INT4_DEQUANTIZE_FROM_ROWS = 256
 # The int4 kernel's layout packs rows in blocks of 64 (two rows per byte, j and j + 32);
 # both kernels misbehaved on inner sizes that are not multiples of 16 (garbage at 40, a
@@ -89,9 +93,10 @@ class Int8Weight:
         """x [rows, in_padded] bfloat16 -> [rows, out] bfloat16."""
         return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [rows, in_features] -> [rows, out] in x's dtype (the layer's product)."""
-        return quantized_matmul(x, self)
+    def matmul(self, x: torch.Tensor, activation_passes: int = 1) -> torch.Tensor:
+        """x [rows, in_features] -> [rows, out] in x's dtype (the layer's product); from 32 rows
+        in `activation_passes` int8 x int8 products (quantized_matmul)."""
+        return quantized_matmul(x, self, activation_passes)
 
 
 @dataclass(frozen=True)
@@ -154,8 +159,9 @@ class Int4Weight:
             x, self.packed, GROUP_SIZE, self.scales_zeros
         )
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [rows, in_features] -> [rows, out_features] in x's dtype (the layer's product)."""
+    def matmul(self, x: torch.Tensor, activation_passes: int = 1) -> torch.Tensor:
+        """x [rows, in_features] -> [rows, out_features] in x's dtype (the layer's product;
+        int4 keeps its activations in bfloat16, so `activation_passes` does not apply)."""
         return quantized_matmul(x, self)
 
 
@@ -224,25 +230,64 @@ def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
     raise ValueError(f"no quantized CPU weight for method {method!r}")
 
 
-def quantized_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """x [rows, in] @ dequantized(weight).T -> [rows, out] in x's dtype, through the packed
-    kernel for few rows and a transient dense bfloat16 weight for many."""
+def quantized_matmul(
+    x: torch.Tensor, weight: QuantizedWeight, activation_passes: int = 1
+) -> torch.Tensor:
+    """x [rows, in] @ dequantized(weight).T -> [rows, out] in x's dtype: the packed kernel for
+    few rows; for many, int8 x int8 products in `activation_passes` (int8 weights) or a
+    transient dense bfloat16 weight (int4)."""
     rows, in_features = x.shape
+    if isinstance(weight, Int8Weight) and rows >= INT8_ACTIVATION_QUANT_FROM_ROWS:
+        return _int8_activation_product(x, weight, activation_passes).to(x.dtype)
     xb = x.to(_ACT_DTYPE)
     in_padded = inner_size(weight)
     if in_padded != in_features:
         xb = F.pad(xb, (0, in_padded - in_features))
-    if isinstance(weight, Int4Weight):
-        if rows < INT4_DEQUANTIZE_FROM_ROWS:
-            out = weight.kernel(xb)
-        else:
-            out = torch.mm(xb, weight.dequantize_transposed())
-        out = out[:, : weight.out_features]
-    elif rows < INT8_DEQUANTIZE_FROM_ROWS:
+    if isinstance(weight, Int8Weight):
         out = weight.kernel(xb)
+    elif rows < INT4_DEQUANTIZE_FROM_ROWS:
+        out = weight.kernel(xb)[:, : weight.out_features]
     else:
-        out = F.linear(xb, weight.dequantize())
+        out = torch.mm(xb, weight.dequantize_transposed())[:, : weight.out_features]
     return out.to(x.dtype)
+
+
+def _int8_activation_product(x: torch.Tensor, weight: Int8Weight, passes: int) -> torch.Tensor:
+    """x [rows, in] @ weight.T in float32 through int8 x int8 -> int32 products: each row of x
+    is quantized symmetrically with its own scale (max|x| / 127), so
+    `out[m, n] = x_scale[m] * w_scale[n] * sum_k xq[m, k] * codes[n, k]`. With two passes the
+    rounding error of the first is quantized and multiplied too (its steps are 1/254 of the
+    first's), which leaves the product as close to weight-only int8 as float32 gets.
+
+    Why: from 32 rows a step's products are compute-bound, and oneDNN's int8 product (VNNI dot
+    products, four multiply-adds per byte lane) beats every float path. SmolLM2-135M's four
+    decoder shapes, 2 threads, ms per layer, one throwaway run (quantizing x included):
+
+        rows                    8      16     32     64    128    256
+        float32, oneDNN       0.22   0.31   0.55   0.99   1.90   3.69
+        int8 packed kernel    0.20   0.37   0.73   1.44   2.87   6.08
+        int8 x int8, 1 pass   0.19   0.23   0.31   0.47   0.77   1.47
+        qkv, down in 2 passes  -     0.35   0.47   0.70   1.13   2.06
+
+    One pass costs SmolLM2 +6.9% perplexity when every product takes it: the attention input
+    (qkv) and the MLP's SwiGLU output (down) carry a few large features per row, which coarsen
+    the steps of all the others. Those two take two passes (shared/model/llama.py); o, gate_up
+    and the vocabulary head keep one (docs/quantization.md has the per-product figures)."""
+    xf = x.float()
+    in_padded = weight.codes.shape[1]
+    if in_padded != xf.shape[1]:
+        xf = F.pad(xf, (0, in_padded - xf.shape[1]))
+    # codes.t() is a column-major view: oneDNN takes it as is (a contiguous copy ran no faster).
+    codes = weight.codes.t()
+    out: torch.Tensor | None = None
+    for _ in range(passes):
+        x_scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
+        x_codes = torch.round(xf / x_scale)
+        part = torch._int_mm(x_codes.to(torch.int8), codes).float().mul_(x_scale)
+        out = part if out is None else out.add_(part)
+        xf = xf - x_codes.mul_(x_scale)  # what this pass rounded away
+    assert out is not None, "passes must be at least 1"
+    return out.mul_(weight.scales.float())
 
 
 def inner_size(weight: QuantizedWeight) -> int:
@@ -256,9 +301,14 @@ class QuantizedLinear(nn.Module):
     """A bias-free linear layer whose weight is packed; `load` sets it (no parameter, so the
     model's `to(dtype)` never touches the packed tensors)."""
 
-    def __init__(self, in_features: int, out_features: int, method: str) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, method: str, activation_passes: int = 1
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features, self.method = in_features, out_features, method
+        # How many int8 passes an int8 product's activations take from 32 rows: 2 for inputs
+        # with a few large features per row (_int8_activation_product says why).
+        self.activation_passes = activation_passes
         # Any packed layout with `matmul`: the CPU ones here, or quantized_triton's on CUDA.
         self.qweight: QuantizedWeight | TritonWeight | None = None
 
@@ -274,10 +324,11 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.qweight is not None, "QuantizedLinear used before load()"
-        return self.qweight.matmul(x)
+        return self.qweight.matmul(x, self.activation_passes)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, method={self.method}"
+        passes = f", activation_passes={self.activation_passes}" if self.method == "int8" else ""
+        return f"in={self.in_features}, out={self.out_features}, method={self.method}{passes}"
 
 
 @functools.cache

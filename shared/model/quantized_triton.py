@@ -71,8 +71,10 @@ def select_quantized_backend(device: torch.device) -> QuantizedBackend:
 class TritonInt8Weight(Int8Weight):
     """Int8Weight's layout, multiplied by the Triton kernel."""
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [rows, in_features] -> [rows, out] in x's dtype."""
+    def matmul(self, x: torch.Tensor, activation_passes: int = 1) -> torch.Tensor:
+        """x [rows, in_features] -> [rows, out] in x's dtype. Weight-only: the activations are
+        multiplied as they are, so `activation_passes` (the CPU int8 x int8 path's) does not
+        apply."""
         from kernels.dequant_matmul import int8_matmul
 
         return int8_matmul(x.contiguous(), self.codes, self.scales)
@@ -100,8 +102,8 @@ class Int4GroupWeight:
         """[out, in_pad] in `dtype` (for tests and checks: the kernel never makes this copy)."""
         return dequantize_int4_groups(self.packed, self.scales, self.minimums).to(dtype)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [rows, in_features] -> [rows, out] in x's dtype."""
+    def matmul(self, x: torch.Tensor, activation_passes: int = 1) -> torch.Tensor:
+        """x [rows, in_features] -> [rows, out] in x's dtype (weight-only, as TritonInt8Weight)."""
         from kernels.dequant_matmul import int4_group_matmul
 
         return int4_group_matmul(x.contiguous(), self.packed, self.scales, self.minimums)

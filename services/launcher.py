@@ -71,6 +71,14 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
         help="decode pods prefill prompts with fewer uncached tokens than this themselves",
     )
     sub.add_argument(
+        "--max-remote-prefill-tokens",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="decode pods prefill prompts themselves while this many of their uncached prompt "
+        "tokens are in flight at the prefill pod (conditional disaggregation; 0 = no limit)",
+    )
+    sub.add_argument(
         "--kv-checksum", action="store_true", help="prefill pods CRC-32 every KV page buffer"
     )
     sub.add_argument("--host", default="127.0.0.1", help="address every process binds")
@@ -177,6 +185,8 @@ def plan(
         raise ValueError("--decode must be >= 1 and --prefill >= 0")
     if args.local_prefill_threshold < 0:
         raise ValueError("--local-prefill-threshold must be >= 0")
+    if args.max_remote_prefill_tokens < 0:
+        raise ValueError("--max-remote-prefill-tokens must be >= 0")
     if not 0 <= args.prefill_nice <= 19:
         raise ValueError(f"--prefill-nice must be within 0..19, got {args.prefill_nice}")
     if prefill_available is None:
@@ -284,6 +294,8 @@ def _decode_flags(args: argparse.Namespace) -> list[str]:
     return [
         "--local-prefill-threshold",
         str(args.local_prefill_threshold),
+        "--max-remote-prefill-tokens",
+        str(args.max_remote_prefill_tokens),
         "--quantization",
         args.quantization,
     ]

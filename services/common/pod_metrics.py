@@ -119,7 +119,7 @@ class PodMetrics:
         self._prefill_modes = Counter(
             PREFIX + "remote_prefill_requests",
             "Decode pod requests by where their prompt was prefilled "
-            "(local, remote, local-fallback).",
+            "(local, remote, local-fallback, local-busy).",
             (*LABELS, "mode"),
             registry=self.registry,
         )

@@ -1,7 +1,8 @@
 """`python -m services.decode`: one decode pod (a gRPC DecodeWorker around the engine).
 
 It listens for KV pages on its --kv-transport from the start; a request that names a prefill
-pod and has at least --local-prefill-threshold uncached prompt tokens is prefilled there.
+pod and has at least --local-prefill-threshold uncached prompt tokens is prefilled there,
+unless --max-remote-prefill-tokens of ours are in flight there already.
 """
 
 from __future__ import annotations
@@ -35,6 +36,14 @@ def add_decode_flags(group: argparse._ArgumentGroup) -> None:
         help="a remote prefill (queueing, compute, KV transfer) slower than this falls back",
     )
     group.add_argument(
+        "--max-remote-prefill-tokens",
+        type=int,
+        default=defaults.max_remote_tokens,
+        metavar="TOKENS",
+        help="prefill here while this many uncached prompt tokens are already in flight at the "
+        "request's prefill pod (conditional disaggregation; 0 = no limit)",
+    )
+    group.add_argument(
         "--kv-host",
         default=None,
         help="the address prefill pods send KV pages to (default: --host, or this machine's)",
@@ -43,7 +52,9 @@ def add_decode_flags(group: argparse._ArgumentGroup) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> RemotePrefillSettings:
-    return RemotePrefillSettings(args.local_prefill_threshold, args.prefill_timeout)
+    return RemotePrefillSettings(
+        args.local_prefill_threshold, args.prefill_timeout, args.max_remote_prefill_tokens
+    )
 
 
 def build_core(args: argparse.Namespace, parts: EngineParts) -> DecodePodCore:

@@ -6,6 +6,8 @@ in this pod's cache (`PrefillClient`).
       no prefill pod named, or a short prompt ─────────────▶ llm.generate: prefill here ("local")
       llm.reserve_remote_prefill ──plan──▶ uncached part still >= threshold?
           no: reservation.fall_back() ────────────────────▶ prefill here ("local")
+          the prefill pod already has our limit of tokens in flight:
+              reservation.fall_back() ────────────────────▶ prefill here ("local-busy")
           yes: post receive(request_id, staging buffer)
                PrefillWorker.Prefill(destination = our blocks)
                   prefill pod ──KV pages (ucx / tcp)──▶ staging
@@ -54,6 +56,7 @@ class PrefillMode(StrEnum):
     LOCAL = "local"  # this pod computed the prompt, by choice (no pod named, or a short prompt)
     REMOTE = "remote"  # a prefill pod wrote the prompt's KV pages into this pod's blocks
     LOCAL_FALLBACK = "local-fallback"  # a prefill pod was named but could not be used
+    LOCAL_BUSY = "local-busy"  # the prefill pod had our limit of prompt tokens in flight
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,12 @@ class RemotePrefillSettings:
     local_prefill_threshold: int = 32
     # The whole remote prefill (queueing on the prefill pod, compute, transfer) must fit.
     timeout_s: float = 30.0
+    # Conditional disaggregation: while this many uncached prompt tokens of ours are in flight
+    # at a prefill pod (sent, pages not back), further prompts are prefilled here instead of
+    # queueing behind them; a pod with nothing in flight always gets the prompt. 0: no limit.
+    # A backed-up prefill pod otherwise holds streams out of the decode batch while this pod's
+    # steps run short of rows (docs/benchmarks.md, issue 15).
+    max_remote_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.local_prefill_threshold < 0:
@@ -71,6 +80,8 @@ class RemotePrefillSettings:
             )
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.max_remote_tokens < 0:
+            raise ValueError(f"max_remote_tokens must be >= 0, got {self.max_remote_tokens}")
 
 
 class PrefillClient:
@@ -89,6 +100,11 @@ class PrefillClient:
         self.timeout_s = timeout_s
         self.metrics = metrics  # KV transfers received, when given
         self._channels: dict[str, grpc.aio.Channel] = {}  # prefill pod address -> channel
+        # Prefill pod address -> uncached prompt tokens of ours it is prefilling now.
+        self._tokens_in_flight: dict[str, int] = {}
+
+    def tokens_in_flight(self, address: str) -> int:
+        return self._tokens_in_flight.get(address, 0)
 
     async def prefill(
         self,
@@ -116,11 +132,16 @@ class PrefillClient:
         span = tracing.start_span(
             "decode.remote_prefill", trace_parent, attributes, tracing.SpanKind.CLIENT
         )
-        with tracing.span_scope(span):
-            result, response = await self._prefill(
-                address, request_id, prompt_token_ids, params, plan, span
-            )
-            self._observe_transfer(response, span)
+        num_uncached = len(prompt_token_ids) - plan.num_cached_tokens
+        self._tokens_in_flight[address] = self.tokens_in_flight(address) + num_uncached
+        try:
+            with tracing.span_scope(span):
+                result, response = await self._prefill(
+                    address, request_id, prompt_token_ids, params, plan, span
+                )
+                self._observe_transfer(response, span)
+        finally:
+            self._tokens_in_flight[address] -= num_uncached
         return result
 
     def _observe_transfer(self, response: worker_pb2.PrefillResponse, span: tracing.Span) -> None:
@@ -287,6 +308,10 @@ class PromptPrefill:
             reservation.fall_back()
             return
         assert self._client is not None, "a pod that names prefill pods has a client"
+        if self._prefill_pod_is_full(num_uncached):
+            self.mode = PrefillMode.LOCAL_BUSY
+            reservation.fall_back()
+            return
         try:
             result = await self._prefill_remotely(plan, prompt_token_ids, params)
         except REMOTE_PREFILL_ERRORS as error:
@@ -298,6 +323,14 @@ class PromptPrefill:
         if result is not None:
             self.mode = PrefillMode.REMOTE
             reservation.complete(result)
+
+    def _prefill_pod_is_full(self, num_uncached: int) -> bool:
+        """Whether sending `num_uncached` more tokens would pass max_remote_tokens (an idle
+        prefill pod takes any prompt)."""
+        assert self._client is not None, "checked by the caller"
+        limit = self._settings.max_remote_tokens
+        in_flight = self._client.tokens_in_flight(self._address)
+        return limit > 0 and in_flight > 0 and in_flight + num_uncached > limit
 
     async def _prefill_remotely(
         self, plan: RemotePrefillPlan, prompt_token_ids: list[int], params: SamplingParams

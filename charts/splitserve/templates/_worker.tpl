@@ -130,6 +130,8 @@ labels the pod reads at start (services/common/topology.py). */}}
 - {{ $values.kvPort | quote }}
 - --local-prefill-threshold
 - $(SPLITSERVE_DECODE_LOCAL_PREFILL_THRESHOLD)
+- --max-remote-prefill-tokens
+- $(SPLITSERVE_DECODE_MAX_REMOTE_PREFILL_TOKENS)
 {{- if $values.speculative.method }}
 - --speculative-method
 - $(SPLITSERVE_DECODE_SPECULATIVE_METHOD)

@@ -91,6 +91,25 @@ def test_short_prompts_prefill_on_the_decode_pod() -> None:
     assert result.ttft.p50 == pytest.approx(0.7)
 
 
+def test_a_busy_prefill_pod_leaves_further_prompts_to_the_decode_pod() -> None:
+    # Four 100-token prompts at once; pages take 0.5 s to travel (no per-byte cost). With room
+    # for one prompt in flight at the prefill pod, the first goes there and the other three
+    # are prefilled on the decode pod (no transfer); without a limit all four travel.
+    profile = synthetic_profile(0.2, transfer_latency_s=0.5, max_num_batched_tokens=512)
+    burst = [SimRequest(i, 0.0, 100, 1) for i in range(4)]
+    limited = ClusterConfig(1, 1, max_remote_prefill_tokens=100, gateway_poll_interval_s=0)
+    result = simulate(profile, limited, burst, LOOSE)
+    assert result.num_finished == 4
+    assert result.transfer.mean * 4 == pytest.approx(0.5)  # one request's transfer
+    assert result.transfer.p50 == 0.0
+    unlimited = simulate(profile, replace(limited, max_remote_prefill_tokens=0), burst, LOOSE)
+    assert unlimited.transfer.p50 == pytest.approx(0.5)
+    # The slot frees when the pages land: a second burst, long after, sends one prompt again.
+    later = [SimRequest(4 + i, 5.0, 100, 1) for i in range(4)]
+    result = simulate(profile, limited, burst + later, LOOSE)
+    assert result.transfer.mean * 8 == pytest.approx(2 * 0.5)
+
+
 def test_a_small_kv_cache_preempts_and_still_finishes_everything() -> None:
     profile = synthetic_profile(0.05, decode_step_s=0.01)
     requests = [SimRequest(i, 0.0, 32, 60) for i in range(8)]  # 6 blocks each at the end
@@ -171,6 +190,8 @@ def test_trace_round_trip_and_bad_lines(tmp_path) -> None:
 def test_bad_cluster_and_workload_values_name_the_parameter() -> None:
     with pytest.raises(ValueError, match="decode pods >= 1"):
         ClusterConfig(1, 0)
+    with pytest.raises(ValueError, match="max_remote_prefill_tokens"):
+        ClusterConfig(1, 1, max_remote_prefill_tokens=-1)
     with pytest.raises(ValueError, match="--input-lens"):
         LengthDistribution.parse("ten", "--input-lens")
     with pytest.raises(ValueError, match="rate"):

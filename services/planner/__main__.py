@@ -88,6 +88,12 @@ def _add_simulation_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
     sub.add_argument("--itl-slo", type=float, default=0.2, help="seconds (a request's mean)")
     sub.add_argument("--local-prefill-threshold", type=int, default=32)
+    sub.add_argument(
+        "--max-remote-prefill-tokens",
+        type=int,
+        default=0,
+        help="as the decode pods' flag: conditional disaggregation (0 = always send)",
+    )
     sub.add_argument("--max-num-batched-tokens", type=int, default=None)
     sub.add_argument("--kv-blocks", type=int, default=None, help="per pod (default: profile's)")
     sub.add_argument(
@@ -241,6 +247,7 @@ def _cluster(args: argparse.Namespace, num_prefill: int, num_decode: int):
         num_prefill,
         num_decode,
         local_prefill_threshold=args.local_prefill_threshold,
+        max_remote_prefill_tokens=args.max_remote_prefill_tokens,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.kv_blocks,
         speculation=_speculation(args),
@@ -330,6 +337,7 @@ def run_recommend(args: argparse.Namespace) -> int:
         include_colocated=not args.no_colocated,
         seed=args.seed,
         local_prefill_threshold=args.local_prefill_threshold,
+        max_remote_prefill_tokens=args.max_remote_prefill_tokens,
         speculation=_speculation(args),
         tier_sizes=_tier_sizes(args),
     )

@@ -46,6 +46,7 @@ class SearchSpec:
     include_colocated: bool = True
     seed: int = 0
     local_prefill_threshold: int = 32
+    max_remote_prefill_tokens: int = 0
     speculation: SpeculationModel | None = None
     tier_sizes: TierSizes = field(default_factory=TierSizes)
 
@@ -132,6 +133,7 @@ def clusters(spec: SearchSpec, max_pods: int) -> list[ClusterConfig]:
             p,
             total - p,
             local_prefill_threshold=spec.local_prefill_threshold,
+            max_remote_prefill_tokens=spec.max_remote_prefill_tokens,
             speculation=spec.speculation,
             tier_sizes=spec.tier_sizes,
         )

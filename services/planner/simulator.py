@@ -6,9 +6,10 @@ A request goes the way `docs/structure.md` walks it through the services:
    and the least loaded prefill pod, from the pods' stats at its last poll plus what it sent
    since (`sim_gateway.py`), as the real gateway does;
 2. the decode pod prefills locally when fewer than `local_prefill_threshold` prompt tokens are
-   uncached there, when there are no prefill pods (colocated, P = 0), or when the prompt's
-   blocks are not free; otherwise it reserves the blocks and the prefill pod computes the
-   prompt in its own batches (chunked prefill);
+   uncached there, when there are no prefill pods (colocated, P = 0), when the prompt's
+   blocks are not free, or when `max_remote_prefill_tokens` of its prompt tokens are already
+   in flight at the chosen prefill pod (conditional disaggregation); otherwise it reserves the
+   blocks and the prefill pod computes the prompt in its own batches (chunked prefill);
 3. when the prefill pod samples the first token, the KV pages travel (the profile's transfer
    time) and the first token reaches the client as they land;
 4. the decode pod joins the request to its running batch; each step emits one token per
@@ -48,6 +49,7 @@ class ClusterConfig:
     num_prefill: int  # 0 = colocated: decode pods prefill everything themselves
     num_decode: int
     local_prefill_threshold: int = 32  # as `splitserve up --local-prefill-threshold`
+    max_remote_prefill_tokens: int = 0  # as `splitserve up --max-remote-prefill-tokens`
     # Engine limits; None = the profile's.
     max_num_batched_tokens: int | None = None
     long_prefill_token_threshold: int | None = None
@@ -75,6 +77,8 @@ class ClusterConfig:
             )
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0")
+        if self.max_remote_prefill_tokens < 0:
+            raise ValueError("max_remote_prefill_tokens must be >= 0")
         for name in ("max_num_batched_tokens", "long_prefill_token_threshold", "num_kv_blocks"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -112,6 +116,8 @@ class _Flight:
     decode_seq: SimSeq
     last_token_s: float = 0.0
     num_emitted: int = 0
+    # (prefill pod name, uncached tokens) while a prefill pod computes this prompt.
+    remote: tuple[str, int] | None = None
 
 
 @dataclass
@@ -136,6 +142,8 @@ class Simulation:
     _landed_mid_step: dict[str, list[_Flight]] = field(default_factory=dict)
     # Pod name -> (flight, prefill pod) whose reservation waits for the step in flight there.
     _reserve_mid_step: dict[str, list[tuple[_Flight, SimPod]]] = field(default_factory=dict)
+    # (decode pod name, prefill pod name) -> the decode pod's prompt tokens in flight there.
+    _remote_tokens: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # The serving path's measured costs of this topology (none in a bare profile).
@@ -235,9 +243,13 @@ class Simulation:
     def _reserve(self, flight: _Flight, prefill_pod: SimPod, now: float) -> None:
         """Blocks on the decode pod for a remote prefill, or a local prefill without them."""
         decode_pod, seq, request = flight.decode_pod, flight.decode_seq, flight.record.request
-        if not decode_pod.try_reserve(seq):
+        uncached = request.input_len - decode_pod.num_cached_tokens(request)
+        link = (decode_pod.name, prefill_pod.name)
+        if self._prefill_pod_is_full(link, uncached) or not decode_pod.try_reserve(seq):
             self._enqueue(decode_pod, seq, now)
             return
+        self._remote_tokens[link] = self._remote_tokens.get(link, 0) + uncached
+        flight.remote = (prefill_pod.name, uncached)
         # The decode pod loads what its own tiers hold while the prefill pod computes the rest
         # (the load overlaps the remote prefill, so it costs no time here).
         group = request.prefix_group
@@ -246,6 +258,14 @@ class Simulation:
             decode_pod.remember_prefix(request)
         prefill_seq = SimSeq(request, num_tokens=request.input_len, is_prefill_only=True)
         self._enqueue(prefill_pod, prefill_seq, now)
+
+    def _prefill_pod_is_full(self, link: tuple[str, str], uncached: int) -> bool:
+        """The decode pod's conditional-disaggregation rule (services/decode/remote_prefill.py):
+        past the limit of its tokens in flight there, it prefills the prompt itself; an idle
+        prefill pod takes any prompt."""
+        limit = self.cluster.max_remote_prefill_tokens
+        in_flight = self._remote_tokens.get(link, 0)
+        return limit > 0 and in_flight > 0 and in_flight + uncached > limit
 
     def _enqueue(self, pod: SimPod, seq: SimSeq, now: float) -> None:
         """Into the pod's queue; a prefix its offload tiers hold is loaded back first."""
@@ -329,6 +349,10 @@ class Simulation:
 
     def _on_kv_landed(self, now: float, flight: _Flight) -> None:
         pod = flight.decode_pod
+        if flight.remote is not None:  # the prefill call returns as its pages land
+            prefill_name, uncached = flight.remote
+            self._remote_tokens[pod.name, prefill_name] -= uncached
+            flight.remote = None
         if pod.name in self._dead:
             self._move(flight, now, None)  # the pages had nowhere to go
             return

@@ -27,5 +27,9 @@ torch::Tensor rotary_split_qkv_into_cache(torch::Tensor qkv, torch::Tensor cos,
                                           torch::Tensor sin, int64_t num_heads,
                                           int64_t num_kv_heads, torch::Tensor layer_cache,
                                           torch::Tensor slot_mapping);
+// int4_gemm.cpp
+bool int4_gemm_supported();
+torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_zeros,
+                        int64_t out_features);
 // decode_layers.cpp
 void bind_decode_layers(pybind11::module& m);

@@ -28,13 +28,20 @@ from shared.model.quantized_linear import (
     Int8Weight,
     QuantizedLinear,
     inner_size,
+    int4_vnni_usable,
 )
 from shared.model.rotary import RotaryAngles
 
 _ENV = "SPLITSERVE_FUSED_DECODE"
-_ONEDNN, _INT8, _INT4 = 0, 1, 2  # decode_layers.cpp's WeightFormat
-# Below this many rows the packed kernels serve the step (quantized_linear.py's crossovers).
-_MAX_ROWS = {_ONEDNN: None, _INT8: INT8_DEQUANTIZE_FROM_ROWS, _INT4: INT4_DEQUANTIZE_FROM_ROWS}
+_ONEDNN, _INT8, _INT4, _INT4_VNNI = 0, 1, 2, 3  # decode_layers.cpp's WeightFormat
+# Below this many rows the packed kernels serve the step (quantized_linear.py's crossovers);
+# int4_gemm serves every row count, as in the Python layers.
+_MAX_ROWS = {
+    _ONEDNN: None,
+    _INT8: INT8_DEQUANTIZE_FROM_ROWS,
+    _INT4: INT4_DEQUANTIZE_FROM_ROWS,
+    _INT4_VNNI: None,
+}
 
 
 class FusedDecode:
@@ -124,7 +131,7 @@ def _format(linear: nn.Module) -> int | None:
         if isinstance(linear.qweight, Int8Weight):
             return _INT8
         if isinstance(linear.qweight, Int4Weight):
-            return _INT4
+            return _INT4_VNNI if int4_vnni_usable() else _INT4
     return None
 
 

@@ -29,7 +29,9 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kBlock = 64;  // outputs per block of torch's layout
 constexpr int64_t kHalf = 32;   // outputs one tile computes: one nibble of each byte
-constexpr int kRowTile = 4;     // rows one tile computes: each weight load serves them all
+// Rows one tile computes: each weight load (and its shuffle) serves them all. Fewer than 4 rows
+// (decode steps) take tiles of one row, so no padding row's products are computed.
+constexpr int kRowTile = 4;
 
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")))
 
@@ -56,9 +58,10 @@ void quantize_group(const float* x, int64_t size, int8_t* codes, float* scale, f
   *sum = *scale * static_cast<float>(total);
 }
 
-QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in_features, int64_t in_padded) {
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in_features, int64_t in_padded,
+                            int64_t row_tile) {
   QuantizedRows q;
-  q.rows_padded = (rows + kRowTile - 1) / kRowTile * kRowTile;
+  q.rows_padded = (rows + row_tile - 1) / row_tile * row_tile;
   q.in_padded = in_padded;
   q.groups = in_padded / kGroup;
   q.codes.assign(q.rows_padded * in_padded, 0);
@@ -102,7 +105,8 @@ struct Tile {
   int64_t block, half, row0;
 };
 
-// One tile: 32 outputs (one nibble of a 64-output block) x kRowTile rows, over all of `in`.
+// One tile: 32 outputs (one nibble of a 64-output block) x kRows rows, over all of `in`.
+template <int kRows>
 VNNI_TARGET void tile_product(const uint8_t* packed, const uint16_t* scales_zeros,
                               const QuantizedRows& q, int64_t out_padded, Tile tile, float* out,
                               int64_t rows, int64_t out_features) {
@@ -112,10 +116,10 @@ VNNI_TARGET void tile_product(const uint8_t* packed, const uint16_t* scales_zero
   const __m512i index0 = vnni_index(0), index1 = vnni_index(16);
   const int shift = static_cast<int>(tile.half) * 4;
   const int64_t first_out = tile.block * kBlock + tile.half * kHalf;
-  __m512 total[kRowTile][2];
+  __m512 total[kRows][2];
   for (auto& row : total) row[0] = row[1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < q.groups; ++g) {
-    __m512i dot[kRowTile][2];
+    __m512i dot[kRows][2];
     for (auto& row : dot) row[0] = row[1] = _mm512_setzero_si512();
     for (int64_t k = g * kGroup; k < (g + 1) * kGroup; k += 4) {
       const uint8_t* run = weights + k * 32;
@@ -124,7 +128,7 @@ VNNI_TARGET void tile_product(const uint8_t* packed, const uint16_t* scales_zero
       b = _mm512_and_si512(_mm512_srli_epi16(b, shift), nibble);
       const __m512i w0 = _mm512_permutex2var_epi8(a, index0, b);
       const __m512i w1 = _mm512_permutex2var_epi8(a, index1, b);
-      for (int r = 0; r < kRowTile; ++r) {
+      for (int r = 0; r < kRows; ++r) {
         int32_t four;
         std::memcpy(&four, q.codes.data() + (tile.row0 + r) * in_padded + k, 4);
         const __m512i x4 = _mm512_set1_epi32(four);
@@ -138,7 +142,7 @@ VNNI_TARGET void tile_product(const uint8_t* packed, const uint16_t* scales_zero
       const __m512i raw = _mm512_loadu_si512(pairs + 32 * h);
       const __m512 scale = bf16_low(raw);
       const __m512 minimum = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale, bf16_high(raw));
-      for (int r = 0; r < kRowTile; ++r) {
+      for (int r = 0; r < kRows; ++r) {
         const int64_t at = (tile.row0 + r) * q.groups + g;
         const __m512 dot_scale = _mm512_mul_ps(scale, _mm512_set1_ps(q.scales[at]));
         total[r][h] = _mm512_fmadd_ps(dot_scale, _mm512_cvtepi32_ps(dot[r][h]), total[r][h]);
@@ -146,7 +150,7 @@ VNNI_TARGET void tile_product(const uint8_t* packed, const uint16_t* scales_zero
       }
     }
   }
-  for (int r = 0; r < kRowTile && tile.row0 + r < rows; ++r) {
+  for (int r = 0; r < kRows && tile.row0 + r < rows; ++r) {
     for (int h = 0; h < 2; ++h) {
       const int64_t o = first_out + 16 * h;
       if (o >= out_features) break;
@@ -187,9 +191,10 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor sca
   const int64_t rows = x.size(0);
   auto out = torch::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
-  const QuantizedRows q = quantize_rows(x.data_ptr<float>(), rows, x.size(1), in_padded);
+  const int64_t row_tile = rows < kRowTile ? 1 : kRowTile;
+  const QuantizedRows q = quantize_rows(x.data_ptr<float>(), rows, x.size(1), in_padded, row_tile);
   const int64_t halves = (out_features + kHalf - 1) / kHalf;  // tiles of 32 outputs with work
-  const int64_t row_tiles = q.rows_padded / kRowTile;
+  const int64_t row_tiles = q.rows_padded / row_tile;
   const auto* weights = packed.data_ptr<uint8_t>();
   const auto* pairs = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr());
   float* result = out.data_ptr<float>();
@@ -197,8 +202,12 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor sca
   at::parallel_for(0, halves * row_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t half_index = t / row_tiles;
-      const Tile tile{half_index / 2, half_index % 2, (t % row_tiles) * kRowTile};
-      tile_product(weights, pairs, q, out_padded, tile, result, rows, out_features);
+      const Tile tile{half_index / 2, half_index % 2, (t % row_tiles) * row_tile};
+      if (row_tile == 1) {
+        tile_product<1>(weights, pairs, q, out_padded, tile, result, rows, out_features);
+      } else {
+        tile_product<kRowTile>(weights, pairs, q, out_padded, tile, result, rows, out_features);
+      }
     }
   });
   return out;

@@ -19,6 +19,7 @@ import torch
 from kernels import cpu as cpu_kernels
 from shared.model.quantized_linear import (
     GROUP_SIZE,
+    INT4_VNNI_FROM_ROWS,
     Int4Weight,
     int4_from_codes,
     int4_vnni_problem,
@@ -98,13 +99,21 @@ def test_kernel_reads_gguf_q4_blocks(form):
         _check_product(_random(rows, 576, seed=rows), weight)
 
 
-def test_quantized_matmul_takes_the_kernel_in_the_callers_dtype():
+def test_quantized_matmul_takes_the_kernel_from_its_row_count_in_the_callers_dtype():
     weight = quantize_int4(_random(130, 96, seed=3))
-    x = _random(9, 96, seed=4)
+    x = _random(INT4_VNNI_FROM_ROWS, 96, seed=4)
     assert torch.equal(quantized_matmul(x, weight), _kernel(x, weight))
     got = quantized_matmul(x.to(torch.bfloat16), weight)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, _kernel(x.to(torch.bfloat16).float(), weight).to(torch.bfloat16))
+    # Fewer rows: torch's kernel on bfloat16 activations.
+    few = x[: INT4_VNNI_FROM_ROWS - 1]
+    torchs = weight.kernel(few.to(torch.bfloat16))[:, :130].float()
+    assert torch.equal(quantized_matmul(few, weight), torchs)
+
+
+def test_the_fused_decode_loop_switches_at_the_same_row_count():
+    assert cpu_kernels.load().INT4_VNNI_FROM_ROWS == INT4_VNNI_FROM_ROWS
 
 
 def test_bad_inputs_are_refused():

@@ -24,7 +24,8 @@ namespace {
 
 constexpr int64_t kInt4GroupSize = 32;  // shared/model/quantized_linear.py's GROUP_SIZE
 
-// kInt4Vnni: the int4 layout through int4_gemm.cpp (where the Python layers use it too).
+// kInt4Vnni: the int4 layout, through int4_gemm.cpp from kInt4VnniFromRows rows (where the
+// Python layers use it too) and torch's int4 kernel below.
 enum class WeightFormat : int64_t { kOneDnn = 0, kInt8 = 1, kInt4 = 2, kInt4Vnni = 3 };
 
 // One product's weight as the Python layer holds it:
@@ -62,8 +63,9 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& weight)
 // x [rows, in] float32 -> [rows, out] float32, as the Python layer computes it.
 torch::Tensor linear(const torch::Tensor& x, const Weight& w, WeightFormat format) {
   if (format == WeightFormat::kOneDnn) return onednn_linear(x, w.first);
-  if (format == WeightFormat::kInt4Vnni) return int4_gemm(x.contiguous(), w.first, w.second,
-                                                          w.out_features);
+  if (format == WeightFormat::kInt4Vnni && x.size(0) >= kInt4VnniFromRows) {
+    return int4_gemm(x.contiguous(), w.first, w.second, w.out_features);
+  }
   auto xb = x.to(torch::kBFloat16);
   if (w.in_padded != x.size(1)) xb = at::constant_pad_nd(xb, {0, w.in_padded - x.size(1)}, 0);
   auto out = format == WeightFormat::kInt8

@@ -10,6 +10,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache, read in place (float32 or int8 rows, CPU)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.attr("INT4_VNNI_FROM_ROWS") = kInt4VnniFromRows;
   m.def("int4_gemm_supported", &int4_gemm_supported,
         "whether this CPU has the AVX512-VNNI and VBMI instructions int4_gemm needs");
   m.def("int4_gemm", &int4_gemm,

@@ -35,7 +35,8 @@ from shared.model.rotary import RotaryAngles
 _ENV = "SPLITSERVE_FUSED_DECODE"
 _ONEDNN, _INT8, _INT4, _INT4_VNNI = 0, 1, 2, 3  # decode_layers.cpp's WeightFormat
 # Below this many rows the packed kernels serve the step (quantized_linear.py's crossovers);
-# int4_gemm serves every row count, as in the Python layers.
+# int4 with int4_gemm: torch's kernel below INT4_VNNI_FROM_ROWS, int4_gemm from there on (no
+# dequantizing), as in the Python layers.
 _MAX_ROWS = {
     _ONEDNN: None,
     _INT8: INT8_DEQUANTIZE_FROM_ROWS,

@@ -27,15 +27,24 @@ with one scale (and minimum) each, so the same layout holds them exactly (`int4_
 it costs 1 bit per weight in bfloat16 scales and zeros (64 would cost 0.5) and the kernel ran
 as fast with either.
 
-int4 on a CPU with AVX512-VNNI (and VBMI) skips all of the above: kernels/cpu/int4_gemm.cpp
-reads the same packed bytes, quantizes the float32 activations to int8 per row and multiplies
-them by the 4-bit codes with VNNI dot products, at every row count, because it won at all of
-them (same 120 products, ms per pass, one rough run on the shared machine):
+int4 products of 16 rows or more, on a CPU with AVX512-VNNI (and VBMI), skip all of the above:
+kernels/cpu/int4_gemm.cpp reads the same packed bytes, quantizes the float32 activations to int8
+per row and group of 32 and multiplies them by the 4-bit codes with VNNI dot products (same 120
+products, ms per pass, one rough run on the shared machine, 2 threads):
 
     rows                      1     4     8    16    32    64   128   256   512
     float32, oneDNN          4.6   5.6   7.9  11.3  20.9  32.0  59.9   117   235
     int4 VNNI (int4_gemm)    1.3   1.6   2.6   5.0  10.0  17.8  35.6  73.3   143
-    int4, torch's paths      2.7   4.0   6.4  12.6  21.1  41.4  82.1   109   186
+    int4, torch's paths      2.9   4.3   6.9  12.6  22.4  43.1  85.9   170   226
+
+It wins at every row count, but int8 activations add noise that bfloat16 ones do not (about 0.6%
+of each product's norm against 0.1-0.2%), and below 16 rows - decode steps of a small batch -
+torch's kernel keeps bfloat16 activations: a 1.3-2.5x slower product there, and perplexity on
+tests/test_quantization_quality.py's text as before. From 16 rows (prefill chunks, the decode
+steps of big batches, where torch's kernel is no faster than float32) the VNNI kernel runs:
+its perplexity on that text moved by -0.16% to +1.16% depending only on how the text was
+chunked (float32's did not move; an activation near a rounding boundary flips with the last bit
+of the attention's sums), around llama.cpp's own +0.41% with the same Q4 x Q8 arithmetic.
 """
 
 from __future__ import annotations
@@ -61,6 +70,10 @@ GROUP_SIZE = 32
 # Products with at least this many rows dequantize on the fly (see the module docstring).
 INT8_DEQUANTIZE_FROM_ROWS = 96
 INT4_DEQUANTIZE_FROM_ROWS = 256
+# int4 products of at least this many rows take kernels/cpu/int4_gemm.cpp where it is usable
+# (kInt4VnniFromRows in kernels/cpu/kernels.h: the same number, for the fused decode loop). Not
+# below: see the module docstring (accuracy, not speed).
+INT4_VNNI_FROM_ROWS = 16
 # The int4 kernel's layout packs rows in blocks of 64 (two rows per byte, j and j + 32);
 # both kernels misbehaved on inner sizes that are not multiples of 16 (garbage at 40, a
 # crash at 5), so both dimensions are padded with zero weights where needed.
@@ -237,11 +250,11 @@ def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
 
 
 def quantized_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """x [rows, in] @ dequantized(weight).T -> [rows, out] in x's dtype: int4 through
-    int4_gemm where usable (every row count); otherwise through torch's packed kernel for few
-    rows and a transient dense bfloat16 weight for many."""
+    """x [rows, in] @ dequantized(weight).T -> [rows, out] in x's dtype: int4 from
+    INT4_VNNI_FROM_ROWS rows through int4_gemm where usable; otherwise through torch's packed
+    kernel for few rows and a transient dense bfloat16 weight for many."""
     rows, in_features = x.shape
-    if isinstance(weight, Int4Weight) and int4_vnni_usable():
+    if isinstance(weight, Int4Weight) and rows >= INT4_VNNI_FROM_ROWS and int4_vnni_usable():
         return int4_vnni_matmul(x, weight)
     xb = x.to(_ACT_DTYPE)
     in_padded = inner_size(weight)

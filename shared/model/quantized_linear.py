@@ -30,16 +30,17 @@ as fast with either.
 int4 products of 16 rows or more, on a CPU with AVX512-VNNI (and VBMI), skip all of the above:
 kernels/cpu/int4_gemm.cpp reads the same packed bytes, quantizes the float32 activations to int8
 per row and group of 32 and multiplies them by the 4-bit codes with VNNI dot products (same 120
-products, ms per pass, one rough run on the shared machine, 2 threads):
+products, ms per pass, best of 7, one thread: the other core was busy, and two-thread runs
+stalled at their barrier; an earlier quiet two-thread run gave the same ratios, 2.0x at 64):
 
     rows                      1     4     8    16    32    64   128   256   512
-    float32, oneDNN          4.6   5.6   7.9  11.3  20.9  32.0  59.9   117   235
-    int4 VNNI (int4_gemm)    1.3   1.6   2.6   5.0  10.0  17.8  35.6  73.3   143
-    int4, torch's paths      2.9   4.3   6.9  12.6  22.4  43.1  85.9   170   226
+    float32, oneDNN          6.8   9.9  14.1  19.5  37.6  63.9   125   233   475
+    int4 VNNI (int4_gemm)    1.2   2.3   4.2   8.2  16.6  32.7  67.8   131   262
+    int4, torch's paths      3.8   6.1  11.1  21.2  41.4  83.1   171   227   365
 
 It wins at every row count, but int8 activations add noise that bfloat16 ones do not (about 0.6%
 of each product's norm against 0.1-0.2%), and below 16 rows - decode steps of a small batch -
-torch's kernel keeps bfloat16 activations: a 1.3-2.5x slower product there, and perplexity on
+torch's kernel keeps bfloat16 activations: a 2.6-3.2x slower product there, and perplexity on
 tests/test_quantization_quality.py's text as before. From 16 rows (prefill chunks, the decode
 steps of big batches, where torch's kernel is no faster than float32) the VNNI kernel runs:
 its perplexity on that text moved by -0.16% to +1.16% depending only on how the text was

@@ -19,10 +19,14 @@
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 
 #include <cmath>
 #include <cstring>
+
+#if defined(__x86_64__)  // the rest of the file; other processors get the stubs at its end
 
 namespace {
 
@@ -212,3 +216,13 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor sca
   });
   return out;
 }
+
+#else  // not x86-64: no VNNI, so the Python side keeps torch's int4 kernels
+
+bool int4_gemm_supported() { return false; }
+
+torch::Tensor int4_gemm(torch::Tensor, torch::Tensor, torch::Tensor, int64_t) {
+  TORCH_CHECK(false, "int4_gemm needs an x86-64 CPU with AVX512-VNNI and AVX512-VBMI");
+}
+
+#endif

@@ -11,6 +11,7 @@ import torch
 from kernels import cpu as cpu_kernels
 from shared import LLM, SamplingParams
 from shared.model.fused_decode import FusedDecode
+from shared.model.quantized_linear import INT4_VNNI_FROM_ROWS
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler here")
 
@@ -40,7 +41,9 @@ def outputs(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list]]:
     return [(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in results]
 
 
-def compare_fused_with_python(quantization: str, kv_cache_dtype: str) -> None:
+def compare_fused_with_python(
+    quantization: str, kv_cache_dtype: str, prompts: list[str] = PROMPTS
+) -> None:
     llm = LLM(
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype,
@@ -51,10 +54,10 @@ def compare_fused_with_python(quantization: str, kv_cache_dtype: str) -> None:
     assert model.fused_decode is not None, "the model should take the fused layers"
     counting = CountingFusedDecode(model.fused_decode)
     model.fused_decode = counting
-    fused = outputs(llm, PROMPTS) + outputs(llm, PROMPTS[:1])  # a batch, then batch 1
+    fused = outputs(llm, prompts) + outputs(llm, prompts[:1])  # a batch, then batch 1
     assert counting.steps >= 2 * (PARAMS.max_tokens - 1)
     model.fused_decode = None
-    python = outputs(llm, PROMPTS) + outputs(llm, PROMPTS[:1])
+    python = outputs(llm, prompts) + outputs(llm, prompts[:1])
     for (fused_ids, fused_logprobs), (python_ids, python_logprobs) in zip(fused, python):
         assert fused_ids == python_ids
         for got, want in zip(fused_logprobs, python_logprobs, strict=True):
@@ -66,6 +69,13 @@ def compare_fused_with_python(quantization: str, kv_cache_dtype: str) -> None:
 @pytest.mark.parametrize(("quantization", "kv_cache_dtype"), [("none", "int8"), ("gguf", "auto")])
 def test_fused_decode_equals_the_python_layers(quantization, kv_cache_dtype):
     compare_fused_with_python(quantization, kv_cache_dtype)
+
+
+@pytest.mark.slow  # another engine of the shipped model, 16 sequences
+def test_fused_decode_equals_the_python_layers_with_int4_gemm():
+    # Decode steps of 16 rows or more take int4_gemm (kernels/cpu/int4_gemm.cpp) in both.
+    prompts = [f"{prompt} ({n})" for n in range(INT4_VNNI_FROM_ROWS // 4) for prompt in PROMPTS]
+    compare_fused_with_python("gguf", "auto", prompts)
 
 
 @pytest.mark.slow  # two more engines of the shipped model

@@ -34,8 +34,10 @@ INT8_BOUND = 0.02  # the issue's gate
 # so that gap is what llama.cpp's kernels add on top of the exact Q4_1 values: llama-cpp-python
 # 0.3.36 (benchmarks/peer/llamacpp_venv.py) scores these 512 tokens at 16.011 against our
 # float32 15.945: +0.41%. It cannot run here (it is no dependency), so the figure is a constant.
-# Measured for ours: +0.40% (one prefill, almost all of it the int8 vocabulary head, whose
-# many-row product is float32-exact) and +0.09% (kernels); int4 equals gguf, because
+# Measured for ours, one prefill (int4_gemm's int8 activations in the decoder where the CPU
+# has AVX512-VNNI: quantized_linear.INT4_VNNI_FROM_ROWS; the int8 vocabulary head's many-row
+# product float32-exact): -0.06%; chunks of 8 (torch's kernel, bfloat16
+# activations): +0.09%. int4 equals gguf, because
 # re-quantizing Q4_1 values with min/max groups of 32 finds the same codes.
 GGUF_BOUND = 0.0041
 MAX_TOKENS = 20
@@ -74,8 +76,9 @@ def engines() -> dict[str, LLM]:
 def _mean_nll(model: LlamaForCausalLM, token_ids: list[int], chunk: int) -> float:
     """Mean negative log-likelihood of each token given the ones before, the text fed as
     prefill chunks of `chunk` tokens over one KV cache: one chunk of the whole text takes the
-    dequantize-on-the-fly path of the quantized layers, chunks of 8 rows their packed kernels
-    (the path decode steps take)."""
+    dequantize-on-the-fly path of the quantized layers (int4 / gguf: int4_gemm's int8
+    activations where the CPU has AVX512-VNNI), chunks of 8 rows their packed kernels (the path
+    small decode batches take)."""
     arch = model.arch
     num_tokens, block_size = len(token_ids), 16
     num_blocks = -(-num_tokens // block_size)

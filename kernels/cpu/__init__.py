@@ -9,6 +9,7 @@
 | rotary_split_qkv       | layer_ops.cpp              | kernels.reference.rotary_embedding |
 | rotary_split_qkv_into_cache | layer_ops.cpp         | the above, then kernels.reference.write_kv |
 | DecodeLayers           | decode_layers.cpp          | shared/model/llama.py's layers     |
+| int4_gemm              | int4_gemm.cpp              | Int4Weight.dequantize(), float64   |
 
 `module.cpp` binds them. The model reaches the layer ops through shared/model/layer_ops.py,
 which calls the module directly (these wrappers' checks cost more than a decode row's work).
@@ -38,6 +39,7 @@ _SOURCES = [
     Path(__file__).with_name("write_kv_int8.cpp"),
     Path(__file__).with_name("layer_ops.cpp"),
     Path(__file__).with_name("decode_layers.cpp"),
+    Path(__file__).with_name("int4_gemm.cpp"),
     Path(__file__).with_name("module.cpp"),
 ]  # kernels.h declares what one file calls from another: torch hashes only these sources, so
 #    a change to the header alone needs the name's version bumped below.
@@ -57,7 +59,8 @@ def load() -> ModuleType | None:
             # changed source under the old name would make processes rebuild over each other.
             # v2: int8 KV rows with their scales (attention reads them, write_kv_int8 writes).
             # v3: the layer ops (layer_ops.cpp).
-            name="splitserve_cpu_kernels_v3",
+            # v4: int4_gemm (int4_gemm.cpp), the int8 x int4 VNNI product for many rows.
+            name="splitserve_cpu_kernels_v4",
             sources=[str(path) for path in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],

@@ -10,6 +10,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache, read in place (float32 or int8 rows, CPU)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.attr("INT4_VNNI_FROM_ROWS") = kInt4VnniFromRows;
+  m.def("int4_gemm_supported", &int4_gemm_supported,
+        "whether this CPU has the AVX512-VNNI and VBMI instructions int4_gemm needs");
+  m.def("int4_gemm", &int4_gemm,
+        "float32 rows @ torch's packed int4 weight, as int8 x int4 VNNI dot products (CPU)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (CPU)");
   m.def("add_rms_norm", &add_rms_norm,
         "a residual add and the RMSNorm after it, in one pass: {normed, summed} (CPU)");

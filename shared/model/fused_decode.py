@@ -28,18 +28,21 @@ from shared.model.quantized_linear import (
     Int8Weight,
     QuantizedLinear,
     inner_size,
+    int4_vnni_usable,
 )
 from shared.model.rotary import RotaryAngles
 
 _ENV = "SPLITSERVE_FUSED_DECODE"
-_ONEDNN, _INT8, _INT4 = 0, 1, 2  # decode_layers.cpp's WeightFormat
+_ONEDNN, _INT8, _INT4, _INT4_VNNI = 0, 1, 2, 3  # decode_layers.cpp's WeightFormat
 # Below this many rows the packed kernels serve the step (quantized_linear.py's crossovers);
 # from there the Python layers take it (int8: the int8 x int8 products win by more than the
-# loop saves).
+# loop saves). int4 with int4_gemm: torch's kernel below INT4_VNNI_FROM_ROWS, int4_gemm from
+# there on (no dequantizing), as in the Python layers.
 _MAX_ROWS = {
     _ONEDNN: None,
     _INT8: INT8_ACTIVATION_QUANT_FROM_ROWS,
     _INT4: INT4_DEQUANTIZE_FROM_ROWS,
+    _INT4_VNNI: None,
 }
 
 
@@ -130,7 +133,7 @@ def _format(linear: nn.Module) -> int | None:
         if isinstance(linear.qweight, Int8Weight):
             return _INT8
         if isinstance(linear.qweight, Int4Weight):
-            return _INT4
+            return _INT4_VNNI if int4_vnni_usable() else _INT4
     return None
 
 

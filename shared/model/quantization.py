@@ -36,6 +36,7 @@ from shared.model.quantized_linear import (
     QuantizedLinear,
     QuantizedWeight,
     int4_from_codes,
+    int4_vnni_usable,
     kernels_usable,
     quantize,
     quantize_int8,
@@ -75,6 +76,8 @@ def effective_method(method: str, device: torch.device) -> str:
     if not all(kernels_usable(kernel) for kernel in _KERNELS[method]):
         return "none"
     warn_if_kernel_is_slow("int8" if method == "int8" else "int4")
+    if method != "int8":
+        int4_vnni_usable()  # int4_gemm's check at start-up, not in a first big step; logs why not
     return method
 
 

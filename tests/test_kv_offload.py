@@ -5,6 +5,7 @@ engine serving prompts whose prefix was pushed out of its pool from host memory 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from shared import LLM, SamplingParams
@@ -209,6 +210,7 @@ def test_aborting_a_request_while_its_blocks_load_frees_them(single_thread):
 # ---- a P/D decode pod: its tiers hold the prefix, the prefill pod sends only the rest ---------
 
 
+@pytest.mark.slow  # ~20 s (three engines); the fast suite is near its 15 minutes
 def test_a_restarted_decode_pod_serves_its_disk_tier_and_asks_only_for_the_rest(
     single_thread, tmp_path
 ):

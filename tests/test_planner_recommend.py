@@ -104,6 +104,7 @@ def test_profile_json_round_trip(tmp_path) -> None:
     assert loaded.decode.step_s(10, 500) == pytest.approx(0.02 + 0.01)
 
 
+@pytest.mark.slow  # ~15 s of simulations; the fast suite is near its 15 minutes
 def test_the_margin_makes_the_planner_ask_for_more() -> None:
     # 1 s per prompt at 2.5 req/s needs 3 prefill pods; taken 25% slower (1.25 s) it needs 4.
     spec = _spec(max_pods=5)

@@ -240,6 +240,7 @@ def test_model_on_the_triton_path_is_its_weights_dequantized(
     assert _relative_error(_logits(model, ids), _logits(dense, ids)) < 1e-4
 
 
+@pytest.mark.slow  # ~14 s in Triton's interpreter; the fast suite is near its 15 minutes
 def test_engine_serves_int4_through_the_triton_path(tiny_hf_checkpoint, monkeypatch):
     """The engine on the Triton backend (decode steps of one row, a prefill of several) picks
     the CPU backend's greedy tokens: the same quantization, another layout and kernel."""

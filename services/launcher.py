@@ -40,13 +40,20 @@ PREFILL_SERVICE = "splitserve.v1.PrefillWorker"
 GENERATION_SERVICE = "splitserve.v1.Generation"
 
 
-# As a kubelet would: back at once after a one-off crash, slower and slower in a crash loop.
 # Prefill processes' niceness beside decode processes on the same cores. 0 (equal priority):
 # on 2 cores, 1 prefill + 1 decode pod, niceness 10 measured ITL medians of 20.6 / 21.0 /
 # 25.4 / 32.9 / 51.5 ms at 1 / 2 / 4 / 8 / 16 streams against 19.6 / 21.7 / 26.6 / 33.7 /
 # 47.5 ms at 0, back to back (python -m benchmarks.vs_vllm --parts streams --systems
 # disaggregated [--up-flags '--prefill-nice 0']): no gain beyond noise, so no change by default.
 PREFILL_NICE = 0
+# Conditional disaggregation for the decode processes `up` starts: on one machine the pods share
+# its cores, so a prompt queued behind others at the prefill process is time the decode process
+# could spend prefilling it itself, batched into its steps. On 2 cores, 1 prefill + 1 decode, 16
+# streams of 128-token prompts: ITL median 0.92x vLLM's with no limit (21:03 run), 0.71x with
+# 256 (23:45 run; docs/benchmarks.md, issue 15). The pods' own default stays 0 (the chart's
+# too): in a cluster a decode pod's cores are its own and prefilling there stalls its batch.
+UP_MAX_REMOTE_PREFILL_TOKENS = 256
+# As a kubelet would: back at once after a one-off crash, slower and slower in a crash loop.
 RESTART_POLICY = RestartPolicy(initial_backoff_s=1.0, max_backoff_s=30.0, reset_after_s=60.0)
 
 def add_up_flags(sub: argparse.ArgumentParser) -> None:
@@ -73,10 +80,11 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
         "--max-remote-prefill-tokens",
         type=int,
-        default=0,
+        default=UP_MAX_REMOTE_PREFILL_TOKENS,
         metavar="TOKENS",
-        help="decode pods prefill prompts themselves while this many of their uncached prompt "
-        "tokens are in flight at the prefill pod (conditional disaggregation; 0 = no limit)",
+        help="decode processes prefill prompts themselves while this many of their uncached "
+        "prompt tokens are in flight at the prefill process (conditional disaggregation; 0 = "
+        f"always send; default {UP_MAX_REMOTE_PREFILL_TOKENS}: the processes share this machine)",
     )
     sub.add_argument(
         "--kv-checksum", action="store_true", help="prefill pods CRC-32 every KV page buffer"

@@ -400,6 +400,12 @@ def test_up_runs_one_prefill_and_one_decode_pod_by_default():
     assert _flag(default.specs[0].argv, "--num-threads") == str(max(1, cores // 2))
     assert _flag(default.specs[1].argv, "--num-threads") == str(cores)
     assert _flag(default.specs[1].argv, "--local-prefill-threshold") == str(THRESHOLD)
+    # Conditional disaggregation on by default here: the processes share this machine's cores.
+    assert _flag(default.specs[1].argv, "--max-remote-prefill-tokens") == "256"
+    always = plan(build_parser().parse_args(["up", "--max-remote-prefill-tokens", "0"]), True)
+    assert _flag(always.specs[1].argv, "--max-remote-prefill-tokens") == "0"
+    with pytest.raises(ValueError, match="--max-remote-prefill-tokens must be >= 0"):
+        plan(build_parser().parse_args(["up", "--max-remote-prefill-tokens", "-1"]), True)
     # Prefill runs at the decode pods' priority unless told to yield the shared cores.
     assert _flag(default.specs[0].argv, "--nice") == "0"
     assert "--nice" not in default.specs[1].argv
@@ -425,6 +431,7 @@ def test_up_runs_one_prefill_and_one_decode_pod_by_default():
     assert [spec.name for spec in colocated.specs] == ["decode-0", "gateway"]
     assert "--prefill" not in colocated.specs[1].argv
     assert "--local-prefill-threshold" not in colocated.specs[0].argv
+    assert "--max-remote-prefill-tokens" not in colocated.specs[0].argv
 
 
 def _flag(argv: list[str], name: str) -> str:

@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from services.launcher import UP_MAX_REMOTE_PREFILL_TOKENS
 from services.loadgen.stats import Slo
 from services.loadgen.workload import LengthDistribution, WorkloadShape, sequential_workload
+from services.planner.simulator import ClusterConfig
 
 LOOSE_SLO = Slo(ttft_s=1e9, itl_s=1e9)  # the planner's runs compare latencies, not goodput
 
@@ -32,6 +34,13 @@ ONE_P_ONE_D = LocalConfig(
 CONFIGS = (COLOCATED_1, COLOCATED_2, ONE_P_ONE_D)
 # The stack each topology's serving costs are measured on: the smallest of its kind.
 TOPOLOGY_CONFIGS = {"colocated": COLOCATED_1, "disaggregated": ONE_P_ONE_D}
+
+
+def simulated_cluster(config: LocalConfig) -> ClusterConfig:
+    """What the simulator runs for `config`: its pods, and the conditional-disaggregation limit
+    `splitserve up` gives a decode pod beside a prefill pod."""
+    limit = UP_MAX_REMOTE_PREFILL_TOKENS if config.num_prefill else 0
+    return ClusterConfig(config.num_prefill, config.num_decode, max_remote_prefill_tokens=limit)
 
 
 def running_stack(config: LocalConfig):

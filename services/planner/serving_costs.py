@@ -42,10 +42,11 @@ from services.planner.local_stacks import (
     LocalConfig,
     completions_target,
     running_stack,
+    simulated_cluster,
     warm_up,
 )
 from services.planner.profile import Profile, ServingCosts
-from services.planner.simulator import ClusterConfig, simulate
+from services.planner.simulator import simulate
 
 NUM_REQUESTS = 4  # one at a time, then all together (BATCH rows)
 BATCH = NUM_REQUESTS
@@ -104,7 +105,7 @@ def measure_costs(target, config: LocalConfig, profile: Profile, seed: int) -> S
 
 def _ttft_gap(run, profile: Profile, config: LocalConfig, requests) -> float:
     """Measured median TTFT less the simulated one, the requests one at a time."""
-    simulated = simulate(profile, _cluster(config), requests, LOOSE_SLO)
+    simulated = simulate(profile, simulated_cluster(config), requests, LOOSE_SLO)
     return _ttft_p50(run) - simulated.ttft.p50
 
 
@@ -117,17 +118,13 @@ def _far_apart(specs: list[RequestSpec]) -> list[SimRequest]:
     return as_sim_requests([replace(spec, arrival_s=i * 1000.0) for i, spec in enumerate(specs)])
 
 
-def _cluster(config: LocalConfig) -> ClusterConfig:
-    return ClusterConfig(config.num_prefill, config.num_decode)
-
-
 def _with_costs(profile: Profile, config: LocalConfig, costs: ServingCosts) -> Profile:
     topology = "colocated" if config.num_prefill == 0 else "disaggregated"
     return replace(profile, serving={topology: costs})
 
 
 def _simulated_itl_p50(profile: Profile, config: LocalConfig, requests) -> float:
-    return simulate(profile, _cluster(config), requests, LOOSE_SLO).itl.p50
+    return simulate(profile, simulated_cluster(config), requests, LOOSE_SLO).itl.p50
 
 
 def _itl_p50(run) -> float:

@@ -42,10 +42,11 @@ from services.planner.local_stacks import (
     LocalConfig,
     completions_target,
     running_stack,
+    simulated_cluster,
     warm_up,
 )
 from services.planner.profile import Profile, ServingCosts, load_profile
-from services.planner.simulator import ClusterConfig, simulate
+from services.planner.simulator import simulate
 
 TOLERANCE = 0.20
 TARGET_UTILIZATION = 0.5  # of one pod, by the profile: loaded, but well short of saturation
@@ -176,8 +177,7 @@ def _measure(stack, target, config, workload, profile, args) -> Comparison:
 def _simulate_requests(
     profile: Profile, config: LocalConfig, requests: list[SimRequest]
 ) -> Latencies:
-    cluster = ClusterConfig(config.num_prefill, config.num_decode)
-    result = simulate(profile, cluster, requests, LOOSE_SLO)
+    result = simulate(profile, simulated_cluster(config), requests, LOOSE_SLO)
     return Latencies.of(result.ttft, result.itl)
 
 

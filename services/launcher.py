@@ -50,7 +50,7 @@ PREFILL_NICE = 0
 # its cores, so a prompt queued behind others at the prefill process is time the decode process
 # could spend prefilling it itself, batched into its steps. On 2 cores, 1 prefill + 1 decode, 16
 # streams of 128-token prompts: ITL median 0.92x vLLM's with no limit (21:03 run), 0.71x with
-# 256 (23:45 run; docs/benchmarks.md, issue 15). The pods' own default stays 0 (the chart's
+# 256 (23:39 run; docs/benchmarks.md, issue 15). The pods' own default stays 0 (the chart's
 # too): in a cluster a decode pod's cores are its own and prefilling there stalls its batch.
 UP_MAX_REMOTE_PREFILL_TOKENS = 256
 # As a kubelet would: back at once after a one-off crash, slower and slower in a crash loop.

@@ -377,6 +377,7 @@ def _pid_of_pod(port: int) -> int:
     raise AssertionError(f"no decode pod process on port {port}")
 
 
+@pytest.mark.slow  # ~13 s; the fast suite measured 14:32 on a quiet evening
 def test_up_restarts_a_killed_pod_and_serves_through_it_again(up, generation):
     request = generate_pb2.GenerateRequest(text=PROMPT, sampling=_greedy())
     before = generation.Generate(request, timeout=60)

@@ -152,6 +152,7 @@ def test_a_disaggregated_int8_request_equals_the_colocated_int8_output(tiny):
         assert llm.stats().num_kv_blocks_free == llm.stats().num_kv_blocks_total
 
 
+@pytest.mark.slow  # ~7 s (TP, PP groups); the fast suite measured 14:32 on a quiet evening
 def test_int8_pages_cross_parallel_layouts(tiny, tiny_hf_checkpoint):
     """A TP=2 int8 prefill pod (each rank its KV head's rows, scales inside) and a PP=2 int8
     decode pod exchange pages through the model's layout: output equals colocated int8."""

@@ -29,6 +29,7 @@ def _spec(max_pods: int = 4) -> SearchSpec:
     )
 
 
+@pytest.mark.slow  # ~7 s of simulations; the fast suite measured 14:32 on a quiet evening
 def test_recommend_finds_the_prefill_heavy_ratio() -> None:
     recommendation = recommend(_prefill_bound_profile(), _spec())
     best = recommendation.best

@@ -107,6 +107,7 @@ def test_sigterm_mid_stream_deregisters_refuses_new_calls_and_finishes_the_strea
         assert process.wait(timeout=30) == 0
 
 
+@pytest.mark.slow  # ~9 s; the fast suite measured 14:32 on a quiet evening
 def test_drain_timeout_cuts_a_stream_that_outlasts_it(redis_server):
     with Supervisor() as supervisor:
         address, process = _start_decode_pod(supervisor, redis_server.url, drain_timeout=1)

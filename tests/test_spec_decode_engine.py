@@ -79,6 +79,7 @@ def test_ngram_greedy_identical_with_chunked_prefill_and_prefix_cache(prompts, r
     _assert_all_blocks_free(llm)
 
 
+@pytest.mark.slow  # ~7 s; the fast suite measured 14:32 on a quiet evening
 def test_ngram_greedy_identical_in_a_pool_that_preempts(prompts, reference):
     llm = LLM(
         num_blocks_override=48,
@@ -106,6 +107,7 @@ def test_self_speculative_greedy_identical(prompts, reference):
     _assert_all_blocks_free(llm)
 
 
+@pytest.mark.slow  # ~12 s (a SmolLM2 draft); the fast suite measured 14:32 on a quiet evening
 def test_draft_model_greedy_identical_when_the_draft_is_the_target(
     prompts, reference, smollm2_gguf_path
 ):

@@ -7,6 +7,7 @@ ends).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -14,9 +15,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 from services.common.channels import sync_channel
@@ -197,3 +199,17 @@ def get_json(url: str) -> HttpResult:
             return HttpResult(response.status, json.load(response))
     except urllib.error.HTTPError as error:
         return HttpResult(error.code, json.load(error))
+
+
+@contextlib.contextmanager
+def single_threaded_reference(kv_cache_bytes: int) -> Iterator:
+    """The offline engine with one torch thread, as the test stacks' pods run: the reference
+    their outputs are compared with. The caller's thread count comes back afterwards."""
+    from shared import LLM
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield LLM(kv_cache_bytes=kv_cache_bytes)
+    finally:
+        torch.set_num_threads(previous)

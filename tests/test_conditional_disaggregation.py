@@ -12,14 +12,19 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 from splitserve.v1 import worker_pb2_grpc
 
 from services.common.channels import aio_channel, sync_channel
 from services.decode.__main__ import build_parser, settings_from_args
 from services.decode.remote_prefill import RemotePrefillSettings
 from shared import LLM, SamplingParams
-from tests.services_util import Stack, prefill_stats, start_stack, wait_until_idle
+from tests.services_util import (
+    Stack,
+    prefill_stats,
+    single_threaded_reference,
+    start_stack,
+    wait_until_idle,
+)
 from tests.test_disaggregated_serving import TEXTS, decode_request
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
@@ -40,10 +45,8 @@ def stack():
 
 @pytest.fixture(scope="module")
 def llm(stack) -> LLM:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the pods run
-    yield LLM(kv_cache_bytes=128 * 2**20)
-    torch.set_num_threads(previous)
+    with single_threaded_reference(128 * 2**20) as reference:
+        yield reference
 
 
 def _prompts(llm: LLM, tag: str, count: int) -> list[list[int]]:

@@ -17,7 +17,6 @@ import urllib.request
 
 import jsonschema
 import pytest
-import torch
 from openai import OpenAI
 
 from shared import LLM, SamplingParams
@@ -28,6 +27,7 @@ from tests.services_util import (
     decode_stats,
     free_port,
     get_json,
+    single_threaded_reference,
     start_gateway,
     start_stack,
     wait_until_idle,
@@ -60,10 +60,8 @@ def stack():
 @pytest.fixture(scope="module")
 def llm(stack) -> LLM:
     """The reference, single-threaded like the pods."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LLM(kv_cache_bytes=64 * 2**20)
-    torch.set_num_threads(previous)
+    with single_threaded_reference(64 * 2**20) as reference:
+        yield reference
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -106,6 +106,17 @@ class PrefillClient:
     def tokens_in_flight(self, address: str) -> int:
         return self._tokens_in_flight.get(address, 0)
 
+    @contextlib.contextmanager
+    def counted_in_flight(self, address: str, num_tokens: int) -> Iterator[None]:
+        """Counts `num_tokens` as in flight at `address` while the block runs. The caller enters
+        it right after deciding from tokens_in_flight, with no await between: requests deciding
+        in the same turn of the event loop then see each other's tokens."""
+        self._tokens_in_flight[address] = self.tokens_in_flight(address) + num_tokens
+        try:
+            yield
+        finally:
+            self._tokens_in_flight[address] -= num_tokens
+
     async def prefill(
         self,
         address: str,
@@ -132,16 +143,11 @@ class PrefillClient:
         span = tracing.start_span(
             "decode.remote_prefill", trace_parent, attributes, tracing.SpanKind.CLIENT
         )
-        num_uncached = len(prompt_token_ids) - plan.num_cached_tokens
-        self._tokens_in_flight[address] = self.tokens_in_flight(address) + num_uncached
-        try:
-            with tracing.span_scope(span):
-                result, response = await self._prefill(
-                    address, request_id, prompt_token_ids, params, plan, span
-                )
-                self._observe_transfer(response, span)
-        finally:
-            self._tokens_in_flight[address] -= num_uncached
+        with tracing.span_scope(span):
+            result, response = await self._prefill(
+                address, request_id, prompt_token_ids, params, plan, span
+            )
+            self._observe_transfer(response, span)
         return result
 
     def _observe_transfer(self, response: worker_pb2.PrefillResponse, span: tracing.Span) -> None:
@@ -313,7 +319,8 @@ class PromptPrefill:
             reservation.fall_back()
             return
         try:
-            result = await self._prefill_remotely(plan, prompt_token_ids, params)
+            with self._client.counted_in_flight(self._address, num_uncached):
+                result = await self._prefill_remotely(plan, prompt_token_ids, params)
         except REMOTE_PREFILL_ERRORS as error:
             logger.warning(
                 "request %s: remote prefill failed (%r); prefilling locally", plan.request_id, error

@@ -16,7 +16,8 @@ decoder (30 layers of qkv, o, gate_up, down), ms per pass; one throwaway run, no
 
 So decode rows (few) go through the quantized kernel. From 32 rows an int8 product quantizes
 its activations per row and multiplies int8 by int8 (oneDNN's VNNI path through
-torch._int_mm), about 2x float32 at 64 rows (`_int8_activation_product` has the figures). An
+torch._int_mm): 1.4x float32 at 64 rows with qkv and down in two passes, which their accuracy
+needs (`_int8_activation_product` has the figures). An
 int4 product from 16 rows takes kernels/cpu/int4_gemm.cpp (below); where that kernel is not
 usable, an int4 product with many rows (a prefill chunk) dequantizes the weight to bfloat16 on
 the fly, multiplies densely and drops the copy: resident memory stays the packed size (the
@@ -300,8 +301,9 @@ def _int8_activation_product(x: torch.Tensor, weight: Int8Weight, passes: int) -
 
     One pass costs SmolLM2 +6.9% perplexity when every product takes it: the attention input
     (qkv) and the MLP's SwiGLU output (down) carry a few large features per row, which coarsen
-    the steps of all the others. Those two take two passes (shared/model/llama.py); o, gate_up
-    and the vocabulary head keep one (docs/quantization.md has the per-product figures)."""
+    the steps of all the others. Those two take two passes (shared/model/llama.py), as does the
+    vocabulary head (shared/model/quantization.py); o and gate_up keep one (docs/quantization.md
+    has the per-product figures)."""
     xf = x.float()
     in_padded = weight.codes.shape[1]
     if in_padded != xf.shape[1]:

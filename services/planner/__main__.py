@@ -148,8 +148,16 @@ def _add_validate_flags(sub: argparse.ArgumentParser) -> None:
     )
     sub.add_argument("--only", nargs="*", default=None, help="configurations to run, by name")
     sub.add_argument("--seed", type=int, default=0)
-    sub.add_argument("--json", default=None, metavar="PATH", help="also write the figures")
+    sub.add_argument(
+        "--json", default=None, metavar="PATH", help="also write the runs (a record to --replay)"
+    )
     sub.add_argument("--plot", default=None, metavar="PATH", help="measured vs simulated PNG")
+    sub.add_argument(
+        "--replay",
+        default=None,
+        metavar="PATH",
+        help="measure nothing: simulate the runs of a --json record again with --profile",
+    )
 
 
 # ---- the commands ---------------------------------------------------------------------------

@@ -16,7 +16,8 @@ the simulator. It keeps the raw measurements, and the model derived from them:
   profiles without `mixed` fall back to the prefill formula over all the step's tokens;
 - KV transfer: a fixed latency plus bytes over the measured bandwidth;
 - the serving path (`serving`, per topology): costs per step, per streamed row and per
-  request that a running stack adds to the bare engine, measured as part of the profile;
+  request that a running stack adds to the bare engine, and the spread of its token gaps,
+  measured as part of the profile;
 - the engine setup it was measured with (weights, KV dtype, parallel layout);
 - KV tier loads (`tier_loads`): bytes per second back from the host and disk tiers.
 """
@@ -83,6 +84,9 @@ class Profile:
     row_overhead_s: float = 0.0
     # Cost per prompt token, added to TTFT (the serving path's part that grows with the prompt).
     token_overhead_s: float = 0.0
+    # Equally likely deviations of a client-seen token gap from the step that made it
+    # (`ServingCosts.itl_spread_s`); empty for the bare engine.
+    itl_spread_s: tuple[float, ...] = ()
     mixed: MixedGrid | None = None
     # Topology ("colocated", "disaggregated") -> what its running stack adds; `for_topology`
     # turns one into the overheads above.
@@ -116,6 +120,7 @@ class Profile:
         unknown = set(self.serving) - set(TOPOLOGIES)
         if unknown:
             raise ValueError(f"profile.serving: unknown topologies {sorted(unknown)}")
+        object.__setattr__(self, "itl_spread_s", tuple(float(s) for s in self.itl_spread_s))
         object.__setattr__(self, "prefill_coefficients", _fit_prefill(self.prefill))
         object.__setattr__(self, "mixed_interaction", self._interaction_grid())
 
@@ -217,16 +222,12 @@ class Profile:
                 if self.tier_loads is not None
                 else None
             ),
-            serving={
-                name: ServingCosts(
-                    c.step_s * factor, c.row_s * factor, c.request_s * factor, c.token_s * factor
-                )
-                for name, c in self.serving.items()
-            },
+            serving={name: costs.scaled(factor) for name, costs in self.serving.items()},
             request_overhead_s=self.request_overhead_s * factor,
             token_overhead_s=self.token_overhead_s * factor,
             step_overhead_s=self.step_overhead_s * factor,
             row_overhead_s=self.row_overhead_s * factor,
+            itl_spread_s=tuple(deviation * factor for deviation in self.itl_spread_s),
         )
 
     def for_topology(self, num_prefill: int) -> Profile:
@@ -241,6 +242,7 @@ class Profile:
             row_overhead_s=costs.row_s,
             request_overhead_s=costs.request_s,
             token_overhead_s=costs.token_s,
+            itl_spread_s=costs.itl_spread_s,
         )
 
     # ---- JSON ----------------------------------------------------------------------------

@@ -6,9 +6,11 @@ on the engine's core) and to every request (HTTP, tokenizing, routing, the RPC h
 remote prefill). They are measured on the smallest stack of each topology (`local_stacks.py`),
 from requests whose simulation is exact enough to take differences against:
 
-- one request at a time, then the same number sent together (a batch of `BATCH` rows): the
+- one request at a time, then the same requests in batches of `BATCH` sent together: the
   gap between measured and simulated median ITL is `step_s + rows * row_s` at each, two points
   that give both;
+- how the gaps of those requests spread around each one's median (`itl_spread_s`): the
+  profile's step costs are medians, the client's gaps are not;
 - what remains of the gap between measured and simulated median TTFT one at a time, with the
   step costs applied, is `request_s + prompt tokens x token_s`: short prompts (64-128 tokens)
   and long ones (384-512) give both. On a disaggregated stack the part that grows with the
@@ -46,13 +48,15 @@ from services.planner.local_stacks import (
     warm_up,
 )
 from services.planner.profile import Profile, ServingCosts
+from services.planner.profile_parts import spread_quantiles
 from services.planner.simulator import simulate
 
-NUM_REQUESTS = 4  # one at a time, then all together (BATCH rows)
-BATCH = NUM_REQUESTS
+NUM_REQUESTS = 8  # one at a time; then in batches of BATCH sent together
+BATCH = 4
 SHAPE = WorkloadShape(LengthDistribution(64, 128), LengthDistribution(24, 24))
 # Long prompts one at a time: the TTFT gap's growth with the prompt is `token_s`.
 LONG_SHAPE = WorkloadShape(LengthDistribution(384, 512), LengthDistribution(4, 4))
+NUM_LONG = 4
 
 Log = Callable[[str], None]
 
@@ -67,40 +71,67 @@ def measure_serving(profile: Profile, log: Log, seed: int = 0) -> Profile:
             warm_up(target, seed)
             serving[topology] = measure_costs(target, config, profile, seed)
         costs = serving[topology]
-        log(
-            f"serving costs ({topology}): {costs.step_s * 1e3:.1f} ms per step + "
-            f"{costs.row_s * 1e3:.2f} ms per streamed row, {costs.request_s * 1e3:.0f} ms "
-            f"per request + {costs.token_s * 1e3:.3f} ms per prompt token"
-        )
+        log(f"serving costs ({topology}): {costs.describe()}")
     return replace(profile, serving=serving)
 
 
 def measure_costs(target, config: LocalConfig, profile: Profile, seed: int) -> ServingCosts:
-    from services.loadgen.client import run_open_loop, run_sequential
+    from services.loadgen.client import RunResult, run_open_loop, run_sequential
 
     specs = sequential_workload(f"{seed}/serving", NUM_REQUESTS, SHAPE)
     alone = asyncio.run(run_sequential(target, specs))
-    together_specs = [replace(spec, arrival_s=0.0) for spec in specs]
-    together = asyncio.run(run_open_loop(target, together_specs, drain_timeout_s=120.0))
-    if not all(r.ok for r in alone.results + together.results):
-        raise RuntimeError(f"{config.name}: a request failed while measuring serving costs")
+    batches = [specs[i : i + BATCH] for i in range(0, len(specs), BATCH)]
+    together_runs = [
+        asyncio.run(run_open_loop(target, _sent_together(batch), drain_timeout_s=120.0))
+        for batch in batches
+    ]
+    together = RunResult([r for run in together_runs for r in run.results], 0.0)
+    _check_ok(alone, together, config=config)
     bare = replace(profile, serving={})
     alone_requests = _far_apart(specs)
     gap_1 = _itl_p50(alone) - _simulated_itl_p50(bare, config, alone_requests)
-    gap_n = _itl_p50(together) - _simulated_itl_p50(bare, config, as_sim_requests(together_specs))
+    together_requests = as_sim_requests(_batches_far_apart(batches))
+    gap_n = _itl_p50(together) - _simulated_itl_p50(bare, config, together_requests)
     row_s = max((gap_n - gap_1) / (BATCH - 1), 0.0)
     step_s = max(gap_1 - row_s, 0.0)
     with_steps = _with_costs(bare, config, ServingCosts(step_s, row_s, 0.0))
     short_gap = _ttft_gap(alone, with_steps, config, alone_requests)
-    long_specs = sequential_workload(f"{seed}/serving-long", NUM_REQUESTS, LONG_SHAPE)
+    long_specs = sequential_workload(f"{seed}/serving-long", NUM_LONG, LONG_SHAPE)
     long_run = asyncio.run(run_sequential(target, long_specs))
-    if not all(r.ok for r in long_run.results):
-        raise RuntimeError(f"{config.name}: a request failed while measuring serving costs")
+    _check_ok(long_run, config=config)
     long_gap = _ttft_gap(long_run, with_steps, config, _far_apart(long_specs))
     short_len, long_len = _median_prompt(specs), _median_prompt(long_specs)
     token_s = max((long_gap - short_gap) / max(long_len - short_len, 1), 0.0)
     request_s = max(short_gap - token_s * short_len, 0.0)
-    return ServingCosts(step_s, row_s, request_s, token_s)
+    return ServingCosts(step_s, row_s, request_s, token_s, itl_spread([alone, together]))
+
+
+def itl_spread(runs) -> tuple[float, ...]:
+    """How the measured token gaps spread around each request's own median gap (its steady
+    decode step), pooled over `runs`, as `spread_quantiles`."""
+    deviations = []
+    for run in runs:
+        for result in run.results:
+            if len(result.itls_s) >= 2:
+                median = statistics.median(result.itls_s)
+                deviations += [gap - median for gap in result.itls_s]
+    return spread_quantiles(deviations)
+
+
+def _check_ok(*runs, config: LocalConfig) -> None:
+    if not all(result.ok for run in runs for result in run.results):
+        raise RuntimeError(f"{config.name}: a request failed while measuring serving costs")
+
+
+def _sent_together(specs: list[RequestSpec]) -> list[RequestSpec]:
+    return [replace(spec, arrival_s=0.0) for spec in specs]
+
+
+def _batches_far_apart(batches: list[list[RequestSpec]]) -> list[RequestSpec]:
+    """Each batch sent together, the batches far apart (as they were run, one after another)."""
+    return [
+        replace(spec, arrival_s=i * 1000.0) for i, batch in enumerate(batches) for spec in batch
+    ]
 
 
 def _ttft_gap(run, profile: Profile, config: LocalConfig, requests) -> float:

@@ -137,6 +137,8 @@ class Simulation:
     gateway: SimGateway = field(init=False)
     _num_pending_arrivals: int = 0  # polls go on while requests are still to come
     _rng: random.Random = field(default_factory=lambda: random.Random(0))  # draft acceptance
+    # Its own stream, so that a profile with a measured gap spread draws the same acceptances.
+    _spread_rng: random.Random = field(default_factory=lambda: random.Random(1))
     _dead: set[str] = field(default_factory=set)  # names of pods that died
     # Pod name -> flights whose pages landed while a step ran there (joined at its end).
     _landed_mid_step: dict[str, list[_Flight]] = field(default_factory=dict)
@@ -390,7 +392,8 @@ class Simulation:
         else:
             num_gaps = count
             gap = now - flight.last_token_s
-        record.itls_s += [gap / max(num_gaps, 1)] * num_gaps
+        share = gap / max(num_gaps, 1)
+        record.itls_s += [self._client_gap_s(share) for _ in range(num_gaps)]
         flight.num_emitted += count
         flight.last_token_s = now
         if flight.num_emitted >= seq.request.output_len:
@@ -399,6 +402,14 @@ class Simulation:
         else:
             seq.num_tokens += count
             seq.num_computed = seq.num_tokens - 1  # the accepted drafts' KV stays
+
+    def _client_gap_s(self, step_gap_s: float) -> float:
+        """A token gap as the client times it: the steps' gap plus one of the serving path's
+        measured deviations (none for a bare profile)."""
+        spread = self.profile.itl_spread_s
+        if not spread:
+            return step_gap_s
+        return max(step_gap_s + spread[self._spread_rng.randrange(len(spread))], 0.0)
 
     # ---- pods that die ----------------------------------------------------------------------
 

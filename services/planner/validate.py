@@ -26,7 +26,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from services.loadgen.stats import Percentiles, summarize
 from services.loadgen.workload import (
@@ -91,6 +91,10 @@ class Comparison:
     simulated: Latencies  # the bare engine's costs
     overheads: ServingCosts  # the profile's, for this configuration's topology
     simulated_with_overheads: Latencies  # the profile as the planner uses it
+    # What the client timed of each finished request (for `--replay` and for reading the
+    # distributions behind the percentiles).
+    ttfts_s: list[float] = field(default_factory=list)
+    itls_s: list[list[float]] = field(default_factory=list)
 
     def errors(self, with_overheads: bool = True) -> dict[str, float]:
         """Relative error of each simulated figure against the measured one."""
@@ -131,6 +135,7 @@ def _serving_costs(profile: Profile, config: LocalConfig) -> ServingCosts:
         applied.row_overhead_s,
         applied.request_overhead_s,
         applied.token_overhead_s,
+        applied.itl_spread_s,
     )
 
 
@@ -145,7 +150,6 @@ def _measure(stack, target, config, workload, profile, args) -> Comparison:
     from services.loadgen.cpu import ForeignLoad
 
     rate = workload_rate(profile, workload)
-    planned = profile.with_margin(args.margin)  # as recommend and autoscale use it
     seed = f"{args.seed}/{workload.name}"
     specs = poisson_workload(seed, rate, args.duration, 10_000, workload.shape)
     label = f"{config.name} {workload.name} {rate:g} req/s"
@@ -156,8 +160,8 @@ def _measure(stack, target, config, workload, profile, args) -> Comparison:
     run = asyncio.run(run_open_loop(target, specs, drain_s, print_progress(label)))
     foreign_cores = foreign.cores()
     num_ok = sum(result.ok for result in run.results)
-    requests = as_sim_requests(specs)
-    comparison = Comparison(
+    finished = [result for result in run.results if result.ok]
+    measured = Comparison(
         config.name,
         workload.name,
         rate,
@@ -165,13 +169,39 @@ def _measure(stack, target, config, workload, profile, args) -> Comparison:
         num_ok,
         foreign_cores,
         _measured(run),
-        _simulate_requests(replace(profile, serving={}), config, requests),
-        _serving_costs(planned, config),
-        _simulate_requests(planned, config, requests),
+        *_no_simulation(),
+        ttfts_s=[result.ttft_s for result in finished],
+        itls_s=[result.itls_s for result in finished],
     )
+    comparison = simulated_beside(measured, profile, args.margin, args.seed, args.duration)
     log(f"{label}: {num_ok}/{len(specs)} finished; {_errors_line(comparison)}")
     stack.wait_idle(timeout_s=30.0)
     return comparison
+
+
+def simulated_beside(
+    measured: Comparison, profile: Profile, margin: float, seed: int, duration_s: float
+) -> Comparison:
+    """`measured` with its requests (regenerated from the seed) simulated with `profile`: bare,
+    and with its serving costs and `margin` as the planner uses it."""
+    config = next(c for c in CONFIGS if c.name == measured.config)
+    workload = next(w for w in WORKLOADS if w.name == measured.workload)
+    specs = poisson_workload(
+        f"{seed}/{workload.name}", measured.rate, duration_s, 10_000, workload.shape
+    )
+    requests = as_sim_requests(specs)
+    planned = profile.with_margin(margin)
+    return replace(
+        measured,
+        simulated=_simulate_requests(replace(profile, serving={}), config, requests),
+        overheads=_serving_costs(planned, config),
+        simulated_with_overheads=_simulate_requests(planned, config, requests),
+    )
+
+
+def _no_simulation() -> tuple[Latencies, ServingCosts, Latencies]:
+    nothing = Latencies(math.nan, math.nan, math.nan, math.nan)
+    return nothing, ServingCosts(), nothing
 
 
 def _simulate_requests(
@@ -273,6 +303,20 @@ def _order(rows: list[Comparison], workload: LocalWorkload, simulated: bool) -> 
 def run_validation(args: argparse.Namespace) -> int:
     if args.duration <= 0:
         raise ValueError("--duration must be > 0 seconds")
+    comparisons = replay(args) if args.replay else measure_all(args)
+    print_report(comparisons)
+    if args.json:
+        save_record(args.json, comparisons, args)
+        log(f"wrote {args.json}")
+    if args.plot and comparisons:
+        from services.planner.plot import plot_validation
+
+        plot_validation(comparisons, args.plot)
+        log(f"wrote {args.plot}")
+    return 0
+
+
+def measure_all(args: argparse.Namespace) -> list[Comparison]:
     configs = [c for c in CONFIGS if not args.only or c.name in args.only]
     if not configs:
         raise ValueError(f"--only names none of {[c.name for c in CONFIGS]}")
@@ -285,26 +329,77 @@ def run_validation(args: argparse.Namespace) -> int:
             comparisons += run_config(config, profile, args)
     except KeyboardInterrupt:
         log("interrupted; every process it started is stopped")
+    return comparisons
+
+
+def print_report(comparisons: list[Comparison]) -> None:
     print(format_report(comparisons, with_overheads=False), flush=True)
     print()
     print(format_report(comparisons), flush=True)
     for config_name, costs in {c.config: c.overheads for c in comparisons}.items():
-        print(
-            f"  {config_name}: serving costs {costs.step_s * 1e3:.1f} ms per step + "
-            f"{costs.row_s * 1e3:.2f} ms per row, {costs.request_s * 1e3:.0f} ms per request + "
-            f"{costs.token_s * 1e3:.3f} ms per prompt token"
-        )
+        print(f"  {config_name}: {costs.describe()}")
     print()
     print(format_ranking(comparisons), flush=True)
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump([asdict(c) for c in comparisons], file, indent=2)
-    if args.plot and comparisons:
-        from services.planner.plot import plot_validation
 
-        plot_validation(comparisons, args.plot)
-        log(f"wrote {args.plot}")
-    return 0
+
+# ---- recorded runs --------------------------------------------------------------------------
+
+
+def save_record(path: str, comparisons: list[Comparison], args: argparse.Namespace) -> None:
+    """The measured runs (and what they were simulated as), enough to `--replay` them."""
+    body = {
+        "seed": args.seed,
+        "duration_s": args.duration,
+        "margin": args.margin,
+        "comparisons": [asdict(c) for c in comparisons],
+    }
+    with open(path, "w") as file:
+        json.dump(body, file, indent=1)
+        file.write("\n")
+
+
+def replay(args: argparse.Namespace) -> list[Comparison]:
+    """The measured runs of a `--json` record simulated again with `--profile` and `--margin`
+    (the model as it is now), without measuring anything: a change to the simulator or the
+    profile can be checked against recorded runs before a new quiet half hour."""
+    body = _load_record(args.replay)
+    profile = load_profile(args.profile)
+    log(f"replaying {len(body['comparisons'])} recorded runs of {args.replay} with {args.profile}")
+    return [
+        simulated_beside(measured, profile, args.margin, body["seed"], body["duration_s"])
+        for measured in (_comparison(c) for c in body["comparisons"])
+    ]
+
+
+def _load_record(path: str) -> dict:
+    try:
+        with open(path) as file:
+            body = json.load(file)
+        if not isinstance(body, dict) or not isinstance(body.get("comparisons"), list):
+            raise ValueError(f"--replay: {path} is not a `validate --json` record")
+        return body
+    except OSError as error:
+        raise ValueError(f"--replay: cannot read {path}: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--replay: {path} is not JSON: {error}") from None
+
+
+def _comparison(body: dict) -> Comparison:
+    try:
+        fields = dict(body)
+        for name in ("measured", "simulated", "simulated_with_overheads"):
+            fields[name] = Latencies(**body[name])
+        fields["overheads"] = ServingCosts(**body["overheads"])
+        comparison = Comparison(**fields)
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"--replay: not a recorded run: {error}") from None
+    known = {c.name for c in CONFIGS}, {w.name for w in WORKLOADS}
+    if comparison.config not in known[0] or comparison.workload not in known[1]:
+        raise ValueError(
+            f"--replay: unknown configuration or workload {comparison.config!r} / "
+            f"{comparison.workload!r}"
+        )
+    return comparison
 
 
 def _profile(path: str, fresh: bool) -> Profile:

@@ -16,6 +16,7 @@ from services.planner.profile import (
     load_profile,
     synthetic_profile,
 )
+from services.planner.profile_parts import SPREAD_QUANTILES, spread_quantiles
 from services.planner.profiler import ProfileSettings, measure_profile
 
 KV_CACHE_BYTES = 64 * 2**20
@@ -145,7 +146,7 @@ def test_serving_costs_apply_by_topology() -> None:
 def test_profile_json_round_trips_and_reads_version_1(tmp_path) -> None:
     profile = replace(
         _mixed_profile(0.003),
-        serving={"colocated": ServingCosts(0.001, 0.0002, 0.02)},
+        serving={"colocated": ServingCosts(0.001, 0.0002, 0.02, 0.0, (-0.001, 0.0, 0.004))},
         engine=EngineSetup(quantization="int8", tensor_parallel_size=2),
     )
     path = tmp_path / "profile.json"
@@ -191,3 +192,27 @@ def test_a_pod_of_tensor_and_pipeline_parallel_counts_every_rank_as_a_device() -
     setup = EngineSetup(tensor_parallel_size=2, pipeline_parallel_size=3)
     assert setup.devices_per_pod == 6
     assert "TP=2 PP=3" in setup.describe()
+
+
+def test_gap_spread_is_kept_as_equally_likely_quantiles() -> None:
+    # 0..999 ms: the middle of each twentieth is 25, 75, ..., 975 ms (within interpolation).
+    deviations = [i / 1000 for i in range(1000)]
+    spread = spread_quantiles(deviations)
+    assert len(spread) == SPREAD_QUANTILES
+    assert spread == tuple(sorted(spread))
+    assert spread[0] == pytest.approx(0.025, abs=0.001)
+    assert spread[-1] == pytest.approx(0.975, abs=0.001)
+    assert spread_quantiles([]) == ()
+
+
+def test_gap_spread_follows_the_topology_and_the_margin() -> None:
+    serving = {
+        "colocated": ServingCosts(step_s=0.001, itl_spread_s=[-0.002, 0.0, 0.006]),
+        "disaggregated": ServingCosts(step_s=0.001),
+    }
+    profile = replace(synthetic_profile(0.05), serving=serving)
+    assert profile.for_topology(0).itl_spread_s == (-0.002, 0.0, 0.006)  # a list in, a tuple
+    assert profile.for_topology(1).itl_spread_s == ()
+    slow = profile.with_margin(0.5)
+    assert slow.for_topology(0).itl_spread_s == pytest.approx((-0.003, 0.0, 0.009))
+    assert "-2.0 to +6.0 ms" in serving["colocated"].describe()

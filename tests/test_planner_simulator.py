@@ -422,7 +422,6 @@ def test_a_reservation_on_a_busy_decode_pod_waits_for_its_step_end() -> None:
     assert record.ttft_s == pytest.approx(0.25 - 0.06)
 
 
-
 def test_serving_costs_per_prompt_token_add_to_ttft() -> None:
     from services.planner.profile import ServingCosts
 
@@ -435,3 +434,23 @@ def test_serving_costs_per_prompt_token_add_to_ttft() -> None:
     ttfts = sorted(flight.record.ttft_s for flight in simulation._flights.values())
     # 0.1 s of prefill each, then 20 ms + 1 ms per prompt token.
     assert ttfts == pytest.approx([0.1 + 0.02 + 0.1, 0.1 + 0.02 + 0.4])
+
+
+def test_a_measured_gap_spread_widens_the_simulated_itl_around_the_same_median() -> None:
+    from services.planner.profile import ServingCosts
+
+    # One request alone at 20 ms a step: every bare gap is 20 ms. The stack's gaps spread
+    # 4 ms below to 12 ms above (median 0): the simulated p50 stays, the p90 moves up, and
+    # TTFT, which no token gap is part of, does not move.
+    spread = (-0.004, -0.002, 0.0, 0.0, 0.0, 0.001, 0.002, 0.004, 0.008, 0.012)
+    bare = synthetic_profile(0.05, decode_step_s=0.02)
+    spread_out = replace(bare, serving={"colocated": ServingCosts(itl_spread_s=spread)})
+    requests = [SimRequest(0, 0.0, 64, 400)]
+    cluster = ClusterConfig(0, 1)
+    plain = simulate(bare, cluster, requests, LOOSE)
+    widened = simulate(spread_out, cluster, requests, LOOSE)
+    assert plain.itl.p90 == pytest.approx(0.02) and plain.itl.p50 == pytest.approx(0.02)
+    assert widened.itl.p50 == pytest.approx(0.02, abs=0.0011)
+    assert widened.itl.p90 == pytest.approx(0.02 + 0.008, abs=0.0041)
+    assert widened.ttft.p50 == pytest.approx(plain.ttft.p50)
+    assert simulate(spread_out, cluster, requests, LOOSE) == widened  # seeded: reproducible

@@ -1,0 +1,100 @@
+"""`plan validate --json` records and `--replay`: recorded runs simulated again, nothing run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, replace
+
+import pytest
+
+from services.planner.profile import ServingCosts, synthetic_profile
+from services.planner.validate import (
+    Comparison,
+    Latencies,
+    run_validation,
+    save_record,
+    simulated_beside,
+)
+
+NOTHING = Latencies(math.nan, math.nan, math.nan, math.nan)
+
+
+def _measured(config: str, workload: str) -> Comparison:
+    return Comparison(
+        config,
+        workload,
+        rate=0.5,
+        num_requests=30,
+        num_ok=30,
+        foreign_cores=0.0,
+        measured=Latencies(0.2, 0.4, 0.03, 0.05),
+        simulated=NOTHING,
+        overheads=ServingCosts(),
+        simulated_with_overheads=NOTHING,
+        ttfts_s=[0.2, 0.3],
+        itls_s=[[0.03, 0.031], [0.05]],
+    )
+
+
+def _args(tmp_path, **overrides) -> argparse.Namespace:
+    profile = replace(
+        synthetic_profile(0.05, prefill_per_token_s=1e-4, decode_step_s=0.02),
+        serving={"colocated": ServingCosts(step_s=0.002, itl_spread_s=(-0.001, 0.0, 0.003))},
+    )
+    profile_path = tmp_path / "profile.json"
+    profile.save(str(profile_path))
+    fields = dict(
+        profile=str(profile_path),
+        margin=0.1,
+        duration=20.0,
+        seed=3,
+        json=None,
+        plot=None,
+        replay=None,
+        only=None,
+        fresh_profile=False,
+    )
+    fields.update(overrides)
+    return argparse.Namespace(**fields)
+
+
+def test_a_recorded_run_replays_as_it_was_simulated(tmp_path, capsys) -> None:
+    args = _args(tmp_path)
+    profile = synthetic_profile(0.05, prefill_per_token_s=1e-4, decode_step_s=0.02)
+    profile = replace(profile, serving={"colocated": ServingCosts(0.002, 0.0, 0.0, 0.0, (0.0,))})
+    recorded = [
+        simulated_beside(_measured(config, "chat"), profile, 0.1, args.seed, args.duration)
+        for config in ("colocated-1", "colocated-2")
+    ]
+    record = tmp_path / "runs.json"
+    save_record(str(record), recorded, args)
+    assert json.loads(record.read_text())["comparisons"][0]["itls_s"] == [[0.03, 0.031], [0.05]]
+
+    # Replayed with the profile on disk (another spread): the measured side is what was
+    # recorded, the simulated side is what that profile makes of the same seeded requests.
+    replay_args = _args(tmp_path, replay=str(record), json=str(tmp_path / "again.json"))
+    assert run_validation(replay_args) == 0
+    report = capsys.readouterr().out
+    assert "colocated-2  chat" in report and "within 20%" in report
+    assert "-1.1 to +3.3 ms around the step"  # with the 10% margin in report
+    again = json.loads((tmp_path / "again.json").read_text())["comparisons"]
+    assert [c["measured"] for c in again] == [asdict(c.measured) for c in recorded]
+    assert again[0]["simulated"] == asdict(recorded[0].simulated)  # bare: the same model
+    assert again[0]["overheads"]["itl_spread_s"] == pytest.approx([-0.0011, 0.0, 0.0033])
+    assert all(math.isfinite(v) for v in again[1]["simulated_with_overheads"].values())
+
+
+def test_replay_refuses_what_is_not_a_record(tmp_path) -> None:
+    not_record = tmp_path / "list.json"
+    not_record.write_text("[]")
+    with pytest.raises(ValueError, match="not a `validate --json` record"):
+        run_validation(_args(tmp_path, replay=str(not_record)))
+    unknown = tmp_path / "unknown.json"
+    body = {"seed": 0, "duration_s": 10.0, "comparisons": [{"config": "colocated-9"}]}
+    unknown.write_text(json.dumps(body))
+    with pytest.raises(ValueError, match="not a recorded run"):
+        run_validation(_args(tmp_path, replay=str(unknown)))
+    with pytest.raises(ValueError, match="cannot read"):
+        run_validation(_args(tmp_path, replay=str(tmp_path / "missing.json")))

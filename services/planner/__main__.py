@@ -67,6 +67,14 @@ def _add_profile(sub: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also measure the serving path's costs on local stacks (about 2 minutes)",
     )
+    sub.add_argument(
+        "--neighbor-core",
+        type=int,
+        default=None,
+        metavar="CPU",
+        help="also measure steps beside a second engine pinned to this CPU (pods sharing a "
+        "machine); pin this one elsewhere (taskset)",
+    )
 
 
 def _add_simulation_flags(sub: argparse.ArgumentParser) -> None:
@@ -178,6 +186,7 @@ def run_profile(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        neighbor_core=args.neighbor_core,
         **(QUICK_GRID if args.quick else {}),
     )
     profile = measure_profile(settings)

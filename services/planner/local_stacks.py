@@ -37,10 +37,17 @@ TOPOLOGY_CONFIGS = {"colocated": COLOCATED_1, "disaggregated": ONE_P_ONE_D}
 
 
 def simulated_cluster(config: LocalConfig) -> ClusterConfig:
-    """What the simulator runs for `config`: its pods, and the conditional-disaggregation limit
+    """What the simulator runs for `config`: its pods, all on this machine (they slow each
+    other by the profile's neighbor slowdowns), and the conditional-disaggregation limit
     `splitserve up` gives a decode pod beside a prefill pod."""
     limit = UP_MAX_REMOTE_PREFILL_TOKENS if config.num_prefill else 0
-    return ClusterConfig(config.num_prefill, config.num_decode, max_remote_prefill_tokens=limit)
+    num_pods = config.num_prefill + config.num_decode
+    return ClusterConfig(
+        config.num_prefill,
+        config.num_decode,
+        max_remote_prefill_tokens=limit,
+        pods_per_host=num_pods,  # every pod on this machine, one core each
+    )
 
 
 def running_stack(config: LocalConfig):

@@ -19,7 +19,8 @@ the simulator. It keeps the raw measurements, and the model derived from them:
   request that a running stack adds to the bare engine, and the spread of its token gaps,
   measured as part of the profile;
 - the engine setup it was measured with (weights, KV dtype, parallel layout);
-- KV tier loads (`tier_loads`): bytes per second back from the host and disk tiers.
+- KV tier loads (`tier_loads`): bytes per second back from the host and disk tiers;
+- steps beside another pod on the same machine (`neighbor`): how much longer they take.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from services.planner.profile_parts import (
     EngineSetup,
     KVTransferModel,
     MixedGrid,
+    NeighborSlowdown,
     PrefillSample,
     ServingCosts,
     TierLoadModel,
@@ -53,6 +55,7 @@ __all__ = [
     "EngineSetup",
     "KVTransferModel",
     "MixedGrid",
+    "NeighborSlowdown",
     "PrefillSample",
     "Profile",
     "ServingCosts",
@@ -93,6 +96,8 @@ class Profile:
     serving: dict[str, ServingCosts] = field(default_factory=dict)
     engine: EngineSetup = field(default_factory=EngineSetup)
     tier_loads: TierLoadModel | None = None  # None: no offload tiers measured
+    # Steps beside another pod's on one machine (`--neighbor`); None: not measured.
+    neighbor: NeighborSlowdown | None = None
     version: int = PROFILE_VERSION
     # Derived from `prefill` in __post_init__: seconds = a + b * tokens + c * attention work.
     prefill_coefficients: tuple[float, float, float] = field(default=(0.0, 0.0, 0.0))
@@ -270,6 +275,8 @@ class Profile:
             fields["engine"] = EngineSetup(**body.get("engine", {}))
             if body.get("tier_loads") is not None:
                 fields["tier_loads"] = TierLoadModel(**body["tier_loads"])
+            if body.get("neighbor") is not None:
+                fields["neighbor"] = NeighborSlowdown(**body["neighbor"])
             return cls(**fields)
         except (KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"not a planner profile: {error}") from None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -138,6 +138,33 @@ def spread_quantiles(deviations: list[float]) -> tuple[float, ...]:
         return ()
     levels = (np.arange(SPREAD_QUANTILES) + 0.5) / SPREAD_QUANTILES
     return tuple(float(q) for q in np.quantile(np.asarray(deviations, dtype=float), levels))
+
+
+STEP_KINDS = ("decode", "prefill")  # a step that computes any prompt chunk is a prefill step
+
+
+@dataclass(frozen=True)
+class NeighborSlowdown:
+    """How much longer a step takes while another pod on the same machine runs one, by the
+    kinds of the two steps, as a fraction of the step alone (`profiler_neighbor.py`). Pods on
+    one machine share its memory bandwidth and last-level cache: on the 2-core VM of the
+    validation a batch-2 decode step took 38% longer beside another decode, 10% beside a
+    prefill, and a prefill 3-6% longer beside either. GPU pods on their own devices share
+    neither; the simulator applies these only to pods it puts on one host."""
+
+    decode_beside_decode: float = 0.0
+    decode_beside_prefill: float = 0.0
+    prefill_beside_decode: float = 0.0
+    prefill_beside_prefill: float = 0.0
+
+    def __post_init__(self) -> None:
+        if min(asdict(self).values()) < 0:
+            raise ValueError("neighbor slowdowns must be >= 0")
+
+    def factor(self, kind: str, neighbor_kinds: list[str]) -> float:
+        """What a `kind` step's time is multiplied by while steps of `neighbor_kinds` run
+        beside it on the same machine (each neighbor adds its share)."""
+        return 1.0 + sum(getattr(self, f"{kind}_beside_{other}") for other in neighbor_kinds)
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,14 @@ Measure on a quiet machine all the same: other processes only ever add time to a
 - KV capacity: the blocks `--kv-cache-bytes` holds (what `splitserve up` gives a pod), at the
   engine's `--quantization` / `--kv-cache-dtype` / parallel layout, which the profile records;
 - KV transfer: pack a request's pages, send them through `shared.kv_transfer` to a receiver
-  in this process, unpack them, at two sizes; the fit gives latency and bandwidth.
+  in this process, unpack them, at two sizes; the fit gives latency and bandwidth;
+- with `--neighbor-core`: steps beside a second engine on that CPU (`profiler_neighbor.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import statistics
 import sys
@@ -60,10 +62,16 @@ class ProfileSettings:
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Another CPU for a second engine to run beside this one (`profiler_neighbor.py`); None:
+    # the profile has no neighbor slowdowns.
+    neighbor_core: int | None = None
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.num_threads < 1:
             raise ValueError("--repeats and --num-threads must be >= 1")
+        core = self.neighbor_core
+        if core is not None and not 0 <= core < (os.cpu_count() or 1):
+            raise ValueError(f"--neighbor-core {core} is not a CPU of this machine")
         for name in ("prefill_lens", "batch_sizes", "context_lens", "mixed_chunk_lens"):
             values = getattr(self, name)
             if not values or min(values) < 1 or list(values) != sorted(set(values)):
@@ -98,6 +106,11 @@ def measure_profile(settings: ProfileSettings, log: Log = log_to_stderr) -> Prof
     mixed = _measure_mixed(engine, settings, log) if settings.mixed_batch_sizes else None
     transfer = _measure_transfer(engine, settings, log)
     tier_loads = measure_tier_loads(engine, settings.repeats, log)
+    neighbor = None
+    if settings.neighbor_core is not None:
+        from services.planner.profiler_neighbor import measure_neighbor
+
+        neighbor = measure_neighbor(engine, settings, log)
     spec = engine.kv_spec
     log(f"measured in {time.monotonic() - started:.0f} s")
     return Profile(
@@ -113,6 +126,7 @@ def measure_profile(settings: ProfileSettings, log: Log = log_to_stderr) -> Prof
         mixed=mixed,
         engine=_engine_setup(engine, settings),
         tier_loads=tier_loads,
+        neighbor=neighbor,
     )
 
 

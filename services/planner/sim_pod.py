@@ -50,6 +50,11 @@ class ScheduledStep:
     chunks: list[tuple[SimSeq, int]]  # (sequence, tokens computed this step)
     duration_s: float
 
+    @property
+    def kind(self) -> str:
+        """ "prefill" if the step computes any prompt chunk, else "decode" (STEP_KINDS)."""
+        return "decode" if all(seq.is_decode for seq, _ in self.chunks) else "prefill"
+
 
 @dataclass
 class PodLimits:

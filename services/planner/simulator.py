@@ -28,7 +28,7 @@ import itertools
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.gateway.pods import POLL_INTERVAL_SECONDS
 from services.loadgen.stats import Slo
@@ -64,8 +64,14 @@ class ClusterConfig:
     # KV offload tiers below each pod's cache (`sim_cache.py`); loads cost the profile's
     # measured tier bandwidth.
     tier_sizes: TierSizes = field(default_factory=TierSizes)
+    # Pods that share one machine (prefill pods first, then decode pods, in groups of this
+    # many): with the profile's `neighbor` slowdowns, a step takes longer while other pods of
+    # its machine run steps. 1: every pod on its own (GPU pods on their own devices).
+    pods_per_host: int = 1
 
     def __post_init__(self) -> None:
+        if self.pods_per_host < 1:
+            raise ValueError(f"pods_per_host must be >= 1, got {self.pods_per_host}")
         if any(f.decode_pod >= self.num_decode for f in self.failures):
             raise ValueError(
                 f"a pod failure names a decode pod past the {self.num_decode} there are"
@@ -146,6 +152,7 @@ class Simulation:
     _reserve_mid_step: dict[str, list[tuple[_Flight, SimPod]]] = field(default_factory=dict)
     # (decode pod name, prefill pod name) -> the decode pod's prompt tokens in flight there.
     _remote_tokens: dict[tuple[str, str], int] = field(default_factory=dict)
+    _host_of: dict[str, int] = field(default_factory=dict)  # pod name -> its machine
 
     def __post_init__(self) -> None:
         # The serving path's measured costs of this topology (none in a bare profile).
@@ -170,6 +177,8 @@ class Simulation:
         self.decode_pods = [
             SimPod(f"decode-{i}", limits, self.profile) for i in range(self.cluster.num_decode)
         ]
+        pods = self.prefill_pods + self.decode_pods
+        self._host_of = {pod.name: i // self.cluster.pods_per_host for i, pod in enumerate(pods)}
         # The gateway's own lists: a dead pod leaves its view, not the simulation's pods.
         self.gateway = SimGateway(
             list(self.prefill_pods), list(self.decode_pods), self.cluster.gateway_poll_interval_s
@@ -307,10 +316,34 @@ class Simulation:
         self._end_dropped(pod, now)
         if not step.chunks:
             return  # everything waits for blocks that only a finishing request frees
+        step = self._beside_neighbors(pod, step)
         pod.is_busy = True
         pod.busy_s += step.duration_s
         self._in_flight_step[pod.name] = step
         self._push(now + step.duration_s, STEP_DONE, pod)
+
+    def _beside_neighbors(self, pod: SimPod, step: ScheduledStep) -> ScheduledStep:
+        """`step` slowed by the steps other pods of its machine are running as it starts. Only
+        the start is looked at: a step that began alone and is joined midway runs at its own
+        cost, one that starts beside a running step pays for the whole of it, which over many
+        steps is the same share of overlap on average."""
+        slowdown = pod.profile.neighbor
+        if slowdown is None or self.cluster.pods_per_host == 1:
+            return step
+        host = self._host_of[pod.name]
+        neighbor_kinds = [
+            self._in_flight_step[name].kind
+            for name, other_host in self._host_of.items()
+            if other_host == host
+            and name != pod.name
+            and name in self._in_flight_step
+            and name not in self._dead
+        ]
+        if not neighbor_kinds:
+            return step
+        return replace(
+            step, duration_s=step.duration_s * slowdown.factor(step.kind, neighbor_kinds)
+        )
 
     def _on_step_done(self, now: float, pod: SimPod) -> None:
         pod.is_busy = False

@@ -413,7 +413,8 @@ def _profile(path: str, fresh: bool) -> Profile:
     affinity = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {usable_cores()[0]})  # as a pod runs: one thread on one core
     try:
-        profile = measure_profile(ProfileSettings(repeats=5, **QUICK_GRID), log=log)
+        settings = ProfileSettings(repeats=5, neighbor_core=usable_cores()[1], **QUICK_GRID)
+        profile = measure_profile(settings, log=log)
     finally:
         os.sched_setaffinity(0, affinity)
     profile = measure_serving(profile, log)

@@ -1,0 +1,124 @@
+"""Steps beside another pod on the same machine (`plan profile --neighbor-core N`, and
+`plan validate --fresh-profile`): the profile's `neighbor` slowdowns.
+
+Pods that share a machine share its memory bandwidth and last-level cache, so a step takes
+longer while another pod's runs. A second engine process, pinned to `neighbor_core` with the
+same settings, loops over decode steps (a batch of DECODE_BATCH) or prefill steps
+(PREFILL_TOKENS-token prompts) on command, while this process times its own steps of both
+kinds: alone, beside decodes, beside prefills. Each slowdown is the ratio of the medians less
+one, and 0 where noise makes it negative.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+from services.planner.profile_parts import NeighborSlowdown
+
+DECODE_BATCH = 2
+DECODE_PROMPT_TOKENS = 64
+DECODE_STEPS = 30
+PREFILL_TOKENS = 256
+PREFILL_STEPS = 6
+START_TIMEOUT_S = 300.0
+NEIGHBOR_DECODE_TOKENS = 16  # its decodes end (and restart) often, so it turns quickly
+SETTLE_S = 1.0  # for the neighbor's loop to be running its new kind of step
+IDLE, DECODE, PREFILL, STOP = range(4)
+_MODES = {None: IDLE, "decode": DECODE, "prefill": PREFILL}
+
+Log = Callable[[str], None]
+
+
+def measure_neighbor(engine, settings, log: Log) -> NeighborSlowdown:
+    """`engine` (this process, pinned by the caller) timed alone and beside a neighbor engine
+    on `settings.neighbor_core`."""
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch state
+    mode = context.Value("i", IDLE)
+    ready = context.Event()
+    neighbor = context.Process(
+        target=_neighbor_loop, args=(settings, mode, ready), name="profile-neighbor", daemon=True
+    )
+    log(f"neighbor: starting a second engine on CPU {settings.neighbor_core}")
+    neighbor.start()
+    try:
+        if not ready.wait(START_TIMEOUT_S):
+            raise RuntimeError("the neighbor engine did not start")
+        medians = {}
+        for kind in (None, "decode", "prefill"):
+            mode.value = _MODES[kind]
+            time.sleep(SETTLE_S)
+            medians[kind] = (_decode_step_s(engine), _prefill_step_s(engine))
+            if not neighbor.is_alive():
+                raise RuntimeError("the neighbor engine exited while measuring")
+            log(
+                f"neighbor: beside {kind or 'nothing'}: decode {medians[kind][0] * 1e3:.1f} "
+                f"ms/step, prefill {medians[kind][1] * 1e3:.1f} ms/step"
+            )
+    finally:
+        mode.value = STOP
+        neighbor.join(timeout=30)
+        if neighbor.is_alive():
+            neighbor.terminate()
+    return _slowdowns(medians)
+
+
+def _slowdowns(medians: dict) -> NeighborSlowdown:
+    (decode_alone, prefill_alone) = medians[None]
+
+    def beyond(seconds: float, alone: float) -> float:
+        return max(seconds / alone - 1.0, 0.0)
+
+    return NeighborSlowdown(
+        decode_beside_decode=beyond(medians["decode"][0], decode_alone),
+        decode_beside_prefill=beyond(medians["prefill"][0], decode_alone),
+        prefill_beside_decode=beyond(medians["decode"][1], prefill_alone),
+        prefill_beside_prefill=beyond(medians["prefill"][1], prefill_alone),
+    )
+
+
+def _decode_step_s(engine) -> float:
+    from services.planner.profiler import _add, _drain, _fresh_tokens, _timed_step
+
+    for _ in range(DECODE_BATCH):
+        _add(engine, _fresh_tokens(DECODE_PROMPT_TOKENS), DECODE_STEPS + 2)
+    engine.step()  # the prompts
+    times = [_timed_step(engine) for _ in range(DECODE_STEPS)]
+    _drain(engine)
+    return statistics.median(times)
+
+
+def _prefill_step_s(engine) -> float:
+    from services.planner.profiler import _add, _drain, _fresh_tokens, _timed_step
+
+    times = []
+    for _ in range(PREFILL_STEPS):
+        _add(engine, _fresh_tokens(PREFILL_TOKENS), 1)
+        times.append(_timed_step(engine))
+        _drain(engine)
+    return statistics.median(times)
+
+
+def _neighbor_loop(settings, mode, ready) -> None:
+    """The second engine: the kind of step `mode` names, over and over, until STOP."""
+    from services.planner.profiler import _add, _drain, _fresh_tokens, _load_engine, _warm_up
+
+    os.sched_setaffinity(0, {settings.neighbor_core})
+    engine = _load_engine(settings, lambda message: None)
+    _warm_up(engine)
+    ready.set()
+    while mode.value != STOP:
+        if mode.value == DECODE:
+            for _ in range(DECODE_BATCH):
+                _add(engine, _fresh_tokens(DECODE_PROMPT_TOKENS), NEIGHBOR_DECODE_TOKENS)
+            while mode.value == DECODE and engine.has_unfinished_requests():
+                engine.step()
+            _drain(engine)
+        elif mode.value == PREFILL:
+            _add(engine, _fresh_tokens(PREFILL_TOKENS), 1)
+            _drain(engine)
+        else:
+            time.sleep(0.01)

@@ -454,3 +454,41 @@ def test_a_measured_gap_spread_widens_the_simulated_itl_around_the_same_median()
     assert widened.itl.p90 == pytest.approx(0.02 + 0.008, abs=0.0041)
     assert widened.ttft.p50 == pytest.approx(plain.ttft.p50)
     assert simulate(spread_out, cluster, requests, LOOSE) == widened  # seeded: reproducible
+
+
+def test_pods_on_one_machine_slow_each_others_steps_by_the_neighbor_slowdowns() -> None:
+    from services.planner.profile import NeighborSlowdown
+
+    # Two colocated pods, one request each, decoding side by side at 20 ms a step alone. On
+    # one machine with decodes 50% slower beside decodes, each step that starts while the
+    # other pod's runs takes 30 ms; on separate machines (or with no slowdowns measured)
+    # nothing changes.
+    base = synthetic_profile(0.01, decode_step_s=0.02)
+    slowed = replace(base, neighbor=NeighborSlowdown(decode_beside_decode=0.5))
+    requests = [SimRequest(0, 0.0, 16, 200), SimRequest(1, 0.0, 16, 200)]
+
+    def mean_itls(profile, pods_per_host):
+        cluster = ClusterConfig(0, 2, gateway_poll_interval_s=0, pods_per_host=pods_per_host)
+        simulation = Simulation(profile, cluster)
+        simulation.run(requests, LOOSE)
+        assert {f.decode_pod.name for f in simulation._flights.values()} == {
+            "decode-0",
+            "decode-1",
+        }
+        return [f.record.mean_itl_s for f in simulation._flights.values()]
+
+    assert mean_itls(slowed, 1) == pytest.approx([0.02, 0.02])
+    assert mean_itls(base, 2) == pytest.approx([0.02, 0.02])
+    shared = mean_itls(slowed, 2)
+    assert all(0.028 <= itl <= 0.0301 for itl in shared)
+    with pytest.raises(ValueError, match="pods_per_host"):
+        ClusterConfig(0, 2, pods_per_host=0)
+
+
+def test_a_step_with_a_prompt_chunk_is_a_prefill_step() -> None:
+    from services.planner.sim_pod import ScheduledStep, SimSeq
+
+    decoding = SimSeq(SimRequest(0, 0.0, 16, 8), num_tokens=17, num_computed=16)
+    prefilling = SimSeq(SimRequest(1, 0.0, 64, 8), num_tokens=64, num_computed=0)
+    assert ScheduledStep([(decoding, 1)], 0.02).kind == "decode"
+    assert ScheduledStep([(decoding, 1), (prefilling, 64)], 0.1).kind == "prefill"

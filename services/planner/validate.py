@@ -409,11 +409,12 @@ def _profile(path: str, fresh: bool) -> Profile:
     from services.planner.profiler import QUICK_GRID, ProfileSettings, measure_profile
     from services.planner.serving_costs import measure_serving
 
-    log(f"measuring a profile into {path} first, pinned to CPU {usable_cores()[0]}")
+    own_core, neighbor_core = usable_cores()
+    log(f"measuring a profile into {path} first, pinned to CPU {own_core}")
+    settings = ProfileSettings(repeats=5, neighbor_core=neighbor_core, **QUICK_GRID)
     affinity = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {usable_cores()[0]})  # as a pod runs: one thread on one core
+    os.sched_setaffinity(0, {own_core})  # as a pod runs: one thread on one core
     try:
-        settings = ProfileSettings(repeats=5, neighbor_core=usable_cores()[1], **QUICK_GRID)
         profile = measure_profile(settings, log=log)
     finally:
         os.sched_setaffinity(0, affinity)

@@ -98,3 +98,44 @@ def test_replay_refuses_what_is_not_a_record(tmp_path) -> None:
         run_validation(_args(tmp_path, replay=str(unknown)))
     with pytest.raises(ValueError, match="cannot read"):
         run_validation(_args(tmp_path, replay=str(tmp_path / "missing.json")))
+
+
+def _run(config: str, simulated_score_s: float, ttfts_s: list[float], itl_s: float) -> Comparison:
+    """A recorded chat run whose simulated figures give `simulated_score_s` (all TTFT)."""
+    itls = [[itl_s * (1 + 0.01 * (i % 5)) for _ in range(10)] for i in range(len(ttfts_s))]
+    return replace(
+        _measured(config, "chat"),
+        measured=Latencies(sorted(ttfts_s)[len(ttfts_s) // 2], 0.0, itl_s, 0.0),
+        simulated_with_overheads=Latencies(simulated_score_s, 0.0, 0.0, 0.0),
+        ttfts_s=ttfts_s,
+        itls_s=itls,
+    )
+
+
+def test_the_ranking_check_tells_a_miss_from_a_tie_within_noise() -> None:
+    from services.planner.validate import WORKLOADS
+    from services.planner.validate_ranking import bootstrap_gap, format_ranking
+
+    chat = WORKLOADS[0]
+    spread = [0.1 + 0.002 * i for i in range(40)]  # 100-178 ms
+    fast = _run("colocated-1", 0.3, spread, 0.020)
+    same = _run("colocated-2", 0.4, [t + 0.001 for t in spread], 0.020)  # 1 ms behind
+    slow = _run("1P+1D", 0.5, [t + 0.2 for t in spread], 0.030)  # clearly behind
+    assert "measures best: yes" in format_ranking([fast, same, slow], WORKLOADS)
+    # The pick 1 ms behind, over 40 requests spread across 78 ms: the interval holds 0.
+    same_picked = replace(same, simulated_with_overheads=Latencies(0.2, 0.0, 0.0, 0.0))
+    low, high = bootstrap_gap(same_picked, fast, chat)
+    assert low < 0 < high
+    verdict = format_ranking([fast, same_picked], WORKLOADS)
+    assert "within noise (colocated-2 behind colocated-1" in verdict
+    # 200 ms and 10 ms a gap behind: a miss however the requests are resampled.
+    slow_picked = replace(slow, simulated_with_overheads=Latencies(0.2, 0.0, 0.0, 0.0))
+    assert "measures best: NO (1P+1D behind colocated-1:" in format_ranking(
+        [fast, slow_picked], WORKLOADS
+    )
+    assert bootstrap_gap(slow_picked, fast, chat)[0] > 0.2
+    # Without per-request timings there is nothing to resample: a miss is a miss.
+    untimed = replace(same_picked, ttfts_s=[], itls_s=[])
+    assert "NO (colocated-2 behind colocated-1; no per-request timings" in format_ranking(
+        [fast, untimed], WORKLOADS
+    )

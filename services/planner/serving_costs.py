@@ -108,13 +108,16 @@ def measure_costs(target, config: LocalConfig, profile: Profile, seed: int) -> S
 
 def itl_spread(runs) -> tuple[float, ...]:
     """How the measured token gaps spread around each request's own median gap (its steady
-    decode step), pooled over `runs`, as `spread_quantiles`."""
+    decode step), pooled over `runs`, as `spread_quantiles`. A request's first gap is left
+    out: on a disaggregated stack it spans the hand-over to the decode pod, which the
+    simulator models itself."""
     deviations = []
     for run in runs:
         for result in run.results:
-            if len(result.itls_s) >= 2:
-                median = statistics.median(result.itls_s)
-                deviations += [gap - median for gap in result.itls_s]
+            steady = result.itls_s[1:]
+            if len(steady) >= 2:
+                median = statistics.median(steady)
+                deviations += [gap - median for gap in steady]
     return spread_quantiles(deviations)
 
 

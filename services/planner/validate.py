@@ -14,7 +14,8 @@ client of `services/loadgen` (TTFT, every inter-token gap), then the same reques
 times and lengths) are simulated with the profile, and the percentiles are printed side by
 side, twice: with the bare engine's costs, and with the profile's serving costs (the figures
 the planner stands by). Last, each workload's configurations are ranked by a latency score,
-measured and simulated, to check that the planner would pick the one that measures best.
+measured and simulated, to check that the planner would pick the one that measures best
+(`validate_ranking.py`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from services.planner.local_stacks import (
 )
 from services.planner.profile import Profile, ServingCosts, load_profile
 from services.planner.simulator import simulate
+from services.planner.validate_ranking import format_ranking
 
 TOLERANCE = 0.20
 TARGET_UTILIZATION = 0.5  # of one pod, by the profile: loaded, but well short of saturation
@@ -270,36 +272,6 @@ def _bias_line(comparisons: list[Comparison], with_overheads: bool) -> str:
     return f"sign: {above} simulated above the measured, {below} below; mean error {mean:+.1%}"
 
 
-def latency_score(latencies: Latencies, workload: LocalWorkload) -> float:
-    """A request's median latency, about: first token, then the mean output's gaps."""
-    return latencies.ttft_p50 + (workload.shape.output_lens.mean - 1) * latencies.itl_p50
-
-
-def format_ranking(comparisons: list[Comparison]) -> str:
-    """Per workload, the configurations by latency score, simulated (the profile with its
-    serving costs) and measured: the planner's pick should be the one that measures best."""
-    lines = ["ranking by median request latency (TTFT p50 + (mean output - 1) x ITL p50):"]
-    for workload in WORKLOADS:
-        rows = [c for c in comparisons if c.workload == workload.name]
-        if len(rows) < 2:
-            continue
-        simulated = sorted(rows, key=lambda c: latency_score(c.simulated_with_overheads, workload))
-        measured = sorted(rows, key=lambda c: latency_score(c.measured, workload))
-        same = "yes" if simulated[0].config == measured[0].config else "NO"
-        lines.append(
-            f"  {workload.name}: simulated {_order(simulated, workload, True)}; measured "
-            f"{_order(measured, workload, False)}; the simulated best measures best: {same}"
-        )
-    return "\n".join(lines)
-
-
-def _order(rows: list[Comparison], workload: LocalWorkload, simulated: bool) -> str:
-    def score(c: Comparison) -> float:
-        return latency_score(c.simulated_with_overheads if simulated else c.measured, workload)
-
-    return " < ".join(f"{c.config} ({score(c) * 1e3:.0f} ms)" for c in rows)
-
-
 def run_validation(args: argparse.Namespace) -> int:
     if args.duration <= 0:
         raise ValueError("--duration must be > 0 seconds")
@@ -339,7 +311,7 @@ def print_report(comparisons: list[Comparison]) -> None:
     for config_name, costs in {c.config: c.overheads for c in comparisons}.items():
         print(f"  {config_name}: {costs.describe()}")
     print()
-    print(format_ranking(comparisons), flush=True)
+    print(format_ranking(comparisons, WORKLOADS), flush=True)
 
 
 # ---- recorded runs --------------------------------------------------------------------------

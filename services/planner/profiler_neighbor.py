@@ -6,7 +6,7 @@ longer while another pod's runs. A second engine process, pinned to `neighbor_co
 same settings, loops over decode steps (a batch of DECODE_BATCH) or prefill steps
 (PREFILL_TOKENS-token prompts) on command, while this process times its own steps of both
 kinds: alone, beside decodes, beside prefills, in ROUNDS rounds. Each slowdown is the ratio of
-the medians less one (0 where noise makes it negative), the median over the rounds.
+the medians less one (0 where noise makes it negative), averaged over the rounds.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ DECODE_PROMPT_TOKENS = 64
 DECODE_STEPS = 20
 PREFILL_TOKENS = 256
 PREFILL_STEPS = 4
-# Rounds of (alone, beside decodes, beside prefills), the median slowdown of each pair kept:
-# one validation's single round found no slowdown at all, where every other measurement that
-# hour found 31-48% for two decodes, and the runs that followed showed it.
-ROUNDS = 3
+# Rounds of (alone, beside decodes, beside prefills), the mean slowdown of each pair kept. The
+# slowdown comes and goes: with the neighbor running 64 decode steps in 2 s beside it, one
+# window found a decode step 39% longer and the next 1% (the neighbor's steps slowed
+# instead); the simulator wants the average over a run, so the mean of several windows.
+ROUNDS = 5
 START_TIMEOUT_S = 300.0
 NEIGHBOR_DECODE_TOKENS = 16  # its decodes end (and restart) often, so it turns quickly
 SETTLE_S = 1.0  # for the neighbor's loop to be running its new kind of step
@@ -42,23 +43,27 @@ def measure_neighbor(engine, settings, log: Log) -> NeighborSlowdown:
     on `settings.neighbor_core`."""
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch state
     mode = context.Value("i", IDLE)
+    steps = context.Value("i", 0)  # the neighbor's steps so far: did it really run beside?
     ready = context.Event()
     neighbor = context.Process(
-        target=_neighbor_loop, args=(settings, mode, ready), name="profile-neighbor", daemon=True
+        target=_neighbor_loop,
+        args=(settings, mode, steps, ready),
+        name="profile-neighbor",
+        daemon=True,
     )
     log(f"neighbor: starting a second engine on CPU {settings.neighbor_core}")
     neighbor.start()
     try:
         if not ready.wait(START_TIMEOUT_S):
             raise RuntimeError("the neighbor engine did not start")
-        rounds = [_one_round(engine, mode, neighbor, log) for _ in range(ROUNDS)]
+        rounds = [_one_round(engine, mode, steps, neighbor, log) for _ in range(ROUNDS)]
     finally:
         mode.value = STOP
         neighbor.join(timeout=30)
         if neighbor.is_alive():
             neighbor.terminate()
     return NeighborSlowdown(
-        **{name: statistics.median(getattr(r, name) for r in rounds) for name in _PAIRS}
+        **{name: statistics.fmean(getattr(r, name) for r in rounds) for name in _PAIRS}
     )
 
 
@@ -70,17 +75,20 @@ _PAIRS = (
 )
 
 
-def _one_round(engine, mode, neighbor, log: Log) -> NeighborSlowdown:
+def _one_round(engine, mode, steps, neighbor, log: Log) -> NeighborSlowdown:
     medians = {}
     for kind in (None, "decode", "prefill"):
         mode.value = _MODES[kind]
         time.sleep(SETTLE_S)
+        steps_before, started = steps.value, time.monotonic()
         medians[kind] = (_decode_step_s(engine), _prefill_step_s(engine))
+        neighbor_steps, seconds = steps.value - steps_before, time.monotonic() - started
         if not neighbor.is_alive():
             raise RuntimeError("the neighbor engine exited while measuring")
         log(
             f"neighbor: beside {kind or 'nothing'}: decode {medians[kind][0] * 1e3:.1f} "
-            f"ms/step, prefill {medians[kind][1] * 1e3:.1f} ms/step"
+            f"ms/step, prefill {medians[kind][1] * 1e3:.1f} ms/step (the neighbor ran "
+            f"{neighbor_steps} steps in {seconds:.1f} s)"
         )
     mode.value = IDLE
     return _slowdowns(medians)
@@ -122,7 +130,7 @@ def _prefill_step_s(engine) -> float:
     return statistics.median(times)
 
 
-def _neighbor_loop(settings, mode, ready) -> None:
+def _neighbor_loop(settings, mode, steps, ready) -> None:
     """The second engine: the kind of step `mode` names, over and over, until STOP."""
     from services.planner.profiler import _add, _drain, _fresh_tokens, _load_engine, _warm_up
 
@@ -136,9 +144,11 @@ def _neighbor_loop(settings, mode, ready) -> None:
                 _add(engine, _fresh_tokens(DECODE_PROMPT_TOKENS), NEIGHBOR_DECODE_TOKENS)
             while mode.value == DECODE and engine.has_unfinished_requests():
                 engine.step()
+                steps.value += 1
             _drain(engine)
         elif mode.value == PREFILL:
             _add(engine, _fresh_tokens(PREFILL_TOKENS), 1)
             _drain(engine)
+            steps.value += 1
         else:
             time.sleep(0.01)

@@ -79,6 +79,33 @@ def test_simulate_command(tmp_path, capsys) -> None:
     assert json.loads(result_path.read_text())["num_finished"] == 50
 
 
+def test_pods_sharing_a_host_simulate_slower_and_a_bad_count_is_refused(tmp_path, capsys) -> None:
+    from dataclasses import replace
+
+    from services.planner.profile import NeighborSlowdown
+
+    profile = replace(
+        synthetic_profile(0.05, prefill_per_token_s=0.001),
+        neighbor=NeighborSlowdown(decode_beside_decode=0.5, decode_beside_prefill=0.2),
+    )
+    profile_path = tmp_path / "profile.json"
+    profile.save(str(profile_path))
+
+    def mean_itl_p50(pods_per_host: str) -> float:
+        result_path = tmp_path / f"result-{pods_per_host}.json"
+        status = plan_main(
+            ["simulate", "--profile", str(profile_path), "--decode", "2", "--rate", "4",
+             "--num-requests", "60", "--pods-per-host", pods_per_host, "--json", str(result_path)]
+        )  # fmt: skip
+        assert status == 0
+        return json.loads(result_path.read_text())["mean_itl"]["p50"]
+
+    assert mean_itl_p50("2") > 1.1 * mean_itl_p50("1")
+    capsys.readouterr()
+    assert plan_main(["simulate", "--profile", str(profile_path), "--pods-per-host", "0"]) == 2
+    assert "pods_per_host must be >= 1" in capsys.readouterr().err
+
+
 def test_bad_input_is_a_clear_error(tmp_path, capsys) -> None:
     missing = tmp_path / "nope.json"
     assert plan_main(["simulate", "--profile", str(missing)]) == 2

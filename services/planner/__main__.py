@@ -102,6 +102,13 @@ def _add_simulation_flags(sub: argparse.ArgumentParser) -> None:
         default=0,
         help="as the decode pods' flag: conditional disaggregation (0 = always send)",
     )
+    sub.add_argument(
+        "--pods-per-host",
+        type=int,
+        default=1,
+        help="pods sharing one machine (CPU pods on one node): they slow each other by the "
+        "profile's neighbor slowdowns (1 = each pod alone, as GPU pods)",
+    )
     sub.add_argument("--max-num-batched-tokens", type=int, default=None)
     sub.add_argument("--kv-blocks", type=int, default=None, help="per pod (default: profile's)")
     sub.add_argument(
@@ -265,6 +272,7 @@ def _cluster(args: argparse.Namespace, num_prefill: int, num_decode: int):
         num_decode,
         local_prefill_threshold=args.local_prefill_threshold,
         max_remote_prefill_tokens=args.max_remote_prefill_tokens,
+        pods_per_host=args.pods_per_host,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.kv_blocks,
         speculation=_speculation(args),
@@ -355,6 +363,7 @@ def run_recommend(args: argparse.Namespace) -> int:
         seed=args.seed,
         local_prefill_threshold=args.local_prefill_threshold,
         max_remote_prefill_tokens=args.max_remote_prefill_tokens,
+        pods_per_host=args.pods_per_host,
         speculation=_speculation(args),
         tier_sizes=_tier_sizes(args),
     )

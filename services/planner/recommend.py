@@ -47,6 +47,7 @@ class SearchSpec:
     seed: int = 0
     local_prefill_threshold: int = 32
     max_remote_prefill_tokens: int = 0
+    pods_per_host: int = 1  # ClusterConfig.pods_per_host
     speculation: SpeculationModel | None = None
     tier_sizes: TierSizes = field(default_factory=TierSizes)
 
@@ -134,6 +135,7 @@ def clusters(spec: SearchSpec, max_pods: int) -> list[ClusterConfig]:
             total - p,
             local_prefill_threshold=spec.local_prefill_threshold,
             max_remote_prefill_tokens=spec.max_remote_prefill_tokens,
+            pods_per_host=spec.pods_per_host,
             speculation=spec.speculation,
             tier_sizes=spec.tier_sizes,
         )

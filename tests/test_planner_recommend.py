@@ -94,8 +94,9 @@ def test_pods_sharing_a_host_simulate_slower_and_a_bad_count_is_refused(tmp_path
     def mean_itl_p50(pods_per_host: str) -> float:
         result_path = tmp_path / f"result-{pods_per_host}.json"
         status = plan_main(
-            ["simulate", "--profile", str(profile_path), "--decode", "2", "--rate", "4",
-             "--num-requests", "60", "--pods-per-host", pods_per_host, "--json", str(result_path)]
+            ["simulate", "--profile", str(profile_path), "--prefill", "0", "--decode", "2",
+             "--rate", "4", "--num-requests", "60", "--pods-per-host", pods_per_host,
+             "--json", str(result_path)]
         )  # fmt: skip
         assert status == 0
         return json.loads(result_path.read_text())["mean_itl"]["p50"]

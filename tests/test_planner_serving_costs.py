@@ -11,6 +11,7 @@ from services.planner.local_stacks import (
     warm_up,
 )
 from services.planner.profile import synthetic_profile
+from services.planner.profile_parts import SPREAD_QUANTILES
 from services.planner.serving_costs import measure_costs
 
 pytestmark = pytest.mark.slow  # a whole stack: about a minute
@@ -31,3 +32,8 @@ def test_serving_costs_fill_the_gap_to_a_running_stack() -> None:
     assert costs.request_s + 96 * costs.token_s > 0
     assert costs.step_s + costs.row_s > 0.005  # a real decode step is milliseconds at least
     assert costs.request_s + 512 * costs.token_s < 5.0  # not a stack that hung
+    # The gaps' spread: equally likely deviations around each request's median gap, so about
+    # half below 0 and half above, and some real spread (a running stack is never that still).
+    spread = costs.itl_spread_s
+    assert len(spread) == SPREAD_QUANTILES and list(spread) == sorted(spread)
+    assert spread[0] <= 0 <= spread[-1] and spread[-1] - spread[0] > 1e-4

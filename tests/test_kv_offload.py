@@ -152,6 +152,7 @@ def test_without_offload_the_session_is_computed_again(single_thread):
     assert resumed.num_cached_tokens < 32  # the pool lost it: what the tiers are for
 
 
+@pytest.mark.slow  # ~13 s (two engines); make test measured 14:33 on 2026-11-25
 def test_reused_blocks_reach_the_disk_and_a_restarted_engine_serves_them(
     single_thread, tmp_path
 ):

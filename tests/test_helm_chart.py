@@ -503,6 +503,13 @@ def test_autoscaler_owns_worker_replicas_and_may_scale_only_them():
     args = command_line(autoscaler["containers"][0], objects)
     assert {_flag(args, "--prefill-deployment"), _flag(args, "--decode-deployment")} == workers
     assert _flag(args, "--namespace") == NAMESPACE
+    # The model simulates the decode pods with their own conditional-disaggregation limit.
+    decode_args = command_line(
+        deployment_of(objects, "decode")["spec"]["template"]["spec"]["containers"][0], objects
+    )
+    assert _flag(args, "--max-remote-prefill-tokens") == _flag(
+        decode_args, "--max-remote-prefill-tokens"
+    )
 
 
 def test_default_install_has_no_autoscaler():

@@ -293,9 +293,11 @@ def test_parser_has_the_chart_flags() -> None:
             "--metrics-url", "http://m/metrics", "--ttft-slo", "2", "--itl-slo", "0.1",
             "--min-prefill", "1", "--max-prefill", "4", "--min-decode", "1", "--max-decode", "6",
             "--cooldown", "60", "--interval", "10", "--dry-run",
+            "--max-remote-prefill-tokens", "4096", "--pods-per-host", "2",
         ]
     )  # fmt: skip
     assert (args.max_decode, args.cooldown, args.dry_run) == (6, 60.0, True)
+    assert (args.max_remote_prefill_tokens, args.pods_per_host) == (4096, 2)
     subcommands = parser._subparsers._group_actions[0].choices  # noqa: SLF001
     assert set(subcommands) == {"profile", "simulate", "recommend", "validate", "autoscale"}
 

@@ -117,3 +117,40 @@ def test_the_autoscaler_sizes_with_recommends_test() -> None:
     assert needed is not None and needed >= 2
     assert judge(profile, ClusterConfig(needed, 1), workload, target).meets
     assert not judge(profile, ClusterConfig(needed - 1, 1), workload, target).meets
+
+
+def test_the_autoscaler_sizes_the_cluster_recommend_would_simulate() -> None:
+    # Decode-bound: 20 ms a step plus 2 ms a row. Pods on separate machines, two suffice; all
+    # pods on one machine, each decode step beside another takes twice as long, and the
+    # autoscaler's model (given recommend's --pods-per-host) asks for more, or finds none.
+    from services.planner.profile import NeighborSlowdown
+
+    profile = replace(
+        synthetic_profile(0.01, decode_step_s=0.02, decode_per_seq_s=0.002),
+        neighbor=NeighborSlowdown(decode_beside_decode=1.0),
+    )
+    load = LoadSnapshot(
+        prefill=RoleLoad(num_pods=0),
+        decode=RoleLoad(num_pods=1),
+        request_rate=8.0,
+        prompt_tokens_per_s=8.0 * 32,
+        output_tokens_per_s=8.0 * 64,
+    )
+
+    def model_replicas(pods_per_host: int) -> int | None:
+        settings = PolicySettings(
+            ttft_slo_s=2.0,
+            itl_slo_s=0.05,
+            prefill=Bounds(0, 0),
+            decode=Bounds(1, 4),
+            pods_per_host=pods_per_host,
+        )
+        scaler = Autoscaler(settings, profile)
+        return scaler.model_replicas("decode", load, {"prefill": 0, "decode": 1})
+
+    alone = model_replicas(1)
+    assert alone is not None and alone >= 2
+    shared = model_replicas(4)
+    assert shared is None or shared > alone
+    with pytest.raises(ValueError, match="--pods-per-host"):
+        PolicySettings(2.0, 0.05, Bounds(0, 0), Bounds(1, 4), pods_per_host=0)

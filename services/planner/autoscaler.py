@@ -190,6 +190,8 @@ def run_autoscale(args: argparse.Namespace) -> int:
         idle_readings=args.idle_readings,
         attainment=args.attainment,
         confidence=args.confidence,
+        max_remote_prefill_tokens=args.max_remote_prefill_tokens,
+        pods_per_host=args.pods_per_host,
     )
     if args.interval <= 0:
         raise ValueError("--interval must be > 0 seconds")
@@ -260,6 +262,15 @@ def add_autoscale_flags(sub: argparse.ArgumentParser) -> None:
     )
     sub.add_argument(
         "--confidence", type=float, default=0.8, help="the model's confidence, as recommend's"
+    )
+    sub.add_argument(
+        "--max-remote-prefill-tokens",
+        type=int,
+        default=0,
+        help="the decode pods' flag, for the model (as recommend's)",
+    )
+    sub.add_argument(
+        "--pods-per-host", type=int, default=1, help="pods sharing a machine (as recommend's)"
     )
     sub.add_argument("--dry-run", action="store_true", help="print decisions, patch nothing")
     sub.add_argument(

@@ -62,10 +62,16 @@ class PolicySettings:
     attainment: float = 0.9
     confidence: float = 0.8
     num_seeds: int = 3
+    # The cluster the model simulates, as recommend's flags: the decode pods' conditional-
+    # disaggregation limit and how many pods share a machine.
+    max_remote_prefill_tokens: int = 0
+    pods_per_host: int = 1
 
     def __post_init__(self) -> None:
         if self.ttft_slo_s <= 0 or self.itl_slo_s <= 0:
             raise ValueError("--ttft-slo and --itl-slo must be > 0 seconds")
+        if self.max_remote_prefill_tokens < 0 or self.pods_per_host < 1:
+            raise ValueError("--max-remote-prefill-tokens must be >= 0, --pods-per-host >= 1")
         if self.cooldown_s < 0:
             raise ValueError("--cooldown must be >= 0 seconds")
         if self.breach_readings < 1 or self.idle_readings < 1:
@@ -79,6 +85,14 @@ class PolicySettings:
         return Target(
             Slo(self.ttft_slo_s, self.itl_slo_s), self.attainment, self.confidence, self.num_seeds
         )
+
+    @property
+    def cluster_options(self) -> dict[str, int]:
+        """What `ClusterConfig` takes beside the pod counts, as recommend passes it."""
+        return {
+            "max_remote_prefill_tokens": self.max_remote_prefill_tokens,
+            "pods_per_host": self.pods_per_host,
+        }
 
     def bounds(self, role: str) -> Bounds:
         return self.prefill if role == "prefill" else self.decode
@@ -202,6 +216,12 @@ class Autoscaler:
                 self._sized.clear()  # a long run's old readings: not worth keeping
             max_pods = max(self.settings.bounds(role).max_replicas, 1)
             self._sized[key] = pods_needed(
-                self.profile, workload, self.settings.target, role, current, max_pods
+                self.profile,
+                workload,
+                self.settings.target,
+                role,
+                current,
+                max_pods,
+                cluster_options=self.settings.cluster_options,
             )
         return self._sized[key]

@@ -132,12 +132,14 @@ def pods_needed(
     current: dict[str, int],
     max_pods: int,
     prefill_profile: Profile | None = None,
+    cluster_options: dict | None = None,
 ) -> int | None:
     """The fewest pods of `role` ("prefill" or "decode"), the other role kept at its current
-    count, with which `judge` says the cluster meets the target; None if `max_pods` do not."""
+    count, with which `judge` says the cluster meets the target; None if `max_pods` do not.
+    `cluster_options`: the rest of the `ClusterConfig` (as recommend builds it)."""
     for count in range(1, max_pods + 1):
         counts = {**current, role: count}
-        cluster = ClusterConfig(counts["prefill"], counts["decode"])
+        cluster = ClusterConfig(counts["prefill"], counts["decode"], **(cluster_options or {}))
         if judge(profile, cluster, workload, target, 0, prefill_profile).meets:
             return count
     return None

@@ -140,17 +140,14 @@ def spread_quantiles(deviations: list[float]) -> tuple[float, ...]:
     return tuple(float(q) for q in np.quantile(np.asarray(deviations, dtype=float), levels))
 
 
-STEP_KINDS = ("decode", "prefill")  # a step that computes any prompt chunk is a prefill step
-
-
 @dataclass(frozen=True)
 class NeighborSlowdown:
     """How much longer a step takes while another pod on the same machine runs one, by the
     kinds of the two steps, as a fraction of the step alone (`profiler_neighbor.py`). Pods on
     one machine share its memory bandwidth and last-level cache: on the 2-core VM of the
-    validation a batch-2 decode step took 0-48% longer beside another decode (it comes and
-    goes; 31-39% averaged over a profile's windows most of the evening), about 5-10% beside a
-    prefill, and a prefill 0-6% longer beside either. GPU pods on their own devices share
+    validation a batch-2 decode step took 0-48% longer beside another decode in 2-second
+    windows (it comes and goes; the mean of run 10's five rounds was 25%), about 5-10% beside
+    a prefill, and a prefill 0-6% longer beside either. GPU pods on their own devices share
     neither; the simulator applies these only to pods it puts on one host."""
 
     decode_beside_decode: float = 0.0

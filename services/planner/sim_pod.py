@@ -52,7 +52,8 @@ class ScheduledStep:
 
     @property
     def kind(self) -> str:
-        """ "prefill" if the step computes any prompt chunk, else "decode" (STEP_KINDS)."""
+        """ "prefill" if the step computes any prompt chunk, else "decode": the kinds
+        `NeighborSlowdown` tells apart."""
         return "decode" if all(seq.is_decode for seq, _ in self.chunks) else "prefill"
 
 

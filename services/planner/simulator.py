@@ -152,7 +152,8 @@ class Simulation:
     _reserve_mid_step: dict[str, list[tuple[_Flight, SimPod]]] = field(default_factory=dict)
     # (decode pod name, prefill pod name) -> the decode pod's prompt tokens in flight there.
     _remote_tokens: dict[tuple[str, str], int] = field(default_factory=dict)
-    _host_of: dict[str, int] = field(default_factory=dict)  # pod name -> its machine
+    # Pod name -> the other pods of its machine (`ClusterConfig.pods_per_host`).
+    _host_mates: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # The serving path's measured costs of this topology (none in a bare profile).
@@ -178,7 +179,11 @@ class Simulation:
             SimPod(f"decode-{i}", limits, self.profile) for i in range(self.cluster.num_decode)
         ]
         pods = self.prefill_pods + self.decode_pods
-        self._host_of = {pod.name: i // self.cluster.pods_per_host for i, pod in enumerate(pods)}
+        per_host = self.cluster.pods_per_host
+        for i, pod in enumerate(pods):
+            first = i - i % per_host
+            machine = pods[first : first + per_host]
+            self._host_mates[pod.name] = tuple(p.name for p in machine if p is not pod)
         # The gateway's own lists: a dead pod leaves its view, not the simulation's pods.
         self.gateway = SimGateway(
             list(self.prefill_pods), list(self.decode_pods), self.cluster.gateway_poll_interval_s
@@ -328,16 +333,12 @@ class Simulation:
         cost, one that starts beside a running step pays for the whole of it, which over many
         steps is the same share of overlap on average."""
         slowdown = pod.profile.neighbor
-        if slowdown is None or self.cluster.pods_per_host == 1:
+        if slowdown is None:
             return step
-        host = self._host_of[pod.name]
         neighbor_kinds = [
             self._in_flight_step[name].kind
-            for name, other_host in self._host_of.items()
-            if other_host == host
-            and name != pod.name
-            and name in self._in_flight_step
-            and name not in self._dead
+            for name in self._host_mates[pod.name]
+            if name in self._in_flight_step and name not in self._dead
         ]
         if not neighbor_kinds:
             return step

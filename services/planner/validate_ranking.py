@@ -24,8 +24,12 @@ INTERVAL = (5.0, 95.0)  # percentiles of the bootstrapped gap: a 90% interval
 
 
 def latency_score(latencies: Latencies, workload: LocalWorkload) -> float:
+    return _score(latencies.ttft_p50, latencies.itl_p50, workload)
+
+
+def _score(ttft_p50: float, itl_p50: float, workload: LocalWorkload) -> float:
     """A request's median latency, about: first token, then the mean output's gaps."""
-    return latencies.ttft_p50 + (workload.shape.output_lens.mean - 1) * latencies.itl_p50
+    return ttft_p50 + (workload.shape.output_lens.mean - 1) * itl_p50
 
 
 def format_ranking(comparisons: list[Comparison], workloads: tuple[LocalWorkload, ...]) -> str:
@@ -78,7 +82,7 @@ def _resampled_score(run: Comparison, workload: LocalWorkload, rng: random.Rando
     ttft_p50 = float(np.median([run.ttfts_s[i] for i in picks]))
     gaps = [gap for i in picks for gap in run.itls_s[i]]
     itl_p50 = float(np.median(gaps)) if gaps else 0.0
-    return ttft_p50 + (workload.shape.output_lens.mean - 1) * itl_p50
+    return _score(ttft_p50, itl_p50, workload)
 
 
 def _order(rows: list[Comparison], workload: LocalWorkload, simulated: bool) -> str:

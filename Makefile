@@ -23,7 +23,7 @@ test-slow: deps
 test-all: test test-slow
 
 run: deps
-	$(PYTHON) -m services.cli up
+	$(PYTHON) -m splitserve.cli up
 
 bench-engine: deps
 	$(PYTHON) -m benchmarks.engine

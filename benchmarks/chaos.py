@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from services.common.redis_server import RedisServer
-from services.launcher import RESTART_POLICY
-from services.loadgen.stacks import RunningStack, SystemSetup
+from splitserve.common.redis_server import RedisServer
+from splitserve.launcher import RESTART_POLICY
+from splitserve.loadgen.stacks import RunningStack, SystemSetup
 
 TOPICS = [
     "the history of lighthouses",

@@ -23,9 +23,9 @@ import sys
 from collections.abc import Iterator
 
 from benchmarks.vs_vllm import ANY_SLO, run_streams
-from services.loadgen.client import Target
-from services.loadgen.stacks import RunningStack, SystemSetup
-from services.loadgen.stats import summarize
+from splitserve.loadgen.client import Target
+from splitserve.loadgen.stacks import RunningStack, SystemSetup
+from splitserve.loadgen.stats import summarize
 
 VARIANTS = {
     "default": ({}, []),

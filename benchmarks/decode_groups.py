@@ -19,10 +19,10 @@ import time
 
 import torch
 
-import shared.runner as runner_module
-from shared import LLM, SamplingParams
-from shared.model.attention import TorchPagedAttention
-from shared.model.decode_groups import DecodeGroup, group_decodes, whole_batch_group
+import splitserve.engine.runner as runner_module
+from splitserve import LLM, SamplingParams
+from splitserve.engine.model.attention import TorchPagedAttention
+from splitserve.engine.model.decode_groups import DecodeGroup, group_decodes, whole_batch_group
 
 # 64 prompts of up to 512 tokens prefill in a few dozen steps of the default token budget.
 MAX_PREFILL_STEPS = 2000

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared import LLM, SamplingParams
+from splitserve import LLM, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def load_transformers():
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
-    from shared.model_paths import default_model_path
+    from splitserve.engine.model_paths import default_model_path
 
     logging.set_verbosity_error()
     directory, name = os.path.split(default_model_path())

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from shared import LLM, SamplingParams
+from splitserve import LLM, SamplingParams
 from tests.test_engine_parity import MAX_TOKENS, _prompts
 
 KV_CACHE_BYTES = 256 * 2**20

@@ -20,7 +20,7 @@ from benchmarks.engine import (
     our_continuous_tokens_per_s,
     random_prompt,
 )
-from shared import LLM
+from splitserve import LLM
 
 KV_DTYPES = ("auto", "int8")
 KV_MEASURES = {

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared import LLM, SamplingParams
-from shared.kv.block_hash import BlockHash
-from shared.kv_offload.host_store import HostBlockStore
-from shared.kv_offload.layout import BlockLayout, pool_block
+from splitserve import LLM, SamplingParams
+from splitserve.engine.kv.block_hash import BlockHash
+from splitserve.engine.kv_offload.host_store import HostBlockStore
+from splitserve.engine.kv_offload.layout import BlockLayout, pool_block
 
 SYSTEM = (
     "You are a meticulous travel-planning agent. You keep a running itinerary, check every "

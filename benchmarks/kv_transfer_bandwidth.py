@@ -26,9 +26,13 @@ from typing import Any
 
 import torch
 
-from kernels.reference import pack_kv_pages, unpack_kv_pages
-from shared.kv_transfer import KVTransferConfig, KVTransferDescriptor, create_kv_transport
-from shared.kv_transfer.config import DEFAULT_UCX_OPTIONS
+from splitserve.engine.kv_transfer import (
+    KVTransferConfig,
+    KVTransferDescriptor,
+    create_kv_transport,
+)
+from splitserve.engine.kv_transfer.config import DEFAULT_UCX_OPTIONS
+from splitserve.kernels.reference import pack_kv_pages, unpack_kv_pages
 
 PAGE_SHAPE = (30, 2, 16, 3, 64)  # SmolLM2: layers, K/V, block_size, kv_heads, head_dim
 BYTES_PER_BLOCK = 737_280

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from shared.model.moe import (
+from splitserve.engine.model.moe import (
     ExpertWeights,
     naive_experts,
     route_tokens,
@@ -31,7 +31,7 @@ from shared.model.moe import (
     torch_experts,
     triton_experts,
 )
-from shared.model.moe_layer import prepare_expert_weights
+from splitserve.engine.model.moe_layer import prepare_expert_weights
 
 NUM_EXPERTS, TOP_K = 8, 2
 

@@ -32,8 +32,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from shared import LLM, SamplingParams
-from shared.parallel.moe_shard import DISPATCH_ENV
+from splitserve import LLM, SamplingParams
+from splitserve.engine.parallel.moe_shard import DISPATCH_ENV
 
 MODEL_DIR = os.path.join("build", "bench_moe_parallel_model")
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
@@ -65,7 +65,7 @@ def synthetic_model(quick: bool) -> str:
     import torch
     from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
 
-    from shared.model_paths import default_model_path
+    from splitserve.engine.model_paths import default_model_path
 
     log(f"writing a random Mixtral-shaped checkpoint to {directory}")
     sizes = QUICK_SIZES if quick else FULL_SIZES

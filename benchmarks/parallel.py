@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from shared import LLM, SamplingParams
+from splitserve import LLM, SamplingParams
 
 MODEL_DIR = os.path.join("build", "bench_parallel_model")
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
@@ -54,7 +54,7 @@ def synthetic_model(directory: str = MODEL_DIR) -> str:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from shared.model_paths import default_model_path
+    from splitserve.engine.model_paths import default_model_path
 
     log(f"writing a random 8-head SmolLM2-sized checkpoint to {directory}")
     gguf_dir, gguf_name = os.path.split(default_model_path())

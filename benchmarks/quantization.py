@@ -42,9 +42,9 @@ from benchmarks.engine import (
     random_prompt,
 )
 from benchmarks.kv_cache_dtype import load_int8_kv_engine, measure_kv, print_kv_table
-from shared import LLM
-from shared.model.quantization import weight_nbytes
-from shared.model_paths import default_model_path
+from splitserve import LLM
+from splitserve.engine.model.quantization import weight_nbytes
+from splitserve.engine.model_paths import default_model_path
 
 METHODS = ("none", "int8", "int4", "gguf")
 MEASURES = {

@@ -41,10 +41,10 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from services.common.redis_server import RedisServer, free_port
-from services.common.supervisor import HealthCheck, ProcessSpec, Supervisor
-from services.loadgen.client import Target, stream_one
-from services.loadgen.workload import RequestSpec
+from splitserve.common.redis_server import RedisServer, free_port
+from splitserve.common.supervisor import HealthCheck, ProcessSpec, Supervisor
+from splitserve.loadgen.client import Target, stream_one
+from splitserve.loadgen.workload import RequestSpec
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 VOCAB = range(1000, 40000)  # ordinary tokens, clear of the special ones
@@ -131,7 +131,7 @@ def start_stack(policy: str) -> Stack:
         health = HealthCheck(addresses[name], f"splitserve.v1.{role.capitalize()}Worker")
         supervisor.start(ProcessSpec(name, [*argv, *common, *extra], health))
     http_port = free_port()
-    argv = [sys.executable, "-m", "services.gateway", "--host", "127.0.0.1"]
+    argv = [sys.executable, "-m", "splitserve.gateway", "--host", "127.0.0.1"]
     argv += ["--port", str(http_port), "--grpc-port", str(free_port())]
     argv += ["--redis-url", redis.url, "--routing-policy", policy, "--log-level", "warning"]
     health = HealthCheck(http_url=f"http://127.0.0.1:{http_port}/health")
@@ -158,9 +158,8 @@ def _wait_for_pods(stack: Stack) -> None:
 
 
 def prefill_tokens_computed(stack: Stack) -> int:
+    from splitserve.common.channels import sync_channel
     from splitserve.v1 import worker_pb2, worker_pb2_grpc
-
-    from services.common.channels import sync_channel
 
     total = 0
     for address in stack.prefill_addresses:

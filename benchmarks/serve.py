@@ -36,16 +36,16 @@ from benchmarks.serving.report import (
     plot_distributions,
     plot_vs_rate,
 )
-from services.loadgen.client import (
+from splitserve.loadgen.client import (
     Target,
     print_progress,
     run_open_loop,
     run_sequential,
 )
-from services.loadgen.cpu import ForeignLoad, idle_foreign_load
-from services.loadgen.stacks import RunningStack, SystemSetup, usable_cores
-from services.loadgen.stats import summarize
-from services.loadgen.workload import (
+from splitserve.loadgen.cpu import ForeignLoad, idle_foreign_load
+from splitserve.loadgen.stacks import RunningStack, SystemSetup, usable_cores
+from splitserve.loadgen.stats import summarize
+from splitserve.loadgen.workload import (
     LengthDistribution,
     WorkloadShape,
     poisson_workload,

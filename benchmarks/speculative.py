@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared import LLM, SamplingParams
+from splitserve import LLM, SamplingParams
 
 SNIPPETS = [
     """def moving_average(values, window):

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared import LLM, SamplingParams
-from shared.model.linear import Linear
+from splitserve import LLM, SamplingParams
+from splitserve.engine.model.linear import Linear
 
 PARTS = (
     "matmul",

@@ -17,8 +17,8 @@ import statistics
 import sys
 import time
 
-from shared import LLM, SamplingParams
-from shared.structured_output.spec import StructuredOutput
+from splitserve import LLM, SamplingParams
+from splitserve.engine.structured_output.spec import StructuredOutput
 
 RECORDS = {
     "type": "array",

@@ -27,10 +27,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.peer.vllm_server import VllmServer
-from services.loadgen.client import RunResult, Target, print_progress, run_open_loop, run_sequential
-from services.loadgen.stacks import RunningStack, SystemSetup
-from services.loadgen.stats import Percentiles, Slo, summarize
-from services.loadgen.workload import (
+from splitserve.loadgen.client import (
+    RunResult,
+    Target,
+    print_progress,
+    run_open_loop,
+    run_sequential,
+)
+from splitserve.loadgen.stacks import RunningStack, SystemSetup
+from splitserve.loadgen.stats import Percentiles, Slo, summarize
+from splitserve.loadgen.workload import (
     LengthDistribution,
     RequestSpec,
     WorkloadShape,

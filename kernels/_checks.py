@@ -16,9 +16,10 @@ import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
-# A KV cache holds float values, or int8 rows of codes and a scale (kernels.kv_int8).
+# A KV cache holds float values, or int8 rows of codes and a scale (splitserve.kernels.kv_int8).
 CACHE_DTYPES = (*FLOAT_DTYPES, torch.int8)
-INT8_SCALE_BYTES = 2  # kernels.kv_int8.SCALE_BYTES (imported there from here would cycle)
+# kv_int8.SCALE_BYTES (imported there from here would cycle)
+INT8_SCALE_BYTES = 2
 
 
 class CacheShape(NamedTuple):
@@ -80,14 +81,14 @@ def check_same_device(tensors: dict[str, torch.Tensor]) -> torch.device:
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"{first_name} is on the CPU: the Triton kernels need a GPU tensor (or "
-            "TRITON_INTERPRET=1 for testing); use kernels.reference on the CPU"
+            "TRITON_INTERPRET=1 for testing); use splitserve.kernels.reference on the CPU"
         )
     return device
 
 
 def check_kv_cache_pair(key_cache: object, value_cache: object) -> CacheShape:
     """Checks the per-layer caches `[num_blocks, block_size, num_kv_heads, head_dim]` (an int8
-    cache: `head_dim + 2`, codes then the scale's bytes, kernels.kv_int8).
+    cache: `head_dim + 2`, codes then the scale's bytes, splitserve.kernels.kv_int8).
 
     Returns that shape, with the model's head_dim. Both caches must share shape, dtype and
     strides, because the kernels compute one offset and use it for both.

@@ -13,13 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_int8 import split_rows
+from splitserve.kernels.kv_int8 import split_rows
 
 
 @triton.jit
 def load_kv_tile(
     cache_ptr,
-    scale_ptr,  # an int8 cache's bfloat16 scales (kernels.kv_int8); unused otherwise
+    scale_ptr,  # an int8 cache's bfloat16 scales (splitserve.kernels.kv_int8); unused otherwise
     block_table_ptr,  # this sequence's row of the block table
     toks,  # [TILE_N] token positions in the sequence
     tok_ok,  # [TILE_N] which positions exist

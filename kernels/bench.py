@@ -1,6 +1,7 @@
-"""GPU benchmark of every kernel: `python -m kernels.bench [--dtype bfloat16|float16|float32]`.
+"""GPU benchmark of every kernel: `python -m splitserve.kernels.bench [--dtype
+bfloat16|float16|float32]`.
 
-For each kernel: check the result on CUDA against `kernels.reference`, time it with
+For each kernel: check the result on CUDA against `splitserve.kernels.reference`, time it with
 `triton.testing.do_bench` (median, L2 flushed between runs), and print the bandwidth it
 achieves (bytes it must move / time) next to the device's copy bandwidth measured the same way,
 so "% of copy" says how close a memory-bound kernel is to the roofline. Decode attention is also
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import reference
+from splitserve.kernels import reference
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}
 MIN_PARTITION_SIZE = 16  # paged_decode_attention's smallest partition
@@ -279,7 +280,7 @@ def sdpa_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
 
 
 def bench_decode(ctx: BenchContext, layout: tuple[int, int, int]) -> list[Timing]:
-    from kernels.decode_attention import paged_decode_attention
+    from splitserve.kernels.decode_attention import paged_decode_attention
 
     num_heads, num_kv_heads, head_dim = layout
     shapes = ctx.shapes
@@ -335,8 +336,8 @@ def bench_decode(ctx: BenchContext, layout: tuple[int, int, int]) -> list[Timing
 def bench_decode_int8(ctx: BenchContext, layout: tuple[int, int, int]) -> list[Timing]:
     """Decode attention over an int8 cache (kv_cache_dtype int8: codes and a bfloat16 scale per
     row, kernels/kv_int8.py) of the same keys: about half the bytes of bfloat16 to read."""
-    from kernels.decode_attention import paged_decode_attention
-    from kernels.kv_int8 import quantize_rows
+    from splitserve.kernels.decode_attention import paged_decode_attention
+    from splitserve.kernels.kv_int8 import quantize_rows
 
     num_heads, num_kv_heads, head_dim = layout
     batch, context = ctx.shapes.decode_batch, ctx.shapes.decode_context
@@ -363,7 +364,7 @@ def bench_prefill(ctx: BenchContext, layout: tuple[int, int, int]) -> list[Timin
 def bench_prefill_shape(
     ctx: BenchContext, layout: tuple[int, int, int], context: int, query_len: int
 ) -> Timing:
-    from kernels.prefill_attention import paged_prefill_attention
+    from splitserve.kernels.prefill_attention import paged_prefill_attention
 
     num_heads, num_kv_heads, head_dim = layout
     num_seqs = ctx.shapes.prefill_seqs
@@ -399,7 +400,7 @@ def bench_prefill_shape(
 
 
 def bench_write_kv(ctx: BenchContext) -> list[Timing]:
-    from kernels.kv_cache_ops import write_kv
+    from splitserve.kernels.kv_cache_ops import write_kv
 
     num_tokens, block_size = ctx.shapes.num_tokens, ctx.shapes.block_size
     num_kv_heads, head_dim = ctx.shapes.write_kv_layout
@@ -418,7 +419,7 @@ def bench_write_kv(ctx: BenchContext) -> list[Timing]:
 
 
 def bench_pages(ctx: BenchContext) -> list[Timing]:
-    from kernels.kv_cache_ops import pack_kv_pages, unpack_kv_pages
+    from splitserve.kernels.kv_cache_ops import pack_kv_pages, unpack_kv_pages
 
     shapes = ctx.shapes
     kv = ctx.randn(
@@ -451,7 +452,7 @@ def bench_pages(ctx: BenchContext) -> list[Timing]:
 
 
 def bench_rms_norm(ctx: BenchContext) -> list[Timing]:
-    from kernels.rms_norm import fused_add_rms_norm
+    from splitserve.kernels.rms_norm import fused_add_rms_norm
 
     timings, num_tokens = [], ctx.shapes.num_tokens
     for hidden in ctx.shapes.norm_hidden_sizes:
@@ -470,7 +471,7 @@ def bench_rms_norm(ctx: BenchContext) -> list[Timing]:
 
 
 def bench_rotary(ctx: BenchContext) -> list[Timing]:
-    from kernels.rotary import rotary_embedding
+    from splitserve.kernels.rotary import rotary_embedding
 
     timings, num_tokens = [], ctx.shapes.num_tokens
     for num_heads, num_kv_heads, head_dim in ctx.shapes.head_layouts:
@@ -499,7 +500,7 @@ def bench_rotary(ctx: BenchContext) -> list[Timing]:
 
 
 def bench_steps(ctx: BenchContext) -> list[tuple[str, Callable[[], list[Timing]]]]:
-    from kernels.bench_dequant import bench_dequant_matmul  # it imports this module
+    from splitserve.kernels.bench_dequant import bench_dequant_matmul  # it imports this module
 
     layouts = ctx.shapes.head_layouts
     return [
@@ -522,17 +523,17 @@ def pick_device(is_smoke: bool) -> torch.device:
     if not is_smoke:
         if interpret == "1":
             sys.exit(
-                "kernels.bench times compiled kernels: unset TRITON_INTERPRET "
+                "splitserve.kernels.bench times compiled kernels: unset TRITON_INTERPRET "
                 "(or pass --smoke for a check of every path on the CPU)"
             )
         sys.exit(
-            "kernels.bench needs a CUDA GPU and none is visible; on the CPU, run "
-            "`python -m kernels.bench --smoke` or the kernel tests "
+            "splitserve.kernels.bench needs a CUDA GPU and none is visible; on the CPU, run "
+            "`python -m splitserve.kernels.bench --smoke` or the kernel tests "
             "(TRITON_INTERPRET=1 pytest tests/test_kernels_*.py)"
         )
     if interpret == "0":
         sys.exit(
-            "kernels.bench --smoke: no CUDA device, and TRITON_INTERPRET=0 forbids the "
+            "splitserve.kernels.bench --smoke: no CUDA device, and TRITON_INTERPRET=0 forbids the "
             "CPU interpreter"
         )
     # Read when a kernel module is first imported (triton.jit), which has not happened yet.
@@ -550,7 +551,7 @@ def describe(device: torch.device, dtype: torch.dtype, shapes: BenchShapes) -> s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kernels.bench",
+        prog="python -m splitserve.kernels.bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,4 +1,5 @@
-"""`python -m kernels.bench`'s step for the dequantizing matmuls (kernels/dequant_matmul.py).
+"""`python -m splitserve.kernels.bench`'s step for the dequantizing matmuls
+(kernels/dequant_matmul.py).
 
 For each weight shape and row count: the int8 and int4 kernels checked against their
 references, then timed beside a dense product of the same sizes in the run's dtype
@@ -15,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
-from kernels.bench import BenchContext, Timing, nbytes
+from splitserve.kernels import reference
+from splitserve.kernels.bench import BenchContext, Timing, nbytes
 
 
 def _int8_weight(ctx: BenchContext, out: int, inner: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +63,7 @@ def bench_dequant_matmul(ctx: BenchContext) -> list[Timing]:
 
 
 def _bench_rows(ctx: BenchContext, w: _Weights, x: torch.Tensor) -> list[Timing]:
-    from kernels.dequant_matmul import int4_group_matmul, int8_matmul
+    from splitserve.kernels.dequant_matmul import int4_group_matmul, int8_matmul
 
     (rows, inner), out = x.shape, w.size[0]
     size = f"{rows}x{inner}->{out}"

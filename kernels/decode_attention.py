@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _checks as checks
-from kernels._paged_tile import dot_meta, load_kv_tile, online_softmax_step, scale_args
+from splitserve.kernels import _checks as checks
+from splitserve.kernels._paged_tile import dot_meta, load_kv_tile, online_softmax_step, scale_args
 
 LOG2E = 1.4426950408889634
 DEFAULT_PARTITION_SIZE = 512
@@ -184,7 +184,8 @@ def paged_decode_attention(
 
     query: [num_seqs, num_heads, head_dim], the token at position `seq_lens[s] - 1`, whose own
     key and value are already in the cache. key_cache, value_cache: [num_blocks, block_size,
-    num_kv_heads, head_dim] of query's dtype, or int8 rows of head_dim + 2 (kernels.kv_int8),
+    num_kv_heads, head_dim] of query's dtype, or int8 rows of head_dim + 2
+    (splitserve.kernels.kv_int8),
     dequantized as they are read. block_tables: [num_seqs, max_blocks_per_seq] int32. seq_lens:
     [num_seqs] int32. Returns `out` (or a new tensor) of query's shape and dtype.
 

@@ -5,7 +5,8 @@ dequantized copy of the weight is ever made; each program dequantizes the tile i
 
 - int8 per output channel: `codes [N, K_pad] int8`, `scales [N]`; `W[n, k] = codes * scales[n]`.
   The scale is constant along k, so it is applied once to the accumulated row, after the loop.
-- int4 in groups of 32 along k (`kernels.reference.pack_int4_groups` says the byte order):
+- int4 in groups of 32 along k (`splitserve.kernels.reference.pack_int4_groups` says the byte
+order):
   `packed [N, K_pad / 2] uint8`, `scales`, `minimums [N, K_pad / 32]`;
   `W[n, k] = scales[n, g] * code + minimums[n, g]` with g = k // 32. Byte 16g + j holds column
   32g + j in its low nibble and 32g + j + 16 in its high one: ggml's Q4_0 / Q4_1 block order, so
@@ -28,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _checks as checks
-from kernels._paged_tile import dot, dot_meta
+from splitserve.kernels import _checks as checks
+from splitserve.kernels._paged_tile import dot, dot_meta
 
 GROUP_SIZE = 32  # int4 columns sharing one scale and minimum (one GGUF block)
 _BLOCK_N = 64

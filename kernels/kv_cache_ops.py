@@ -2,7 +2,8 @@
 
 A block's *page* is what one block holds for one layer and one of K/V: `[block_size,
 num_kv_heads, head_dim]`, contiguous inside the engine's cache `[num_layers, 2, num_blocks,
-block_size, num_kv_heads, head_dim]`. An int8 cache (`kernels.kv_int8`) has rows of head_dim + 2
+block_size, num_kv_heads, head_dim]`. An int8 cache (`splitserve.kernels.kv_int8`) has rows of
+head_dim + 2
 int8 elements: the write quantizes each (token, head) row; pages move as bytes, scales inside.
 """
 
@@ -14,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _checks as checks
-from kernels.kv_int8 import split_rows
+from splitserve.kernels import _checks as checks
+from splitserve.kernels.kv_int8 import split_rows
 
 COPY_TILE = 1024  # elements per step of the page copy
 
@@ -26,7 +27,7 @@ def _write_kv_kernel(
     value_ptr,
     key_cache_ptr,
     value_cache_ptr,
-    key_scale_ptr,  # an int8 cache's scale views (kernels.kv_int8); unused otherwise
+    key_scale_ptr,  # an int8 cache's scale views (splitserve.kernels.kv_int8); unused otherwise
     value_scale_ptr,
     slot_mapping_ptr,
     stride_in_tok,
@@ -70,7 +71,8 @@ def _write_kv_kernel(
 
 @triton.jit
 def _store_int8(code_ptrs, scale_ptrs, x, mask, head_ok):
-    """`kernels.kv_int8.quantize` of each head's row of x `[HEADS_PAD, HEAD_DIM_PAD]` (masked
+    """`splitserve.kernels.kv_int8.quantize` of each head's row of x `[HEADS_PAD, HEAD_DIM_PAD]`
+    (masked
     elements are 0, so they leave the absmax alone): codes to code_ptrs, scales to scale_ptrs."""
     x = x.to(tl.float32)
     scale_f = _round_to_bfloat16(tl.max(tl.abs(x), 1) / 127.0)  # [HEADS_PAD]; kv_int8.QMAX
@@ -106,7 +108,8 @@ def write_kv(
     (`block_id * block_size + offset`) of key_cache and value_cache, which it mutates.
 
     key, value: [num_tokens, num_kv_heads, head_dim] of the caches' dtype (of any float dtype
-    for an int8 cache, whose rows it quantizes: kernels.kv_int8); slot_mapping: [num_tokens]
+    for an int8 cache, whose rows it quantizes: splitserve.kernels.kv_int8); slot_mapping:
+    [num_tokens]
     int64, -1 for padding tokens (skipped). Precondition not checked: every other
     slot is below `num_blocks * block_size`, and no two tokens share a slot.
     """

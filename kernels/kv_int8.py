@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._checks import INT8_SCALE_BYTES
+from splitserve.kernels._checks import INT8_SCALE_BYTES
 
 SCALE_DTYPE = torch.bfloat16
 SCALE_BYTES = INT8_SCALE_BYTES

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _checks as checks
-from kernels._paged_tile import dot, dot_meta
+from splitserve.kernels import _checks as checks
+from splitserve.kernels._paged_tile import dot, dot_meta
 
 _BLOCK_M = 16  # tl.dot needs 16 at least; decode slices are a few rows per expert
 _BLOCK_N = 64

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _checks as checks
-from kernels._paged_tile import dot_meta, load_kv_tile, online_softmax_step, scale_args
+from splitserve.kernels import _checks as checks
+from splitserve.kernels._paged_tile import dot_meta, load_kv_tile, online_softmax_step, scale_args
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # rows (tokens x heads of one group) per program
@@ -150,7 +150,8 @@ def paged_prefill_attention(
     starting at 0, non-decreasing), the tokens at positions `seq_lens[s] - q_len ..
     seq_lens[s] - 1`, whose keys and values are already in the cache (key_cache, value_cache:
     [num_blocks, block_size, num_kv_heads, head_dim] of query's dtype, or int8 rows of
-    head_dim + 2, kernels.kv_int8). Returns `out` (or a new tensor) of query's shape and dtype.
+    head_dim + 2, splitserve.kernels.kv_int8). Returns `out` (or a new tensor) of query's shape and
+    dtype.
 
     max_query_len sizes the launch; pass it (the scheduler knows it) to avoid a device sync.
     Preconditions not checked: `q_len <= seq_lens[s] <= max_blocks_per_seq * block_size`,

@@ -8,7 +8,8 @@ KV layout: per layer a key cache and a value cache `[num_blocks, block_size, num
 head_dim]` (views `kv[l, 0]`, `kv[l, 1]` of `[num_layers, 2, num_blocks, block_size,
 num_kv_heads, head_dim]`); token `t` of a sequence lives in slot
 `block_tables[s, t // block_size] * block_size + t % block_size`. An int8 cache
-(`kernels.kv_int8`) has rows of `head_dim + 2` int8 elements, codes then their scale: the write
+(`splitserve.kernels.kv_int8`) has rows of `head_dim + 2` int8 elements, codes then their scale:
+the write
 quantizes and the attention dequantizes on read, to the query's dtype.
 """
 
@@ -19,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import kv_int8
+from splitserve.kernels import kv_int8
 
 
 class AddRMSNormOutput(NamedTuple):

@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _checks as checks
-from kernels.reference import AddRMSNormOutput
+from splitserve.kernels import _checks as checks
+from splitserve.kernels.reference import AddRMSNormOutput
 
 
 @triton.jit

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _checks as checks
+from splitserve.kernels import _checks as checks
 
 
 @triton.jit
@@ -70,7 +70,8 @@ def rotary_embedding(
     by the angles of `positions` ([T] int64 or int32).
 
     cos_sin_cache: [max_position, head_dim], `[:, :head_dim/2]` = cos and `[:, head_dim/2:]` =
-    sin of `position * inv_freq` (see `kernels.reference.rotary_cos_sin_cache`); float32 is
+    sin of `position * inv_freq` (see `splitserve.kernels.reference.rotary_cos_sin_cache`); float32
+    is
     best. query and key may be strided views (say, of one fused QKV projection). Precondition
     not checked: `0 <= positions < max_position`.
     """

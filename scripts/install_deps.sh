@@ -37,4 +37,4 @@ echo "[deps] installing splitserve with test extras"
 # one, from paying for it.
 # A machine without a compiler still runs: the engine then keeps its PyTorch path.
 echo "[deps] building the CPU kernels"
-"$PYTHON" -c "import kernels.cpu as k; print('[deps] CPU kernels', 'ready' if k.load() else 'unavailable: PyTorch path')"
+"$PYTHON" -c "import splitserve.kernels.cpu as k; print('[deps] CPU kernels', 'ready' if k.load() else 'unavailable: PyTorch path')"

@@ -6,8 +6,8 @@ import argparse
 import sys
 import time
 
-from services.common.flags import add_kv_cache_dtype_flag, add_quantization_flag
-from services.launcher import add_up_flags, run_up
+from splitserve.common.flags import add_kv_cache_dtype_flag, add_quantization_flag
+from splitserve.launcher import add_up_flags, run_up
 
 ENGINE_FLAGS = (
     "dtype",
@@ -34,8 +34,8 @@ def _add_up(sub: argparse.ArgumentParser) -> None:
 
 
 def _add_plan(sub: argparse.ArgumentParser) -> None:
-    # The planner owns its flags: `splitserve plan X` is `python -m services.planner X`.
-    from services.planner.__main__ import add_plan_subcommands
+    # The planner owns its flags: `splitserve plan X` is `python -m splitserve.planner X`.
+    from splitserve.planner.__main__ import add_plan_subcommands
 
     add_plan_subcommands(sub)
 
@@ -62,9 +62,9 @@ def _add_generate(sub: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from shared.llm import LLM
-    from shared.progress import ConsoleProgress
-    from shared.sampling_params import SamplingParams
+    from splitserve.engine.llm import LLM
+    from splitserve.engine.progress import ConsoleProgress
+    from splitserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "up":
             return run_up(args)
         if args.command == "plan":
-            from services.planner.__main__ import run_plan
+            from splitserve.planner.__main__ import run_plan
 
             return run_plan(args)
     except ValueError as error:

@@ -1,7 +1,7 @@
 """`splitserve up`: the whole system on one machine (gateway, prefill and decode processes).
 
 Which processes, on which ports, with which flags, is decided here (`plan`); starting,
-health-checking and stopping them is services.common.supervisor's job.
+health-checking and stopping them is splitserve.common.supervisor's job.
 """
 
 from __future__ import annotations
@@ -18,22 +18,22 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from services.common.flags import (
+from splitserve.common.flags import (
     add_kv_cache_dtype_flag,
     add_quantization_flag,
     parse_size,
     parse_tier_size,
 )
-from services.common.redis_server import RedisServer
-from services.common.supervisor import (
+from splitserve.common.redis_server import RedisServer
+from splitserve.common.supervisor import (
     HealthCheck,
     ProcessGroupError,
     ProcessSpec,
     RestartPolicy,
     Supervisor,
 )
-from shared.config import QUANTIZATION_METHODS
-from shared.kv_offload.sizing import auto_host_tier_bytes
+from splitserve.engine.config import QUANTIZATION_METHODS
+from splitserve.engine.kv_offload.sizing import auto_host_tier_bytes
 
 DECODE_SERVICE = "splitserve.v1.DecodeWorker"
 PREFILL_SERVICE = "splitserve.v1.PrefillWorker"
@@ -198,7 +198,7 @@ def plan(
     if not 0 <= args.prefill_nice <= 19:
         raise ValueError(f"--prefill-nice must be within 0..19, got {args.prefill_nice}")
     if prefill_available is None:
-        prefill_available = importlib.util.find_spec("services.prefill") is not None
+        prefill_available = importlib.util.find_spec("splitserve.prefill") is not None
     colocated, note = _mode(args, prefill_available)
     num_prefill = 0 if colocated else args.prefill
     transport, transport_note = _transport(args, colocated)
@@ -345,7 +345,7 @@ def _gateway(
     prefill_addresses: list[str],
     redis_flags: list[str],
 ) -> ProcessSpec:
-    argv = [sys.executable, "-m", "services.gateway", "--host", args.host]
+    argv = [sys.executable, "-m", "splitserve.gateway", "--host", args.host]
     argv += ["--port", str(args.port), "--grpc-port", str(args.grpc_port)]
     argv += ["--routing-policy", args.routing_policy, *redis_flags]
     argv += ["--log-level", args.log_level]

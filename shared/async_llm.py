@@ -22,16 +22,16 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from shared.config import EngineConfig
-from shared.disaggregation import ExportedPrefill, RemotePrefillPlan, RemotePrefillResult
-from shared.engine import EngineCore, EngineStats
-from shared.kv.block_hash import BlockHash
-from shared.kv.events import KVCacheEvent
-from shared.kv.tiers import Tier
-from shared.outputs import StreamDelta, merge_deltas
-from shared.parallel.group import ParallelError
-from shared.prompts import child_sequences
-from shared.sampling_params import SamplingParams
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.disaggregation import ExportedPrefill, RemotePrefillPlan, RemotePrefillResult
+from splitserve.engine.engine import EngineCore, EngineStats
+from splitserve.engine.kv.block_hash import BlockHash
+from splitserve.engine.kv.events import KVCacheEvent
+from splitserve.engine.kv.tiers import Tier
+from splitserve.engine.outputs import StreamDelta, merge_deltas
+from splitserve.engine.parallel.group import ParallelError
+from splitserve.engine.prompts import child_sequences
+from splitserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

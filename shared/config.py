@@ -1,7 +1,8 @@
 """Engine configuration: one frozen dataclass per concern, composed into `EngineConfig`.
 
 Values discovered at run time (how many KV blocks fit, the model's real context length) live in
-`shared.kv.memory.KVCacheSpec` and in the loaded model's `ModelArchitecture`, never written back
+`splitserve.engine.kv.memory.KVCacheSpec` and in the loaded model's `ModelArchitecture`, never
+written back
 here.
 """
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from shared.sampling_params import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams
 
 # Prompt tokens decoded as context before the first output token.
 _NUM_PROMPT_CONTEXT_TOKENS = 5

@@ -30,12 +30,17 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from shared.kv_transfer.base import KVReceiver, KVSender, KVTransferDescriptor, KVTransferError
+from splitserve.engine.kv_transfer.base import (
+    KVReceiver,
+    KVSender,
+    KVTransferDescriptor,
+    KVTransferError,
+)
 
 if TYPE_CHECKING:
-    from shared.outputs import CompletionOutput
-    from shared.sampler import TokenLogprobs
-    from shared.step import StepResult
+    from splitserve.engine.outputs import CompletionOutput
+    from splitserve.engine.sampler import TokenLogprobs
+    from splitserve.engine.step import StepResult
 
 
 @dataclass(frozen=True)
@@ -151,9 +156,9 @@ def page_shape(kv_cache: torch.Tensor, num_blocks: int) -> tuple[int, ...]:
 def pack_pages(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
     """Blocks' pages of every layer as one contiguous block-major buffer (a copy)."""
     if kv_cache.device.type == "cuda":
-        from kernels import pack_kv_pages
+        from splitserve.kernels import pack_kv_pages
     else:
-        from kernels.reference import pack_kv_pages
+        from splitserve.kernels.reference import pack_kv_pages
     return pack_kv_pages(kv_cache, block_ids)
 
 
@@ -161,9 +166,9 @@ def unpack_pages(pages: torch.Tensor, kv_cache: torch.Tensor, block_ids: list[in
     """Writes a `pack_pages` buffer into `kv_cache` at `block_ids`; mutates kv_cache."""
     pages = pages.to(kv_cache.device)
     if kv_cache.device.type == "cuda":
-        from kernels import unpack_kv_pages
+        from splitserve.kernels import unpack_kv_pages
     else:
-        from kernels.reference import unpack_kv_pages
+        from splitserve.kernels.reference import unpack_kv_pages
     unpack_kv_pages(pages, kv_cache, block_ids)
 
 

@@ -4,7 +4,8 @@
     model_out = runner.execute(sched)     # one batched forward + sampling
     updates = scheduler.update(sched, model_out)
 
-The types of the step are in `shared.step`. What else happens around a forward pass (telemetry,
+The types of the step are in `splitserve.engine.step`. What else happens around a forward pass
+(telemetry,
 the speculation policy's cost curve, exporting a prefill pod's pages) is a `StepObserver` of the
 `StepResult`; the step itself stays these lines.
 
@@ -20,40 +21,40 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.config import EngineConfig
-from shared.disaggregation import (
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.disaggregation import (
     KVPageExporter,
     LocalPages,
     PageIO,
     RemotePrefillPlan,
     RemotePrefillResult,
 )
-from shared.kv.block_hash import BlockHash, cache_salt_keys
-from shared.kv.events import KVCacheEvent
-from shared.kv.eviction import retention_for
-from shared.kv.manager import KVCacheManager
-from shared.kv.tiers import Tier
-from shared.kv_offload.build import attach_offloader, build_offloader
-from shared.kv_offload.stats import KVTierStats, tier_stats
-from shared.model.kv_cache import KVCacheSpec, allocate_kv_cache, size_kv_cache
-from shared.model.llama import LlamaForCausalLM
-from shared.model.loader import load_checkpoint
-from shared.model.moe_layer import expert_token_counts, moe_blocks
-from shared.output_processor import OutputProcessor
-from shared.outputs import StreamDelta
-from shared.parallel.group import ParallelGroup
-from shared.parallel.pages import ParallelPages
-from shared.parallel.setup import start_parallel
-from shared.prompts import check_prompt
-from shared.request import Request, RequestStatus
-from shared.runner import ModelRunner
-from shared.sampling_params import SamplingParams
-from shared.scheduler import Scheduler
-from shared.spec_decode.speculator import build_policy, build_speculator
-from shared.step import ModelOutput, SchedulerOutput, StepObserver, StepResult
-from shared.structured_output.grammar import grammar_for
-from shared.structured_output.matcher import GrammarCompiler, StepMasks
-from shared.thread_tuner import ThreadTuner
+from splitserve.engine.kv.block_hash import BlockHash, cache_salt_keys
+from splitserve.engine.kv.events import KVCacheEvent
+from splitserve.engine.kv.eviction import retention_for
+from splitserve.engine.kv.manager import KVCacheManager
+from splitserve.engine.kv.tiers import Tier
+from splitserve.engine.kv_offload.build import attach_offloader, build_offloader
+from splitserve.engine.kv_offload.stats import KVTierStats, tier_stats
+from splitserve.engine.model.kv_cache import KVCacheSpec, allocate_kv_cache, size_kv_cache
+from splitserve.engine.model.llama import LlamaForCausalLM
+from splitserve.engine.model.loader import load_checkpoint
+from splitserve.engine.model.moe_layer import expert_token_counts, moe_blocks
+from splitserve.engine.output_processor import OutputProcessor
+from splitserve.engine.outputs import StreamDelta
+from splitserve.engine.parallel.group import ParallelGroup
+from splitserve.engine.parallel.pages import ParallelPages
+from splitserve.engine.parallel.setup import start_parallel
+from splitserve.engine.prompts import check_prompt
+from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.runner import ModelRunner
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.spec_decode.speculator import build_policy, build_speculator
+from splitserve.engine.step import ModelOutput, SchedulerOutput, StepObserver, StepResult
+from splitserve.engine.structured_output.grammar import grammar_for
+from splitserve.engine.structured_output.matcher import GrammarCompiler, StepMasks
+from splitserve.engine.thread_tuner import ThreadTuner
 
 logger = logging.getLogger(__name__)
 

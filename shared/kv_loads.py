@@ -17,9 +17,9 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from shared.kv.manager import ComputedBlocks, KVCacheManager
-from shared.kv_offload.loading import LoadItem, LoadJob
-from shared.request import Request, RequestStatus
+from splitserve.engine.kv.manager import ComputedBlocks, KVCacheManager
+from splitserve.engine.kv_offload.loading import LoadItem, LoadJob
+from splitserve.engine.request import Request, RequestStatus
 
 # The longest one step waits for a load when nothing else can run (no busy loop, and the engine
 # thread still takes new requests between steps).

@@ -6,11 +6,11 @@ import contextlib
 import itertools
 from collections.abc import Iterator, Sequence
 
-from shared.config import EngineConfig
-from shared.engine import EngineCore, EngineStats
-from shared.outputs import CompletionOutput, RequestOutput, StreamDelta
-from shared.prompts import PromptInput, child_sequences, normalize_prompts
-from shared.sampling_params import SamplingParams
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import EngineCore, EngineStats
+from splitserve.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
+from splitserve.engine.prompts import PromptInput, child_sequences, normalize_prompts
+from splitserve.engine.sampling_params import SamplingParams
 
 
 class LLM:

@@ -6,11 +6,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from shared.detokenizer import IncrementalDetokenizer
-from shared.outputs import CompletionOutput, RequestTimings, StreamDelta
-from shared.request import Request, RequestStatus
-from shared.step import RequestUpdate
-from shared.tokenizer import Tokenizer
+from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.outputs import CompletionOutput, RequestTimings, StreamDelta
+from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.step import RequestUpdate
+from splitserve.engine.tokenizer import Tokenizer
 
 
 @dataclass

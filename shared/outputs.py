@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from shared.sampler import TokenLogprobs
+    from splitserve.engine.sampler import TokenLogprobs
 
 
 @dataclass

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from shared.sampling_params import SamplingParams
-from shared.tokenizer import Tokenizer
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.tokenizer import Tokenizer
 
 # Child sequences of an n > 1 request are "<request_id>#<index>".
 CHILD_SEPARATOR = "#"

@@ -16,12 +16,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shared.kv.block_hash import BlockHash
-from shared.kv.eviction import KEEP_LRU, Retention
-from shared.sampling_params import SamplingParams
+from splitserve.engine.kv.block_hash import BlockHash
+from splitserve.engine.kv.eviction import KEEP_LRU, Retention
+from splitserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from shared.structured_output.matcher import SequenceGrammar
+    from splitserve.engine.structured_output.matcher import SequenceGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -84,7 +84,8 @@ class Request:
     # is in the cache. The proposer advances it; the scheduler cuts it back to
     # num_computed_tokens after a verification and to 0 on preemption.
     num_draft_computed_tokens: int = 0
-    # Speculative decoding: the request's acceptance statistics (shared.spec_decode.adaptive
+    # Speculative decoding: the request's acceptance statistics
+    # (splitserve.engine.spec_decode.adaptive
     # owns it; None until the request first speculates).
     spec_state: object | None = None
     # Structured outputs: where the output stands in its grammar (set at admission when the

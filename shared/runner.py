@@ -8,17 +8,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.model.attention_backend import select_attention_backend
-from shared.model.attention_metadata import AttentionBackend, AttentionMetadata, PrefillChunk
-from shared.model.decode_groups import group_decodes
-from shared.model.llama import LlamaForCausalLM
-from shared.request import Request
-from shared.sampler import Sampler, SamplingRow, advance_generator
-from shared.step import ModelOutput, ScheduledChunk, SchedulerOutput
-from shared.structured_output.matcher import NO_MASKS, StepMasks
+from splitserve.engine.model.attention_backend import select_attention_backend
+from splitserve.engine.model.attention_metadata import (
+    AttentionBackend,
+    AttentionMetadata,
+    PrefillChunk,
+)
+from splitserve.engine.model.decode_groups import group_decodes
+from splitserve.engine.model.llama import LlamaForCausalLM
+from splitserve.engine.request import Request
+from splitserve.engine.sampler import Sampler, SamplingRow, advance_generator
+from splitserve.engine.step import ModelOutput, ScheduledChunk, SchedulerOutput
+from splitserve.engine.structured_output.matcher import NO_MASKS, StepMasks
 
 if TYPE_CHECKING:
-    from shared.parallel.group import ParallelGroup
+    from splitserve.engine.parallel.group import ParallelGroup
 
 
 @dataclass

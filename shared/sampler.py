@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.sampling_params import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams
 
 
 @dataclass

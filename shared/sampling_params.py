@@ -11,7 +11,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from shared.structured_output.spec import StructuredOutput
+from splitserve.engine.structured_output.spec import StructuredOutput
 
 # Top-N logprobs a request may ask for; more would make every step's sort expensive.
 MAX_LOGPROBS = 20

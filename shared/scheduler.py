@@ -25,14 +25,14 @@ import heapq
 import itertools
 from typing import TYPE_CHECKING
 
-from shared.config import SchedulerConfig
-from shared.kv.manager import KVCacheManager
-from shared.request import Request, RequestStatus
-from shared.step import ModelOutput, RequestUpdate, ScheduledChunk, SchedulerOutput
+from splitserve.engine.config import SchedulerConfig
+from splitserve.engine.kv.manager import KVCacheManager
+from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.step import ModelOutput, RequestUpdate, ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
-    from shared.kv_loads import KVLoads
-    from shared.spec_decode.adaptive import SpeculationPolicy, StepPlan
+    from splitserve.engine.kv_loads import KVLoads
+    from splitserve.engine.spec_decode.adaptive import SpeculationPolicy, StepPlan
 
 
 class Scheduler:

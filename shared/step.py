@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from shared.request import Request
-    from shared.sampler import TokenLogprobs
+    from splitserve.engine.request import Request
+    from splitserve.engine.sampler import TokenLogprobs
 
 
 @dataclass

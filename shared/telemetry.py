@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from shared.engine import EngineCore
-    from shared.step import StepResult
+    from splitserve.engine.engine import EngineCore
+    from splitserve.engine.step import StepResult
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from shared.step import SchedulerOutput, StepResult
+from splitserve.engine.step import SchedulerOutput, StepResult
 
 WINDOW = 5  # steps per shape and thread count whose median is compared
 EXPLORE_MIN = 8  # steps from a try of the other count that won to the next try

@@ -21,7 +21,7 @@ import gguf
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from shared.chat_template import ChatTemplate
+from splitserve.engine.chat_template import ChatTemplate
 
 # llama.cpp token types (gguf.TokenType): CONTROL tokens are special (skipped when decoding),
 # USER_DEFINED ones are matched whole in text but decode like ordinary text.

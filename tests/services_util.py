@@ -19,10 +19,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
-from services.common.channels import sync_channel
-from services.common.supervisor import HealthCheck, ProcessSpec, Supervisor
+from splitserve.common.channels import sync_channel
+from splitserve.common.supervisor import HealthCheck, ProcessSpec, Supervisor
+from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1"  # what the services call the shipped model
 KV_CACHE_BYTES = "128MiB"
@@ -130,7 +130,7 @@ def start_gateway(
     stack: Stack, name: str, http_port: int, grpc_port: int, flags: Sequence[str] = ()
 ) -> subprocess.Popen:
     """A gateway over the stack's pods (the stack's own, or a replica beside it)."""
-    argv = [sys.executable, "-m", "services.gateway", "--host", "127.0.0.1"]
+    argv = [sys.executable, "-m", "splitserve.gateway", "--host", "127.0.0.1"]
     argv += ["--port", str(http_port), "--grpc-port", str(grpc_port)]
     argv += ["--log-level", "warning", *flags]
     for address in stack.decode_addresses:
@@ -205,7 +205,7 @@ def get_json(url: str) -> HttpResult:
 def single_threaded_reference(kv_cache_bytes: int) -> Iterator:
     """The offline engine with one torch thread, as the test stacks' pods run: the reference
     their outputs are compared with. The caller's thread count comes back afterwards."""
-    from shared import LLM
+    from splitserve import LLM
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)

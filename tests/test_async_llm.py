@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from shared import LLM, AsyncLLM, SamplingParams
-from shared.kv.tiers import Tier
+from splitserve import LLM, AsyncLLM, SamplingParams
+from splitserve.engine.kv.tiers import Tier
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -230,7 +230,7 @@ def test_a_failing_step_fails_its_requests_not_the_engine(engine, offline, monke
 def test_kv_events_follow_the_cache_and_a_snapshot_lists_it(engine, offline):
     """A publisher sees each newly cached block once; a snapshot equals the pool's hashes and
     supersedes earlier events."""
-    from shared.kv.events import BlockStored
+    from splitserve.engine.kv.events import BlockStored
 
     prompts, _ = offline
     engine.take_kv_events()  # start keeping; what came before is not ours

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.kv.block_hash import (
+from splitserve.engine.kv.block_hash import (
     BLOCK_HASH_NUM_BYTES,
     hash_block_tokens,
     hash_full_blocks,
@@ -61,7 +61,7 @@ def test_encoding_is_the_documented_canonical_one() -> None:
 def test_hashes_agree_with_a_process_with_another_hash_seed() -> None:
     code = (
         "import json\n"
-        "from shared.kv.block_hash import hash_full_blocks, root_hash\n"
+        "from splitserve.engine.kv.block_hash import hash_full_blocks, root_hash\n"
         f"hashes = hash_full_blocks({TOKENS!r}, 8, {NAMESPACE!r}, ('lora:x',))\n"
         f"print(json.dumps([root_hash({NAMESPACE!r}).hex()] + [h.hex() for h in hashes]))\n"
     )
@@ -75,8 +75,9 @@ def test_block_hash_modules_do_not_import_torch() -> None:
     # The gateway imports the hash function and must not pay for (or need) torch.
     code = (
         "import sys\n"
-        "import shared.kv.block_hash, shared.kv.block, shared.kv.events\n"
-        "import shared.kv.block_pool, shared.kv.manager\n"
+        "import splitserve.engine.kv.block_hash, splitserve.engine.kv.block\n"
+        "import splitserve.engine.kv.events\n"
+        "import splitserve.engine.kv.block_pool, splitserve.engine.kv.manager\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
     )
     assert _run_python(code, "0").strip() == "[]"

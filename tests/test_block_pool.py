@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from shared.kv.block import Block, FreeBlockQueue
-from shared.kv.block_hash import BlockHash, hash_full_blocks
-from shared.kv.block_pool import BlockPool
-from shared.kv.events import BlockRemoved, BlockStored
+from splitserve.engine.kv.block import Block, FreeBlockQueue
+from splitserve.engine.kv.block_hash import BlockHash, hash_full_blocks
+from splitserve.engine.kv.block_pool import BlockPool
+from splitserve.engine.kv.events import BlockRemoved, BlockStored
 
 BLOCK_SIZE = 4
 

@@ -19,13 +19,13 @@ import time
 
 import pytest
 
-from services.common.model_files import load_tokenizer, resolve_model_path
-from services.common.redis_server import RedisServer
-from services.common.supervisor import HealthCheck, ProcessSpec, Supervisor
-from services.gateway.generation import GatewayCore, GenerationRequest, collect
-from services.gateway.pods import PodPool
-from services.gateway.router import Router, RouterSettings
-from shared.sampling_params import SamplingParams
+from splitserve.common.model_files import load_tokenizer, resolve_model_path
+from splitserve.common.redis_server import RedisServer
+from splitserve.common.supervisor import HealthCheck, ProcessSpec, Supervisor
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.gateway.generation import GatewayCore, GenerationRequest, collect
+from splitserve.gateway.pods import PodPool
+from splitserve.gateway.router import Router, RouterSettings
 from tests.services_util import MODEL_NAME, STARTUP_TIMEOUT_SECONDS, free_port, prefill_stats
 
 SYSTEM = (

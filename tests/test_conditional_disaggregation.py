@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from splitserve.v1 import worker_pb2_grpc
 
-from services.common.channels import aio_channel, sync_channel
-from services.decode.__main__ import build_parser, settings_from_args
-from services.decode.remote_prefill import RemotePrefillSettings
-from shared import LLM, SamplingParams
+from splitserve import LLM, SamplingParams
+from splitserve.common.channels import aio_channel, sync_channel
+from splitserve.decode.__main__ import build_parser, settings_from_args
+from splitserve.decode.remote_prefill import RemotePrefillSettings
+from splitserve.v1 import worker_pb2_grpc
 from tests.services_util import (
     Stack,
     prefill_stats,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.cpu import load, paged_decode_attention
+from splitserve.kernels import reference
+from splitserve.kernels.cpu import load, paged_decode_attention
 
 pytestmark = pytest.mark.skipif(load() is None, reason="no C++ compiler on this machine")
 
@@ -63,7 +63,7 @@ def test_bad_inputs_are_refused_before_the_kernel_runs():
 def test_decode_over_int8_rows_matches_the_reference(shape):
     """kv_cache_dtype int8: codes and their bfloat16 scale per row (kernels/kv_int8.py), read in
     place with the scale applied once per row; the reference dequantizes, then attends."""
-    from kernels.kv_int8 import quantize_rows
+    from splitserve.kernels.kv_int8 import quantize_rows
 
     for seed in range(3):
         query, keys, values, tables, lens, scale = random_case(shape, seed + 10)
@@ -75,7 +75,7 @@ def test_decode_over_int8_rows_matches_the_reference(shape):
 
 
 def test_int8_rows_of_the_wrong_width_are_refused():
-    from kernels.kv_int8 import quantize_rows
+    from splitserve.kernels.kv_int8 import quantize_rows
 
     query, keys, values, tables, lens, scale = random_case(SHAPES[0], 0)
     with pytest.raises(ValueError, match="do not fit query"):
@@ -89,8 +89,8 @@ def test_int8_rows_of_the_wrong_width_are_refused():
                                                                        (7, 1, 80)])
 def test_write_kv_int8_writes_what_the_reference_writes(num_tokens, num_kv_heads, head_dim):
     """Bit for bit: codes and scales, the slots not written left alone, padding skipped."""
-    from kernels.cpu import write_kv_int8
-    from kernels.kv_int8 import quantize_rows
+    from splitserve.kernels.cpu import write_kv_int8
+    from splitserve.kernels.kv_int8 import quantize_rows
 
     generator = torch.Generator().manual_seed(num_tokens)
     num_blocks, block_size = 30, 16
@@ -111,7 +111,7 @@ def test_write_kv_int8_writes_what_the_reference_writes(num_tokens, num_kv_heads
 
 
 def test_write_kv_int8_refuses_a_float_cache():
-    from kernels.cpu import write_kv_int8
+    from splitserve.kernels.cpu import write_kv_int8
 
     key = torch.randn(2, 1, 64)
     with pytest.raises(ValueError, match="contiguous int8"):

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu as cpu_kernels
-from kernels import reference
-from shared.model.layer_ops import CpuKernelLayerOps, TorchLayerOps, select_layer_ops
-from shared.model.rotary import RotaryAngles
+from splitserve.engine.model.layer_ops import CpuKernelLayerOps, TorchLayerOps, select_layer_ops
+from splitserve.engine.model.rotary import RotaryAngles
+from splitserve.kernels import cpu as cpu_kernels
+from splitserve.kernels import reference
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler here")
 

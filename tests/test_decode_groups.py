@@ -7,15 +7,15 @@ import random
 import pytest
 import torch
 
-from kernels import reference
-from shared.model.attention import TorchPagedAttention
-from shared.model.attention_metadata import AttentionMetadata
-from shared.model.decode_groups import (
+from splitserve.engine.model.attention import TorchPagedAttention
+from splitserve.engine.model.attention_metadata import AttentionMetadata
+from splitserve.engine.model.decode_groups import (
     GROUP_BYTES,
     MAX_PADDING_FRACTION,
     SMALL_GROUP_BLOCKS,
     group_decodes,
 )
+from splitserve.kernels import reference
 
 BLOCK_SIZE = 16
 CPU = torch.device("cpu")

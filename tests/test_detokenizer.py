@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from shared.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
-from shared.sampling_params import SamplingParams
+from splitserve.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
+from splitserve.engine.sampling_params import SamplingParams
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 IM_START, IM_END = 1, 2  # SmolLM2's chat special tokens

@@ -24,18 +24,18 @@ import grpc
 import pytest
 import torch
 from openai import AsyncOpenAI, OpenAI
-from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
-from services.cli import build_parser
-from services.common.channels import sync_channel
-from services.common.convert import options_from_params
-from services.launcher import plan
-from services.prefill.core import CHECKSUM_ALGORITHM, first_token_params
-from services.prefill.servicer import descriptor_to_proto
-from shared import LLM, SamplingParams
-from shared.kv_transfer import KVTransferDescriptor
-from shared.outputs import CompletionOutput
-from shared.structured_output.spec import StructuredOutput
+from splitserve import LLM, SamplingParams
+from splitserve.cli import build_parser
+from splitserve.common.channels import sync_channel
+from splitserve.common.convert import options_from_params
+from splitserve.engine.kv_transfer import KVTransferDescriptor
+from splitserve.engine.outputs import CompletionOutput
+from splitserve.engine.structured_output.spec import StructuredOutput
+from splitserve.launcher import plan
+from splitserve.prefill.core import CHECKSUM_ALGORITHM, first_token_params
+from splitserve.prefill.servicer import descriptor_to_proto
+from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from tests.services_util import (
     MODEL_NAME,
     Stack,

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared import LLM, SamplingParams
-from shared.disaggregation import RemotePrefillResult
-from shared.engine import EngineCore
+from splitserve import LLM, SamplingParams
+from splitserve.engine.disaggregation import RemotePrefillResult
+from splitserve.engine.engine import EngineCore
 
 PROMPTS = [
     "The lighthouse keeper climbed the stairs every evening and",

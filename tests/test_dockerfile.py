@@ -3,6 +3,7 @@ and checked against the repository and the chart that deploys the image."""
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import importlib.metadata
 import importlib.util
@@ -97,18 +98,27 @@ def test_every_copy_source_exists_and_is_not_ignored(instructions):
             assert not hit, f"COPY {source} is excluded by .dockerignore {hit}"
 
 
-def test_every_package_pyproject_installs_is_copied(instructions):
-    find = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"][
-        "find"
+def package_folders() -> dict[str, str]:
+    """setup.py's map of installed package names to the repository's folders."""
+    tree = ast.parse((REPO / "setup.py").read_text())
+    (assignment,) = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.Assign) and node.targets[0].id == "PACKAGE_FOLDERS"
     ]
-    copied = {shlex.split(a)[0].rstrip("/") for a in _all(instructions, "COPY")}
-    for where in find["where"]:
-        root = REPO / where
-        for package in root.iterdir():
-            is_package = (package / "__init__.py").exists()
-            if is_package and any(fnmatch.fnmatch(package.name, p) for p in find["include"]):
-                relative = package.relative_to(REPO)
-                assert {str(relative), where} & copied, f"package {relative} is not copied"
+    return ast.literal_eval(assignment.value)
+
+
+def test_every_package_setup_installs_is_copied(instructions):
+    copied = {
+        source.rstrip("/")
+        for arguments in _all(instructions, "COPY")
+        for source in shlex.split(arguments)[:-1]
+    }
+    assert {"setup.py", "pyproject.toml"} <= copied
+    for folder in package_folders().values():
+        top = folder.split("/")[0]
+        assert top in copied, f"{folder} (installed by setup.py) is not copied"
 
 
 def test_torch_is_the_pinned_version_from_the_chosen_index(instructions):
@@ -140,10 +150,12 @@ def test_default_command_and_chart_commands_name_modules_in_the_image(instructio
     modules |= set(
         re.findall(r'command: \["python", "-m", "([\w.]+)"\]', "".join(rendered.values()))
     )
-    assert {"services.gateway", "services.prefill", "services.decode"} <= modules
+    assert {"splitserve.gateway", "splitserve.prefill", "splitserve.decode"} <= modules
     copied = {shlex.split(a)[0].rstrip("/") for a in _all(instructions, "COPY")}
+    folders = package_folders()
     for module in modules:
-        assert module.split(".")[0] in copied, f"{module} is not copied into the image"
+        package = max((name for name in folders if module.startswith(name + ".")), key=len)
+        assert folders[package].split("/")[0] in copied, f"{module} is not copied into the image"
         assert _has_main(module), f"the image has no {module}.__main__ to run"
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared import LLM, SamplingParams
-from shared.sampling_params import MAX_LOGPROBS
+from splitserve import LLM, SamplingParams
+from splitserve.engine.sampling_params import MAX_LOGPROBS
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 STORY_PROMPT = "Once upon a time"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared import LLM, SamplingParams
+from splitserve import LLM, SamplingParams
 from tests.hf_reference import transformers_greedy
 
 MAX_TOKENS = 20

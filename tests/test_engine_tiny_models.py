@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from shared import LLM, AsyncLLM, SamplingParams
+from splitserve import LLM, AsyncLLM, SamplingParams
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

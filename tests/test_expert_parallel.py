@@ -24,12 +24,12 @@ import threading
 import pytest
 import torch
 
-from shared import LLM, SamplingParams
-from shared.config import ParallelConfig
-from shared.model.moe import route_tokens, sort_by_expert, torch_experts, triton_experts
-from shared.model.moe_layer import moe_blocks, prepare_expert_weights
-from shared.parallel.comm import Communicator, connect_store, make_store
-from shared.parallel.expert_parallel import ExpertAllToAll, token_share
+from splitserve import LLM, SamplingParams
+from splitserve.engine.config import ParallelConfig
+from splitserve.engine.model.moe import route_tokens, sort_by_expert, torch_experts, triton_experts
+from splitserve.engine.model.moe_layer import moe_blocks, prepare_expert_weights
+from splitserve.engine.parallel.comm import Communicator, connect_store, make_store
+from splitserve.engine.parallel.expert_parallel import ExpertAllToAll, token_share
 from tests.hf_reference import greedy_references
 from tests.test_disaggregation_engine import disaggregated
 
@@ -224,8 +224,8 @@ def test_bad_expert_parallel_options_are_refused(options, message):
 def test_pod_flag_maps_to_the_engine_option():
     import argparse
 
-    from services.common.flags import add_engine_flags, engine_options
-    from shared.config import EngineConfig
+    from splitserve.common.flags import add_engine_flags, engine_options
+    from splitserve.engine.config import EngineConfig
 
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)

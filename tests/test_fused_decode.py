@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu as cpu_kernels
-from shared import LLM, SamplingParams
-from shared.model.fused_decode import FusedDecode
-from shared.model.quantized_linear import INT4_VNNI_FROM_ROWS
+from splitserve import LLM, SamplingParams
+from splitserve.engine.model.fused_decode import FusedDecode
+from splitserve.engine.model.quantized_linear import INT4_VNNI_FROM_ROWS
+from splitserve.kernels import cpu as cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler here")
 

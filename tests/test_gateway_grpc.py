@@ -20,14 +20,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from splitserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-from services.cli import build_parser
-from services.common.channels import sync_channel
-from services.common.convert import options_from_params, params_from_options
-from services.common.flags import parse_size
-from services.launcher import plan
-from shared.sampling_params import SamplingParams
+from splitserve.cli import build_parser
+from splitserve.common.channels import sync_channel
+from splitserve.common.convert import options_from_params, params_from_options
+from splitserve.common.flags import parse_size
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.launcher import plan
+from splitserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.services_util import (
     MODEL_NAME,
     free_port,
@@ -59,7 +59,7 @@ class UpProcess:
 
 def _start_up(log: Path) -> UpProcess:
     http_port, grpc_port, decode_port = free_port(), free_port(), free_port()
-    argv = [sys.executable, "-m", "services.cli", "up", "--colocated"]
+    argv = [sys.executable, "-m", "splitserve.cli", "up", "--colocated"]
     argv += ["--port", str(http_port), "--grpc-port", str(grpc_port)]
     argv += ["--decode-port", str(decode_port), "--kv-cache-bytes", "128MiB"]
     argv += ["--num-threads", "1"]
@@ -372,7 +372,7 @@ def _pid_of_pod(port: int) -> int:
                 argv = file.read().split(b"\0")
         except OSError:
             continue
-        if b"services.decode" in argv and str(port).encode() in argv:
+        if b"splitserve.decode" in argv and str(port).encode() in argv:
             return int(entry)
     raise AssertionError(f"no decode pod process on port {port}")
 

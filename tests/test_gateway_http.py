@@ -18,8 +18,8 @@ import pytest
 import torch
 from openai import AsyncOpenAI, OpenAI
 
-from shared import LLM, SamplingParams
-from shared.outputs import CompletionOutput
+from splitserve import LLM, SamplingParams
+from splitserve.engine.outputs import CompletionOutput
 from tests.services_util import (
     MODEL_NAME,
     Stack,
@@ -413,8 +413,9 @@ def test_models_health_and_metrics(client, stack):
 def test_gateway_modules_import_no_torch():
     code = (
         "import sys\n"
-        "import services.gateway.__main__, services.gateway.http_api, services.gateway.grpc_api\n"
-        "import services.cli, services.launcher\n"
+        "import splitserve.gateway.__main__, splitserve.gateway.http_api\n"
+        "import splitserve.gateway.grpc_api\n"
+        "import splitserve.cli, splitserve.launcher\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

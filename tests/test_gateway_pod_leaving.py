@@ -9,12 +9,12 @@ import asyncio
 
 import grpc
 import pytest
-from splitserve.v1 import worker_pb2
 
-from services.common.registry_schema import PodRecord
-from services.gateway.generation import Generation, PodError, _Child
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.pods import PodPool
+from splitserve.common.registry_schema import PodRecord
+from splitserve.gateway.generation import Generation, PodError, _Child
+from splitserve.gateway.metrics import GatewayMetrics
+from splitserve.gateway.pods import PodPool
+from splitserve.v1 import worker_pb2
 
 NUM_CHUNKS = 30
 

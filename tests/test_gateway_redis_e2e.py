@@ -1,5 +1,5 @@
 """The gateway PROCESS discovering its pods from Redis alone: a real redis-server, one prefill and
-one decode pod registered there (--redis-url), and `python -m services.gateway --redis-url` with
+one decode pod registered there (--redis-url), and `python -m splitserve.gateway --redis-url` with
 no --decode / --prefill. OpenAI requests through it succeed, with and without the client-region
 header, and the pods' registry records carry their recent TTFT and ITL.
 """
@@ -15,9 +15,9 @@ import urllib.request
 import pytest
 from openai import OpenAI
 
-from services.common.redis_server import RedisServer
-from services.common.registry_schema import PodRecord, RegistryKeys, connect, read_pods
-from services.common.supervisor import HealthCheck, ProcessSpec, Supervisor
+from splitserve.common.redis_server import RedisServer
+from splitserve.common.registry_schema import PodRecord, RegistryKeys, connect, read_pods
+from splitserve.common.supervisor import HealthCheck, ProcessSpec, Supervisor
 from tests.services_util import MODEL_NAME, STARTUP_TIMEOUT_SECONDS, free_port, get_json
 
 REGION = "us-east"
@@ -43,7 +43,7 @@ def gateway_url(redis_server):
             health = HealthCheck(address, f"splitserve.v1.{role.capitalize()}Worker")
             supervisor.start(ProcessSpec(f"{role}-0", argv, health))
         http_port = free_port()
-        argv = [sys.executable, "-m", "services.gateway", "--host", "127.0.0.1"]
+        argv = [sys.executable, "-m", "splitserve.gateway", "--host", "127.0.0.1"]
         argv += ["--port", str(http_port), "--grpc-port", str(free_port())]
         argv += ["--redis-url", redis_server.url, "--log-level", "warning"]
         url = f"http://127.0.0.1:{http_port}"

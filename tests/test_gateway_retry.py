@@ -4,7 +4,7 @@ even when no retry follows, and a retry prefers a prefill pod other than the fai
 
 Three real decode pods and two prefill pods (separate processes serving the tiny random
 checkpoint, so they start in seconds) and the gateway's request path in this process: its
-`GatewayCore`, `Router` and `PodPool`, the code `python -m services.gateway` runs. The
+`GatewayCore`, `Router` and `PodPool`, the code `python -m splitserve.gateway` runs. The
 prompts are shorter than a decode pod's local-prefill threshold, so the prefill pods are only
 routed to, never called. Each gateway here polls its pods once
 and then no more, so a pod killed with SIGKILL stays "available" to its router, as a vanished
@@ -30,15 +30,15 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from services.common.model_files import default_model_name, load_tokenizer
-from services.common.supervisor import HealthCheck, ProcessSpec, Supervisor
-from services.gateway import generation as generation_module
-from services.gateway.generation import GatewayCore, GenerationRequest, PodError, collect
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.pods import PodPool
-from services.gateway.router import Router, RouterSettings
-from shared.sampling_params import SamplingParams
-from shared.tokenizer import Tokenizer
+from splitserve.common.model_files import default_model_name, load_tokenizer
+from splitserve.common.supervisor import HealthCheck, ProcessSpec, Supervisor
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.tokenizer import Tokenizer
+from splitserve.gateway import generation as generation_module
+from splitserve.gateway.generation import GatewayCore, GenerationRequest, PodError, collect
+from splitserve.gateway.metrics import GatewayMetrics
+from splitserve.gateway.pods import PodPool
+from splitserve.gateway.router import Router, RouterSettings
 from tests.services_util import STARTUP_TIMEOUT_SECONDS, free_port, wait_until_idle
 
 DECODE_POD_NAMES = ("decode-0", "decode-1", "decode-2")

@@ -18,9 +18,9 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel
 
-from services.gateway.openai_protocol import parse_chat
-from shared.model_paths import default_model_path
-from shared.tokenizer import Tokenizer
+from splitserve.engine.model_paths import default_model_path
+from splitserve.engine.tokenizer import Tokenizer
+from splitserve.gateway.openai_protocol import parse_chat
 from tests.services_util import MODEL_NAME, Stack, post_raw, start_stack, wait_until_idle
 
 WEATHER = {

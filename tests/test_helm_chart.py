@@ -159,13 +159,13 @@ def command_line(container: dict[str, Any], objects: list[dict[str, Any]]) -> li
 
 
 def service_module(argv: list[str]) -> tuple[str, list[str]]:
-    """("services.decode", its arguments) from ["python", "-m", "services.decode", ...]."""
+    """("splitserve.decode", its arguments) from ["python", "-m", "splitserve.decode", ...]."""
     assert argv[:2] == ["python", "-m"], f"containers run `python -m <module>`, not {argv[:3]}"
     return argv[2], argv[3:]
 
 
 def _parser_for(parser: argparse.ArgumentParser, args: list[str]) -> argparse.ArgumentParser:
-    """The (sub)parser that reads the flags: `services.planner autoscale ...` descends into
+    """The (sub)parser that reads the flags: `splitserve.planner autoscale ...` descends into
     the autoscale subcommand."""
     for action in parser._actions:  # argparse offers no public view of its subcommands
         if isinstance(action, argparse._SubParsersAction) and args and args[0] in action.choices:
@@ -258,10 +258,10 @@ def test_helm_lint_is_clean(case):
 
 
 COMPONENT_MODULES = {
-    "gateway": "services.gateway",
-    "prefill": "services.prefill",
-    "decode": "services.decode",
-    "autoscaler": "services.planner",
+    "gateway": "splitserve.gateway",
+    "prefill": "splitserve.prefill",
+    "decode": "splitserve.decode",
+    "autoscaler": "splitserve.planner",
 }
 
 
@@ -538,7 +538,7 @@ def test_worker_probes_ask_the_grpc_health_service_on_the_serving_port():
 
 
 def test_gateway_probes_its_http_port():
-    from services.gateway.http_api import ENDPOINTS
+    from splitserve.gateway.http_api import ENDPOINTS
 
     for case in CASES:
         objects = case_objects(case)

@@ -16,8 +16,7 @@ import sys
 import pytest
 import torch
 
-from kernels import cpu as cpu_kernels
-from shared.model.quantized_linear import (
+from splitserve.engine.model.quantized_linear import (
     GROUP_SIZE,
     INT4_VNNI_FROM_ROWS,
     Int4Weight,
@@ -26,6 +25,7 @@ from shared.model.quantized_linear import (
     quantize_int4,
     quantized_matmul,
 )
+from splitserve.kernels import cpu as cpu_kernels
 
 # (out, in) -> rows: SmolLM2's four products (a float64 reference of 300 rows of them would
 # take seconds), and odd ones (in not a multiple of 64 or 32, out not a multiple of 16) at up
@@ -129,7 +129,7 @@ def test_without_the_cpu_kernels_int4_keeps_torchs_path():
     # A fresh process: load() and the usability check are cached per process.
     code = (
         "import torch\n"
-        "from shared.model.quantized_linear import int4_vnni_problem, quantize_int4, "
+        "from splitserve.engine.model.quantized_linear import int4_vnni_problem, quantize_int4, "
         "quantized_matmul\n"
         "assert 'not built' in int4_vnni_problem()\n"
         "w = quantize_int4(torch.randn(64, 64) + 0.1)\n"

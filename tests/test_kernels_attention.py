@@ -22,9 +22,9 @@ from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 
-from kernels import reference  # noqa: E402
-from kernels.decode_attention import paged_decode_attention  # noqa: E402
-from kernels.prefill_attention import paged_prefill_attention  # noqa: E402
+from splitserve.kernels import reference  # noqa: E402
+from splitserve.kernels.decode_attention import paged_decode_attention  # noqa: E402
+from splitserve.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] == "0" else "cpu"
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
@@ -236,5 +236,5 @@ def test_prefill_rejects_bad_arguments(small_decode_args):
 @pytest.mark.skipif(DEVICE != "cpu", reason="about CPU tensors")
 def test_cpu_tensors_without_the_interpreter_are_refused(small_decode_args, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match="kernels.reference"):
+    with pytest.raises(ValueError, match="splitserve.kernels.reference"):
         paged_decode_attention(**small_decode_args)

@@ -1,4 +1,5 @@
-"""`python -m kernels.bench`, which no GPU has run yet, runs every step and check on the CPU.
+"""`python -m splitserve.kernels.bench`, which no GPU has run yet, runs every step and check on the
+CPU.
 
 `--smoke` runs the GPU benchmark's steps with tiny shapes under Triton's interpreter, so a
 wrong argument, shape or reference call in it fails here and not in a scarce GPU session.
@@ -23,8 +24,8 @@ import sys  # noqa: E402
 
 import torch  # noqa: E402
 
-from kernels import bench, reference  # noqa: E402
-from kernels.rms_norm import fused_add_rms_norm  # noqa: E402
+from splitserve.kernels import bench, reference  # noqa: E402
+from splitserve.kernels.rms_norm import fused_add_rms_norm  # noqa: E402
 
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] == "0" else "cpu"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +38,7 @@ def run_bench(*args: str, interpret: str | None) -> subprocess.CompletedProcess[
     if interpret is not None:
         env["TRITON_INTERPRET"] = interpret
     return subprocess.run(
-        [sys.executable, "-m", "kernels.bench", *args],
+        [sys.executable, "-m", "splitserve.kernels.bench", *args],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,

@@ -22,8 +22,8 @@ pytest.importorskip("triton")  # Triton wheels exist for Linux only
 
 import torch  # noqa: E402
 
-from kernels import reference  # noqa: E402
-from kernels.dequant_matmul import int4_group_matmul, int8_matmul  # noqa: E402
+from splitserve.kernels import reference  # noqa: E402
+from splitserve.kernels.dequant_matmul import int4_group_matmul, int8_matmul  # noqa: E402
 
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] == "0" else "cpu"
 ROWS = (1, 3, 16, 64)

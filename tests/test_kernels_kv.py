@@ -15,8 +15,8 @@ pytest.importorskip("triton")  # Triton wheels exist for Linux only
 
 import torch  # noqa: E402
 
-from kernels import reference  # noqa: E402
-from kernels.kv_cache_ops import pack_kv_pages, unpack_kv_pages, write_kv  # noqa: E402
+from splitserve.kernels import reference  # noqa: E402
+from splitserve.kernels.kv_cache_ops import pack_kv_pages, unpack_kv_pages, write_kv  # noqa: E402
 
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] == "0" else "cpu"
 

@@ -20,9 +20,9 @@ import sys  # noqa: E402
 
 import torch  # noqa: E402
 
-from kernels import reference  # noqa: E402
-from kernels.rms_norm import fused_add_rms_norm  # noqa: E402
-from kernels.rotary import rotary_embedding  # noqa: E402
+from splitserve.kernels import reference  # noqa: E402
+from splitserve.kernels.rms_norm import fused_add_rms_norm  # noqa: E402
+from splitserve.kernels.rotary import rotary_embedding  # noqa: E402
 
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] == "0" else "cpu"
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
@@ -178,9 +178,9 @@ def test_kernels_package_imports_without_triton():
     """The CPU engine imports the references; they must not need Triton installed."""
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "import kernels, kernels.reference\n"
-        "assert not kernels.has_triton()\n"
-        "print(kernels.reference.paged_decode_attention.__name__)\n"
+        "import splitserve.kernels, splitserve.kernels.reference\n"
+        "assert not splitserve.kernels.has_triton()\n"
+        "print(splitserve.kernels.reference.paged_decode_attention.__name__)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-from shared import LLM, SamplingParams
-from shared.kv.block_hash import hash_full_blocks
-from shared.kv.block_pool import BlockPool
-from shared.kv.eviction import KEEP_LRU, Retention, retention_for
+from splitserve import LLM, SamplingParams
+from splitserve.engine.kv.block_hash import hash_full_blocks
+from splitserve.engine.kv.block_pool import BlockPool
+from splitserve.engine.kv.eviction import KEEP_LRU, Retention, retention_for
 
 BLOCK_SIZE = 4
 

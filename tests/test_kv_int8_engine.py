@@ -19,11 +19,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shared import LLM, SamplingParams
-from shared.config import CacheConfig, EngineConfig
-from shared.kv.tiers import Tier
-from shared.kv_offload.layout import BlockLayout
-from shared.model.kv_cache import allocate_kv_cache, bytes_per_block
+from splitserve import LLM, SamplingParams
+from splitserve.engine.config import CacheConfig, EngineConfig
+from splitserve.engine.kv.tiers import Tier
+from splitserve.engine.kv_offload.layout import BlockLayout
+from splitserve.engine.model.kv_cache import allocate_kv_cache, bytes_per_block
 from tests.test_disaggregation_engine import disaggregated
 
 KV_BYTES = 8 * 2**20
@@ -60,7 +60,7 @@ def test_bad_kv_cache_dtypes_are_refused_naming_the_value():
 
 
 def test_pod_flag_reaches_the_engine_and_refuses_fp8_at_start_up(capsys):
-    from services.common.flags import add_engine_flags, engine_options
+    from splitserve.common.flags import add_engine_flags, engine_options
 
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
@@ -73,8 +73,8 @@ def test_pod_flag_reaches_the_engine_and_refuses_fp8_at_start_up(capsys):
 
 
 def test_splitserve_up_gives_every_engine_process_the_same_kv_cache_dtype():
-    from services.cli import build_parser
-    from services.launcher import plan
+    from splitserve.cli import build_parser
+    from splitserve.launcher import plan
 
     args = build_parser().parse_args(["up", "--kv-cache-dtype", "int8"])
     specs = plan(args, prefill_available=True, redis_url="redis://127.0.0.1:1").specs
@@ -114,9 +114,9 @@ def test_an_int8_pool_is_int8_rows_with_room_for_their_scales():
 def test_the_disk_tier_keeps_int8_blocks_and_empties_itself_for_another_kv_cache_dtype(
     tmp_path,
 ):
-    from kernels.kv_int8 import quantize_rows
-    from shared.kv.block_hash import BlockHash
-    from shared.kv_offload.disk_store import DiskBlockStore
+    from splitserve.engine.kv.block_hash import BlockHash
+    from splitserve.engine.kv_offload.disk_store import DiskBlockStore
+    from splitserve.kernels.kv_int8 import quantize_rows
 
     pool = quantize_rows(torch.randn(2, 2, 3, 4, 1, 8))  # [layers, 2, blocks, 4, heads, 8 + 2]
     layout = BlockLayout.of_pool(pool, "test")
@@ -255,9 +255,9 @@ def test_int8_kv_perplexity_within_two_percent_of_float_kv(smollm2, capsys):
 def _mean_nll(model, token_ids: list[int], kv_cache_dtype: str, chunk: int = 64) -> float:
     """Each token's negative log-likelihood given the ones before, fed in prefill chunks that
     read the earlier chunks' keys and values back from a cache of `kv_cache_dtype`."""
-    from shared.model.attention_backend import select_attention_backend
-    from shared.model.attention_metadata import AttentionMetadata, PrefillChunk
-    from shared.model.kv_cache import KVCacheSpec
+    from splitserve.engine.model.attention_backend import select_attention_backend
+    from splitserve.engine.model.attention_metadata import AttentionMetadata, PrefillChunk
+    from splitserve.engine.model.kv_cache import KVCacheSpec
 
     num_tokens, block_size = len(token_ids), 16
     spec = KVCacheSpec(-(-num_tokens // block_size), block_size, 0)

@@ -20,10 +20,10 @@ pytest.importorskip("triton")  # Triton wheels exist for Linux only
 
 import torch  # noqa: E402
 
-from kernels import kv_int8, reference  # noqa: E402
-from kernels.decode_attention import paged_decode_attention  # noqa: E402
-from kernels.kv_cache_ops import pack_kv_pages, unpack_kv_pages, write_kv  # noqa: E402
-from kernels.prefill_attention import paged_prefill_attention  # noqa: E402
+from splitserve.kernels import kv_int8, reference  # noqa: E402
+from splitserve.kernels.decode_attention import paged_decode_attention  # noqa: E402
+from splitserve.kernels.kv_cache_ops import pack_kv_pages, unpack_kv_pages, write_kv  # noqa: E402
+from splitserve.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 from tests.test_kernels_attention import (  # noqa: E402
     DEVICE,
     TOLERANCE,

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from splitserve.v1 import worker_pb2_grpc
 
-from services.common.channels import sync_channel
-from shared import LLM, SamplingParams
+from splitserve import LLM, SamplingParams
+from splitserve.common.channels import sync_channel
+from splitserve.v1 import worker_pb2_grpc
 from tests.services_util import start_stack
 from tests.test_disaggregated_serving import decode_request
 

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from shared.kv.block_hash import BlockHash, hash_block_tokens, hash_full_blocks
-from shared.kv.events import BlockRemoved, BlockStored, KVCacheEvent
-from shared.kv.manager import ComputedBlocks, KVCacheManager
-from shared.request import Request
-from shared.sampling_params import SamplingParams
+from splitserve.engine.kv.block_hash import BlockHash, hash_block_tokens, hash_full_blocks
+from splitserve.engine.kv.events import BlockRemoved, BlockStored, KVCacheEvent
+from splitserve.engine.kv.manager import ComputedBlocks, KVCacheManager
+from splitserve.engine.request import Request
+from splitserve.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 NAMESPACE = "test-ns"

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared import LLM, SamplingParams
-from shared.kv.block_hash import BlockHash
-from shared.kv.tiers import Tier
-from shared.kv_offload.disk_store import DiskBlockStore
-from shared.kv_offload.host_store import HostBlockStore
-from shared.kv_offload.layout import BlockLayout
-from shared.request import RequestStatus
+from splitserve import LLM, SamplingParams
+from splitserve.engine.kv.block_hash import BlockHash
+from splitserve.engine.kv.tiers import Tier
+from splitserve.engine.kv_offload.disk_store import DiskBlockStore
+from splitserve.engine.kv_offload.host_store import HostBlockStore
+from splitserve.engine.kv_offload.layout import BlockLayout
+from splitserve.engine.request import RequestStatus
 from tests.hf_reference import transformers_greedy
 
 LAYOUT = BlockLayout(2, 4, 1, 8, "float32", "test")
@@ -261,7 +261,7 @@ def test_a_load_stuck_on_the_disk_is_cut_short_and_the_prefix_computed(single_th
     import os
     import threading
 
-    from shared.kv.block_hash import hash_full_blocks
+    from splitserve.engine.kv.block_hash import hash_full_blocks
 
     llm = LLM(**_disk_tier(tmp_path, offload_disk_min_hits=0, kv_load_timeout_s=0.5))
     session, flood = _session_and_flood(llm)
@@ -288,7 +288,7 @@ def test_a_load_stuck_on_the_disk_is_cut_short_and_the_prefix_computed(single_th
 def test_parallel_engines_refuse_explicit_tiers_and_leave_auto_off():
     import pytest
 
-    from shared.config import EngineConfig
+    from splitserve.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="not supported with tensor_parallel_size 2"):
         EngineConfig.from_options(tensor_parallel_size=2, offload_host_bytes=2**20)
@@ -300,7 +300,7 @@ def test_parallel_engines_refuse_explicit_tiers_and_leave_auto_off():
         EngineConfig.from_options(tensor_parallel_size=2, quantization="int8")
     config = EngineConfig.from_options(tensor_parallel_size=2, offload_host_bytes="auto")
     assert config.cache.offload_host_bytes == "auto"  # accepted: build_offloader leaves it off
-    from shared.kv_offload.build import build_offloader
+    from splitserve.engine.kv_offload.build import build_offloader
 
     pool = torch.zeros(2, 2, 4, 16, 1, 8)
     assert build_offloader(config.cache, pool, world_size=2) is None

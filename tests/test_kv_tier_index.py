@@ -10,20 +10,20 @@ import time
 
 import pytest
 
-from services.common.pod_load import PodLoad
-from services.common.redis_server import RedisServer
-from services.common.registry_publisher import PublisherSettings, RegistryPublisher
-from services.common.registry_schema import (
+from splitserve import AsyncLLM, SamplingParams
+from splitserve.common.pod_load import PodLoad
+from splitserve.common.redis_server import RedisServer
+from splitserve.common.registry_publisher import PublisherSettings, RegistryPublisher
+from splitserve.common.registry_schema import (
     CachedPrefix,
     PodRecord,
     RegistryKeys,
     cached_prefixes,
     connect,
 )
-from services.gateway.tier_credit import PRIOR_CREDIT, credited_tokens, tier_credit
-from shared import AsyncLLM, SamplingParams
-from shared.kv.block_hash import hash_full_blocks
-from shared.kv.tiers import Tier
+from splitserve.engine.kv.block_hash import hash_full_blocks
+from splitserve.engine.kv.tiers import Tier
+from splitserve.gateway.tier_credit import PRIOR_CREDIT, credited_tokens, tier_credit
 
 BLOCK_SIZE = 4
 FAST = PublisherSettings(ttl_s=1.0, heartbeat_interval_s=0.1, publish_interval_s=0.01)

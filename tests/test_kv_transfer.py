@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from shared.disaggregation import (
+from splitserve.engine.disaggregation import (
     RemotePrefillPlan,
     pack_pages,
     page_shape,
@@ -31,13 +31,13 @@ from shared.disaggregation import (
     send_pages,
     unpack_pages,
 )
-from shared.kv_transfer import (
+from splitserve.engine.kv_transfer import (
     KVTransferConfig,
     KVTransferDescriptor,
     KVTransferError,
     create_kv_transport,
 )
-from shared.kv_transfer.base import parse_address
+from splitserve.engine.kv_transfer.base import parse_address
 
 BACKENDS = [
     "tcp",
@@ -244,7 +244,7 @@ def test_int8_pages_into_a_float_cache_are_refused_naming_kv_cache_dtype(
     endpoints: Endpoints, loop_thread: LoopThread
 ) -> None:
     """A prefill pod with kv_cache_dtype int8 and a decode pod with auto (or the reverse)."""
-    from kernels.kv_int8 import quantize_rows
+    from splitserve.kernels.kv_int8 import quantize_rows
 
     pages = quantize_rows(_pages(2))  # int8 rows: head_dim + 2 elements, scales inside
     destination = torch.zeros(pages.shape[:-1] + (pages.shape[-1] - 2,))
@@ -326,7 +326,7 @@ def test_send_to_address_nobody_listens_on_fails_within_timeout(
 
 _RECEIVER_CHILD = """
 import asyncio, sys, torch
-from shared.kv_transfer import create_kv_transport
+from splitserve.engine.kv_transfer import create_kv_transport
 
 async def main():
     receiver = await create_kv_transport(sys.argv[1]).start_receiver()

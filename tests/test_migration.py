@@ -19,8 +19,8 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
-from shared import LLM, SamplingParams
-from shared.structured_output.spec import StructuredOutput
+from splitserve import LLM, SamplingParams
+from splitserve.engine.structured_output.spec import StructuredOutput
 from tests.services_util import (
     MODEL_NAME,
     Stack,

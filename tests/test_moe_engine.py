@@ -23,8 +23,8 @@ import torch
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common.pod_metrics import PREFIX, PodMetrics
-from shared import LLM, SamplingParams
+from splitserve import LLM, SamplingParams
+from splitserve.common.pod_metrics import PREFIX, PodMetrics
 from tests.hf_reference import transformers_greedy
 from tests.test_disaggregation_engine import disaggregated
 

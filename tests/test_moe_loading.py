@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from shared.model.architecture import ModelArchitecture, MoEConfig
-from shared.model.loader import expected_weight_shapes, load_checkpoint
+from splitserve.engine.model.architecture import ModelArchitecture, MoEConfig
+from splitserve.engine.model.loader import expected_weight_shapes, load_checkpoint
 from tests.test_loaders import _TINY_TOKENS, _variant, llama_cpp_permute
 
 
@@ -229,7 +229,7 @@ def test_gguf_moe_architecture_not_supported_is_named(tmp_path):
 
 def test_moe_models_refuse_quantization_and_pipeline_ranks(mixtral):
     """Tensor and expert parallel MoE: tests/test_expert_parallel.py."""
-    from shared import LLM
+    from splitserve import LLM
 
     with pytest.raises(ValueError, match="quantization 'int8' does not support mixture-of-experts"):
         LLM(mixtral, quantization="int8", kv_cache_bytes=2**20)

@@ -18,8 +18,7 @@ import os
 import pytest
 import torch
 
-from kernels import reference
-from shared.model.moe import (
+from splitserve.engine.model.moe import (
     ExpertWeights,
     Routing,
     naive_experts,
@@ -29,6 +28,7 @@ from shared.model.moe import (
     torch_experts,
     triton_experts,
 )
+from splitserve.kernels import reference
 
 needs_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -111,7 +111,7 @@ def test_fused_torch_step_equals_per_token_loop(shape):
 @pytest.mark.parametrize("counts", [[5, 0, 17, 1], [0, 0, 40, 3, 16, 1], [1, 1]], ids=str)
 @pytest.mark.parametrize("scaled", [False, True], ids=["plain", "row_scale"])
 def test_grouped_gemm_equals_reference(counts, dtype, scaled):
-    from kernels import grouped_gemm
+    from splitserve.kernels import grouped_gemm
 
     generator = torch.Generator().manual_seed(sum(counts))
     num_rows, k, n = sum(counts), 48, 80
@@ -127,7 +127,7 @@ def test_grouped_gemm_equals_reference(counts, dtype, scaled):
 
 @needs_interpreter
 def test_grouped_gemm_refuses_bad_arguments():
-    from kernels import grouped_gemm
+    from splitserve.kernels import grouped_gemm
 
     x, weights = torch.randn(6, 16), torch.randn(2, 8, 16)
     offsets = torch.tensor([0, 2, 6])

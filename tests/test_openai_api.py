@@ -17,16 +17,16 @@ import grpc
 import openai
 import pytest
 from openai import OpenAI
-from splitserve.v1 import generate_pb2, generate_pb2_grpc
 
-from services.common.channels import sync_channel
-from services.common.model_files import load_tokenizer, resolve_model_path
-from services.gateway.api_schema import ChatBody, CompletionBody, SamplingFields
-from services.gateway.constraints import closed_objects
-from services.gateway.openai_protocol import SAMPLING_BODY_FIELDS, parse_chat, parse_completion
-from shared.sampling_params import SamplingParams, value_type
-from shared.structured_output.spec import StructuredOutput
-from shared.tokenizer import Tokenizer
+from splitserve.common.channels import sync_channel
+from splitserve.common.model_files import load_tokenizer, resolve_model_path
+from splitserve.engine.sampling_params import SamplingParams, value_type
+from splitserve.engine.structured_output.spec import StructuredOutput
+from splitserve.engine.tokenizer import Tokenizer
+from splitserve.gateway.api_schema import ChatBody, CompletionBody, SamplingFields
+from splitserve.gateway.constraints import closed_objects
+from splitserve.gateway.openai_protocol import SAMPLING_BODY_FIELDS, parse_chat, parse_completion
+from splitserve.v1 import generate_pb2, generate_pb2_grpc
 from tests.services_util import MODEL_NAME, Stack, get_json, pod_stats, post_raw, start_stack
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

@@ -49,12 +49,12 @@ NOT_INSTALLED = (
 OPTIONAL = {"triton", "ucxx"}
 
 ENTRY_POINTS = [
-    "python -m services.gateway --help",
-    "python -m services.prefill --help",
-    "python -m services.decode --help",
-    "python -m services.planner --help",
-    "python -m services.planner autoscale --help",
-    "python -m services.planner validate --help",
+    "python -m splitserve.gateway --help",
+    "python -m splitserve.prefill --help",
+    "python -m splitserve.decode --help",
+    "python -m splitserve.planner --help",
+    "python -m splitserve.planner autoscale --help",
+    "python -m splitserve.planner validate --help",
     "splitserve --help",
     "splitserve up --help",
     "splitserve generate --help",
@@ -166,13 +166,13 @@ def test_the_environment_is_clean(venv, outside) -> None:
     found = _python(
         venv,
         outside,
-        "import importlib.util, json, services\n"
+        "import importlib.util, json, splitserve\n"
         f"names = {NOT_INSTALLED!r}\n"
-        "print(json.dumps({'services': services.__file__,\n"
+        "print(json.dumps({'splitserve': splitserve.__file__,\n"
         "    'found': [n for n in names if importlib.util.find_spec(n) is not None]}))",
     )
     assert found["found"] == [], "the clean environment holds test-only packages"
-    assert Path(found["services"]).is_relative_to(venv), "services did not come from the venv"
+    assert Path(found["splitserve"]).is_relative_to(venv), "splitserve did not come from the venv"
 
 
 @pytest.mark.parametrize("command", ENTRY_POINTS)
@@ -186,13 +186,12 @@ def test_entry_point_answers_help(venv, outside, command) -> None:
 IMPORT_EVERY_MODULE = """
 import importlib, json, pkgutil
 failures = {}
-for name in ("services", "shared", "kernels"):
-    package = importlib.import_module(name)
-    for module in pkgutil.walk_packages(package.__path__, name + "."):
-        try:
-            importlib.import_module(module.name)
-        except ImportError as error:
-            failures[module.name] = error.name or str(error)
+package = importlib.import_module("splitserve")
+for module in pkgutil.walk_packages(package.__path__, "splitserve."):
+    try:
+        importlib.import_module(module.name)
+    except ImportError as error:
+        failures[module.name] = error.name or str(error)
 print(json.dumps(failures))
 """
 
@@ -201,7 +200,8 @@ def test_every_service_module_imports(venv, outside) -> None:
     """Services import nothing optional; elsewhere only the optional backends' own modules
     need their package (the entry points above prove nothing on their paths imports them)."""
     failures = _python(venv, outside, IMPORT_EVERY_MODULE)
-    in_services = [module for module in failures if module.startswith("services.")]
+    engine_or_kernels = ("splitserve.engine.", "splitserve.kernels.")
+    in_services = [module for module in failures if not module.startswith(engine_or_kernels)]
     assert in_services == [], f"services modules need uninstalled packages: {failures}"
     assert set(failures.values()) <= OPTIONAL, failures
 
@@ -211,7 +211,7 @@ def test_kv_transport_falls_back_to_tcp_without_ucxx(venv, outside) -> None:
         venv,
         outside,
         "import argparse, json\n"
-        "from services.launcher import add_up_flags, plan\n"
+        "from splitserve.launcher import add_up_flags, plan\n"
         "parser = argparse.ArgumentParser()\n"
         "add_up_flags(parser)\n"
         "args = parser.parse_args(['--prefill', '1', '--decode', '1'])\n"

@@ -14,7 +14,7 @@ import pytest
 import torch
 from openai import OpenAI
 
-from shared import LLM, SamplingParams
+from splitserve import LLM, SamplingParams
 from tests.services_util import MODEL_NAME, decode_stats, prefill_stats, start_stack
 
 pytestmark = pytest.mark.slow

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.llm import LLM
-from shared.sampling_params import SamplingParams
+from splitserve.engine.llm import LLM
+from splitserve.engine.sampling_params import SamplingParams
 
 KV_BYTES = 8 * 2**20
 ONE_THREAD = {"num_threads": 1, "adaptive_threads": False}
@@ -64,8 +64,8 @@ def test_sizes_that_do_not_split_the_model_are_rejected(tiny_hf_checkpoint):
 
 
 def test_a_step_is_cut_into_micro_batches_of_about_equal_tokens():
-    from shared.parallel.pipeline import split_micro_batches
-    from shared.parallel.step_tensors import ChunkView
+    from splitserve.engine.parallel.pipeline import split_micro_batches
+    from splitserve.engine.parallel.step_tensors import ChunkView
 
     def chunk(num_tokens: int) -> ChunkView:
         return ChunkView(0, num_tokens, 1, [0] * num_tokens, [0])

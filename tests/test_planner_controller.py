@@ -12,17 +12,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from services.planner.__main__ import build_parser
-from services.planner.autoscaler import Controller, Deployments, DeploymentScaler
-from services.planner.controller import Autoscaler, Bounds, PolicySettings
-from services.planner.load import (
+from splitserve.planner.__main__ import build_parser
+from splitserve.planner.autoscaler import Controller, Deployments, DeploymentScaler
+from splitserve.planner.controller import Autoscaler, Bounds, PolicySettings
+from splitserve.planner.load import (
     LoadSnapshot,
     MetricsLoadSource,
     RedisLoadSource,
     RoleLoad,
     histogram_quantile,
 )
-from services.planner.profile import synthetic_profile
+from splitserve.planner.profile import synthetic_profile
 
 NAMESPACE = "serving"
 DEPLOYMENTS = Deployments("splitserve-prefill", "splitserve-decode")
@@ -229,7 +229,7 @@ def test_the_model_scales_to_the_measured_rate_in_one_step() -> None:
     # 0.5 s per prefill step (two 256-token prompts share one under the 512-token budget): at
     # 4 req/s one pod saturates. The model (recommend's test, tests/test_planner_sizing.py)
     # asks for more than one breach would add, and the autoscaler goes there in one step.
-    from services.planner.sizing import pods_needed, steady_workload
+    from splitserve.planner.sizing import pods_needed, steady_workload
 
     profile = synthetic_profile(0.5, decode_step_s=0.01)
     settings = _settings()
@@ -390,9 +390,9 @@ def test_histogram_quantile_interpolates_in_its_bucket() -> None:
 def test_redis_source_sums_the_registry_records() -> None:
     import redis
 
-    from services.common.pod_load import PodLoad
-    from services.common.redis_server import RedisServer
-    from services.common.registry_schema import HEARTBEAT_SCRIPT, PodRecord, RegistryKeys
+    from splitserve.common.pod_load import PodLoad
+    from splitserve.common.redis_server import RedisServer
+    from splitserve.common.registry_schema import HEARTBEAT_SCRIPT, PodRecord, RegistryKeys
 
     keys = RegistryKeys()
     with RedisServer() as server:
@@ -420,7 +420,7 @@ def test_redis_source_sums_the_registry_records() -> None:
 
 
 def test_autoscale_command_runs_against_metrics_and_the_api(capsys) -> None:
-    from services.planner.__main__ import main as plan_main
+    from splitserve.planner.__main__ import main as plan_main
 
     pods = MetricsServer("decode")
     try:

@@ -8,7 +8,7 @@ from dataclasses import asdict, replace
 import numpy as np
 import pytest
 
-from services.planner.profile import (
+from splitserve.planner.profile import (
     EngineSetup,
     MixedGrid,
     NeighborSlowdown,
@@ -18,8 +18,8 @@ from services.planner.profile import (
     load_profile,
     synthetic_profile,
 )
-from services.planner.profile_parts import SPREAD_QUANTILES, spread_quantiles
-from services.planner.profiler import ProfileSettings, measure_profile
+from splitserve.planner.profile_parts import SPREAD_QUANTILES, spread_quantiles
+from splitserve.planner.profiler import ProfileSettings, measure_profile
 
 KV_CACHE_BYTES = 64 * 2**20
 SMOLLM2_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # layers, K and V, kv heads, head dim, float32
@@ -167,7 +167,7 @@ def test_profile_json_round_trips_and_reads_version_1(tmp_path) -> None:
 
 
 def test_a_margin_slows_every_measured_time_alike() -> None:
-    from services.planner.profile import TierLoadModel
+    from splitserve.planner.profile import TierLoadModel
 
     base = replace(
         _mixed_profile(0.004),
@@ -240,9 +240,9 @@ def test_a_second_engine_runs_beside_the_profiled_one_on_command(single_thread) 
     import multiprocessing
     import os
 
-    from services.loadgen.stacks import usable_cores
-    from services.planner.profiler import _load_engine, _warm_up
-    from services.planner.profiler_neighbor import ROUNDS, measure_neighbor
+    from splitserve.loadgen.stacks import usable_cores
+    from splitserve.planner.profiler import _load_engine, _warm_up
+    from splitserve.planner.profiler_neighbor import ROUNDS, measure_neighbor
 
     own_core, other_core = usable_cores()
     settings = ProfileSettings(neighbor_core=other_core)

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from services.cli import main as splitserve_main
-from services.loadgen.stats import Slo
-from services.loadgen.workload import LengthDistribution, WorkloadSpec
-from services.planner.__main__ import main as plan_main
-from services.planner.profile import Profile, load_profile, synthetic_profile
-from services.planner.recommend import SearchSpec, recommend
+from splitserve.cli import main as splitserve_main
+from splitserve.loadgen.stats import Slo
+from splitserve.loadgen.workload import LengthDistribution, WorkloadSpec
+from splitserve.planner.__main__ import main as plan_main
+from splitserve.planner.profile import Profile, load_profile, synthetic_profile
+from splitserve.planner.recommend import SearchSpec, recommend
 
 
 def _prefill_bound_profile() -> Profile:
@@ -82,7 +82,7 @@ def test_simulate_command(tmp_path, capsys) -> None:
 def test_pods_sharing_a_host_simulate_slower_and_a_bad_count_is_refused(tmp_path, capsys) -> None:
     from dataclasses import replace
 
-    from services.planner.profile import NeighborSlowdown
+    from splitserve.planner.profile import NeighborSlowdown
 
     profile = replace(
         synthetic_profile(0.05, prefill_per_token_s=0.001),

@@ -7,14 +7,14 @@ from dataclasses import replace
 
 import pytest
 
-from services.loadgen.stats import Slo
-from services.loadgen.workload import LengthDistribution, WorkloadSpec
-from services.planner.controller import Autoscaler, Bounds, PolicySettings
-from services.planner.load import LoadSnapshot, RoleLoad
-from services.planner.profile import EngineSetup, synthetic_profile
-from services.planner.recommend import SearchSpec, recommend
-from services.planner.simulator import ClusterConfig
-from services.planner.sizing import Target, judge, pods_needed, steady_workload
+from splitserve.loadgen.stats import Slo
+from splitserve.loadgen.workload import LengthDistribution, WorkloadSpec
+from splitserve.planner.controller import Autoscaler, Bounds, PolicySettings
+from splitserve.planner.load import LoadSnapshot, RoleLoad
+from splitserve.planner.profile import EngineSetup, synthetic_profile
+from splitserve.planner.recommend import SearchSpec, recommend
+from splitserve.planner.simulator import ClusterConfig
+from splitserve.planner.sizing import Target, judge, pods_needed, steady_workload
 
 
 def _workload(rate: float, inputs: int = 64, outputs: int = 32, n: int = 200) -> WorkloadSpec:
@@ -123,7 +123,7 @@ def test_the_autoscaler_sizes_the_cluster_recommend_would_simulate() -> None:
     # Decode-bound: 20 ms a step plus 2 ms a row. Pods on separate machines, two suffice; all
     # pods on one machine, each decode step beside another takes twice as long, and the
     # autoscaler's model (given recommend's --pods-per-host) asks for more, or finds none.
-    from services.planner.profile import NeighborSlowdown
+    from splitserve.planner.profile import NeighborSlowdown
 
     profile = replace(
         synthetic_profile(0.01, decode_step_s=0.02, decode_per_seq_s=0.002),

@@ -12,12 +12,12 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
-from services.common.channels import sync_channel
-from services.common.redis_server import RedisServer
-from services.common.registry_schema import RegistryKeys, connect, read_pods
-from services.common.supervisor import HealthCheck, ProcessSpec, Supervisor
+from splitserve.common.channels import sync_channel
+from splitserve.common.redis_server import RedisServer
+from splitserve.common.registry_schema import RegistryKeys, connect, read_pods
+from splitserve.common.supervisor import HealthCheck, ProcessSpec, Supervisor
+from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from tests.services_util import STARTUP_TIMEOUT_SECONDS, free_port
 
 PROMPT = list(range(1000, 1040))
@@ -31,7 +31,7 @@ def redis_server():
 
 def _start_decode_pod(supervisor: Supervisor, redis_url: str, drain_timeout: float):
     address = f"127.0.0.1:{free_port()}"
-    argv = [sys.executable, "-m", "services.decode", "--host", "127.0.0.1"]
+    argv = [sys.executable, "-m", "splitserve.decode", "--host", "127.0.0.1"]
     argv += ["--port", address.rsplit(":", 1)[1], "--worker-id", "decode-drain"]
     argv += ["--kv-cache-bytes", "32MiB", "--num-threads", "1", "--log-level", "warning"]
     argv += ["--redis-url", redis_url, "--drain-timeout", str(drain_timeout)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.prompts import PromptError, check_prompt
+from splitserve.engine.prompts import PromptError, check_prompt
 
 VOCAB, MAX_LEN = 100, 64
 

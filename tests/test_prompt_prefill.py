@@ -14,14 +14,14 @@ import asyncio
 
 import pytest
 
-from services.decode.remote_prefill import (
+from splitserve import LLM, AsyncLLM, SamplingParams
+from splitserve.decode.remote_prefill import (
     PrefillClient,
     PrefillMode,
     PromptPrefill,
     RemotePrefillSettings,
 )
-from shared import LLM, AsyncLLM, SamplingParams
-from shared.kv_transfer import create_kv_transport
+from splitserve.engine.kv_transfer import create_kv_transport
 from tests.services_util import free_port
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)

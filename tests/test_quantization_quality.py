@@ -17,12 +17,12 @@ import math
 import pytest
 import torch
 
-from shared import LLM, SamplingParams
-from shared.model.attention_backend import select_attention_backend
-from shared.model.attention_metadata import AttentionMetadata, PrefillChunk
-from shared.model.llama import LlamaForCausalLM
-from shared.model.loader import load_checkpoint
-from shared.model.quantization import weight_nbytes
+from splitserve import LLM, SamplingParams
+from splitserve.engine.model.attention_backend import select_attention_backend
+from splitserve.engine.model.attention_metadata import AttentionMetadata, PrefillChunk
+from splitserve.engine.model.llama import LlamaForCausalLM
+from splitserve.engine.model.loader import load_checkpoint
+from splitserve.engine.model.quantization import weight_nbytes
 from tests.test_engine_parity import _prompts
 
 METHODS = ("none", "int8", "int4", "gguf")

@@ -16,12 +16,12 @@ import pytest
 import torch
 from gguf.quants import dequantize
 
-from shared.config import ModelConfig
-from shared.model import quantized_linear
-from shared.model.gguf_blocks import BlockQuantized, read_blocks
-from shared.model.gguf_loader import unpermute_rope_rows
-from shared.model.quantization import QuantizedEmbedding, effective_method, pack_weight
-from shared.model.quantized_linear import (
+from splitserve.engine.config import ModelConfig
+from splitserve.engine.model import quantized_linear
+from splitserve.engine.model.gguf_blocks import BlockQuantized, read_blocks
+from splitserve.engine.model.gguf_loader import unpermute_rope_rows
+from splitserve.engine.model.quantization import QuantizedEmbedding, effective_method, pack_weight
+from splitserve.engine.model.quantized_linear import (
     INT4_DEQUANTIZE_FROM_ROWS,
     INT8_ACTIVATION_QUANT_FROM_ROWS,
     Int4Weight,
@@ -201,7 +201,7 @@ def test_repacked_q4_1_keeps_the_codes_and_rounds_only_the_scales(gguf_reader):
 
 
 def test_q_and_k_blocks_get_the_float_paths_row_order(gguf_reader, smollm2_gguf_path):
-    from shared.model.loader import load_checkpoint
+    from splitserve.engine.model.loader import load_checkpoint
 
     packed = load_checkpoint(smollm2_gguf_path, keep_quantized=True).weights
     dense = load_checkpoint(smollm2_gguf_path).weights
@@ -244,7 +244,7 @@ def test_missing_kernel_falls_back_to_dense_with_a_warning(monkeypatch, caplog):
     monkeypatch.setattr(
         quantized_linear, "cpu_kernel_problem", lambda method: f"no {method} kernel"
     )
-    with caplog.at_level(logging.WARNING, logger="shared.model.quantized_linear"):
+    with caplog.at_level(logging.WARNING, logger="splitserve.engine.model.quantized_linear"):
         assert effective_method("int4", torch.device("cpu")) == "none"
     assert "no int8 kernel" in caplog.text and "no memory is saved" in caplog.text
 
@@ -260,8 +260,8 @@ def test_quantization_is_cpu_or_cuda_only():
 def test_pod_flag_reaches_the_engine_config_and_refuses_bad_values():
     import argparse
 
-    from services.common.flags import add_engine_flags, engine_options
-    from shared.config import EngineConfig
+    from splitserve.common.flags import add_engine_flags, engine_options
+    from splitserve.engine.config import EngineConfig
 
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
@@ -278,8 +278,8 @@ def test_pod_flag_reaches_the_engine_config_and_refuses_bad_values():
 
 
 def test_splitserve_up_passes_each_role_its_quantization():
-    from services.cli import build_parser
-    from services.launcher import plan
+    from splitserve.cli import build_parser
+    from splitserve.launcher import plan
 
     def flag(argv: list[str]) -> str:
         return argv[argv.index("--quantization") + 1]
@@ -303,11 +303,11 @@ def test_splitserve_up_passes_each_role_its_quantization():
 def test_untied_hf_model_quantizes_its_head_apart(make_tiny_hf_checkpoint, method):
     """A Hugging Face directory with its own lm_head: both vocabulary matrices are int8, the
     logits stay near float32's, and the engine serves it."""
-    from shared import LLM, SamplingParams
-    from shared.model.attention_backend import select_attention_backend
-    from shared.model.attention_metadata import AttentionMetadata, PrefillChunk
-    from shared.model.llama import LlamaForCausalLM
-    from shared.model.loader import load_checkpoint
+    from splitserve import LLM, SamplingParams
+    from splitserve.engine.model.attention_backend import select_attention_backend
+    from splitserve.engine.model.attention_metadata import AttentionMetadata, PrefillChunk
+    from splitserve.engine.model.llama import LlamaForCausalLM
+    from splitserve.engine.model.loader import load_checkpoint
 
     directory = make_tiny_hf_checkpoint(tie_word_embeddings=False)
     checkpoint = load_checkpoint(directory)
@@ -338,7 +338,7 @@ def test_untied_hf_model_quantizes_its_head_apart(make_tiny_hf_checkpoint, metho
 def test_prefill_and_decode_pods_may_differ_in_weight_format():
     """A dense prefill pod's pages go to a gguf decode pod: the KV format is the same whatever
     the weights, so the decode pod takes them and finishes the request."""
-    from shared import LLM, SamplingParams
+    from splitserve import LLM, SamplingParams
     from tests.test_disaggregation_engine import disaggregated
 
     options = {"kv_cache_bytes": 32 * 2**20, "num_threads": 1}

@@ -29,10 +29,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
-from shared.model.gguf_blocks import read_blocks  # noqa: E402
-from shared.model.quantization import effective_method, pack_weight  # noqa: E402
-from shared.model.quantized_linear import quantize, quantized_matmul  # noqa: E402
-from shared.model.quantized_triton import (  # noqa: E402
+from splitserve.engine.model.gguf_blocks import read_blocks  # noqa: E402
+from splitserve.engine.model.quantization import effective_method, pack_weight  # noqa: E402
+from splitserve.engine.model.quantized_linear import quantize, quantized_matmul  # noqa: E402
+from splitserve.engine.model.quantized_triton import (  # noqa: E402
     BACKEND_ENV,
     Int4GroupWeight,
     TritonInt8Weight,
@@ -152,7 +152,7 @@ def test_missing_triton_falls_back_dense_with_a_warning():
         "import sys; sys.modules['triton'] = None\n"
         "import logging, torch\n"
         "logging.basicConfig(format='%(message)s')\n"
-        "from shared.model.quantization import effective_method\n"
+        "from splitserve.engine.model.quantization import effective_method\n"
         "print(effective_method('gguf', torch.device('cuda')))\n"
         "print(effective_method('int8', torch.device('cpu')))\n"
     )
@@ -171,7 +171,7 @@ def test_triton_forced_without_a_gpu_or_the_interpreter_falls_back(
     # failure, caught by the start-up check.
     monkeypatch.setenv(BACKEND_ENV, "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with caplog.at_level(logging.WARNING, logger="shared.model.quantization"):
+    with caplog.at_level(logging.WARNING, logger="splitserve.engine.model.quantization"):
         assert effective_method("int8", CPU) == "none"
     assert "need a GPU tensor" in caplog.text
 
@@ -189,8 +189,8 @@ def test_a_kernel_slower_than_dense_is_named_in_a_warning():
 
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
-    from shared.model.attention import TorchPagedAttention
-    from shared.model.attention_metadata import AttentionMetadata, PrefillChunk
+    from splitserve.engine.model.attention import TorchPagedAttention
+    from splitserve.engine.model.attention_metadata import AttentionMetadata, PrefillChunk
 
     arch, num = model.arch, ids.shape[0]
     shape = (arch.num_layers, 2, 2, 16, arch.num_kv_heads, arch.head_dim)
@@ -204,7 +204,7 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _build(checkpoint, quantization: str, weights) -> torch.nn.Module:
-    from shared.model.llama import LlamaForCausalLM
+    from splitserve.engine.model.llama import LlamaForCausalLM
 
     model = LlamaForCausalLM(checkpoint.architecture, 256, DEVICE, quantization)
     model.materialize(DEVICE, torch.float32)
@@ -218,7 +218,7 @@ def test_model_on_the_triton_path_is_its_weights_dequantized(
 ):
     """Every packed layer (the untied int8 head included) multiplies through the Triton kernels,
     and the logits equal a dense float32 model holding the same weights dequantized."""
-    from shared.model.loader import load_checkpoint
+    from splitserve.engine.model.loader import load_checkpoint
 
     checkpoint = load_checkpoint(make_tiny_hf_checkpoint(tie_word_embeddings=False))
     monkeypatch.setenv(BACKEND_ENV, "triton")
@@ -244,7 +244,7 @@ def test_model_on_the_triton_path_is_its_weights_dequantized(
 def test_engine_serves_int4_through_the_triton_path(tiny_hf_checkpoint, monkeypatch):
     """The engine on the Triton backend (decode steps of one row, a prefill of several) picks
     the CPU backend's greedy tokens: the same quantization, another layout and kernel."""
-    from shared import LLM, SamplingParams
+    from splitserve import LLM, SamplingParams
 
     prompt = torch.randint(100, 40000, (9,), generator=torch.Generator().manual_seed(7)).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
@@ -269,9 +269,9 @@ def test_shipped_gguf_on_the_triton_path_is_the_files_weights(smollm2_gguf_path,
     weights exactly (float16 d and m, codes bit for bit): the decoder layers' output equals the
     float32 model's (the file dequantized) up to summation order. The embedding is left out: the
     vocabulary matrix is re-quantized to int8 either way (docs/quantization.md)."""
-    from shared.model.attention import TorchPagedAttention
-    from shared.model.attention_metadata import AttentionMetadata, PrefillChunk
-    from shared.model.loader import load_checkpoint
+    from splitserve.engine.model.attention import TorchPagedAttention
+    from splitserve.engine.model.attention_metadata import AttentionMetadata, PrefillChunk
+    from splitserve.engine.model.loader import load_checkpoint
 
     monkeypatch.setenv(BACKEND_ENV, "triton")
     blocks = load_checkpoint(smollm2_gguf_path, keep_quantized=True)

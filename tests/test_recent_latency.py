@@ -7,13 +7,13 @@ import asyncio
 
 import pytest
 
-from services.common.pod_metrics import FinishedRequest, PodMetrics, RecentAverage
-from services.common.redis_server import RedisServer
-from services.common.registry_publisher import PublisherSettings, RegistryPublisher
-from services.common.registry_schema import PodRecord, RegistryKeys, connect, read_pods
-from shared import AsyncLLM
-from shared.engine import EngineStats
-from shared.outputs import CompletionOutput, RequestTimings
+from splitserve import AsyncLLM
+from splitserve.common.pod_metrics import FinishedRequest, PodMetrics, RecentAverage
+from splitserve.common.redis_server import RedisServer
+from splitserve.common.registry_publisher import PublisherSettings, RegistryPublisher
+from splitserve.common.registry_schema import PodRecord, RegistryKeys, connect, read_pods
+from splitserve.engine.engine import EngineStats
+from splitserve.engine.outputs import CompletionOutput, RequestTimings
 
 
 def test_first_sample_is_taken_as_is_and_later_ones_by_weight():

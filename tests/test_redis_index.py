@@ -12,25 +12,25 @@ import time
 import pytest
 from redis.exceptions import RedisError
 
-from services.common.pod_load import PodLoad
-from services.common.redis_server import RedisServer
-from services.common.registry_publisher import (
+from splitserve import AsyncLLM, SamplingParams
+from splitserve.common.pod_load import PodLoad
+from splitserve.common.redis_server import RedisServer
+from splitserve.common.registry_publisher import (
     PublisherSettings,
     RegistryPublisher,
     event_commands,
     new_generation,
 )
-from services.common.registry_schema import (
+from splitserve.common.registry_schema import (
     PodRecord,
     RegistryKeys,
     cached_prefixes,
     connect,
     read_pods,
 )
-from shared import AsyncLLM, SamplingParams
-from shared.kv.block_hash import hash_full_blocks
-from shared.kv.events import BlockRemoved, BlockStored
-from shared.kv.tiers import Tier
+from splitserve.engine.kv.block_hash import hash_full_blocks
+from splitserve.engine.kv.events import BlockRemoved, BlockStored
+from splitserve.engine.kv.tiers import Tier
 
 BLOCK_SIZE = 16
 FAST = PublisherSettings(ttl_s=1.0, heartbeat_interval_s=0.1, publish_interval_s=0.01)

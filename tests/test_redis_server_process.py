@@ -11,13 +11,13 @@ import textwrap
 
 import pytest
 
-from services.common.redis_server import RedisServer
+from splitserve.common.redis_server import RedisServer
 from tests.process_util import wait_until_gone
 
 _STARTER_SCRIPT = textwrap.dedent(
     """
     import time
-    from services.common.redis_server import RedisServer
+    from splitserve.common.redis_server import RedisServer
     server = RedisServer().start()
     print(server._process.pid, server.port, flush=True)
     time.sleep(60)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared import LLM, SamplingParams
-from shared.structured_output.spec import StructuredOutput
+from splitserve import LLM, SamplingParams
+from splitserve.engine.structured_output.spec import StructuredOutput
 
 PROMPT = "Write a short story about a robot who learns to paint, in three sentences."
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.pod_load import PodLoad
-from services.gateway.scoring import (
+from splitserve.common.pod_load import PodLoad
+from splitserve.gateway.scoring import (
     LatencyMatrix,
     Location,
     PodView,

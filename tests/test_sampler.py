@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from shared.sampler import Sampler, SamplingRow, apply_penalties, make_generator
-from shared.sampling_params import SamplingParams
+from splitserve.engine.sampler import Sampler, SamplingRow, apply_penalties, make_generator
+from splitserve.engine.sampling_params import SamplingParams
 
 sampler = Sampler()
 

@@ -6,18 +6,18 @@ SamplingParams' fields and set the proto's by name), and the OpenAI parser accep
 from __future__ import annotations
 
 from google.protobuf.descriptor import FieldDescriptor
-from splitserve.v1 import generate_pb2
 
-from services.common.convert import options_from_params, params_from_options
-from services.gateway.openai_protocol import parse_chat, parse_completion
-from shared.sampling_params import (
+from splitserve.common.convert import options_from_params, params_from_options
+from splitserve.engine.sampling_params import (
     COMPOSITE_FIELDS,
     FIELD_TYPES,
     SamplingParams,
     is_sequence_field,
     value_type,
 )
-from shared.structured_output.spec import StructuredOutput
+from splitserve.engine.structured_output.spec import StructuredOutput
+from splitserve.gateway.openai_protocol import parse_chat, parse_completion
+from splitserve.v1 import generate_pb2
 
 _PYTHON_TYPE = {
     FieldDescriptor.TYPE_INT32: int,

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import random
 
-from shared.config import SchedulerConfig
-from shared.kv.manager import KVCacheManager
-from shared.request import Request, RequestStatus
-from shared.sampling_params import SamplingParams
-from shared.scheduler import Scheduler
-from shared.step import ModelOutput, SchedulerOutput
+from splitserve.engine.config import SchedulerConfig
+from splitserve.engine.kv.manager import KVCacheManager
+from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.step import ModelOutput, SchedulerOutput
 
 EOS = 2
 BLOCK = 4
@@ -223,7 +223,7 @@ def test_remote_kv_fallback_and_abort_free_the_reservation():
 def test_draft_slots_never_take_the_block_another_decode_needs():
     """One free block left: a's draft slots would take it and b, whose next token starts a
     new block, would be preempted. Drafts must wait instead."""
-    from shared.spec_decode.adaptive import SpeculationPolicy
+    from splitserve.engine.spec_decode.adaptive import SpeculationPolicy
 
     config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8)
     policy = SpeculationPolicy(max_draft_tokens=4, max_batch_size=8, adaptive=False)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared import LLM, SamplingParams
+from splitserve import LLM, SamplingParams
 from tests.test_engine_parity import _prompts
 
 MAX_TOKENS = 24

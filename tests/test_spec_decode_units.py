@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.config import EngineConfig
-from shared.request import Request
-from shared.sampler import SamplingRow
-from shared.sampling_params import SamplingParams
-from shared.spec_decode.adaptive import SpeculationPolicy
-from shared.spec_decode.ngram import propose_ngram
-from shared.spec_decode.rejection import Verification, accept_greedy, verify
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.request import Request
+from splitserve.engine.sampler import SamplingRow
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.spec_decode.adaptive import SpeculationPolicy
+from splitserve.engine.spec_decode.ngram import propose_ngram
+from splitserve.engine.spec_decode.rejection import Verification, accept_greedy, verify
 
 # ---- n-gram ----------------------------------------------------------------------------------
 
@@ -85,7 +85,7 @@ def _peaked_logits(num_rows: int, seed: int) -> torch.Tensor:
 
 
 def _target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    from shared.sampler import sampling_distribution
+    from splitserve.engine.sampler import sampling_distribution
 
     rows = [_row(params, torch.Generator()) for _ in range(logits.shape[0])]
     return sampling_distribution(logits, rows)
@@ -259,7 +259,7 @@ def test_failed_probes_double_the_pause():
 
 
 def test_step_cost_model_prices_unmeasured_rows_optimistically():
-    from shared.spec_decode.step_cost import OPTIMISTIC_ROW_COST, StepCostModel
+    from splitserve.engine.spec_decode.step_cost import OPTIMISTIC_ROW_COST, StepCostModel
 
     model = StepCostModel()
     assert model.cost(1) == 1.0 and model.cost(3) == pytest.approx(1 + 2 * OPTIMISTIC_ROW_COST)
@@ -309,7 +309,7 @@ def test_bad_speculative_options_are_named(options, name):
 def test_pod_flags_map_to_engine_options():
     import argparse
 
-    from services.common.flags import add_engine_flags, engine_options
+    from splitserve.common.flags import add_engine_flags, engine_options
 
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
@@ -326,8 +326,8 @@ def test_pod_flags_map_to_engine_options():
 
 
 def test_worker_stats_carry_the_speculation_counters():
-    from services.common.pod import PodIdentity, PodStats, pod_stats_to_proto
-    from shared.engine import EngineStats
+    from splitserve.common.pod import PodIdentity, PodStats, pod_stats_to_proto
+    from splitserve.engine.engine import EngineStats
 
     engine = EngineStats(1, 0, 10, 9, 0, 0, 0, 40, 30, 12)
     identity = PodIdentity("w", "decode", "m", "tcp")
@@ -338,7 +338,7 @@ def test_worker_stats_carry_the_speculation_counters():
 
 
 def test_inter_token_latency_is_one_sample_per_step():
-    from shared.outputs import RequestTimings
+    from splitserve.engine.outputs import RequestTimings
 
     # Tokens 2-4 came from one verification step: one gap to it, one gap after it.
     timings = RequestTimings(0.0, 1.0, [1.0, 1.5, 1.5, 1.5, 2.25])

@@ -18,9 +18,9 @@ import torch
 from llguidance.torch import fill_next_token_bitmask
 from transformers import LogitsProcessor
 
-from shared import LLM, SamplingParams
-from shared.structured_output.grammar import grammar_for
-from shared.structured_output.spec import StructuredOutput
+from splitserve import LLM, SamplingParams
+from splitserve.engine.structured_output.grammar import grammar_for
+from splitserve.engine.structured_output.spec import StructuredOutput
 from tests.hf_reference import transformers_greedy
 
 MAX_TOKENS = 96

@@ -11,13 +11,13 @@ import time
 
 import pytest
 
-from services.common.supervisor import HealthCheck, ProcessSpec, RestartPolicy, Supervisor
+from splitserve.common.supervisor import HealthCheck, ProcessSpec, RestartPolicy, Supervisor
 from tests.process_util import is_running, wait_until_gone
 
 _SUPERVISOR_SCRIPT = textwrap.dedent(
     """
     import sys, time
-    from services.common.supervisor import HealthCheck, ProcessSpec, Supervisor
+    from splitserve.common.supervisor import HealthCheck, ProcessSpec, Supervisor
     supervisor = Supervisor()
     process = supervisor.start(ProcessSpec("sleeper", ["sleep", "60"], HealthCheck()))
     print(process.pid, flush=True)

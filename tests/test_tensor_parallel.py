@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from shared.llm import LLM
-from shared.parallel.group import ParallelError
-from shared.sampling_params import SamplingParams
+from splitserve.engine.llm import LLM
+from splitserve.engine.parallel.group import ParallelError
+from splitserve.engine.sampling_params import SamplingParams
 
 KV_BYTES = 8 * 2**20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -152,7 +152,7 @@ def test_tp3_smollm2_greedy_equals_tp1():
 
 
 def test_a_step_packs_into_one_tensor_and_back():
-    from shared.parallel.step_tensors import ChunkView, pack_chunks, unpack_chunks
+    from splitserve.engine.parallel.step_tensors import ChunkView, pack_chunks, unpack_chunks
 
     chunks = [
         ChunkView(7, 1, 1, [42], [3, 9]),

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.llm import LLM
-from shared.parallel.layout import TensorParallelLayout
-from shared.parallel.pipeline import PipelineLayout
-from shared.sampling_params import SamplingParams
+from splitserve.engine.llm import LLM
+from splitserve.engine.parallel.layout import TensorParallelLayout
+from splitserve.engine.parallel.pipeline import PipelineLayout
+from splitserve.engine.sampling_params import SamplingParams
 from tests.test_disaggregation_engine import disaggregated
 
 KV_BYTES = 8 * 2**20

@@ -15,13 +15,13 @@ import time
 import pytest
 import torch
 
-from shared.config import ParallelConfig
-from shared.llm import LLM
-from shared.parallel.grid import GridLayout
-from shared.parallel.group import ParallelError
-from shared.parallel.layout import TensorParallelLayout
-from shared.parallel.pipeline import PipelineLayout
-from shared.sampling_params import SamplingParams
+from splitserve.engine.config import ParallelConfig
+from splitserve.engine.llm import LLM
+from splitserve.engine.parallel.grid import GridLayout
+from splitserve.engine.parallel.group import ParallelError
+from splitserve.engine.parallel.layout import TensorParallelLayout
+from splitserve.engine.parallel.pipeline import PipelineLayout
+from splitserve.engine.sampling_params import SamplingParams
 from tests.hf_reference import greedy_references
 from tests.test_disaggregation_engine import disaggregated
 

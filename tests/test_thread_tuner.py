@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from shared.request import Request
-from shared.sampling_params import SamplingParams
-from shared.step import ModelOutput, ScheduledChunk, SchedulerOutput, StepResult
-from shared.thread_tuner import EXPLORE_MAX, EXPLORE_MIN, ThreadTuner
+from splitserve.engine.request import Request
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.step import ModelOutput, ScheduledChunk, SchedulerOutput, StepResult
+from splitserve.engine.thread_tuner import EXPLORE_MAX, EXPLORE_MIN, ThreadTuner
 
 
 def decode_step(batch: int) -> SchedulerOutput:

@@ -11,8 +11,8 @@ import sys
 import gguf
 import pytest
 
-from shared.chat_template import ChatTemplate
-from shared.tokenizer import Tokenizer
+from splitserve.engine.chat_template import ChatTemplate
+from splitserve.engine.tokenizer import Tokenizer
 
 _VOCAB_KEYS = ("tokens", "merges", "token_type")
 # Enough vocabulary for tests that only need a GGUF to parse (SmolLM2's takes seconds to read).
@@ -270,7 +270,7 @@ def test_unsupported_gguf_tokenizers_are_rejected(tmp_path):
 
 def test_tokenizer_module_does_not_import_torch():
     code = (
-        "import sys; import shared.tokenizer, shared.chat_template; "
+        "import sys; import splitserve.engine.tokenizer, splitserve.engine.chat_template; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     result = subprocess.run(

@@ -14,15 +14,15 @@ import llguidance
 import pydantic
 import pytest
 
-from services.gateway.openai_protocol import param_of, parse_chat
-from services.gateway.tool_calls import ToolCallParser, ToolDelta, assemble, parse_answer
-from services.gateway.tool_prompt import tools_section
-from services.gateway.tool_request import ToolError, constraint, parse_tool_request
-from services.gateway.tool_schema import FunctionTool, NamedToolChoice, ToolCall
-from services.gateway.tools import ToolOutputs, prepare_chat
-from shared.model_paths import default_model_path
-from shared.structured_output.grammar import grammar_for
-from shared.tokenizer import Tokenizer
+from splitserve.engine.model_paths import default_model_path
+from splitserve.engine.structured_output.grammar import grammar_for
+from splitserve.engine.tokenizer import Tokenizer
+from splitserve.gateway.openai_protocol import param_of, parse_chat
+from splitserve.gateway.tool_calls import ToolCallParser, ToolDelta, assemble, parse_answer
+from splitserve.gateway.tool_prompt import tools_section
+from splitserve.gateway.tool_request import ToolError, constraint, parse_tool_request
+from splitserve.gateway.tool_schema import FunctionTool, NamedToolChoice, ToolCall
+from splitserve.gateway.tools import ToolOutputs, prepare_chat
 
 WEATHER = {
     "type": "function",

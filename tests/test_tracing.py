@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.common import tracing
+from splitserve.common import tracing
 from tests.services_util import MODEL_NAME, start_stack
 
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -19,13 +19,13 @@ pytest.importorskip("triton")  # Triton wheels exist for Linux only
 
 import torch  # noqa: E402
 
-from shared import LLM, SamplingParams  # noqa: E402
-from shared.model.attention import TorchPagedAttention  # noqa: E402
-from shared.model.attention_backend import select_attention_backend  # noqa: E402
-from shared.model.decode_groups import group_decodes  # noqa: E402
-from shared.model.triton_attention import TritonPagedAttention  # noqa: E402
-from shared.request import Request  # noqa: E402
-from shared.step import ScheduledChunk  # noqa: E402
+from splitserve import LLM, SamplingParams  # noqa: E402
+from splitserve.engine.model.attention import TorchPagedAttention  # noqa: E402
+from splitserve.engine.model.attention_backend import select_attention_backend  # noqa: E402
+from splitserve.engine.model.decode_groups import group_decodes  # noqa: E402
+from splitserve.engine.model.triton_attention import TritonPagedAttention  # noqa: E402
+from splitserve.engine.request import Request  # noqa: E402
+from splitserve.engine.step import ScheduledChunk  # noqa: E402
 
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] == "0" else "cpu"
 BACKEND_ENV = "SPLITSERVE_ATTENTION_BACKEND"
@@ -179,7 +179,7 @@ def test_attend_matches_torch_backend_on_a_mixed_step(triton_llm):
 
 def test_attend_over_an_int8_cache_matches_torch_backend_on_a_mixed_step(triton_llm):
     """kv_cache_dtype int8: both backends write the same codes and scales, and attend alike."""
-    from kernels.kv_int8 import quantize_rows
+    from splitserve.kernels.kv_int8 import quantize_rows
 
     meta = triton_llm.engine.runner.prepare_inputs(_mixed_chunks()).meta
     decodes = MIXED_BATCH[: meta.num_decodes]

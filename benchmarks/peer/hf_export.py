@@ -21,7 +21,7 @@ def ensure_hf_export(directory: Path = DEFAULT_DIR) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    from shared.model_paths import default_model_path
+    from splitserve.engine.model_paths import default_model_path
 
     print(f"[hf-export] writing {directory} from the shipped GGUF", flush=True)
     folder, name = os.path.split(default_model_path())

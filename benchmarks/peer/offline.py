@@ -25,7 +25,7 @@ from benchmarks.engine import (
 )
 from benchmarks.peer.hf_export import ensure_hf_export
 from benchmarks.peer.vllm_venv import ensure_vllm_venv
-from shared import LLM
+from splitserve import LLM
 
 NAMES = {
     "batch1": "a. batch-1 decode tokens/s",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from services.loadgen.stats import Slo
-from services.loadgen.workload import LengthDistribution, WorkloadShape
+from splitserve.loadgen.stats import Slo
+from splitserve.loadgen.workload import LengthDistribution, WorkloadShape
 
 # On this 2-core machine one decode core streams ~45 output tokens/s at most (a decode step
 # costs ~15 ms more per running sequence), so with outputs of 80 tokens on average the

@@ -7,8 +7,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.loadgen.client import RunResult
-from services.loadgen.stats import Slo, Summary
+from splitserve.loadgen.client import RunResult
+from splitserve.loadgen.stats import Slo, Summary
 
 # The goal: at the rate where colocated's ITL p90 reaches this many times its
 # unloaded value, disaggregated's ITL p90 should be clearly lower.

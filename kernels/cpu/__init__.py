@@ -1,15 +1,17 @@
 """C++ kernels for the CPU path, built on this machine on first use, with torch's cpp_extension.
 
-| kernel                 | source                     | reference                          |
-| ---------------------- | -------------------------- | ---------------------------------- |
-| paged_decode_attention | paged_decode_attention.cpp | kernels.reference (same name)      |
-| write_kv_int8          | write_kv_int8.cpp          | kernels.reference.write_kv (int8)  |
-| rms_norm, add_rms_norm | layer_ops.cpp              | kernels.reference.fused_add_rms_norm |
-| silu_and_mul           | layer_ops.cpp              | F.silu(gate) * up                  |
-| rotary_split_qkv       | layer_ops.cpp              | kernels.reference.rotary_embedding |
-| rotary_split_qkv_into_cache | layer_ops.cpp         | the above, then kernels.reference.write_kv |
-| DecodeLayers           | decode_layers.cpp          | shared/model/llama.py's layers     |
-| int4_gemm              | int4_gemm.cpp              | Int4Weight.dequantize(), float64   |
+Each kernel's reference is in splitserve.kernels.reference (`reference.` below) or the model:
+
+| kernel                      | source                     | reference                          |
+| --------------------------- | -------------------------- | ---------------------------------- |
+| paged_decode_attention      | paged_decode_attention.cpp | reference.paged_decode_attention   |
+| write_kv_int8               | write_kv_int8.cpp          | reference.write_kv (int8)          |
+| rms_norm, add_rms_norm      | layer_ops.cpp              | reference.fused_add_rms_norm       |
+| silu_and_mul                | layer_ops.cpp              | F.silu(gate) * up                  |
+| rotary_split_qkv            | layer_ops.cpp              | reference.rotary_embedding         |
+| rotary_split_qkv_into_cache | layer_ops.cpp              | the above, then reference.write_kv |
+| DecodeLayers                | decode_layers.cpp          | shared/model/llama.py's layers     |
+| int4_gemm                   | int4_gemm.cpp              | Int4Weight.dequantize(), float64   |
 
 `module.cpp` binds them. The model reaches the layer ops through shared/model/layer_ops.py,
 which calls the module directly (these wrappers' checks cost more than a decode row's work).
@@ -79,11 +81,11 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """`kernels.reference.paged_decode_attention`, reading the cache in place (CPU).
+    """`splitserve.kernels.reference.paged_decode_attention`, reading the cache in place (CPU).
 
     query [num_seqs, num_heads, head_dim] float32; key_cache, value_cache [num_blocks,
     block_size, num_kv_heads, head_dim] float32, or int8 rows of head_dim + 2 (codes and their
-    bfloat16 scale, kernels.kv_int8); block_tables [num_seqs, max_blocks] int32; seq_lens
+    bfloat16 scale, splitserve.kernels.kv_int8); block_tables [num_seqs, max_blocks] int32; seq_lens
     [num_seqs] int32 (0: a padding row, zeros out)."""
     module = load()
     if module is None:
@@ -97,10 +99,12 @@ def paged_decode_attention(
 def write_kv_int8(
     key: torch.Tensor, value: torch.Tensor, layer_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """`kernels.reference.write_kv` into an int8 cache, quantizing in place of fourteen ops.
+    """`splitserve.kernels.reference.write_kv` into an int8 cache, quantizing in place of fourteen
+    ops.
 
     key, value [num_tokens, num_kv_heads, head_dim] float32 (rows contiguous); layer_cache [2,
-    num_blocks, block_size, num_kv_heads, head_dim + 2] int8, contiguous (kernels.kv_int8);
+    num_blocks, block_size, num_kv_heads, head_dim + 2] int8, contiguous
+    (splitserve.kernels.kv_int8);
     slot_mapping [num_tokens] int64, -1 skipped. Mutates layer_cache."""
     module = load()
     if module is None:

@@ -15,18 +15,17 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from splitserve.v1 import generate_pb2
-
-from shared.sampling_params import (
+from splitserve.engine.sampling_params import (
     FIELD_TYPES,
     SamplingParams,
     is_sequence_field,
     value_type,
 )
-from shared.structured_output.spec import StructuredOutput
+from splitserve.engine.structured_output.spec import StructuredOutput
+from splitserve.v1 import generate_pb2
 
 if TYPE_CHECKING:
-    from shared.sampler import TokenLogprobs
+    from splitserve.engine.sampler import TokenLogprobs
 
 # Turns a token id into the text it stands for (special tokens included).
 TokenText = Callable[[int], str]

@@ -1,4 +1,4 @@
-"""`python -m services.common.die_with_parent PARENT_PID PROGRAM ARGS...`: asks the kernel for
+"""`python -m splitserve.common.die_with_parent PARENT_PID PROGRAM ARGS...`: asks the kernel for
 SIGTERM when the parent dies (PR_SET_PDEATHSIG), then execs PROGRAM in place.
 
 Why a separate exec rather than `Popen(preexec_fn=...)`: a preexec_fn makes Python fork the

@@ -10,7 +10,12 @@ import argparse
 import logging
 import re
 
-from shared.config import EVICTION_POLICIES, KV_CACHE_DTYPES, QUANTIZATION_METHODS, CacheConfig
+from splitserve.engine.config import (
+    EVICTION_POLICIES,
+    KV_CACHE_DTYPES,
+    QUANTIZATION_METHODS,
+    CacheConfig,
+)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}

@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from services.common.channels import SERVER_KEEPALIVE_OPTIONS
+from splitserve.common.channels import SERVER_KEEPALIVE_OPTIONS
 
 logger = logging.getLogger(__name__)
 

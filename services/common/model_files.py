@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from shared.model_paths import default_model_path
-from shared.tokenizer import Tokenizer
+from splitserve.engine.model_paths import default_model_path
+from splitserve.engine.tokenizer import Tokenizer
 
 
 def resolve_model_path(model: str | None) -> str:

@@ -21,19 +21,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from splitserve.common.background import in_daemon_thread
+from splitserve.common.flags import add_engine_flags, add_server_flags
+from splitserve.common.grpc_server import start_server, stop_event_on_signals
+from splitserve.common.pod_load import PodLoad
+from splitserve.common.pod_metrics import PodMetrics, serve_pod_metrics
+from splitserve.common.registry_publisher import add_registry_flags, start_registry
+from splitserve.common.tracing import configure_tracing, shutdown_tracing
 from splitserve.v1 import worker_pb2
 
-from services.common.background import in_daemon_thread
-from services.common.flags import add_engine_flags, add_server_flags
-from services.common.grpc_server import start_server, stop_event_on_signals
-from services.common.pod_load import PodLoad
-from services.common.pod_metrics import PodMetrics, serve_pod_metrics
-from services.common.registry_publisher import add_registry_flags, start_registry
-from services.common.tracing import configure_tracing, shutdown_tracing
-
 if TYPE_CHECKING:
-    from shared.async_llm import AsyncLLM
-    from shared.engine import EngineStats
+    from splitserve.engine.async_llm import AsyncLLM
+    from splitserve.engine.engine import EngineStats
 
 logger = logging.getLogger(__name__)
 

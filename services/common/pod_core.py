@@ -14,20 +14,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import grpc
-from splitserve.v1 import worker_pb2
 
-from services.common.pod import (
+from splitserve.common.pod import (
     PodIdentity,
     PodStats,
     pod_stats,
     pod_stats_to_proto,
     token_text,
 )
-from services.common.pod_metrics import PodMetrics
-from shared.telemetry import record_engine_steps
+from splitserve.common.pod_metrics import PodMetrics
+from splitserve.engine.telemetry import record_engine_steps
+from splitserve.v1 import worker_pb2
 
 if TYPE_CHECKING:
-    from shared.async_llm import AsyncLLM
+    from splitserve.engine.async_llm import AsyncLLM
 
 
 class Abortable(Protocol):

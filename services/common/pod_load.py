@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from splitserve.engine.engine import EngineStats
     from splitserve.v1 import worker_pb2
-
-    from shared.engine import EngineStats
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The one entry point of the engine pods: `run_pod(role, argv)` parses the flags every pod takes
 plus the role's own, checks them, sets up logging and serves (services/common/pod.py) until
-SIGTERM. `python -m services.prefill` and `python -m services.decode` are a `PodRole` each.
+SIGTERM. `python -m splitserve.prefill` and `python -m splitserve.decode` are a `PodRole` each.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.common.flags import engine_options, setup_logging
-from services.common.model_files import default_model_name, resolve_model_path
-from services.common.pod import PodIdentity, PodServicer, add_pod_flags, pod_id, serve_pod
-from services.common.registry_publisher import pod_place
+from splitserve.common.flags import engine_options, setup_logging
+from splitserve.common.model_files import default_model_name, resolve_model_path
+from splitserve.common.pod import PodIdentity, PodServicer, add_pod_flags, pod_id, serve_pod
+from splitserve.common.registry_publisher import pod_place
 
 if TYPE_CHECKING:
-    from services.common.pod_core import EnginePodCore
-    from shared.async_llm import AsyncLLM
-    from shared.kv_transfer import KVTransport
+    from splitserve.common.pod_core import EnginePodCore
+    from splitserve.engine.async_llm import AsyncLLM
+    from splitserve.engine.kv_transfer import KVTransport
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class PodRole:
 
 def build_pod_parser(role: PodRole) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=f"python -m services.{role.name}", description=role.description
+        prog=f"python -m splitserve.{role.name}", description=role.description
     )
     add_pod_flags(parser, role.default_port)
     role.add_flags(parser.add_argument_group("disaggregation"))
@@ -83,8 +83,10 @@ async def _serve(role: PodRole, args: argparse.Namespace) -> bool:
 
 def _engine_parts(role: PodRole, args: argparse.Namespace) -> EngineParts:
     """Loads the model; runs off the event loop, once the server answers health checks."""
-    from shared.async_llm import AsyncLLM  # torch and ucxx: only once serving has started
-    from shared.kv_transfer import create_kv_transport
+    from splitserve.engine.async_llm import (
+        AsyncLLM,  # torch and ucxx: only once serving has started
+    )
+    from splitserve.engine.kv_transfer import create_kv_transport
 
     transport = create_kv_transport(args.kv_transport)
     model_path = resolve_model_path(args.model)

@@ -38,10 +38,10 @@ from prometheus_client.core import (
 )
 
 if TYPE_CHECKING:
-    from shared.engine import EngineStats
-    from shared.kv_offload.stats import KVTierStats
-    from shared.outputs import CompletionOutput
-    from shared.telemetry import RequestSteps
+    from splitserve.engine.engine import EngineStats
+    from splitserve.engine.kv_offload.stats import KVTierStats
+    from splitserve.engine.outputs import CompletionOutput
+    from splitserve.engine.telemetry import RequestSteps
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Nothing is persisted (no RDB snapshots, no AOF): the index is rebuilt from the p
 Redis comes back empty, so a restart here behaves like a real Redis that lost its data, which
 is exactly what the routing must survive. `restart()` keeps the port, so clients reconnect.
 
-On Linux the server is started through services.common.die_with_parent (as the supervisor's
+On Linux the server is started through splitserve.common.die_with_parent (as the supervisor's
 children are), so it gets SIGTERM when the process that started it dies, even by SIGKILL: a
 killed `splitserve up` or test run leaves no redis-server behind. The kernel ties that signal to
 the starting thread, so start it from a thread that lives as long as the server should.
@@ -18,7 +18,7 @@ import socket
 import subprocess
 import time
 
-from services.common.supervisor import dying_with_us
+from splitserve.common.supervisor import dying_with_us
 
 STARTUP_TIMEOUT_SECONDS = 10.0
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
-from services.common.registry_schema import (
+from splitserve.common.registry_schema import (
     DEREGISTER_SCRIPT,
     HEARTBEAT_FENCED,
     HEARTBEAT_RESYNC,
@@ -40,12 +40,12 @@ from services.common.registry_schema import (
     RegistryKeys,
     connect,
 )
-from shared.kv.events import BlockRemoved, BlockStored, KVCacheEvent
-from shared.kv.tiers import Tier
+from splitserve.engine.kv.events import BlockRemoved, BlockStored, KVCacheEvent
+from splitserve.engine.kv.tiers import Tier
 
 if TYPE_CHECKING:
-    from services.common.pod import PodCore
-    from shared.async_llm import AsyncLLM
+    from splitserve.common.pod import PodCore
+    from splitserve.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ def pod_place(args: argparse.Namespace) -> Place:
     if (region and zone) or not args.node_name:
         return Place(region, zone)
     try:
-        from services.common.topology import discover_topology
+        from splitserve.common.topology import discover_topology
     except ImportError:
         return Place(region, zone)
     try:
@@ -280,7 +280,7 @@ def pod_place(args: argparse.Namespace) -> Place:
 
 
 def advertise_address(args: argparse.Namespace, port: int) -> str:
-    from services.common.pod import reachable_host
+    from splitserve.common.pod import reachable_host
 
     return f"{args.advertise_host or reachable_host(args.host)}:{port}"
 

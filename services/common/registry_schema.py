@@ -29,9 +29,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from services.common.pod_load import PodLoad
-from shared.kv.block_hash import BLOCK_HASH_NUM_BYTES
-from shared.kv.tiers import Tier
+from splitserve.common.pod_load import PodLoad
+from splitserve.engine.kv.block_hash import BLOCK_HASH_NUM_BYTES
+from splitserve.engine.kv.tiers import Tier
 
 DEFAULT_KEY_PREFIX = "splitserve"
 SENTINEL = b""  # always in a pod's block SET once it is complete (see the module docstring)

@@ -3,7 +3,7 @@
 Each child runs in its own session (so its own process group): a Ctrl-C in the terminal
 reaches only the supervisor, which then stops the children in order, and stopping a child's
 group also stops anything it started. On Linux a child also gets SIGTERM if the supervisor
-dies without cleaning up (PR_SET_PDEATHSIG, armed by services.common.die_with_parent before it
+dies without cleaning up (PR_SET_PDEATHSIG, armed by splitserve.common.die_with_parent before it
 execs the child's program), so no pod outlives a killed `splitserve up`.
 
 A child that exits is restarted as a kubelet restarts a pod's container (`restart_exited`):
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.channels import sync_channel
+from splitserve.common.channels import sync_channel
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ def dying_with_us(argv: list[str]) -> list[str]:
     """`argv` behind the wrapper that arms PR_SET_PDEATHSIG (Linux only) and execs it."""
     if sys.platform != "linux":
         return list(argv)
-    wrapper = [sys.executable, "-m", "services.common.die_with_parent", str(os.getpid())]
+    wrapper = [sys.executable, "-m", "splitserve.common.die_with_parent", str(os.getpid())]
     return wrapper + list(argv)
 
 

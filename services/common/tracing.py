@@ -37,7 +37,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 if TYPE_CHECKING:
-    from shared.telemetry import RequestSteps
+    from splitserve.engine.telemetry import RequestSteps
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
-"""The decode service: a gRPC `DecodeWorker` around the engine. Run: `python -m services.decode`."""
+"""The decode service: a gRPC `DecodeWorker` around the engine. Run: `python -m
+splitserve.decode`."""
 
-from services.common.openmp import bound_spin_waiting
+from splitserve.common.openmp import bound_spin_waiting
 
 # Before any module of this package loads torch (services/common/openmp.py says why).
 bound_spin_waiting()

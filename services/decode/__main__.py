@@ -1,4 +1,4 @@
-"""`python -m services.decode`: one decode pod (a gRPC DecodeWorker around the engine).
+"""`python -m splitserve.decode`: one decode pod (a gRPC DecodeWorker around the engine).
 
 It listens for KV pages on its --kv-transport from the start; a request that names a prefill
 pod and has at least --local-prefill-threshold uncached prompt tokens is prefilled there,
@@ -10,13 +10,12 @@ from __future__ import annotations
 import argparse
 import functools
 
+from splitserve.common.pod import reachable_host
+from splitserve.common.pod_main import EngineParts, PodRole, build_pod_parser, run_pod
+from splitserve.decode.core import DecodePodCore
+from splitserve.decode.remote_prefill import RemotePrefillSettings
+from splitserve.decode.servicer import DecodeWorkerServicer
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
-
-from services.common.pod import reachable_host
-from services.common.pod_main import EngineParts, PodRole, build_pod_parser, run_pod
-from services.decode.core import DecodePodCore
-from services.decode.remote_prefill import RemotePrefillSettings
-from services.decode.servicer import DecodeWorkerServicer
 
 
 def add_decode_flags(group: argparse._ArgumentGroup) -> None:

@@ -14,20 +14,20 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.common import tracing
-from services.common.pod import PodIdentity
-from services.common.pod_core import EnginePodCore
-from services.common.pod_metrics import FinishedRequest, PodMetrics
-from services.decode.remote_prefill import (
+from splitserve.common import tracing
+from splitserve.common.pod import PodIdentity
+from splitserve.common.pod_core import EnginePodCore
+from splitserve.common.pod_metrics import FinishedRequest, PodMetrics
+from splitserve.decode.remote_prefill import (
     PrefillClient,
     PrefillMode,
     PromptPrefill,
     RemotePrefillSettings,
 )
-from shared.async_llm import AsyncLLM
-from shared.kv_transfer import KVTransport
-from shared.outputs import CompletionOutput, StreamDelta
-from shared.sampling_params import SamplingParams
+from splitserve.engine.async_llm import AsyncLLM
+from splitserve.engine.kv_transfer import KVTransport
+from splitserve.engine.outputs import CompletionOutput, StreamDelta
+from splitserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context

@@ -32,18 +32,18 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import grpc
-from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
-from services.common import tracing
-from services.common.channels import aio_channel
-from services.common.convert import options_from_params
-from services.common.pod_metrics import PodMetrics
-from shared.async_llm import AsyncLLM, RemotePrefillReservation
-from shared.disaggregation import RemotePrefillPlan, RemotePrefillResult, receive_pages
-from shared.kv_transfer import KVReceiver, KVTransferError
-from shared.outputs import StreamDelta
-from shared.sampler import TokenLogprobs
-from shared.sampling_params import SamplingParams
+from splitserve.common import tracing
+from splitserve.common.channels import aio_channel
+from splitserve.common.convert import options_from_params
+from splitserve.common.pod_metrics import PodMetrics
+from splitserve.engine.async_llm import AsyncLLM, RemotePrefillReservation
+from splitserve.engine.disaggregation import RemotePrefillPlan, RemotePrefillResult, receive_pages
+from splitserve.engine.kv_transfer import KVReceiver, KVTransferError
+from splitserve.engine.outputs import StreamDelta
+from splitserve.engine.sampler import TokenLogprobs
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -1,2 +1,2 @@
 """The gateway: OpenAI HTTP + gRPC Generation in front of the decode (and prefill) pods. It loads
-no model and imports no torch. Run: `python -m services.gateway`."""
+no model and imports no torch. Run: `python -m splitserve.gateway`."""

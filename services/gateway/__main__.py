@@ -1,4 +1,4 @@
-"""`python -m services.gateway`: the OpenAI HTTP API and the gRPC Generation API in front of
+"""`python -m splitserve.gateway`: the OpenAI HTTP API and the gRPC Generation API in front of
 the decode (and prefill) pods. Loads the tokenizer and chat template only: no model, no torch."""
 
 from __future__ import annotations
@@ -10,23 +10,23 @@ import logging
 import os
 
 import uvicorn
+
+from splitserve.common.background import in_daemon_thread
+from splitserve.common.flags import setup_logging
+from splitserve.common.grpc_server import GrpcServer, start_server, stop_event_on_signals
+from splitserve.common.model_files import default_model_name, load_tokenizer, resolve_model_path
+from splitserve.common.tracing import configure_tracing
+from splitserve.gateway.generation import GatewayCore
+from splitserve.gateway.grpc_api import GenerationServicer
+from splitserve.gateway.http_api import create_app
+from splitserve.gateway.metrics import GatewayMetrics
+from splitserve.gateway.migration import add_migration_flags, migration_policy
+from splitserve.gateway.pods import POLL_INTERVAL_SECONDS, PodPool
+from splitserve.gateway.router import Router, RouterSettings
+from splitserve.gateway.scoring import POLICIES, LatencyMatrix, Location, RoutingWeights
 from splitserve.v1 import generate_pb2, generate_pb2_grpc
 
-from services.common.background import in_daemon_thread
-from services.common.flags import setup_logging
-from services.common.grpc_server import GrpcServer, start_server, stop_event_on_signals
-from services.common.model_files import default_model_name, load_tokenizer, resolve_model_path
-from services.common.tracing import configure_tracing
-from services.gateway.generation import GatewayCore
-from services.gateway.grpc_api import GenerationServicer
-from services.gateway.http_api import create_app
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.migration import add_migration_flags, migration_policy
-from services.gateway.pods import POLL_INTERVAL_SECONDS, PodPool
-from services.gateway.router import Router, RouterSettings
-from services.gateway.scoring import POLICIES, LatencyMatrix, Location, RoutingWeights
-
-logger = logging.getLogger("services.gateway")
+logger = logging.getLogger("splitserve.gateway")
 
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_GRPC_PORT = 50051
@@ -34,7 +34,7 @@ SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m splitserve.gateway", description=__doc__)
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (HTTP and gRPC)")
     parser.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP port")
     parser.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="gRPC port")

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from services.gateway.tool_request import ToolError
-from shared.sampling_params import COMPOSITE_FIELDS, FIELD_TYPES
+from splitserve.engine.sampling_params import COMPOSITE_FIELDS, FIELD_TYPES
+from splitserve.gateway.tool_request import ToolError
 
 # Names a ValueError's message may start with that are request fields.
 _PARAM_NAMES = frozenset({*FIELD_TYPES, *COMPOSITE_FIELDS, "prompt", "messages"})

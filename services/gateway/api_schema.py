@@ -20,7 +20,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.gateway.tool_schema import (
+from splitserve.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from splitserve.gateway.tool_schema import (
     PARALLEL_DESCRIPTION,
     TOOL_CALL_ID_DESCRIPTION,
     TOOL_CALLS_DESCRIPTION,
@@ -30,7 +31,6 @@ from services.gateway.tool_schema import (
     ToolCall,
     ToolChoice,
 )
-from shared.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 
 class StrictModel(BaseModel):

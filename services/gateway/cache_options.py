@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from services.gateway.api_errors import RequestError
+from splitserve.gateway.api_errors import RequestError
 
 RETENTIONS: dict[str, float | None] = {"in_memory": None, "24h": 86400.0}
 CACHE_CONTROL_TTLS = {"5m": 300.0, "1h": 3600.0}

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 
-from services.gateway.api_errors import RequestError
-from services.gateway.api_schema import ResponseFormat, StructuredOutputs
-from shared.sampling_params import SamplingParams
-from shared.structured_output.grammar import grammar_for
-from shared.structured_output.spec import StructuredOutput
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.structured_output.grammar import grammar_for
+from splitserve.engine.structured_output.spec import StructuredOutput
+from splitserve.gateway.api_errors import RequestError
+from splitserve.gateway.api_schema import ResponseFormat, StructuredOutputs
 
 
 def parse_logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:

@@ -1,7 +1,8 @@
 """The gateway's request path, shared by the HTTP and gRPC front ends: validate, pick pods, fan
 n > 1 (and several prompts) out into one DecodeRequest per sequence, merge the streams back.
 
-The child ids and seeds come from `shared.prompts.child_sequences`, the very function the engine
+The child ids and seeds come from `splitserve.engine.prompts.child_sequences`, the very function
+the engine
 uses in-process, so a request served through the gateway samples what `LLM.generate` would.
 
 A sequence whose decode pod cannot be reached (UNAVAILABLE: connection refused or reset, the pod
@@ -22,20 +23,20 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
-from splitserve.v1 import generate_pb2, worker_pb2
 
-from services.common.convert import options_from_params
-from services.common.grpc_server import StatusError
-from services.common.tracing import grpc_metadata
-from services.gateway.constraints import check_params
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.migration import MigrationPolicy, PodDown, Stalled, broken_cause
-from services.gateway.pods import Pod, PodPool
-from services.gateway.router import PickedPods, Router
-from services.gateway.scoring import RoutingDecision
-from shared.prompts import check_prompt, child_sequences
-from shared.sampling_params import SamplingParams
-from shared.tokenizer import Tokenizer
+from splitserve.common.convert import options_from_params
+from splitserve.common.grpc_server import StatusError
+from splitserve.common.tracing import grpc_metadata
+from splitserve.engine.prompts import check_prompt, child_sequences
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.tokenizer import Tokenizer
+from splitserve.gateway.constraints import check_params
+from splitserve.gateway.metrics import GatewayMetrics
+from splitserve.gateway.migration import MigrationPolicy, PodDown, Stalled, broken_cause
+from splitserve.gateway.pods import Pod, PodPool
+from splitserve.gateway.router import PickedPods, Router
+from splitserve.gateway.scoring import RoutingDecision
+from splitserve.v1 import generate_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The public gRPC `Generation` service: proto <-> `GatewayCore` translation, nothing more.
-ValueError becomes INVALID_ARGUMENT in the shared interceptor (services.common.grpc_server)."""
+ValueError becomes INVALID_ARGUMENT in the shared interceptor (splitserve.common.grpc_server)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,9 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
-from splitserve.v1 import generate_pb2, generate_pb2_grpc
-
-from services.common import tracing
-from services.common.convert import params_from_options
-from services.gateway.generation import (
+from splitserve.common import tracing
+from splitserve.common.convert import params_from_options
+from splitserve.gateway.generation import (
     CollectedSequence,
     GatewayCore,
     Generation,
@@ -20,7 +18,8 @@ from services.gateway.generation import (
     Usage,
     collect,
 )
-from services.gateway.metrics import route_span
+from splitserve.gateway.metrics import route_span
+from splitserve.v1 import generate_pb2, generate_pb2_grpc
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):

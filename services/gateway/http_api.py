@@ -21,18 +21,20 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from services.common import tracing
-from services.common.grpc_server import StatusError
-from services.gateway.api_errors import from_validation
-from services.gateway.api_schema import ChatBody, CompletionBody
-from services.gateway.generation import (
+from splitserve.common import tracing
+from splitserve.common.grpc_server import StatusError
+from splitserve.engine.prompts import PromptError
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.gateway.api_errors import from_validation
+from splitserve.gateway.api_schema import ChatBody, CompletionBody
+from splitserve.gateway.generation import (
     GatewayCore,
     Generation,
     GenerationRequest,
     collect,
 )
-from services.gateway.metrics import CONTENT_TYPE, route_span
-from services.gateway.openai_protocol import (
+from splitserve.gateway.metrics import CONTENT_TYPE, route_span
+from splitserve.gateway.openai_protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatFormat,
     CommonOptions,
@@ -45,11 +47,9 @@ from services.gateway.openai_protocol import (
     parse_chat,
     parse_completion,
 )
-from services.gateway.responses_api import ResponsesBody, ResponsesFormat, parse_responses
-from services.gateway.tokens_api import TokenRoutes
-from services.gateway.tools import ToolOutputs
-from shared.prompts import PromptError
-from shared.sampling_params import SamplingParams
+from splitserve.gateway.responses_api import ResponsesBody, ResponsesFormat, parse_responses
+from splitserve.gateway.tokens_api import TokenRoutes
+from splitserve.gateway.tools import ToolOutputs
 
 logger = logging.getLogger(__name__)
 

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from services.common import tracing
+from splitserve.common import tracing
 
 if TYPE_CHECKING:
-    from services.gateway.generation import Generation, GenerationRequest, Usage
-    from services.gateway.pods import PodPool
-    from services.gateway.scoring import RoutingDecision
+    from splitserve.gateway.generation import Generation, GenerationRequest, Usage
+    from splitserve.gateway.pods import PodPool
+    from splitserve.gateway.scoring import RoutingDecision
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Seconds; CPU serving of a small model spans milliseconds to tens of seconds.

@@ -13,31 +13,31 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from splitserve.v1 import generate_pb2
 
-from services.common.convert import is_int64
-from services.gateway.api_errors import (  # noqa: F401  (re-exported: the API's error types)
+from splitserve.common.convert import is_int64
+from splitserve.engine.sampling_params import FIELD_TYPES, MAX_LOGPROBS, SamplingParams
+from splitserve.gateway.api_errors import (  # noqa: F401  (re-exported: the API's error types)
     RequestError,
     error_body,
     from_validation,
     param_of,
 )
-from services.gateway.api_schema import (
+from splitserve.gateway.api_schema import (
     ChatBody,
     ChatMessage,
     CompletionBody,
     Prompt,
     SamplingFields,
 )
-from services.gateway.cache_options import cache_retention_s
-from services.gateway.constraints import (
+from splitserve.gateway.cache_options import cache_retention_s
+from splitserve.gateway.constraints import (
     check_structured_output,
     parse_logit_bias,
     parse_structured_output,
 )
-from services.gateway.generation import CollectedSequence, SequenceChunk, Usage
-from services.gateway.tools import ToolOutputs, ToolRequest, prepare_chat, render_tool_turns
-from shared.sampling_params import FIELD_TYPES, MAX_LOGPROBS, SamplingParams
+from splitserve.gateway.generation import CollectedSequence, SequenceChunk, Usage
+from splitserve.gateway.tools import ToolOutputs, ToolRequest, prepare_chat, render_tool_turns
+from splitserve.v1 import generate_pb2
 
 # The OpenAI API's default for completions; chat defaults to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16

@@ -23,12 +23,12 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
-from services.common.channels import aio_channel
-from services.common.pod_load import PodLoad
-from services.common.registry_schema import PodRecord
-from services.gateway.scoring import Location, PodView
+from splitserve.common.channels import aio_channel
+from splitserve.common.pod_load import PodLoad
+from splitserve.common.registry_schema import PodRecord
+from splitserve.gateway.scoring import Location, PodView
+from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -15,13 +15,13 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from services.gateway.api_errors import RequestError
-from services.gateway.api_schema import StrictModel
-from services.gateway.constraints import check_structured_output, closed_objects
-from services.gateway.generation import CollectedSequence, Generation, SequenceChunk, Usage
-from services.gateway.openai_protocol import cached_details, check_unsupported, validate_body
-from shared.sampling_params import SamplingParams
-from shared.structured_output.spec import StructuredOutput
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.structured_output.spec import StructuredOutput
+from splitserve.gateway.api_errors import RequestError
+from splitserve.gateway.api_schema import StrictModel
+from splitserve.gateway.constraints import check_structured_output, closed_objects
+from splitserve.gateway.generation import CollectedSequence, Generation, SequenceChunk, Usage
+from splitserve.gateway.openai_protocol import cached_details, check_unsupported, validate_body
 
 
 class InputText(StrictModel):

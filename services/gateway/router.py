@@ -25,14 +25,15 @@ from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
 
-from services.common.registry_schema import (
+from splitserve.common.registry_schema import (
     RegistryKeys,
     cached_prefixes,
     connect,
     read_pods,
 )
-from services.gateway.pods import Pod, PodPool
-from services.gateway.scoring import (
+from splitserve.engine.kv.block_hash import cache_salt_keys, hash_full_blocks
+from splitserve.gateway.pods import Pod, PodPool
+from splitserve.gateway.scoring import (
     LatencyMatrix,
     Location,
     RoutingContext,
@@ -40,8 +41,7 @@ from services.gateway.scoring import (
     RoutingWeights,
     decide,
 )
-from services.gateway.tier_credit import credited_tokens
-from shared.kv.block_hash import cache_salt_keys, hash_full_blocks
+from splitserve.gateway.tier_credit import credited_tokens
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 
-from services.common.pod_load import PodLoad
+from splitserve.common.pod_load import PodLoad
 
 POLICIES = ("cache_aware", "least_load", "round_robin")
 # Why a pod won, in order of precedence; the last four name the score term that favoured the

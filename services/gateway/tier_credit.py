@@ -14,8 +14,8 @@ blocks.
 
 from __future__ import annotations
 
-from services.common.registry_schema import CachedPrefix, PodRecord
-from shared.kv.tiers import Tier
+from splitserve.common.registry_schema import CachedPrefix, PodRecord
+from splitserve.engine.kv.tiers import Tier
 
 PRIOR_CREDIT = {Tier.DEVICE: 1.0, Tier.HOST: 0.9, Tier.DISK: 0.6}
 

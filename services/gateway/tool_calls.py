@@ -26,8 +26,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from services.gateway.tool_request import ToolRequest
-from services.gateway.tool_scan import CALL_KEYS, CallScanner, ScannedCall
+from splitserve.gateway.tool_request import ToolRequest
+from splitserve.gateway.tool_scan import CALL_KEYS, CallScanner, ScannedCall
 
 _MARKERS = {"<tool_call>": "</tool_call>", "```json": "```"}
 

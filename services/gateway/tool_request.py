@@ -24,8 +24,8 @@ import json
 import re
 from dataclasses import dataclass
 
-from shared.structured_output.grammar import GrammarError, grammar_for
-from shared.structured_output.spec import StructuredOutput
+from splitserve.engine.structured_output.grammar import GrammarError, grammar_for
+from splitserve.engine.structured_output.spec import StructuredOutput
 
 CHOICES = ("none", "auto", "required")
 # OpenAI's rule for function names; names go into the prompt, the grammar and the answer.

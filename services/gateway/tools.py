@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.gateway.tool_calls import ToolCallParser, assemble
-from services.gateway.tool_prompt import render_tool_turns, with_tools_prompt
-from services.gateway.tool_request import (
+from splitserve.gateway.tool_calls import ToolCallParser, assemble
+from splitserve.gateway.tool_prompt import render_tool_turns, with_tools_prompt
+from splitserve.gateway.tool_request import (
     ToolError,
     ToolRequest,
     constraint,

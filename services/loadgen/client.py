@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from services.loadgen.workload import RequestSpec
+from splitserve.loadgen.workload import RequestSpec
 
 PROGRESS_INTERVAL_S = 5.0
 # on_progress(num_done, num_sent, num_total)

@@ -1,5 +1,5 @@
 """A system under test on this machine, started the way users start it: `splitserve up`'s own
-plan (services.launcher.plan) run by its own supervisor, with engine processes pinned to cores
+plan (splitserve.launcher.plan) run by its own supervisor, with engine processes pinned to cores
 (`make bench-serve` and `splitserve plan validate` each name theirs). The gateway (and the
 client) stay unpinned: they are the same code whichever way the pods are laid out.
 """
@@ -16,17 +16,16 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field, replace
 
-from splitserve.v1 import worker_pb2, worker_pb2_grpc
-
-from services.common.channels import sync_channel
-from services.common.supervisor import (
+from splitserve.common.channels import sync_channel
+from splitserve.common.supervisor import (
     ProcessGroupError,
     ProcessSpec,
     RestartPolicy,
     Supervisor,
 )
-from services.launcher import Plan, add_up_flags, plan
-from services.loadgen.pin import wrap
+from splitserve.launcher import Plan, add_up_flags, plan
+from splitserve.loadgen.pin import wrap
+from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 HOST = "127.0.0.1"
 # A child can die before it runs (SIGABRT between fork and exec: grpc's fork handlers in a

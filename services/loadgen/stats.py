@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:  # the simulator's figures need no HTTP client
-    from services.loadgen.client import RunResult
+    from splitserve.loadgen.client import RunResult
 
 
 @dataclass(frozen=True)

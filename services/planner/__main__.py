@@ -1,4 +1,4 @@
-"""`python -m services.planner` (also `splitserve plan`): profile, simulate, recommend,
+"""`python -m splitserve.planner` (also `splitserve plan`): profile, simulate, recommend,
 validate, autoscale."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import sys
 import time
 from dataclasses import asdict
 
-from services.planner.autoscaler import add_autoscale_flags, run_autoscale
-from services.planner.profile import DEFAULT_MARGIN
+from splitserve.planner.autoscaler import add_autoscale_flags, run_autoscale
+from splitserve.planner.profile import DEFAULT_MARGIN
 
 DEFAULT_PROFILE = "planner_profile.json"
 DEFAULT_PLOT = "docs/planner_goodput_vs_ratio.png"
 
 
-def build_parser(prog: str = "python -m services.planner") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m splitserve.planner") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     add_plan_subcommands(parser)
     return parser
@@ -179,8 +179,8 @@ def _add_validate_flags(sub: argparse.ArgumentParser) -> None:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from services.common.flags import parse_size
-    from services.planner.profiler import QUICK_GRID, ProfileSettings, measure_profile
+    from splitserve.common.flags import parse_size
+    from splitserve.planner.profiler import QUICK_GRID, ProfileSettings, measure_profile
 
     settings = ProfileSettings(
         num_threads=args.num_threads,
@@ -198,8 +198,8 @@ def run_profile(args: argparse.Namespace) -> int:
     )
     profile = measure_profile(settings)
     if args.serving:
-        from services.planner.profiler import log_to_stderr
-        from services.planner.serving_costs import measure_serving
+        from splitserve.planner.profiler import log_to_stderr
+        from splitserve.planner.serving_costs import measure_serving
 
         profile = measure_serving(profile, log_to_stderr)
     profile.save(args.output)
@@ -235,7 +235,7 @@ def _size(parse, text: str) -> int:
 
 
 def _requests(args: argparse.Namespace, rate: float | None = None):
-    from services.loadgen.workload import (
+    from splitserve.loadgen.workload import (
         load_trace,
         poisson_requests,
     )
@@ -246,7 +246,7 @@ def _requests(args: argparse.Namespace, rate: float | None = None):
 
 
 def _workload_spec(args: argparse.Namespace, rate: float | None = None):
-    from services.loadgen.workload import LengthDistribution, WorkloadSpec
+    from splitserve.loadgen.workload import LengthDistribution, WorkloadSpec
 
     return WorkloadSpec(
         rate=args.rate if rate is None else rate,
@@ -259,13 +259,13 @@ def _workload_spec(args: argparse.Namespace, rate: float | None = None):
 
 
 def _slo(args: argparse.Namespace):
-    from services.loadgen.stats import Slo
+    from splitserve.loadgen.stats import Slo
 
     return Slo(args.ttft_slo, args.itl_slo)
 
 
 def _cluster(args: argparse.Namespace, num_prefill: int, num_decode: int):
-    from services.planner.simulator import ClusterConfig
+    from splitserve.planner.simulator import ClusterConfig
 
     return ClusterConfig(
         num_prefill,
@@ -282,13 +282,13 @@ def _cluster(args: argparse.Namespace, num_prefill: int, num_decode: int):
 
 
 def _tier_sizes(args: argparse.Namespace):
-    from services.planner.sim_cache import TierSizes
+    from splitserve.planner.sim_cache import TierSizes
 
     return TierSizes(args.host_tier_blocks, args.disk_tier_blocks)
 
 
 def _failure(text: str):
-    from services.planner.sim_failures import PodFailure
+    from splitserve.planner.sim_failures import PodFailure
 
     try:
         parts = [float(part) for part in text.split(",")]
@@ -301,7 +301,7 @@ def _failure(text: str):
 
 
 def _speculation(args: argparse.Namespace):
-    from services.planner.sim_speculation import SpeculationModel
+    from splitserve.planner.sim_speculation import SpeculationModel
 
     if args.speculative_tokens == 0:
         return None
@@ -309,8 +309,8 @@ def _speculation(args: argparse.Namespace):
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from services.planner.profile import load_profile
-    from services.planner.simulator import simulate
+    from splitserve.planner.profile import load_profile
+    from splitserve.planner.simulator import simulate
 
     profile = load_profile(args.profile).with_margin(args.margin)
     cluster = _cluster(args, args.prefill, args.decode)
@@ -339,9 +339,9 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def run_recommend(args: argparse.Namespace) -> int:
-    from services.planner.plot import plot_goodput_vs_ratio
-    from services.planner.profile import load_profile
-    from services.planner.recommend import SearchSpec, format_table, helm_values, recommend
+    from splitserve.planner.plot import plot_goodput_vs_ratio
+    from splitserve.planner.profile import load_profile
+    from splitserve.planner.recommend import SearchSpec, format_table, helm_values, recommend
 
     if args.trace:
         raise ValueError("recommend searches over Poisson rates: use --rate, not --trace")
@@ -395,7 +395,7 @@ def _ms(seconds: float) -> str:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    from services.planner.validate import run_validation
+    from splitserve.planner.validate import run_validation
 
     return run_validation(args)
 

@@ -16,15 +16,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.planner.controller import ROLES, Autoscaler, RoleDecision
-from services.planner.load import (
+from splitserve.planner.controller import ROLES, Autoscaler, RoleDecision
+from splitserve.planner.load import (
     CombinedLoadSource,
     LoadSnapshot,
     LoadSource,
     MetricsLoadSource,
     RedisLoadSource,
 )
-from services.planner.profile import DEFAULT_MARGIN
+from splitserve.planner.profile import DEFAULT_MARGIN
 
 
 class DeploymentScaler:
@@ -177,8 +177,8 @@ def load_source(args: argparse.Namespace) -> LoadSource:
 
 
 def run_autoscale(args: argparse.Namespace) -> int:
-    from services.planner.controller import Bounds, PolicySettings
-    from services.planner.profile import load_profile
+    from splitserve.planner.controller import Bounds, PolicySettings
+    from splitserve.planner.profile import load_profile
 
     settings = PolicySettings(
         ttft_slo_s=args.ttft_slo,

@@ -24,10 +24,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from services.loadgen.stats import Slo
-from services.planner.load import LoadSnapshot
-from services.planner.profile import Profile
-from services.planner.sizing import Target, pods_needed, steady_workload
+from splitserve.loadgen.stats import Slo
+from splitserve.planner.load import LoadSnapshot
+from splitserve.planner.profile import Profile
+from splitserve.planner.sizing import Target, pods_needed, steady_workload
 
 ROLES = ("prefill", "decode")
 MODEL_CACHE_SIZE = 256  # model answers kept, by reading

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common.pod_metrics import PREFIX as METRIC_PREFIX  # the pods' own metric names
+from splitserve.common.pod_metrics import PREFIX as METRIC_PREFIX  # the pods' own metric names
 
 if TYPE_CHECKING:
-    from services.common.pod_load import PodLoad
+    from splitserve.common.pod_load import PodLoad
 
 SCRAPE_TIMEOUT_S = 2.0
 
@@ -89,13 +89,13 @@ class RedisLoadSource:
     def __init__(self, url: str, key_prefix: str | None = None) -> None:
         import redis
 
-        from services.common.registry_schema import DEFAULT_KEY_PREFIX, RegistryKeys
+        from splitserve.common.registry_schema import DEFAULT_KEY_PREFIX, RegistryKeys
 
         self._client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
         self._keys = RegistryKeys(key_prefix or DEFAULT_KEY_PREFIX)
 
     def read(self) -> LoadSnapshot:
-        from services.common.registry_schema import PodRecord
+        from splitserve.common.registry_schema import PodRecord
 
         pod_ids = self._client.zrange(self._keys.pods, 0, -1)
         pipe = self._client.pipeline(transaction=False)
@@ -114,7 +114,7 @@ class RedisLoadSource:
         return [address.rsplit(":", 1)[0] for address in self._addresses()]
 
     def _addresses(self) -> list[str]:
-        from services.common.registry_schema import PodRecord
+        from splitserve.common.registry_schema import PodRecord
 
         pod_ids = self._client.zrange(self._keys.pods, 0, -1)
         records = [

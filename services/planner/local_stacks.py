@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from services.launcher import UP_MAX_REMOTE_PREFILL_TOKENS
-from services.loadgen.stats import Slo
-from services.loadgen.workload import LengthDistribution, WorkloadShape, sequential_workload
-from services.planner.simulator import ClusterConfig
+from splitserve.launcher import UP_MAX_REMOTE_PREFILL_TOKENS
+from splitserve.loadgen.stats import Slo
+from splitserve.loadgen.workload import LengthDistribution, WorkloadShape, sequential_workload
+from splitserve.planner.simulator import ClusterConfig
 
 LOOSE_SLO = Slo(ttft_s=1e9, itl_s=1e9)  # the planner's runs compare latencies, not goodput
 
@@ -52,7 +52,7 @@ def simulated_cluster(config: LocalConfig) -> ClusterConfig:
 
 def running_stack(config: LocalConfig):
     """A `RunningStack` context for `config`, pinned and single-threaded."""
-    from services.loadgen.stacks import RunningStack, SystemSetup, usable_cores
+    from splitserve.loadgen.stacks import RunningStack, SystemSetup, usable_cores
 
     cores = usable_cores()
     pins = {name: {core} for name, core in zip(config.pins, cores)}
@@ -61,14 +61,14 @@ def running_stack(config: LocalConfig):
 
 
 def completions_target(stack):
-    from services.loadgen.client import Target
+    from splitserve.loadgen.client import Target
 
     return Target(f"{stack.base_url}/v1/completions", stack.model_name())
 
 
 def warm_up(target, seed: int | str) -> None:
     """Two requests one at a time: the first calls of a stack pay one-off costs."""
-    from services.loadgen.client import run_sequential
+    from splitserve.loadgen.client import run_sequential
 
     shape = WorkloadShape(LengthDistribution(64, 256), LengthDistribution(8, 8))
     asyncio.run(run_sequential(target, sequential_workload(f"{seed}/warm-up", 2, shape)))

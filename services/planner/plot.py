@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.planner.recommend import Recommendation, SearchSpec
+from splitserve.planner.recommend import Recommendation, SearchSpec
 
 
 def plot_goodput_vs_ratio(recommendation: Recommendation, spec: SearchSpec, path: str) -> None:

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from services.planner.profile_parts import (
+from splitserve.planner.profile_parts import (
     TOPOLOGIES,
     DecodeGrid,
     EngineSetup,

@@ -13,7 +13,8 @@ Measure on a quiet machine all the same: other processes only ever add time to a
   tokens computed whole in the same step (what a colocated pod runs);
 - KV capacity: the blocks `--kv-cache-bytes` holds (what `splitserve up` gives a pod), at the
   engine's `--quantization` / `--kv-cache-dtype` / parallel layout, which the profile records;
-- KV transfer: pack a request's pages, send them through `shared.kv_transfer` to a receiver
+- KV transfer: pack a request's pages, send them through `splitserve.engine.kv_transfer` to a
+receiver
   in this process, unpack them, at two sizes; the fit gives latency and bandwidth;
 - with `--neighbor-core`: steps beside a second engine on that CPU (`profiler_neighbor.py`).
 """
@@ -29,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.planner.profile import (
+from splitserve.planner.profile import (
     DecodeGrid,
     EngineSetup,
     KVTransferModel,
@@ -37,7 +38,7 @@ from services.planner.profile import (
     PrefillSample,
     Profile,
 )
-from services.planner.profiler_tiers import measure_tier_loads
+from splitserve.planner.profiler_tiers import measure_tier_loads
 
 VOCAB_RANGE = (1000, 40000)  # ordinary word pieces of SmolLM2's vocabulary
 TIMEOUT_S = 60.0
@@ -108,7 +109,7 @@ def measure_profile(settings: ProfileSettings, log: Log = log_to_stderr) -> Prof
     tier_loads = measure_tier_loads(engine, settings.repeats, log)
     neighbor = None
     if settings.neighbor_core is not None:
-        from services.planner.profiler_neighbor import measure_neighbor
+        from splitserve.planner.profiler_neighbor import measure_neighbor
 
         neighbor = measure_neighbor(engine, settings, log)
     spec = engine.kv_spec
@@ -142,9 +143,9 @@ def _engine_setup(engine, settings: ProfileSettings) -> EngineSetup:
 
 
 def _load_engine(settings: ProfileSettings, log: Log):
-    from shared.config import EngineConfig
-    from shared.engine import EngineCore
-    from shared.progress import ConsoleProgress
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine import EngineCore
+    from splitserve.engine.progress import ConsoleProgress
 
     # The measuring engine's budget fits the longest measured prompt in one step.
     # (and a mixed step's decodes and prompt together).
@@ -202,7 +203,7 @@ def _fresh_tokens(num_tokens: int) -> list[int]:
 
 
 def _add(engine, prompt: list[int], max_tokens: int) -> str:
-    from shared.sampling_params import SamplingParams
+    from splitserve.engine.sampling_params import SamplingParams
 
     request_id = f"profile-{next(_ids)}"
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -324,7 +325,7 @@ def _measure_mixed(engine, settings: ProfileSettings, log: Log) -> MixedGrid:
 
 
 def _measure_transfer(engine, settings: ProfileSettings, log: Log) -> KVTransferModel:
-    from shared.disaggregation import pack_pages, unpack_pages
+    from splitserve.engine.disaggregation import pack_pages, unpack_pages
 
     kv_cache = engine.runner.kv_cache
     sizes = [min(n, engine.kv_spec.num_blocks // 2) for n in settings.transfer_blocks]
@@ -346,7 +347,11 @@ def _measure_transfer(engine, settings: ProfileSettings, log: Log) -> KVTransfer
 
 
 async def _timed_transfers(settings: ProfileSettings, pack, unpack, count: int) -> float:
-    from shared.kv_transfer import KVTransferConfig, KVTransferDescriptor, create_kv_transport
+    from splitserve.engine.kv_transfer import (
+        KVTransferConfig,
+        KVTransferDescriptor,
+        create_kv_transport,
+    )
 
     transport = create_kv_transport(
         KVTransferConfig(backend=settings.kv_transport, offer_wait_s=TIMEOUT_S)

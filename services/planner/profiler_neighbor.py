@@ -17,7 +17,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from services.planner.profile_parts import NeighborSlowdown
+from splitserve.planner.profile_parts import NeighborSlowdown
 
 DECODE_BATCH = 2
 DECODE_PROMPT_TOKENS = 64
@@ -109,7 +109,7 @@ def _slowdowns(medians: dict) -> NeighborSlowdown:
 
 
 def _decode_step_s(engine) -> float:
-    from services.planner.profiler import _add, _drain, _fresh_tokens, _timed_step
+    from splitserve.planner.profiler import _add, _drain, _fresh_tokens, _timed_step
 
     for _ in range(DECODE_BATCH):
         _add(engine, _fresh_tokens(DECODE_PROMPT_TOKENS), DECODE_STEPS + 2)
@@ -120,7 +120,7 @@ def _decode_step_s(engine) -> float:
 
 
 def _prefill_step_s(engine) -> float:
-    from services.planner.profiler import _add, _drain, _fresh_tokens, _timed_step
+    from splitserve.planner.profiler import _add, _drain, _fresh_tokens, _timed_step
 
     times = []
     for _ in range(PREFILL_STEPS):
@@ -132,7 +132,7 @@ def _prefill_step_s(engine) -> float:
 
 def _neighbor_loop(settings, mode, steps, ready) -> None:
     """The second engine: the kind of step `mode` names, over and over, until STOP."""
-    from services.planner.profiler import _add, _drain, _fresh_tokens, _load_engine, _warm_up
+    from splitserve.planner.profiler import _add, _drain, _fresh_tokens, _load_engine, _warm_up
 
     os.sched_setaffinity(0, {settings.neighbor_core})
     engine = _load_engine(settings, lambda message: None)

@@ -14,7 +14,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from services.planner.profile_parts import TierLoadModel
+from splitserve.planner.profile_parts import TierLoadModel
 
 NUM_BLOCKS = 32
 
@@ -24,9 +24,9 @@ Log = Callable[[str], None]
 def measure_tier_loads(
     engine, repeats: int, log: Log, disk_dir: str | None = None
 ) -> TierLoadModel:
-    from shared.kv_offload.disk_store import DiskBlockStore
-    from shared.kv_offload.host_store import HostBlockStore
-    from shared.kv_offload.layout import BlockLayout, pool_block
+    from splitserve.engine.kv_offload.disk_store import DiskBlockStore
+    from splitserve.engine.kv_offload.host_store import HostBlockStore
+    from splitserve.engine.kv_offload.layout import BlockLayout, pool_block
 
     kv_cache = engine.runner.kv_cache
     layout = BlockLayout.of_pool(kv_cache, "planner-profile")

@@ -22,14 +22,14 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from services.loadgen.stats import Slo
-from services.loadgen.workload import WorkloadSpec
-from services.planner.profile import Profile
-from services.planner.sim_cache import TierSizes
-from services.planner.sim_results import SimResult
-from services.planner.sim_speculation import SpeculationModel
-from services.planner.simulator import ClusterConfig
-from services.planner.sizing import Target, Verdict, judge
+from splitserve.loadgen.stats import Slo
+from splitserve.loadgen.workload import WorkloadSpec
+from splitserve.planner.profile import Profile
+from splitserve.planner.sim_cache import TierSizes
+from splitserve.planner.sim_results import SimResult
+from splitserve.planner.sim_speculation import SpeculationModel
+from splitserve.planner.simulator import ClusterConfig
+from splitserve.planner.sizing import Target, Verdict, judge
 
 RATE_SEARCH_STEPS = 7
 

@@ -29,8 +29,8 @@ import statistics
 from collections.abc import Callable
 from dataclasses import replace
 
-from services.loadgen.stats import summarize
-from services.loadgen.workload import (
+from splitserve.loadgen.stats import summarize
+from splitserve.loadgen.workload import (
     LengthDistribution,
     RequestSpec,
     SimRequest,
@@ -38,7 +38,7 @@ from services.loadgen.workload import (
     as_sim_requests,
     sequential_workload,
 )
-from services.planner.local_stacks import (
+from splitserve.planner.local_stacks import (
     LOOSE_SLO,
     TOPOLOGY_CONFIGS,
     LocalConfig,
@@ -47,9 +47,9 @@ from services.planner.local_stacks import (
     simulated_cluster,
     warm_up,
 )
-from services.planner.profile import Profile, ServingCosts
-from services.planner.profile_parts import spread_quantiles
-from services.planner.simulator import simulate
+from splitserve.planner.profile import Profile, ServingCosts
+from splitserve.planner.profile_parts import spread_quantiles
+from splitserve.planner.simulator import simulate
 
 NUM_REQUESTS = 8  # one at a time; then in batches of BATCH sent together
 BATCH = 4
@@ -76,7 +76,7 @@ def measure_serving(profile: Profile, log: Log, seed: int = 0) -> Profile:
 
 
 def measure_costs(target, config: LocalConfig, profile: Profile, seed: int) -> ServingCosts:
-    from services.loadgen.client import RunResult, run_open_loop, run_sequential
+    from splitserve.loadgen.client import RunResult, run_open_loop, run_sequential
 
     specs = sequential_workload(f"{seed}/serving", NUM_REQUESTS, SHAPE)
     alone = asyncio.run(run_sequential(target, specs))

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.pod_load import PodLoad
-from services.gateway.scoring import Location, PodView, RoutingContext, decide
-from services.loadgen.workload import SimRequest
-from services.planner.sim_pod import SimPod
+from splitserve.common.pod_load import PodLoad
+from splitserve.gateway.scoring import Location, PodView, RoutingContext, decide
+from splitserve.loadgen.workload import SimRequest
+from splitserve.planner.sim_pod import SimPod
 
 
 @dataclass

@@ -19,10 +19,10 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from services.common.pod_load import PodLoad
-from services.loadgen.workload import SimRequest
-from services.planner.profile import Profile
-from services.planner.sim_cache import SimPrefixCache, TierSizes
+from splitserve.common.pod_load import PodLoad
+from splitserve.loadgen.workload import SimRequest
+from splitserve.planner.profile import Profile
+from splitserve.planner.sim_cache import SimPrefixCache, TierSizes
 
 
 @dataclass(eq=False)

@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from services.loadgen.stats import Percentiles, Slo
-from services.loadgen.workload import SimRequest
+from splitserve.loadgen.stats import Percentiles, Slo
+from splitserve.loadgen.workload import SimRequest
 
 if TYPE_CHECKING:
-    from services.planner.sim_pod import SimPod
+    from splitserve.planner.sim_pod import SimPod
 
 
 @dataclass

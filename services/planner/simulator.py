@@ -30,16 +30,16 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from services.gateway.pods import POLL_INTERVAL_SECONDS
-from services.loadgen.stats import Slo
-from services.loadgen.workload import SimRequest
-from services.planner.profile import Profile
-from services.planner.sim_cache import TierSizes
-from services.planner.sim_failures import PodFailure
-from services.planner.sim_gateway import SimGateway
-from services.planner.sim_pod import PodLimits, ScheduledStep, SimPod, SimSeq
-from services.planner.sim_results import RequestRecord, SimResult, summarize
-from services.planner.sim_speculation import SpeculationModel
+from splitserve.gateway.pods import POLL_INTERVAL_SECONDS
+from splitserve.loadgen.stats import Slo
+from splitserve.loadgen.workload import SimRequest
+from splitserve.planner.profile import Profile
+from splitserve.planner.sim_cache import TierSizes
+from splitserve.planner.sim_failures import PodFailure
+from splitserve.planner.sim_gateway import SimGateway
+from splitserve.planner.sim_pod import PodLimits, ScheduledStep, SimPod, SimSeq
+from splitserve.planner.sim_results import RequestRecord, SimResult, summarize
+from splitserve.planner.sim_speculation import SpeculationModel
 
 ARRIVAL, STEP_DONE, KV_LANDED, KICK, POLL, POD_DIES, STREAMS_BROKEN, LOADED = range(8)
 

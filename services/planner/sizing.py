@@ -22,11 +22,11 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from services.loadgen.stats import Slo
-from services.loadgen.workload import LengthDistribution, WorkloadSpec, poisson_requests
-from services.planner.profile import Profile
-from services.planner.sim_results import SimResult
-from services.planner.simulator import ClusterConfig, simulate
+from splitserve.loadgen.stats import Slo
+from splitserve.loadgen.workload import LengthDistribution, WorkloadSpec, poisson_requests
+from splitserve.planner.profile import Profile
+from splitserve.planner.sim_results import SimResult
+from splitserve.planner.simulator import ClusterConfig, simulate
 
 RESOURCES = ("prefill compute", "decode step", "KV capacity", "KV transfer")
 

@@ -29,15 +29,15 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-from services.loadgen.stats import Percentiles, summarize
-from services.loadgen.workload import (
+from splitserve.loadgen.stats import Percentiles, summarize
+from splitserve.loadgen.workload import (
     LengthDistribution,
     SimRequest,
     WorkloadShape,
     as_sim_requests,
     poisson_workload,
 )
-from services.planner.local_stacks import (
+from splitserve.planner.local_stacks import (
     CONFIGS,
     LOOSE_SLO,
     LocalConfig,
@@ -46,9 +46,9 @@ from services.planner.local_stacks import (
     simulated_cluster,
     warm_up,
 )
-from services.planner.profile import Profile, ServingCosts, load_profile
-from services.planner.simulator import simulate
-from services.planner.validate_ranking import format_ranking
+from splitserve.planner.profile import Profile, ServingCosts, load_profile
+from splitserve.planner.simulator import simulate
+from splitserve.planner.validate_ranking import format_ranking
 
 TOLERANCE = 0.20
 TARGET_UTILIZATION = 0.5  # of one pod, by the profile: loaded, but well short of saturation
@@ -148,8 +148,8 @@ def _measured(run) -> Latencies:
 
 
 def _measure(stack, target, config, workload, profile, args) -> Comparison:
-    from services.loadgen.client import print_progress, run_open_loop
-    from services.loadgen.cpu import ForeignLoad
+    from splitserve.loadgen.client import print_progress, run_open_loop
+    from splitserve.loadgen.cpu import ForeignLoad
 
     rate = workload_rate(profile, workload)
     seed = f"{args.seed}/{workload.name}"
@@ -281,7 +281,7 @@ def run_validation(args: argparse.Namespace) -> int:
         save_record(args.json, comparisons, args)
         log(f"wrote {args.json}")
     if args.plot and comparisons:
-        from services.planner.plot import plot_validation
+        from splitserve.planner.plot import plot_validation
 
         plot_validation(comparisons, args.plot)
         log(f"wrote {args.plot}")
@@ -377,9 +377,9 @@ def _comparison(body: dict) -> Comparison:
 def _profile(path: str, fresh: bool) -> Profile:
     if os.path.exists(path) and not fresh:
         return load_profile(path)
-    from services.loadgen.stacks import usable_cores
-    from services.planner.profiler import QUICK_GRID, ProfileSettings, measure_profile
-    from services.planner.serving_costs import measure_serving
+    from splitserve.loadgen.stacks import usable_cores
+    from splitserve.planner.profiler import QUICK_GRID, ProfileSettings, measure_profile
+    from splitserve.planner.serving_costs import measure_serving
 
     own_core, neighbor_core = usable_cores()
     log(f"measuring a profile into {path} first, pinned to CPU {own_core}")

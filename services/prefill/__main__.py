@@ -1,4 +1,4 @@
-"""`python -m services.prefill`: one prefill pod (a gRPC PrefillWorker around the engine).
+"""`python -m splitserve.prefill`: one prefill pod (a gRPC PrefillWorker around the engine).
 
 Every Prefill call computes a prompt (the engine batches concurrent ones with chunked prefill),
 sends the KV pages of the blocks the decode pod asked for over --kv-transport, and answers with
@@ -11,11 +11,10 @@ import argparse
 import functools
 import os
 
+from splitserve.common.pod_main import EngineParts, PodRole, build_pod_parser, run_pod
+from splitserve.prefill.core import PrefillPodCore, PrefillSettings
+from splitserve.prefill.servicer import PrefillWorkerServicer
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
-
-from services.common.pod_main import EngineParts, PodRole, build_pod_parser, run_pod
-from services.prefill.core import PrefillPodCore, PrefillSettings
-from services.prefill.servicer import PrefillWorkerServicer
 
 # Turns the KV checksum on without a flag (a debug switch for deployed pods).
 CHECKSUM_ENV = "SPLITSERVE_KV_CHECKSUM"

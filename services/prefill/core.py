@@ -19,22 +19,27 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from services.common import tracing
-from services.common.grpc_server import StatusError
-from services.common.pod import PodIdentity
-from services.common.pod_core import EnginePodCore
-from services.common.pod_metrics import FinishedRequest, PodMetrics
-from shared.async_llm import AsyncLLM
-from shared.disaggregation import ExportedPrefill, send_pages
-from shared.kv_transfer import KVSender, KVTransferDescriptor, KVTransferError, KVTransport
-from shared.kv_transfer.base import parse_address
-from shared.outputs import CompletionOutput
-from shared.sampling_params import SamplingParams
+from splitserve.common import tracing
+from splitserve.common.grpc_server import StatusError
+from splitserve.common.pod import PodIdentity
+from splitserve.common.pod_core import EnginePodCore
+from splitserve.common.pod_metrics import FinishedRequest, PodMetrics
+from splitserve.engine.async_llm import AsyncLLM
+from splitserve.engine.disaggregation import ExportedPrefill, send_pages
+from splitserve.engine.kv_transfer import (
+    KVSender,
+    KVTransferDescriptor,
+    KVTransferError,
+    KVTransport,
+)
+from splitserve.engine.kv_transfer.base import parse_address
+from splitserve.engine.outputs import CompletionOutput
+from splitserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
 
-    from shared.sampler import TokenLogprobs
+    from splitserve.engine.sampler import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+from splitserve.common import tracing
+from splitserve.common.convert import logprob_to_proto, params_from_options
+from splitserve.common.pod_core import PodServicerBase
+from splitserve.engine.kv_transfer import KVTransferDescriptor
+from splitserve.prefill.core import CHECKSUM_ALGORITHM, KVDestination, PrefillPodCore
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
-
-from services.common import tracing
-from services.common.convert import logprob_to_proto, params_from_options
-from services.common.pod_core import PodServicerBase
-from services.prefill.core import CHECKSUM_ALGORITHM, KVDestination, PrefillPodCore
-from shared.kv_transfer import KVTransferDescriptor
 
 
 class PrefillWorkerServicer(PodServicerBase, worker_pb2_grpc.PrefillWorkerServicer):

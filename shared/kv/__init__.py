@@ -1,6 +1,7 @@
 """Paged KV cache bookkeeping: block hashes, blocks, the block pool and the request-level manager.
 
-Nothing here imports torch, so the gateway can import `shared.kv.block_hash` cheaply; this file
+Nothing here imports torch, so the gateway can import `splitserve.engine.kv.block_hash` cheaply;
+this file
 re-exports nothing, to keep that import from pulling in the rest.
 
 - `block_hash`: chained, cross-process deterministic hashes of full blocks.

@@ -10,10 +10,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shared.kv.block_hash import BlockHash
+from splitserve.engine.kv.block_hash import BlockHash
 
 if TYPE_CHECKING:
-    from shared.kv.eviction import Retention
+    from splitserve.engine.kv.eviction import Retention
 
 
 @dataclass(slots=True, eq=False)
@@ -30,7 +30,8 @@ class Block:
     # FreeBlockQueue only: neighbours while in the queue, both None while allocated.
     prev_free: Block | None = field(default=None, repr=False)
     next_free: Block | None = field(default=None, repr=False)
-    # BlockPool only (shared.kv.eviction): the most its holders asked to keep it cached, since
+    # BlockPool only (splitserve.engine.kv.eviction): the most its holders asked to keep it
+    # cached, since
     # it was last registered; the retention queue it sits in while free (None: the uncached
     # queue); and when it was last freed (time.monotonic()).
     retention: Retention | None = field(default=None, repr=False)

@@ -22,10 +22,10 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from shared.kv.block import Block
-from shared.kv.block_hash import BlockHash
-from shared.kv.events import BlockRemoved, BlockStored, KVCacheEvent
-from shared.kv.eviction import KEEP_LRU, FreeBlocks, Retention
+from splitserve.engine.kv.block import Block
+from splitserve.engine.kv.block_hash import BlockHash
+from splitserve.engine.kv.events import BlockRemoved, BlockStored, KVCacheEvent
+from splitserve.engine.kv.eviction import KEEP_LRU, FreeBlocks, Retention
 
 
 @dataclass(frozen=True, slots=True)

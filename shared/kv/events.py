@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from shared.kv.block_hash import BlockHash
-from shared.kv.tiers import Tier
+from splitserve.engine.kv.block_hash import BlockHash
+from splitserve.engine.kv.tiers import Tier
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from shared.kv.block import Block, FreeBlockQueue
+from splitserve.engine.kv.block import Block, FreeBlockQueue
 
 
 @dataclass(frozen=True, slots=True)

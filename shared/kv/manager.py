@@ -23,17 +23,17 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Protocol, cast
 
-from shared.config import CacheConfig
-from shared.kv.block import Block
-from shared.kv.block_hash import BlockHash, hash_full_blocks
-from shared.kv.block_pool import BlockPool
-from shared.kv.events import KVCacheEvent
-from shared.kv.eviction import Retention
-from shared.kv.tiers import Tier
+from splitserve.engine.config import CacheConfig
+from splitserve.engine.kv.block import Block
+from splitserve.engine.kv.block_hash import BlockHash, hash_full_blocks
+from splitserve.engine.kv.block_pool import BlockPool
+from splitserve.engine.kv.events import KVCacheEvent
+from splitserve.engine.kv.eviction import Retention
+from splitserve.engine.kv.tiers import Tier
 
 
 class Request(Protocol):
-    """What this manager reads of the engine's `shared.request.Request` (and writes: only
+    """What this manager reads of the engine's `splitserve.engine.request.Request` (and writes: only
     `block_hashes`). A protocol, so the KV package needs nothing from the engine's modules."""
 
     request_id: str

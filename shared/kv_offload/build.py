@@ -6,14 +6,14 @@ import logging
 
 import torch
 
-from shared.config import CacheConfig
-from shared.kv.manager import KVCacheManager
-from shared.kv_loads import KVLoads
-from shared.kv_offload.disk_store import DiskBlockStore
-from shared.kv_offload.host_store import HostBlockStore
-from shared.kv_offload.layout import BlockLayout
-from shared.kv_offload.offloader import KVOffloader
-from shared.kv_offload.sizing import auto_host_tier_bytes
+from splitserve.engine.config import CacheConfig
+from splitserve.engine.kv.manager import KVCacheManager
+from splitserve.engine.kv_loads import KVLoads
+from splitserve.engine.kv_offload.disk_store import DiskBlockStore
+from splitserve.engine.kv_offload.host_store import HostBlockStore
+from splitserve.engine.kv_offload.layout import BlockLayout
+from splitserve.engine.kv_offload.offloader import KVOffloader
+from splitserve.engine.kv_offload.sizing import auto_host_tier_bytes
 
 logger = logging.getLogger(__name__)
 

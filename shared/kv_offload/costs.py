@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.kv.tiers import Tier
-from shared.step import StepResult
+from splitserve.engine.kv.tiers import Tier
+from splitserve.engine.step import StepResult
 
 # Weight of the newest sample: about the last 10 loads (or steps) count.
 _SMOOTHING = 0.2

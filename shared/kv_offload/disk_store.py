@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.kv.block_hash import BlockHash
-from shared.kv_offload.layout import BlockLayout
+from splitserve.engine.kv.block_hash import BlockHash
+from splitserve.engine.kv_offload.layout import BlockLayout
 
 logger = logging.getLogger(__name__)
 

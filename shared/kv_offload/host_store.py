@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.kv.block_hash import BlockHash
-from shared.kv_offload.layout import BlockLayout
+from splitserve.engine.kv.block_hash import BlockHash
+from splitserve.engine.kv_offload.layout import BlockLayout
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kernels import kv_int8
+from splitserve.kernels import kv_int8
 
 
 @dataclass(frozen=True)

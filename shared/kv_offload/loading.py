@@ -14,8 +14,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from shared.kv.block_hash import BlockHash
-from shared.kv.tiers import Tier
+from splitserve.engine.kv.block_hash import BlockHash
+from splitserve.engine.kv.tiers import Tier
 
 
 @dataclass(frozen=True, slots=True)

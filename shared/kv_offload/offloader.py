@@ -21,15 +21,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.kv.block_hash import BlockHash
-from shared.kv.block_pool import EvictedBlock
-from shared.kv.events import BlockRemoved, BlockStored, KVCacheEvent
-from shared.kv.tiers import Tier
-from shared.kv_offload.costs import TierCosts
-from shared.kv_offload.disk_store import DiskBlockStore
-from shared.kv_offload.host_store import HostBlockStore, Spilled
-from shared.kv_offload.layout import BlockLayout, pool_block
-from shared.kv_offload.loading import LoadItem, LoadJob
+from splitserve.engine.kv.block_hash import BlockHash
+from splitserve.engine.kv.block_pool import EvictedBlock
+from splitserve.engine.kv.events import BlockRemoved, BlockStored, KVCacheEvent
+from splitserve.engine.kv.tiers import Tier
+from splitserve.engine.kv_offload.costs import TierCosts
+from splitserve.engine.kv_offload.disk_store import DiskBlockStore
+from splitserve.engine.kv_offload.host_store import HostBlockStore, Spilled
+from splitserve.engine.kv_offload.layout import BlockLayout, pool_block
+from splitserve.engine.kv_offload.loading import LoadItem, LoadJob
 
 logger = logging.getLogger(__name__)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.kv.manager import KVCacheManager
-from shared.kv.tiers import Tier
-from shared.kv_offload.offloader import KVOffloader
+from splitserve.engine.kv.manager import KVCacheManager
+from splitserve.engine.kv.tiers import Tier
+from splitserve.engine.kv_offload.offloader import KVOffloader
 
 
 @dataclass(frozen=True)

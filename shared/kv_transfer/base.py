@@ -1,7 +1,8 @@
 """The KV transport contract: what a transfer is (`KVTransferDescriptor`), how it fails
 (`KVTransferError`) and the receiver/sender interfaces every backend implements.
 
-A transfer moves one contiguous buffer of packed KV pages (`kernels.reference.pack_kv_pages`
+A transfer moves one contiguous buffer of packed KV pages
+(`splitserve.kernels.reference.pack_kv_pages`
 layout, `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`) from a sender (the
 prefill pod) into a destination tensor that the receiver (the decode pod) posted for the request:
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.kv_transfer.base import (
+from splitserve.engine.kv_transfer.base import (
     KVReceiver,
     KVSender,
     KVTransferDescriptor,

@@ -13,7 +13,7 @@ import contextlib
 import socket
 import struct
 
-from shared.kv_transfer.base import (
+from splitserve.engine.kv_transfer.base import (
     KVReceiver,
     KVSender,
     KVTransport,
@@ -22,8 +22,13 @@ from shared.kv_transfer.base import (
     parse_address,
     with_timeout,
 )
-from shared.kv_transfer.config import KVTransferConfig
-from shared.kv_transfer.protocol import Channel, ChannelError, ChannelReceiver, ChannelSender
+from splitserve.engine.kv_transfer.config import KVTransferConfig
+from splitserve.engine.kv_transfer.protocol import (
+    Channel,
+    ChannelError,
+    ChannelReceiver,
+    ChannelSender,
+)
 
 _LENGTH = struct.Struct("!I")
 # Control messages are small JSON; a larger length means the stream is out of step.

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from shared.model.gguf_blocks import BlockQuantized
-    from shared.tokenizer import Tokenizer
+    from splitserve.engine.model.gguf_blocks import BlockQuantized
+    from splitserve.engine.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

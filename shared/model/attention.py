@@ -6,12 +6,13 @@ The batch is flattened and ordered decodes first:
     0                    num_decodes
 
 Decodes attend in a few padded, batched calls, one per group of similar context lengths
-(`shared.model.decode_groups`); each prefill chunk attends causally to its cached prefix plus
-itself. `shared.model.attention_backend.select_attention_backend` picks this path or the
+(`splitserve.engine.model.decode_groups`); each prefill chunk attends causally to its cached prefix
+plus
+itself. `splitserve.engine.model.attention_backend.select_attention_backend` picks this path or the
 Triton kernels; both read the same cache layout:
 `kv_cache[layer]` is `[2, num_blocks, block_size, num_kv_heads, head_dim]`, or with
 `kv_cache_dtype="int8"` int8 rows of `head_dim + 2` (codes then a bfloat16 scale,
-`kernels.kv_int8`): the write quantizes, the gather dequantizes to the query's dtype.
+`splitserve.kernels.kv_int8`): the write quantizes, the gather dequantizes to the query's dtype.
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu as cpu_kernels
-from kernels import kv_int8
-from shared.model.attention_metadata import AttentionMetadata, PrefillChunk
-from shared.model.decode_groups import DecodeGroup
+from splitserve.engine.model.attention_metadata import AttentionMetadata, PrefillChunk
+from splitserve.engine.model.decode_groups import DecodeGroup
+from splitserve.kernels import cpu as cpu_kernels
+from splitserve.kernels import kv_int8
 
 
 class TorchPagedAttention:
     """Attention for the CPU. Decodes go to the C++ kernel that reads the paged cache in place
-    (`kernels.cpu`, float32 or int8 rows) when the runner built decode block tables for it;
+    (`splitserve.kernels.cpu`, float32 or int8 rows) when the runner built decode block tables for
+    it;
     otherwise, and for prefill chunks, each sequence's blocks are copied into one reused buffer
     for SDPA (an int8 cache's rows dequantized into a second one).
 
@@ -130,7 +132,8 @@ class TorchPagedAttention:
         if meta.decode_block_tables is not None:
             # A bfloat16 model over an int8 cache: the kernel takes float32 queries (a few
             # rows per step to convert). Called unchecked: the runner builds these tensors, the
-            # kernel checks lengths and block ids, and kernels.cpu's argument checks cost more
+            # kernel checks lengths and block ids, and splitserve.kernels.cpu's argument checks
+            # cost more
             # than a short batch's attention.
             out = self._kernels.paged_decode_attention(
                 query.float().contiguous(),

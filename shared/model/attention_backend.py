@@ -6,8 +6,8 @@ import os
 
 import torch
 
-from shared.model.attention import TorchPagedAttention
-from shared.model.attention_metadata import AttentionBackend
+from splitserve.engine.model.attention import TorchPagedAttention
+from splitserve.engine.model.attention_metadata import AttentionBackend
 
 
 def select_attention_backend(
@@ -25,7 +25,7 @@ def select_attention_backend(
             f"SPLITSERVE_ATTENTION_BACKEND must be 'triton' or 'torch', got {choice!r}"
         )
     if choice == "triton" or (not choice and device.type == "cuda"):
-        from shared.model.triton_attention import TritonPagedAttention
+        from splitserve.engine.model.triton_attention import TritonPagedAttention
 
         return TritonPagedAttention()
     return TorchPagedAttention(dtype)

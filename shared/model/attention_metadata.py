@@ -1,6 +1,7 @@
 """What every attention implementation reads each step: the metadata the runner builds once per
 step and the `AttentionBackend` interface. Its own module so the PyTorch path
-(`shared.model.attention`), the Triton path (`shared.model.triton_attention`) and the runner
+(`splitserve.engine.model.attention`), the Triton path (`splitserve.engine.model.triton_attention`)
+and the runner
 share these types without importing one another."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from shared.model.decode_groups import DecodeGroup
+from splitserve.engine.model.decode_groups import DecodeGroup
 
 
 @dataclass

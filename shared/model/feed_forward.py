@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.model.architecture import ModelArchitecture
-from shared.model.quantization import cat_rows
+from splitserve.engine.model.architecture import ModelArchitecture
+from splitserve.engine.model.quantization import cat_rows
 
 
 @dataclass(frozen=True)

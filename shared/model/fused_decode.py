@@ -18,10 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels import cpu as cpu_kernels
-from shared.model.attention_metadata import AttentionMetadata
-from shared.model.linear import Linear
-from shared.model.quantized_linear import (
+from splitserve.engine.model.attention_metadata import AttentionMetadata
+from splitserve.engine.model.linear import Linear
+from splitserve.engine.model.quantized_linear import (
     INT4_DEQUANTIZE_FROM_ROWS,
     INT8_ACTIVATION_QUANT_FROM_ROWS,
     Int4Weight,
@@ -30,7 +29,8 @@ from shared.model.quantized_linear import (
     inner_size,
     int4_vnni_usable,
 )
-from shared.model.rotary import RotaryAngles
+from splitserve.engine.model.rotary import RotaryAngles
+from splitserve.kernels import cpu as cpu_kernels
 
 _ENV = "SPLITSERVE_FUSED_DECODE"
 _ONEDNN, _INT8, _INT4, _INT4_VNNI = 0, 1, 2, 3  # decode_layers.cpp's WeightFormat

@@ -6,7 +6,8 @@ ggml's blocks hold 32 weights each, along a row:
     Q4_1: f16 d, f16 m, 16 bytes of nibbles; weight = d * q + m
 with weight j (j < 16) in the low nibble of byte j and weight j + 16 in its high nibble. Both
 are `scale * code + minimum` per block (Q4_0: minimum = -8d), which is torch's int4 kernel
-form with groups of 32 (`shared.model.quantized_linear.int4_from_codes`), so the codes carry
+form with groups of 32 (`splitserve.engine.model.quantized_linear.int4_from_codes`), so the codes
+carry
 over bit for bit and only the scales are rounded (to bfloat16, the kernel's activation dtype).
 
 Other types (Q8_0's one scale per 32 weights has no per-channel int8 equivalent, K-quants,

@@ -5,7 +5,7 @@ Three translations happen here:
 - names: llama.cpp's `blk.N.attn_q.weight` becomes `model.layers.N.self_attn.q_proj.weight`;
 - values: quantized blocks are dequantized with the `gguf` package, whole tensor at a time, or
   with `keep_quantized` (quantization="gguf") Q4_0/Q4_1 matrices are kept as codes and block
-  scales (`shared.model.gguf_blocks`);
+  scales (`splitserve.engine.model.gguf_blocks`);
 - layout: llama.cpp's converter reorders the rows of q_proj and k_proj so that its interleaved
   RoPE (rotating row pairs 2i, 2i+1) computes what Hugging Face's rotate-half RoPE computes on the
   original rows (pairs i, i + head_dim/2). We run rotate-half, so we put the rows back.
@@ -21,11 +21,11 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
-from shared.model.architecture import LoadedCheckpoint, ModelArchitecture, RopeScaling
-from shared.model.gguf_blocks import PACKED_TYPES, BlockQuantized, read_blocks
-from shared.model.gguf_moe import UNSUPPORTED_MOE_ARCHITECTURES, moe_fields, moe_tensors
-from shared.progress import ProgressFn
-from shared.tokenizer import Tokenizer
+from splitserve.engine.model.architecture import LoadedCheckpoint, ModelArchitecture, RopeScaling
+from splitserve.engine.model.gguf_blocks import PACKED_TYPES, BlockQuantized, read_blocks
+from splitserve.engine.model.gguf_moe import UNSUPPORTED_MOE_ARCHITECTURES, moe_fields, moe_tensors
+from splitserve.engine.progress import ProgressFn
+from splitserve.engine.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2moe")
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from shared.model.architecture import MoEConfig
-from shared.model.feed_forward import hf_expert_names, hf_router_name
+from splitserve.engine.model.architecture import MoEConfig
+from splitserve.engine.model.feed_forward import hf_expert_names, hf_router_name
 
 # GGUF architectures refused with a message that names them as MoE.
 UNSUPPORTED_MOE_ARCHITECTURES = ("qwen3moe", "deepseek2", "dbrx", "grok", "olmoe", "arctic")

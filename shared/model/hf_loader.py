@@ -15,9 +15,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from shared.model.architecture import LoadedCheckpoint, ModelArchitecture, MoEConfig, RopeScaling
-from shared.progress import ProgressFn
-from shared.tokenizer import Tokenizer
+from splitserve.engine.model.architecture import (
+    LoadedCheckpoint,
+    ModelArchitecture,
+    MoEConfig,
+    RopeScaling,
+)
+from splitserve.engine.progress import ProgressFn
+from splitserve.engine.tokenizer import Tokenizer
 
 # config.json's model_type -> the decoder family that runs it.
 _FAMILY_OF_MODEL_TYPE = {

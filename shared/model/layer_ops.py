@@ -15,9 +15,9 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu as cpu_kernels
-from shared.model.attention_metadata import AttentionBackend, AttentionMetadata
-from shared.model.rotary import RotaryAngles
+from splitserve.engine.model.attention_metadata import AttentionBackend, AttentionMetadata
+from splitserve.engine.model.rotary import RotaryAngles
+from splitserve.kernels import cpu as cpu_kernels
 
 
 class TorchLayerOps:
@@ -71,7 +71,8 @@ class TorchLayerOps:
 
 class CpuKernelLayerOps(TorchLayerOps):
     """The C++ kernels for float32 CPU tensors, the PyTorch ops for anything else (a bfloat16
-    model's activations). Calls the module directly: kernels.cpu's wrappers are for callers
+    model's activations). Calls the module directly: splitserve.kernels.cpu's wrappers are for
+    callers
     that want their arguments checked, and a check costs more than a decode row's norm."""
 
     def __init__(self, module: ModuleType) -> None:

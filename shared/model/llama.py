@@ -15,15 +15,15 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from shared.model.architecture import ModelArchitecture
-from shared.model.attention_metadata import AttentionBackend, AttentionMetadata
-from shared.model.feed_forward import internal_feed_forward_weights
-from shared.model.fused_decode import FusedDecode, build_fused_decode
-from shared.model.gguf_blocks import BlockQuantized
-from shared.model.layer_ops import TorchLayerOps, select_layer_ops
-from shared.model.linear import Linear, linear, onednn_weight
-from shared.model.moe_layer import SparseMoeBlock
-from shared.model.quantization import (
+from splitserve.engine.model.architecture import ModelArchitecture
+from splitserve.engine.model.attention_metadata import AttentionBackend, AttentionMetadata
+from splitserve.engine.model.feed_forward import internal_feed_forward_weights
+from splitserve.engine.model.fused_decode import FusedDecode, build_fused_decode
+from splitserve.engine.model.gguf_blocks import BlockQuantized
+from splitserve.engine.model.layer_ops import TorchLayerOps, select_layer_ops
+from splitserve.engine.model.linear import Linear, linear, onednn_weight
+from splitserve.engine.model.moe_layer import SparseMoeBlock
+from splitserve.engine.model.quantization import (
     QuantizedEmbedding,
     QuantizedLinear,
     cat_rows,
@@ -35,7 +35,7 @@ from shared.model.quantization import (
     select_quantized_backend,
     weight_nbytes,
 )
-from shared.model.rotary import RotaryAngles, RotaryEmbedding
+from splitserve.engine.model.rotary import RotaryAngles, RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 

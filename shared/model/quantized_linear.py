@@ -63,10 +63,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu as cpu_kernels
+from splitserve.kernels import cpu as cpu_kernels
 
 if TYPE_CHECKING:  # quantized_triton imports this module
-    from shared.model.quantized_triton import TritonWeight
+    from splitserve.engine.model.quantized_triton import TritonWeight
 
 logger = logging.getLogger(__name__)
 
@@ -339,7 +339,7 @@ def int4_vnni_problem() -> str | None:
     kernels, as before)."""
     module = cpu_kernels.load()
     if module is None:
-        return "the CPU kernels are not built (kernels.cpu.load)"
+        return "the CPU kernels are not built (splitserve.kernels.cpu.load)"
     if not module.int4_gemm_supported():
         return "this CPU lacks AVX512-VNNI or AVX512-VBMI"
     generator = torch.Generator().manual_seed(0)
@@ -388,7 +388,7 @@ class QuantizedLinear(nn.Module):
         self.qweight: QuantizedWeight | TritonWeight | None = None
 
     def load(self, packed: QuantizedWeight | TritonWeight) -> None:
-        """Sets the packed weight (shared.model.quantization.pack_weight makes it)."""
+        """Sets the packed weight (splitserve.engine.model.quantization.pack_weight makes it)."""
         shape = (packed.out_features, packed.in_features)
         if shape != (self.out_features, self.in_features):
             raise ValueError(

@@ -33,9 +33,14 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kernels import has_triton
-from kernels.reference import dequantize_int4_groups, pack_int4_groups
-from shared.model.quantized_linear import GROUP_SIZE, Int8Weight, int4_groups, quantize_int8
+from splitserve.engine.model.quantized_linear import (
+    GROUP_SIZE,
+    Int8Weight,
+    int4_groups,
+    quantize_int8,
+)
+from splitserve.kernels import has_triton
+from splitserve.kernels.reference import dequantize_int4_groups, pack_int4_groups
 
 QuantizedBackend = Literal["torch", "triton"]
 BACKEND_ENV = "SPLITSERVE_QUANTIZED_BACKEND"
@@ -75,7 +80,7 @@ class TritonInt8Weight(Int8Weight):
         """x [rows, in_features] -> [rows, out] in x's dtype. Weight-only: the activations are
         multiplied as they are, so `activation_passes` (the CPU int8 x int8 path's) does not
         apply."""
-        from kernels.dequant_matmul import int8_matmul
+        from splitserve.kernels.dequant_matmul import int8_matmul
 
         return int8_matmul(x.contiguous(), self.codes, self.scales)
 
@@ -83,7 +88,7 @@ class TritonInt8Weight(Int8Weight):
 @dataclass(frozen=True)
 class Int4GroupWeight:
     """`weight[n, k] = scales[n, g] * code[n, k] + minimums[n, g]`, g = k // 32, code in
-    0..15 (kernels.reference.pack_int4_groups gives the byte order)."""
+    0..15 (splitserve.kernels.reference.pack_int4_groups gives the byte order)."""
 
     packed: torch.Tensor  # [out, in_pad / 2] uint8
     scales: torch.Tensor  # [out, in_pad / 32] float16
@@ -104,7 +109,7 @@ class Int4GroupWeight:
 
     def matmul(self, x: torch.Tensor, activation_passes: int = 1) -> torch.Tensor:
         """x [rows, in_features] -> [rows, out] in x's dtype (weight-only, as TritonInt8Weight)."""
-        from kernels.dequant_matmul import int4_group_matmul
+        from splitserve.kernels.dequant_matmul import int4_group_matmul
 
         return int4_group_matmul(x.contiguous(), self.packed, self.scales, self.minimums)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.model.architecture import ModelArchitecture, RopeScaling
+from splitserve.engine.model.architecture import ModelArchitecture, RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:

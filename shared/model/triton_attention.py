@@ -1,6 +1,6 @@
 """Attention over the paged KV cache through the Triton kernels in `kernels/`, for the GPU.
 
-The batch is split where the runner puts the seam (`shared.model.attention`):
+The batch is split where the runner puts the seam (`splitserve.engine.model.attention`):
 
     rows       | decodes: 1 token per seq | prefill chunks (ragged) |
     sequences  | 0 .. num_decodes - 1     | num_decodes .. num_seqs - 1
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.decode_attention import paged_decode_attention
-from kernels.kv_cache_ops import write_kv
-from kernels.prefill_attention import paged_prefill_attention
-from shared.model.attention_metadata import AttentionMetadata
+from splitserve.engine.model.attention_metadata import AttentionMetadata
+from splitserve.kernels.decode_attention import paged_decode_attention
+from splitserve.kernels.kv_cache_ops import write_kv
+from splitserve.kernels.prefill_attention import paged_prefill_attention
 
 
 class TritonPagedAttention:

@@ -26,8 +26,14 @@ from collections.abc import Callable
 
 import torch
 
-from shared.model.moe import ExpertOrder, ExpertsFn, ExpertWeights, Routing, sort_by_expert
-from shared.parallel.comm import Communicator
+from splitserve.engine.model.moe import (
+    ExpertOrder,
+    ExpertsFn,
+    ExpertWeights,
+    Routing,
+    sort_by_expert,
+)
+from splitserve.engine.parallel.comm import Communicator
 
 
 class ExpertAllToAll:

@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.model.architecture import ModelArchitecture
-from shared.parallel.layout import TensorParallelLayout
-from shared.parallel.pipeline import PipelineLayout
+from splitserve.engine.model.architecture import ModelArchitecture
+from splitserve.engine.parallel.layout import TensorParallelLayout
+from splitserve.engine.parallel.pipeline import PipelineLayout
 
 if TYPE_CHECKING:
-    from shared.model.llama import LlamaForCausalLM
-    from shared.parallel.comm import Communicator
-    from shared.runner import ModelInputs, ModelRunner
+    from splitserve.engine.model.llama import LlamaForCausalLM
+    from splitserve.engine.parallel.comm import Communicator
+    from splitserve.engine.runner import ModelInputs, ModelRunner
 
 
 @dataclass(frozen=True)

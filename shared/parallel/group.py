@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch.multiprocessing as mp
 
-from shared.config import EngineConfig
-from shared.parallel.comm import Communicator, make_store
-from shared.parallel.ops import Opcode, send
-from shared.parallel.worker import WorkerSpec, run_worker
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.parallel.comm import Communicator, make_store
+from splitserve.engine.parallel.ops import Opcode, send
+from splitserve.engine.parallel.worker import WorkerSpec, run_worker
 
 if TYPE_CHECKING:
     import torch
 
-    from shared.parallel.rank import RankLayout
-    from shared.runner import ModelInputs, ModelRunner
+    from splitserve.engine.parallel.rank import RankLayout
+    from splitserve.engine.runner import ModelInputs, ModelRunner
 
 logger = logging.getLogger(__name__)
 

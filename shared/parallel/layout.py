@@ -24,17 +24,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.model.architecture import ModelArchitecture
-from shared.model.moe_layer import moe_blocks
-from shared.parallel.expert_parallel import ExpertAllToAll
-from shared.parallel.moe_shard import MoeShard, check_moe_parallel, expert_dispatch
-from shared.parallel.ops import Opcode, send
-from shared.parallel.step_tensors import pack_chunks, unpack_chunks
+from splitserve.engine.model.architecture import ModelArchitecture
+from splitserve.engine.model.moe_layer import moe_blocks
+from splitserve.engine.parallel.expert_parallel import ExpertAllToAll
+from splitserve.engine.parallel.moe_shard import MoeShard, check_moe_parallel, expert_dispatch
+from splitserve.engine.parallel.ops import Opcode, send
+from splitserve.engine.parallel.step_tensors import pack_chunks, unpack_chunks
 
 if TYPE_CHECKING:
-    from shared.model.llama import LlamaForCausalLM
-    from shared.parallel.comm import Communicator
-    from shared.runner import ModelInputs, ModelRunner
+    from splitserve.engine.model.llama import LlamaForCausalLM
+    from splitserve.engine.parallel.comm import Communicator
+    from splitserve.engine.runner import ModelInputs, ModelRunner
 
 _HEADS_DIM = 4  # of a packed page buffer [blocks, layers, 2, block_size, heads, head_dim]
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.model.architecture import MoEConfig
-from shared.model.feed_forward import hf_expert_names
+from splitserve.engine.model.architecture import MoEConfig
+from splitserve.engine.model.feed_forward import hf_expert_names
 
 _SHARED = "mlp.shared_expert."
 DISPATCH_ENV = "SPLITSERVE_EXPERT_DISPATCH"

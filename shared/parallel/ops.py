@@ -1,7 +1,7 @@
 """What rank 0 asks the other ranks to do: a fixed-size header, then an int64 payload.
 
     header [opcode, count, payload_len]
-    STEP           count = chunks; payload = shared.parallel.step_tensors.pack_chunks
+    STEP           count = chunks; payload = splitserve.engine.parallel.step_tensors.pack_chunks
     STOP           the engine is closing
     GATHER_PAGES   payload = block ids; each rank sends rank 0 its part of those pages
     SCATTER_PAGES  payload = block ids; rank 0 sends each rank its part of those pages
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.parallel.comm import Communicator
+from splitserve.engine.parallel.comm import Communicator
 
 _HEADER_LEN = 3
 
@@ -59,8 +59,8 @@ def receive_header(comm: Communicator) -> tuple[Header, torch.Tensor]:
 def run_page_op(
     comm: Communicator, header: Header, payload: torch.Tensor, kv_cache: torch.Tensor
 ) -> None:
-    """A rank's side of GATHER_PAGES / SCATTER_PAGES (see shared.parallel.pages)."""
-    from shared.parallel.pages import gather_pages, scatter_pages
+    """A rank's side of GATHER_PAGES / SCATTER_PAGES (see splitserve.engine.parallel.pages)."""
+    from splitserve.engine.parallel.pages import gather_pages, scatter_pages
 
     if header.opcode == Opcode.GATHER_PAGES:
         gather_pages(comm, kv_cache, payload)

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from shared.disaggregation import pack_pages, unpack_pages
-from shared.parallel.comm import Communicator
-from shared.parallel.group import ParallelGroup
-from shared.parallel.ops import Opcode, send
+from splitserve.engine.disaggregation import pack_pages, unpack_pages
+from splitserve.engine.parallel.comm import Communicator
+from splitserve.engine.parallel.group import ParallelGroup
+from splitserve.engine.parallel.ops import Opcode, send
 
 
 class ParallelPages:
@@ -58,7 +58,7 @@ class ParallelPages:
         unpack_pages(mine, self.kv_cache, block_ids)
 
 
-# ---- the other ranks' side (shared.parallel.ops.run_page_op) --------------------------------
+# ---- the other ranks' side (splitserve.engine.parallel.ops.run_page_op) ----------------
 
 
 def gather_pages(comm: Communicator, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:

@@ -35,15 +35,15 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from shared.model.architecture import ModelArchitecture
-from shared.parallel.comm import Communicator
-from shared.parallel.ops import Opcode, send
-from shared.parallel.step_tensors import pack_chunks, unpack_chunks
+from splitserve.engine.model.architecture import ModelArchitecture
+from splitserve.engine.parallel.comm import Communicator
+from splitserve.engine.parallel.ops import Opcode, send
+from splitserve.engine.parallel.step_tensors import pack_chunks, unpack_chunks
 
 if TYPE_CHECKING:
-    from shared.model.llama import LlamaForCausalLM
-    from shared.runner import ModelInputs, ModelRunner
-    from shared.step import ScheduledChunk
+    from splitserve.engine.model.llama import LlamaForCausalLM
+    from splitserve.engine.runner import ModelInputs, ModelRunner
+    from splitserve.engine.step import ScheduledChunk
 
 _LAYERS_DIM = 1  # of a packed page buffer [blocks, layers, 2, block_size, heads, head_dim]
 

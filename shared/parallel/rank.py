@@ -7,13 +7,17 @@ from typing import Protocol
 
 import torch
 
-from shared.config import EngineConfig
-from shared.model.architecture import ModelArchitecture
-from shared.model.kv_cache import KVCacheSpec, allocate_kv_cache
-from shared.model.llama import LlamaForCausalLM
-from shared.parallel.grid import GridLayout
-from shared.parallel.layout import TensorParallelLayout, check_devices, check_tensor_parallel
-from shared.parallel.pipeline import PipelineLayout, check_pipeline_parallel
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.model.architecture import ModelArchitecture
+from splitserve.engine.model.kv_cache import KVCacheSpec, allocate_kv_cache
+from splitserve.engine.model.llama import LlamaForCausalLM
+from splitserve.engine.parallel.grid import GridLayout
+from splitserve.engine.parallel.layout import (
+    TensorParallelLayout,
+    check_devices,
+    check_tensor_parallel,
+)
+from splitserve.engine.parallel.pipeline import PipelineLayout, check_pipeline_parallel
 
 
 class RankLayout(Protocol):

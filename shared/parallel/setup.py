@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.config import EngineConfig
-from shared.model.architecture import LoadedCheckpoint
-from shared.model.kv_cache import KVCacheSpec, size_kv_cache
-from shared.model.llama import LlamaForCausalLM
-from shared.parallel.group import ParallelGroup
-from shared.parallel.rank import build_rank, layout_for
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.model.architecture import LoadedCheckpoint
+from splitserve.engine.model.kv_cache import KVCacheSpec, size_kv_cache
+from splitserve.engine.model.llama import LlamaForCausalLM
+from splitserve.engine.parallel.group import ParallelGroup
+from splitserve.engine.parallel.rank import build_rank, layout_for
 
 
 @dataclass

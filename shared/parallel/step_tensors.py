@@ -3,7 +3,7 @@
 What `ModelRunner.prepare_inputs` reads from each scheduled chunk travels, not the prepared
 metadata: every rank builds the same `ModelInputs` from it (attention metadata, decode groups,
 block tables) with the same code, so a step is one header and this payload whatever the
-backend (`shared.parallel.ops`).
+backend (`splitserve.engine.parallel.ops`).
 
     payload | chunk table [num_chunks, 4] | token ids [num_tokens] | block ids [num_block_ids] |
             chunk table row: start_position, num_tokens, num_logits, len(block_ids)

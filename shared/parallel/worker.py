@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.config import EngineConfig
-from shared.model.loader import load_checkpoint
-from shared.parallel.comm import Communicator, connect_store
-from shared.parallel.ops import Opcode, receive_header, run_page_op
-from shared.parallel.rank import RankLayout, build_rank, layout_for
-from shared.runner import ModelRunner
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.model.loader import load_checkpoint
+from splitserve.engine.parallel.comm import Communicator, connect_store
+from splitserve.engine.parallel.ops import Opcode, receive_header, run_page_op
+from splitserve.engine.parallel.rank import RankLayout, build_rank, layout_for
+from splitserve.engine.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

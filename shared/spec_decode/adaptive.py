@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shared.request import Request
-from shared.spec_decode.step_cost import StepCostModel
+from splitserve.engine.request import Request
+from splitserve.engine.spec_decode.step_cost import StepCostModel
 
 # Weight of the past in the moving acceptance estimate, per verification.
 _DECAY = 0.8

@@ -23,14 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.config import EngineConfig
-from shared.model.kv_cache import KVCacheSpec, allocate_kv_cache, bytes_per_block
-from shared.model.llama import LlamaForCausalLM
-from shared.model.loader import load_checkpoint
-from shared.request import Request
-from shared.runner import ModelRunner
-from shared.sampler import draw, sampling_distribution
-from shared.step import Drafts, ScheduledChunk
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.model.kv_cache import KVCacheSpec, allocate_kv_cache, bytes_per_block
+from splitserve.engine.model.llama import LlamaForCausalLM
+from splitserve.engine.model.loader import load_checkpoint
+from splitserve.engine.request import Request
+from splitserve.engine.runner import ModelRunner
+from splitserve.engine.sampler import draw, sampling_distribution
+from splitserve.engine.step import Drafts, ScheduledChunk
 
 
 class EarlyExitModel:

@@ -8,7 +8,7 @@ occurrence wins, since recent text predicts best what comes next.
 
 from __future__ import annotations
 
-from shared.step import Drafts, ScheduledChunk
+from splitserve.engine.step import Drafts, ScheduledChunk
 
 # The n-gram sizes tried, longest first.
 MAX_NGRAM = 4

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.sampler import SamplingRow, draw, sampling_distribution
+from splitserve.engine.sampler import SamplingRow, draw, sampling_distribution
 
 
 @dataclass

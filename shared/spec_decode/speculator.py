@@ -12,20 +12,20 @@ from typing import Protocol
 
 import torch
 
-from shared.config import EngineConfig, SpeculativeConfig
-from shared.runner import ModelRunner
-from shared.sampler import compute_logprobs
-from shared.spec_decode.adaptive import SpeculationPolicy
-from shared.spec_decode.draft_model import (
+from splitserve.engine.config import EngineConfig, SpeculativeConfig
+from splitserve.engine.runner import ModelRunner
+from splitserve.engine.sampler import compute_logprobs
+from splitserve.engine.spec_decode.adaptive import SpeculationPolicy
+from splitserve.engine.spec_decode.draft_model import (
     DraftModelProposer,
     EarlyExitModel,
     draft_kv_cache,
     load_draft_model,
 )
-from shared.spec_decode.ngram import NgramProposer
-from shared.spec_decode.rejection import Verification, verify
-from shared.step import Drafts, ModelOutput, ScheduledChunk, SchedulerOutput, StepResult
-from shared.structured_output.matcher import NO_MASKS, StepMasks
+from splitserve.engine.spec_decode.ngram import NgramProposer
+from splitserve.engine.spec_decode.rejection import Verification, verify
+from splitserve.engine.step import Drafts, ModelOutput, ScheduledChunk, SchedulerOutput, StepResult
+from splitserve.engine.structured_output.matcher import NO_MASKS, StepMasks
 
 # The j-th draft token is proposed only while alpha ** j reaches this. A draft model's tokens
 # cost a draft forward each, n-gram ones nothing but their verification, hence the higher bar.

@@ -14,7 +14,7 @@ import json
 
 import llguidance
 
-from shared.structured_output.spec import StructuredOutput
+from splitserve.engine.structured_output.spec import StructuredOutput
 
 # Compact JSON with OpenAI's separators and no free whitespace: a small model given room for
 # whitespace can pad with newlines until max_tokens, and the text reads as `{"a": 1, "b": 2}`.

@@ -24,9 +24,9 @@ from collections.abc import Sequence
 import llguidance
 import torch
 
-from shared.step import SchedulerOutput
-from shared.structured_output.grammar import GrammarError, grammar_for
-from shared.structured_output.spec import StructuredOutput
+from splitserve.engine.step import SchedulerOutput
+from splitserve.engine.structured_output.grammar import GrammarError, grammar_for
+from splitserve.engine.structured_output.spec import StructuredOutput
 
 logger = logging.getLogger(__name__)
 

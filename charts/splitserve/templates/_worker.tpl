@@ -242,7 +242,7 @@ spec:
         - name: {{ .component }}
           image: {{ include "splitserve.image" $root }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
-          command: ["python", "-m", "services.{{ .component }}"]
+          command: ["python", "-m", "splitserve.{{ .component }}"]
           args:
             {{- include "splitserve.worker.args" . | nindent 12 }}
             {{- if eq .component "decode" }}

@@ -6,7 +6,7 @@ For each variant, `splitserve up --colocated` serves 4 concurrent streams (128-t
 64 output tokens) twice: on a quiet machine, then while one busy process (a spinning Python
 loop, as a load generator or sidecar would be) runs beside it. Printed: output tokens/s and
 ITL median both times, and quiet / busy throughput (target: <= 2x). Variants:
-- default: what `splitserve up` does (GOMP_SPINCOUNT=10000, services/common/openmp.py);
+- default: what `splitserve up` does (GOMP_SPINCOUNT=10000, services/pod/openmp.py);
 - libgomp: OpenMP threads spin as long as libgomp's own default (GOMP_SPINCOUNT=300000);
 - passive: OpenMP threads sleep as soon as they wait (OMP_WAIT_POLICY=PASSIVE);
 - threads1: one torch thread in the engine process.

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from splitserve.common.flags import add_kv_cache_dtype_flag, add_quantization_flag
+from splitserve.pod.flags import add_kv_cache_dtype_flag, add_quantization_flag
 from splitserve.launcher import add_up_flags, run_up
 
 ENGINE_FLAGS = (

@@ -18,12 +18,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from splitserve.common.flags import (
-    add_kv_cache_dtype_flag,
-    add_quantization_flag,
-    parse_size,
-    parse_tier_size,
-)
+from splitserve.common.cli_args import parse_size
 from splitserve.common.redis_server import RedisServer
 from splitserve.common.supervisor import (
     HealthCheck,
@@ -34,6 +29,11 @@ from splitserve.common.supervisor import (
 )
 from splitserve.engine.config import QUANTIZATION_METHODS
 from splitserve.engine.kv_offload.sizing import auto_host_tier_bytes
+from splitserve.pod.flags import (
+    add_kv_cache_dtype_flag,
+    add_quantization_flag,
+    parse_tier_size,
+)
 
 DECODE_SERVICE = "splitserve.v1.DecodeWorker"
 PREFILL_SERVICE = "splitserve.v1.PrefillWorker"

@@ -60,7 +60,7 @@ def test_bad_kv_cache_dtypes_are_refused_naming_the_value():
 
 
 def test_pod_flag_reaches_the_engine_and_refuses_fp8_at_start_up(capsys):
-    from splitserve.common.flags import add_engine_flags, engine_options
+    from splitserve.pod.flags import add_engine_flags, engine_options
 
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)

@@ -13,7 +13,7 @@ import pytest
 from splitserve import AsyncLLM, SamplingParams
 from splitserve.common.pod_load import PodLoad
 from splitserve.common.redis_server import RedisServer
-from splitserve.common.registry_publisher import PublisherSettings, RegistryPublisher
+from splitserve.pod.registry_publisher import PublisherSettings, RegistryPublisher
 from splitserve.common.registry_schema import (
     CachedPrefix,
     PodRecord,

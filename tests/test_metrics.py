@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.common.pod_metrics import PREFIX
+from splitserve.pod.metrics import PREFIX
 from tests.services_util import MODEL_NAME, free_port, start_stack
 
 NUM_REQUESTS = 2

@@ -24,7 +24,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve import LLM, SamplingParams
-from splitserve.common.pod_metrics import PREFIX, PodMetrics
+from splitserve.pod.metrics import PREFIX, PodMetrics
 from tests.hf_reference import transformers_greedy
 from tests.test_disaggregation_engine import disaggregated
 

@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 from splitserve import AsyncLLM, SamplingParams
 from splitserve.common.pod_load import PodLoad
 from splitserve.common.redis_server import RedisServer
-from splitserve.common.registry_publisher import (
+from splitserve.pod.registry_publisher import (
     PublisherSettings,
     RegistryPublisher,
     event_commands,

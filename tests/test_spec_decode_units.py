@@ -309,7 +309,7 @@ def test_bad_speculative_options_are_named(options, name):
 def test_pod_flags_map_to_engine_options():
     import argparse
 
-    from splitserve.common.flags import add_engine_flags, engine_options
+    from splitserve.pod.flags import add_engine_flags, engine_options
 
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
@@ -326,7 +326,7 @@ def test_pod_flags_map_to_engine_options():
 
 
 def test_worker_stats_carry_the_speculation_counters():
-    from splitserve.common.pod import PodIdentity, PodStats, pod_stats_to_proto
+    from splitserve.pod.server import PodIdentity, PodStats, pod_stats_to_proto
     from splitserve.engine.engine import EngineStats
 
     engine = EngineStats(1, 0, 10, 9, 0, 0, 0, 40, 30, 12)

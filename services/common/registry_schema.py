@@ -119,7 +119,7 @@ class PodRecord:
     # For the autoscaler (services/planner/load.py), which reads pods only from here; the
     # gateway takes load from its GetStats polls instead (services/gateway/pods.py).
     load: PodLoad = field(default_factory=PodLoad)
-    # Exponentially weighted averages over the latest requests (services/common/pod_metrics.py),
+    # Exponentially weighted averages over the latest requests (services/pod/metrics.py),
     # in seconds; 0.0 until the pod has served one. A prefill pod's ITL stays 0.0.
     recent_ttft_s: float = 0.0
     recent_itl_s: float = 0.0

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import functools
 
-from splitserve.common.pod import reachable_host
-from splitserve.common.pod_main import EngineParts, PodRole, build_pod_parser, run_pod
+from splitserve.pod.server import reachable_host
+from splitserve.pod.main import EngineParts, PodRole, build_pod_parser, run_pod
 from splitserve.decode.core import DecodePodCore
 from splitserve.decode.remote_prefill import RemotePrefillSettings
 from splitserve.decode.servicer import DecodeWorkerServicer

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from splitserve.common import tracing
-from splitserve.common.pod import PodIdentity
-from splitserve.common.pod_core import EnginePodCore
-from splitserve.common.pod_metrics import FinishedRequest, PodMetrics
+from splitserve.pod.server import PodIdentity
+from splitserve.pod.core import EnginePodCore
+from splitserve.pod.metrics import FinishedRequest, PodMetrics
 from splitserve.decode.remote_prefill import (
     PrefillClient,
     PrefillMode,

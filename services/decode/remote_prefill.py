@@ -36,7 +36,7 @@ import grpc
 from splitserve.common import tracing
 from splitserve.common.channels import aio_channel
 from splitserve.common.convert import options_from_params
-from splitserve.common.pod_metrics import PodMetrics
+from splitserve.pod.metrics import PodMetrics
 from splitserve.engine.async_llm import AsyncLLM, RemotePrefillReservation
 from splitserve.engine.disaggregation import RemotePrefillPlan, RemotePrefillResult, receive_pages
 from splitserve.engine.kv_transfer import KVReceiver, KVTransferError

@@ -12,7 +12,7 @@ import os
 import uvicorn
 
 from splitserve.common.background import in_daemon_thread
-from splitserve.common.flags import setup_logging
+from splitserve.common.cli_args import setup_logging
 from splitserve.common.grpc_server import GrpcServer, start_server, stop_event_on_signals
 from splitserve.common.model_files import default_model_name, load_tokenizer, resolve_model_path
 from splitserve.common.tracing import configure_tracing

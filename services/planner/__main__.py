@@ -179,7 +179,7 @@ def _add_validate_flags(sub: argparse.ArgumentParser) -> None:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from splitserve.common.flags import parse_size
+    from splitserve.common.cli_args import parse_size
     from splitserve.planner.profiler import QUICK_GRID, ProfileSettings, measure_profile
 
     settings = ProfileSettings(

@@ -5,7 +5,7 @@
 - `RedisLoadSource`: the pod registry (`services/common/registry_schema.py`): every live pod's
   role and `PodLoad` (running and waiting requests, KV blocks), from the records pods heartbeat
   with an expiry (a dead pod drops out by itself);
-- `MetricsLoadSource`: the pods' Prometheus `/metrics` (`services/common/pod_metrics.py`
+- `MetricsLoadSource`: the pods' Prometheus `/metrics` (`services/pod/metrics.py`
   names): the same gauges, plus recent TTFT and ITL (p90 of the histogram buckets observed
   since the previous scrape) and the arrival of requests and tokens per second (counter deltas).
 
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.common.pod_metrics import PREFIX as METRIC_PREFIX  # the pods' own metric names
+from splitserve.pod.metrics import PREFIX as METRIC_PREFIX  # the pods' own metric names
 
 if TYPE_CHECKING:
     from splitserve.common.pod_load import PodLoad

@@ -11,7 +11,7 @@ import argparse
 import functools
 import os
 
-from splitserve.common.pod_main import EngineParts, PodRole, build_pod_parser, run_pod
+from splitserve.pod.main import EngineParts, PodRole, build_pod_parser, run_pod
 from splitserve.prefill.core import PrefillPodCore, PrefillSettings
 from splitserve.prefill.servicer import PrefillWorkerServicer
 from splitserve.v1 import worker_pb2, worker_pb2_grpc

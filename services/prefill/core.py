@@ -21,9 +21,9 @@ import grpc
 
 from splitserve.common import tracing
 from splitserve.common.grpc_server import StatusError
-from splitserve.common.pod import PodIdentity
-from splitserve.common.pod_core import EnginePodCore
-from splitserve.common.pod_metrics import FinishedRequest, PodMetrics
+from splitserve.pod.server import PodIdentity
+from splitserve.pod.core import EnginePodCore
+from splitserve.pod.metrics import FinishedRequest, PodMetrics
 from splitserve.engine.async_llm import AsyncLLM
 from splitserve.engine.disaggregation import ExportedPrefill, send_pages
 from splitserve.engine.kv_transfer import (

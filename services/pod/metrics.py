@@ -39,7 +39,7 @@ from prometheus_client.core import (
 
 if TYPE_CHECKING:
     from splitserve.engine.engine import EngineStats
-    from splitserve.engine.kv_offload.stats import KVTierStats
+    from splitserve.engine.kv.offload.stats import KVTierStats
     from splitserve.engine.outputs import CompletionOutput
     from splitserve.engine.telemetry import RequestSteps
 
@@ -265,7 +265,7 @@ class _EngineCollector:
         return family
 
     def _tier_families(self, tiers: KVTierStats) -> Iterator[Metric]:
-        """The offload tiers (shared/kv_offload/): per-tier series carry a `tier` label."""
+        """The offload tiers (shared/kv/offload/): per-tier series carry a `tier` label."""
         per_tier = {
             ("kv_tier_blocks", GaugeMetricFamily): ("Cached KV blocks per tier.", tiers.blocks),
             ("kv_tier_bytes", GaugeMetricFamily): ("Bytes of cached KV per tier.", tiers.bytes),

@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import grpc
 
-from splitserve.common.pod import (
+from splitserve.pod.server import (
     PodIdentity,
     PodStats,
     pod_stats,
     pod_stats_to_proto,
     token_text,
 )
-from splitserve.common.pod_metrics import PodMetrics
+from splitserve.pod.metrics import PodMetrics
 from splitserve.engine.telemetry import record_engine_steps
 from splitserve.v1 import worker_pb2
 

@@ -44,7 +44,7 @@ from splitserve.engine.kv.events import BlockRemoved, BlockStored, KVCacheEvent
 from splitserve.engine.kv.tiers import Tier
 
 if TYPE_CHECKING:
-    from splitserve.common.pod import PodCore
+    from splitserve.pod.server import PodCore
     from splitserve.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
@@ -280,7 +280,7 @@ def pod_place(args: argparse.Namespace) -> Place:
 
 
 def advertise_address(args: argparse.Namespace, port: int) -> str:
-    from splitserve.common.pod import reachable_host
+    from splitserve.pod.server import reachable_host
 
     return f"{args.advertise_host or reachable_host(args.host)}:{port}"
 

@@ -1,5 +1,5 @@
 """The one entry point of the engine pods: `run_pod(role, argv)` parses the flags every pod takes
-plus the role's own, checks them, sets up logging and serves (services/common/pod.py) until
+plus the role's own, checks them, sets up logging and serves (services/pod/server.py) until
 SIGTERM. `python -m splitserve.prefill` and `python -m splitserve.decode` are a `PodRole` each.
 """
 
@@ -12,15 +12,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from splitserve.common.flags import engine_options, setup_logging
+from splitserve.common.cli_args import setup_logging
 from splitserve.common.model_files import default_model_name, resolve_model_path
-from splitserve.common.pod import PodIdentity, PodServicer, add_pod_flags, pod_id, serve_pod
-from splitserve.common.registry_publisher import pod_place
+from splitserve.pod.flags import engine_options
+from splitserve.pod.registry_publisher import pod_place
+from splitserve.pod.server import PodIdentity, PodServicer, add_pod_flags, pod_id, serve_pod
 
 if TYPE_CHECKING:
-    from splitserve.common.pod_core import EnginePodCore
     from splitserve.engine.async_llm import AsyncLLM
-    from splitserve.engine.kv_transfer import KVTransport
+    from splitserve.engine.kv.transfer import KVTransport
+    from splitserve.pod.core import EnginePodCore
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ def _engine_parts(role: PodRole, args: argparse.Namespace) -> EngineParts:
     from splitserve.engine.async_llm import (
         AsyncLLM,  # torch and ucxx: only once serving has started
     )
-    from splitserve.engine.kv_transfer import create_kv_transport
+    from splitserve.engine.kv.transfer import create_kv_transport
 
     transport = create_kv_transport(args.kv_transport)
     model_path = resolve_model_path(args.model)

@@ -7,33 +7,14 @@ spellings of the engine's config fields.
 from __future__ import annotations
 
 import argparse
-import logging
-import re
 
+from splitserve.common.cli_args import parse_size
 from splitserve.engine.config import (
     EVICTION_POLICIES,
     KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
     CacheConfig,
 )
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_BINARY_UNITS = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from "134217728", "128MiB", "128Mi", "1.5GB" (binary with i, decimal without)."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 134217728 or 128MiB)")
-    number, unit = match.groups()
-    unit = (unit or "").lower().removesuffix("b")
-    scale = _BINARY_UNITS.get(unit) or _UNITS[unit]
-    size = int(float(number) * scale)
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
-    return size
 
 
 def parse_tier_size(text: str) -> int | str:
@@ -129,7 +110,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_offload_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("KV offload tiers (shared/kv_offload/)")
+    group = parser.add_argument_group("KV offload tiers (shared/kv/offload/)")
     group.add_argument(
         "--kv-offload-host-bytes",
         type=parse_tier_size,
@@ -266,9 +247,3 @@ def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
 
-
-def setup_logging(level: str, name: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
-    )

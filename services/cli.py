@@ -6,8 +6,8 @@ import argparse
 import sys
 import time
 
-from splitserve.pod.flags import add_kv_cache_dtype_flag, add_quantization_flag
 from splitserve.launcher import add_up_flags, run_up
+from splitserve.pod.flags import add_kv_cache_dtype_flag, add_quantization_flag
 
 ENGINE_FLAGS = (
     "dtype",

@@ -224,8 +224,8 @@ def test_bad_expert_parallel_options_are_refused(options, message):
 def test_pod_flag_maps_to_the_engine_option():
     import argparse
 
-    from splitserve.pod.flags import add_engine_flags, engine_options
     from splitserve.engine.config import EngineConfig
+    from splitserve.pod.flags import add_engine_flags, engine_options
 
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)

@@ -23,8 +23,8 @@ import pytest
 
 from splitserve.cli import build_parser
 from splitserve.common.channels import sync_channel
-from splitserve.common.convert import options_from_params, params_from_options
 from splitserve.common.cli_args import parse_size
+from splitserve.common.convert import options_from_params, params_from_options
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.launcher import plan
 from splitserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc

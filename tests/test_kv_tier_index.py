@@ -13,7 +13,6 @@ import pytest
 from splitserve import AsyncLLM, SamplingParams
 from splitserve.common.pod_load import PodLoad
 from splitserve.common.redis_server import RedisServer
-from splitserve.pod.registry_publisher import PublisherSettings, RegistryPublisher
 from splitserve.common.registry_schema import (
     CachedPrefix,
     PodRecord,
@@ -24,6 +23,7 @@ from splitserve.common.registry_schema import (
 from splitserve.engine.kv.block_hash import hash_full_blocks
 from splitserve.engine.kv.tiers import Tier
 from splitserve.gateway.tier_credit import PRIOR_CREDIT, credited_tokens, tier_credit
+from splitserve.pod.registry_publisher import PublisherSettings, RegistryPublisher
 
 BLOCK_SIZE = 4
 FAST = PublisherSettings(ttl_s=1.0, heartbeat_interval_s=0.1, publish_interval_s=0.01)

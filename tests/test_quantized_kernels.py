@@ -260,8 +260,8 @@ def test_quantization_is_cpu_or_cuda_only():
 def test_pod_flag_reaches_the_engine_config_and_refuses_bad_values():
     import argparse
 
-    from splitserve.pod.flags import add_engine_flags, engine_options
     from splitserve.engine.config import EngineConfig
+    from splitserve.pod.flags import add_engine_flags, engine_options
 
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)

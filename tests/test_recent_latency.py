@@ -8,12 +8,12 @@ import asyncio
 import pytest
 
 from splitserve import AsyncLLM
-from splitserve.pod.metrics import FinishedRequest, PodMetrics, RecentAverage
 from splitserve.common.redis_server import RedisServer
-from splitserve.pod.registry_publisher import PublisherSettings, RegistryPublisher
 from splitserve.common.registry_schema import PodRecord, RegistryKeys, connect, read_pods
 from splitserve.engine.engine import EngineStats
 from splitserve.engine.outputs import CompletionOutput, RequestTimings
+from splitserve.pod.metrics import FinishedRequest, PodMetrics, RecentAverage
+from splitserve.pod.registry_publisher import PublisherSettings, RegistryPublisher
 
 
 def test_first_sample_is_taken_as_is_and_later_ones_by_weight():

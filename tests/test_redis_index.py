@@ -15,12 +15,6 @@ from redis.exceptions import RedisError
 from splitserve import AsyncLLM, SamplingParams
 from splitserve.common.pod_load import PodLoad
 from splitserve.common.redis_server import RedisServer
-from splitserve.pod.registry_publisher import (
-    PublisherSettings,
-    RegistryPublisher,
-    event_commands,
-    new_generation,
-)
 from splitserve.common.registry_schema import (
     PodRecord,
     RegistryKeys,
@@ -31,6 +25,12 @@ from splitserve.common.registry_schema import (
 from splitserve.engine.kv.block_hash import hash_full_blocks
 from splitserve.engine.kv.events import BlockRemoved, BlockStored
 from splitserve.engine.kv.tiers import Tier
+from splitserve.pod.registry_publisher import (
+    PublisherSettings,
+    RegistryPublisher,
+    event_commands,
+    new_generation,
+)
 
 BLOCK_SIZE = 16
 FAST = PublisherSettings(ttl_s=1.0, heartbeat_interval_s=0.1, publish_interval_s=0.01)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from splitserve.common import tracing
 from splitserve.common.convert import logprobs_to_proto, params_from_options
-from splitserve.pod.core import PodServicerBase
 from splitserve.decode.core import DecodeOutput, DecodePodCore
+from splitserve.pod.core import PodServicerBase
 from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import grpc
 
+from splitserve.engine.telemetry import record_engine_steps
+from splitserve.pod.metrics import PodMetrics
 from splitserve.pod.server import (
     PodIdentity,
     PodStats,
@@ -22,8 +24,6 @@ from splitserve.pod.server import (
     pod_stats_to_proto,
     token_text,
 )
-from splitserve.pod.metrics import PodMetrics
-from splitserve.engine.telemetry import record_engine_steps
 from splitserve.v1 import worker_pb2
 
 if TYPE_CHECKING:

@@ -44,8 +44,8 @@ from splitserve.engine.kv.events import BlockRemoved, BlockStored, KVCacheEvent
 from splitserve.engine.kv.tiers import Tier
 
 if TYPE_CHECKING:
-    from splitserve.pod.server import PodCore
     from splitserve.engine.async_llm import AsyncLLM
+    from splitserve.pod.server import PodCore
 
 logger = logging.getLogger(__name__)
 

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from splitserve.common.background import in_daemon_thread
-from splitserve.pod.flags import add_engine_flags, add_server_flags
 from splitserve.common.grpc_server import start_server, stop_event_on_signals
 from splitserve.common.pod_load import PodLoad
+from splitserve.common.tracing import configure_tracing, shutdown_tracing
+from splitserve.pod.flags import add_engine_flags, add_server_flags
 from splitserve.pod.metrics import PodMetrics, serve_pod_metrics
 from splitserve.pod.registry_publisher import add_registry_flags, start_registry
-from splitserve.common.tracing import configure_tracing, shutdown_tracing
 from splitserve.v1 import worker_pb2
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""GPU benchmark of every kernel: `python -m splitserve.kernels.bench [--dtype
+"""GPU benchmark of every kernel: `python -m benchmarks.kernels_bench [--dtype
 bfloat16|float16|float32]`.
 
 For each kernel: check the result on CUDA against `splitserve.kernels.reference`, time it with
@@ -8,8 +8,9 @@ so "% of copy" says how close a memory-bound kernel is to the roofline. Decode a
 checked and timed against `torch.nn.functional.scaled_dot_product_attention` on contiguous K/V
 of the same sizes: the same bytes without paging, a bar the paged kernel should meet; the
 dequantizing matmuls beside a dense product of the same sizes in the run's dtype at 1, 16 and
-256 rows (kernels/bench_dequant.py). Prints figures; never asserts a speed. Exits 1 if any
-result disagrees with its reference.
+256 rows (benchmarks/kernels_bench_dequant.py). Prints figures; never asserts a speed. Exits 1
+if any result disagrees with its reference. `--json PATH` also writes every row, every check
+and the copy bandwidth there (what `python -m benchmarks.gpu_check` collects).
 
 `--smoke` runs the same steps and checks with tiny shapes on whatever device there is: CUDA
 (still timed by do_bench), or the CPU under Triton's interpreter (TRITON_INTERPRET=1, timed by
@@ -20,24 +21,29 @@ program before a scarce GPU session does.
 from __future__ import annotations
 
 import argparse
-import math
+import json
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
+from benchmarks.kernels_bench_dequant import bench_dequant_matmul
+from benchmarks.kernels_bench_harness import (  # noqa: F401 (TOLERANCE: tests read it here)
+    TOLERANCE,
+    BenchContext,
+    Checker,
+    Timing,
+    TimingFigures,
+    do_bench_ms,
+    nbytes,
+    wall_clock_ms,
+)
 from splitserve.kernels import reference
 
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}
 MIN_PARTITION_SIZE = 16  # paged_decode_attention's smallest partition
 RMS_EPS = 1e-5
-# Off CUDA only. The interpreter compiles nothing, so no warm-up call; timings there only prove
-# that each timed call runs.
-WALL_CLOCK_REPS = 1
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,7 @@ class BenchShapes:
     page_cache_blocks: int  # blocks in the cache
     page_blocks: int  # blocks packed and unpacked
     copy_buffer_bytes: int  # the copy-bandwidth reference moves twice this (read + write)
-    # Dequantizing matmuls (kernels/bench_dequant.py): weights (out, in) and rows of x.
+    # Dequantizing matmuls (benchmarks/kernels_bench_dequant.py): weights (out, in) and rows of x.
     dequant_shapes: tuple[tuple[int, int], ...]
     dequant_rows: tuple[int, ...]
 
@@ -146,86 +152,6 @@ SMOKE = BenchShapes(
     dequant_shapes=((100, 64),),  # 100: not a multiple of the kernels' 64-column tile
     dequant_rows=(1, 3),
 )
-
-
-@dataclass
-class Timing:
-    name: str
-    ms: float
-    num_bytes: int
-    flops: int = 0
-
-    def row(self, copy_gbps: float) -> str:
-        gbps = self.num_bytes / self.ms / 1e6
-        line = (
-            f"  {self.name:<44} {self.ms * 1e3:10.1f} us {gbps:8.1f} GB/s "
-            f"{100 * gbps / copy_gbps:5.0f}% of copy"
-        )
-        if self.flops:
-            line += f" {self.flops / self.ms / 1e9:7.3f} TFLOP/s"
-        return line
-
-
-class Checker:
-    """Compares results with references; remembers which failed."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.tolerance = TOLERANCE[dtype]
-        self.failed: list[str] = []
-
-    def check(self, name: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
-        """Relative error in the 2-norm; NaN anywhere (a stray read) counts as a mismatch."""
-        if actual.shape != expected.shape:
-            error = math.inf
-        else:
-            diff = (actual.double() - expected.double()).norm()
-            error = (diff / expected.double().norm()).item()
-        is_ok = math.isfinite(error) and error < self.tolerance
-        if not is_ok:
-            self.failed.append(name)
-        verdict = "ok" if is_ok else "MISMATCH"
-        print(f"  check {name}: relative error {error:.2e} ({verdict})", flush=True)
-
-    def report(self) -> int:
-        """Prints the verdict; returns the exit status (1 if any check failed)."""
-        if self.failed:
-            print(f"MISMATCH against the reference: {', '.join(self.failed)}", flush=True)
-            return 1
-        print("all results match their references", flush=True)
-        return 0
-
-
-@dataclass(frozen=True)
-class BenchContext:
-    shapes: BenchShapes
-    dtype: torch.dtype
-    device: torch.device
-    checker: Checker
-    time_ms: Callable[[Callable[[], object]], float]
-
-    def randn(self, *shape: int) -> torch.Tensor:
-        return torch.randn(*shape, device=self.device, dtype=self.dtype)
-
-
-def do_bench_ms(fn: Callable[[], object]) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-
-
-def wall_clock_ms(fn: Callable[[], object]) -> float:
-    """Median wall time of a few calls; for runs off CUDA, where it says nothing about the
-    kernels (the interpreter runs them in numpy)."""
-    times = []
-    for _ in range(WALL_CLOCK_REPS):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def nbytes(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def copy_bandwidth_gbps(ctx: BenchContext) -> float:
@@ -500,8 +426,6 @@ def bench_rotary(ctx: BenchContext) -> list[Timing]:
 
 
 def bench_steps(ctx: BenchContext) -> list[tuple[str, Callable[[], list[Timing]]]]:
-    from splitserve.kernels.bench_dequant import bench_dequant_matmul  # it imports this module
-
     layouts = ctx.shapes.head_layouts
     return [
         *[(f"decode {lay}", lambda lay=lay: bench_decode(ctx, lay)) for lay in layouts],
@@ -523,17 +447,17 @@ def pick_device(is_smoke: bool) -> torch.device:
     if not is_smoke:
         if interpret == "1":
             sys.exit(
-                "splitserve.kernels.bench times compiled kernels: unset TRITON_INTERPRET "
+                "benchmarks.kernels_bench times compiled kernels: unset TRITON_INTERPRET "
                 "(or pass --smoke for a check of every path on the CPU)"
             )
         sys.exit(
-            "splitserve.kernels.bench needs a CUDA GPU and none is visible; on the CPU, run "
-            "`python -m splitserve.kernels.bench --smoke` or the kernel tests "
+            "benchmarks.kernels_bench needs a CUDA GPU and none is visible; on the CPU, run "
+            "`python -m benchmarks.kernels_bench --smoke` or the kernel tests "
             "(TRITON_INTERPRET=1 pytest tests/test_kernels_*.py)"
         )
     if interpret == "0":
         sys.exit(
-            "splitserve.kernels.bench --smoke: no CUDA device, and TRITON_INTERPRET=0 forbids the "
+            "benchmarks.kernels_bench --smoke: no CUDA device, and TRITON_INTERPRET=0 forbids the "
             "CPU interpreter"
         )
     # Read when a kernel module is first imported (triton.jit), which has not happened yet.
@@ -551,7 +475,7 @@ def describe(device: torch.device, dtype: torch.dtype, shapes: BenchShapes) -> s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m splitserve.kernels.bench",
+        prog="python -m benchmarks.kernels_bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -566,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="only the steps whose title contains this (e.g. 'dequant', 'decode')",
     )
+    parser.add_argument("--json", default="", help="also write the rows and checks here")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     shapes = SMOKE if args.smoke else FULL
@@ -588,13 +513,49 @@ def main(argv: list[str] | None = None) -> int:
     if not steps:
         titles = ", ".join(title for title, _ in bench_steps(ctx))
         parser.error(f"--step {args.step!r} matches no step (steps: {titles})")
+    rows = run_steps(ctx, steps, copy_gbps)
+    status = ctx.checker.report()
+    if args.json:
+        record = BenchRecord(describe(device, dtype, shapes), copy_gbps, rows, ctx.checker)
+        record.write(args.json)
+    return status
+
+
+def run_steps(
+    ctx: BenchContext, steps: list[tuple[str, Callable[[], list[Timing]]]], copy_gbps: float
+) -> list[TimingFigures]:
+    rows = []
     for i, (title, step) in enumerate(steps, 1):
         print(f"[{i}/{len(steps)}] {title}", flush=True)
         for timing in step():
             print(timing.row(copy_gbps), flush=True)
-        if device.type == "cuda":
+            rows.append(timing.figures(copy_gbps))
+        if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
-    return ctx.checker.report()
+    return rows
+
+
+@dataclass(frozen=True)
+class BenchRecord:
+    """Everything one run printed, as JSON."""
+
+    device: str
+    copy_gb_per_s: float
+    rows: list[TimingFigures]
+    checker: Checker
+
+    def write(self, path: str) -> None:
+        record = {
+            "device": self.device,
+            "copy_gb_per_s": self.copy_gb_per_s,
+            "rows": [asdict(row) for row in self.rows],
+            "checks": [asdict(check) for check in self.checker.results],
+            "failed_checks": self.checker.failed,
+        }
+        with open(path, "w") as f:
+            # inf / nan relative errors are written as JSON's Infinity / NaN extensions,
+            # which Python's json reads back.
+            json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":

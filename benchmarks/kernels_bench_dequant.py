@@ -1,4 +1,4 @@
-"""`python -m splitserve.kernels.bench`'s step for the dequantizing matmuls
+"""`python -m benchmarks.kernels_bench`'s step for the dequantizing matmuls
 (kernels/dequant_matmul.py).
 
 For each weight shape and row count: the int8 and int4 kernels checked against their
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from benchmarks.kernels_bench_harness import BenchContext, Timing, nbytes
 from splitserve.kernels import reference
-from splitserve.kernels.bench import BenchContext, Timing, nbytes
 
 
 def _int8_weight(ctx: BenchContext, out: int, inner: int) -> tuple[torch.Tensor, torch.Tensor]:

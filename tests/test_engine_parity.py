@@ -1,8 +1,9 @@
 """Greedy output of the engine equals Hugging Face transformers token for token.
 
-Both load the same GGUF file. Eight prompts of different lengths (one over 600 tokens) go to
-one engine together, under several configurations: default, 32-token prefill chunks, a KV pool
-small enough to preempt, and a second pass served from the prefix cache.
+Both load the same GGUF file. The eight parity prompts (benchmarks/parity_prompts.py: different
+lengths, one over 600 tokens) go to one engine together, under several configurations: default,
+32-token prefill chunks, a KV pool small enough to preempt, and a second pass served from the
+prefix cache.
 """
 
 from __future__ import annotations
@@ -10,44 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.parity_prompts import PARITY_MAX_TOKENS, parity_prompts
 from splitserve import LLM, SamplingParams
 from tests.hf_reference import transformers_greedy
 
-MAX_TOKENS = 20
-
-_STORY = (
-    "The lighthouse keeper had lived on the island for thirty years. Every evening he climbed "
-    "the spiral stairs, trimmed the wick, polished the great lens and watched the beam sweep "
-    "across the dark water. Ships passed in the night, and he wrote each one in his log: the "
-    "hour, the direction, the weather, and sometimes a guess at the cargo. "
-)
-
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about autumn leaves.",
-    "Explain recursion to a child in two sentences.",
-    "List three prime numbers greater than fifty, please, with a short reason for each.",
-]
-
-
-def _prompts(tokenizer) -> list[list[int]]:
-    chats = [
-        tokenizer.encode(
-            tokenizer.apply_chat_template([{"role": "user", "content": q}]),
-            add_special_tokens=False,
-        )
-        for q in QUESTIONS
-    ]
-    raw = [
-        tokenizer.encode("def quicksort(items):"),
-        tokenizer.encode("Hi"),
-        tokenizer.encode(_STORY * 2 + "Summarise the keeper's routine:"),
-        tokenizer.encode(_STORY * 9 + "\nQuestion: what did the keeper write in his log?"),
-    ]
-    prompts = chats + raw
-    assert max(len(p) for p in prompts) > 600, "one prompt must be over 600 tokens"
-    assert len({len(p) for p in prompts}) == len(prompts), "lengths must differ"
-    return prompts
+MAX_TOKENS = PARITY_MAX_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +25,7 @@ def llm() -> LLM:
 
 @pytest.fixture(scope="module")
 def prompts(llm: LLM) -> list[list[int]]:
-    return _prompts(llm.tokenizer)
+    return parity_prompts(llm.tokenizer)
 
 
 @pytest.fixture(scope="module")

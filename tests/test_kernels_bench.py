@@ -1,5 +1,5 @@
-"""`python -m splitserve.kernels.bench`, which no GPU has run yet, runs every step and check on the
-CPU.
+"""`python -m benchmarks.kernels_bench`, which no GPU has run yet, runs every step and check on
+the CPU.
 
 `--smoke` runs the GPU benchmark's steps with tiny shapes under Triton's interpreter, so a
 wrong argument, shape or reference call in it fails here and not in a scarce GPU session.
@@ -18,13 +18,15 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")  # Triton wheels exist for Linux only
 
 import dataclasses  # noqa: E402
+import json  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 import torch  # noqa: E402
 
-from splitserve.kernels import bench, reference  # noqa: E402
+from benchmarks import kernels_bench as bench  # noqa: E402
+from splitserve.kernels import reference  # noqa: E402
 from splitserve.kernels.rms_norm import fused_add_rms_norm  # noqa: E402
 
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] == "0" else "cpu"
@@ -38,7 +40,7 @@ def run_bench(*args: str, interpret: str | None) -> subprocess.CompletedProcess[
     if interpret is not None:
         env["TRITON_INTERPRET"] = interpret
     return subprocess.run(
-        [sys.executable, "-m", "splitserve.kernels.bench", *args],
+        [sys.executable, "-m", "benchmarks.kernels_bench", *args],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -83,8 +85,16 @@ def test_smoke_shapes_reach_the_paths_the_full_run_takes():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_smoke_run_checks_every_kernel_against_its_reference(dtype):
-    result = run_bench("--smoke", "--dtype", dtype, interpret=os.environ["TRITON_INTERPRET"])
+def test_smoke_run_checks_every_kernel_against_its_reference(dtype, tmp_path):
+    record_path = tmp_path / "bench.json"
+    result = run_bench(
+        "--smoke",
+        "--dtype",
+        dtype,
+        "--json",
+        str(record_path),
+        interpret=os.environ["TRITON_INTERPRET"],
+    )
 
     assert result.returncode == 0, result.stdout + result.stderr
     checks = {name: verdict for name, _, verdict in CHECK_LINE.findall(result.stdout)}
@@ -111,6 +121,12 @@ def test_smoke_run_checks_every_kernel_against_its_reference(dtype):
     )
     assert len(rows) == expected_rows, result.stdout
     assert all(" us " in row and "% of copy" in row for row in rows)
+    # The JSON record holds the same rows and checks as numbers.
+    record = json.loads(record_path.read_text())
+    assert [row["name"] for row in record["rows"]] == [row.split("  ")[1] for row in rows]
+    assert all(row["us"] > 0 and row["percent_of_copy"] > 0 for row in record["rows"])
+    assert {check["name"] for check in record["checks"]} == set(checks)
+    assert record["failed_checks"] == [] and record["copy_gb_per_s"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")

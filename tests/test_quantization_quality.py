@@ -17,13 +17,13 @@ import math
 import pytest
 import torch
 
+from benchmarks.parity_prompts import parity_prompts as _prompts
 from splitserve import LLM, SamplingParams
 from splitserve.engine.model.attention_backend import select_attention_backend
 from splitserve.engine.model.attention_metadata import AttentionMetadata, PrefillChunk
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.loader import load_checkpoint
 from splitserve.engine.model.quantization import weight_nbytes
-from tests.test_engine_parity import _prompts
 
 METHODS = ("none", "int8", "int4", "gguf")
 NUM_TEXT_TOKENS = 512

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.parity_prompts import parity_prompts as _prompts
 from splitserve import LLM, SamplingParams
-from tests.test_engine_parity import _prompts
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

@@ -29,8 +29,8 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.kv.block_hash import BlockHash
-from splitserve.engine.kv_offload.host_store import HostBlockStore
-from splitserve.engine.kv_offload.layout import BlockLayout, pool_block
+from splitserve.engine.kv.offload.host_store import HostBlockStore
+from splitserve.engine.kv.offload.layout import BlockLayout, pool_block
 
 SYSTEM = (
     "You are a meticulous travel-planning agent. You keep a running itinerary, check every "

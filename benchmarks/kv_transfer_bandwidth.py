@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from splitserve.engine.kv_transfer import (
+from splitserve.engine.kv.transfer import (
     KVTransferConfig,
     KVTransferDescriptor,
     create_kv_transport,
 )
-from splitserve.engine.kv_transfer.config import DEFAULT_UCX_OPTIONS
+from splitserve.engine.kv.transfer.config import DEFAULT_UCX_OPTIONS
 from splitserve.kernels.reference import pack_kv_pages, unpack_kv_pages
 
 PAGE_SHAPE = (30, 2, 16, 3, 64)  # SmolLM2: layers, K/V, block_size, kv_heads, head_dim

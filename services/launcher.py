@@ -28,7 +28,7 @@ from splitserve.common.supervisor import (
     Supervisor,
 )
 from splitserve.engine.config import QUANTIZATION_METHODS
-from splitserve.engine.kv_offload.sizing import auto_host_tier_bytes
+from splitserve.engine.kv.offload.sizing import auto_host_tier_bytes
 from splitserve.pod.flags import (
     add_kv_cache_dtype_flag,
     add_quantization_flag,

@@ -23,9 +23,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.disaggregation import ExportedPrefill, RemotePrefillPlan, RemotePrefillResult
 from splitserve.engine.engine import EngineCore, EngineStats
 from splitserve.engine.kv.block_hash import BlockHash
+from splitserve.engine.kv.disaggregation import (
+    ExportedPrefill,
+    RemotePrefillPlan,
+    RemotePrefillResult,
+)
 from splitserve.engine.kv.events import KVCacheEvent
 from splitserve.engine.kv.tiers import Tier
 from splitserve.engine.outputs import StreamDelta, merge_deltas

@@ -84,8 +84,8 @@ class CacheConfig:
     # The largest share of the pool one tenant (a cache_salt) keeps cached once its requests
     # end; past it, that tenant's own cached blocks are evicted first. 1.0 = no bound.
     tenant_cache_quota: float = 1.0
-    # Offload tiers (shared/kv_offload/): host memory for blocks the pool evicts (0 = no host
-    # tier; "auto" = half of the memory left after the pool, shared/kv_offload/sizing.py), and
+    # Offload tiers (shared/kv/offload/): host memory for blocks the pool evicts (0 = no host
+    # tier; "auto" = half of the memory left after the pool, shared/kv/offload/sizing.py), and
     # a directory with a size cap for the disk tier (None or 0 bytes = no disk tier).
     offload_host_bytes: int | str = 0
     offload_disk_dir: str | None = None

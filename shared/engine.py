@@ -22,21 +22,21 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.disaggregation import (
+from splitserve.engine.kv.block_hash import BlockHash, cache_salt_keys
+from splitserve.engine.kv.cache import KVCacheSpec, allocate_kv_cache, size_kv_cache
+from splitserve.engine.kv.disaggregation import (
     KVPageExporter,
     LocalPages,
     PageIO,
     RemotePrefillPlan,
     RemotePrefillResult,
 )
-from splitserve.engine.kv.block_hash import BlockHash, cache_salt_keys
 from splitserve.engine.kv.events import KVCacheEvent
 from splitserve.engine.kv.eviction import retention_for
 from splitserve.engine.kv.manager import KVCacheManager
+from splitserve.engine.kv.offload.build import attach_offloader, build_offloader
+from splitserve.engine.kv.offload.stats import KVTierStats, tier_stats
 from splitserve.engine.kv.tiers import Tier
-from splitserve.engine.kv_offload.build import attach_offloader, build_offloader
-from splitserve.engine.kv_offload.stats import KVTierStats, tier_stats
-from splitserve.engine.model.kv_cache import KVCacheSpec, allocate_kv_cache, size_kv_cache
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.loader import load_checkpoint
 from splitserve.engine.model.moe_layer import expert_token_counts, moe_blocks
@@ -292,7 +292,7 @@ class EngineCore:
         # As a prompt, prompt + resumed output must fit and leave room for a token.
         self.validate_prompt(list(prompt_token_ids) + list(resumed_output))
 
-    # ---- disaggregation (see shared/disaggregation.py) --------------------------------------
+    # ---- disaggregation (see shared/kv/disaggregation.py) --------------------------------------
 
     def reserve_remote_prefill(
         self,

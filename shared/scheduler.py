@@ -13,7 +13,7 @@ allocated preempts the least important running request (highest priority value, 
 recomputation: its blocks are freed and it waits again with its tokens so far.
 
 With offload tiers, an admission whose prefix continues in host memory or on disk takes its
-blocks, starts loading them (`shared/kv_loads.py`) and waits aside (WAITING_FOR_KV_LOAD) while other
+blocks, starts loading them (`shared/kv/loads.py`) and waits aside (WAITING_FOR_KV_LOAD) while other
 requests keep running; a later step takes the loaded blocks as computed and schedules the rest
 of its prompt. A load that fails or outlives its deadline ends where it stands: what it did not
 load is computed instead.
@@ -31,7 +31,7 @@ from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.step import ModelOutput, RequestUpdate, ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
-    from splitserve.engine.kv_loads import KVLoads
+    from splitserve.engine.kv.loads import KVLoads
     from splitserve.engine.spec_decode.adaptive import SpeculationPolicy, StepPlan
 
 

@@ -29,7 +29,7 @@ from splitserve import LLM, SamplingParams
 from splitserve.cli import build_parser
 from splitserve.common.channels import sync_channel
 from splitserve.common.convert import options_from_params
-from splitserve.engine.kv_transfer import KVTransferDescriptor
+from splitserve.engine.kv.transfer import KVTransferDescriptor
 from splitserve.engine.outputs import CompletionOutput
 from splitserve.engine.structured_output.spec import StructuredOutput
 from splitserve.launcher import plan

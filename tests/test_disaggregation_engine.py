@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from splitserve import LLM, SamplingParams
-from splitserve.engine.disaggregation import RemotePrefillResult
 from splitserve.engine.engine import EngineCore
+from splitserve.engine.kv.disaggregation import RemotePrefillResult
 
 PROMPTS = [
     "The lighthouse keeper climbed the stairs every evening and",

@@ -21,9 +21,9 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.config import CacheConfig, EngineConfig
+from splitserve.engine.kv.cache import allocate_kv_cache, bytes_per_block
+from splitserve.engine.kv.offload.layout import BlockLayout
 from splitserve.engine.kv.tiers import Tier
-from splitserve.engine.kv_offload.layout import BlockLayout
-from splitserve.engine.model.kv_cache import allocate_kv_cache, bytes_per_block
 from tests.test_disaggregation_engine import disaggregated
 
 KV_BYTES = 8 * 2**20
@@ -115,7 +115,7 @@ def test_the_disk_tier_keeps_int8_blocks_and_empties_itself_for_another_kv_cache
     tmp_path,
 ):
     from splitserve.engine.kv.block_hash import BlockHash
-    from splitserve.engine.kv_offload.disk_store import DiskBlockStore
+    from splitserve.engine.kv.offload.disk_store import DiskBlockStore
     from splitserve.kernels.kv_int8 import quantize_rows
 
     pool = quantize_rows(torch.randn(2, 2, 3, 4, 1, 8))  # [layers, 2, blocks, 4, heads, 8 + 2]
@@ -255,9 +255,9 @@ def test_int8_kv_perplexity_within_two_percent_of_float_kv(smollm2, capsys):
 def _mean_nll(model, token_ids: list[int], kv_cache_dtype: str, chunk: int = 64) -> float:
     """Each token's negative log-likelihood given the ones before, fed in prefill chunks that
     read the earlier chunks' keys and values back from a cache of `kv_cache_dtype`."""
+    from splitserve.engine.kv.cache import KVCacheSpec
     from splitserve.engine.model.attention_backend import select_attention_backend
     from splitserve.engine.model.attention_metadata import AttentionMetadata, PrefillChunk
-    from splitserve.engine.model.kv_cache import KVCacheSpec
 
     num_tokens, block_size = len(token_ids), 16
     spec = KVCacheSpec(-(-num_tokens // block_size), block_size, 0)
@@ -279,7 +279,7 @@ def _mean_nll(model, token_ids: list[int], kv_cache_dtype: str, chunk: int = 64)
 
 @pytest.mark.slow  # eight prompts (one of 600+ tokens) through two engines
 def test_greedy_agreement_with_float_kv_over_the_parity_prompts(smollm2, capsys):
-    from benchmarks.parity_prompts import parity_prompts
+    from tests.test_engine_parity import _prompts as parity_prompts
     from tests.test_quantization_quality import NEAR_TIE, _first_divergence
 
     prompts = parity_prompts(smollm2["auto"].tokenizer)

@@ -1,4 +1,4 @@
-"""KV offload tiers (shared/kv_offload/): the host and disk stores' exact behaviour, and the
+"""KV offload tiers (shared/kv/offload/): the host and disk stores' exact behaviour, and the
 engine serving prompts whose prefix was pushed out of its pool from host memory and from disk
 (also after a restart), with the same tokens as transformers and nothing leaked.
 """
@@ -10,10 +10,10 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.kv.block_hash import BlockHash
+from splitserve.engine.kv.offload.disk_store import DiskBlockStore
+from splitserve.engine.kv.offload.host_store import HostBlockStore
+from splitserve.engine.kv.offload.layout import BlockLayout
 from splitserve.engine.kv.tiers import Tier
-from splitserve.engine.kv_offload.disk_store import DiskBlockStore
-from splitserve.engine.kv_offload.host_store import HostBlockStore
-from splitserve.engine.kv_offload.layout import BlockLayout
 from splitserve.engine.request import RequestStatus
 from tests.hf_reference import transformers_greedy
 
@@ -300,7 +300,7 @@ def test_parallel_engines_refuse_explicit_tiers_and_leave_auto_off():
         EngineConfig.from_options(tensor_parallel_size=2, quantization="int8")
     config = EngineConfig.from_options(tensor_parallel_size=2, offload_host_bytes="auto")
     assert config.cache.offload_host_bytes == "auto"  # accepted: build_offloader leaves it off
-    from splitserve.engine.kv_offload.build import build_offloader
+    from splitserve.engine.kv.offload.build import build_offloader
 
     pool = torch.zeros(2, 2, 4, 16, 1, 8)
     assert build_offloader(config.cache, pool, world_size=2) is None

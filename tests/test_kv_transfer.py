@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from splitserve.engine.disaggregation import (
+from splitserve.engine.kv.disaggregation import (
     RemotePrefillPlan,
     pack_pages,
     page_shape,
@@ -31,13 +31,13 @@ from splitserve.engine.disaggregation import (
     send_pages,
     unpack_pages,
 )
-from splitserve.engine.kv_transfer import (
+from splitserve.engine.kv.transfer import (
     KVTransferConfig,
     KVTransferDescriptor,
     KVTransferError,
     create_kv_transport,
 )
-from splitserve.engine.kv_transfer.base import parse_address
+from splitserve.engine.kv.transfer.base import parse_address
 
 BACKENDS = [
     "tcp",
@@ -326,7 +326,7 @@ def test_send_to_address_nobody_listens_on_fails_within_timeout(
 
 _RECEIVER_CHILD = """
 import asyncio, sys, torch
-from splitserve.engine.kv_transfer import create_kv_transport
+from splitserve.engine.kv.transfer import create_kv_transport
 
 async def main():
     receiver = await create_kv_transport(sys.argv[1]).start_receiver()

@@ -21,7 +21,7 @@ from splitserve.decode.remote_prefill import (
     PromptPrefill,
     RemotePrefillSettings,
 )
-from splitserve.engine.kv_transfer import create_kv_transport
+from splitserve.engine.kv.transfer import create_kv_transport
 from tests.services_util import free_port
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)

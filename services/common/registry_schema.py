@@ -123,7 +123,7 @@ class PodRecord:
     # in seconds; 0.0 until the pod has served one. A prefill pod's ITL stays 0.0.
     recent_ttft_s: float = 0.0
     recent_itl_s: float = 0.0
-    # Measured costs of the offload tiers (shared/kv_offload/costs.py), in seconds; 0.0 until
+    # Measured costs of the offload tiers (shared/kv/offload/costs.py), in seconds; 0.0 until
     # measured. The gateway credits blocks in the lower tiers by them.
     prefill_s_per_token: float = 0.0
     host_load_s_per_block: float = 0.0

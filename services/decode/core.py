@@ -15,9 +15,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from splitserve.common import tracing
-from splitserve.pod.server import PodIdentity
-from splitserve.pod.core import EnginePodCore
-from splitserve.pod.metrics import FinishedRequest, PodMetrics
 from splitserve.decode.remote_prefill import (
     PrefillClient,
     PrefillMode,
@@ -25,9 +22,12 @@ from splitserve.decode.remote_prefill import (
     RemotePrefillSettings,
 )
 from splitserve.engine.async_llm import AsyncLLM
-from splitserve.engine.kv_transfer import KVTransport
+from splitserve.engine.kv.transfer import KVTransport
 from splitserve.engine.outputs import CompletionOutput, StreamDelta
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.pod.core import EnginePodCore
+from splitserve.pod.metrics import FinishedRequest, PodMetrics
+from splitserve.pod.server import PodIdentity
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context

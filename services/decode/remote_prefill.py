@@ -36,13 +36,17 @@ import grpc
 from splitserve.common import tracing
 from splitserve.common.channels import aio_channel
 from splitserve.common.convert import options_from_params
-from splitserve.pod.metrics import PodMetrics
 from splitserve.engine.async_llm import AsyncLLM, RemotePrefillReservation
-from splitserve.engine.disaggregation import RemotePrefillPlan, RemotePrefillResult, receive_pages
-from splitserve.engine.kv_transfer import KVReceiver, KVTransferError
+from splitserve.engine.kv.disaggregation import (
+    RemotePrefillPlan,
+    RemotePrefillResult,
+    receive_pages,
+)
+from splitserve.engine.kv.transfer import KVReceiver, KVTransferError
 from splitserve.engine.outputs import StreamDelta
 from splitserve.engine.sampler import TokenLogprobs
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.pod.metrics import PodMetrics
 from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ pod's host-memory or disk tier saves the recomputation minus the load:
 
     credit(tier) = clamp(1 - load_s_per_block(tier) / (block_size * prefill_s_per_token), 0, 1)
 
-with both costs measured by the pod and published in its registry record (shared/kv_offload/
+with both costs measured by the pod and published in its registry record (shared/kv/offload/
 costs.py). Until a pod has measured them (no load yet, no prefill yet), a prior stands in:
 loading is a memcpy from host memory or a file read, far cheaper than a forward pass on any
 machine this serves on, so the prior sits near the top and errs toward the pod that holds the

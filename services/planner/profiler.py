@@ -13,7 +13,7 @@ Measure on a quiet machine all the same: other processes only ever add time to a
   tokens computed whole in the same step (what a colocated pod runs);
 - KV capacity: the blocks `--kv-cache-bytes` holds (what `splitserve up` gives a pod), at the
   engine's `--quantization` / `--kv-cache-dtype` / parallel layout, which the profile records;
-- KV transfer: pack a request's pages, send them through `splitserve.engine.kv_transfer` to a
+- KV transfer: pack a request's pages, send them through `splitserve.engine.kv.transfer` to a
 receiver
   in this process, unpack them, at two sizes; the fit gives latency and bandwidth;
 - with `--neighbor-core`: steps beside a second engine on that CPU (`profiler_neighbor.py`).
@@ -325,7 +325,7 @@ def _measure_mixed(engine, settings: ProfileSettings, log: Log) -> MixedGrid:
 
 
 def _measure_transfer(engine, settings: ProfileSettings, log: Log) -> KVTransferModel:
-    from splitserve.engine.disaggregation import pack_pages, unpack_pages
+    from splitserve.engine.kv.disaggregation import pack_pages, unpack_pages
 
     kv_cache = engine.runner.kv_cache
     sizes = [min(n, engine.kv_spec.num_blocks // 2) for n in settings.transfer_blocks]
@@ -347,7 +347,7 @@ def _measure_transfer(engine, settings: ProfileSettings, log: Log) -> KVTransfer
 
 
 async def _timed_transfers(settings: ProfileSettings, pack, unpack, count: int) -> float:
-    from splitserve.engine.kv_transfer import (
+    from splitserve.engine.kv.transfer import (
         KVTransferConfig,
         KVTransferDescriptor,
         create_kv_transport,

@@ -1,6 +1,6 @@
 """`plan profile`'s KV tier measurement: how fast blocks come back from the offload tiers.
 
-It times what the engine's load thread does (shared/kv_offload): blocks of the engine's own
+It times what the engine's load thread does (shared/kv/offload): blocks of the engine's own
 pool are saved into a `HostBlockStore` and a `DiskBlockStore` (a temporary directory on the disk
 the pod would use: `--kv-offload-disk-dir`'s filesystem matters), then copied back into the pool,
 `repeats` times; the median gives seconds per block, as bytes per second.
@@ -24,9 +24,9 @@ Log = Callable[[str], None]
 def measure_tier_loads(
     engine, repeats: int, log: Log, disk_dir: str | None = None
 ) -> TierLoadModel:
-    from splitserve.engine.kv_offload.disk_store import DiskBlockStore
-    from splitserve.engine.kv_offload.host_store import HostBlockStore
-    from splitserve.engine.kv_offload.layout import BlockLayout, pool_block
+    from splitserve.engine.kv.offload.disk_store import DiskBlockStore
+    from splitserve.engine.kv.offload.host_store import HostBlockStore
+    from splitserve.engine.kv.offload.layout import BlockLayout, pool_block
 
     kv_cache = engine.runner.kv_cache
     layout = BlockLayout.of_pool(kv_cache, "planner-profile")

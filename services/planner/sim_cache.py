@@ -2,7 +2,7 @@
 
 The engine keeps a prompt's full blocks cached after the request ends, in the free part of its
 pool, and evicts the least recently used when it needs blocks; with offload tiers an evicted
-block goes down to host memory, and from there to disk (shared/kv_offload). Here a workload's
+block goes down to host memory, and from there to disk (shared/kv/offload). Here a workload's
 prefix groups stand for those blocks:
 
 - `device`: groups whose blocks sit in the pool; together they may hold at most the pod's free

@@ -21,20 +21,20 @@ import grpc
 
 from splitserve.common import tracing
 from splitserve.common.grpc_server import StatusError
-from splitserve.pod.server import PodIdentity
-from splitserve.pod.core import EnginePodCore
-from splitserve.pod.metrics import FinishedRequest, PodMetrics
 from splitserve.engine.async_llm import AsyncLLM
-from splitserve.engine.disaggregation import ExportedPrefill, send_pages
-from splitserve.engine.kv_transfer import (
+from splitserve.engine.kv.disaggregation import ExportedPrefill, send_pages
+from splitserve.engine.kv.transfer import (
     KVSender,
     KVTransferDescriptor,
     KVTransferError,
     KVTransport,
 )
-from splitserve.engine.kv_transfer.base import parse_address
+from splitserve.engine.kv.transfer.base import parse_address
 from splitserve.engine.outputs import CompletionOutput
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.pod.core import EnginePodCore
+from splitserve.pod.metrics import FinishedRequest, PodMetrics
+from splitserve.pod.server import PodIdentity
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from splitserve.common import tracing
 from splitserve.common.convert import logprob_to_proto, params_from_options
+from splitserve.engine.kv.transfer import KVTransferDescriptor
 from splitserve.pod.core import PodServicerBase
-from splitserve.engine.kv_transfer import KVTransferDescriptor
 from splitserve.prefill.core import CHECKSUM_ALGORITHM, KVDestination, PrefillPodCore
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 

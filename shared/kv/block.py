@@ -38,7 +38,7 @@ class Block:
     free_class: Retention | None = field(default=None, repr=False)
     freed_at: float = field(default=0.0, repr=False)
     # BlockPool only: prefix-cache hits on this block since it was registered (offload tiers
-    # write a block to disk only once it has been reused; see shared/kv_offload/).
+    # write a block to disk only once it has been reused; see shared/kv/offload/).
     num_hits: int = field(default=0, repr=False)
 
 

@@ -40,7 +40,7 @@ class EvictedBlock:
 
 
 # Receives the cached blocks one `get_new_blocks` call evicts, before they are handed out:
-# the offload tiers copy their KV out here (shared/kv_offload/).
+# the offload tiers copy their KV out here (shared/kv/offload/).
 EvictionSink = Callable[[list[EvictedBlock]], None]
 
 

@@ -2,9 +2,9 @@
 
 `kv_cache_dtype` "auto" stores keys and values in the model's dtype; "int8" stores each
 (token, KV head) row as int8 codes with its bfloat16 scale in the row's last two bytes
-(`splitserve.kernels.kv_int8`), so the same budget holds (2 * head_dim * itemsize) / (head_dim + 2)
-times
-the blocks: 3.88x for a float32 model and 1.94x for a bfloat16 one at head_dim 64.
+(`splitserve.kernels.kv_int8`), so the same budget holds
+(2 * head_dim * itemsize) / (head_dim + 2) times the blocks: 3.88x for a float32 model and
+1.94x for a bfloat16 one at head_dim 64.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.config import CacheConfig
-from splitserve.engine.kv_offload.sizing import linux_mem_available
+from splitserve.engine.kv.offload.sizing import linux_mem_available
 from splitserve.engine.model.architecture import ModelArchitecture
 from splitserve.kernels import kv_int8
 

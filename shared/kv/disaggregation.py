@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from splitserve.engine.kv_transfer.base import (
+from splitserve.engine.kv.transfer.base import (
     KVReceiver,
     KVSender,
     KVTransferDescriptor,

@@ -18,7 +18,7 @@ import time
 from typing import Protocol
 
 from splitserve.engine.kv.manager import ComputedBlocks, KVCacheManager
-from splitserve.engine.kv_offload.loading import LoadItem, LoadJob
+from splitserve.engine.kv.offload.loading import LoadItem, LoadJob
 from splitserve.engine.request import Request, RequestStatus
 
 # The longest one step waits for a load when nothing else can run (no busy loop, and the engine
@@ -27,7 +27,7 @@ IDLE_LOAD_WAIT_S = 0.05
 
 
 class KVLoader(Protocol):
-    """Loads cached blocks from the lower tiers (shared/kv_offload/offloader.py)."""
+    """Loads cached blocks from the lower tiers (shared/kv/offload/offloader.py)."""
 
     def start_load(self, request_id: str, items: list[LoadItem]) -> LoadJob: ...
 

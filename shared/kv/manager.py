@@ -48,7 +48,7 @@ class Request(Protocol):
 
 
 class LowerTiers(Protocol):
-    """Where blocks evicted from the pool may still be (shared/kv_offload/offloader.py)."""
+    """Where blocks evicted from the pool may still be (shared/kv/offload/offloader.py)."""
 
     def tier_of(self, block_hash: BlockHash) -> Tier | None: ...
 

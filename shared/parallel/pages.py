@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.engine.disaggregation import pack_pages, unpack_pages
+from splitserve.engine.kv.disaggregation import pack_pages, unpack_pages
 from splitserve.engine.parallel.comm import Communicator
 from splitserve.engine.parallel.group import ParallelGroup
 from splitserve.engine.parallel.ops import Opcode, send

@@ -8,8 +8,8 @@ from typing import Protocol
 import torch
 
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.kv.cache import KVCacheSpec, allocate_kv_cache
 from splitserve.engine.model.architecture import ModelArchitecture
-from splitserve.engine.model.kv_cache import KVCacheSpec, allocate_kv_cache
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.parallel.grid import GridLayout
 from splitserve.engine.parallel.layout import (

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.kv.cache import KVCacheSpec, size_kv_cache
 from splitserve.engine.model.architecture import LoadedCheckpoint
-from splitserve.engine.model.kv_cache import KVCacheSpec, size_kv_cache
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.parallel.group import ParallelGroup
 from splitserve.engine.parallel.rank import build_rank, layout_for

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.model.kv_cache import KVCacheSpec, allocate_kv_cache, bytes_per_block
+from splitserve.engine.kv.cache import KVCacheSpec, allocate_kv_cache, bytes_per_block
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.loader import load_checkpoint
 from splitserve.engine.request import Request

@@ -7,13 +7,13 @@ import logging
 import torch
 
 from splitserve.engine.config import CacheConfig
+from splitserve.engine.kv.loads import KVLoads
 from splitserve.engine.kv.manager import KVCacheManager
-from splitserve.engine.kv_loads import KVLoads
-from splitserve.engine.kv_offload.disk_store import DiskBlockStore
-from splitserve.engine.kv_offload.host_store import HostBlockStore
-from splitserve.engine.kv_offload.layout import BlockLayout
-from splitserve.engine.kv_offload.offloader import KVOffloader
-from splitserve.engine.kv_offload.sizing import auto_host_tier_bytes
+from splitserve.engine.kv.offload.disk_store import DiskBlockStore
+from splitserve.engine.kv.offload.host_store import HostBlockStore
+from splitserve.engine.kv.offload.layout import BlockLayout
+from splitserve.engine.kv.offload.offloader import KVOffloader
+from splitserve.engine.kv.offload.sizing import auto_host_tier_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from splitserve.engine.kv.block_hash import BlockHash
-from splitserve.engine.kv_offload.layout import BlockLayout
+from splitserve.engine.kv.offload.layout import BlockLayout
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.kv.block_hash import BlockHash
-from splitserve.engine.kv_offload.layout import BlockLayout
+from splitserve.engine.kv.offload.layout import BlockLayout
 
 
 @dataclass(slots=True)

@@ -24,12 +24,12 @@ import torch
 from splitserve.engine.kv.block_hash import BlockHash
 from splitserve.engine.kv.block_pool import EvictedBlock
 from splitserve.engine.kv.events import BlockRemoved, BlockStored, KVCacheEvent
+from splitserve.engine.kv.offload.costs import TierCosts
+from splitserve.engine.kv.offload.disk_store import DiskBlockStore
+from splitserve.engine.kv.offload.host_store import HostBlockStore, Spilled
+from splitserve.engine.kv.offload.layout import BlockLayout, pool_block
+from splitserve.engine.kv.offload.loading import LoadItem, LoadJob
 from splitserve.engine.kv.tiers import Tier
-from splitserve.engine.kv_offload.costs import TierCosts
-from splitserve.engine.kv_offload.disk_store import DiskBlockStore
-from splitserve.engine.kv_offload.host_store import HostBlockStore, Spilled
-from splitserve.engine.kv_offload.layout import BlockLayout, pool_block
-from splitserve.engine.kv_offload.loading import LoadItem, LoadJob
 
 logger = logging.getLogger(__name__)
 

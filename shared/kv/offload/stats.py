@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.engine.kv.manager import KVCacheManager
+from splitserve.engine.kv.offload.offloader import KVOffloader
 from splitserve.engine.kv.tiers import Tier
-from splitserve.engine.kv_offload.offloader import KVOffloader
 
 
 @dataclass(frozen=True)

@@ -6,21 +6,21 @@
 - `protocol`: offer / ready / payload / done over any `Channel`; shared by both backends.
 - `ucx`: ucxx backend (`ucx://host:port`); `tcp`: asyncio sockets (`tcp://host:port`).
 
-Packing pages out of a KV cache and into it is the engine's (`splitserve.engine.disaggregation`).
+Packing pages out of a KV cache and into it is the engine's (`splitserve.engine.kv.disaggregation`).
 `create_kv_transport` picks the backend; the ucx module (and ucxx) is imported only when asked
 for, so the tcp backend works where ucxx is not installed.
 """
 
 from __future__ import annotations
 
-from splitserve.engine.kv_transfer.base import (
+from splitserve.engine.kv.transfer.base import (
     KVReceiver,
     KVSender,
     KVTransferDescriptor,
     KVTransferError,
     KVTransport,
 )
-from splitserve.engine.kv_transfer.config import KVTransferConfig
+from splitserve.engine.kv.transfer.config import KVTransferConfig
 
 __all__ = [
     "KVReceiver",
@@ -39,9 +39,9 @@ def create_kv_transport(config: KVTransferConfig | str = "ucx") -> KVTransport:
     if isinstance(config, str):
         config = KVTransferConfig(backend=config)
     if config.backend == "tcp":
-        from splitserve.engine.kv_transfer.tcp import TcpTransport
+        from splitserve.engine.kv.transfer.tcp import TcpTransport
 
         return TcpTransport(config)
-    from splitserve.engine.kv_transfer.ucx import UcxTransport
+    from splitserve.engine.kv.transfer.ucx import UcxTransport
 
     return UcxTransport(config)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.engine.kv_transfer.base import (
+from splitserve.engine.kv.transfer.base import (
     KVReceiver,
     KVSender,
     KVTransferDescriptor,

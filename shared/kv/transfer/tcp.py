@@ -13,7 +13,7 @@ import contextlib
 import socket
 import struct
 
-from splitserve.engine.kv_transfer.base import (
+from splitserve.engine.kv.transfer.base import (
     KVReceiver,
     KVSender,
     KVTransport,
@@ -22,8 +22,8 @@ from splitserve.engine.kv_transfer.base import (
     parse_address,
     with_timeout,
 )
-from splitserve.engine.kv_transfer.config import KVTransferConfig
-from splitserve.engine.kv_transfer.protocol import (
+from splitserve.engine.kv.transfer.config import KVTransferConfig
+from splitserve.engine.kv.transfer.protocol import (
     Channel,
     ChannelError,
     ChannelReceiver,

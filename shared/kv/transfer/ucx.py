@@ -18,7 +18,7 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 import ucxx  # noqa: E402
 from ucxx.exceptions import UCXError  # noqa: E402
 
-from splitserve.engine.kv_transfer.base import (
+from splitserve.engine.kv.transfer.base import (
     KVReceiver,
     KVSender,
     KVTransferError,
@@ -28,8 +28,8 @@ from splitserve.engine.kv_transfer.base import (
     parse_address,
     with_timeout,
 )
-from splitserve.engine.kv_transfer.config import KVTransferConfig
-from splitserve.engine.kv_transfer.protocol import (  # noqa: E402
+from splitserve.engine.kv.transfer.config import KVTransferConfig
+from splitserve.engine.kv.transfer.protocol import (  # noqa: E402
     Channel,
     ChannelError,
     ChannelReceiver,

@@ -48,15 +48,25 @@ _SOURCES = [
 _ENV = "SPLITSERVE_CPU_KERNELS"
 
 
-@functools.cache
 def load() -> ModuleType | None:
-    """The compiled module, built first if needed; None where it cannot be had."""
+    """The compiled module, built first if needed; None where it cannot be had
+    (`unavailable_reason()` says why)."""
+    return _load_once()[0]
+
+
+def unavailable_reason() -> str | None:
+    """None when `load()` gives the module; otherwise why it does not."""
+    return _load_once()[1]
+
+
+@functools.cache
+def _load_once() -> tuple[ModuleType | None, str | None]:
     if os.environ.get(_ENV, "1") == "0":
-        return None
+        return None, f"{_ENV}=0"
     try:
         from torch.utils.cpp_extension import load as build_and_load
 
-        return build_and_load(
+        module = build_and_load(
             # Versioned: every worktree and install shares torch's extension cache, and a
             # changed source under the old name would make processes rebuild over each other.
             # v2: int8 KV rows with their scales (attention reads them, write_kv_int8 writes).
@@ -70,7 +80,8 @@ def load() -> ModuleType | None:
         )
     except (OSError, RuntimeError, ImportError) as error:  # no compiler, a failed build
         logger.warning("CPU kernels unavailable (%s); using the PyTorch path", error)
-        return None
+        return None, f"{type(error).__name__}: {error}"
+    return module, None
 
 
 def paged_decode_attention(

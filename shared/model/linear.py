@@ -13,6 +13,7 @@ goes through oneDNN; on CUDA, or with a torch built without oneDNN, F.linear.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -42,15 +43,39 @@ class Linear(nn.Module):
 
 def onednn_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` [out, in] reordered for oneDNN's inner product; None where it is not to be used
-    (not on the CPU, no oneDNN in this torch, or SPLITSERVE_CPU_LINEAR=torch)."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    (not on the CPU, no oneDNN in this torch, SPLITSERVE_CPU_LINEAR=torch, or a bfloat16 weight
+    where oneDNN refuses bfloat16: onednn_bfloat16_problem)."""
+    if weight.device.type != "cpu" or not onednn_available():
         return None
+    if weight.dtype == torch.bfloat16 and onednn_bfloat16_problem() is not None:
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def onednn_available() -> bool:
+    """Whether CPU products go through oneDNN: a torch built with it, unless
+    SPLITSERVE_CPU_LINEAR=torch."""
     choice = os.environ.get(_CPU_LINEAR_ENV, "onednn")
     if choice not in ("onednn", "torch"):
         raise ValueError(f"{_CPU_LINEAR_ENV} must be 'onednn' or 'torch', got {choice!r}")
-    if choice == "torch":
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    return choice == "onednn" and torch.backends.mkldnn.is_available()
+
+
+@functools.cache
+def onednn_bfloat16_problem() -> str | None:
+    """None when oneDNN takes bfloat16 weights here; otherwise its refusal. Its bfloat16 path
+    needs AVX512-BW/VL/DQ or AVX-NE-CONVERT (and ONEDNN_MAX_CPU_ISA may cap it below them):
+    without them the reorder raises, so a tiny weight asks it once at start-up, and bfloat16
+    products keep F.linear there instead of failing at load."""
+    if not onednn_available():
+        return "oneDNN is not in use"
+    try:
+        weight = torch.ones(16, 16, dtype=torch.bfloat16)
+        reordered = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        torch.ops.mkldnn._linear_pointwise(weight, reordered, None, "none", [], "")
+    except RuntimeError as error:
+        return str(error).splitlines()[0]
+    return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, reordered: torch.Tensor | None) -> torch.Tensor:

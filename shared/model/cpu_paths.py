@@ -1,0 +1,66 @@
+"""Which CPU path each kernel family takes on this machine, and why: the one report of it.
+
+The decisions themselves live beside their kernels (the C++ module's variant in
+splitserve.kernels.cpu.isa, the quantized products' checks in quantized_linear.py, the bfloat16
+linear in linear.py), each made once at start-up from the CPU's features and what the library
+accepts; this module gathers them into the plain dict `splitserve env --json` prints and pods
+log at start. Reading it runs each family's start-up check (a small product each, and the C++
+module's build the first time on a machine), nothing more.
+"""
+
+from __future__ import annotations
+
+from splitserve.engine.model import linear, quantized_linear
+from splitserve.kernels import cpu as cpu_kernels
+from splitserve.kernels.cpu import isa
+
+_QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+
+
+def cpu_report() -> dict[str, object]:
+    """{"cpu": {...features, the kernels' ISA variant, torch's dispatch...},
+    "cpu_kernels": "loaded" | "unavailable: <why>",
+    "quantization": {"int8": "ok" | "<why not>", "int4": ..., "gguf": ...},
+    "dtypes": {"bfloat16": "ok" | "<why not>"},
+    "paths": {family: what runs}} (plain values only: JSON-ready)."""
+    return {
+        "cpu": isa.features_report(),
+        "cpu_kernels": cpu_kernels_status(),
+        "quantization": {method: quantization_status(method) for method in _QUANTIZATION_METHODS},
+        "dtypes": {"bfloat16": bfloat16_status()},
+        "paths": kernel_paths(),
+    }
+
+
+def cpu_kernels_status() -> str:
+    if cpu_kernels.load() is not None:
+        return "loaded"
+    return f"unavailable: {cpu_kernels.unavailable_reason()}"
+
+
+def quantization_status(method: str) -> str:
+    """"ok" when `method`'s packed products run right here; otherwise why the engine would
+    build the model dense instead."""
+    kernels = ("int8",) if method == "int8" else ("int8", "int4")
+    for kernel in kernels:
+        problem = quantized_linear.cpu_kernel_problem(kernel)
+        if problem is not None:
+            return f"{kernel} products: {problem}"
+    return "ok"
+
+
+def bfloat16_status() -> str:
+    """bfloat16 models always run (plain torch linear where oneDNN's bfloat16 path is not
+    accepted): "ok"."""
+    return "ok"
+
+
+def kernel_paths() -> dict[str, str]:
+    """Family -> the path it takes here, with the reason where it is not the fastest."""
+    int4 = quantized_linear.int4_vnni_problem()
+    bf16 = linear.onednn_bfloat16_problem()
+    return {
+        "float32_linear": "onednn" if linear.onednn_available() else "torch",
+        "bfloat16_linear": "onednn" if bf16 is None else f"torch ({bf16})",
+        "int4_many_rows": "int4_gemm" if int4 is None else f"torch ({int4})",
+    }

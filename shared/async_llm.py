@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.engine import EngineCore, EngineStats
+from splitserve.engine.core import EngineCore, EngineStats
 from splitserve.engine.kv.block_hash import BlockHash
 from splitserve.engine.kv.disaggregation import (
     ExportedPrefill,

@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.engine import EngineCore, EngineStats
+from splitserve.engine.core import EngineCore, EngineStats
 from splitserve.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
 from splitserve.engine.prompts import PromptInput, child_sequences, normalize_prompts
 from splitserve.engine.sampling_params import SamplingParams

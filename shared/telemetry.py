@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from splitserve.engine.engine import EngineCore
+    from splitserve.engine.core import EngineCore
     from splitserve.engine.step import StepResult
 
 

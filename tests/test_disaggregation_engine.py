@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve import LLM, SamplingParams
-from splitserve.engine.engine import EngineCore
+from splitserve.engine.core import EngineCore
 from splitserve.engine.kv.disaggregation import RemotePrefillResult
 
 PROMPTS = [

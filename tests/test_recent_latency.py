@@ -10,7 +10,7 @@ import pytest
 from splitserve import AsyncLLM
 from splitserve.common.redis_server import RedisServer
 from splitserve.common.registry_schema import PodRecord, RegistryKeys, connect, read_pods
-from splitserve.engine.engine import EngineStats
+from splitserve.engine.core import EngineStats
 from splitserve.engine.outputs import CompletionOutput, RequestTimings
 from splitserve.pod.metrics import FinishedRequest, PodMetrics, RecentAverage
 from splitserve.pod.registry_publisher import PublisherSettings, RegistryPublisher

@@ -326,7 +326,7 @@ def test_pod_flags_map_to_engine_options():
 
 
 def test_worker_stats_carry_the_speculation_counters():
-    from splitserve.engine.engine import EngineStats
+    from splitserve.engine.core import EngineStats
     from splitserve.pod.server import PodIdentity, PodStats, pod_stats_to_proto
 
     engine = EngineStats(1, 0, 10, 9, 0, 0, 0, 40, 30, 12)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from splitserve.engine.engine import EngineStats
+    from splitserve.engine.core import EngineStats
     from splitserve.v1 import worker_pb2
 
 

@@ -38,7 +38,7 @@ from prometheus_client.core import (
 )
 
 if TYPE_CHECKING:
-    from splitserve.engine.engine import EngineStats
+    from splitserve.engine.core import EngineStats
     from splitserve.engine.kv.offload.stats import KVTierStats
     from splitserve.engine.outputs import CompletionOutput
     from splitserve.engine.telemetry import RequestSteps

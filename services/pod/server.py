@@ -32,7 +32,7 @@ from splitserve.v1 import worker_pb2
 
 if TYPE_CHECKING:
     from splitserve.engine.async_llm import AsyncLLM
-    from splitserve.engine.engine import EngineStats
+    from splitserve.engine.core import EngineStats
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from splitserve.common.redis_server import RedisServer
 from splitserve.common.supervisor import HealthCheck, ProcessSpec, Supervisor
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.gateway.generation import GatewayCore, GenerationRequest, collect
-from splitserve.gateway.pods import PodPool
-from splitserve.gateway.router import Router, RouterSettings
+from splitserve.gateway.routing.pods import PodPool
+from splitserve.gateway.routing.router import Router, RouterSettings
 from tests.services_util import MODEL_NAME, STARTUP_TIMEOUT_SECONDS, free_port, prefill_stats
 
 SYSTEM = (

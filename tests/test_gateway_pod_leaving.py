@@ -13,7 +13,7 @@ import pytest
 from splitserve.common.registry_schema import PodRecord
 from splitserve.gateway.generation import Generation, PodError, _Child
 from splitserve.gateway.metrics import GatewayMetrics
-from splitserve.gateway.pods import PodPool
+from splitserve.gateway.routing.pods import PodPool
 from splitserve.v1 import worker_pb2
 
 NUM_CHUNKS = 30

@@ -37,8 +37,8 @@ from splitserve.engine.tokenizer import Tokenizer
 from splitserve.gateway import generation as generation_module
 from splitserve.gateway.generation import GatewayCore, GenerationRequest, PodError, collect
 from splitserve.gateway.metrics import GatewayMetrics
-from splitserve.gateway.pods import PodPool
-from splitserve.gateway.router import Router, RouterSettings
+from splitserve.gateway.routing.pods import PodPool
+from splitserve.gateway.routing.router import Router, RouterSettings
 from tests.services_util import STARTUP_TIMEOUT_SECONDS, free_port, wait_until_idle
 
 DECODE_POD_NAMES = ("decode-0", "decode-1", "decode-2")

@@ -3,7 +3,7 @@ the official `openai` client. Required and named choices must always answer with
 arguments validate against the tool's parameters (jsonschema), auto with a strict tool answers
 in text or with such calls, streamed calls reassemble to the non-streamed ones, and earlier
 calls with their results are accepted and rendered as the gateway documents
-(services/gateway/tool_prompt.py).
+(services/gateway/tools/prompt.py).
 
 The pure parts (validation, grammar, rendering, reading answers): tests/test_tool_calls.py.
 """

@@ -1,6 +1,6 @@
 """The offload tiers in the Redis index and in routing: a pod publishes which blocks each tier
 holds, one lookup counts a prompt's cached prefix by tier, and the router credits each tier by
-the pod's measured load and prefill costs (services/gateway/tier_credit.py).
+the pod's measured load and prefill costs (services/gateway/routing/tier_credit.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from splitserve.common.registry_schema import (
 )
 from splitserve.engine.kv.block_hash import hash_full_blocks
 from splitserve.engine.kv.tiers import Tier
-from splitserve.gateway.tier_credit import PRIOR_CREDIT, credited_tokens, tier_credit
+from splitserve.gateway.routing.tier_credit import PRIOR_CREDIT, credited_tokens, tier_credit
 from splitserve.pod.registry_publisher import PublisherSettings, RegistryPublisher
 
 BLOCK_SIZE = 4

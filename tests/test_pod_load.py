@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from splitserve.common.pod_load import FIELD_NAMES, PodLoad
 from splitserve.common.registry_schema import PodRecord
-from splitserve.gateway.scoring import Location, PodView
+from splitserve.gateway.routing.scoring import Location, PodView
 from splitserve.v1 import worker_pb2
 
 LOAD = PodLoad(num_running=3, num_waiting=2, kv_blocks_total=200, kv_blocks_free=150)

@@ -1,4 +1,4 @@
-"""Routing scores (services/gateway/scoring.py) with exact expectations: proximity tiers and
+"""Routing scores (services/gateway/routing/scoring.py) with exact expectations: proximity tiers and
 the latency matrix, the round-trip refinement, load imbalance, cached prefixes, spill-over out
 of a saturated client region, and the P-D pair preference."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.common.pod_load import PodLoad
-from splitserve.gateway.scoring import (
+from splitserve.gateway.routing.scoring import (
     LatencyMatrix,
     Location,
     PodView,

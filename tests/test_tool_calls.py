@@ -18,11 +18,11 @@ from splitserve.engine.model_paths import default_model_path
 from splitserve.engine.structured_output.grammar import grammar_for
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.gateway.openai_protocol import param_of, parse_chat
-from splitserve.gateway.tool_calls import ToolCallParser, ToolDelta, assemble, parse_answer
-from splitserve.gateway.tool_prompt import tools_section
-from splitserve.gateway.tool_request import ToolError, constraint, parse_tool_request
-from splitserve.gateway.tool_schema import FunctionTool, NamedToolChoice, ToolCall
-from splitserve.gateway.tools import ToolOutputs, prepare_chat
+from splitserve.gateway.tools.calls import ToolCallParser, ToolDelta, assemble, parse_answer
+from splitserve.gateway.tools.hooks import ToolOutputs, prepare_chat
+from splitserve.gateway.tools.prompt import tools_section
+from splitserve.gateway.tools.request import ToolError, constraint, parse_tool_request
+from splitserve.gateway.tools.schema import FunctionTool, NamedToolChoice, ToolCall
 
 WEATHER = {
     "type": "function",
@@ -503,7 +503,7 @@ def test_stream_deltas_of_several_choices_stay_apart():
     )
 
 
-# ---- typed fields (tool_schema.py, for request models) --------------------------------------
+# ---- typed fields (tools/schema.py, for request models) ------------------------------------
 
 
 def test_typed_tool_fields_read_as_their_json():

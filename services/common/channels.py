@@ -9,7 +9,7 @@ call (UNAVAILABLE) when a ping goes unanswered for KEEPALIVE_TIMEOUT_MS, for a p
 machine or network went away. Servers must accept pings that often, even on a quiet stream (a
 request queued, a long prefill), or they answer with GOAWAY "too_many_pings". On loopback a
 SIGSTOPped pod was not detected this way within 60 s (the kernel keeps its socket alive), so the
-gateway also breaks off the calls of a pod whose stats polls keep failing (gateway/pods.py).
+gateway also breaks off the calls of a pod whose stats polls keep failing (gateway/routing/pods.py).
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ from splitserve.gateway.grpc_api import GenerationServicer
 from splitserve.gateway.http_api import create_app
 from splitserve.gateway.metrics import GatewayMetrics
 from splitserve.gateway.migration import add_migration_flags, migration_policy
-from splitserve.gateway.pods import POLL_INTERVAL_SECONDS, PodPool
-from splitserve.gateway.router import Router, RouterSettings
-from splitserve.gateway.scoring import POLICIES, LatencyMatrix, Location, RoutingWeights
+from splitserve.gateway.routing.pods import POLL_INTERVAL_SECONDS, PodPool
+from splitserve.gateway.routing.router import Router, RouterSettings
+from splitserve.gateway.routing.scoring import POLICIES, LatencyMatrix, Location, RoutingWeights
 from splitserve.v1 import generate_pb2, generate_pb2_grpc
 
 logger = logging.getLogger("splitserve.gateway")

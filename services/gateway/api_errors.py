@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from splitserve.engine.sampling_params import COMPOSITE_FIELDS, FIELD_TYPES
-from splitserve.gateway.tool_request import ToolError
+from splitserve.gateway.tools.request import ToolError
 
 # Names a ValueError's message may start with that are request fields.
 _PARAM_NAMES = frozenset({*FIELD_TYPES, *COMPOSITE_FIELDS, "prompt", "messages"})

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from splitserve.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
-from splitserve.gateway.tool_schema import (
+from splitserve.gateway.tools.schema import (
     PARALLEL_DESCRIPTION,
     TOOL_CALL_ID_DESCRIPTION,
     TOOL_CALLS_DESCRIPTION,

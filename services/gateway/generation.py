@@ -33,9 +33,9 @@ from splitserve.engine.tokenizer import Tokenizer
 from splitserve.gateway.constraints import check_params
 from splitserve.gateway.metrics import GatewayMetrics
 from splitserve.gateway.migration import MigrationPolicy, PodDown, Stalled, broken_cause
-from splitserve.gateway.pods import Pod, PodPool
-from splitserve.gateway.router import PickedPods, Router
-from splitserve.gateway.scoring import RoutingDecision
+from splitserve.gateway.routing.pods import Pod, PodPool
+from splitserve.gateway.routing.router import PickedPods, Router
+from splitserve.gateway.routing.scoring import RoutingDecision
 from splitserve.v1 import generate_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ class GatewayCore:
         self.decode_pool = decode_pool
         self.prefill_pool = prefill_pool
         self.metrics = metrics or GatewayMetrics()
-        # Picks the pods of every sequence (services/gateway/router.py); without one given,
+        # Picks the pods of every sequence (services/gateway/routing/router.py); without one given,
         # static pods by load and proximity.
         self.router = router or Router(decode_pool, prefill_pool)
 
@@ -382,7 +382,7 @@ class Generation:
         stall_timeout = self._migration.stall_timeout_s
         pod_went_down = []
 
-        def break_off() -> None:  # the pod stopped answering its stats polls (pods.py)
+        def break_off() -> None:  # the pod stopped answering its stats polls (routing/pods.py)
             pod_went_down.append(True)
             call.cancel()
 

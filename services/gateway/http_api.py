@@ -49,7 +49,7 @@ from splitserve.gateway.openai_protocol import (
 )
 from splitserve.gateway.responses_api import ResponsesBody, ResponsesFormat, parse_responses
 from splitserve.gateway.tokens_api import TokenRoutes
-from splitserve.gateway.tools import ToolOutputs
+from splitserve.gateway.tools.hooks import ToolOutputs
 
 logger = logging.getLogger(__name__)
 

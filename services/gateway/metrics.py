@@ -26,8 +26,8 @@ from splitserve.common import tracing
 
 if TYPE_CHECKING:
     from splitserve.gateway.generation import Generation, GenerationRequest, Usage
-    from splitserve.gateway.pods import PodPool
-    from splitserve.gateway.scoring import RoutingDecision
+    from splitserve.gateway.routing.pods import PodPool
+    from splitserve.gateway.routing.scoring import RoutingDecision
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Seconds; CPU serving of a small model spans milliseconds to tens of seconds.
@@ -124,7 +124,7 @@ class GatewayMetrics:
         )
 
     def observe_routing(self, decision: RoutingDecision, num_prompt_tokens: int) -> None:
-        """Counts one routing decision (services/gateway/scoring.py's `RoutingDecision`)."""
+        """Counts one routing decision (services/gateway/routing/scoring.py's `RoutingDecision`)."""
         policy = getattr(decision, "policy", "")
         self.routing_decisions.labels(decision.reason, policy).inc()
         self.routing_prompt_tokens.inc(num_prompt_tokens)

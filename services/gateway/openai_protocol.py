@@ -36,7 +36,7 @@ from splitserve.gateway.constraints import (
     parse_structured_output,
 )
 from splitserve.gateway.generation import CollectedSequence, SequenceChunk, Usage
-from splitserve.gateway.tools import ToolOutputs, ToolRequest, prepare_chat, render_tool_turns
+from splitserve.gateway.tools.hooks import ToolOutputs, ToolRequest, prepare_chat, render_tool_turns
 from splitserve.v1 import generate_pb2
 
 # The OpenAI API's default for completions; chat defaults to the rest of the context.

@@ -9,7 +9,7 @@ Where each piece comes from, one source each:
   pod's load too, but only for the autoscaler: polls are needed anyway (static pods, liveness,
   round trips), answer fresher than a heartbeat read through a registry refresh, and keep
   routing by load while Redis is down.
-services/gateway/router.py chooses among the available pods.
+services/gateway/routing/router.py chooses among the available pods.
 
 A pod a call found unreachable (`PodPool.mark_unreachable`) is left out of routing for a
 short cooldown: the registry and the stats polls notice a pod that went away only within a
@@ -27,7 +27,7 @@ import grpc
 from splitserve.common.channels import aio_channel
 from splitserve.common.pod_load import PodLoad
 from splitserve.common.registry_schema import PodRecord
-from splitserve.gateway.scoring import Location, PodView
+from splitserve.gateway.routing.scoring import Location, PodView
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """Picking the pods for a prompt: follows the Redis registry, asks the prefix index how much of
-a prompt each pod holds, and hands the rest to services/gateway/scoring.py.
+a prompt each pod holds, and hands the rest to services/gateway/routing/scoring.py.
 
     pick(prompt) ─▶ hash the prompt's full blocks (per block size and namespace the pods use)
                  ─▶ one round trip (LOOKUP_SCRIPT over every pod) ─▶ cached tokens per pod
@@ -32,8 +32,8 @@ from splitserve.common.registry_schema import (
     read_pods,
 )
 from splitserve.engine.kv.block_hash import cache_salt_keys, hash_full_blocks
-from splitserve.gateway.pods import Pod, PodPool
-from splitserve.gateway.scoring import (
+from splitserve.gateway.routing.pods import Pod, PodPool
+from splitserve.gateway.routing.scoring import (
     LatencyMatrix,
     Location,
     RoutingContext,
@@ -41,7 +41,7 @@ from splitserve.gateway.scoring import (
     RoutingWeights,
     decide,
 )
-from splitserve.gateway.tier_credit import credited_tokens
+from splitserve.gateway.routing.tier_credit import credited_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class Router:
         self, prompt: list[int], pods: list[Pod], extra_hash_keys: tuple[str, ...] = ()
     ) -> dict[str, int]:
         """pod id -> tokens of `prompt` cached there, per the index ({} without one), blocks in
-        a pod's offload tiers counted by their measured credit (tier_credit.py)."""
+        a pod's offload tiers counted by their measured credit (`tier_credit.py`)."""
         indexed = [p for p in pods if p.record is not None]
         uses_index = self.settings.policy == "cache_aware" and self.is_redis_up
         if self.redis is None or not uses_index or not indexed:

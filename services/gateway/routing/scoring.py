@@ -1,7 +1,7 @@
 """Pod scores: choosing a prefill pod P and a decode pod D for one prompt, as pure functions
 over frozen dataclasses, so every rule here is unit-tested with exact numbers
 (tests/test_routing_scores.py). Gathering the inputs (stats, Redis lookups) is
-services/gateway/router.py's job.
+services/gateway/routing/router.py's job.
 
 Scores (higher wins; every term lies in [0, 1] before its weight):
 

@@ -3,7 +3,7 @@ parser serves streams (each chunk's delta) and whole answers (one feed, then `fi
 streamed answer reassembles to exactly the non-streamed one.
 
 How an answer is read (tool_choice other than "none"):
-- After optional leading whitespace, a `{` or `[` starts calls (`tool_scan.py`). A call is
+- After optional leading whitespace, a `{` or `[` starts calls (`scan.py`). A call is
   committed, and streamed, once its name is a known tool and its arguments object has
   started: first `{index, id, type, function: {name, arguments}}`, then fragments of the
   arguments' text with only `index` and `function.arguments`. A call object closed without
@@ -26,8 +26,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from splitserve.gateway.tool_request import ToolRequest
-from splitserve.gateway.tool_scan import CALL_KEYS, CallScanner, ScannedCall
+from splitserve.gateway.tools.request import ToolRequest
+from splitserve.gateway.tools.scan import CALL_KEYS, CallScanner, ScannedCall
 
 _MARKERS = {"<tool_call>": "</tool_call>", "```json": "```"}
 

@@ -1,11 +1,11 @@
 """Tool calling in /v1/chat/completions: the hooks the OpenAI protocol module calls.
 
-- `prepare_chat` (parsing): the tool fields validated (`tool_request.py`), the tools written
-  into the system prompt (`tool_prompt.py`), and the constraint that enforces a call set on
+- `prepare_chat` (parsing): the tool fields validated (`request.py`), the tools written
+  into the system prompt (`prompt.py`), and the constraint that enforces a call set on
   the sampling parameters.
 - `render_tool_turns` (parsing): earlier assistant calls and `role: "tool"` results as text.
 - `ToolOutputs` (formatting): each choice's text read back as content and `tool_calls`
-  (`tool_calls.py`), as a message or as stream deltas, and `finish_reason: "tool_calls"`
+  (`calls.py`), as a message or as stream deltas, and `finish_reason: "tool_calls"`
   when an answer that ended normally made calls.
 """
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from splitserve.gateway.tool_calls import ToolCallParser, assemble
-from splitserve.gateway.tool_prompt import render_tool_turns, with_tools_prompt
-from splitserve.gateway.tool_request import (
+from splitserve.gateway.tools.calls import ToolCallParser, assemble
+from splitserve.gateway.tools.prompt import render_tool_turns, with_tools_prompt
+from splitserve.gateway.tools.request import (
     ToolError,
     ToolRequest,
     constraint,
@@ -61,7 +61,7 @@ def prepare_chat(
 
 
 def _as_json(raw: Callable[[str], object]) -> Callable[[str], object]:
-    """`raw` with pydantic models (a typed body's fields, `tool_schema.py`) as plain JSON."""
+    """`raw` with pydantic models (a typed body's fields, `schema.py`) as plain JSON."""
     return lambda name: _plain(raw(name))
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 
-from splitserve.gateway.tool_request import Tool, ToolError, ToolRequest
+from splitserve.gateway.tools.request import Tool, ToolError, ToolRequest
 
 _SEPARATORS = (", ", ": ")  # as the grammar writes JSON, so examples and answers look alike
 _CALL_FORMAT = '{"name": <tool name>, "arguments": <arguments object>}'

@@ -2,8 +2,8 @@
 validated into a `ToolRequest`, and the constraint that makes the model's answer a valid call
 when the choice demands one.
 
-The call format (what the prompt asks for, `tool_prompt.py`; what the grammar allows; what
-`tool_calls.py` reads back) is plain JSON, because SmolLM2's template has no tool syntax:
+The call format (what the prompt asks for, `prompt.py`; what the grammar allows; what
+`calls.py` reads back) is plain JSON, because SmolLM2's template has no tool syntax:
 
     {"name": "<tool name>", "arguments": {<arguments>}}
 

@@ -1,6 +1,6 @@
 """The tool-calling fields of a chat completion body as pydantic models, for the request
 schemas (/openapi.json) to declare: `tools`, `tool_choice`, and the `tool_calls` of an earlier
-assistant message. They check shapes and types only; `tool_request.py` checks the rest (unique
+assistant message. They check shapes and types only; `request.py` checks the rest (unique
 names, a named choice that is among the tools, parameter schemas the grammar engine compiles)
 and `tools.prepare_chat` reads these models as it reads plain JSON.
 """

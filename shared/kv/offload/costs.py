@@ -1,6 +1,6 @@
 """What a cached block in a lower tier is worth: the measured cost of loading it against the
 measured cost of computing its tokens again. The pod publishes both; the gateway's router
-credits a prompt's blocks by tier from them (services/gateway/tier_credit.py).
+credits a prompt's blocks by tier from them (services/gateway/routing/tier_credit.py).
 
 Both are exponentially weighted averages: the recent past is what a routing decision is about
 (loads slow down when the disk is busy; prefill speeds up when the pod is idle).

@@ -13,15 +13,15 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from splitserve.planner.__main__ import build_parser
-from splitserve.planner.autoscaler import Controller, Deployments, DeploymentScaler
-from splitserve.planner.controller import Autoscaler, Bounds, PolicySettings
-from splitserve.planner.load import (
+from splitserve.planner.autoscale.controller import Autoscaler, Bounds, PolicySettings
+from splitserve.planner.autoscale.load import (
     LoadSnapshot,
     MetricsLoadSource,
     RedisLoadSource,
     RoleLoad,
     histogram_quantile,
 )
+from splitserve.planner.autoscale.loop import Controller, Deployments, DeploymentScaler
 from splitserve.planner.profile import synthetic_profile
 
 NAMESPACE = "serving"

@@ -8,6 +8,8 @@ from dataclasses import asdict, replace
 import numpy as np
 import pytest
 
+from splitserve.planner.measure.profiler import measure_profile
+from splitserve.planner.measure.settings import ProfileSettings
 from splitserve.planner.profile import (
     EngineSetup,
     MixedGrid,
@@ -18,8 +20,7 @@ from splitserve.planner.profile import (
     load_profile,
     synthetic_profile,
 )
-from splitserve.planner.profile_parts import SPREAD_QUANTILES, spread_quantiles
-from splitserve.planner.profiler import ProfileSettings, measure_profile
+from splitserve.planner.profile.parts import SPREAD_QUANTILES, spread_quantiles
 
 KV_CACHE_BYTES = 64 * 2**20
 SMOLLM2_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # layers, K and V, kv heads, head dim, float32
@@ -241,8 +242,8 @@ def test_a_second_engine_runs_beside_the_profiled_one_on_command(single_thread) 
     import os
 
     from splitserve.loadgen.stacks import usable_cores
-    from splitserve.planner.profiler import _load_engine, _warm_up
-    from splitserve.planner.profiler_neighbor import ROUNDS, measure_neighbor
+    from splitserve.planner.measure.engine_steps import load_engine, warm_up
+    from splitserve.planner.measure.neighbor import ROUNDS, measure_neighbor
 
     own_core, other_core = usable_cores()
     settings = ProfileSettings(neighbor_core=other_core)
@@ -250,8 +251,8 @@ def test_a_second_engine_runs_beside_the_profiled_one_on_command(single_thread) 
     affinity = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {own_core})
     try:
-        engine = _load_engine(settings, lambda message: None)
-        _warm_up(engine)
+        engine = load_engine(settings, lambda message: None)
+        warm_up(engine)
         slowdown = measure_neighbor(engine, settings, lines.append)
     finally:
         os.sched_setaffinity(0, affinity)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.planner.local_stacks import (
+from splitserve.planner.measure.local_stacks import (
     COLOCATED_1,
     completions_target,
     running_stack,
     warm_up,
 )
+from splitserve.planner.measure.serving import measure_costs
 from splitserve.planner.profile import synthetic_profile
-from splitserve.planner.profile_parts import SPREAD_QUANTILES
-from splitserve.planner.serving_costs import measure_costs
+from splitserve.planner.profile.parts import SPREAD_QUANTILES
 
 pytestmark = pytest.mark.slow  # a whole stack: about a minute
 

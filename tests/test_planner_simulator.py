@@ -17,7 +17,7 @@ from splitserve.loadgen.workload import (
     write_trace,
 )
 from splitserve.planner.profile import synthetic_profile
-from splitserve.planner.simulator import ClusterConfig, Simulation, simulate
+from splitserve.planner.simulate.cluster import ClusterConfig, Simulation, simulate
 
 LOOSE = Slo(ttft_s=1e9, itl_s=1e9)
 
@@ -228,7 +228,7 @@ def test_the_gateway_routes_from_stats_polled_every_interval() -> None:
 
 
 def _alone(speculation, output_len: int = 41):
-    from splitserve.planner.sim_speculation import SpeculationModel
+    from splitserve.planner.simulate.speculation import SpeculationModel
 
     profile = synthetic_profile(0.05, decode_step_s=0.01, decode_per_seq_s=0.001)
     model = SpeculationModel(3, speculation) if speculation is not None else None
@@ -251,7 +251,7 @@ def test_speculation_yields_accepted_drafts_at_the_verify_steps_cost() -> None:
 
 
 def test_speculation_mean_tokens_per_step_follow_the_acceptance_rate() -> None:
-    from splitserve.planner.sim_speculation import SpeculationModel
+    from splitserve.planner.simulate.speculation import SpeculationModel
 
     model = SpeculationModel(3, 0.6)
     result = _alone(0.6, output_len=20_001)
@@ -264,7 +264,7 @@ def test_speculation_mean_tokens_per_step_follow_the_acceptance_rate() -> None:
 
 
 def _with_failure(failure, num_requests: int = 4):
-    from splitserve.planner.sim_failures import PodFailure  # noqa: F401  (the type under test)
+    from splitserve.planner.simulate.failures import PodFailure  # noqa: F401  (the type under test)
 
     profile = synthetic_profile(0.05, prefill_per_token_s=0.001, decode_step_s=0.01)
     cluster = ClusterConfig(0, 2, gateway_poll_interval_s=0, failures=(failure,))
@@ -274,7 +274,7 @@ def _with_failure(failure, num_requests: int = 4):
 
 
 def test_a_dead_decode_pods_streams_move_and_pay_a_re_prefill() -> None:
-    from splitserve.planner.sim_failures import PodFailure
+    from splitserve.planner.simulate.failures import PodFailure
 
     simulation, result, profile = _with_failure(PodFailure(at_s=0.5, decode_pod=0))
     records = [flight.record for flight in simulation._flights.values()]
@@ -297,7 +297,7 @@ def test_a_dead_decode_pods_streams_move_and_pay_a_re_prefill() -> None:
 
 
 def test_streams_past_the_replay_limit_end_instead_of_moving() -> None:
-    from splitserve.planner.sim_failures import PodFailure
+    from splitserve.planner.simulate.failures import PodFailure
 
     _, result, _ = _with_failure(PodFailure(at_s=0.5, decode_pod=0, max_replay_tokens=70))
     assert result.num_finished == 2  # the two on decode-0 had > 70 tokens to replay
@@ -331,7 +331,7 @@ def _tiered_run(tier_sizes, disk_bytes_per_s: float = 1e8):
 
 
 def test_offload_tiers_turn_evicted_prefixes_into_loads() -> None:
-    from splitserve.planner.sim_cache import TierSizes
+    from splitserve.planner.simulate.prefix_cache import TierSizes
 
     off = _tiered_run(TierSizes())
     host = _tiered_run(TierSizes(host_blocks=1000))
@@ -352,7 +352,7 @@ def test_offload_tiers_turn_evicted_prefixes_into_loads() -> None:
 
 
 def test_prefix_cache_pushes_least_recent_groups_down_the_tiers() -> None:
-    from splitserve.planner.sim_cache import SimPrefixCache, TierSizes
+    from splitserve.planner.simulate.prefix_cache import SimPrefixCache, TierSizes
 
     cache = SimPrefixCache(TierSizes(host_blocks=10, disk_blocks=4))
     for group in "abcd":
@@ -390,7 +390,7 @@ def test_pages_landing_mid_step_join_and_answer_at_the_steps_end() -> None:
 
 
 def test_pages_parked_on_a_pod_that_dies_mid_step_still_move() -> None:
-    from splitserve.planner.sim_failures import PodFailure
+    from splitserve.planner.simulate.failures import PodFailure
 
     # A and C keep both decode pods stepping every 100 ms from t = 50 ms; B's pages land on
     # decode-0 at t = 60 ms, mid-step, and wait for its end; decode-0 dies at t = 100 ms.
@@ -486,7 +486,7 @@ def test_pods_on_one_machine_slow_each_others_steps_by_the_neighbor_slowdowns() 
 
 
 def test_a_step_with_a_prompt_chunk_is_a_prefill_step() -> None:
-    from splitserve.planner.sim_pod import ScheduledStep, SimSeq
+    from splitserve.planner.simulate.pod import ScheduledStep, SimSeq
 
     decoding = SimSeq(SimRequest(0, 0.0, 16, 8), num_tokens=17, num_computed=16)
     prefilling = SimSeq(SimRequest(1, 0.0, 64, 8), num_tokens=64, num_computed=0)

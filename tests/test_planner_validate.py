@@ -10,7 +10,7 @@ from dataclasses import asdict, replace
 import pytest
 
 from splitserve.planner.profile import ServingCosts, synthetic_profile
-from splitserve.planner.validate import (
+from splitserve.planner.validate.compare import (
     Comparison,
     Latencies,
     run_validation,
@@ -113,8 +113,8 @@ def _run(config: str, simulated_score_s: float, ttfts_s: list[float], itl_s: flo
 
 
 def test_the_ranking_check_tells_a_miss_from_a_tie_within_noise() -> None:
-    from splitserve.planner.validate import WORKLOADS
-    from splitserve.planner.validate_ranking import bootstrap_gap, format_ranking
+    from splitserve.planner.validate.compare import WORKLOADS
+    from splitserve.planner.validate.ranking import bootstrap_gap, format_ranking
 
     chat = WORKLOADS[0]
     spread = [0.1 + 0.002 * i for i in range(40)]  # 100-178 ms

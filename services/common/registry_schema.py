@@ -116,8 +116,9 @@ class PodRecord:
     # layouts exchange KV pages; the planner may weigh a pod's capacity by it.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    # For the autoscaler (services/planner/load.py), which reads pods only from here; the
-    # gateway takes load from its GetStats polls instead (services/gateway/pods.py).
+    # For the autoscaler (services/planner/autoscale/load.py), which reads pods only from
+    # here; the gateway takes load from its GetStats polls instead
+    # (services/gateway/pods.py).
     load: PodLoad = field(default_factory=PodLoad)
     # Exponentially weighted averages over the latest requests (services/pod/metrics.py),
     # in seconds; 0.0 until the pod has served one. A prefill pod's ITL stays 0.0.

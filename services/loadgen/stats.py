@@ -1,7 +1,7 @@
 """What a run's per-request timings add up to: latency percentiles, throughput, and goodput, the
 requests per second that met both SLOs (TTFT within its bound and the request's own mean
 inter-token latency within its bound). The planner's simulator reports its runs with the same
-`Slo` and `Percentiles` (services/planner/sim_results.py)."""
+`Slo` and `Percentiles` (services/planner/simulate/results.py)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import asdict
 
-from splitserve.planner.autoscaler import add_autoscale_flags, run_autoscale
+from splitserve.planner.autoscale.loop import add_autoscale_flags, run_autoscale
 from splitserve.planner.profile import DEFAULT_MARGIN
 
 DEFAULT_PROFILE = "planner_profile.json"
@@ -180,7 +180,8 @@ def _add_validate_flags(sub: argparse.ArgumentParser) -> None:
 
 def run_profile(args: argparse.Namespace) -> int:
     from splitserve.common.cli_args import parse_size
-    from splitserve.planner.profiler import QUICK_GRID, ProfileSettings, measure_profile
+    from splitserve.planner.measure.profiler import measure_profile
+    from splitserve.planner.measure.settings import QUICK_GRID, ProfileSettings
 
     settings = ProfileSettings(
         num_threads=args.num_threads,
@@ -198,8 +199,8 @@ def run_profile(args: argparse.Namespace) -> int:
     )
     profile = measure_profile(settings)
     if args.serving:
-        from splitserve.planner.profiler import log_to_stderr
-        from splitserve.planner.serving_costs import measure_serving
+        from splitserve.planner.measure.profiler import log_to_stderr
+        from splitserve.planner.measure.serving import measure_serving
 
         profile = measure_serving(profile, log_to_stderr)
     profile.save(args.output)
@@ -265,7 +266,7 @@ def _slo(args: argparse.Namespace):
 
 
 def _cluster(args: argparse.Namespace, num_prefill: int, num_decode: int):
-    from splitserve.planner.simulator import ClusterConfig
+    from splitserve.planner.simulate.cluster import ClusterConfig
 
     return ClusterConfig(
         num_prefill,
@@ -282,13 +283,13 @@ def _cluster(args: argparse.Namespace, num_prefill: int, num_decode: int):
 
 
 def _tier_sizes(args: argparse.Namespace):
-    from splitserve.planner.sim_cache import TierSizes
+    from splitserve.planner.simulate.prefix_cache import TierSizes
 
     return TierSizes(args.host_tier_blocks, args.disk_tier_blocks)
 
 
 def _failure(text: str):
-    from splitserve.planner.sim_failures import PodFailure
+    from splitserve.planner.simulate.failures import PodFailure
 
     try:
         parts = [float(part) for part in text.split(",")]
@@ -301,7 +302,7 @@ def _failure(text: str):
 
 
 def _speculation(args: argparse.Namespace):
-    from splitserve.planner.sim_speculation import SpeculationModel
+    from splitserve.planner.simulate.speculation import SpeculationModel
 
     if args.speculative_tokens == 0:
         return None
@@ -310,7 +311,7 @@ def _speculation(args: argparse.Namespace):
 
 def run_simulate(args: argparse.Namespace) -> int:
     from splitserve.planner.profile import load_profile
-    from splitserve.planner.simulator import simulate
+    from splitserve.planner.simulate.cluster import simulate
 
     profile = load_profile(args.profile).with_margin(args.margin)
     cluster = _cluster(args, args.prefill, args.decode)
@@ -395,7 +396,7 @@ def _ms(seconds: float) -> str:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    from splitserve.planner.validate import run_validation
+    from splitserve.planner.validate.compare import run_validation
 
     return run_validation(args)
 

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field, replace
 from splitserve.loadgen.stats import Slo
 from splitserve.loadgen.workload import WorkloadSpec
 from splitserve.planner.profile import Profile
-from splitserve.planner.sim_cache import TierSizes
-from splitserve.planner.sim_results import SimResult
-from splitserve.planner.sim_speculation import SpeculationModel
-from splitserve.planner.simulator import ClusterConfig
+from splitserve.planner.simulate.cluster import ClusterConfig
+from splitserve.planner.simulate.prefix_cache import TierSizes
+from splitserve.planner.simulate.results import SimResult
+from splitserve.planner.simulate.speculation import SpeculationModel
 from splitserve.planner.sizing import Target, Verdict, judge
 
 RATE_SEARCH_STEPS = 7

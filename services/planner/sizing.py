@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from splitserve.loadgen.stats import Slo
 from splitserve.loadgen.workload import LengthDistribution, WorkloadSpec, poisson_requests
 from splitserve.planner.profile import Profile
-from splitserve.planner.sim_results import SimResult
-from splitserve.planner.simulator import ClusterConfig, simulate
+from splitserve.planner.simulate.cluster import ClusterConfig, simulate
+from splitserve.planner.simulate.results import SimResult
 
 RESOURCES = ("prefill compute", "decode step", "KV capacity", "KV transfer")
 

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 
 from splitserve.loadgen.stats import Slo
-from splitserve.planner.load import LoadSnapshot
+from splitserve.planner.autoscale.load import LoadSnapshot
 from splitserve.planner.profile import Profile
 from splitserve.planner.sizing import Target, pods_needed, steady_workload
 

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from splitserve.planner.controller import ROLES, Autoscaler, RoleDecision
-from splitserve.planner.load import (
+from splitserve.planner.autoscale.controller import ROLES, Autoscaler, RoleDecision
+from splitserve.planner.autoscale.load import (
     CombinedLoadSource,
     LoadSnapshot,
     LoadSource,
@@ -177,7 +177,7 @@ def load_source(args: argparse.Namespace) -> LoadSource:
 
 
 def run_autoscale(args: argparse.Namespace) -> int:
-    from splitserve.planner.controller import Bounds, PolicySettings
+    from splitserve.planner.autoscale.controller import Bounds, PolicySettings
     from splitserve.planner.profile import load_profile
 
     settings = PolicySettings(

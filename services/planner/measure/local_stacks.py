@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from splitserve.launcher import UP_MAX_REMOTE_PREFILL_TOKENS
 from splitserve.loadgen.stats import Slo
 from splitserve.loadgen.workload import LengthDistribution, WorkloadShape, sequential_workload
-from splitserve.planner.simulator import ClusterConfig
+from splitserve.planner.simulate.cluster import ClusterConfig
 
 LOOSE_SLO = Slo(ttft_s=1e9, itl_s=1e9)  # the planner's runs compare latencies, not goodput
 

@@ -15,9 +15,18 @@ import multiprocessing
 import os
 import statistics
 import time
-from collections.abc import Callable
 
-from splitserve.planner.profile_parts import NeighborSlowdown
+from splitserve.planner.measure.engine_steps import (
+    Log,
+    add_request,
+    drain,
+    fresh_tokens,
+    load_engine,
+    timed_step,
+    warm_up,
+)
+from splitserve.planner.measure.settings import ProfileSettings
+from splitserve.planner.profile.parts import NeighborSlowdown
 
 DECODE_BATCH = 2
 DECODE_PROMPT_TOKENS = 64
@@ -35,10 +44,8 @@ SETTLE_S = 1.0  # for the neighbor's loop to be running its new kind of step
 IDLE, DECODE, PREFILL, STOP = range(4)
 _MODES = {None: IDLE, "decode": DECODE, "prefill": PREFILL}
 
-Log = Callable[[str], None]
 
-
-def measure_neighbor(engine, settings, log: Log) -> NeighborSlowdown:
+def measure_neighbor(engine, settings: ProfileSettings, log: Log) -> NeighborSlowdown:
     """`engine` (this process, pinned by the caller) timed alone and beside a neighbor engine
     on `settings.neighbor_core`."""
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch state
@@ -109,46 +116,40 @@ def _slowdowns(medians: dict) -> NeighborSlowdown:
 
 
 def _decode_step_s(engine) -> float:
-    from splitserve.planner.profiler import _add, _drain, _fresh_tokens, _timed_step
-
     for _ in range(DECODE_BATCH):
-        _add(engine, _fresh_tokens(DECODE_PROMPT_TOKENS), DECODE_STEPS + 2)
+        add_request(engine, fresh_tokens(DECODE_PROMPT_TOKENS), DECODE_STEPS + 2)
     engine.step()  # the prompts
-    times = [_timed_step(engine) for _ in range(DECODE_STEPS)]
-    _drain(engine)
+    times = [timed_step(engine) for _ in range(DECODE_STEPS)]
+    drain(engine)
     return statistics.median(times)
 
 
 def _prefill_step_s(engine) -> float:
-    from splitserve.planner.profiler import _add, _drain, _fresh_tokens, _timed_step
-
     times = []
     for _ in range(PREFILL_STEPS):
-        _add(engine, _fresh_tokens(PREFILL_TOKENS), 1)
-        times.append(_timed_step(engine))
-        _drain(engine)
+        add_request(engine, fresh_tokens(PREFILL_TOKENS), 1)
+        times.append(timed_step(engine))
+        drain(engine)
     return statistics.median(times)
 
 
 def _neighbor_loop(settings, mode, steps, ready) -> None:
     """The second engine: the kind of step `mode` names, over and over, until STOP."""
-    from splitserve.planner.profiler import _add, _drain, _fresh_tokens, _load_engine, _warm_up
-
     os.sched_setaffinity(0, {settings.neighbor_core})
-    engine = _load_engine(settings, lambda message: None)
-    _warm_up(engine)
+    engine = load_engine(settings, lambda message: None)
+    warm_up(engine)
     ready.set()
     while mode.value != STOP:
         if mode.value == DECODE:
             for _ in range(DECODE_BATCH):
-                _add(engine, _fresh_tokens(DECODE_PROMPT_TOKENS), NEIGHBOR_DECODE_TOKENS)
+                add_request(engine, fresh_tokens(DECODE_PROMPT_TOKENS), NEIGHBOR_DECODE_TOKENS)
             while mode.value == DECODE and engine.has_unfinished_requests():
                 engine.step()
                 steps.value += 1
-            _drain(engine)
+            drain(engine)
         elif mode.value == PREFILL:
-            _add(engine, _fresh_tokens(PREFILL_TOKENS), 1)
-            _drain(engine)
+            add_request(engine, fresh_tokens(PREFILL_TOKENS), 1)
+            drain(engine)
             steps.value += 1
         else:
             time.sleep(0.01)

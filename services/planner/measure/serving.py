@@ -38,7 +38,7 @@ from splitserve.loadgen.workload import (
     as_sim_requests,
     sequential_workload,
 )
-from splitserve.planner.local_stacks import (
+from splitserve.planner.measure.local_stacks import (
     LOOSE_SLO,
     TOPOLOGY_CONFIGS,
     LocalConfig,
@@ -48,8 +48,8 @@ from splitserve.planner.local_stacks import (
     warm_up,
 )
 from splitserve.planner.profile import Profile, ServingCosts
-from splitserve.planner.profile_parts import spread_quantiles
-from splitserve.planner.simulator import simulate
+from splitserve.planner.profile.parts import spread_quantiles
+from splitserve.planner.simulate.cluster import simulate
 
 NUM_REQUESTS = 8  # one at a time; then in batches of BATCH sent together
 BATCH = 4

@@ -14,7 +14,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from splitserve.planner.profile_parts import TierLoadModel
+from splitserve.planner.profile.parts import TierLoadModel
 
 NUM_BLOCKS = 32
 

@@ -1,6 +1,6 @@
 """The measured cost model of one pod: what a step of a given shape costs on its hardware.
 
-A profile is a JSON file written by `splitserve plan profile` (see `profiler.py`) and read by
+A profile is a JSON file written by `splitserve plan profile` (see `measure/`) and read by
 the simulator. It keeps the raw measurements, and the model derived from them:
 
 - prefill: step time against the prompt tokens computed in the step, fitted as
@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from splitserve.planner.profile_parts import (
+from splitserve.planner.profile.parts import (
     TOPOLOGIES,
     DecodeGrid,
     EngineSetup,
@@ -49,20 +49,6 @@ PROFILE_VERSION = 2
 # on this VM found the same machine 8-17% slower during the runs than during the profile.
 DEFAULT_MARGIN = 0.10
 READABLE_VERSIONS = (1, 2)  # version 1: no mixed steps, serving costs or engine setup
-
-__all__ = [
-    "DecodeGrid",
-    "EngineSetup",
-    "KVTransferModel",
-    "MixedGrid",
-    "NeighborSlowdown",
-    "PrefillSample",
-    "Profile",
-    "ServingCosts",
-    "TierLoadModel",
-    "load_profile",
-    "synthetic_profile",
-]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The measured pieces a planner profile is made of (see `profile.py` for how they combine).
+"""The measured pieces a planner profile is made of (see `cost_model.py` for how they combine).
 
 Each is a small frozen record that checks itself, so a hand-edited or truncated profile file
 fails at load with the field's name rather than deep inside a simulation.
@@ -69,7 +69,7 @@ class KVTransferModel:
 
 @dataclass(frozen=True)
 class TierLoadModel:
-    """How fast the KV offload tiers give blocks back (`profiler_tiers.py`)."""
+    """How fast the KV offload tiers give blocks back (`measure/tiers.py`)."""
 
     host_bytes_per_s: float
     disk_bytes_per_s: float
@@ -143,7 +143,7 @@ def spread_quantiles(deviations: list[float]) -> tuple[float, ...]:
 @dataclass(frozen=True)
 class NeighborSlowdown:
     """How much longer a step takes while another pod on the same machine runs one, by the
-    kinds of the two steps, as a fraction of the step alone (`profiler_neighbor.py`). Pods on
+    kinds of the two steps, as a fraction of the step alone (`measure/neighbor.py`). Pods on
     one machine share its memory bandwidth and last-level cache: on the 2-core VM of the
     validation a batch-2 decode step took 0-48% longer beside another decode in 2-second
     windows (it comes and goes; the mean of run 10's five rounds was 25%), about 5-10% beside

@@ -4,7 +4,7 @@ A request goes the way `docs/structure.md` walks it through the services:
 
 1. at its arrival the gateway picks the decode pod holding its prefix (else the least loaded)
    and the least loaded prefill pod, from the pods' stats at its last poll plus what it sent
-   since (`sim_gateway.py`), as the real gateway does;
+   since (`gateway.py`), as the real gateway does;
 2. the decode pod prefills locally when fewer than `local_prefill_threshold` prompt tokens are
    uncached there, when there are no prefill pods (colocated, P = 0), when the prompt's
    blocks are not free, or when `max_remote_prefill_tokens` of its prompt tokens are already
@@ -34,12 +34,12 @@ from splitserve.gateway.pods import POLL_INTERVAL_SECONDS
 from splitserve.loadgen.stats import Slo
 from splitserve.loadgen.workload import SimRequest
 from splitserve.planner.profile import Profile
-from splitserve.planner.sim_cache import TierSizes
-from splitserve.planner.sim_failures import PodFailure
-from splitserve.planner.sim_gateway import SimGateway
-from splitserve.planner.sim_pod import PodLimits, ScheduledStep, SimPod, SimSeq
-from splitserve.planner.sim_results import RequestRecord, SimResult, summarize
-from splitserve.planner.sim_speculation import SpeculationModel
+from splitserve.planner.simulate.failures import PodFailure
+from splitserve.planner.simulate.gateway import SimGateway
+from splitserve.planner.simulate.pod import PodLimits, ScheduledStep, SimPod, SimSeq
+from splitserve.planner.simulate.prefix_cache import TierSizes
+from splitserve.planner.simulate.results import RequestRecord, SimResult, summarize
+from splitserve.planner.simulate.speculation import SpeculationModel
 
 ARRIVAL, STEP_DONE, KV_LANDED, KICK, POLL, POD_DIES, STREAMS_BROKEN, LOADED = range(8)
 
@@ -59,9 +59,9 @@ class ClusterConfig:
     gateway_poll_interval_s: float = POLL_INTERVAL_SECONDS
     # Speculative decoding on the decode pods (drafts per row and their acceptance rate).
     speculation: SpeculationModel | None = None
-    # Decode pods that die during the run (`sim_failures.py`).
+    # Decode pods that die during the run (`failures.py`).
     failures: tuple[PodFailure, ...] = ()
-    # KV offload tiers below each pod's cache (`sim_cache.py`); loads cost the profile's
+    # KV offload tiers below each pod's cache (`prefix_cache.py`); loads cost the profile's
     # measured tier bandwidth.
     tier_sizes: TierSizes = field(default_factory=TierSizes)
     # Pods that share one machine (prefill pods first, then decode pods, in groups of this

@@ -5,8 +5,8 @@ The real gateway (services/gateway/pods.py) polls each pod's stats every
 a pod's exact load at an arrival. Routing on exact loads would send long prompts to a pod that is
 already prefilling less often than the real gateway does (its ITL tail would come out too low),
 so this keeps a per-pod snapshot, refreshed by the simulation's POLL events, plus dispatch counts,
-and scores them with the real policy (services/gateway/scoring.py `decide`, cache_aware: prefix,
-then 1 / (1 + queued) and KV headroom, ties by pod name).
+and scores them with the real policy (services/gateway/scoring.py `decide`, cache_aware:
+prefix, then 1 / (1 + queued) and KV headroom, ties by pod name).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from splitserve.common.pod_load import PodLoad
 from splitserve.gateway.scoring import Location, PodView, RoutingContext, decide
 from splitserve.loadgen.workload import SimRequest
-from splitserve.planner.sim_pod import SimPod
+from splitserve.planner.simulate.pod import SimPod
 
 
 @dataclass

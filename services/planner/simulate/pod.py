@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from splitserve.common.pod_load import PodLoad
 from splitserve.loadgen.workload import SimRequest
 from splitserve.planner.profile import Profile
-from splitserve.planner.sim_cache import SimPrefixCache, TierSizes
+from splitserve.planner.simulate.prefix_cache import SimPrefixCache, TierSizes
 
 
 @dataclass(eq=False)

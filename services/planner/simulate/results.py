@@ -11,7 +11,7 @@ from splitserve.loadgen.stats import Percentiles, Slo
 from splitserve.loadgen.workload import SimRequest
 
 if TYPE_CHECKING:
-    from splitserve.planner.sim_pod import SimPod
+    from splitserve.planner.simulate.pod import SimPod
 
 
 @dataclass

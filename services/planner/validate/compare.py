@@ -1,21 +1,22 @@
 """`splitserve plan validate`: the simulator against the real services on this machine.
 
-Three configurations that fit two cores (`local_stacks.py`), each engine process pinned to a
-core with one torch thread (what the profile measures): colocated-1 (`up --colocated --decode
-1`), colocated-2 (two such pods, one per core) and 1P+1D (a prefill pod and a decode pod).
+Three configurations that fit two cores (`measure/local_stacks.py`), each engine process
+pinned to a core with one torch thread (what the profile measures): colocated-1 (`up
+--colocated --decode 1`), colocated-2 (two such pods, one per core) and 1P+1D (a prefill pod
+and a decode pod).
 
 Two workloads, both seeded Poisson arrivals with exact output lengths (EOS ignored): "chat"
 (prompts 32-128 tokens, outputs 8-32) and "long-prompt" (prompts 256-512, outputs 4-12). The
 rate of each is set from the profile so that one pod is about half busy. With `--fresh-profile`
 the profile is measured first (the engine pinned to the core the pods will use, then the
-serving path's costs on a colocated-1 and a 1P+1D stack, `serving_costs.py`), so that both see
+serving path's costs on a colocated-1 and a 1P+1D stack, `measure/serving.py`), so that both see
 the machine in the same state. Each run is measured client-side with the open-loop streaming
 client of `services/loadgen` (TTFT, every inter-token gap), then the same requests (arrival
 times and lengths) are simulated with the profile, and the percentiles are printed side by
 side, twice: with the bare engine's costs, and with the profile's serving costs (the figures
 the planner stands by). Last, each workload's configurations are ranked by a latency score,
 measured and simulated, to check that the planner would pick the one that measures best
-(`validate_ranking.py`).
+(`ranking.py`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from splitserve.loadgen.workload import (
     as_sim_requests,
     poisson_workload,
 )
-from splitserve.planner.local_stacks import (
+from splitserve.planner.measure.local_stacks import (
     CONFIGS,
     LOOSE_SLO,
     LocalConfig,
@@ -47,8 +48,8 @@ from splitserve.planner.local_stacks import (
     warm_up,
 )
 from splitserve.planner.profile import Profile, ServingCosts, load_profile
-from splitserve.planner.simulator import simulate
-from splitserve.planner.validate_ranking import format_ranking
+from splitserve.planner.simulate.cluster import simulate
+from splitserve.planner.validate.ranking import format_ranking
 
 TOLERANCE = 0.20
 TARGET_UTILIZATION = 0.5  # of one pod, by the profile: loaded, but well short of saturation
@@ -378,8 +379,9 @@ def _profile(path: str, fresh: bool) -> Profile:
     if os.path.exists(path) and not fresh:
         return load_profile(path)
     from splitserve.loadgen.stacks import usable_cores
-    from splitserve.planner.profiler import QUICK_GRID, ProfileSettings, measure_profile
-    from splitserve.planner.serving_costs import measure_serving
+    from splitserve.planner.measure.profiler import measure_profile
+    from splitserve.planner.measure.serving import measure_serving
+    from splitserve.planner.measure.settings import QUICK_GRID, ProfileSettings
 
     own_core, neighbor_core = usable_cores()
     log(f"measuring a profile into {path} first, pinned to CPU {own_core}")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from splitserve.planner.validate import Comparison, Latencies, LocalWorkload
+    from splitserve.planner.validate.compare import Comparison, Latencies, LocalWorkload
 
 BOOTSTRAP_ROUNDS = 1000
 INTERVAL = (5.0, 95.0)  # percentiles of the bootstrapped gap: a 90% interval

@@ -30,7 +30,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from splitserve.gateway.pods import POLL_INTERVAL_SECONDS
+from splitserve.gateway.routing.pods import POLL_INTERVAL_SECONDS
 from splitserve.loadgen.stats import Slo
 from splitserve.loadgen.workload import SimRequest
 from splitserve.planner.profile import Profile

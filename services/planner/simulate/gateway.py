@@ -1,11 +1,11 @@
 """The simulated gateway: it routes from the same information the real one has.
 
-The real gateway (services/gateway/pods.py) polls each pod's stats every
+The real gateway (services/gateway/routing/pods.py) polls each pod's stats every
 `POLL_INTERVAL_SECONDS` and, between polls, adds the requests it dispatched since; it never sees
 a pod's exact load at an arrival. Routing on exact loads would send long prompts to a pod that is
 already prefilling less often than the real gateway does (its ITL tail would come out too low),
 so this keeps a per-pod snapshot, refreshed by the simulation's POLL events, plus dispatch counts,
-and scores them with the real policy (services/gateway/scoring.py `decide`, cache_aware:
+and scores them with the real policy (services/gateway/routing/scoring.py `decide`, cache_aware:
 prefix, then 1 / (1 + queued) and KV headroom, ties by pod name).
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.common.pod_load import PodLoad
-from splitserve.gateway.scoring import Location, PodView, RoutingContext, decide
+from splitserve.gateway.routing.scoring import Location, PodView, RoutingContext, decide
 from splitserve.loadgen.workload import SimRequest
 from splitserve.planner.simulate.pod import SimPod
 

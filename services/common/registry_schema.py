@@ -118,7 +118,7 @@ class PodRecord:
     pipeline_parallel_size: int = 1
     # For the autoscaler (services/planner/autoscale/load.py), which reads pods only from
     # here; the gateway takes load from its GetStats polls instead
-    # (services/gateway/pods.py).
+    # (services/gateway/routing/pods.py).
     load: PodLoad = field(default_factory=PodLoad)
     # Exponentially weighted averages over the latest requests (services/pod/metrics.py),
     # in seconds; 0.0 until the pod has served one. A prefill pod's ITL stays 0.0.

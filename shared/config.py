@@ -8,7 +8,8 @@ here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 # ModelConfig.quantization's values; shared/model/quantization.py says what each does.
@@ -331,13 +332,14 @@ class EngineConfig:
             )
 
     @classmethod
-    def from_options(cls, model: str | None = None, **options: object) -> EngineConfig:
+    def from_options(cls, model: str | None = None, **options: Any) -> EngineConfig:
         """Builds the config from flat keyword options, the way `LLM(...)` takes them.
 
         Each option name belongs to exactly one concern; an unknown name is a `ValueError`
-        naming it, so a typo never silently falls back to a default.
+        naming it, so a typo never silently falls back to a default. The values are typed
+        `Any` because they are the caller's, unchecked: each concern's `__post_init__` checks them.
         """
-        groups: dict[type, dict[str, object]] = {ModelConfig: {"model": model}}
+        groups: dict[type, dict[str, Any]] = {ModelConfig: {"model": model}}
         for name, value in options.items():
             owner = _OPTION_OWNERS.get(name)
             if owner is None:
@@ -350,21 +352,15 @@ class EngineConfig:
             scheduler=SchedulerConfig(**groups.get(SchedulerConfig, {})),
             speculative=SpeculativeConfig(**groups.get(SpeculativeConfig, {})),
             parallel=ParallelConfig(**groups.get(ParallelConfig, {})),
-            num_threads=engine.get("num_threads"),  # type: ignore[arg-type]
-            adaptive_threads=engine.get("adaptive_threads", True),  # type: ignore[arg-type]
+            num_threads=engine.get("num_threads"),
+            adaptive_threads=engine.get("adaptive_threads", True),
         )
 
 
-def _field_names(cls: type) -> list[str]:
-    return list(cls.__dataclass_fields__)
-
+_CONCERNS = (ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig, ParallelConfig)
 
 _OPTION_OWNERS: dict[str, type] = {
-    **{name: ModelConfig for name in _field_names(ModelConfig)},
-    **{name: CacheConfig for name in _field_names(CacheConfig)},
-    **{name: SchedulerConfig for name in _field_names(SchedulerConfig)},
-    **{name: SpeculativeConfig for name in _field_names(SpeculativeConfig)},
-    **{name: ParallelConfig for name in _field_names(ParallelConfig)},
+    **{option.name: concern for concern in _CONCERNS for option in fields(concern)},
     "num_threads": EngineConfig,
     "adaptive_threads": EngineConfig,
 }

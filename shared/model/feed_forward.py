@@ -11,12 +11,17 @@ Names are relative to `model.layers.{i}.` in the checkpoint and `layers.{i}.` in
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from splitserve.engine.model.architecture import ModelArchitecture
-from splitserve.engine.model.quantization import cat_rows
+from splitserve.engine.model.gguf_blocks import BlockQuantized
+from splitserve.engine.model.quantization import cat_rows, dense
+
+# HF-named checkpoint tensors; a GGUF file's matrices may be blocks (quantization=gguf).
+Weights = Mapping[str, torch.Tensor | BlockQuantized]
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,7 @@ def hf_feed_forward_shapes(arch: ModelArchitecture) -> dict[str, tuple[int, ...]
         return _swiglu_shapes("mlp.", "gate_proj", "up_proj", "down_proj", hidden, inter)
     names = _EXPERT_NAMES[arch.family]
     moe = arch.moe
-    shapes = {f"{names.prefix}gate.weight": (moe.num_experts, hidden)}
+    shapes: dict[str, tuple[int, ...]] = {f"{names.prefix}gate.weight": (moe.num_experts, hidden)}
     for expert in range(moe.num_experts):
         prefix = f"{names.prefix}experts.{expert}."
         inter = moe.expert_intermediate_size
@@ -69,26 +74,30 @@ def hf_feed_forward_shapes(arch: ModelArchitecture) -> dict[str, tuple[int, ...]
 
 
 def internal_feed_forward_weights(
-    weights: dict[str, torch.Tensor], arch: ModelArchitecture, layer: int
-) -> dict[str, torch.Tensor]:
+    weights: Weights, arch: ModelArchitecture, layer: int
+) -> dict[str, torch.Tensor | BlockQuantized]:
     """Layer `layer`'s feed-forward tensors under the model's parameter names (KeyError for a
-    missing one, which the model reports)."""
+    missing one, which the model reports). Experts are stacked dense: MoE models are never
+    quantized (LlamaForCausalLM refuses it)."""
     hf, ours = f"model.layers.{layer}.", f"layers.{layer}.mlp."
     if arch.moe is None:
         return _swiglu(weights, hf + "mlp.", "gate_proj", "up_proj", "down_proj", ours)
     names = _EXPERT_NAMES[arch.family]
     # Only the experts this model holds (a range of them under expert parallelism).
     experts = [f"{hf}{names.prefix}experts.{e}." for e in arch.moe.local_experts]
-    out = {
+    def expert(name: str) -> torch.Tensor:
+        return dense(weights[name])
+
+    out: dict[str, torch.Tensor | BlockQuantized] = {
         ours + "gate.weight": weights[f"{hf}{names.prefix}gate.weight"],
         # [E, 2*I, H]: each expert's gate rows then its up rows, as LlamaMLP fuses them.
         ours + "experts_gate_up": torch.stack(
             [
-                torch.cat([weights[p + f"{names.gate}.weight"], weights[p + f"{names.up}.weight"]])
+                torch.cat([expert(p + f"{names.gate}.weight"), expert(p + f"{names.up}.weight")])
                 for p in experts
             ]
         ),  # fmt: skip
-        ours + "experts_down": torch.stack([weights[p + f"{names.down}.weight"] for p in experts]),
+        ours + "experts_down": torch.stack([expert(p + f"{names.down}.weight") for p in experts]),
     }
     if arch.moe.shared_expert_intermediate_size:
         shared = ours + "shared_expert."
@@ -108,8 +117,8 @@ def _swiglu_shapes(
 
 
 def _swiglu(
-    weights: dict[str, torch.Tensor], hf: str, gate: str, up: str, down: str, ours: str
-) -> dict[str, torch.Tensor]:
+    weights: Weights, hf: str, gate: str, up: str, down: str, ours: str
+) -> dict[str, torch.Tensor | BlockQuantized]:
     return {
         # cat_rows: a GGUF file's blocks stay blocks for quantization=gguf.
         ours + "gate_up_proj.weight": cat_rows(

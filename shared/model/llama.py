@@ -10,7 +10,8 @@ row of `[num_tokens, hidden]`, and only attention needs to know which row belong
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -127,7 +128,7 @@ class LlamaMLP(nn.Module):
         return out
 
 
-def feed_forward(arch: ModelArchitecture, quantization: str = "none") -> nn.Module:
+def feed_forward(arch: ModelArchitecture, quantization: str = "none") -> LlamaMLP | SparseMoeBlock:
     """A layer's MLP: dense SwiGLU (quantized as asked), or the sparse experts of Mixtral and
     Qwen2-MoE (never quantized: LlamaForCausalLM refuses that combination)."""
     return LlamaMLP(arch, quantization) if arch.moe is None else SparseMoeBlock(arch)
@@ -155,6 +156,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # Quantized: one int8 copy serves the lookup and, tied, the head (see `materialize`).
+    embed_tokens: nn.Embedding | QuantizedEmbedding
+    lm_head: nn.Linear | QuantizedEmbedding
+
     def __init__(
         self,
         arch: ModelArchitecture,
@@ -207,24 +212,31 @@ class LlamaForCausalLM(nn.Module):
         if self.quantization != "none":
             # One int8 copy serves the lookup and, tied, the head (quantization.py says why).
             vocab, hidden = self.arch.vocab_size, self.arch.hidden_size
-            options = dict(device=device, backend=self.quantized_backend)
-            self.embed_tokens = QuantizedEmbedding(vocab, hidden, dtype, **options)
+            backend = self.quantized_backend
+            embed_tokens = QuantizedEmbedding(vocab, hidden, dtype, device, backend)
+            self.embed_tokens = embed_tokens
             self.lm_head = (
-                self.embed_tokens
+                embed_tokens
                 if self.arch.tie_word_embeddings
-                else QuantizedEmbedding(vocab, hidden, dtype, **options)
+                else QuantizedEmbedding(vocab, hidden, dtype, device, backend)
             )
         elif self.arch.tie_word_embeddings:
             # to_empty replaces parameters one module at a time, which unties them.
+            assert isinstance(self.lm_head, nn.Linear), "unquantized heads are nn.Linear"
+            assert isinstance(self.embed_tokens, nn.Embedding), "unquantized: nn.Embedding"
             self.lm_head.weight = self.embed_tokens.weight
 
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        """`layers`, typed: the type checker sees an nn.ModuleList's items as plain Modules."""
+        return [cast(LlamaDecoderLayer, layer) for layer in self.layers]
+
     def _is_tensor_parallel(self) -> bool:
-        return any(layer.self_attn.tensor_parallel is not None for layer in self.layers)
+        return any(layer.self_attn.tensor_parallel is not None for layer in self.decoder_layers())
 
     def set_tensor_parallel(self, group: AllReduce) -> None:
         """This model holds one rank's slice (its arch says which sizes): the row-parallel
         products are summed over the ranks through `group`."""
-        for layer in self.layers:
+        for layer in self.decoder_layers():
             layer.self_attn.tensor_parallel = group
             layer.mlp.tensor_parallel = group
         self.fused_decode = None  # it has no all-reduce
@@ -288,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(hidden, angles, kv_cache[layer_id], meta, backend)
         return hidden
 
-    def load_hf_weights(self, weights: dict[str, torch.Tensor | BlockQuantized]) -> None:
+    def load_hf_weights(self, weights: Mapping[str, torch.Tensor | BlockQuantized]) -> None:
         """Copies Hugging Face-named tensors in, fusing q/k/v and gate/up, packing them when
         quantized; mutates self."""
         params = dict(self.named_parameters())
@@ -302,12 +314,14 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in internal.items():
             if name in packed:
                 module = packed.pop(name)
-                is_linear = isinstance(module, QuantizedLinear)
-                if is_linear:
-                    tensor = pack_weight(
-                        tensor, self.quantization, self.quantized_backend, self.weight_device
+                if isinstance(module, QuantizedLinear):
+                    module.load(
+                        pack_weight(
+                            tensor, self.quantization, self.quantized_backend, self.weight_device
+                        )
                     )
-                module.load(tensor)
+                else:
+                    module.load(tensor)
                 continue
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} for this architecture")
@@ -324,10 +338,11 @@ class LlamaForCausalLM(nn.Module):
         if self.quantization == "none":
             # On the CPU every product, the vocabulary projection too, runs on oneDNN (see
             # shared/model/linear.py): its weights are reordered once, here.
+            assert isinstance(self.lm_head, nn.Linear), "unquantized heads are nn.Linear"
             self._lm_head_onednn = onednn_weight(self.lm_head.weight)
-            for module in self.modules():
-                if isinstance(module, Linear):
-                    module.prepare_cpu_kernel()
+            for submodule in self.modules():
+                if isinstance(submodule, Linear):
+                    submodule.prepare_cpu_kernel()
         if not self._is_tensor_parallel():
             self.fused_decode = build_fused_decode(self)
         logger.info(
@@ -337,17 +352,17 @@ class LlamaForCausalLM(nn.Module):
         )
 
 
-def _packed_modules(model: nn.Module) -> dict[str, nn.Module]:
+def _packed_modules(model: nn.Module) -> dict[str, QuantizedLinear | QuantizedEmbedding]:
     """Internal weight name -> the quantized module that takes it (tied: the embedding)."""
-    return {
-        f"{name}.weight": module
-        for name, module in model.named_modules()
-        if isinstance(module, QuantizedLinear | QuantizedEmbedding)
-    }
+    packed: dict[str, QuantizedLinear | QuantizedEmbedding] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear | QuantizedEmbedding):
+            packed[f"{name}.weight"] = module
+    return packed
 
 
 def _to_internal_names(
-    weights: dict[str, torch.Tensor | BlockQuantized], arch: ModelArchitecture
+    weights: Mapping[str, torch.Tensor | BlockQuantized], arch: ModelArchitecture
 ) -> dict[str, torch.Tensor | BlockQuantized]:
     out: dict[str, torch.Tensor | BlockQuantized] = {
         "embed_tokens.weight": weights["model.embed_tokens.weight"],
@@ -368,7 +383,7 @@ def _to_internal_names(
         )
         if arch.attention_bias:
             out[ours + "self_attn.qkv_proj.bias"] = torch.cat(
-                [weights[attn + f"{p}_proj.bias"] for p in ("q", "k", "v")]
+                [dense(weights[attn + f"{p}_proj.bias"]) for p in ("q", "k", "v")]
             )
         out[ours + "self_attn.o_proj.weight"] = weights[attn + "o_proj.weight"]
         out.update(internal_feed_forward_weights(weights, arch, i))

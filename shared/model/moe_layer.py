@@ -105,13 +105,14 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, experts_fn = self._prepared(x.device)
+        assert self.expert_tokens is not None, "_prepared builds the counters with the experts"
         if self.expert_parallel is not None:
             out, counts = self.expert_parallel.run(x, self.route, experts, experts_fn)
         else:
             order = sort_by_expert(self.route(x), self.num_experts)
             out, counts = experts_fn(x, experts, order), order.counts
         self.expert_tokens += counts
-        if self.shared_expert is not None:
+        if self.shared_expert is not None and self.shared_expert_gate is not None:  # both or none
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if self.tensor_parallel is not None:
             self.tensor_parallel.all_reduce(out)

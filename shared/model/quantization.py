@@ -24,6 +24,7 @@ or its kernels fail their check, the model is built dense, with a warning, as on
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -147,7 +148,7 @@ def cat_rows(parts: list[torch.Tensor | BlockQuantized]) -> torch.Tensor | Block
     return torch.cat([dense(part) for part in parts])
 
 
-def log_gguf_notes(weights: dict[str, torch.Tensor | BlockQuantized]) -> None:
+def log_gguf_notes(weights: Mapping[str, torch.Tensor | BlockQuantized]) -> None:
     """Says which matrices of a GGUF file could not be kept as they are (quantization=gguf)."""
     matrices = {name: w for name, w in weights.items() if len(w.shape) == 2}
     requantized = sorted(n for n, w in matrices.items() if not isinstance(w, BlockQuantized))

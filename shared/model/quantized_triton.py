@@ -22,7 +22,6 @@ SPLITSERVE_QUANTIZED_BACKEND=triton (tests/test_quantized_triton.py).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import time
@@ -136,7 +135,7 @@ def int4_group_weight(
 def quantize_for_triton(weight: torch.Tensor, method: str) -> TritonWeight:
     """`weight` [out, in] quantized as `method` in the Triton layout, on weight's device."""
     if method == "int8":
-        return TritonInt8Weight(**_fields(quantize_int8(weight)))
+        return to_triton_int8(quantize_int8(weight))
     if method == "int4":
         codes, scale, minimum = int4_groups(weight)
         return int4_group_weight(codes, scale, minimum, weight.shape[1])
@@ -144,11 +143,7 @@ def quantize_for_triton(weight: torch.Tensor, method: str) -> TritonWeight:
 
 
 def to_triton_int8(weight: Int8Weight) -> TritonInt8Weight:
-    return TritonInt8Weight(**_fields(weight))
-
-
-def _fields(weight: object) -> dict[str, object]:
-    return {f.name: getattr(weight, f.name) for f in dataclasses.fields(weight)}
+    return TritonInt8Weight(weight.codes, weight.scales, weight.in_features)
 
 
 @functools.cache

@@ -13,6 +13,8 @@ Triton's interpreter, which is how the tests check it against `TorchPagedAttenti
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from splitserve.engine.model.attention_metadata import AttentionMetadata
@@ -49,7 +51,7 @@ class TritonPagedAttention:
     ) -> torch.Tensor:
         """query: [num_tokens, num_heads, head_dim] -> a new tensor of the same shape. Every
         row's own key and value must already be in layer_cache (`write_kv` came first)."""
-        _check_metadata(meta)
+        tables = _check_metadata(meta)
         out = torch.empty_like(query)
         key_cache, value_cache = layer_cache[0], layer_cache[1]
         num_decodes = meta.num_decodes
@@ -58,8 +60,8 @@ class TritonPagedAttention:
                 query[:num_decodes],
                 key_cache,
                 value_cache,
-                meta.block_tables[:num_decodes],
-                meta.seq_lens[:num_decodes],
+                tables.block_tables[:num_decodes],
+                tables.seq_lens[:num_decodes],
                 scale,
                 out=out[:num_decodes],
             )
@@ -68,10 +70,10 @@ class TritonPagedAttention:
                 query[num_decodes:],
                 key_cache,
                 value_cache,
-                meta.block_tables[num_decodes:],
+                tables.block_tables[num_decodes:],
                 # The prefill rows are handed over as their own tensor, whose first row is 0.
-                meta.query_start_loc[num_decodes:] - num_decodes,
-                meta.seq_lens[num_decodes:],
+                tables.query_start_loc[num_decodes:] - num_decodes,
+                tables.seq_lens[num_decodes:],
                 scale,
                 out=out[num_decodes:],
                 max_query_len=max(chunk.query_len for chunk in meta.prefills),
@@ -79,7 +81,15 @@ class TritonPagedAttention:
         return out
 
 
-def _check_metadata(meta: AttentionMetadata) -> None:
+class _BlockTables(NamedTuple):
+    """The metadata's optional fields this backend needs, known to be set."""
+
+    block_tables: torch.Tensor  # [num_seqs, max_blocks]
+    seq_lens: torch.Tensor  # [num_seqs]
+    query_start_loc: torch.Tensor  # [num_seqs + 1]
+
+
+def _check_metadata(meta: AttentionMetadata) -> _BlockTables:
     """Internal invariants of the runner's metadata; host values only, so no device sync."""
     assert meta.block_tables is not None and meta.seq_lens is not None, (
         "TritonPagedAttention needs block tables: the runner builds them only for a backend "
@@ -91,3 +101,4 @@ def _check_metadata(meta: AttentionMetadata) -> None:
         f"{meta.block_tables.shape[0]} block-table rows for {meta.num_decodes} decodes and "
         f"{len(meta.prefills)} prefill chunks"
     )
+    return _BlockTables(meta.block_tables, meta.seq_lens, meta.query_start_loc)

@@ -15,12 +15,59 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Sequence
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
 
 _HOST = "127.0.0.1"
 _IDLE_WAIT = datetime.timedelta(days=365)
+
+
+class _GlooCollectives(Protocol):
+    """The collectives of `dist.ProcessGroupGloo` used here, as its runtime signatures give
+    them: torch's stubs (torch/_C/_distributed_c10d.pyi) declare none of them on the backend
+    classes, only on `ProcessGroup`."""
+
+    def allreduce(self, tensors: Sequence[torch.Tensor]) -> dist.Work: ...
+
+    def allgather(
+        self,
+        output_tensors: Sequence[Sequence[torch.Tensor]],
+        input_tensors: Sequence[torch.Tensor],
+    ) -> dist.Work: ...
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: dist.AllToAllOptions,
+    ) -> dist.Work: ...
+
+    def broadcast(
+        self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta | None = None
+    ) -> dist.Work: ...
+
+    def send(self, tensors: Sequence[torch.Tensor], dst_rank: int, tag: int) -> dist.Work: ...
+
+    def recv(self, tensors: Sequence[torch.Tensor], src_rank: int, tag: int) -> dist.Work: ...
+
+    def gather(
+        self,
+        output_tensors: Sequence[Sequence[torch.Tensor]],
+        input_tensors: Sequence[torch.Tensor],
+        opts: dist.GatherOptions,
+    ) -> dist.Work: ...
+
+    def scatter(
+        self,
+        output_tensors: Sequence[torch.Tensor],
+        input_tensors: Sequence[Sequence[torch.Tensor]],
+        opts: dist.ScatterOptions,
+    ) -> dist.Work: ...
 
 
 def make_store(world_size: int, timeout_s: float) -> dist.TCPStore:
@@ -55,10 +102,12 @@ class Communicator:
         timeout_s: float,
         parent: Communicator | None = None,
     ) -> None:
-        options = dist.ProcessGroupGloo._Options()
+        # torch's stubs lack `_Options` and the constructor that takes it.
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = datetime.timedelta(seconds=timeout_s)
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=_HOST)]
-        self.group = dist.ProcessGroupGloo(store, rank, world_size, options)
+        group = dist.ProcessGroupGloo(store, rank, world_size, options)
+        self.group = cast(_GlooCollectives, group)
         self.store = store  # kept alive with the group
         self.rank = rank
         self.world_size = world_size
@@ -127,7 +176,7 @@ class Communicator:
         self.group.send([tensor], dst, 0).wait()
         self._spent(time.perf_counter() - start)
 
-    def isend(self, tensor: torch.Tensor, dst: int):
+    def isend(self, tensor: torch.Tensor, dst: int) -> dist.Work:
         """Starts a send; the caller keeps `tensor` alive and waits for the returned work. It
         completes only once `dst` has posted the matching receive."""
         return self.group.send([tensor], dst, 0)
@@ -149,5 +198,8 @@ class Communicator:
 
     def scatter_from_first(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> None:
         """Rank 0's `parts[r]` into rank r's `out`."""
-        inputs = [parts] if self.rank == 0 else []
+        inputs: list[list[torch.Tensor]] = []
+        if self.rank == 0:
+            assert parts is not None, "rank 0 scatters its parts"
+            inputs.append(parts)
         self.group.scatter([out], inputs, dist.ScatterOptions()).wait()

@@ -154,16 +154,12 @@ class TensorParallelLayout:
 
     def local_arch(self, arch: ModelArchitecture) -> ModelArchitecture:
         """The architecture of this rank's slice: the model code builds it unchanged."""
-        if self.moe is not None:  # every layer sparse: intermediate_size is not used
-            feed_forward = {"moe": self.moe.local_moe()}
-        else:
-            feed_forward = {"intermediate_size": self.intermediate_size // self.tp_size}
-        return dataclasses.replace(
-            arch,
-            num_heads=self.heads_per_rank,
-            num_kv_heads=self.kv_heads_per_rank,
-            **feed_forward,
+        local = dataclasses.replace(
+            arch, num_heads=self.heads_per_rank, num_kv_heads=self.kv_heads_per_rank
         )
+        if self.moe is not None:  # every layer sparse: intermediate_size is not used
+            return dataclasses.replace(local, moe=self.moe.local_moe())
+        return dataclasses.replace(local, intermediate_size=self.intermediate_size // self.tp_size)
 
     def pod_kv_arch(self, arch: ModelArchitecture) -> ModelArchitecture:
         """What the pod's KV budget is sized for: every rank's heads (replicas each time)."""

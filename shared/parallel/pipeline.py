@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from splitserve.engine.model.architecture import ModelArchitecture
 from splitserve.engine.parallel.comm import Communicator
@@ -180,7 +181,7 @@ class PipelineLayout:
         hidden = torch.empty(
             input_ids.shape[0],
             model.arch.hidden_size,
-            dtype=model.embed_tokens.weight.dtype,
+            dtype=model.norm.weight.dtype,  # the model's dtype (materialize casts every weight)
             device=input_ids.device,
         )
         comm.recv(hidden, self.rank - self.tp_size)
@@ -205,7 +206,7 @@ class PipelineLayout:
 class Sent(NamedTuple):
     """A send in flight and the tensor it reads (kept alive until it completes)."""
 
-    work: object  # torch.distributed Work
+    work: dist.Work
     tensor: torch.Tensor
 
 

@@ -3,6 +3,7 @@ process, shared/parallel/setup.py) and the others (shared/parallel/worker.py).""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv.cache import KVCacheSpec, allocate_kv_cache
 from splitserve.engine.model.architecture import ModelArchitecture
+from splitserve.engine.model.gguf_blocks import BlockQuantized
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.parallel.grid import GridLayout
 from splitserve.engine.parallel.layout import (
@@ -24,7 +26,8 @@ class RankLayout(Protocol):
     """A rank's part of the model: `TensorParallelLayout` (heads), `PipelineLayout` (layers)
     or `GridLayout` (both). Cuts weights and pages, and wires the model's collectives."""
 
-    rank: int
+    @property
+    def rank(self) -> int: ...
 
     @property
     def world_size(self) -> int: ...
@@ -80,7 +83,7 @@ def layout_for(config: EngineConfig, arch: ModelArchitecture, rank: int = 0) -> 
 def build_rank(
     layout: RankLayout,
     arch: ModelArchitecture,
-    weights: dict[str, torch.Tensor],
+    weights: Mapping[str, torch.Tensor | BlockQuantized],
     config: EngineConfig,
     max_model_len: int,
     num_blocks: int,
@@ -91,10 +94,20 @@ def build_rank(
     device, dtype = torch.device(config.model.device), getattr(torch, config.model.dtype)
     model = LlamaForCausalLM(local_arch, max_model_len, device)
     model.materialize(device, dtype)
-    model.load_hf_weights(layout.shard_weights(weights, arch.num_layers))
+    model.load_hf_weights(layout.shard_weights(_plain_tensors(weights), arch.num_layers))
     # Only the block count matters for allocation; rank 0 sized it for the whole pod.
     kv_spec = KVCacheSpec(num_blocks, config.cache.block_size, bytes_per_block=0)
     kv_cache = allocate_kv_cache(
         kv_spec, local_arch, dtype, device, config.cache.kv_cache_dtype
     )
     return model, kv_cache
+
+
+def _plain_tensors(weights: Mapping[str, torch.Tensor | BlockQuantized]) -> dict[str, torch.Tensor]:
+    """The layouts slice plain tensors: config refuses quantization with parallelism, so a
+    checkpoint loaded for a parallel engine holds no `BlockQuantized` matrix."""
+    plain: dict[str, torch.Tensor] = {}
+    for name, weight in weights.items():
+        assert isinstance(weight, torch.Tensor), f"{name}: block-quantized on a parallel engine"
+        plain[name] = weight
+    return plain

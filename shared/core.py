@@ -5,16 +5,15 @@
     updates = scheduler.update(sched, model_out)
 
 The types of the step are in `splitserve.engine.step`. What else happens around a forward pass
-(telemetry,
-the speculation policy's cost curve, exporting a prefill pod's pages) is a `StepObserver` of the
-`StepResult`; the step itself stays these lines.
+(telemetry, the speculation policy's cost curve, exporting a prefill pod's pages) is a
+`StepObserver` of the `StepResult`; the step itself stays these lines. The parts are built by
+`splitserve.engine.parts`; this class only drives them.
 
 Not thread-safe: one thread drives it (the offline `LLM` or `AsyncLLM`'s engine thread).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,40 +22,20 @@ import torch
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv.block_hash import BlockHash, cache_salt_keys
-from splitserve.engine.kv.cache import KVCacheSpec, allocate_kv_cache, size_kv_cache
-from splitserve.engine.kv.disaggregation import (
-    KVPageExporter,
-    LocalPages,
-    PageIO,
-    RemotePrefillPlan,
-    RemotePrefillResult,
-)
+from splitserve.engine.kv.disaggregation import RemotePrefillPlan, RemotePrefillResult
 from splitserve.engine.kv.events import KVCacheEvent
 from splitserve.engine.kv.eviction import retention_for
-from splitserve.engine.kv.manager import KVCacheManager
-from splitserve.engine.kv.offload.build import attach_offloader, build_offloader
 from splitserve.engine.kv.offload.stats import KVTierStats, tier_stats
 from splitserve.engine.kv.tiers import Tier
-from splitserve.engine.model.llama import LlamaForCausalLM
-from splitserve.engine.model.loader import load_checkpoint
-from splitserve.engine.model.moe_layer import expert_token_counts, moe_blocks
-from splitserve.engine.output_processor import OutputProcessor
+from splitserve.engine.model.moe_layer import expert_token_counts
 from splitserve.engine.outputs import StreamDelta
-from splitserve.engine.parallel.group import ParallelGroup
-from splitserve.engine.parallel.pages import ParallelPages
-from splitserve.engine.parallel.setup import start_parallel
+from splitserve.engine.parts import build_parts
 from splitserve.engine.prompts import check_prompt
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.runner import ModelRunner
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.scheduler import Scheduler
-from splitserve.engine.spec_decode.speculator import build_policy, build_speculator
-from splitserve.engine.step import ModelOutput, SchedulerOutput, StepObserver, StepResult
+from splitserve.engine.step import ModelOutput, SchedulerOutput, StepResult
 from splitserve.engine.structured_output.grammar import grammar_for
-from splitserve.engine.structured_output.matcher import GrammarCompiler, StepMasks
-from splitserve.engine.thread_tuner import ThreadTuner
-
-logger = logging.getLogger(__name__)
+from splitserve.engine.structured_output.matcher import StepMasks
 
 
 @dataclass(frozen=True)
@@ -99,97 +78,31 @@ class EngineStats:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, progress=None) -> None:
+        """Loads the model (reporting to `progress`) and builds the parts (shared/parts.py)."""
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        parts = build_parts(config, progress)
+        loaded = parts.model
+        self.architecture = loaded.architecture
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.model_name
+        self.max_model_len = loaded.max_model_len
+        self.eos_token_ids = loaded.eos_token_ids
+        self.kv_spec = loaded.kv_spec
+        self.parallel = loaded.parallel
+        self.kv_manager = parts.kv.manager
+        self.offloader = parts.kv.offloader
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.speculation = parts.speculation
+        self.speculator = parts.speculator
+        self.output_processor = parts.output_processor
+        self.grammars = parts.grammars
+        self.pages = parts.pages
+        self.kv_exporter = parts.kv_exporter
+        self.step_observers = parts.step_observers
+        self.thread_tuner = parts.thread_tuner
         self._num_threads = torch.get_num_threads()
-        self.thread_tuner = None
-        if config.adaptive_threads and self._num_threads > 1:
-            self.thread_tuner = ThreadTuner(self._num_threads)
-        checkpoint = load_checkpoint(
-            config.model.model, progress, keep_quantized=config.model.quantization == "gguf"
-        )
-        self.architecture = checkpoint.architecture
-        self.tokenizer = checkpoint.tokenizer
-        self.model_name = checkpoint.source
-        self.device = torch.device(config.model.device)
-        self.dtype = getattr(torch, config.model.dtype)
-        self.max_model_len = _max_model_len(self.architecture.max_position_embeddings, config)
-        self.eos_token_ids = tuple(
-            sorted(set(self.architecture.eos_token_ids) | set(self.tokenizer.eos_token_ids))
-        )
-        # Tensor or pipeline parallel (shared/parallel/): this process is rank 0, one part.
-        self.parallel: ParallelGroup | None = None
-        if config.parallel.world_size > 1:
-            _check_parallel_model(self.architecture, config.parallel.pipeline_parallel_size)
-            rank0 = start_parallel(config, checkpoint, self.max_model_len)
-            self.parallel, model = rank0.group, rank0.model
-            self.kv_spec, kv_cache = rank0.kv_spec, rank0.kv_cache
-        else:
-            model = LlamaForCausalLM(
-                self.architecture, self.max_model_len, self.device, config.model.quantization
-            )
-            model.materialize(self.device, self.dtype)
-            model.load_hf_weights(checkpoint.weights)
-            self.kv_spec: KVCacheSpec = size_kv_cache(
-                self.architecture, config.cache, self.dtype, self.device
-            )
-            kv_cache = allocate_kv_cache(
-                self.kv_spec,
-                self.architecture,
-                self.dtype,
-                self.device,
-                config.cache.kv_cache_dtype,
-            )
-        del checkpoint
-        self.kv_manager = KVCacheManager.from_config(config.cache, self.kv_spec.num_blocks)
-        self.speculation = build_policy(config.speculative)
-        self.scheduler = Scheduler(
-            config.scheduler,
-            self.kv_manager,
-            self.max_model_len,
-            self.eos_token_ids,
-            self.speculation,
-        )
-        # Offload tiers (host memory, disk) below the pool, when the cache config asks for them.
-        self.offloader = build_offloader(config.cache, kv_cache, config.parallel.world_size)
-        if self.offloader is not None:
-            attach_offloader(self.offloader, self.kv_manager, self.scheduler)
-        self.runner = ModelRunner(
-            model, kv_cache, config.cache.block_size, self.eos_token_ids, self.parallel
-        )
-        self._moe_blocks = moe_blocks(model)  # their expert counters, for stats
-        self.speculator = None
-        if self.speculation is not None:
-            self.speculator = build_speculator(
-                config, self.speculation, self.runner, self.max_model_len
-            )
-        self.output_processor = OutputProcessor(self.tokenizer)
-        # Structured outputs: grammars compiled per constraint, matched per sequence.
-        self.grammars = GrammarCompiler(
-            self.tokenizer.to_json(), self.architecture.vocab_size, self.eos_token_ids
-        )
-        # Prefill pods: the pages of requests added with export_kv_from_block, until taken.
-        # Pages in and out in the model's layout, whatever this engine's parallel layout.
-        self.pages: PageIO = LocalPages(kv_cache)
-        if self.parallel is not None:
-            self.pages = ParallelPages(self.parallel, kv_cache)
-        self.kv_exporter = KVPageExporter(self.pages)
-        # Called after every forward pass with what it computed and when: the exporter, the
-        # speculation policy's step-cost curve, a pod's per-request timings (shared/telemetry).
-        self.step_observers: list[StepObserver] = [self.kv_exporter]
-        if self.speculator is not None:
-            self.step_observers.append(self.speculator)
-        if self.offloader is not None:  # measures what recomputing a prefix costs
-            self.step_observers.append(self.offloader.costs)
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, kv_cache_dtype %s)",
-            self.kv_spec.num_blocks,
-            self.kv_spec.block_size,
-            self.kv_spec.num_tokens,
-            self.kv_spec.total_bytes / 2**20,
-            config.cache.kv_cache_dtype,
-        )
+        self._moe_blocks = parts.moe_blocks
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -292,7 +205,7 @@ class EngineCore:
         # As a prompt, prompt + resumed output must fit and leave room for a token.
         self.validate_prompt(list(prompt_token_ids) + list(resumed_output))
 
-    # ---- disaggregation (see shared/kv/disaggregation.py) --------------------------------------
+    # ---- disaggregation (see shared/kv/disaggregation.py) -----------------------------------
 
     def reserve_remote_prefill(
         self,
@@ -482,20 +395,3 @@ def validate_params(params: object, vocab_size: int) -> None:
         )
     if params.structured_output is not None:
         grammar_for(params.structured_output)  # raises GrammarError (a ValueError)
-
-
-def _check_parallel_model(arch, pipeline_parallel_size: int) -> None:
-    """Before any rank starts: mixture-of-experts models split over tensor-parallel ranks
-    (their experts by range with enable_expert_parallel), not over pipeline stages yet."""
-    if arch.moe is not None and pipeline_parallel_size > 1:
-        raise ValueError(
-            f"pipeline_parallel_size {pipeline_parallel_size} does not support "
-            f"mixture-of-experts models ({arch.family}) yet: use tensor_parallel_size, with "
-            "enable_expert_parallel to spread the experts"
-        )
-
-
-def _max_model_len(model_limit: int, config: EngineConfig) -> int:
-    if config.model.max_model_len is None:
-        return model_limit
-    return min(model_limit, config.model.max_model_len)

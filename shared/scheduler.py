@@ -43,7 +43,10 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
         speculation: SpeculationPolicy | None = None,
+        loads: KVLoads | None = None,
     ) -> None:
+        """`loads`: the offload tiers' loads (None without tiers): admissions whose cached
+        prefix continues in a lower tier wait there for it."""
         self.config = config
         self.speculation = speculation
         self.eos_token_ids = eos_token_ids
@@ -57,8 +60,7 @@ class Scheduler:
         self.num_preemptions = 0
         # Requests ended inside schedule() (their context outgrew the cache), until taken.
         self._dropped: list[Request] = []
-        # Offload tiers: requests whose cached prefix is loading (None: no tiers).
-        self.loads: KVLoads | None = None
+        self.loads = loads
 
     # ---- admission and removal ------------------------------------------------------------
 

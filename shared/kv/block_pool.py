@@ -46,9 +46,14 @@ EvictionSink = Callable[[list[EvictedBlock]], None]
 
 class BlockPool:
     def __init__(
-        self, num_blocks: int, enable_caching: bool = True, tenant_quota: int | None = None
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        tenant_quota: int | None = None,
+        eviction_sink: EvictionSink | None = None,
     ) -> None:
-        """`tenant_quota`: the most cached free blocks one tenant (cache salt) keeps."""
+        """`tenant_quota`: the most cached free blocks one tenant (cache salt) keeps;
+        `eviction_sink`: where evicted cached blocks go (None: they are simply dropped)."""
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
         self.num_blocks = num_blocks
@@ -58,7 +63,7 @@ class BlockPool:
         self.free_block_queue = FreeBlocks(self.blocks, tenant_quota)
         self._cached_blocks: dict[BlockHash, Block] = {}
         self._events: list[KVCacheEvent] = []
-        self.eviction_sink: EvictionSink | None = None
+        self.eviction_sink = eviction_sink
         # (reason, retention rank) -> cached blocks evicted, for the pod's metrics; reason:
         # "quota" (its tenant kept more than its quota), "expired" (past its window) or
         # "capacity" (taken while still inside it).

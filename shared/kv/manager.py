@@ -26,7 +26,7 @@ from typing import Protocol, cast
 from splitserve.engine.config import CacheConfig
 from splitserve.engine.kv.block import Block
 from splitserve.engine.kv.block_hash import BlockHash, hash_full_blocks
-from splitserve.engine.kv.block_pool import BlockPool
+from splitserve.engine.kv.block_pool import BlockPool, EvictedBlock
 from splitserve.engine.kv.events import KVCacheEvent
 from splitserve.engine.kv.eviction import Retention
 from splitserve.engine.kv.tiers import Tier
@@ -48,7 +48,10 @@ class Request(Protocol):
 
 
 class LowerTiers(Protocol):
-    """Where blocks evicted from the pool may still be (shared/kv/offload/offloader.py)."""
+    """Where blocks evicted from the pool go and may still be found
+    (shared/kv/offload/offloader.py)."""
+
+    def save_evicted(self, evicted: list[EvictedBlock]) -> None: ...
 
     def tier_of(self, block_hash: BlockHash) -> Tier | None: ...
 
@@ -101,7 +104,10 @@ class KVCacheManager:
         enable_caching: bool = True,
         hash_namespace: str = CacheConfig.hash_namespace,
         tenant_quota: int | None = None,
+        lower_tiers: LowerTiers | None = None,
     ) -> None:
+        """`lower_tiers`: the offload tiers, when the engine has them: the pool's evictions are
+        written down to them, and prefix lookups continue there."""
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         if not isinstance(hash_namespace, str):
@@ -109,20 +115,23 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_namespace = hash_namespace
-        self.block_pool = BlockPool(num_blocks, enable_caching, tenant_quota)
+        sink = lower_tiers.save_evicted if lower_tiers is not None else None
+        self.block_pool = BlockPool(num_blocks, enable_caching, tenant_quota, sink)
         self.prefix_cache_stats = PrefixCacheStats()
         self._requests: dict[str, _RequestBlocks] = {}
-        # The offload tiers, when the engine has them: prefix lookups continue there.
-        self.lower_tiers: LowerTiers | None = None
+        self.lower_tiers = lower_tiers
 
     @classmethod
-    def from_config(cls, cache_config: CacheConfig, num_blocks: int) -> KVCacheManager:
+    def from_config(
+        cls, cache_config: CacheConfig, num_blocks: int, lower_tiers: LowerTiers | None = None
+    ) -> KVCacheManager:
         return cls(
             num_blocks,
             cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
             hash_namespace=cache_config.hash_namespace,
             tenant_quota=cache_config.tenant_quota_blocks(num_blocks),
+            lower_tiers=lower_tiers,
         )
 
     @property

@@ -1,4 +1,5 @@
-"""The offload tiers an engine's cache config asks for, wired to its pool and scheduler."""
+"""The offload tiers an engine's cache config asks for (the KV manager and the scheduler take
+them in their constructors: shared/parts.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ import logging
 import torch
 
 from splitserve.engine.config import CacheConfig
-from splitserve.engine.kv.loads import KVLoads
-from splitserve.engine.kv.manager import KVCacheManager
 from splitserve.engine.kv.offload.disk_store import DiskBlockStore
 from splitserve.engine.kv.offload.host_store import HostBlockStore
 from splitserve.engine.kv.offload.layout import BlockLayout
@@ -64,9 +63,3 @@ def _host_tier_bytes(cache: CacheConfig, kv_cache: torch.Tensor) -> int:
     pool_bytes = kv_cache.numel() * kv_cache.element_size() if kv_cache.device.type == "cpu" else 0
     return auto_host_tier_bytes(pool_bytes)
 
-
-def attach_offloader(offloader: KVOffloader, kv_manager: KVCacheManager, scheduler) -> None:
-    """Evictions write down, prefix lookups continue in the tiers, admissions load from them."""
-    kv_manager.block_pool.eviction_sink = offloader.save_evicted
-    kv_manager.lower_tiers = offloader
-    scheduler.loads = KVLoads(kv_manager, offloader)

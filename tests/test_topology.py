@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from kubernetes import client
 
-from splitserve.common.topology import (
+from splitserve.pod.topology import (
     REGION_LABEL,
     ZONE_LABEL,
     Topology,

@@ -13,8 +13,8 @@ import functools
 from splitserve.decode.core import DecodePodCore
 from splitserve.decode.remote_prefill import RemotePrefillSettings
 from splitserve.decode.servicer import DecodeWorkerServicer
+from splitserve.pod.addresses import reachable_host
 from splitserve.pod.main import EngineParts, PodRole, build_pod_parser, run_pod
-from splitserve.pod.server import reachable_host
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 

@@ -42,6 +42,7 @@ from splitserve.common.registry_schema import (
 )
 from splitserve.engine.kv.events import BlockRemoved, BlockStored, KVCacheEvent
 from splitserve.engine.kv.tiers import Tier
+from splitserve.pod.addresses import reachable_host
 
 if TYPE_CHECKING:
     from splitserve.engine.async_llm import AsyncLLM
@@ -268,7 +269,8 @@ def pod_place(args: argparse.Namespace) -> Place:
     if (region and zone) or not args.node_name:
         return Place(region, zone)
     try:
-        from splitserve.common.topology import discover_topology
+        # optional: the kubernetes client, only wanted with --node-name
+        from splitserve.pod.topology import discover_topology
     except ImportError:
         return Place(region, zone)
     try:
@@ -280,8 +282,6 @@ def pod_place(args: argparse.Namespace) -> Place:
 
 
 def advertise_address(args: argparse.Namespace, port: int) -> str:
-    from splitserve.pod.server import reachable_host
-
     return f"{args.advertise_host or reachable_host(args.host)}:{port}"
 
 

@@ -173,17 +173,6 @@ def pod_id(args: argparse.Namespace) -> str:
     return args.worker_id or f"{socket.gethostname()}:{args.port}"
 
 
-def reachable_host(host: str) -> str:
-    """An address peers can dial for a pod bound to `host`: a wildcard bind ("0.0.0.0") is
-    not one, so the machine's own address stands in for it."""
-    if host not in ("", "0.0.0.0", "::"):
-        return host
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
 # ---- serving --------------------------------------------------------------------------------
 
 

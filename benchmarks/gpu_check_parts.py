@@ -23,12 +23,16 @@ KERNEL_TEST_FILES = (
     "tests/test_kernels_kv.py",
     "tests/test_kernels_norm_rope.py",
     "tests/test_kv_int8_kernels.py",
-    "tests/test_triton_backend.py",
     "tests/test_moe_step.py",
     "tests/test_kernels_bench.py",  # the benchmark's smoke run, compiled on CUDA
 )
-# Kernel tests that read the SmolLM2 GGUF (its tokenizer, its Q4_1 blocks): call 2 carries it.
-MODEL_TEST_FILES = ("tests/test_quantized_triton.py",)
+# Kernel tests that read the SmolLM2 GGUF (its tokenizer, also that of the tiny checkpoints,
+# its Q4_1 blocks): call 2 carries it. test_cuda_graphs captures real graphs there.
+MODEL_TEST_FILES = (
+    "tests/test_triton_backend.py",
+    "tests/test_quantized_triton.py",
+    "tests/test_cuda_graphs.py",
+)
 # The dry run's one executed test file: fast in the interpreter, and it compiles nothing.
 DRY_RUN_TEST_FILE = "tests/test_kernels_norm_rope.py"
 

@@ -38,8 +38,13 @@ class ModelConfig:
     # (groups of 32), "gguf" (a GGUF file's Q4_0/Q4_1 blocks kept as they are). CPU (torch's
     # packed kernels) or CUDA (Triton dequantizing matmuls).
     quantization: str = "none"
+    # Decode-only steps of up to 64 rows replayed from CUDA graphs captured at start-up
+    # (shared/cuda_graphs.py); CUDA and the Triton attention path only.
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(f"cuda_graphs needs a CUDA device, device is {self.device!r}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATION_METHODS:

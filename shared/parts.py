@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.config import CacheConfig, EngineConfig
+from splitserve.engine.cuda_graphs import DecodeGraphsOptions
 from splitserve.engine.kv.cache import KVCacheSpec, allocate_kv_cache, size_kv_cache
 from splitserve.engine.kv.disaggregation import KVPageExporter, LocalPages, PageIO
 from splitserve.engine.kv.loads import KVLoads
@@ -104,6 +105,7 @@ def build_parts(config: EngineConfig, progress=None) -> EngineParts:
         config.cache.block_size,
         loaded.eos_token_ids,
         loaded.parallel,
+        DecodeGraphsOptions(loaded.max_model_len) if config.model.cuda_graphs else None,
     )
     speculator = None
     if speculation is not None:

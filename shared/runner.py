@@ -8,6 +8,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from splitserve.engine.cuda_graphs import (
+    CudaGraphCapture,
+    DecodeGraphs,
+    DecodeGraphsOptions,
+)
 from splitserve.engine.model.attention_backend import select_attention_backend
 from splitserve.engine.model.attention_metadata import (
     AttentionBackend,
@@ -44,6 +49,7 @@ class ModelRunner:
         block_size: int,
         eos_token_ids: tuple[int, ...],
         parallel: ParallelGroup | None = None,
+        decode_graphs: DecodeGraphsOptions | None = None,
     ) -> None:
         self.model = model
         # Rank 0 of a parallel engine: each forward is sent to the other ranks first.
@@ -58,6 +64,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         # Per-request RNGs, so a seeded request samples the same tokens whatever shares its batch.
         self._generators: dict[str, torch.Generator] = {}
+        # Last: capturing runs forward passes, which need everything above.
+        self.decode_graphs = self._capture_decode_graphs(decode_graphs)
 
     def execute(self, sched: SchedulerOutput, masks: StepMasks = NO_MASKS) -> ModelOutput:
         """One forward over `sched`; samples every plain sampled chunk (within the grammar
@@ -87,14 +95,34 @@ class ModelRunner:
         return self.forward_local(inputs)
 
     def forward_local(self, inputs: ModelInputs) -> torch.Tensor:
-        """`forward` in this process only (a parallel engine's rank 0 runs its part here)."""
-        return self.model(
-            inputs.input_ids,
-            inputs.positions,
-            self.kv_cache,
-            inputs.meta,
-            self.backend,
-            inputs.logits_indices,
+        """`forward` in this process only (a parallel engine's rank 0 runs its part here): a
+        captured CUDA graph's replay when the step fits one, else eagerly."""
+        args = (inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
+        if self.decode_graphs is not None:
+            logits = self.decode_graphs.run(*args)
+            if logits is not None:
+                return logits
+        return self.forward_eager(*args)
+
+    def forward_eager(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_cache, meta, self.backend, logits_indices)
+
+    def _capture_decode_graphs(self, options: DecodeGraphsOptions | None) -> DecodeGraphs | None:
+        if options is None:
+            return None
+        if self.parallel is not None or not self.backend.uses_block_tables:
+            raise ValueError(
+                "cuda_graphs needs a single-process engine on the Triton attention path"
+            )
+        max_blocks = -(-options.max_model_len // self.block_size)
+        return DecodeGraphs(
+            self.forward_eager, options.batch_sizes, max_blocks, self.device, CudaGraphCapture()
         )
 
     def _sample_plain(

@@ -36,6 +36,7 @@ from splitserve.engine.kv.transfer.base import (
     KVTransferDescriptor,
     KVTransferError,
 )
+from splitserve.kernels import reference
 
 if TYPE_CHECKING:
     from splitserve.engine.outputs import CompletionOutput
@@ -156,20 +157,23 @@ def page_shape(kv_cache: torch.Tensor, num_blocks: int) -> tuple[int, ...]:
 def pack_pages(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
     """Blocks' pages of every layer as one contiguous block-major buffer (a copy)."""
     if kv_cache.device.type == "cuda":
+        # A heavy lazy load: the Triton kernel (and Triton) only where a CUDA cache is.
         from splitserve.kernels import pack_kv_pages
-    else:
-        from splitserve.kernels.reference import pack_kv_pages
-    return pack_kv_pages(kv_cache, block_ids)
+
+        return pack_kv_pages(kv_cache, block_ids)
+    return reference.pack_kv_pages(kv_cache, block_ids)
 
 
 def unpack_pages(pages: torch.Tensor, kv_cache: torch.Tensor, block_ids: list[int]) -> None:
     """Writes a `pack_pages` buffer into `kv_cache` at `block_ids`; mutates kv_cache."""
     pages = pages.to(kv_cache.device)
     if kv_cache.device.type == "cuda":
+        # A heavy lazy load, as in pack_pages.
         from splitserve.kernels import unpack_kv_pages
+
+        unpack_kv_pages(pages, kv_cache, block_ids)
     else:
-        from splitserve.kernels.reference import unpack_kv_pages
-    unpack_kv_pages(pages, kv_cache, block_ids)
+        reference.unpack_kv_pages(pages, kv_cache, block_ids)
 
 
 # ---- pages over a KV transport -------------------------------------------------------------

@@ -7,7 +7,8 @@
     SCATTER_PAGES  payload = block ids; rank 0 sends each rank its part of those pages
     PIPELINE_STEP  count = micro-batches; payload = chunks per micro-batch, then STEP's payload
 
-Rank 0 calls `send`; the others `receive_header` in a loop.
+Rank 0 calls `send`; the others `receive_header` in a loop (worker.py), and hand the page
+opcodes to `splitserve.engine.parallel.pages.run_page_op`.
 """
 
 from __future__ import annotations
@@ -55,16 +56,3 @@ def receive_header(comm: Communicator) -> tuple[Header, torch.Tensor]:
         comm.broadcast(payload)
     return Header(Opcode(opcode), count, length), payload
 
-
-def run_page_op(
-    comm: Communicator, header: Header, payload: torch.Tensor, kv_cache: torch.Tensor
-) -> None:
-    """A rank's side of GATHER_PAGES / SCATTER_PAGES (see splitserve.engine.parallel.pages)."""
-    from splitserve.engine.parallel.pages import gather_pages, scatter_pages
-
-    if header.opcode == Opcode.GATHER_PAGES:
-        gather_pages(comm, kv_cache, payload)
-    elif header.opcode == Opcode.SCATTER_PAGES:
-        scatter_pages(comm, kv_cache, payload)
-    else:
-        raise AssertionError(f"unknown opcode {header.opcode}")

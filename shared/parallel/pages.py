@@ -12,23 +12,41 @@ heads never travel twice:
 The layout says how parts are cut and joined: by KV heads (`TensorParallelLayout`), by
 layers (`PipelineLayout`), or by layers into stages and then by heads into each stage's ranks
 (`GridLayout`). A single-process pod does none of these (`LocalPages`).
+
+Both sides of each page collective live here, rank 0's (`ParallelPages`) and the other ranks'
+(`run_page_op`, which their loop in worker.py calls), so the two stay in step.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import torch
 
 from splitserve.engine.kv.disaggregation import pack_pages, unpack_pages
 from splitserve.engine.parallel.comm import Communicator
-from splitserve.engine.parallel.group import ParallelGroup
-from splitserve.engine.parallel.ops import Opcode, send
+from splitserve.engine.parallel.ops import Header, Opcode, send
+from splitserve.engine.parallel.rank import RankLayout
+
+T = TypeVar("T")
+
+
+class RankZeroGroup(Protocol):
+    """What page I/O needs of rank 0's `ParallelGroup` (group.py). A protocol: the group
+    imports the other ranks' loop, which imports this module."""
+
+    comm: Communicator
+    layout: RankLayout
+
+    def guard(self, action: Callable[[], T]) -> T: ...
 
 
 class ParallelPages:
     """Rank 0's page I/O for the whole pod (the interface of `LocalPages`). Engine thread only:
     each call is a collective, between two steps."""
 
-    def __init__(self, group: ParallelGroup, kv_cache: torch.Tensor) -> None:
+    def __init__(self, group: RankZeroGroup, kv_cache: torch.Tensor) -> None:
         self.group = group
         self.layout = group.layout
         self.kv_cache = kv_cache  # rank 0's part
@@ -58,7 +76,19 @@ class ParallelPages:
         unpack_pages(mine, self.kv_cache, block_ids)
 
 
-# ---- the other ranks' side (splitserve.engine.parallel.ops.run_page_op) ----------------
+# ---- the other ranks' side ---------------------------------------------------------------
+
+
+def run_page_op(
+    comm: Communicator, header: Header, payload: torch.Tensor, kv_cache: torch.Tensor
+) -> None:
+    """A rank's side of GATHER_PAGES / SCATTER_PAGES; `payload` holds the block ids."""
+    if header.opcode == Opcode.GATHER_PAGES:
+        gather_pages(comm, kv_cache, payload)
+    elif header.opcode == Opcode.SCATTER_PAGES:
+        scatter_pages(comm, kv_cache, payload)
+    else:
+        raise AssertionError(f"not a page opcode: {header.opcode}")
 
 
 def gather_pages(comm: Communicator, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:

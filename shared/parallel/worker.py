@@ -27,7 +27,8 @@ import torch
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.model.loader import load_checkpoint
 from splitserve.engine.parallel.comm import Communicator, connect_store
-from splitserve.engine.parallel.ops import Opcode, receive_header, run_page_op
+from splitserve.engine.parallel.ops import Opcode, receive_header
+from splitserve.engine.parallel.pages import run_page_op
 from splitserve.engine.parallel.rank import RankLayout, build_rank, layout_for
 from splitserve.engine.runner import ModelRunner
 

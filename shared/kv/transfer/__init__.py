@@ -21,6 +21,7 @@ from splitserve.engine.kv.transfer.base import (
     KVTransport,
 )
 from splitserve.engine.kv.transfer.config import KVTransferConfig
+from splitserve.engine.kv.transfer.tcp import TcpTransport
 
 __all__ = [
     "KVReceiver",
@@ -39,9 +40,8 @@ def create_kv_transport(config: KVTransferConfig | str = "ucx") -> KVTransport:
     if isinstance(config, str):
         config = KVTransferConfig(backend=config)
     if config.backend == "tcp":
-        from splitserve.engine.kv.transfer.tcp import TcpTransport
-
         return TcpTransport(config)
+    # An optional dependency: ucxx is imported only when asked for (module docstring).
     from splitserve.engine.kv.transfer.ucx import UcxTransport
 
     return UcxTransport(config)

@@ -22,6 +22,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
 from splitserve.engine.chat_template import ChatTemplate
+from splitserve.engine.gguf_metadata import GGUFMetadata
 
 # llama.cpp token types (gguf.TokenType): CONTROL tokens are special (skipped when decoding),
 # USER_DEFINED ones are matched whole in text but decode like ordinary text.
@@ -76,7 +77,7 @@ class Tokenizer:
     @classmethod
     def from_gguf_reader(cls, reader: gguf.GGUFReader) -> Tokenizer:
         """The tokenizer a GGUF file describes; the loader passes the reader it already opened."""
-        meta = _GGUFTokenizerMeta(reader)
+        meta = GGUFMetadata(reader)
         model_type = meta.get("tokenizer.ggml.model")
         if model_type not in SUPPORTED_GGUF_TOKENIZERS:
             raise ValueError(
@@ -218,18 +219,7 @@ class Tokenizer:
         return ids[0] if ids and self.is_special(ids[0]) else None
 
 
-class _GGUFTokenizerMeta:
-    """Typed access to a GGUF reader's metadata fields."""
-
-    def __init__(self, reader: gguf.GGUFReader) -> None:
-        self._fields = reader.fields
-
-    def get(self, key: str, default: Any = None) -> Any:
-        field = self._fields.get(key)
-        return default if field is None else field.contents()
-
-
-def _byte_level_bpe(meta: _GGUFTokenizerMeta) -> tokenizers.Tokenizer:
+def _byte_level_bpe(meta: GGUFMetadata) -> tokenizers.Tokenizer:
     tokens: list[str] = meta.get("tokenizer.ggml.tokens")
     merges: list[str] = meta.get("tokenizer.ggml.merges", [])
     if not tokens:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
+from splitserve.engine.gguf_metadata import GGUFMetadata
 from splitserve.engine.model.architecture import LoadedCheckpoint, ModelArchitecture, RopeScaling
 from splitserve.engine.model.gguf_blocks import PACKED_TYPES, BlockQuantized, read_blocks
 from splitserve.engine.model.gguf_moe import UNSUPPORTED_MOE_ARCHITECTURES, moe_fields, moe_tensors
@@ -53,7 +54,7 @@ def load_gguf(
     """Reads architecture, tokenizer and all weights from `path`: float32, except that with
     `keep_quantized` the Q4_0/Q4_1 matrices stay `BlockQuantized`."""
     reader = gguf.GGUFReader(path)
-    meta = _Metadata(reader)
+    meta = GGUFMetadata(reader)
     _check_architecture(meta.require("general.architecture"), path)
     tokenizer = Tokenizer.from_gguf_reader(reader)
     architecture = read_architecture(reader, tokenizer)
@@ -65,7 +66,7 @@ def load_gguf(
 
 def read_architecture(reader: gguf.GGUFReader, tokenizer: Tokenizer) -> ModelArchitecture:
     """The model's numbers from `llama.*` metadata; token ids come from the tokenizer."""
-    meta = _Metadata(reader)
+    meta = GGUFMetadata(reader)
     arch = meta.require("general.architecture")
     hidden_size = int(meta.require(f"{arch}.embedding_length"))
     num_heads = int(meta.require(f"{arch}.attention.head_count"))
@@ -175,7 +176,7 @@ def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
     return values if values.flags.writeable and values.flags.owndata else values.copy()
 
 
-def _rope_scaling(meta: _Metadata, arch: str) -> RopeScaling:
+def _rope_scaling(meta: GGUFMetadata, arch: str) -> RopeScaling:
     kind = meta.get(f"{arch}.rope.scaling.type")
     factor = meta.get(f"{arch}.rope.scaling.factor")
     legacy_linear = meta.get(f"{arch}.rope.scale_linear")
@@ -227,18 +228,3 @@ def _scalar(value: Any, name: str) -> int:
     if isinstance(value, list):
         raise ValueError(f"per-layer {name} values are not supported")
     return int(value)
-
-
-class _Metadata:
-    def __init__(self, reader: gguf.GGUFReader) -> None:
-        self._fields = reader.fields
-
-    def get(self, key: str, default: Any = None) -> Any:
-        field = self._fields.get(key)
-        return default if field is None else field.contents()
-
-    def require(self, key: str) -> Any:
-        field = self._fields.get(key)
-        if field is None:
-            raise ValueError(f"GGUF file lacks required metadata {key!r}")
-        return field.contents()

@@ -6,7 +6,10 @@ import argparse
 import sys
 import time
 
+from splitserve.engine.progress import ConsoleProgress
+from splitserve.engine.sampling_params import SamplingParams
 from splitserve.launcher import add_up_flags, run_up
+from splitserve.planner.__main__ import add_plan_subcommands, run_plan
 from splitserve.pod.flags import add_kv_cache_dtype_flag, add_quantization_flag
 
 ENGINE_FLAGS = (
@@ -35,8 +38,6 @@ def _add_up(sub: argparse.ArgumentParser) -> None:
 
 def _add_plan(sub: argparse.ArgumentParser) -> None:
     # The planner owns its flags: `splitserve plan X` is `python -m splitserve.planner X`.
-    from splitserve.planner.__main__ import add_plan_subcommands
-
     add_plan_subcommands(sub)
 
 
@@ -62,9 +63,7 @@ def _add_generate(sub: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from splitserve.engine.llm import LLM
-    from splitserve.engine.progress import ConsoleProgress
-    from splitserve.engine.sampling_params import SamplingParams
+    from splitserve.engine.llm import LLM  # lazy: torch, which up and plan do without
 
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -109,8 +108,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "up":
             return run_up(args)
         if args.command == "plan":
-            from splitserve.planner.__main__ import run_plan
-
             return run_plan(args)
     except ValueError as error:
         print(f"splitserve: error: {error}", file=sys.stderr)

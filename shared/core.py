@@ -29,12 +29,12 @@ from splitserve.engine.kv.offload.stats import KVTierStats, tier_stats
 from splitserve.engine.kv.tiers import Tier
 from splitserve.engine.model.moe_layer import expert_token_counts
 from splitserve.engine.outputs import StreamDelta
+from splitserve.engine.params_check import check_params
 from splitserve.engine.parts import build_parts
 from splitserve.engine.prompts import check_prompt
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.step import ModelOutput, SchedulerOutput, StepResult
-from splitserve.engine.structured_output.grammar import grammar_for
 from splitserve.engine.structured_output.matcher import StepMasks
 
 
@@ -112,9 +112,10 @@ class EngineCore:
         """Raises ValueError for a request this engine can never serve. Read-only: safe to call
         from any thread, so front ends check a whole batch before queueing any of it."""
         self.validate_prompt(prompt_token_ids)
-        validate_params(params, self.architecture.vocab_size)
+        check_params(params, self.architecture.vocab_size)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        assert isinstance(params, SamplingParams), "its check raised otherwise"
         retention_s, max_retention_s = params.cache_retention_s, self.config.cache.max_retention_s
         if retention_s is not None and retention_s > max_retention_s:
             raise ValueError(
@@ -381,17 +382,3 @@ class EngineCore:
             "num_spec_verify_steps": spec.num_verify_steps,
         }
 
-
-def validate_params(params: object, vocab_size: int) -> None:
-    """SamplingParams checks its own values; what depends on the model is checked here (and
-    a front end may still pass something else)."""
-    if not isinstance(params, SamplingParams):
-        raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-    too_large = [token_id for token_id, _ in params.logit_bias if token_id >= vocab_size]
-    if too_large:
-        raise ValueError(
-            f"logit_bias token ids must be below the vocabulary size {vocab_size}, "
-            f"got {too_large[0]}"
-        )
-    if params.structured_output is not None:
-        grammar_for(params.structured_output)  # raises GrammarError (a ValueError)

@@ -23,7 +23,8 @@ from splitserve.common.model_files import load_tokenizer, resolve_model_path
 from splitserve.common.redis_server import RedisServer
 from splitserve.common.supervisor import HealthCheck, ProcessSpec, Supervisor
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.gateway.generation import GatewayCore, GenerationRequest, collect
+from splitserve.gateway.core import GatewayCore, GenerationRequest
+from splitserve.gateway.generation import collect
 from splitserve.gateway.routing.pods import PodPool
 from splitserve.gateway.routing.router import Router, RouterSettings
 from tests.services_util import MODEL_NAME, STARTUP_TIMEOUT_SECONDS, free_port, prefill_stats

@@ -413,8 +413,8 @@ def test_models_health_and_metrics(client, stack):
 def test_gateway_modules_import_no_torch():
     code = (
         "import sys\n"
-        "import splitserve.gateway.__main__, splitserve.gateway.http_api\n"
-        "import splitserve.gateway.grpc_api\n"
+        "import splitserve.gateway.__main__, splitserve.gateway.api.http_app\n"
+        "import splitserve.gateway.api.grpc_service\n"
         "import splitserve.cli, splitserve.launcher\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

@@ -11,7 +11,8 @@ import grpc
 import pytest
 
 from splitserve.common.registry_schema import PodRecord
-from splitserve.gateway.generation import Generation, PodError, _Child
+from splitserve.gateway.generation import Generation, PodError
+from splitserve.gateway.generation import SequenceCall as _Child
 from splitserve.gateway.metrics import GatewayMetrics
 from splitserve.gateway.routing.pods import PodPool
 from splitserve.v1 import worker_pb2

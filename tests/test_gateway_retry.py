@@ -35,7 +35,8 @@ from splitserve.common.supervisor import HealthCheck, ProcessSpec, Supervisor
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.gateway import generation as generation_module
-from splitserve.gateway.generation import GatewayCore, GenerationRequest, PodError, collect
+from splitserve.gateway.core import GatewayCore, GenerationRequest
+from splitserve.gateway.generation import PodError, collect
 from splitserve.gateway.metrics import GatewayMetrics
 from splitserve.gateway.routing.pods import PodPool
 from splitserve.gateway.routing.router import Router, RouterSettings

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from splitserve.engine.model_paths import default_model_path
 from splitserve.engine.tokenizer import Tokenizer
-from splitserve.gateway.openai_protocol import parse_chat
+from splitserve.gateway.api.chat import parse_chat
 from tests.services_util import MODEL_NAME, Stack, post_raw, start_stack, wait_until_idle
 
 WEATHER = {

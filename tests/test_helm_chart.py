@@ -538,7 +538,7 @@ def test_worker_probes_ask_the_grpc_health_service_on_the_serving_port():
 
 
 def test_gateway_probes_its_http_port():
-    from splitserve.gateway.http_api import ENDPOINTS
+    from splitserve.gateway.api.http_app import ENDPOINTS
 
     for case in CASES:
         objects = case_objects(case)

@@ -23,9 +23,10 @@ from splitserve.common.model_files import load_tokenizer, resolve_model_path
 from splitserve.engine.sampling_params import SamplingParams, value_type
 from splitserve.engine.structured_output.spec import StructuredOutput
 from splitserve.engine.tokenizer import Tokenizer
-from splitserve.gateway.api_schema import ChatBody, CompletionBody, SamplingFields
-from splitserve.gateway.constraints import closed_objects
-from splitserve.gateway.openai_protocol import SAMPLING_BODY_FIELDS, parse_chat, parse_completion
+from splitserve.gateway.api.chat import ChatBody, parse_chat
+from splitserve.gateway.api.completions import CompletionBody, parse_completion
+from splitserve.gateway.api.fields import SAMPLING_BODY_FIELDS, SamplingFields
+from splitserve.gateway.structured.constraints import closed_objects
 from splitserve.v1 import generate_pb2, generate_pb2_grpc
 from tests.services_util import MODEL_NAME, Stack, get_json, pod_stats, post_raw, start_stack
 

@@ -16,7 +16,8 @@ from splitserve.engine.sampling_params import (
     value_type,
 )
 from splitserve.engine.structured_output.spec import StructuredOutput
-from splitserve.gateway.openai_protocol import parse_chat, parse_completion
+from splitserve.gateway.api.chat import parse_chat
+from splitserve.gateway.api.completions import parse_completion
 from splitserve.v1 import generate_pb2
 
 _PYTHON_TYPE = {

@@ -17,7 +17,8 @@ import pytest
 from splitserve.engine.model_paths import default_model_path
 from splitserve.engine.structured_output.grammar import grammar_for
 from splitserve.engine.tokenizer import Tokenizer
-from splitserve.gateway.openai_protocol import param_of, parse_chat
+from splitserve.gateway.api.chat import parse_chat
+from splitserve.gateway.errors import param_of
 from splitserve.gateway.tools.calls import ToolCallParser, ToolDelta, assemble, parse_answer
 from splitserve.gateway.tools.hooks import ToolOutputs, prepare_chat
 from splitserve.gateway.tools.prompt import tools_section

@@ -16,9 +16,9 @@ from splitserve.common.cli_args import setup_logging
 from splitserve.common.grpc_server import GrpcServer, start_server, stop_event_on_signals
 from splitserve.common.model_files import default_model_name, load_tokenizer, resolve_model_path
 from splitserve.common.tracing import configure_tracing
-from splitserve.gateway.generation import GatewayCore
-from splitserve.gateway.grpc_api import GenerationServicer
-from splitserve.gateway.http_api import create_app
+from splitserve.gateway.api.grpc_service import GenerationServicer
+from splitserve.gateway.api.http_app import create_app
+from splitserve.gateway.core import GatewayCore
 from splitserve.gateway.metrics import GatewayMetrics
 from splitserve.gateway.migration import add_migration_flags, migration_policy
 from splitserve.gateway.routing.pods import POLL_INTERVAL_SECONDS, PodPool

@@ -1,9 +1,5 @@
-"""The gateway's request path, shared by the HTTP and gRPC front ends: validate, pick pods, fan
-n > 1 (and several prompts) out into one DecodeRequest per sequence, merge the streams back.
-
-The child ids and seeds come from `splitserve.engine.prompts.child_sequences`, the very function
-the engine
-uses in-process, so a request served through the gateway samples what `LLM.generate` would.
+"""One client request in flight: its sequences' decode calls, merged into one stream
+(`Generation`). `core.py` makes the calls; this module follows them.
 
 A sequence whose decode pod cannot be reached (UNAVAILABLE: connection refused or reset, the pod
 gone or draining) before that pod streamed anything for it is routed again without that pod and
@@ -24,17 +20,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from splitserve.common.convert import options_from_params
 from splitserve.common.grpc_server import StatusError
 from splitserve.common.tracing import grpc_metadata
-from splitserve.engine.prompts import check_prompt, child_sequences
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.tokenizer import Tokenizer
-from splitserve.gateway.constraints import check_params
 from splitserve.gateway.metrics import GatewayMetrics
 from splitserve.gateway.migration import MigrationPolicy, PodDown, Stalled, broken_cause
-from splitserve.gateway.routing.pods import Pod, PodPool
-from splitserve.gateway.routing.router import PickedPods, Router
+from splitserve.gateway.outputs import CollectedSequence, SequenceChunk, Usage
+from splitserve.gateway.routing.pods import Pod
+from splitserve.gateway.routing.router import PickedPods
 from splitserve.gateway.routing.scoring import RoutingDecision
 from splitserve.v1 import generate_pb2, worker_pb2
 
@@ -45,55 +37,13 @@ logger = logging.getLogger(__name__)
 MAX_DECODE_RETRIES = 2
 
 
-class NoPodError(StatusError):
-    """No decode pod is reachable: HTTP 503 / gRPC UNAVAILABLE."""
-
-    def __init__(self, message: str = "no decode pod is available") -> None:
-        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
-
-
 class PodError(StatusError):
     """A decode pod failed the request (not the client's fault)."""
 
 
-@dataclass(frozen=True)
-class GenerationRequest:
-    request_id: str
-    prompts: list[list[int]]  # token ids; each prompt gets params.n sequences
-    params: SamplingParams
-    priority: int = 0
-    # OpenAI's prompt_cache_key: requests sharing it are routed to the same decode pod.
-    prompt_cache_key: str | None = None
-
-
 @dataclass
-class SequenceChunk:
-    """What one decode message added to one output sequence (a choice)."""
-
-    index: int  # choice index: prompt_index * n + sequence index
-    text: str
-    token_ids: list[int]
-    logprobs: list[generate_pb2.TokenLogprob]
-    finish_reason: str | None = None  # on the sequence's last chunk only
-    stop_reason: str | None = None
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    # cached_tokens by the cache tier that served them (Tier.label -> tokens).
-    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass
-class _Child:
-    """One sequence's decode call."""
+class SequenceCall:
+    """One sequence's decode call, and where it has been: what a resend or a migration needs."""
 
     index: int
     prompt_index: int
@@ -123,147 +73,9 @@ class _Child:
 _END = object()  # a child's stream ended
 
 # Routes a sequence again after its decode pod was unreachable (None: no other pod is left).
-Reroute = Callable[[_Child], Awaitable[PickedPods | None]]
+Reroute = Callable[[SequenceCall], Awaitable[PickedPods | None]]
 # Takes a decode pod a call could not reach out of routing for a while, for every request.
 MarkUnreachable = Callable[[Pod], None]
-
-
-class GatewayCore:
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        model_name: str,
-        decode_pool: PodPool,
-        prefill_pool: PodPool | None = None,
-        metrics: GatewayMetrics | None = None,
-        router: Router | None = None,
-        migration: MigrationPolicy | None = None,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.migration = migration or MigrationPolicy()
-        self.model_name = model_name
-        self.decode_pool = decode_pool
-        self.prefill_pool = prefill_pool
-        self.metrics = metrics or GatewayMetrics()
-        # Picks the pods of every sequence (services/gateway/routing/router.py); without one given,
-        # static pods by load and proximity.
-        self.router = router or Router(decode_pool, prefill_pool)
-
-    # ---- prompts ----------------------------------------------------------------------------
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """As `LLM.generate` tokenizes a text prompt (with the model's BOS/EOS rules)."""
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
-    ) -> list[int]:
-        """As `LLM.chat` does: the chat template, then tokens without extra specials."""
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt
-        )
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    @property
-    def max_model_len(self) -> int:
-        max_model_len = self.decode_pool.max_model_len
-        if max_model_len is None:
-            raise NoPodError()
-        return max_model_len
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raises PromptError / ValueError (naming the parameter) for a request no pod can
-        serve, NoPodError when there is no pod to ask."""
-        max_model_len = self.max_model_len
-        # The engine's own check, less the KV cache's size, which only the pod knows.
-        check_prompt(prompt_token_ids, self.tokenizer.vocab_size, max_model_len)
-        num_tokens = len(prompt_token_ids)
-        if num_tokens + params.max_tokens > max_model_len:
-            raise ValueError(
-                f"max_tokens is too large: {num_tokens} prompt tokens + {params.max_tokens} "
-                f"max_tokens exceed this model's context length of {max_model_len}"
-            )
-
-    # ---- requests ---------------------------------------------------------------------------
-
-    async def start(self, request: GenerationRequest, client_region: str = "") -> Generation:
-        """Validates every prompt, then sends every sequence to the pods the router picks
-        (`client_region`: the client's region, from `x-splitserve-region`, "" if unknown)."""
-        # Before anything is scheduled: a grammar that cannot compile, a bias for no token.
-        check_params(request.params, self.tokenizer.vocab_size)
-        for prompt in request.prompts:
-            self.validate(prompt, request.params)
-        children = [
-            await self._child(
-                request, prompt_index, sequence_index, child_id, child_params, client_region
-            )
-            for prompt_index, prompt_id in enumerate(_prompt_ids(request))
-            for sequence_index, (child_id, child_params) in enumerate(
-                child_sequences(prompt_id, request.params)
-            )
-        ]
-        num_prompt_tokens = sum(len(prompt) for prompt in request.prompts)
-        return Generation(
-            children,
-            num_prompt_tokens,
-            self.metrics,
-            self._reroute,
-            self.decode_pool.mark_unreachable,
-            self.migration,
-        )
-
-    async def _child(
-        self,
-        request: GenerationRequest,
-        prompt_index: int,
-        sequence_index: int,
-        child_id: str,
-        child_params: SamplingParams,
-        client_region: str,
-    ) -> _Child:
-        picked = await self.router.pick(
-            request.prompts[prompt_index],
-            client_region,
-            cache_salt=child_params.cache_salt,
-            cache_key=request.prompt_cache_key,
-        )
-        if picked is None:
-            raise NoPodError()
-        decode_request = worker_pb2.DecodeRequest(
-            request_id=child_id,
-            prompt_token_ids=request.prompts[prompt_index],
-            sampling=options_from_params(child_params),
-            priority=request.priority,
-            prefill_address=picked.prefill.address if picked.prefill is not None else "",
-        )
-        index = prompt_index * request.params.n + sequence_index
-        return _Child(
-            index,
-            prompt_index,
-            decode_request,
-            picked.decode,
-            picked.decision,
-            client_region=client_region,
-            cache_salt=child_params.cache_salt,
-        )
-
-    async def _reroute(self, child: _Child) -> PickedPods | None:
-        """The pods for a sequence whose decode pod was unreachable: the decode pods it failed
-        on are left out, and so are its failed attempts' prefill pods while others remain."""
-        prompt = list(child.request.prompt_token_ids)
-        return await self.router.pick(
-            prompt,
-            child.client_region,
-            exclude=child.failed_addresses,
-            avoid_prefill=child.earlier_prefill_addresses,
-            cache_salt=child.cache_salt,
-        )
-
-
-def _prompt_ids(request: GenerationRequest) -> list[str]:
-    if len(request.prompts) == 1:
-        return [request.request_id]
-    return [f"{request.request_id}-{i}" for i in range(len(request.prompts))]
 
 
 class Generation:
@@ -280,7 +92,7 @@ class Generation:
 
     def __init__(
         self,
-        children: list[_Child],
+        children: list[SequenceCall],
         num_prompt_tokens: int,
         metrics: GatewayMetrics,
         reroute: Reroute | None = None,
@@ -341,7 +153,7 @@ class Generation:
             if child.task is not None:
                 child.task.cancel()
 
-    async def _pump(self, child: _Child) -> None:
+    async def _pump(self, child: SequenceCall) -> None:
         """Streams one sequence into the queue: resent to another pod while its pod is
         unreachable before any output, migrated when its stream breaks after output; ends by
         queueing _END or the error it failed with."""
@@ -372,7 +184,7 @@ class Generation:
             )
         self._queue.put_nowait((child, outcome))
 
-    async def _stream(self, child: _Child) -> object:
+    async def _stream(self, child: SequenceCall) -> object:
         """One decode call on `child.pod`, its responses queued as they come; returns _END
         once the stream ended, Stalled when it went silent after output, or the exception the
         call failed with."""
@@ -413,7 +225,7 @@ class Generation:
             pod.call_breakers.discard(break_off)
         return _END
 
-    def _take(self, child: _Child, response: worker_pb2.DecodeResponse) -> None:
+    def _take(self, child: SequenceCall, response: worker_pb2.DecodeResponse) -> None:
         if child.broke_at is not None:
             self._metrics.migration_latency.observe(time.monotonic() - child.broke_at)
             child.broke_at = None
@@ -423,7 +235,7 @@ class Generation:
             child.saw_finish = True
         self._queue.put_nowait((child, response))
 
-    async def _migrate(self, child: _Child, cause: str) -> bool:
+    async def _migrate(self, child: SequenceCall, cause: str) -> bool:
         """Points `child` at another pod with the tokens delivered so far; False when the
         policy's limits say no or no pod is left."""
         request_id, failed = child.request.request_id, child.pod.address
@@ -461,7 +273,7 @@ class Generation:
         )
         return True
 
-    def _leave_out(self, child: _Child) -> None:
+    def _leave_out(self, child: SequenceCall) -> None:
         """The one place an unreachable decode pod is noted, whether a retry follows or not:
         it cools down for every request, and this sequence never goes back to it."""
         if self._mark_unreachable is not None:
@@ -470,10 +282,10 @@ class Generation:
         if child.request.prefill_address:
             child.earlier_prefill_addresses.add(child.request.prefill_address)
 
-    def _can_retry(self, child: _Child) -> bool:
+    def _can_retry(self, child: SequenceCall) -> bool:
         return self._reroute is not None and child.num_retries < MAX_DECODE_RETRIES
 
-    async def _move_elsewhere(self, child: _Child, error: Exception) -> bool:
+    async def _move_elsewhere(self, child: SequenceCall, error: Exception) -> bool:
         """Points `child` at another pod (same request id and seed); False if none is left."""
         assert self._reroute is not None, "only called when retries are on"
         request_id, failed = child.request.request_id, child.pod.address
@@ -501,7 +313,7 @@ class Generation:
         )
         return True
 
-    def _chunk(self, child: _Child, response: worker_pb2.DecodeResponse) -> SequenceChunk:
+    def _chunk(self, child: SequenceCall, response: worker_pb2.DecodeResponse) -> SequenceChunk:
         if self._first_token_time is None and response.token_ids:
             self._first_token_time = time.monotonic()
             self._metrics.time_to_first_token.observe(self._first_token_time - self._start_time)
@@ -516,7 +328,7 @@ class Generation:
             self._count_usage(child, response.usage)
         return chunk
 
-    def _count_usage(self, child: _Child, usage: generate_pb2.Usage) -> None:
+    def _count_usage(self, child: SequenceCall, usage: generate_pb2.Usage) -> None:
         self.usage.completion_tokens += usage.completion_tokens
         # A prompt is counted once, whatever its n; its sequences may find different amounts
         # cached (a later one reuses an earlier one's blocks), so report the most.
@@ -533,7 +345,7 @@ class Generation:
             self._metrics.observe_finished(time.monotonic() - self._start_time, self.usage)
 
 
-def _is_unreachable_before_output(child: _Child, outcome: object) -> bool:
+def _is_unreachable_before_output(child: SequenceCall, outcome: object) -> bool:
     """The call could not reach the pod (or the pod stopped answering) and nothing of the
     sequence was streamed: safe to resend (a pod that comes back frees the cancelled call)."""
     unreachable = isinstance(outcome, PodDown) or (
@@ -549,7 +361,7 @@ def _details(error: Exception) -> str:
     return str(error) or type(error).__name__
 
 
-def _translate(error: Exception, child: _Child) -> Exception:
+def _translate(error: Exception, child: SequenceCall) -> Exception:
     if not isinstance(error, grpc.aio.AioRpcError):
         return error
     if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -557,25 +369,6 @@ def _translate(error: Exception, child: _Child) -> Exception:
     return PodError(
         error.code(), f"decode pod {child.pod.address}: {error.code().name}: {error.details()}"
     )
-
-
-@dataclass
-class CollectedSequence:
-    """A whole sequence, gathered from its chunks (for non-streaming responses)."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[generate_pb2.TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | None = None
-
-    def add(self, chunk: SequenceChunk) -> None:
-        self.text += chunk.text
-        self.token_ids.extend(chunk.token_ids)
-        self.logprobs.extend(chunk.logprobs)
-        if chunk.finish_reason is not None:
-            self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
 
 
 async def collect(generation: Generation) -> list[CollectedSequence]:

@@ -17,17 +17,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from splitserve.common import tracing
-
-if TYPE_CHECKING:
-    from splitserve.gateway.generation import Generation, GenerationRequest, Usage
-    from splitserve.gateway.routing.pods import PodPool
-    from splitserve.gateway.routing.scoring import RoutingDecision
+from splitserve.gateway.outputs import Usage
+from splitserve.gateway.routing.pods import PodPool
+from splitserve.gateway.routing.scoring import RoutingDecision
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Seconds; CPU serving of a small model spans milliseconds to tens of seconds.
@@ -155,23 +152,24 @@ class GatewayMetrics:
 # ---- the route span ---------------------------------------------------------------------------
 
 
+# One sequence's routing decision, with its prompt's length in tokens.
+RoutedSequence = tuple[RoutingDecision, int]
+
+
 @contextmanager
-def route_span(
-    metrics: GatewayMetrics, request: GenerationRequest
-) -> Iterator[Callable[[Generation], None]]:
-    """`with route_span(metrics, request) as observe: ... observe(generation)`: a
-    `gateway.route` span (child of the current span, never current itself) around choosing
-    the pods; `observe` counts the decisions and puts them on the span."""
+def route_span(metrics: GatewayMetrics) -> Iterator[Callable[[list[RoutedSequence]], None]]:
+    """`with route_span(metrics) as observe: ... observe(routed)`: a `gateway.route` span (child
+    of the current span, never current itself, so the decode calls started in there are the
+    request's children, beside it) around choosing the pods; `observe` counts each sequence's
+    decision and puts them on the span."""
     start_time = time.monotonic()
     span = tracing.start_span("gateway.route", None, start_time=start_time)
 
-    def observe(generation: Generation) -> None:
-        decisions = list(getattr(generation, "decisions", ()))
-        n = max(request.params.n, 1)
-        for index, decision in enumerate(decisions):
-            metrics.observe_routing(decision, len(request.prompts[index // n]))
+    def observe(routed: list[RoutedSequence]) -> None:
+        for decision, num_prompt_tokens in routed:
+            metrics.observe_routing(decision, num_prompt_tokens)
         if span.is_recording():
-            _annotate_route(span, decisions)
+            _annotate_route(span, [decision for decision, _ in routed])
 
     with tracing.span_scope(span):
         yield observe

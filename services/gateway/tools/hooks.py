@@ -1,4 +1,4 @@
-"""Tool calling in /v1/chat/completions: the hooks the OpenAI protocol module calls.
+"""Tool calling in /v1/chat/completions: the hooks the chat endpoint (api/chat.py) calls.
 
 - `prepare_chat` (parsing): the tool fields validated (`request.py`), the tools written
   into the system prompt (`prompt.py`), and the constraint that enforces a call set on
@@ -40,10 +40,9 @@ def prepare_chat(
     raw: Callable[[str], object], messages: list[dict[str, str]], sampling: dict[str, object]
 ) -> tuple[list[dict[str, str]], ToolRequest | None]:
     """The messages to render (with the tools section) and the request's tools, from the
-    body's fields (`raw(name)`: a field's JSON value, None if absent). Sets
-    `sampling["structured_output"]` when the tool choice must be enforced. Raises ToolError
-    (HTTP 400 naming the field)."""
-    raw = _as_json(raw)
+    body's fields (`raw(name)`: a field's value, its model (`schema.py`) or plain JSON, None if
+    absent), read as they are: no trip back to JSON. Sets `sampling["structured_output"]` when
+    the tool choice must be enforced. Raises ToolError (HTTP 400 naming the field)."""
     request = parse_tool_request(raw("tools"), raw("tool_choice"), raw("parallel_tool_calls"))
     if request is None:
         return messages, None
@@ -60,22 +59,11 @@ def prepare_chat(
     return with_tools_prompt(messages, request), request
 
 
-def _as_json(raw: Callable[[str], object]) -> Callable[[str], object]:
-    """`raw` with pydantic models (a typed body's fields, `schema.py`) as plain JSON."""
-    return lambda name: _plain(raw(name))
-
-
-def _plain(value: object) -> object:
-    if isinstance(value, list):
-        return [_plain(item) for item in value]
-    dump = getattr(value, "model_dump", None)
-    return dump(mode="json") if callable(dump) else value
-
-
 def _output_field(raw: Callable[[str], object], sampling: dict[str, object]) -> str | None:
     for name in _OUTPUT_FIELDS:
         value = raw(name)
-        kind = value.get("type") if isinstance(value, dict) else None
+        # response_format as its model or as JSON; "text" constrains nothing.
+        kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
         if value is not None and not (name == "response_format" and kind == "text"):
             return name
     return "structured_outputs" if sampling.get("structured_output") is not None else None

@@ -24,8 +24,11 @@ What the model reads:
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from typing import Protocol
 
 from splitserve.gateway.tools.request import Tool, ToolError, ToolRequest
+from splitserve.gateway.tools.schema import ToolCall
 
 _SEPARATORS = (", ", ": ")  # as the grammar writes JSON, so examples and answers look alike
 _CALL_FORMAT = '{"name": <tool name>, "arguments": <arguments object>}'
@@ -92,49 +95,53 @@ def with_tools_prompt(
 # ---- earlier calls and results --------------------------------------------------------------
 
 
+class Turn(Protocol):
+    """What rendering reads of a chat message (the chat body's message model, validated)."""
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def name(self) -> str | None: ...
+
+    @property
+    def tool_calls(self) -> list[ToolCall] | None: ...
+
+    @property
+    def tool_call_id(self) -> str | None: ...
+
+
 def render_tool_turns(
-    raw_messages: list[dict], messages: list[dict[str, str]]
+    turns: Sequence[Turn], messages: list[dict[str, str]]
 ) -> list[dict[str, str]]:
-    """`messages` (role and text content of each of `raw_messages`, in order) with assistant
-    calls and tool results written as text. Raises ToolError naming the message."""
+    """`messages` (role and text content of each of `turns`, in order) with assistant calls
+    and tool results written as text. The turns' shapes were checked by their models; what a
+    shape cannot say (calls only on assistant turns, a result naming its call) raises
+    ToolError naming the message."""
     names: dict[str, str] = {}  # tool_call_id -> function name, from earlier assistant turns
     rendered = []
-    for i, (raw, message) in enumerate(zip(raw_messages, messages, strict=True)):
-        if raw.get("tool_calls"):  # null and [] (as clients echo a message) mean no calls
-            message = {**message, "content": _assistant_text(i, raw, message["content"], names)}
+    for i, (turn, message) in enumerate(zip(turns, messages, strict=True)):
+        if turn.tool_calls:  # null and [] (as clients echo a message) mean no calls
+            message = {**message, "content": _assistant_text(i, turn, message["content"], names)}
         elif message["role"] == "tool":
-            message = {**message, "content": _tool_result_text(i, raw, message["content"], names)}
+            message = {**message, "content": _tool_result_text(i, turn, message["content"], names)}
         rendered.append(message)
     return rendered
 
 
-def _assistant_text(i: int, raw: dict, content: str, names: dict[str, str]) -> str:
+def _assistant_text(i: int, turn: Turn, content: str, names: dict[str, str]) -> str:
     where = f"messages[{i}]"
-    calls = raw["tool_calls"]
-    if raw.get("role") != "assistant" or not isinstance(calls, list):
-        raise ToolError(f"{where}.tool_calls must be an array on an assistant message", where)
-    rendered = [_call(f"{where}.tool_calls[{k}]", call, names) for k, call in enumerate(calls)]
+    if turn.role != "assistant":
+        raise ToolError(f"{where}.tool_calls must be on an assistant message", where)
+    calls = turn.tool_calls or []
+    rendered = [_call(call, names) for call in calls]
     text = _dumps(rendered[0] if len(rendered) == 1 else rendered)
     return f"{content}\n{text}" if content else text
 
 
-def _call(where: str, call: object, names: dict[str, str]) -> dict:
-    function = call.get("function") if isinstance(call, dict) else None
-    if (
-        not isinstance(call, dict)
-        or call.get("type", "function") != "function"
-        or not isinstance(call.get("id"), str)
-        or not isinstance(function, dict)
-        or not isinstance(function.get("name"), str)
-        or not isinstance(function.get("arguments"), str)
-    ):
-        raise ToolError(
-            f'{where} must be {{"id": str, "type": "function", '
-            f'"function": {{"name": str, "arguments": str}}}}',
-            where.split(".", 1)[0],
-        )
-    names[call["id"]] = function["name"]
-    return {"name": function["name"], "arguments": _arguments(function["arguments"])}
+def _call(call: ToolCall, names: dict[str, str]) -> dict:
+    names[call.id] = call.function.name
+    return {"name": call.function.name, "arguments": _arguments(call.function.arguments)}
 
 
 def _arguments(text: str) -> object:
@@ -145,11 +152,11 @@ def _arguments(text: str) -> object:
         return text
 
 
-def _tool_result_text(i: int, raw: dict, content: str, names: dict[str, str]) -> str:
+def _tool_result_text(i: int, turn: Turn, content: str, names: dict[str, str]) -> str:
     where = f"messages[{i}]"
-    call_id = raw.get("tool_call_id")
-    if not isinstance(call_id, str) or not call_id:
+    call_id = turn.tool_call_id
+    if not call_id:
         raise ToolError(f"{where}.tool_call_id must be a non-empty string", where)
-    name = names.get(call_id) or raw.get("name")
-    label = f"{name} ({call_id})" if isinstance(name, str) and name else call_id
+    name = names.get(call_id) or turn.name
+    label = f"{name} ({call_id})" if name else call_id
     return f"Result of {label}:\n{content}"

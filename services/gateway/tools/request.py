@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 from dataclasses import dataclass
+
+from pydantic import ValidationError
 
 from splitserve.engine.structured_output.grammar import GrammarError, grammar_for
 from splitserve.engine.structured_output.spec import StructuredOutput
+from splitserve.gateway.errors import RequestError, from_validation
+from splitserve.gateway.tools.schema import FunctionTool, NamedToolChoice, ToolFields
 
-CHOICES = ("none", "auto", "required")
-# OpenAI's rule for function names; names go into the prompt, the grammar and the answer.
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_TOOL_KEYS = frozenset({"type", "function"})
-_FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
 # A function without `parameters` takes no arguments: its call carries `{}`.
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 # The same compact JSON the grammar engine produces for the "json" kind (grammar.py), for the
@@ -41,12 +39,12 @@ _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 _AUTO_TEXT = r"/[^\s{\[](?s:.*)/"
 
 
-class ToolError(ValueError):
-    """A bad `tools` / `tool_choice` / `parallel_tool_calls` value (HTTP 400 naming `param`)."""
+class ToolError(RequestError):
+    """A bad `tools` / `tool_choice` / `parallel_tool_calls` value or tool turn (HTTP 400
+    naming `param`)."""
 
     def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
+        super().__init__(message, param)
 
 
 @dataclass(frozen=True)
@@ -84,6 +82,11 @@ class ToolRequest:
         return self.choice == "auto" and any(tool.strict for tool in self.tools)
 
     @property
+    def is_enforced(self) -> bool:
+        """Whether a grammar constrains the answer (`constraint`)."""
+        return self.choice in ("required", "function") or self.is_strict_auto
+
+    @property
     def allows_many(self) -> bool:
         """Whether one answer may hold several calls (a named choice is one call)."""
         return self.parallel and self.choice != "function"
@@ -95,75 +98,50 @@ class ToolRequest:
 def parse_tool_request(
     tools: object, tool_choice: object, parallel_tool_calls: object
 ) -> ToolRequest | None:
-    """The request's tool fields, validated (ToolError names the field); None without tools."""
-    parallel = _parallel(parallel_tool_calls)
-    if tools is None:
+    """The request's tool fields (the body's models, or plain JSON), validated; None without
+    tools. Raises ToolError naming the field."""
+    fields = _tool_fields(tools, tool_choice, parallel_tool_calls)
+    parallel = True if fields.parallel_tool_calls is None else fields.parallel_tool_calls
+    if fields.tools is None:
         # "none" and "auto" mean the same without tools: answer in text.
-        if tool_choice not in (None, "none", "auto"):
+        if fields.tool_choice not in (None, "none", "auto"):
             raise ToolError("tool_choice requires tools, unless it is none or auto", "tool_choice")
         return None
-    parsed = _tools(tools)
-    choice, name = _choice(tool_choice, parsed)
-    request = ToolRequest(parsed, choice, name, parallel)
-    _check_constraint(request)
-    return request
+    parsed = _tools(fields.tools)
+    choice, name = _choice(fields.tool_choice, parsed)
+    return ToolRequest(parsed, choice, name, parallel)
 
 
-def _parallel(value: object) -> bool:
-    if value is None:
-        return True  # OpenAI's default
-    if not isinstance(value, bool):
-        raise ToolError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
-    return value
+def _tool_fields(tools: object, tool_choice: object, parallel_tool_calls: object) -> ToolFields:
+    """The fields as their models (tools/schema.py): shapes and types are checked there only,
+    with the same messages a chat body's validation gives."""
+    raw = {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls}
+    try:
+        return ToolFields.model_validate(raw)
+    except ValidationError as error:
+        problem = from_validation(error.errors(), raw)
+        raise ToolError(str(problem), problem.param or "tools") from None
 
 
-def _tools(value: object) -> tuple[Tool, ...]:
-    if not isinstance(value, list) or not value:
-        raise ToolError("tools must be a non-empty array of function tools", "tools")
-    tools = tuple(_tool(i, item) for i, item in enumerate(value))
-    names = [tool.name for tool in tools]
+def _tools(tools: list[FunctionTool]) -> tuple[Tool, ...]:
+    parsed = tuple(_tool(i, tool) for i, tool in enumerate(tools))
+    names = [tool.name for tool in parsed]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise ToolError(f"tools has duplicate function names: {', '.join(duplicates)}", "tools")
-    return tools
+    return parsed
 
 
-def _tool(i: int, item: object) -> Tool:
-    where = f"tools[{i}]"
-    if not isinstance(item, dict) or item.get("type") != "function":
-        raise ToolError(f'{where} must be an object with "type": "function"', "tools")
-    _no_unknown_keys(item, _TOOL_KEYS, where)
-    function = item.get("function")
-    if not isinstance(function, dict):
-        raise ToolError(f"{where}.function must be an object", "tools")
-    _no_unknown_keys(function, _FUNCTION_KEYS, f"{where}.function")
-    name = function.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ToolError(
-            f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-', got {name!r}",
-            "tools",
-        )
-    description = function.get("description")
-    if description is not None and not isinstance(description, str):
-        raise ToolError(f"{where}.function.description must be a string", "tools")
-    strict = function.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise ToolError(f"{where}.function.strict must be a boolean", "tools")
-    parameters = _parameters(function.get("parameters"), f"{where}.function.parameters")
-    return Tool(name, description, parameters, bool(strict))
+def _tool(i: int, tool: FunctionTool) -> Tool:
+    function = tool.function
+    parameters = _parameters(function.parameters, f"tools[{i}].function.parameters")
+    return Tool(function.name, function.description, parameters, bool(function.strict))
 
 
-def _no_unknown_keys(item: dict, known: frozenset[str], where: str) -> None:
-    unknown = sorted(set(item) - known)
-    if unknown:
-        raise ToolError(f"{where} has unsupported fields: {', '.join(unknown)}", "tools")
-
-
-def _parameters(value: object, where: str) -> dict:
+def _parameters(value: dict | None, where: str) -> dict:
+    """A tool's parameters schema, compiled on its own, so an error names the tool."""
     if value is None:
         return dict(_NO_PARAMETERS)
-    if not isinstance(value, dict):
-        raise ToolError(f"{where} must be a JSON schema object", "tools")
     if value.get("type", "object") != "object":
         raise ToolError(f'{where} must describe an object ("type": "object")', "tools")
     try:
@@ -173,31 +151,14 @@ def _parameters(value: object, where: str) -> dict:
     return value
 
 
-def _choice(value: object, tools: tuple[Tool, ...]) -> tuple[str, str | None]:
+def _choice(
+    value: str | NamedToolChoice | None, tools: tuple[Tool, ...]
+) -> tuple[str, str | None]:
     if value is None:
         return "auto", None
     if isinstance(value, str):
-        if value not in CHOICES:
-            raise ToolError(
-                f"tool_choice must be one of {', '.join(CHOICES)} or a named function, "
-                f"got {value!r}",
-                "tool_choice",
-            )
         return value, None
-    function = value.get("function") if isinstance(value, dict) else None
-    if (
-        not isinstance(value, dict)
-        or value.get("type") != "function"
-        or set(value) != {"type", "function"}
-        or not isinstance(function, dict)
-        or set(function) != {"name"}
-        or not isinstance(function["name"], str)
-    ):
-        raise ToolError(
-            'tool_choice must be a string or {"type": "function", "function": {"name": ...}}',
-            "tool_choice",
-        )
-    name = function["name"]
+    name = value.function.name
     if all(tool.name != name for tool in tools):
         raise ToolError(
             f"tool_choice names the function {name!r}, which is not in tools", "tool_choice"
@@ -209,26 +170,17 @@ def _choice(value: object, tools: tuple[Tool, ...]) -> tuple[str, str | None]:
 
 
 def constraint(request: ToolRequest) -> StructuredOutput | None:
-    """What the answer must match for `request` (None: free text)."""
-    if request.choice in ("required", "function"):
-        return StructuredOutput("json", json.dumps(calls_schema(request)))
+    """What the answer must match for `request` (None: free text). Compiled once, with the rest
+    of the request's parameters, by the request core (a 400 naming `tools` if it does not)."""
+    if not request.is_enforced:
+        return None
     if request.is_strict_auto:
         schema = {**calls_schema(request), "x-guidance": _JSON_STYLE}
         return StructuredOutput(
             "grammar",
             f"start: TEXT | calls\nTEXT: {_AUTO_TEXT}\ncalls: %json {json.dumps(schema)}\n",
         )
-    return None
-
-
-def _check_constraint(request: ToolRequest) -> None:
-    output = constraint(request)
-    if output is None:
-        return
-    try:
-        grammar_for(output)
-    except GrammarError as error:
-        raise ToolError(f"tools cannot be enforced together: {error}", "tools") from None
+    return StructuredOutput("json", json.dumps(calls_schema(request)))
 
 
 def calls_schema(request: ToolRequest) -> dict:

@@ -160,10 +160,9 @@ class CallScanner:
         call.is_closed = True
 
     def _reads_other(self, text: str, i: int, char: str) -> None:
-        call = self._call
-        at_call_level = self._at_call_level() and call is not None
+        call = self._call if self._at_call_level() else None  # None: not at the call's level
         if char in " \t\r\n":
-            if at_call_level and call.expect == "in_value":
+            if call is not None and call.expect == "in_value":
                 self._value_ends(text, call, i)
             return
         if len(self._stack) < self._call_depth:
@@ -171,7 +170,7 @@ class CallScanner:
             if not (self._is_array and len(self._stack) == 1 and char == ","):
                 self.is_broken = True
             return
-        if not at_call_level:
+        if call is None:
             return  # inside a value: its own business
         if char == ":" and call.expect == "colon":
             call.expect = "value"

@@ -1,22 +1,20 @@
-"""The tool-calling fields of a chat completion body as pydantic models, for the request
-schemas (/openapi.json) to declare: `tools`, `tool_choice`, and the `tool_calls` of an earlier
-assistant message. They check shapes and types only; `request.py` checks the rest (unique
-names, a named choice that is among the tools, parameter schemas the grammar engine compiles)
-and `tools.prepare_chat` reads these models as it reads plain JSON.
+"""The tool-calling fields of a chat completion body as pydantic models: `ToolFields` (`tools`,
+`tool_choice`, `parallel_tool_calls`), which the chat body declares (/openapi.json), and the
+`tool_calls` of an earlier assistant message. The one place their shapes and types are checked
+(the function-name rule included); `request.py` checks only what a shape cannot say (unique
+names, a named choice that is among the tools, parameter schemas the grammar engine compiles).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from splitserve.gateway.strict_model import StrictModel
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictModel):
     name: str = Field(
         pattern=r"^[A-Za-z0-9_-]{1,64}$", description="1 to 64 letters, digits, '_' or '-'."
     )
@@ -31,16 +29,16 @@ class FunctionDefinition(_Strict):
     )
 
 
-class FunctionTool(_Strict):
+class FunctionTool(StrictModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Strict):
+class FunctionName(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: FunctionName
 
@@ -48,26 +46,36 @@ class NamedToolChoice(_Strict):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class CalledFunction(_Strict):
+class CalledFunction(StrictModel):
     name: str
     arguments: str = Field(description="The arguments as a JSON text.")
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction
 
 
-# Descriptions of the body's fields, for the request models that declare them.
-TOOLS_DESCRIPTION = (
-    "Functions the model may call (see docs/tool_calling.md): rendered into the system "
-    "prompt; calls come back in message.tool_calls."
-)
-TOOL_CHOICE_DESCRIPTION = (
-    'none, auto (the default with tools), required, or {"type": "function", "function": '
-    '{"name": ...}}; required and a named function are enforced with a grammar.'
-)
-PARALLEL_DESCRIPTION = "Whether one answer may make several calls (default true)."
+class ToolFields(StrictModel):
+    """The tool fields of a chat completion body."""
+
+    tools: list[FunctionTool] | None = Field(
+        None,
+        min_length=1,
+        description="Functions the model may call (see docs/tool_calling.md): rendered into "
+        "the system prompt; calls come back in message.tool_calls.",
+    )
+    tool_choice: ToolChoice | None = Field(
+        None,
+        description='none, auto (the default with tools), required, or {"type": "function", '
+        '"function": {"name": ...}}; required and a named function are enforced with a grammar.',
+    )
+    parallel_tool_calls: bool | None = Field(
+        None, description="Whether one answer may make several calls (default true)."
+    )
+
+
+# Descriptions of a message's tool fields, for the message model that declares them.
 TOOL_CALLS_DESCRIPTION = "An assistant's earlier tool calls (content may then be null)."
 TOOL_CALL_ID_DESCRIPTION = "The call a tool message answers (required on role tool)."

@@ -7,10 +7,10 @@ from __future__ import annotations
 from fastapi import FastAPI
 from pydantic import Field
 
-from splitserve.gateway.api_errors import RequestError
-from splitserve.gateway.api_schema import ChatMessage, StrictModel
-from splitserve.gateway.generation import GatewayCore
-from splitserve.gateway.openai_protocol import chat_messages
+from splitserve.gateway.api.chat import ChatMessage, chat_messages
+from splitserve.gateway.core import GatewayCore
+from splitserve.gateway.errors import RequestError
+from splitserve.gateway.strict_model import StrictModel
 
 
 class TokenizeBody(StrictModel):

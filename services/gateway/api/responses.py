@@ -8,20 +8,39 @@ Nothing is stored: `previous_response_id`, background runs and tools are not ser
 
 from __future__ import annotations
 
+import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
+from splitserve.common import tracing
+from splitserve.common.grpc_server import StatusError
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.structured_output.spec import StructuredOutput
-from splitserve.gateway.api_errors import RequestError
-from splitserve.gateway.api_schema import StrictModel
-from splitserve.gateway.constraints import check_structured_output, closed_objects
-from splitserve.gateway.generation import CollectedSequence, Generation, SequenceChunk, Usage
-from splitserve.gateway.openai_protocol import cached_details, check_unsupported, validate_body
+from splitserve.gateway.api.fields import check_unsupported, validate_body
+from splitserve.gateway.api.format import cached_details
+from splitserve.gateway.api.respond import (
+    EventStream,
+    annotate_usage,
+    error_response,
+    sse,
+    start_generation,
+    unless_disconnected,
+)
+from splitserve.gateway.core import GatewayCore, GenerationRequest
+from splitserve.gateway.errors import RequestError
+from splitserve.gateway.generation import Generation, collect
+from splitserve.gateway.outputs import CollectedSequence, SequenceChunk, Usage
+from splitserve.gateway.strict_model import StrictModel
+from splitserve.gateway.structured.constraints import closed_objects
+
+logger = logging.getLogger(__name__)
 
 
 class InputText(StrictModel):
@@ -131,8 +150,7 @@ def parse_responses(raw: object, model_name: str) -> ResponsesRequest:
     if body.top_p is not None:
         sampling["top_p"] = body.top_p
     output = _structured_output(body.text)
-    if output is not None:
-        check_structured_output(output, "text")
+    if output is not None:  # compiled once, by the request core (a 400 naming "text")
         sampling["structured_output"] = output
     return ResponsesRequest(body, _messages(body), sampling)
 
@@ -160,6 +178,55 @@ def _structured_output(text: TextOptions | None) -> StructuredOutput | None:
     if text.format.schema_ is None:
         raise RequestError("text.format.schema is required with type json_schema", "text")
     return StructuredOutput.json_schema(closed_objects(text.format.schema_))
+
+
+# ---- the route ------------------------------------------------------------------------------
+
+
+class ResponsesRoutes:
+    def __init__(self, core: GatewayCore) -> None:
+        self.core = core
+
+    def add_to(self, app: FastAPI) -> None:
+        app.add_api_route("/v1/responses", self.responses, methods=["POST"])
+
+    async def responses(self, body: ResponsesBody, request: Request) -> Response:
+        core = self.core
+        with tracing.child_span("gateway.validate", None):
+            parsed = parse_responses(body, core.model_name)
+        try:
+            with tracing.child_span("gateway.tokenize", None):
+                prompt = core.encode_chat(parsed.messages)
+        except ValueError as error:  # a template that rejects the conversation
+            raise RequestError(str(error), "input") from None
+        params = parsed.params(max(core.max_model_len - len(prompt), 1))
+        request_id = f"resp_{uuid.uuid4().hex}"
+        generation_request = GenerationRequest(
+            request_id, [prompt], params, structured_output_param="text"
+        )
+        generation = await start_generation(core, generation_request, "input", request)
+        fmt = ResponsesFormat(request_id, core.model_name, parsed)
+        if not body.stream:
+            sequences = await unless_disconnected(request, collect(generation), generation)
+            annotate_usage(generation)
+            return JSONResponse(fmt.response(sequences[0], generation.usage))
+        first = await unless_disconnected(request, anext(generation), generation)
+        return EventStream(_events(fmt, generation, first), generation.cancel)
+
+
+async def _events(
+    fmt: ResponsesFormat, generation: Generation, first: SequenceChunk
+) -> AsyncIterator[str]:
+    """The Responses API's events, each named in its `event:` line as OpenAI sends them."""
+    try:
+        async for event in fmt.events(generation, first):
+            yield f"event: {event['type']}\n" + sse(event)
+    except (ValueError, StatusError) as error:
+        logger.warning("stream %s failed: %s", fmt.response_id, error)
+        _, body = error_response(error)
+        yield "event: error\n" + sse({"type": "error", **body["error"]})
+    else:
+        annotate_usage(generation)
 
 
 # ---- formatting -----------------------------------------------------------------------------

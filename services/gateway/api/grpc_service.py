@@ -9,17 +9,13 @@ from contextlib import contextmanager, nullcontext
 
 from splitserve.common import tracing
 from splitserve.common.convert import params_from_options
-from splitserve.gateway.generation import (
-    CollectedSequence,
-    GatewayCore,
-    Generation,
-    GenerationRequest,
-    SequenceChunk,
-    Usage,
-    collect,
-)
-from splitserve.gateway.metrics import route_span
+from splitserve.gateway.core import GatewayCore, GenerationRequest
+from splitserve.gateway.generation import Generation, collect
+from splitserve.gateway.outputs import CollectedSequence, SequenceChunk, Usage
 from splitserve.v1 import generate_pb2, generate_pb2_grpc
+
+# The client's region, for routing it to pods nearby (HTTP: the header of the same name).
+REGION_METADATA = "x-splitserve-region"
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -66,15 +62,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         with tracing.child_span("gateway.validate", None):
             params = params_from_options(request.sampling)
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-        tracing.current_span().set_attribute(tracing.REQUEST_ID, request_id)
         metadata = dict(context.invocation_metadata() or ())
         generation_request = GenerationRequest(request_id, [prompt], params, request.priority)
-        with route_span(self.core.metrics, generation_request) as observe:
-            generation = await self.core.start(
-                generation_request,
-                metadata.get("x-splitserve-region", ""),
-            )
-            observe(generation)
+        generation = await self.core.start(
+            generation_request, metadata.get(REGION_METADATA, "")
+        )
         return generation, request_id
 
     def _prompt(self, request: generate_pb2.GenerateRequest) -> list[int]:

@@ -1,19 +1,17 @@
-"""What a request asks of the tokens beyond sampling, parsed from the OpenAI body and checked
-before anything is scheduled: `logit_bias` (token ids within the vocabulary) and the structured
-output of `response_format` or vLLM's `structured_outputs` (compiled by the grammar engine, so a
-bad schema, regex or grammar is a 400 naming the field it came from).
-
-`check_params` is the same check for a `SamplingParams` from any entry point (the gRPC API)."""
+"""What a request asks of the tokens beyond sampling, parsed from the OpenAI body into engine
+terms: `logit_bias` (token ids as integers) and the structured output of `response_format` or
+vLLM's `structured_outputs`, with the field it came from. A malformed field is a 400 naming it
+here; whether the ids fit the vocabulary and the constraint compiles is the engine's one check
+(`splitserve.engine.params_check`), which the request core runs before anything is scheduled
+and names the same field in its 400 (`GenerationRequest.structured_output_param`)."""
 
 from __future__ import annotations
 
 import json
 
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.structured_output.grammar import grammar_for
 from splitserve.engine.structured_output.spec import StructuredOutput
-from splitserve.gateway.api_errors import RequestError
-from splitserve.gateway.api_schema import ResponseFormat, StructuredOutputs
+from splitserve.gateway.errors import RequestError
+from splitserve.gateway.structured.schema import ResponseFormat, StructuredOutputs
 
 
 def parse_logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
@@ -137,27 +135,3 @@ def _from_structured_outputs(body: StructuredOutputs | None) -> StructuredOutput
         raise
     except ValueError as error:
         raise RequestError(f"structured_outputs.{kind}: {error}", "structured_outputs") from None
-
-
-def check_structured_output(output: StructuredOutput, param: str) -> None:
-    """Compiles `output` (cached by its text), so it fails here rather than on a pod."""
-    try:
-        grammar_for(output)
-    except ValueError as error:  # GrammarError, and llguidance's own ValueErrors
-        message = str(error).removeprefix("structured_output ")
-        raise RequestError(f"{param}: {message}", param) from None
-
-
-def check_params(params: SamplingParams, vocab_size: int) -> None:
-    """What only the gateway can check of a SamplingParams before scheduling: logit_bias ids
-    within the vocabulary, and a structured output that compiles. Raises ValueError."""
-    for token_id, _ in params.logit_bias:
-        if token_id >= vocab_size:
-            raise RequestError(
-                f"logit_bias token id {token_id} is outside the vocabulary "
-                f"(size {vocab_size})",
-                "logit_bias",
-            )
-    if params.structured_output is not None:
-        check_structured_output(params.structured_output, "structured_output")
-

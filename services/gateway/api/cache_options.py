@@ -7,24 +7,30 @@ decode pod's eviction policy honours (and bounds by its `max_retention_s`: above
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
-from splitserve.gateway.api_errors import RequestError
+from splitserve.gateway.errors import RequestError
+from splitserve.gateway.strict_model import StrictModel
 
 RETENTIONS: dict[str, float | None] = {"in_memory": None, "24h": 86400.0}
 CACHE_CONTROL_TTLS = {"5m": 300.0, "1h": 3600.0}
 
 
+class CacheControl(StrictModel):
+    """Anthropic's prompt-caching marker: keep this prompt's cached blocks for the ttl."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
 def cache_retention_s(
-    prompt_cache_retention: object, messages: Sequence[Mapping] = ()
+    prompt_cache_retention: object, cache_controls: Sequence[CacheControl | None] = ()
 ) -> float | None:
-    """The window in seconds, or None for the engine's default. Raises RequestError (400)."""
+    """The window in seconds (from the retention field and the `cache_control` markers of the
+    messages and their parts), or None for the engine's default. Raises RequestError (400)."""
     windows = [_from_retention(prompt_cache_retention)]
-    for message in messages:
-        windows.append(_from_cache_control(message.get("cache_control")))
-        content = message.get("content")
-        if isinstance(content, list):
-            windows += [_from_cache_control(part.get("cache_control")) for part in content]
+    windows += [CACHE_CONTROL_TTLS[marker.ttl or "5m"] for marker in cache_controls if marker]
     asked = [window for window in windows if window is not None]
     return max(asked) if asked else None
 
@@ -38,11 +44,3 @@ def _from_retention(value: object) -> float | None:
             "prompt_cache_retention",
         )
     return RETENTIONS[value]  # type: ignore[index]
-
-
-def _from_cache_control(value: object) -> float | None:
-    """The window of a `cache_control` marker, whose shape the body model (api_schema's
-    CacheControl) has already checked."""
-    if value is None:
-        return None
-    return CACHE_CONTROL_TTLS[value.get("ttl") or "5m"]  # type: ignore[union-attr]

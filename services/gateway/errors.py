@@ -1,5 +1,7 @@
-"""Bad input as OpenAI's 400 body: `RequestError`, and pydantic's validation errors turned into
-one whose `param` names the offending field and whose message starts with it."""
+"""Bad input, for every part of the gateway: `RequestError` (a ValueError naming the request field
+at fault), OpenAI's error body, and pydantic's validation errors turned into one RequestError
+whose `param` names the offending field and whose message starts with it. At the package root,
+below `api/`, `tools/`, `structured/` and the request core, which all raise it."""
 
 from __future__ import annotations
 
@@ -7,19 +9,27 @@ from collections.abc import Sequence
 from typing import Any
 
 from splitserve.engine.sampling_params import COMPOSITE_FIELDS, FIELD_TYPES
-from splitserve.gateway.tools.request import ToolError
 
 # Names a ValueError's message may start with that are request fields.
 _PARAM_NAMES = frozenset({*FIELD_TYPES, *COMPOSITE_FIELDS, "prompt", "messages"})
 # Fields whose list items are reported as the param ("messages[2]"), as they were before the
 # bodies had schemas; other lists report the field itself.
 _ITEM_PARAMS = frozenset({"messages", "input"})
-# Several alternatives' errors for one field (a union) say what the field may be instead.
+# What a field may be, by its place in the body (an index as "[]") or its name alone: an error at
+# the field itself (every alternative of a union failing, or a value of the wrong shape) says so
+# instead of pydantic's words for one alternative.
 _EXPECTED = {
     "prompt": "a string, a list of token ids, or a non-empty list of either",
     "stop": "a string or a list of strings",
     "content": "a string or a list of text parts",
     "input": "a string or a list of message items",
+    "tools": "a non-empty array of function tools",
+    "tools[].type": '"function": a tool is {"type": "function", "function": {"name": ...}}',
+    "tools[].function": 'an object {"name": ..., "description": ..., "parameters": ..., '
+    '"strict": ...}',
+    "tools[].function.name": "1 to 64 letters, digits, '_' or '-'",
+    "tool_choice": 'one of the strings "none", "auto", "required", or a named function '
+    '{"type": "function", "function": {"name": ...}}',
 }
 
 
@@ -38,7 +48,7 @@ def error_body(message: str, error_type: str, param: str | None, code: str | Non
 
 def param_of(error: ValueError) -> str | None:
     """The parameter a ValueError names: by house rule its message starts with it."""
-    if isinstance(error, RequestError | ToolError):
+    if isinstance(error, RequestError):
         return error.param
     first = str(error).split(" ", 1)[0]
     return first if first in _PARAM_NAMES else None
@@ -54,7 +64,7 @@ def from_validation(errors: Sequence[dict[str, Any]], body: object) -> RequestEr
     if kind == "json_invalid":
         detail = first.get("ctx", {}).get("error", first["msg"])
         return RequestError(f"the request body is not valid JSON: {detail}", code="invalid_json")
-    path = _path(first["loc"], body)
+    path = _path(first["loc"], body, kind)
     if not path:
         return RequestError(
             "the request body must be a JSON object (sent as Content-Type: application/json)",
@@ -67,24 +77,25 @@ def from_validation(errors: Sequence[dict[str, Any]], body: object) -> RequestEr
     if kind == "missing":
         code = "missing_required_parameter" if len(path) == 1 else "invalid_type"
         return RequestError(f"{name} is required", param, code)
-    same_field = [e for e in errors if _path(e["loc"], body)[:1] == path[:1]]
-    field = str(path[-1]) if isinstance(path[-1], str) else str(path[0])
-    if len(same_field) > 1 and field in _EXPECTED:
-        return RequestError(f"{name} must be {_EXPECTED[field]}", param, "invalid_type")
+    field = _field(path)
+    expected = _EXPECTED.get(_pattern(field)) or _EXPECTED.get(str(field[-1]))
+    if expected is not None:
+        return RequestError(f"{_name(field)} must be {expected}", param, "invalid_type")
     code = "invalid_type" if kind.endswith("_type") or kind == "model_type" else "invalid_value"
     return RequestError(f"{name}: {first['msg']}", param, code)
 
 
-def _path(loc: Sequence[str | int], body: object) -> list[str | int]:
+def _path(loc: Sequence[str | int], body: object, kind: str) -> list[str | int]:
     """`loc` without FastAPI's "body" head and pydantic's union tags ("list[int]", ...): the
-    keys and indexes that exist in `body`, plus a missing field's name at the end."""
+    keys and indexes that exist in `body`, plus a missing field's name at the end (`kind`
+    "missing")."""
     parts = list(loc[1:] if loc[:1] == ("body",) else loc)
     path: list[str | int] = []
     node = body
     for i, part in enumerate(parts):
         if _holds(node, part):
             node = node[part]  # type: ignore[index]
-        elif i == len(parts) - 1 and isinstance(node, dict) and isinstance(part, str):
+        elif kind == "missing" and i == len(parts) - 1 and isinstance(node, dict):
             pass  # a missing field: named, though absent
         else:
             continue  # a union's tag, not a place in the body
@@ -96,6 +107,20 @@ def _holds(node: object, part: str | int) -> bool:
     if isinstance(node, dict):
         return part in node
     return isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+
+
+def _field(path: list[str | int]) -> list[str | int]:
+    """The field an error's `path` lies in: the path without the list indexes at its end (an
+    item of `stop` is reported as `stop`, whose expected shape says what its items may be)."""
+    end = len(path)
+    while end > 1 and isinstance(path[end - 1], int):
+        end -= 1
+    return path[:end]
+
+
+def _pattern(path: list[str | int]) -> str:
+    """`path` with its indexes as "[]": "tools[].function" for tools[2].function."""
+    return "".join("[]" if isinstance(part, int) else f".{part}" for part in path).lstrip(".")
 
 
 def _name(path: list[str | int]) -> str:

@@ -1,0 +1,154 @@
+"""The OpenAI-compatible HTTP API (FastAPI): the app, with the routes of every endpoint
+(/v1/completions, /v1/chat/completions, /v1/responses, /v1/models and /v1/models/{id},
+/tokenize, /detokenize: each in its module of `api/`) and /health and /metrics. Request bodies
+are the endpoints' pydantic models (FastAPI validates them and lists them in /openapi.json).
+The exception handlers here are the one place errors become status codes and OpenAI error
+bodies (`respond.error_response`)."""
+
+from __future__ import annotations
+
+import sys
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from splitserve.common import tracing
+from splitserve.common.grpc_server import StatusError
+from splitserve.gateway.api.chat import ChatRoutes
+from splitserve.gateway.api.completions import CompletionRoutes
+from splitserve.gateway.api.models import ModelRoutes
+from splitserve.gateway.api.respond import ClientDisconnected, error_response
+from splitserve.gateway.api.responses import ResponsesRoutes
+from splitserve.gateway.api.tokenize import TokenRoutes
+from splitserve.gateway.core import GatewayCore
+from splitserve.gateway.errors import error_body, from_validation
+from splitserve.gateway.metrics import CONTENT_TYPE
+from splitserve.gateway.routing.pods import PodPool
+
+# nginx's status for "the client closed the connection first"; only the metrics see it.
+CLIENT_CLOSED_REQUEST = 499
+ENDPOINTS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/v1/responses",
+    "/tokenize",
+    "/detokenize",
+    "/health",
+    "/metrics",
+)
+# Traced when tracing is on.
+GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+ENDPOINT_ROUTES = (CompletionRoutes, ChatRoutes, ResponsesRoutes, ModelRoutes, TokenRoutes)
+
+
+def create_app(core: GatewayCore) -> FastAPI:
+    app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None)
+    for routes in ENDPOINT_ROUTES:
+        routes(core).add_to(app)
+    server = _ServerRoutes(core)
+    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/metrics", server.metrics, methods=["GET"])
+    _add_error_handlers(app)
+    app.add_middleware(_CountRequests, core=core)  # type: ignore[arg-type]
+    return app
+
+
+class _ServerRoutes:
+    """What the server says of itself: whether it can serve, and its metrics."""
+
+    def __init__(self, core: GatewayCore) -> None:
+        self.core = core
+
+    async def health(self) -> JSONResponse:
+        core = self.core
+        is_ok = bool(core.decode_pool.available())
+        body = {
+            "status": "ok" if is_ok else "unavailable",
+            "model": core.model_name,
+            "workers": {  # the older word: clients and scripts read this key
+                pool.role: {pod.address: pod.is_available for pod in pool.pods}
+                for pool in _pools(core)
+            },
+            # The gateway must never load model code: a test and an operator can check.
+            "torch_imported": "torch" in sys.modules,
+        }
+        return JSONResponse(body, status_code=200 if is_ok else 503)
+
+    async def metrics(self) -> Response:
+        return Response(self.core.metrics.render(_pools(self.core)), media_type=CONTENT_TYPE)
+
+
+def _pools(core: GatewayCore) -> list[PodPool]:
+    return [pool for pool in (core.decode_pool, core.prefill_pool) if pool is not None]
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def known(request: Request, error: Exception) -> JSONResponse:
+        status, body = error_response(error)
+        return JSONResponse(body, status_code=status)
+
+    async def validation(request: Request, error: RequestValidationError) -> JSONResponse:
+        status, body = error_response(from_validation(error.errors(), error.body))
+        return JSONResponse(body, status_code=status)
+
+    async def http(request: Request, error: HTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+        body = error_body(str(error.detail), kind, None, None)
+        return JSONResponse(body, status_code=error.status_code, headers=error.headers)
+
+    async def disconnected(request: Request, error: ClientDisconnected) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    for error_class in (ValueError, StatusError):
+        app.add_exception_handler(error_class, known)
+    app.add_exception_handler(ClientDisconnected, disconnected)
+    app.add_exception_handler(RequestValidationError, validation)
+    app.add_exception_handler(HTTPException, http)
+
+
+class _CountRequests:
+    """ASGI middleware counting responses by endpoint and status (streams count at their
+    start), and, with tracing on, wrapping each generation request in its server span (a
+    child of the client's `traceparent`, when it sent one), current until the response's
+    last byte. A plain ASGI wrapper, not BaseHTTPMiddleware, which would buffer the streams."""
+
+    def __init__(self, app, core: GatewayCore) -> None:
+        self.app = app
+        self.core = core
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in ENDPOINTS else "other"  # bounded label values
+        span = tracing.NO_SPAN
+        if tracing.is_enabled() and path in GENERATION_ENDPOINTS:
+            span = _server_span(scope, endpoint)
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                self.core.metrics.requests.labels(endpoint, str(message["status"])).inc()
+                span.set_attribute("http.response.status_code", message["status"])
+                if message["status"] >= 500:  # a 4xx is the client's error, not the span's
+                    span.set_status(tracing.Status(tracing.StatusCode.ERROR))
+            await send(message)
+
+        with tracing.span_scope(span), tracing.use_span(span):
+            await self.app(scope, receive, counting_send)
+
+
+def _server_span(scope, endpoint: str) -> tracing.Span:
+    headers = {key.decode("latin-1"): value.decode("latin-1") for key, value in scope["headers"]}
+    return tracing.start_span(
+        f"POST {endpoint}",
+        tracing.context_from_headers(headers),
+        {"http.request.method": scope.get("method", ""), "url.path": endpoint},
+        tracing.SpanKind.SERVER,
+    )

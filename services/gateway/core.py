@@ -1,0 +1,203 @@
+"""The gateway's request core, shared by the HTTP and gRPC front ends: prompts tokenized as the
+engine would, a request checked before anything is scheduled, and one DecodeRequest per sequence
+(n > 1 and several prompts fanned out) sent to the pods the router picks. The front ends import
+this module; it imports none of theirs (no HTTP schema, no proto of the public API).
+
+The child ids and seeds come from `splitserve.engine.prompts.child_sequences`, the very function
+the engine uses in-process, so a request served through the gateway samples what `LLM.generate`
+would. What happens to the calls once sent (merged streams, resends, migration) is
+`generation.py`'s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from splitserve.common import tracing
+from splitserve.common.convert import options_from_params
+from splitserve.common.grpc_server import StatusError
+from splitserve.engine.params_check import check_params
+from splitserve.engine.prompts import check_prompt, child_sequences
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.structured_output.grammar import GrammarError
+from splitserve.engine.tokenizer import Tokenizer
+from splitserve.gateway.errors import RequestError
+from splitserve.gateway.generation import Generation, SequenceCall
+from splitserve.gateway.metrics import GatewayMetrics, route_span
+from splitserve.gateway.migration import MigrationPolicy
+from splitserve.gateway.routing.pods import PodPool
+from splitserve.gateway.routing.router import PickedPods, Router
+from splitserve.v1 import worker_pb2
+
+
+class NoPodError(StatusError):
+    """No decode pod is reachable: HTTP 503 / gRPC UNAVAILABLE."""
+
+    def __init__(self, message: str = "no decode pod is available") -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompts: list[list[int]]  # token ids; each prompt gets params.n sequences
+    params: SamplingParams
+    priority: int = 0
+    # OpenAI's prompt_cache_key: requests sharing it are routed to the same decode pod.
+    prompt_cache_key: str | None = None
+    # The request field params.structured_output came from ("response_format", "tools", ...):
+    # the 400 of a constraint that does not compile names it.
+    structured_output_param: str = "structured_output"
+
+
+class GatewayCore:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        model_name: str,
+        decode_pool: PodPool,
+        prefill_pool: PodPool | None = None,
+        metrics: GatewayMetrics | None = None,
+        router: Router | None = None,
+        migration: MigrationPolicy | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.migration = migration or MigrationPolicy()
+        self.model_name = model_name
+        self.decode_pool = decode_pool
+        self.prefill_pool = prefill_pool
+        self.metrics = metrics or GatewayMetrics()
+        # Picks the pods of every sequence (services/gateway/routing/router.py); without one
+        # given, static pods by load and proximity.
+        self.router = router or Router(decode_pool, prefill_pool)
+
+    # ---- prompts ----------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """As `LLM.generate` tokenizes a text prompt (with the model's BOS/EOS rules)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """As `LLM.chat` does: the chat template, then tokens without extra specials."""
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    @property
+    def max_model_len(self) -> int:
+        max_model_len = self.decode_pool.max_model_len
+        if max_model_len is None:
+            raise NoPodError()
+        return max_model_len
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises PromptError / ValueError (naming the parameter) for a request no pod can
+        serve, NoPodError when there is no pod to ask."""
+        max_model_len = self.max_model_len
+        # The engine's own check, less the KV cache's size, which only the pod knows.
+        check_prompt(prompt_token_ids, self.tokenizer.vocab_size, max_model_len)
+        num_tokens = len(prompt_token_ids)
+        if num_tokens + params.max_tokens > max_model_len:
+            raise ValueError(
+                f"max_tokens is too large: {num_tokens} prompt tokens + {params.max_tokens} "
+                f"max_tokens exceed this model's context length of {max_model_len}"
+            )
+
+    def check_params(self, request: GenerationRequest) -> None:
+        """The engine's own check of what the parameters ask of the model (logit_bias ids in
+        the vocabulary, a structured output that compiles), before anything is scheduled. The
+        one place the gateway compiles a request's grammar: a 400 names the field it came
+        from."""
+        try:
+            check_params(request.params, self.tokenizer.vocab_size)
+        except GrammarError as error:
+            param = request.structured_output_param
+            message = str(error).removeprefix("structured_output ")
+            raise RequestError(f"{param}: {message}", param) from None
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    async def start(self, request: GenerationRequest, client_region: str = "") -> Generation:
+        """Validates every prompt, then sends every sequence to the pods the router picks
+        (`client_region`: the client's region, from `x-splitserve-region`, "" if unknown)."""
+        tracing.current_span().set_attribute(tracing.REQUEST_ID, request.request_id)
+        self.check_params(request)
+        for prompt in request.prompts:
+            self.validate(prompt, request.params)
+        with route_span(self.metrics) as observe:
+            calls = [
+                await self._call(
+                    request, prompt_index, sequence_index, child_id, child_params, client_region
+                )
+                for prompt_index, prompt_id in enumerate(_prompt_ids(request))
+                for sequence_index, (child_id, child_params) in enumerate(
+                    child_sequences(prompt_id, request.params)
+                )
+            ]
+            observe([(call.decision, len(call.request.prompt_token_ids)) for call in calls])
+        num_prompt_tokens = sum(len(prompt) for prompt in request.prompts)
+        return Generation(
+            calls,
+            num_prompt_tokens,
+            self.metrics,
+            self._reroute,
+            self.decode_pool.mark_unreachable,
+            self.migration,
+        )
+
+    async def _call(
+        self,
+        request: GenerationRequest,
+        prompt_index: int,
+        sequence_index: int,
+        child_id: str,
+        child_params: SamplingParams,
+        client_region: str,
+    ) -> SequenceCall:
+        picked = await self.router.pick(
+            request.prompts[prompt_index],
+            client_region,
+            cache_salt=child_params.cache_salt,
+            cache_key=request.prompt_cache_key,
+        )
+        if picked is None:
+            raise NoPodError()
+        decode_request = worker_pb2.DecodeRequest(
+            request_id=child_id,
+            prompt_token_ids=request.prompts[prompt_index],
+            sampling=options_from_params(child_params),
+            priority=request.priority,
+            prefill_address=picked.prefill.address if picked.prefill is not None else "",
+        )
+        index = prompt_index * request.params.n + sequence_index
+        return SequenceCall(
+            index,
+            prompt_index,
+            decode_request,
+            picked.decode,
+            picked.decision,
+            client_region=client_region,
+            cache_salt=child_params.cache_salt,
+        )
+
+    async def _reroute(self, call: SequenceCall) -> PickedPods | None:
+        """The pods for a sequence whose decode pod was unreachable: the decode pods it failed
+        on are left out, and so are its failed attempts' prefill pods while others remain."""
+        prompt = list(call.request.prompt_token_ids)
+        return await self.router.pick(
+            prompt,
+            call.client_region,
+            exclude=call.failed_addresses,
+            avoid_prefill=call.earlier_prefill_addresses,
+            cache_salt=call.cache_salt,
+        )
+
+
+def _prompt_ids(request: GenerationRequest) -> list[str]:
+    if len(request.prompts) == 1:
+        return [request.request_id]
+    return [f"{request.request_id}-{i}" for i in range(len(request.prompts))]

@@ -10,7 +10,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.model.fused_decode import FusedDecode
-from splitserve.engine.model.quantized_linear import INT4_VNNI_FROM_ROWS
+from splitserve.engine.model.quantized_linear import INT4_ONE_PASS_FROM_ROWS
 from splitserve.kernels import cpu as cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler here")
@@ -72,9 +72,11 @@ def test_fused_decode_equals_the_python_layers(quantization, kv_cache_dtype):
 
 
 @pytest.mark.slow  # another engine of the shipped model, 16 sequences
-def test_fused_decode_equals_the_python_layers_with_int4_gemm():
-    # Decode steps of 16 rows or more take int4_gemm (kernels/cpu/int4_gemm.cpp) in both.
-    prompts = [f"{prompt} ({n})" for n in range(INT4_VNNI_FROM_ROWS // 4) for prompt in PROMPTS]
+def test_fused_decode_equals_the_python_layers_with_one_activation_pass():
+    # Decode steps of 16 rows or more take int4_gemm's one-pass mode in both.
+    prompts = [
+        f"{prompt} ({n})" for n in range(INT4_ONE_PASS_FROM_ROWS // 4) for prompt in PROMPTS
+    ]
     compare_fused_with_python("gguf", "auto", prompts)
 
 

@@ -11,17 +11,22 @@ Each kernel's reference is in splitserve.kernels.reference (`reference.` below) 
 | rotary_split_qkv            | layer_ops.cpp              | reference.rotary_embedding         |
 | rotary_split_qkv_into_cache | layer_ops.cpp              | the above, then reference.write_kv |
 | DecodeLayers                | decode_layers.cpp          | shared/model/llama.py's layers     |
-| int4_gemm                   | int4_gemm.cpp              | Int4Weight.dequantize(), float64   |
+| int4_gemm                   | int4_gemm*.cpp             | Int4Weight.dequantize(), float64   |
 
 `module.cpp` binds them. The model reaches the layer ops through shared/model/layer_ops.py,
 which calls the module directly (these wrappers' checks cost more than a decode row's work).
 
-The build (g++ with OpenMP, tuned for this processor: -O3 -march=native) takes a few tens of
-seconds once; torch caches it under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions)
-and later processes load it in milliseconds. `scripts/install_deps.sh` builds it, so `make
-test` and `make run` pay for it at install time. Where it cannot build (no compiler) or
-SPLITSERVE_CPU_KERNELS=0, `load()` returns None, says why once, and the engine keeps its
-PyTorch path.
+The build (g++ with OpenMP, -O3) is for a baseline, never for the build machine's own CPU,
+because the wheel and the image carry it to other CPUs: x86-64-v3 (AVX2, FMA, F16C) on x86-64,
+the compiler's default elsewhere (ARMv8-A: NEON). What needs more (int4_gemm's AVX-512 VNNI
+variant) is compiled for it in its own file and chosen at run time (isa.py decides; `load()`
+tells the module). On an x86-64 CPU below the baseline the module is not loaded at all.
+
+The build takes a few tens of seconds once; torch caches it under TORCH_EXTENSIONS_DIR (default
+~/.cache/torch_extensions) and later processes load it in milliseconds.
+`scripts/install_deps.sh` builds it, so `make test` and `make run` pay for it at install time.
+Where it cannot build (no compiler) or SPLITSERVE_CPU_KERNELS=0, `load()` returns None, says
+why once (`unavailable_reason()`), and the engine keeps its PyTorch path.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from types import ModuleType
 
 import torch
 
+from splitserve.kernels.cpu import isa
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = [
@@ -42,6 +49,8 @@ _SOURCES = [
     Path(__file__).with_name("layer_ops.cpp"),
     Path(__file__).with_name("decode_layers.cpp"),
     Path(__file__).with_name("int4_gemm.cpp"),
+    Path(__file__).with_name("int4_gemm_avx2.cpp"),
+    Path(__file__).with_name("int4_gemm_avx512.cpp"),
     Path(__file__).with_name("module.cpp"),
 ]  # kernels.h declares what one file calls from another: torch hashes only these sources, so
 #    a change to the header alone needs the name's version bumped below.
@@ -63,6 +72,11 @@ def unavailable_reason() -> str | None:
 def _load_once() -> tuple[ModuleType | None, str | None]:
     if os.environ.get(_ENV, "1") == "0":
         return None, f"{_ENV}=0"
+    below_baseline = isa.baseline_problem()
+    if below_baseline is not None:
+        logger.warning("CPU kernels unavailable (%s); using the PyTorch path", below_baseline)
+        return None, below_baseline
+    variant = isa.kernel_isa()  # a bad SPLITSERVE_CPU_ISA raises here, before any build
     try:
         from torch.utils.cpp_extension import load as build_and_load
 
@@ -72,16 +86,27 @@ def _load_once() -> tuple[ModuleType | None, str | None]:
             # v2: int8 KV rows with their scales (attention reads them, write_kv_int8 writes).
             # v3: the layer ops (layer_ops.cpp).
             # v4: int4_gemm (int4_gemm.cpp), the int8 x int4 VNNI product for many rows.
-            name="splitserve_cpu_kernels_v4",
+            # v5: a baseline build (no -march=native), int4_gemm in our own layout with
+            #     AVX-512 VNNI / AVX2 / generic variants chosen at run time.
+            name="splitserve_cpu_kernels_v5",
             sources=[str(path) for path in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            extra_cflags=["-O3", *_baseline_flags(), "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except (OSError, RuntimeError, ImportError) as error:  # no compiler, a failed build
         logger.warning("CPU kernels unavailable (%s); using the PyTorch path", error)
         return None, f"{type(error).__name__}: {error}"
+    module.select_int4_isa(variant.name)
+    logger.info("CPU kernels: int4_gemm runs its %s variant (%s)", variant.name, variant.reason)
     return module, None
+
+
+def _baseline_flags() -> list[str]:
+    """What the whole module is compiled for (isa.X86_BASELINE on x86-64)."""
+    if isa.cpu_features().is_x86:
+        return ["-march=x86-64-v3", "-mtune=generic"]
+    return []
 
 
 def paged_decode_attention(

@@ -6,8 +6,9 @@
 // the step from 7.7 to 5.9 ms in one process (docs/benchmarks.md).
 //
 // The products run on the kernels the Python layers use: oneDNN's inner product on weights it
-// reordered (float32 models, shared/model/linear.py), or torch's packed int8 / int4 kernels on
-// bfloat16 activations, or int4_gemm.cpp's VNNI product (shared/model/quantized_linear.py). Only the shapes those layers handle
+// reordered (float32 models, shared/model/linear.py), torch's packed int8 kernel on bfloat16
+// activations, or int4_gemm.cpp's product of our int4 layout (shared/model/quantized_linear.py;
+// torch's own int4 layout never comes here). Only the shapes those layers handle
 // at decode come here: dense Llama-family layers without biases, one process (no tensor
 // parallel), every row a decode token with its slot; LlamaForCausalLM checks that.
 
@@ -22,17 +23,14 @@
 
 namespace {
 
-constexpr int64_t kInt4GroupSize = 32;  // shared/model/quantized_linear.py's GROUP_SIZE
-
-// kInt4Vnni: the int4 layout, through int4_gemm.cpp from kInt4VnniFromRows rows (where the
-// Python layers use it too) and torch's int4 kernel below.
-enum class WeightFormat : int64_t { kOneDnn = 0, kInt8 = 1, kInt4 = 2, kInt4Vnni = 3 };
+// kInt4: our int4 layout, through int4_gemm.cpp at every row count.
+enum class WeightFormat : int64_t { kOneDnn = 0, kInt8 = 1, kInt4 = 2 };
 
 // One product's weight as the Python layer holds it:
 //   oneDNN  first = the reordered weight
 //   int8    first = codes [out, in_padded], second = scales [out] bfloat16
-//   int4    first = packed, second = scales and zeros [groups, out_padded, 2] bfloat16
-//           (both int4 formats)
+//   int4    first = packed [tiles, groups, 256] uint8, second = scales_minimums
+//           [tiles, groups, 2, 16] float16 (int4_gemm.h)
 struct Weight {
   torch::Tensor first, second;
   int64_t in_padded = 0, out_features = 0;
@@ -63,14 +61,12 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& weight)
 // x [rows, in] float32 -> [rows, out] float32, as the Python layer computes it.
 torch::Tensor linear(const torch::Tensor& x, const Weight& w, WeightFormat format) {
   if (format == WeightFormat::kOneDnn) return onednn_linear(x, w.first);
-  if (format == WeightFormat::kInt4Vnni && x.size(0) >= kInt4VnniFromRows) {
+  if (format == WeightFormat::kInt4) {
     return int4_gemm(x.contiguous(), w.first, w.second, w.out_features);
   }
   auto xb = x.to(torch::kBFloat16);
   if (w.in_padded != x.size(1)) xb = at::constant_pad_nd(xb, {0, w.in_padded - x.size(1)}, 0);
-  auto out = format == WeightFormat::kInt8
-                 ? at::_weight_int8pack_mm(xb, w.first, w.second)
-                 : at::_weight_int4pack_mm_for_cpu(xb, w.first, kInt4GroupSize, w.second);
+  auto out = at::_weight_int8pack_mm(xb, w.first, w.second);
   if (out.size(1) != w.out_features) out = out.narrow(1, 0, w.out_features);
   return out.to(torch::kFloat32);
 }
@@ -87,7 +83,7 @@ class DecodeLayers {
         num_kv_heads_(num_kv_heads),
         eps_(eps),
         scale_(scale) {
-    TORCH_CHECK(format >= 0 && format <= 3, "weight format ", format, " is not 0 to 3");
+    TORCH_CHECK(format >= 0 && format <= 2, "weight format ", format, " is not 0 to 2");
   }
 
   // tensors: input_norm, post_norm, then (first, second) of qkv, o, gate_up, down (second

@@ -1,228 +1,252 @@
-// int4_gemm: x [rows, in] float32 @ an int4 weight (groups of 32 along `in`, one affine
-// (scale, zero) per group and output) -> [rows, out] float32, as int8 x uint4 VNNI dot products
-// (llama.cpp's Q4 x Q8 idea): torch's packed int4 kernel is no faster than float32 oneDNN from
-// ~16 rows, and these products are compute-bound there.
+// int4_gemm: x [rows, in] float32 @ an int4 weight (groups of 32 along `in`, one scale and
+// minimum per group and output) -> [rows, out] float32, as int8 x 4-bit integer dot products
+// (llama.cpp's Q4 x Q8 idea, in our own layout: int4_gemm.h).
 //
-// The weight is read in torch's `_convert_weight_to_int4pack_for_cpu` layout (Int4Weight in
-// shared/model/quantized_linear.py), so one copy serves torch's kernel (decode rows) and this one:
-// per block of 64 outputs, `in` runs of 32 bytes, byte j of run k holding the code of output j
-// (low nibble) and j + 32 (high nibble) at column k. scales_zeros [in / 32, out_padded, 2]
-// bfloat16 gives w = (q - 8) * scale + zero = q * scale + minimum, minimum = zero - 8 * scale.
+// Activations are quantized per row and group of 32 here (llama.cpp's Q8 blocks):
+//   xq = round(x * 127 / amax|x over the group|) (int8, step d = amax / 127), so
+//   sum_k w x ~= sum_g [ scale_g * d_g * sum_{k in g} q xq + minimum_g * d_g * sum_{k in g} xq ]
+// Per group rather than per row: one row-wide step let one large activation coarsen all the
+// others (an outlier channel is common in LLM hidden states). Below kInt4OnePassFromRows rows
+// (decode steps) each row is quantized twice, the second pass quantizing what the first
+// rounded away: twice the dot products, on a product that waits on memory at those rows
+// anyway, and an error ~250x smaller (as close to float activations as bfloat16 ones would
+// be, and closer). From there on (prefill chunks, big decode batches) one pass.
 //
-// Activations are quantized per row and group of 32 inside the call (llama.cpp's Q8 blocks):
-//   xq = round(x * 127 / amax|x over the group|) (int8, scale d = amax / 127), so
-//   sum_k w x ~= sum_g d_g * [ scale_g * sum_{k in g} q xq + minimum_g * sum_{k in g} xq ]
-// Per group rather than per row: one row-wide scale let one large activation coarsen all the
-// others (an outlier channel is common in LLM hidden states), and it missed the product tests'
-// 1% bound (1.05% at 16 rows); per group costs one multiply per group and 16 outputs.
+// The products run in one of three variants, chosen at run time (select_int4_isa, which
+// splitserve.kernels.cpu.load calls with splitserve.kernels.cpu.isa's choice): AVX-512 VNNI,
+// AVX2 (int4_gemm_avx512.cpp, int4_gemm_avx2.cpp), or the generic C++ below. Quantizing the
+// activations is shared, compiled for the module's baseline: every variant multiplies the same
+// integers and takes the same float steps in the same order, so all three give the same bits.
+
+#include "int4_gemm.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
 
 #include "kernels.h"
 
-#include <ATen/Parallel.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+namespace int4 {
 
-#include <cmath>
-#include <cstring>
-
-#if defined(__x86_64__)  // the rest of the file; other processors get the stubs at its end
+// ---- activations ------------------------------------------------------------------------
 
 namespace {
 
-constexpr int64_t kGroup = 32;
-constexpr int64_t kBlock = 64;  // outputs per block of torch's layout
-constexpr int64_t kHalf = 32;   // outputs one tile computes: one nibble of each byte
-// Rows one tile computes: each weight load (and its shuffle) serves them all. Fewer than 4 rows
-// (decode steps) take tiles of one row, so no padding row's products are computed.
-constexpr int kRowTile = 4;
-
-#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")))
-
-// Activations of one call, quantized: [rows_padded, in_padded] int8 codes, per row and group
-// the codes' scale d and d * (the sum of the group's codes) (the minimum's term); padding rows
-// and columns are zero.
-struct QuantizedRows {
-  std::vector<int8_t> codes;
-  std::vector<float> scales, scaled_sums;  // [rows_padded, groups]
-  int64_t rows_padded, in_padded, groups;
-};
-
-void quantize_group(const float* x, int64_t size, int8_t* codes, float* scale, float* sum) {
+// One group's codes of `values` (kGroup of them, zero padded): returns its step d and adds the
+// codes' sum to *sum.
+float quantize_group(const float* values, int8_t* codes, int32_t* sum) {
   float amax = 0.f;
-  for (int64_t k = 0; k < size; ++k) amax = std::max(amax, std::fabs(x[k]));
+  for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(values[k]));
   const float inverse = amax > 0.f ? 127.f / amax : 0.f;
   int32_t total = 0;
-  for (int64_t k = 0; k < size; ++k) {
-    const int32_t code = static_cast<int32_t>(std::nearbyint(x[k] * inverse));
+  for (int64_t k = 0; k < kGroup; ++k) {
+    const int32_t code = static_cast<int32_t>(std::nearbyint(values[k] * inverse));
     codes[k] = static_cast<int8_t>(code);
     total += code;
   }
-  *scale = amax / 127.f;
-  *sum = *scale * static_cast<float>(total);
+  *sum = total;
+  return amax / 127.f;
 }
 
-QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in_features, int64_t in_padded,
-                            int64_t row_tile) {
-  QuantizedRows q;
-  q.rows_padded = (rows + row_tile - 1) / row_tile * row_tile;
+struct QuantizedActivations {
+  std::vector<int8_t> codes;
+  std::vector<float> scales, minimum_sums;
+  int64_t in_padded, groups;
+  int passes;
+
+  Activations view() const {
+    return {codes.data(), scales.data(), minimum_sums.data(), in_padded, groups, passes};
+  }
+};
+
+void quantize_row(const float* x, int64_t in_features, int64_t r, QuantizedActivations& q) {
+  float values[kGroup];
+  for (int64_t g = 0; g < q.groups; ++g) {
+    const int64_t k = g * kGroup, size = std::max<int64_t>(0, std::min(kGroup, in_features - k));
+    std::fill(values, values + kGroup, 0.f);
+    std::memcpy(values, x + r * in_features + k, size * sizeof(float));
+    float minimum_sum = 0.f;
+    for (int p = 0; p < q.passes; ++p) {
+      const int64_t at = r * q.passes + p;
+      int8_t* codes = q.codes.data() + at * q.in_padded + k;
+      int32_t sum = 0;
+      const float step = quantize_group(values, codes, &sum);
+      q.scales[at * q.groups + g] = step;
+      minimum_sum = std::fma(step, static_cast<float>(sum), minimum_sum);
+      // What this pass rounded away, for the next one.
+      for (int64_t j = 0; j < kGroup; ++j) values[j] = std::fma(-static_cast<float>(codes[j]), step, values[j]);
+    }
+    q.minimum_sums[r * q.groups + g] = minimum_sum;
+  }
+}
+
+QuantizedActivations quantize_rows(const float* x, int64_t rows, int64_t in_features,
+                                   int64_t in_padded, int passes) {
+  QuantizedActivations q;
   q.in_padded = in_padded;
   q.groups = in_padded / kGroup;
-  q.codes.assign(q.rows_padded * in_padded, 0);
-  q.scales.assign(q.rows_padded * q.groups, 0.f);
-  q.scaled_sums.assign(q.rows_padded * q.groups, 0.f);
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t g = 0; g * kGroup < in_features; ++g) {
-        const int64_t k = g * kGroup, size = std::min(kGroup, in_features - k);
-        const int64_t at = r * q.groups + g;
-        quantize_group(x + r * in_features + k, size, q.codes.data() + r * in_padded + k,
-                       &q.scales[at], &q.scaled_sums[at]);
-      }
-    }
+  q.passes = passes;
+  q.codes.assign(rows * passes * in_padded, 0);
+  q.scales.assign(rows * passes * q.groups, 0.f);
+  q.minimum_sums.assign(rows * q.groups, 0.f);
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) quantize_row(x, in_features, r, q);
   });
   return q;
 }
 
-// The byte shuffle that turns 4 runs of torch's layout (columns k..k+3, one nibble taken) into
-// VNNI's: lane l of the result holds output `first + l`'s 4 codes, column order.
-VNNI_TARGET __m512i vnni_index(int first) {
-  alignas(64) uint8_t index[64];
-  for (int l = 0; l < 16; ++l) {
-    index[4 * l + 0] = static_cast<uint8_t>(first + l);       // column k (a's low half)
-    index[4 * l + 1] = static_cast<uint8_t>(32 + first + l);  // k + 1 (a's high half)
-    index[4 * l + 2] = static_cast<uint8_t>(64 + first + l);  // k + 2 (b's low half)
-    index[4 * l + 3] = static_cast<uint8_t>(96 + first + l);  // k + 3 (b's high half)
-  }
-  return _mm512_load_si512(index);
-}
+// ---- the generic variant (ARM, and the reference of the others) --------------------------
 
-VNNI_TARGET inline __m512 bf16_low(__m512i pairs) {  // the first bfloat16 of each pair
-  return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-}
+inline float half_to_float(uint16_t bits) { return c10::detail::fp16_ieee_to_fp32_value(bits); }
 
-VNNI_TARGET inline __m512 bf16_high(__m512i pairs) {  // the second one
-  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000)));
-}
-
-struct Tile {
-  int64_t block, half, row0;
-};
-
-// One tile: 32 outputs (one nibble of a 64-output block) x kRows rows, over all of `in`.
-template <int kRows>
-VNNI_TARGET void tile_product(const uint8_t* packed, const uint16_t* scales_zeros,
-                              const QuantizedRows& q, int64_t out_padded, Tile tile, float* out,
-                              int64_t rows, int64_t out_features) {
-  const int64_t in_padded = q.in_padded;
-  const uint8_t* weights = packed + tile.block * in_padded * 32;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const __m512i index0 = vnni_index(0), index1 = vnni_index(16);
-  const int shift = static_cast<int>(tile.half) * 4;
-  const int64_t first_out = tile.block * kBlock + tile.half * kHalf;
-  __m512 total[kRows][2];
-  for (auto& row : total) row[0] = row[1] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < q.groups; ++g) {
-    __m512i dot[kRows][2];
-    for (auto& row : dot) row[0] = row[1] = _mm512_setzero_si512();
-    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; k += 4) {
-      const uint8_t* run = weights + k * 32;
-      __m512i a = _mm512_loadu_si512(run), b = _mm512_loadu_si512(run + 64);
-      a = _mm512_and_si512(_mm512_srli_epi16(a, shift), nibble);
-      b = _mm512_and_si512(_mm512_srli_epi16(b, shift), nibble);
-      const __m512i w0 = _mm512_permutex2var_epi8(a, index0, b);
-      const __m512i w1 = _mm512_permutex2var_epi8(a, index1, b);
-      for (int r = 0; r < kRows; ++r) {
-        int32_t four;
-        std::memcpy(&four, q.codes.data() + (tile.row0 + r) * in_padded + k, 4);
-        const __m512i x4 = _mm512_set1_epi32(four);
-        dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], w0, x4);
-        dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], w1, x4);
-      }
-    }
-    // (scale, zero) pairs of this group's 32 outputs: 2 x 16 bfloat16 pairs.
-    const uint16_t* pairs = scales_zeros + (g * out_padded + first_out) * 2;
-    for (int h = 0; h < 2; ++h) {
-      const __m512i raw = _mm512_loadu_si512(pairs + 32 * h);
-      const __m512 scale = bf16_low(raw);
-      const __m512 minimum = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale, bf16_high(raw));
-      for (int r = 0; r < kRows; ++r) {
-        const int64_t at = (tile.row0 + r) * q.groups + g;
-        const __m512 dot_scale = _mm512_mul_ps(scale, _mm512_set1_ps(q.scales[at]));
-        total[r][h] = _mm512_fmadd_ps(dot_scale, _mm512_cvtepi32_ps(dot[r][h]), total[r][h]);
-        total[r][h] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(q.scaled_sums[at]), total[r][h]);
-      }
+// Output n's int32 dot product with activation row `codes` over one group.
+int32_t group_dot(const uint8_t* group, int n, const int8_t* codes) {
+  int32_t dot = 0;
+  for (int c = 0; c < 4; ++c) {
+    const uint8_t* bytes = group + c * kChunkBytes + 4 * n;
+    for (int i = 0; i < 4; ++i) {
+      dot += static_cast<int32_t>(bytes[i] & 0x0F) * codes[8 * c + i];
+      dot += static_cast<int32_t>(bytes[i] >> 4) * codes[8 * c + 4 + i];
     }
   }
-  for (int r = 0; r < kRows && tile.row0 + r < rows; ++r) {
-    for (int h = 0; h < 2; ++h) {
-      const int64_t o = first_out + 16 * h;
-      if (o >= out_features) break;
-      const int64_t valid = std::min<int64_t>(16, out_features - o);
-      const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-      float* dst = out + (tile.row0 + r) * out_features + o;
-      _mm512_mask_storeu_ps(dst, mask, total[r][h]);
-    }
-  }
+  return dot;
 }
 
 }  // namespace
 
-bool int4_gemm_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-         __builtin_cpu_supports("avx512vbmi");
+void tile_generic(const Weights& w, const Activations& x, const TileTask& task) {
+  const int64_t first_out = task.tile * kTileOutputs;
+  for (int n = 0; n < kTileOutputs && first_out + n < task.out_features; ++n) {
+    for (int r = 0; r < task.num_rows; ++r) {
+      const int64_t row = task.row0 + r;
+      float total = 0.f;
+      for (int64_t g = 0; g < w.groups; ++g) {
+        const uint8_t* group = w.packed + (task.tile * w.groups + g) * kGroupBytes;
+        const uint16_t* pairs = w.scales_minimums + (task.tile * w.groups + g) * 2 * kTileOutputs;
+        const float scale = half_to_float(pairs[n]), minimum = half_to_float(pairs[kTileOutputs + n]);
+        for (int p = 0; p < x.passes; ++p) {
+          const int64_t at = row * x.passes + p;
+          const int32_t dot = group_dot(group, n, x.codes + at * x.in_padded + g * kGroup);
+          total = std::fma(scale * x.scales[at * x.groups + g], static_cast<float>(dot), total);
+        }
+        total = std::fma(minimum, x.minimum_sums[row * x.groups + g], total);
+      }
+      task.out[row * task.out_stride + first_out + n] = total;
+    }
+  }
 }
 
-torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_zeros,
+}  // namespace int4
+
+// ---- which variant runs -----------------------------------------------------------------
+
+namespace {
+
+struct Variant {
+  const char* name;
+  int4::TileFunction tile;
+};
+
+const Variant kVariants[] = {
+#if defined(__x86_64__)
+    {"avx512_vnni", int4::tile_avx512_vnni},
+    {"avx2", int4::tile_avx2},
+#endif
+    {"generic", int4::tile_generic},
+};
+
+bool cpu_runs(const std::string& name) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (name == "avx512_vnni") {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  }
+  if (name == "avx2") {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }
+#endif
+  return name == "generic";
+}
+
+const Variant* best_variant() {
+  for (const Variant& variant : kVariants) {
+    if (cpu_runs(variant.name)) return &variant;
+  }
+  return &kVariants[0];  // unreachable: generic always runs
+}
+
+// Until select_int4_isa: the best the CPU has.
+std::atomic<const Variant*> g_variant{best_variant()};
+
+}  // namespace
+
+std::vector<std::string> int4_isas() {
+  std::vector<std::string> names;
+  for (const Variant& variant : kVariants) {
+    if (cpu_runs(variant.name)) names.push_back(variant.name);
+  }
+  return names;
+}
+
+std::string int4_isa() { return g_variant.load()->name; }
+
+void select_int4_isa(const std::string& name) {
+  for (const Variant& variant : kVariants) {
+    if (name != variant.name) continue;
+    TORCH_CHECK(cpu_runs(name), "int4_gemm's ", name, " variant needs instructions this CPU lacks");
+    g_variant.store(&variant);
+    return;
+  }
+  TORCH_CHECK(false, "int4_gemm has no variant ", name, " on this processor");
+}
+
+torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_minimums,
                         int64_t out_features) {
-  TORCH_CHECK(int4_gemm_supported(), "int4_gemm needs AVX512-VNNI and AVX512-VBMI");
+  using namespace int4;
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous float32 [rows, in]");
-  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous(),
-              "packed must be torch's contiguous uint8 [out_padded, in_padded / 2]");
-  const int64_t out_padded = packed.size(0), in_padded = packed.size(1) * 2;
-  TORCH_CHECK(out_padded % kBlock == 0 && in_padded % kGroup == 0,
-              "packed ", packed.sizes(), " is not whole blocks of 64 outputs and 32 columns");
-  TORCH_CHECK(scales_zeros.dtype() == torch::kBFloat16 && scales_zeros.is_contiguous() &&
-                  scales_zeros.dim() == 3 && scales_zeros.size(0) == in_padded / kGroup &&
-                  scales_zeros.size(1) == out_padded && scales_zeros.size(2) == 2,
-              "scales_zeros must be a contiguous bfloat16 [", in_padded / kGroup, ", ",
-              out_padded, ", 2]");
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.size(2) == kGroupBytes,
+              "packed must be a contiguous uint8 [tiles, groups, ", kGroupBytes, "]");
+  const int64_t tiles = packed.size(0), groups = packed.size(1), in_padded = groups * kGroup;
+  TORCH_CHECK(scales_minimums.dtype() == torch::kFloat16 && scales_minimums.is_contiguous() &&
+                  scales_minimums.dim() == 4 && scales_minimums.size(0) == tiles &&
+                  scales_minimums.size(1) == groups && scales_minimums.size(2) == 2 &&
+                  scales_minimums.size(3) == kTileOutputs,
+              "scales_minimums must be a contiguous float16 [", tiles, ", ", groups, ", 2, ",
+              kTileOutputs, "]");
   TORCH_CHECK(x.size(1) <= in_padded, "x has ", x.size(1), " columns, the weight ", in_padded);
-  TORCH_CHECK(0 < out_features && out_features <= out_padded, "out_features ", out_features);
+  TORCH_CHECK(0 < out_features && out_features <= tiles * kTileOutputs, "out_features ",
+              out_features, " does not fit ", tiles, " tiles");
   const int64_t rows = x.size(0);
   auto out = torch::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
-  const int64_t row_tile = rows < kRowTile ? 1 : kRowTile;
-  const QuantizedRows q = quantize_rows(x.data_ptr<float>(), rows, x.size(1), in_padded, row_tile);
-  const int64_t halves = (out_features + kHalf - 1) / kHalf;  // tiles of 32 outputs with work
-  const int64_t row_tiles = q.rows_padded / row_tile;
-  const auto* weights = packed.data_ptr<uint8_t>();
-  const auto* pairs = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr());
+  const int passes = rows < kInt4OnePassFromRows ? 2 : 1;
+  const QuantizedActivations q = quantize_rows(x.data_ptr<float>(), rows, x.size(1), in_padded, passes);
+  const Activations activations = q.view();
+  const Weights weights{packed.data_ptr<uint8_t>(),
+                        reinterpret_cast<const uint16_t*>(scales_minimums.data_ptr()), groups};
+  const int64_t row_tile = kMaxActivationRows / passes;
+  const int64_t row_tiles = (rows + row_tile - 1) / row_tile;
+  const int64_t live_tiles = (out_features + kTileOutputs - 1) / kTileOutputs;
+  const TileFunction tile = g_variant.load()->tile;
   float* result = out.data_ptr<float>();
-  // Output tiles outer, rows inner: a thread's consecutive tiles reuse one weight tile from L1.
-  at::parallel_for(0, halves * row_tiles, 1, [&](int64_t begin, int64_t end) {
+  // Output tiles outer, rows inner: a thread's consecutive tasks reuse one weight tile from L1.
+  at::parallel_for(0, live_tiles * row_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t half_index = t / row_tiles;
-      const Tile tile{half_index / 2, half_index % 2, (t % row_tiles) * row_tile};
-      if (row_tile == 1) {
-        tile_product<1>(weights, pairs, q, out_padded, tile, result, rows, out_features);
-      } else {
-        tile_product<kRowTile>(weights, pairs, q, out_padded, tile, result, rows, out_features);
-      }
+      const int64_t row0 = (t % row_tiles) * row_tile;
+      const int num_rows = static_cast<int>(std::min(row_tile, rows - row0));
+      tile(weights, activations, TileTask{t / row_tiles, row0, num_rows, result, out_features,
+                                          out_features});
     }
   });
   return out;
 }
-
-#else  // not x86-64: no VNNI, so the Python side keeps torch's int4 kernels
-
-bool int4_gemm_supported() { return false; }
-
-torch::Tensor int4_gemm(torch::Tensor, torch::Tensor, torch::Tensor, int64_t) {
-  TORCH_CHECK(false, "int4_gemm needs an x86-64 CPU with AVX512-VNNI and AVX512-VBMI");
-}
-
-#endif

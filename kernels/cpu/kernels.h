@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 // paged_decode_attention.cpp
@@ -28,12 +29,13 @@ torch::Tensor rotary_split_qkv_into_cache(torch::Tensor qkv, torch::Tensor cos,
                                           int64_t num_kv_heads, torch::Tensor layer_cache,
                                           torch::Tensor slot_mapping);
 // int4_gemm.cpp
-// Products of at least this many rows take int4_gemm where it is usable; fewer keep torch's
-// bfloat16-activation kernel (shared/model/quantized_linear.py's INT4_VNNI_FROM_ROWS, which the
-// tests hold equal to this).
-constexpr int64_t kInt4VnniFromRows = 16;
-bool int4_gemm_supported();
-torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_zeros,
+// Products of fewer rows quantize their activations in two passes (int4_gemm.cpp says why);
+// shared/model/quantized_linear.py's INT4_ONE_PASS_FROM_ROWS, which the tests hold equal.
+constexpr int64_t kInt4OnePassFromRows = 16;
+torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_minimums,
                         int64_t out_features);
+std::vector<std::string> int4_isas();  // the variants this CPU runs, best first
+std::string int4_isa();                // the one that runs
+void select_int4_isa(const std::string& name);
 // decode_layers.cpp
 void bind_decode_layers(pybind11::module& m);

@@ -10,11 +10,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache, read in place (float32 or int8 rows, CPU)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.attr("INT4_VNNI_FROM_ROWS") = kInt4VnniFromRows;
-  m.def("int4_gemm_supported", &int4_gemm_supported,
-        "whether this CPU has the AVX512-VNNI and VBMI instructions int4_gemm needs");
+  m.attr("INT4_ONE_PASS_FROM_ROWS") = kInt4OnePassFromRows;
+  m.def("int4_isas", &int4_isas, "int4_gemm's variants this CPU runs, best first");
+  m.def("int4_isa", &int4_isa, "the int4_gemm variant that runs");
+  m.def("select_int4_isa", &select_int4_isa,
+        "runs int4_gemm's named variant from now on (refused where the CPU lacks it)");
   m.def("int4_gemm", &int4_gemm,
-        "float32 rows @ torch's packed int4 weight, as int8 x int4 VNNI dot products (CPU)",
+        "float32 rows @ an int4 weight in our tiled layout, as int8 x int4 dot products (CPU)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (CPU)");
   m.def("add_rms_norm", &add_rms_norm,

@@ -57,10 +57,10 @@ def bfloat16_status() -> str:
 
 def kernel_paths() -> dict[str, str]:
     """Family -> the path it takes here, with the reason where it is not the fastest."""
-    int4 = quantized_linear.int4_vnni_problem()
+    int4 = quantized_linear.int4_kernel_problem()
     bf16 = linear.onednn_bfloat16_problem()
     return {
         "float32_linear": "onednn" if linear.onednn_available() else "torch",
         "bfloat16_linear": "onednn" if bf16 is None else f"torch ({bf16})",
-        "int4_many_rows": "int4_gemm" if int4 is None else f"torch ({int4})",
+        "int4": f"int4_gemm {cpu_kernels.load().int4_isa()}" if int4 is None else f"torch ({int4})",
     }

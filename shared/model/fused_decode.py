@@ -5,8 +5,9 @@ weights: 7.7 ms a step through the Python layers, 5.9 through this loop). The lo
 same operations on the same kernels in the same order, so its output is the Python layers'
 output (tests/test_fused_decode.py holds it to that). It serves the steps it can: every row a
 decode token, float32 activations, dense Llama-family layers without biases whose products are
-all oneDNN, all int8 or all int4, in one process. Everything else (prefill chunks, mixed steps,
-tensor parallel, mixture-of-experts, bfloat16 models, CUDA) keeps the Python layers.
+all oneDNN, all int8 or all int4 in our layout, in one process. Everything else (prefill
+chunks, mixed steps, tensor parallel, mixture-of-experts, bfloat16 models, CUDA, int4 in
+torch's layout) keeps the Python layers.
 SPLITSERVE_FUSED_DECODE=0 turns it off (to compare the two).
 """
 
@@ -21,29 +22,21 @@ from torch import nn
 from splitserve.engine.model.attention_metadata import AttentionMetadata
 from splitserve.engine.model.linear import Linear
 from splitserve.engine.model.quantized_linear import (
-    INT4_DEQUANTIZE_FROM_ROWS,
     INT8_ACTIVATION_QUANT_FROM_ROWS,
     Int4Weight,
     Int8Weight,
     QuantizedLinear,
     inner_size,
-    int4_vnni_usable,
 )
 from splitserve.engine.model.rotary import RotaryAngles
 from splitserve.kernels import cpu as cpu_kernels
 
 _ENV = "SPLITSERVE_FUSED_DECODE"
-_ONEDNN, _INT8, _INT4, _INT4_VNNI = 0, 1, 2, 3  # decode_layers.cpp's WeightFormat
+_ONEDNN, _INT8, _INT4 = 0, 1, 2  # decode_layers.cpp's WeightFormat
 # Below this many rows the packed kernels serve the step (quantized_linear.py's crossovers);
 # from there the Python layers take it (int8: the int8 x int8 products win by more than the
-# loop saves). int4 with int4_gemm: torch's kernel below INT4_VNNI_FROM_ROWS, int4_gemm from
-# there on (no dequantizing), as in the Python layers.
-_MAX_ROWS = {
-    _ONEDNN: None,
-    _INT8: INT8_ACTIVATION_QUANT_FROM_ROWS,
-    _INT4: INT4_DEQUANTIZE_FROM_ROWS,
-    _INT4_VNNI: None,
-}
+# loop saves). int4 (our layout) takes int4_gemm at every row count, as the Python layers do.
+_MAX_ROWS = {_ONEDNN: None, _INT8: INT8_ACTIVATION_QUANT_FROM_ROWS, _INT4: None}
 
 
 class FusedDecode:
@@ -132,8 +125,8 @@ def _format(linear: nn.Module) -> int | None:
     if isinstance(linear, QuantizedLinear):
         if isinstance(linear.qweight, Int8Weight):
             return _INT8
-        if isinstance(linear.qweight, Int4Weight):
-            return _INT4_VNNI if int4_vnni_usable() else _INT4
+        if isinstance(linear.qweight, Int4Weight):  # torch's int4 layout stays in Python
+            return _INT4
     return None
 
 
@@ -145,4 +138,4 @@ def _weight_parts(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, i
     packed = linear.qweight
     if isinstance(packed, Int8Weight):
         return packed.codes, packed.scales, inner_size(packed), packed.out_features
-    return packed.packed, packed.scales_zeros, inner_size(packed), packed.out_features
+    return packed.packed, packed.scales_minimums, inner_size(packed), packed.out_features

@@ -13,8 +13,11 @@ per row: dense float32 it alone would be a third of SmolLM2's float32 weights (4
 more than the whole int4 decoder. A GGUF file's Q8_0 embedding has one scale per 32 values,
 which per-row int8 cannot hold exactly: it is re-quantized (logged).
 
-Where torch's packed CPU kernel is missing or wrong (checked once on a small product), the
-model is built dense instead, with a warning: slower and larger, never silently so.
+int4 and gguf weights are packed in our own layout for kernels/cpu/int4_gemm.cpp where the C++
+kernels load (on any x86-64 CPU with AVX2, and on ARM), else in torch's, packed by torch on this
+host for its own kernel (quantized_linear.int4_layout). Where no packed kernel answers right
+(checked once on a small product), the model is built dense instead, with a warning: slower and
+larger, never silently so.
 
 On CUDA (`select_quantized_backend`) the same methods keep the layouts the Triton dequantizing
 matmuls read (shared/model/quantized_triton.py), packed on the device; where Triton is missing
@@ -37,7 +40,7 @@ from splitserve.engine.model.quantized_linear import (
     QuantizedLinear,
     QuantizedWeight,
     int4_from_codes,
-    int4_vnni_usable,
+    int4_layout,
     kernels_usable,
     quantize,
     quantize_int8,
@@ -78,7 +81,7 @@ def effective_method(method: str, device: torch.device) -> str:
         return "none"
     warn_if_kernel_is_slow("int8" if method == "int8" else "int4")
     if method != "int8":
-        int4_vnni_usable()  # int4_gemm's check at start-up, not in a first big step; logs why not
+        int4_layout()  # which int4 kernel, decided at start-up; logs why when not ours
     return method
 
 

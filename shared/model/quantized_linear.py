@@ -75,16 +75,15 @@ GROUP_SIZE = 32
 # int8 (torch._int_mm on oneDNN's VNNI path; _int8_activation_product has the figures). At 16
 # rows they only tie the packed kernel, which the fused decode loop runs without Python.
 INT8_ACTIVATION_QUANT_FROM_ROWS = 32
-# int4 products with at least this many rows dequantize on the fly (the module docstring).
-INT4_DEQUANTIZE_FROM_ROWS = 256
-# int4 products of at least this many rows take kernels/cpu/int4_gemm.cpp where it is usable
-# (kInt4VnniFromRows in kernels/cpu/kernels.h: the same number, for the fused decode loop). Not
-# below: see the module docstring (accuracy, not speed).
-INT4_VNNI_FROM_ROWS = 16
-# The int4 kernel's layout packs rows in blocks of 64 (two rows per byte, j and j + 32);
-# both kernels misbehaved on inner sizes that are not multiples of 16 (garbage at 40, a
-# crash at 5), so both dimensions are padded with zero weights where needed.
-_INT4_ROW_BLOCK = 64
+# int4 products of fewer rows quantize their activations in two int8 passes, from here in one
+# (kInt4OnePassFromRows in kernels/cpu/kernels.h, which the tests hold equal; the module
+# docstring says why).
+INT4_ONE_PASS_FROM_ROWS = 16
+_TILE_OUTPUTS = 16  # outputs per tile of our int4 layout (kernels/cpu/int4_gemm.h)
+# torch's own int4 layout packs rows in blocks of up to 64; its kernels misbehaved on inner
+# sizes that are not multiples of 16 (garbage at 40, a crash at 5), so both dimensions are
+# padded with zero weights where needed.
+_TORCH_INT4_ROW_BLOCK = 64
 _INNER_MULTIPLE = GROUP_SIZE
 _ACT_DTYPE = torch.bfloat16
 
@@ -129,57 +128,74 @@ class Int8Weight:
 
 @dataclass(frozen=True)
 class Int4Weight:
-    """`weight[n, k] ~= (q[n, k] - 8) * scale[g, n] + zero[g, n]` with g = k // 32 and q in
-    0..15: the affine form of torch's int4 kernel, which holds GGUF's Q4_1 (`d * q + m`: scale
-    d, zero m + 8d) and Q4_0 (`d * (q - 8)`: zero 0) as they are."""
+    """`weight[n, k] = scale[n, g] * code[n, k] + minimum[n, g]` with g = k // 32 and codes in
+    0..15 (GGUF's Q4_1 `d * q + m` as it is, Q4_0's `d * (q - 8)` with minimum -8d), in our own
+    tiled layout (kernels/cpu/int4_gemm.h): multiplied by kernels/cpu/int4_gemm.cpp at every
+    row count, read back here by `codes()` and `scales()`. No other library reads it."""
 
-    packed: torch.Tensor  # [out_padded, in_padded / 2] uint8, the kernel's layout
-    scales_zeros: torch.Tensor  # [in_padded / 32, out_padded, 2] bfloat16
+    packed: torch.Tensor  # [tiles, groups, 256] uint8: 16 outputs x 32 columns per tile and group
+    scales_minimums: torch.Tensor  # [tiles, groups, 2, 16] float16
     out_features: int
     in_features: int
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.packed, self.scales_zeros)
+        return _nbytes(self.packed, self.scales_minimums)
+
+    @property
+    def in_padded(self) -> int:
+        return self.packed.shape[1] * GROUP_SIZE
 
     def codes(self) -> torch.Tensor:
-        """The 4-bit codes [out_padded, in_padded] uint8, read back from the kernel's layout:
-        per block of 64 rows, in_padded runs of 32 bytes, byte j holding row j (low nibble) and
-        row j + 32 (high nibble) of that column (checked against the kernel in the tests)."""
-        out_padded, in_padded = self.packed.shape[0], self.packed.shape[1] * 2
-        blocks = self.packed.view(out_padded // _INT4_ROW_BLOCK, in_padded, 32)
-        halves = torch.stack([blocks & 15, blocks >> 4], dim=1)  # [blocks, 2, in, 32]
-        return halves.permute(0, 1, 3, 2).reshape(out_padded, in_padded)
+        """The 4-bit codes [out_padded, in_padded] uint8 (int4_gemm.h's byte order undone)."""
+        tiles, groups = self.packed.shape[:2]
+        chunks = self.packed.view(tiles, groups, 4, _TILE_OUTPUTS, 4)  # [t, g, chunk, n, i]
+        halves = torch.stack([chunks & 15, chunks >> 4], dim=4)  # [t, g, chunk, n, half, i]
+        return halves.permute(0, 3, 1, 2, 4, 5).reshape(tiles * _TILE_OUTPUTS, self.in_padded)
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, minimum) [out_padded, groups] float32."""
+        tiles, groups = self.packed.shape[:2]
+        pairs = self.scales_minimums.float().permute(2, 0, 3, 1)  # [2, tiles, 16, groups]
+        scale, minimum = pairs.reshape(2, tiles * _TILE_OUTPUTS, groups)
+        return scale, minimum
 
     def dequantize(self, dtype: torch.dtype = _ACT_DTYPE) -> torch.Tensor:
-        """[out_padded, in_padded] in `dtype`, computed in float32 and rounded once (see
-        dequantize_transposed for why)."""
-        out_padded, in_padded = self.packed.shape[0], self.packed.shape[1] * 2
-        groups = self.codes().float().view(out_padded, in_padded // GROUP_SIZE, GROUP_SIZE)
-        scale = self.scales_zeros[..., 0].t().float()[..., None]  # [out, groups, 1]
-        zero = self.scales_zeros[..., 1].t().float()[..., None]
-        return ((groups - 8) * scale + zero).view(out_padded, in_padded).to(dtype)
+        """[out_padded, in_padded] in `dtype`, computed in float32 and rounded once."""
+        codes = self.codes().float()
+        out_padded = codes.shape[0]
+        scale, minimum = self.scales()
+        groups = codes.view(out_padded, -1, GROUP_SIZE) * scale[..., None] + minimum[..., None]
+        return groups.view(out_padded, self.in_padded).to(dtype)
 
-    def dequantize_transposed(self) -> torch.Tensor:
-        """[in_padded, out_padded] bfloat16, built in the order the packed bytes lie (no
-        transposing copy of the result): the on-the-fly path (~90 ms per SmolLM2 forward in
-        bfloat16 arithmetic, measured once; float32 arithmetic costs somewhat more).
+    def matmul(self, x: torch.Tensor, activation_passes: int = 1) -> torch.Tensor:
+        """x [rows, in_features] -> [rows, out_features] in x's dtype, by int4_gemm (its
+        activations take two int8 passes below INT4_ONE_PASS_FROM_ROWS rows and one from there,
+        whatever `activation_passes`, which is int8's)."""
+        module = cpu_kernels.load()
+        assert module is not None, "an Int4Weight without the CPU kernels (int4_layout decides)"
+        x32 = x.to(torch.float32).contiguous()  # the kernel pads the columns itself
+        out = module.int4_gemm(x32, self.packed, self.scales_minimums, self.out_features)
+        return out.to(x.dtype)
 
-        The arithmetic is float32, rounded to bfloat16 once at the end: `q * scale + minimum`
-        in bfloat16 rounds twice, and where the two terms nearly cancel (weights near zero in a
-        block whose minimum is far from it) the error is large against the weight; that cost
-        +1.3% perplexity on SmolLM2 against +0.1% rounding once."""
-        out_padded, in_padded = self.packed.shape[0], self.packed.shape[1] * 2
-        blocks = self.packed.view(out_padded // _INT4_ROW_BLOCK, in_padded, 32)
-        out = torch.empty(in_padded, out_padded // _INT4_ROW_BLOCK, 2, 32)
-        out[:, :, 0, :].copy_((blocks & 15).permute(1, 0, 2))
-        out[:, :, 1, :].copy_((blocks >> 4).permute(1, 0, 2))
-        scales_zeros = self.scales_zeros.float()
-        scale = scales_zeros[..., 0].unsqueeze(1)  # [groups, 1, out]
-        minimum = (scales_zeros[..., 1] - 8 * scales_zeros[..., 0]).unsqueeze(1)
-        grouped = out.view(in_padded // GROUP_SIZE, GROUP_SIZE, out_padded)
-        grouped.mul_(scale).add_(minimum)
-        return out.view(in_padded, out_padded).to(_ACT_DTYPE)
+
+@dataclass(frozen=True)
+class TorchInt4Weight:
+    """The same weight in torch's own packed layout, for `aten._weight_int4pack_mm_for_cpu`:
+    the int4 path where our C++ kernels are not loaded. That layout depends on the CPU
+    capability torch dispatches to (rows in blocks of 64 under AVX-512, of 32 under AVX2), so
+    torch packs it in this process (`pack_int4_for_torch`) and only torch reads it: nothing
+    here looks at its bytes, and `dequantize()` asks torch's kernel for the weight."""
+
+    packed: torch.Tensor  # torch's opaque layout
+    scales_zeros: torch.Tensor  # [groups, out_padded, 2] bfloat16: zero = minimum + 8 * scale
+    out_features: int
+    in_features: int
+    in_padded: int
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.packed, self.scales_zeros)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_padded] bfloat16 -> [rows, out_padded] bfloat16."""
@@ -187,13 +203,22 @@ class Int4Weight:
             x, self.packed, GROUP_SIZE, self.scales_zeros
         )
 
+    def dequantize(self, dtype: torch.dtype = _ACT_DTYPE) -> torch.Tensor:
+        """[out_padded, in_padded] in `dtype`: torch's kernel applied to the identity (its
+        bfloat16 rounding of each weight; for checks, not for products)."""
+        identity = torch.eye(self.in_padded, dtype=_ACT_DTYPE)
+        return self.kernel(identity).t().to(dtype)
+
     def matmul(self, x: torch.Tensor, activation_passes: int = 1) -> torch.Tensor:
-        """x [rows, in_features] -> [rows, out_features] in x's dtype (the layer's product;
-        int4 keeps its activations in bfloat16, so `activation_passes` does not apply)."""
-        return quantized_matmul(x, self)
+        """x [rows, in_features] -> [rows, out_features] in x's dtype: torch's kernel on
+        bfloat16 activations at every row count."""
+        xb = x.to(_ACT_DTYPE)
+        if self.in_padded != x.shape[1]:
+            xb = F.pad(xb, (0, self.in_padded - x.shape[1]))
+        return self.kernel(xb)[:, : self.out_features].to(x.dtype)
 
 
-QuantizedWeight = Int8Weight | Int4Weight
+QuantizedWeight = Int8Weight | Int4Weight | TorchInt4Weight
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:
@@ -211,7 +236,7 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     return Int8Weight(codes.contiguous(), scales, in_features)
 
 
-def quantize_int4(weight: torch.Tensor) -> Int4Weight:
+def quantize_int4(weight: torch.Tensor) -> Int4Weight | TorchInt4Weight:
     """Asymmetric int4 of `weight` [out, in] in groups of 32 along `in` (min/max per group)."""
     codes, scale, low = int4_groups(weight)
     return int4_from_codes(codes, scale, low, weight.shape[1])
@@ -219,15 +244,22 @@ def quantize_int4(weight: torch.Tensor) -> Int4Weight:
 
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`weight` [out, in] as (codes [out, in_padded] uint8 in 0..15, scale, minimum
-    [out, in_padded / 32] float32): min/max per group of 32, round to nearest; any layout's
-    int4 (the CPU kernel's, the Triton one's) packs these."""
+    [out, in_padded / 32] float32, both float16 values): min/max per group of 32, round to
+    nearest against the float16 scale and minimum the layouts keep (so the codes fit the
+    numbers they are multiplied by); any layout's int4 (ours, torch's, the Triton one) packs
+    these."""
     w = weight.detach().float()
     out_features, in_features = w.shape
     padded = _pad2d(w, out_features, _pad_to(in_features, GROUP_SIZE))
     groups = padded.view(out_features, -1, GROUP_SIZE)
-    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    scale = ((high - low) / 15).clamp_min(1e-12)
-    codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+    low = groups.amin(dim=-1).to(torch.float16).float()
+    scale = ((groups.amax(dim=-1) - low) / 15).to(torch.float16).float()
+    if not (torch.isfinite(scale).all() and torch.isfinite(low).all()):
+        raise ValueError("int4 needs weights within float16's range (|w| < 65504)")
+    # A group whose values span less than float16's smallest step has scale 0: all codes 0,
+    # every weight its minimum.
+    steps = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((groups - low[..., None]) / steps[..., None]).clamp(0, 15)
     return codes.view(out_features, -1).to(torch.uint8), scale, low
 
 
@@ -236,18 +268,52 @@ def int4_from_codes(
     scale: torch.Tensor,  # [out, in_padded / 32]
     minimum: torch.Tensor,  # [out, in_padded / 32]: weight = scale * code + minimum
     in_features: int,
+) -> Int4Weight | TorchInt4Weight:
+    """Affine 4-bit groups of 32 (GGUF's Q4_0/Q4_1 included) in the layout this machine's int4
+    path reads (int4_layout)."""
+    if int4_layout() == "ours":
+        return pack_int4_tiles(codes, scale, minimum, in_features)
+    return pack_int4_for_torch(codes, scale, minimum, in_features)
+
+
+def pack_int4_tiles(
+    codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, in_features: int
 ) -> Int4Weight:
-    """Packs affine 4-bit groups of 32 into the kernel's layout (GGUF's Q4_0/Q4_1 included)."""
+    """Our layout (kernels/cpu/int4_gemm.h): per tile of 16 outputs and group of 32 columns,
+    4 chunks of 8 columns, byte (n, i) of a chunk holding output n's codes of columns i (low
+    nibble) and 4 + i (high); scale and minimum rounded to float16 (GGUF's d and m exactly)."""
     out_features, in_padded = codes.shape
     assert in_padded % GROUP_SIZE == 0, f"inner size {in_padded} is not whole groups"
-    out_padded = _pad_to(out_features, _INT4_ROW_BLOCK)
+    out_padded = _pad_to(out_features, _TILE_OUTPUTS)
+    tiles, groups = out_padded // _TILE_OUTPUTS, in_padded // GROUP_SIZE
+    padded = _pad2d(codes.to(torch.uint8), out_padded, in_padded)
+    # [tile, n, group, chunk, half, i] -> bytes [tile, group, chunk, n, i]
+    split = padded.view(tiles, _TILE_OUTPUTS, groups, 4, 2, 4)
+    packed = split[:, :, :, :, 0, :] | (split[:, :, :, :, 1, :] << 4)
+    packed = packed.permute(0, 2, 3, 1, 4).reshape(tiles, groups, 4 * 4 * _TILE_OUTPUTS)
+    pairs = torch.stack([scale.float(), minimum.float()])  # [2, out, groups]
+    pairs = F.pad(pairs, (0, 0, 0, out_padded - out_features)).to(torch.float16)
+    pairs = pairs.view(2, tiles, _TILE_OUTPUTS, groups).permute(1, 3, 0, 2)
+    return Int4Weight(packed.contiguous(), pairs.contiguous(), out_features, in_features)
+
+
+def pack_int4_for_torch(
+    codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, in_features: int
+) -> TorchInt4Weight:
+    """torch's layout, packed by torch in this process (TorchInt4Weight says why): rows padded
+    to its widest block, scales and zeros in bfloat16 (its kernel's form, `(q - 8) * scale +
+    zero`)."""
+    out_features, in_padded = codes.shape
+    assert in_padded % GROUP_SIZE == 0, f"inner size {in_padded} is not whole groups"
+    out_padded = _pad_to(out_features, _TORCH_INT4_ROW_BLOCK)
     codes32 = _pad2d(codes.to(torch.int32), out_padded, in_padded)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes32.contiguous(), 1)
     scale, minimum = scale.float(), minimum.float()
-    # [groups, out, 2]: (scale, zero) with zero = minimum + 8 * scale (the kernel subtracts 8).
-    pairs = torch.stack([scale, minimum + 8 * scale], dim=-1).transpose(0, 1)
+    pairs = torch.stack([scale, minimum + 8 * scale], dim=-1).transpose(0, 1)  # [groups, out, 2]
     pairs = F.pad(pairs, (0, 0, 0, out_padded - out_features))
-    return Int4Weight(packed, pairs.to(_ACT_DTYPE).contiguous(), out_features, in_features)
+    return TorchInt4Weight(
+        packed, pairs.to(_ACT_DTYPE).contiguous(), out_features, in_features, in_padded
+    )
 
 
 def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
@@ -261,25 +327,19 @@ def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
 def quantized_matmul(
     x: torch.Tensor, weight: QuantizedWeight, activation_passes: int = 1
 ) -> torch.Tensor:
-    """x [rows, in] @ dequantized(weight).T -> [rows, out] in x's dtype: the packed kernel for
-    few rows; for many, int8 x int8 products in `activation_passes` (int8 weights), int4_gemm
-    from INT4_VNNI_FROM_ROWS where usable, else a transient dense bfloat16 weight (int4)."""
+    """x [rows, in] @ dequantized(weight).T -> [rows, out] in x's dtype. int8: torch's packed
+    kernel for few rows, int8 x int8 products in `activation_passes` for many; int4: its
+    layout's kernel at every row count (Int4Weight.matmul, TorchInt4Weight.matmul)."""
+    if not isinstance(weight, Int8Weight):
+        return weight.matmul(x)
     rows, in_features = x.shape
-    if isinstance(weight, Int8Weight) and rows >= INT8_ACTIVATION_QUANT_FROM_ROWS:
+    if rows >= INT8_ACTIVATION_QUANT_FROM_ROWS:
         return _int8_activation_product(x, weight, activation_passes).to(x.dtype)
-    if isinstance(weight, Int4Weight) and rows >= INT4_VNNI_FROM_ROWS and int4_vnni_usable():
-        return int4_vnni_matmul(x, weight)
     xb = x.to(_ACT_DTYPE)
     in_padded = inner_size(weight)
     if in_padded != in_features:
         xb = F.pad(xb, (0, in_padded - in_features))
-    if isinstance(weight, Int8Weight):
-        out = weight.kernel(xb)
-    elif rows < INT4_DEQUANTIZE_FROM_ROWS:
-        out = weight.kernel(xb)[:, : weight.out_features]
-    else:
-        out = torch.mm(xb, weight.dequantize_transposed())[:, : weight.out_features]
-    return out.to(x.dtype)
+    return weight.kernel(xb).to(x.dtype)
 
 
 def _int8_activation_product(x: torch.Tensor, weight: Int8Weight, passes: int) -> torch.Tensor:
@@ -308,68 +368,94 @@ def _int8_activation_product(x: torch.Tensor, weight: Int8Weight, passes: int) -
     in_padded = weight.codes.shape[1]
     if in_padded != xf.shape[1]:
         xf = F.pad(xf, (0, in_padded - xf.shape[1]))
-    # codes.t() is a column-major view: oneDNN takes it as is (a contiguous copy ran no faster).
-    codes = weight.codes.t()
+    levels = int8_activation_levels()
     out: torch.Tensor | None = None
     for _ in range(passes):
-        x_scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
+        x_scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / levels
         x_codes = torch.round(xf / x_scale)
-        part = torch._int_mm(x_codes.to(torch.int8), codes).float().mul_(x_scale)
+        part = _int8_codes_product(x_codes.to(torch.int8), weight.codes, levels)
+        part = part.float().mul_(x_scale)
         out = part if out is None else out.add_(part)
         xf = xf - x_codes.mul_(x_scale)  # what this pass rounded away
     assert out is not None, "passes must be at least 1"
-    return out.mul_(weight.scales.float())
+    return out.mul_(weight.scales.float()).contiguous()
 
 
-def int4_vnni_matmul(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
-    """x [rows, in_features] @ dequantized(weight).T -> [rows, out_features] in x's dtype, by
-    kernels/cpu/int4_gemm.cpp (int8 activations per row and group of 32; needs
-    int4_vnni_usable())."""
-    module = cpu_kernels.load()
-    assert module is not None, "int4_vnni_matmul without the CPU kernels"
-    x32 = x.to(torch.float32).contiguous()  # the kernel pads the columns itself
-    out = module.int4_gemm(x32, weight.packed, weight.scales_zeros, weight.out_features)
-    return out.to(x.dtype)
+def _int8_codes_product(x_codes: torch.Tensor, codes: torch.Tensor, levels: int) -> torch.Tensor:
+    """x_codes [rows, in] @ codes [out, in].T -> int32 [rows, out], exactly."""
+    if levels == 127:
+        # codes.t() is a column-major view: oneDNN takes it as is (a contiguous copy ran no
+        # faster).
+        return torch._int_mm(x_codes, codes.t())
+    # 7-bit activations go second: the operand oneDNN's u8 x s8 pairs must keep small.
+    return torch._int_mm(codes, x_codes.t()).t()
+
+
+def int8_activation_levels() -> int:
+    """Codes per sign an int8 x int8 product's activations are quantized to: 127, or 64 where
+    oneDNN's int8 product saturates (int8_product_problem)."""
+    return 127 if int8_product_problem() is None else 64
 
 
 @functools.cache
-def int4_vnni_problem() -> str | None:
-    """None when int4_gemm (kernels/cpu) is built, this CPU has its instructions and it gives
-    the dequantized product on a small random test; otherwise why not (int4 then keeps torch's
-    kernels, as before)."""
+def int8_product_problem() -> str | None:
+    """None when torch._int_mm multiplies full-range int8 exactly here; otherwise what goes
+    wrong. Without VNNI (AVX2 CPUs, or ONEDNN_MAX_CPU_ISA=AVX2) oneDNN multiplies s8 by s8 as
+    (s8 + 128) u8 x s8 with vpmaddubsw, whose int16 pair sums saturate once the second
+    operand's codes pass 64 (255 x 127 x 2 > 32767): products came out wrong by up to 40%, and
+    greedy int8 output left float32's after a few tokens. Asked once, on the inputs that
+    saturate; where they do, activations take 64 codes per sign as the second operand
+    (255 x 64 x 2 = 32640 fits)."""
+    ones = torch.full((32, 64), 127, dtype=torch.int8)
+    got = torch._int_mm(ones, ones.t().contiguous())[0, 0].item()
+    want = 64 * 127 * 127
+    if got == want:
+        return None
+    return f"oneDNN's int8 product saturates here (127 x 127 over 64 terms gave {got}, not {want})"
+
+
+@functools.cache
+def int4_kernel_problem() -> str | None:
+    """None when our int4 product (kernels/cpu/int4_gemm.cpp, in the variant isa.py chose)
+    is loaded and gives the dequantized product on a small random test, in both its
+    activation modes; otherwise why not (int4 then takes torch's kernel: int4_layout)."""
     module = cpu_kernels.load()
     if module is None:
-        return "the CPU kernels are not built (splitserve.kernels.cpu.load)"
-    if not module.int4_gemm_supported():
-        return "this CPU lacks AVX512-VNNI or AVX512-VBMI"
+        return f"the CPU kernels are not loaded ({cpu_kernels.unavailable_reason()})"
     generator = torch.Generator().manual_seed(0)
-    weight = quantize_int4(torch.randn(80, 72, generator=generator))
-    x = torch.randn(5, 72, generator=generator)
-    want = x @ weight.dequantize(torch.float32)[:80, :72].t()
-    error = (int4_vnni_matmul(x, weight) - want).abs().max() / want.abs().max()
-    if not error < 0.02:  # int8 activations: about 0.5% on this product
-        return f"its result is off by {error.item():.3g} (relative) on a test product"
+    weight = pack_int4_tiles(*int4_groups(torch.randn(80, 72, generator=generator)), 72)
+    reference = weight.dequantize(torch.float32)[:80, :72]
+    for rows in (3, INT4_ONE_PASS_FROM_ROWS + 1):  # two activation passes, then one
+        x = torch.randn(rows, 72, generator=generator)
+        want = x @ reference.t()
+        error = (weight.matmul(x) - want).abs().max() / want.abs().max()
+        if not error < 0.02:  # int8 activations in one pass: about 0.5% on this product
+            return (
+                f"int4_gemm ({module.int4_isa()}) is off by {error.item():.3g} (relative) on a "
+                f"test product of {rows} rows"
+            )
     return None
 
 
-def int4_vnni_usable() -> bool:
-    """Whether int4 products take int4_gemm; logs why not once when they cannot."""
-    problem = int4_vnni_problem()
+def int4_layout() -> str:
+    """"ours" (Int4Weight, int4_gemm) where int4_kernel_problem() is None, else "torch"
+    (TorchInt4Weight, torch's kernel); logs why once when it is torch's."""
+    problem = int4_kernel_problem()
     if problem is not None:
-        _log_vnni_fallback(problem)
-    return problem is None
+        _log_torch_int4(problem)
+    return "ours" if problem is None else "torch"
 
 
 @functools.cache
-def _log_vnni_fallback(problem: str) -> None:
-    logger.info("int4: the VNNI kernel is not used (%s); torch's int4 kernels are", problem)
+def _log_torch_int4(problem: str) -> None:
+    logger.info("int4: our kernel is not used (%s); torch's int4 kernel is", problem)
 
 
 def inner_size(weight: QuantizedWeight) -> int:
     """The padded inner size the packed kernels multiply over (x is padded to it)."""
-    if isinstance(weight, Int4Weight):
-        return weight.packed.shape[1] * 2
-    return weight.codes.shape[1]
+    if isinstance(weight, Int8Weight):
+        return weight.codes.shape[1]
+    return weight.in_padded
 
 
 class QuantizedLinear(nn.Module):
@@ -408,21 +494,37 @@ class QuantizedLinear(nn.Module):
 
 @functools.cache
 def cpu_kernel_problem(method: str) -> str | None:
-    """None when torch's packed kernel for `method` exists here and gives the right answer on
-    a small random product; otherwise why not (the caller falls back, loudly)."""
+    """None when `method`'s packed products run here and give the right answer on a small
+    random product (int4: ours, or else torch's, int4_layout); otherwise why not (the caller
+    falls back, loudly)."""
+    if method == "int4" and int4_kernel_problem() is None:
+        return None
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(128, 96, generator=generator)
     x = torch.randn(3, 96, generator=generator).to(_ACT_DTYPE)
     try:
-        packed = quantize(weight, method)
+        if method == "int8":
+            packed = quantize_int8(weight)
+            reference = packed.dequantize(torch.float32)
+        else:
+            codes, scale, minimum = int4_groups(weight)
+            packed = pack_int4_for_torch(codes, scale, minimum, 96)
+            groups = codes.float().view(128, -1, GROUP_SIZE)  # from the codes, not torch's bytes
+            reference = (groups * scale[..., None] + minimum[..., None]).view(128, 96)
         got = packed.kernel(x)[:, :128].float()
     except (RuntimeError, AttributeError, NotImplementedError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    want = x.float() @ packed.dequantize(torch.float32)[:128].t()
+        return _int4_prefix(method) + f"{type(exc).__name__}: {exc}"
+    want = x.float() @ reference[:128, :96].t()
     error = (got - want).abs().max().item() / want.abs().max().item()
     if not error < 0.02:
-        return f"its result is off by {error:.3g} (relative) on a test product"
+        return _int4_prefix(method) + f"its result is off by {error:.3g} (relative)"
     return None
+
+
+def _int4_prefix(method: str) -> str:
+    if method != "int4":
+        return ""
+    return f"{int4_kernel_problem()}; torch's int4 kernel: "
 
 
 def kernels_usable(method: str) -> bool:
@@ -430,8 +532,8 @@ def kernels_usable(method: str) -> bool:
     problem = cpu_kernel_problem(method)
     if problem is not None:
         logger.warning(
-            "quantization %r: torch's packed CPU kernel is not usable here (%s); the weights "
-            "are dequantized and run densely instead (no memory is saved)",
+            "quantization %r: no packed CPU kernel is usable here (%s); the weights are "
+            "dequantized and run densely instead (no memory is saved)",
             method,
             problem,
         )
@@ -460,7 +562,7 @@ def warn_if_kernel_is_slow(method: str) -> None:
         torch.set_num_threads(threads)
     if packed_s >= dense_s:
         logger.warning(
-            "quantization %r: torch's packed CPU kernel is not faster than a dense float32 "
+            "quantization %r: the packed CPU kernel is not faster than a dense float32 "
             "product here (%.2f ms against %.2f ms, 1024 x 2048, one row, one thread): the weights "
             "take less memory, but decoding will not be faster",
             method,

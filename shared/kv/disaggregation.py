@@ -158,7 +158,7 @@ def pack_pages(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
     """Blocks' pages of every layer as one contiguous block-major buffer (a copy)."""
     if kv_cache.device.type == "cuda":
         # A heavy lazy load: the Triton kernel (and Triton) only where a CUDA cache is.
-        from splitserve.kernels import pack_kv_pages
+        from splitserve.kernels.kv_cache_ops import pack_kv_pages
 
         return pack_kv_pages(kv_cache, block_ids)
     return reference.pack_kv_pages(kv_cache, block_ids)
@@ -169,7 +169,7 @@ def unpack_pages(pages: torch.Tensor, kv_cache: torch.Tensor, block_ids: list[in
     pages = pages.to(kv_cache.device)
     if kv_cache.device.type == "cuda":
         # A heavy lazy load, as in pack_pages.
-        from splitserve.kernels import unpack_kv_pages
+        from splitserve.kernels.kv_cache_ops import unpack_kv_pages
 
         unpack_kv_pages(pages, kv_cache, block_ids)
     else:

@@ -19,6 +19,7 @@ import asyncio
 import json
 import math
 import zlib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -60,7 +61,7 @@ def byte_view(tensor: torch.Tensor, name: str = "buffer") -> memoryview:
     if not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
     # Viewing as uint8 first also covers bfloat16, which numpy cannot represent.
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -127,7 +128,7 @@ class KVTransferDescriptor:
     def for_buffer(
         cls,
         request_id: str,
-        block_ids: list[int] | tuple[int, ...],
+        block_ids: Sequence[int],
         buffer: torch.Tensor,
         checksum_algorithm: str | None = None,
     ) -> KVTransferDescriptor:

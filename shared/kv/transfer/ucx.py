@@ -168,7 +168,7 @@ class UcxSender(ChannelSender):
             )
         except UCXError as exc:
             raise ChannelError(f"cannot connect to {address}: {exc}") from exc
-        return UcxChannel(endpoint)  # type: ignore[arg-type]
+        return UcxChannel(endpoint)
 
 
 class UcxTransport(KVTransport):

@@ -123,8 +123,9 @@ def check_query_and_cache(query: object, key_cache: object, value_cache: object)
     check_tensor("query", query, 3, FLOAT_DTYPES)
     assert isinstance(query, torch.Tensor)
     shape = check_kv_cache_pair(key_cache, value_cache)
-    if key_cache.dtype != torch.int8:  # type: ignore[union-attr]
-        check_same_dtype("key_cache", key_cache, "query", query)  # type: ignore[arg-type]
+    assert isinstance(key_cache, torch.Tensor), "check_kv_cache_pair checked it"
+    if key_cache.dtype != torch.int8:
+        check_same_dtype("key_cache", key_cache, "query", query)
     if query.shape[2] != shape.head_dim:
         raise ValueError(
             f"query head_dim ({query.shape[2]}) differs from the cache's ({shape.head_dim})"

@@ -108,7 +108,8 @@ def scale_args(
     if key_cache.dtype != torch.int8:
         return key_cache, value_cache, 0, 0, 0
     key_scales = split_rows(key_cache)[1]
-    return (key_scales, split_rows(value_cache)[1], *key_scales.stride()[:3])
+    block_stride, token_stride, head_stride = key_scales.stride()[:3]
+    return key_scales, split_rows(value_cache)[1], block_stride, token_stride, head_stride
 
 
 def dot_meta(dtype: torch.dtype) -> dict[str, object]:

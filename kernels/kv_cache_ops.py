@@ -133,7 +133,8 @@ def write_kv(
                                   value_cache=value_cache, slot_mapping=slot_mapping))
     if num_tokens == 0:
         return
-    key_scales, value_scales, scale_strides = key_cache, value_cache, (0, 0, 0)
+    key_scales, value_scales = key_cache, value_cache
+    scale_strides: tuple[int, ...] = (0, 0, 0)  # (block, token, head), read only if kv_int8
     if kv_int8:
         key_scales, value_scales = split_rows(key_cache)[1], split_rows(value_cache)[1]
         scale_strides = key_scales.stride()[:3]

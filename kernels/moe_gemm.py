@@ -125,9 +125,9 @@ def grouped_gemm(
 
 
 def _check_args(x: object, weights: object, expert_offsets: object, row_scale: object) -> None:
-    checks.check_tensor("x", x, 2, checks.FLOAT_DTYPES)
+    x = checks.check_tensor("x", x, 2, checks.FLOAT_DTYPES)
     checks.check_last_dim_contiguous("x", x)
-    checks.check_tensor("weights", weights, 3, checks.FLOAT_DTYPES)
+    weights = checks.check_tensor("weights", weights, 3, checks.FLOAT_DTYPES)
     checks.check_same_dtype("weights", weights, "x", x)
     checks.check_contiguous("weights", weights)
     if weights.shape[2] != x.shape[1]:
@@ -135,12 +135,12 @@ def _check_args(x: object, weights: object, expert_offsets: object, row_scale: o
             f"weights must be [num_experts, N, {x.shape[1]}] for x {tuple(x.shape)}, got "
             f"{tuple(weights.shape)}"
         )
-    checks.check_tensor("expert_offsets", expert_offsets, 1, checks.INDEX_DTYPES)
+    expert_offsets = checks.check_tensor("expert_offsets", expert_offsets, 1, checks.INDEX_DTYPES)
     checks.check_shape("expert_offsets", expert_offsets, (weights.shape[0] + 1,))
     checks.check_contiguous("expert_offsets", expert_offsets)
     tensors = dict(x=x, weights=weights, expert_offsets=expert_offsets)
     if row_scale is not None:
-        checks.check_tensor("row_scale", row_scale, 1, checks.FLOAT_DTYPES)
+        row_scale = checks.check_tensor("row_scale", row_scale, 1, checks.FLOAT_DTYPES)
         checks.check_shape("row_scale", row_scale, (x.shape[0],))
         checks.check_contiguous("row_scale", row_scale)
         tensors["row_scale"] = row_scale

@@ -21,9 +21,10 @@ from splitserve.engine.model.attention_metadata import (
 )
 from splitserve.engine.model.decode_groups import group_decodes
 from splitserve.engine.model.llama import LlamaForCausalLM
+from splitserve.engine.parallel.step_tensors import ChunkInputs
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler, SamplingRow, advance_generator
-from splitserve.engine.step import ModelOutput, ScheduledChunk, SchedulerOutput
+from splitserve.engine.step import ModelOutput, SchedulerOutput
 from splitserve.engine.structured_output.matcher import NO_MASKS, StepMasks
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ class ModelInputs:
     # [num_logits]: the last row of each sampled chunk; every row of a verification chunk.
     logits_indices: torch.Tensor
     # What the inputs were built from: the other ranks of a parallel engine rebuild them.
-    chunks: Sequence[ScheduledChunk] = ()
+    chunks: Sequence[ChunkInputs] = ()
 
 
 class ModelRunner:
@@ -143,7 +144,7 @@ class ModelRunner:
 
     # ---- inputs -----------------------------------------------------------------------------
 
-    def prepare_inputs(self, chunks: list[ScheduledChunk]) -> ModelInputs:
+    def prepare_inputs(self, chunks: Sequence[ChunkInputs]) -> ModelInputs:
         """Flattens the chunks (single-token chunks first, as the scheduler orders them)."""
         num_decodes = sum(1 for chunk in chunks if chunk.num_tokens == 1)
         assert all(c.num_tokens == 1 for c in chunks[:num_decodes]), "decodes must come first"
@@ -194,7 +195,7 @@ class ModelRunner:
             chunks=chunks,
         )
 
-    def _add_block_tables(self, meta: AttentionMetadata, chunks: list[ScheduledChunk]) -> None:
+    def _add_block_tables(self, meta: AttentionMetadata, chunks: Sequence[ChunkInputs]) -> None:
         """The same positions as block tables, for kernels that walk the blocks themselves."""
         seq_lens = [chunk.start_position + chunk.num_tokens for chunk in chunks]
         max_blocks = -(-max(seq_lens) // self.block_size)
@@ -208,7 +209,7 @@ class ModelRunner:
         meta.query_start_loc = query_lens.cumsum(0).to(torch.int32).to(self.device)
 
     def _add_decode_block_tables(
-        self, meta: AttentionMetadata, decodes: list[ScheduledChunk]
+        self, meta: AttentionMetadata, decodes: Sequence[ChunkInputs]
     ) -> None:
         """The decode rows' blocks and lengths, for the CPU kernel that reads them in place."""
         if not decodes:

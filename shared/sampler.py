@@ -28,10 +28,11 @@ filters), as vLLM reports them by default: they describe the model, not the samp
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine.outputs import TokenLogprobs
 from splitserve.engine.sampling_params import SamplingParams
 
 
@@ -59,15 +60,6 @@ class SamplingRow:
             or self.allowed_token_mask is not None
             or self.params.logit_bias
         )
-
-
-@dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float  # of the sampled token, under the raw model distribution
-    rank: int  # 1 = the model's most likely token
-    # Top-N (token_id, logprob), most likely first; N = params.logprobs (may be 0).
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -186,9 +178,14 @@ def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
 
 
 def _apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    masked = [i for i, r in enumerate(rows) if r.allowed_token_mask is not None]
+    masked: list[int] = []
+    masks: list[torch.Tensor] = []
+    for i, row in enumerate(rows):
+        if row.allowed_token_mask is not None:
+            masked.append(i)
+            masks.append(row.allowed_token_mask)
     if masked:
-        allowed = torch.stack([rows[i].allowed_token_mask for i in masked]).to(logits.device)
+        allowed = torch.stack(masks).to(logits.device)
         logits[masked] = logits[masked].masked_fill(~allowed, float("-inf"))
     return logits
 
@@ -361,13 +358,13 @@ def _compute_logprobs(
     ranks = (logprobs > token_logprobs).sum(dim=-1) + 1
     max_top = max(rows[i].params.logprobs or 0 for i in wanted)
     top_values, top_ids = logprobs.topk(max_top, dim=-1)  # sorted, most likely first
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    top_value_rows, top_id_rows = top_values.tolist(), top_ids.tolist()
     for j, i in enumerate(wanted):
         num_top = rows[i].params.logprobs or 0
         result[i] = TokenLogprobs(
             token_id=sampled[i],
             logprob=float(token_logprobs[j, 0]),
             rank=int(ranks[j]),
-            top=list(zip(top_ids[j][:num_top], top_values[j][:num_top])),
+            top=list(zip(top_id_rows[j][:num_top], top_value_rows[j][:num_top])),
         )
     return result

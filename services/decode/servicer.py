@@ -9,10 +9,10 @@ from splitserve.pod.core import PodServicerBase
 from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 
-class DecodeWorkerServicer(PodServicerBase, worker_pb2_grpc.DecodeWorkerServicer):
+class DecodeWorkerServicer(
+    PodServicerBase[DecodePodCore], worker_pb2_grpc.DecodeWorkerServicer
+):
     """Decode calls; readiness, Abort and GetStats come from `PodServicerBase`."""
-
-    core: DecodePodCore | None
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context):
         core = await self._ready(context)

@@ -130,7 +130,7 @@ class RunningStack:
 
     def _wait_routing(self) -> None:
         """Until the gateway's own poll has seen every pod (it routes to none before)."""
-        pods = {spec.health.grpc_address for spec in self.plan.specs if spec.name != "gateway"}
+        pods = {_grpc_address(spec) for spec in self.plan.specs if spec.name != "gateway"}
         deadline = time.monotonic() + 30.0
         while True:
             workers = _get_json(f"{self.base_url}/health").get("workers", {})
@@ -156,16 +156,24 @@ class RunningStack:
         """name -> stats of each engine process."""
         stats = {}
         for spec in self.plan.specs:
+            stub_class: type[worker_pb2_grpc.PrefillWorkerStub | worker_pb2_grpc.DecodeWorkerStub]
             if spec.name.startswith("prefill-"):
                 stub_class = worker_pb2_grpc.PrefillWorkerStub
             elif spec.name.startswith("decode-"):
                 stub_class = worker_pb2_grpc.DecodeWorkerStub
             else:
                 continue
-            with sync_channel(spec.health.grpc_address) as channel:
+            with sync_channel(_grpc_address(spec)) as channel:
                 stub = stub_class(channel)
                 stats[spec.name] = stub.GetStats(worker_pb2.StatsRequest(), timeout=5)
         return stats
+
+
+def _grpc_address(spec: ProcessSpec) -> str:
+    """An engine pod's or the gateway's gRPC address (the launcher health-checks each over
+    gRPC)."""
+    assert spec.health.grpc_address is not None, f"{spec.name} has no gRPC health check"
+    return spec.health.grpc_address
 
 
 def _get_json(url: str) -> dict:

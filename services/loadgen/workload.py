@@ -86,7 +86,7 @@ def poisson_workload(
         raise ValueError(f"rate must be > 0, got {rate}")
     rng = random.Random(seed)  # a str seed is hashed with SHA-512: stable across processes
     arrival_s = 0.0
-    requests = []
+    requests: list[RequestSpec] = []
     while arrival_s < duration_s and len(requests) < max_requests:
         requests.append(_request(rng, arrival_s, shape))
         arrival_s += rng.expovariate(rate)
@@ -213,7 +213,7 @@ def _trace_request(line: str, line_number: int, path: str) -> SimRequest:
 def write_trace(path: str, requests: list[SimRequest]) -> None:
     with open(path, "w") as file:
         for request in requests:
-            row = {
+            row: dict[str, object] = {
                 "arrival_s": round(request.arrival_s, 6),
                 "input_len": request.input_len,
                 "output_len": request.output_len,

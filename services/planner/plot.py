@@ -47,7 +47,7 @@ def plot_validation(comparisons: list, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figures = (("ttft_p50", "TTFT p50"), ("ttft_p90", "TTFT p90"))
+    figures: tuple[tuple[str, str], ...] = (("ttft_p50", "TTFT p50"), ("ttft_p90", "TTFT p90"))
     figures += (("itl_p50", "ITL p50"), ("itl_p90", "ITL p90"))
     labels = [f"{c.config}\n{c.workload}" for c in comparisons]
     positions = range(len(comparisons))

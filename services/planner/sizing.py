@@ -163,6 +163,8 @@ def _figure(result: SimResult, figure: str) -> float:
     value: object = result
     for part in figure.split("."):
         value = getattr(value, part)
+    if not isinstance(value, int | float):
+        raise ValueError(f"{figure} is not a number of a simulation's result")
     return float(value)
 
 

@@ -11,7 +11,7 @@ Torch-free like the rest of services/common: the engine is only named for type c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar
 
 import grpc
 
@@ -86,13 +86,16 @@ class EnginePodCore:
         """Closes the role's end of the KV transport, if it opened one."""
 
 
-class PodServicerBase:
+CoreT = TypeVar("CoreT", bound=EnginePodCore)
+
+
+class PodServicerBase(Generic[CoreT]):
     """Registered before the model loads (so health answers meanwhile); `core` is set once the
     engine is up, and calls before that are UNAVAILABLE. Put it before the generated servicer
     class in the bases, so these methods answer instead of its UNIMPLEMENTED ones."""
 
     def __init__(self) -> None:
-        self.core: EnginePodCore | None = None
+        self.core: CoreT | None = None
 
     async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResponse:
         core = await self._ready(context)
@@ -102,7 +105,9 @@ class PodServicerBase:
         core = await self._ready(context)
         return pod_stats_to_proto(core.stats())
 
-    async def _ready(self, context) -> EnginePodCore:
-        if self.core is None:
+    async def _ready(self, context) -> CoreT:
+        core = self.core
+        if core is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        return self.core
+        assert core is not None, "context.abort raises"
+        return core

@@ -10,7 +10,7 @@ import asyncio
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from splitserve.common.cli_args import setup_logging
 from splitserve.common.model_files import default_model_name, resolve_model_path
@@ -33,18 +33,21 @@ class EngineParts:
     transport: KVTransport
 
 
+CoreT = TypeVar("CoreT", bound="EnginePodCore")
+
+
 @dataclass(frozen=True)
-class PodRole:
+class PodRole(Generic[CoreT]):
     name: str  # "prefill" | "decode": the role in stats, logs and the registry
     description: str  # the module's docstring, for --help
     default_port: int
     service_name: str  # the gRPC service's full name, e.g. "splitserve.v1.DecodeWorker"
-    add_flags: Callable[[argparse.ArgumentParser], None]  # the role's own flags
+    add_flags: Callable[[argparse._ArgumentGroup], None]  # the role's own flags
     # Raises ValueError for flag values that cannot work (reported as a usage error).
     check_flags: Callable[[argparse.Namespace], object]
-    build_core: Callable[[argparse.Namespace, EngineParts], EnginePodCore]
-    make_servicer: Callable[[], PodServicer]
-    add_servicer: Callable[[PodServicer, object], None]  # (servicer, grpc server)
+    build_core: Callable[[argparse.Namespace, EngineParts], CoreT]
+    make_servicer: Callable[[], PodServicer[CoreT]]
+    add_servicer: Callable[[PodServicer[CoreT], object], None]  # (servicer, grpc server)
 
 
 def build_pod_parser(role: PodRole) -> argparse.ArgumentParser:
@@ -71,7 +74,7 @@ def run_pod(role: PodRole, argv: list[str] | None = None) -> int:
     return 1 if is_engine_lost else 0
 
 
-async def _serve(role: PodRole, args: argparse.Namespace) -> bool:
+async def _serve(role: PodRole[CoreT], args: argparse.Namespace) -> bool:
     servicer = role.make_servicer()
     return await serve_pod(
         args,
@@ -84,9 +87,8 @@ async def _serve(role: PodRole, args: argparse.Namespace) -> bool:
 
 def _engine_parts(role: PodRole, args: argparse.Namespace) -> EngineParts:
     """Loads the model; runs off the event loop, once the server answers health checks."""
-    from splitserve.engine.async_llm import (
-        AsyncLLM,  # torch and ucxx: only once serving has started
-    )
+    # lazy: torch (and ucxx), loaded only once the server answers health checks
+    from splitserve.engine.async_llm import AsyncLLM
     from splitserve.engine.kv.transfer import create_kv_transport
 
     transport = create_kv_transport(args.kv_transport)

@@ -19,7 +19,7 @@ import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from splitserve.common.background import in_daemon_thread
 from splitserve.common.grpc_server import start_server, stop_event_on_signals
@@ -192,16 +192,19 @@ class PodCore(Protocol):
         """Stops the transport and the engine; in-flight requests fail."""
 
 
-class PodServicer(Protocol):
-    core: PodCore | None  # None until the model has loaded
+CoreT = TypeVar("CoreT", bound=PodCore)
+
+
+class PodServicer(Protocol[CoreT]):
+    core: CoreT | None  # None until the model has loaded
 
 
 async def serve_pod(
     args: argparse.Namespace,
     service_name: str,
-    servicer: PodServicer,
+    servicer: PodServicer[CoreT],
     register: Callable[[object], None],
-    load_core: Callable[[], PodCore],
+    load_core: Callable[[], CoreT],
 ) -> bool:
     """Serves until SIGTERM / Ctrl-C, or until the engine is lost (then returns True: the
     process should exit with an error). `register(server)` adds the servicer to the gRPC

@@ -10,10 +10,10 @@ from splitserve.prefill.core import CHECKSUM_ALGORITHM, KVDestination, PrefillPo
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 
-class PrefillWorkerServicer(PodServicerBase, worker_pb2_grpc.PrefillWorkerServicer):
+class PrefillWorkerServicer(
+    PodServicerBase[PrefillPodCore], worker_pb2_grpc.PrefillWorkerServicer
+):
     """Prefill calls; readiness, Abort and GetStats come from `PodServicerBase`."""
-
-    core: PrefillPodCore | None
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context

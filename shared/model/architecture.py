@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     import torch
 
     from splitserve.engine.model.gguf_blocks import BlockQuantized
@@ -127,6 +129,6 @@ class LoadedCheckpoint:
     architecture: ModelArchitecture
     # HF-named tensors, already dequantized to float32 (the engine casts to its dtype); with
     # quantization="gguf", a GGUF file's Q4_0/Q4_1 layer matrices are `BlockQuantized` instead.
-    weights: dict[str, torch.Tensor | BlockQuantized]
+    weights: Mapping[str, torch.Tensor | BlockQuantized]
     tokenizer: Tokenizer
     source: str  # the file or directory the weights came from, for messages and /v1/models

@@ -39,12 +39,11 @@ import torch.distributed as dist
 from splitserve.engine.model.architecture import ModelArchitecture
 from splitserve.engine.parallel.comm import Communicator
 from splitserve.engine.parallel.ops import Opcode, send
-from splitserve.engine.parallel.step_tensors import pack_chunks, unpack_chunks
+from splitserve.engine.parallel.step_tensors import ChunkInputs, pack_chunks, unpack_chunks
 
 if TYPE_CHECKING:
     from splitserve.engine.model.llama import LlamaForCausalLM
     from splitserve.engine.runner import ModelInputs, ModelRunner
-    from splitserve.engine.step import ScheduledChunk
 
 _LAYERS_DIM = 1  # of a packed page buffer [blocks, layers, 2, block_size, heads, head_dim]
 
@@ -210,13 +209,15 @@ class Sent(NamedTuple):
     tensor: torch.Tensor
 
 
-def split_micro_batches(chunks: Sequence[ScheduledChunk], num_stages: int) -> list[list]:
+def split_micro_batches(
+    chunks: Sequence[ChunkInputs], num_stages: int
+) -> list[list[ChunkInputs]]:
     """min(num_stages, len(chunks)) consecutive runs of `chunks`, cut where the running token
     count passes each equal share (each run keeps the runner's order, decodes first). A chunk
     is never split: a lone prefill chunk is one micro-batch."""
     num_batches = min(num_stages, len(chunks))
     total = sum(chunk.num_tokens for chunk in chunks)
-    batches: list[list] = [[]]
+    batches: list[list[ChunkInputs]] = [[]]
     done = 0  # tokens in the runs so far
     for i, chunk in enumerate(chunks):
         batches[-1].append(chunk)

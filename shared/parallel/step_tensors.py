@@ -20,11 +20,17 @@ _CHUNK_FIELDS = 4
 
 
 class ChunkInputs(Protocol):
-    """The part of a `ScheduledChunk` that `ModelRunner.prepare_inputs` reads."""
+    """The part of a `ScheduledChunk` that `ModelRunner.prepare_inputs` reads (read-only, so
+    `ChunkView` and the draft model's chunks are ones too)."""
 
-    start_position: int
-    num_tokens: int
-    block_ids: list[int]
+    @property
+    def start_position(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def block_ids(self) -> list[int]: ...
 
     @property
     def token_ids(self) -> list[int]: ...

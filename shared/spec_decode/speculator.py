@@ -84,7 +84,11 @@ class Speculator:
             if chunk.request.sampling_params.logprobs is not None:
                 raw = logits[start : start + len(token_ids)]
                 rows = item.rows[: len(token_ids)]
-                model_out.verified_logprobs[request_id] = compute_logprobs(raw, rows, token_ids)
+                entries = compute_logprobs(raw, rows, token_ids)
+                # Every row is this request's, which asks for logprobs: none is None.
+                logprobs = [entry for entry in entries if entry is not None]
+                assert len(logprobs) == len(entries), "a verification row without logprobs"
+                model_out.verified_logprobs[request_id] = logprobs
             start += len(item.rows)
         return model_out
 

@@ -48,9 +48,9 @@ class StepCostModel:
         index = bisect.bisect_left(rows, num_rows)
         below = rows[index - 1] if index > 0 else None
         above = rows[index] if index < len(rows) else None
-        if below is None and above is None:
-            return 1.0 + OPTIMISTIC_ROW_COST * (num_rows - 1)
         if below is None:
+            if above is None:
+                return 1.0 + OPTIMISTIC_ROW_COST * (num_rows - 1)
             # Fewer rows never cost more than more rows.
             return self._seconds[above] * num_rows / above
         optimistic = self._seconds[below] * (1.0 + OPTIMISTIC_ROW_COST * (num_rows - below))

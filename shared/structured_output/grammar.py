@@ -11,14 +11,22 @@ from __future__ import annotations
 
 import functools
 import json
+from typing import TYPE_CHECKING
 
 import llguidance
 
 from splitserve.engine.structured_output.spec import StructuredOutput
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # declared in the stubs only
+
 # Compact JSON with OpenAI's separators and no free whitespace: a small model given room for
 # whitespace can pad with newlines until max_tokens, and the text reads as `{"a": 1, "b": 2}`.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 _ANY_OBJECT = {"type": "object"}
 
 
@@ -44,7 +52,8 @@ def _convert(output: StructuredOutput) -> str:
             schema = json.loads(output.spec)
             if not isinstance(schema, dict | bool):
                 raise GrammarError("structured_output json must be a JSON schema object")
-            return matcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+            # The text itself: llguidance takes a schema as text or a dict (true/false too).
+            return matcher.grammar_from_json_schema(output.spec, defaults=_JSON_OPTIONS)
         if output.kind == "json_object":
             return matcher.grammar_from_json_schema(_ANY_OBJECT, defaults=_JSON_OPTIONS)
         if output.kind == "choice":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TypedDict
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,21 @@ class ProfileSettings:
                 raise ValueError(f"--{name.replace('_', '-')} must be increasing and >= 1")
         values = self.mixed_batch_sizes
         if values and (min(values) < 1 or list(values) != sorted(set(values))):
-            raise ValueError(f"--{name.replace('_', '-')} must be increasing and >= 1")
+            raise ValueError("--mixed-batch-sizes must be increasing and >= 1")
 
 
 # `profile --quick` (and `validate --fresh-profile`): about a third of the default's time.
-QUICK_GRID = {
+class Grid(TypedDict, total=False):
+    """The measured grid's axes, as ProfileSettings' fields of the same names."""
+
+    prefill_lens: tuple[int, ...]
+    batch_sizes: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    mixed_batch_sizes: tuple[int, ...]
+    mixed_chunk_lens: tuple[int, ...]
+
+
+QUICK_GRID: Grid = {
     "prefill_lens": (16, 64, 128, 256, 512),
     "batch_sizes": (1, 2, 4, 8, 16),
     "context_lens": (64, 512),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -194,7 +195,7 @@ class EngineSetup:
 # ---- numeric helpers ------------------------------------------------------------------------
 
 
-def interpolate(xs: list[int], ys: list[float], x: float) -> float:
+def interpolate(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
     """Piecewise linear through (xs, ys); flat below xs[0], linear past xs[-1]."""
     if len(xs) == 1 or x <= xs[0]:
         return ys[0]
@@ -203,7 +204,9 @@ def interpolate(xs: list[int], ys: list[float], x: float) -> float:
     return ys[i] + (ys[i + 1] - ys[i]) * (x - x0) / (x1 - x0)
 
 
-def bilinear(xs: list[int], ys: list[int], values: list[list[float]], x: float, y: float):
+def bilinear(
+    xs: Sequence[int], ys: Sequence[int], values: Sequence[Sequence[float]], x: float, y: float
+) -> float:
     """`values[i][j]` at (xs[i], ys[j]), interpolated as `interpolate` does on each axis."""
     per_x = [interpolate(ys, row, y) for row in values]
     return interpolate(xs, per_x, x)

@@ -29,6 +29,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from splitserve.gateway.routing.pods import POLL_INTERVAL_SECONDS
 from splitserve.loadgen.stats import Slo
@@ -199,7 +200,8 @@ class Simulation:
         for failure in self.cluster.failures:
             self._push(failure.at_s, POD_DIES, failure)
         self._num_pending_arrivals = len(requests)
-        handlers: dict[int, Callable[[float, object], None]] = {
+        # A payload's type is its kind's handler's (each _push pairs them): Any here.
+        handlers: dict[int, Callable[[float, Any], None]] = {
             ARRIVAL: self._on_arrival,
             STEP_DONE: self._on_step_done,
             KV_LANDED: self._on_kv_landed,
@@ -286,9 +288,11 @@ class Simulation:
     def _enqueue(self, pod: SimPod, seq: SimSeq, now: float) -> None:
         """Into the pod's queue; a prefix its offload tiers hold is loaded back first."""
         group = seq.request.prefix_group
-        tier = pod.cache.tier_of(group) if group is not None else None
-        if tier is not None:
-            pod.cache.count_hit(group, pod.num_cached_tokens(seq.request))
+        tier = None
+        if group is not None:
+            tier = pod.cache.tier_of(group)
+            if tier is not None:
+                pod.cache.count_hit(group, pod.num_cached_tokens(seq.request))
         if tier in ("host", "disk"):
             load_s = self.profile.tier_load_s(tier, pod.num_cached_tokens(seq.request))
             pod.remember_prefix(seq.request)  # back on the device once loaded

@@ -61,7 +61,9 @@ class SimResult:
 def summarize(records: list[RequestRecord], slo: Slo, pods: list[SimPod]) -> SimResult:
     finished = [record for record in records if record.is_finished]
     start = min((record.request.arrival_s for record in records), default=0.0)
-    end = max((record.finish_s for record in finished), default=start)
+    end = max(
+        (record.finish_s for record in finished if record.finish_s is not None), default=start
+    )
     duration = max(end - start, 1e-9)
     num_good = sum(record.meets(slo) for record in records)
     return SimResult(

@@ -104,11 +104,11 @@ class StaticDecodeInputs:
         assert meta.block_tables is not None and meta.seq_lens is not None, "block tables"
         num_rows, width = meta.block_tables.shape
         static = self.meta
+        assert static.seq_lens is not None and static.block_tables is not None, "built in __init__"
         _copy_then_fill(self.input_ids, input_ids, 0)
         _copy_then_fill(self.positions, positions, 0)
         _copy_then_fill(static.slot_mapping, meta.slot_mapping, -1)
         _copy_then_fill(static.seq_lens, meta.seq_lens, 1)
-        assert static.block_tables is not None, "built in __init__"
         static.block_tables[:num_rows, :width].copy_(meta.block_tables)
         static.block_tables[:num_rows, width:].zero_()  # past each row's length: never read
         static.block_tables[num_rows:].zero_()

@@ -62,7 +62,7 @@ class CpuFeatures:
 def cpu_features() -> CpuFeatures:
     """This machine's CPU, read once from /proc/cpuinfo (Linux); elsewhere an empty flag set,
     which keeps every kernel family on its portable path."""
-    model, flags = "", frozenset()
+    model, flags = "", frozenset[str]()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
             model, flags = _parse_cpuinfo(cpuinfo.read())
@@ -73,7 +73,7 @@ def cpu_features() -> CpuFeatures:
 
 def _parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
     """(model name, flags) of the first processor listed."""
-    model, flags = "", frozenset()
+    model, flags = "", frozenset[str]()
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -39,3 +39,9 @@ def _settle(future: asyncio.Future, result: object, error: BaseException | None)
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+async def wait_first(*futures: asyncio.Future[Any]) -> None:
+    """Until the first of `futures` is done; the others go on (asyncio.wait, FIRST_COMPLETED,
+    over futures of different result types)."""
+    await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)

@@ -68,6 +68,7 @@ class RedisServer:
         while not _answers_ping(self.host, self.port):
             assert self._process is not None, "start() set the process"
             if self._process.poll() is not None:
+                assert self._process.stderr is not None, "start() pipes stderr"
                 error = self._process.stderr.read().decode(errors="replace").strip()
                 raise RuntimeError(f"redis-server exited at start on port {self.port}: {error}")
             if time.monotonic() > deadline:

@@ -11,7 +11,7 @@ import os
 
 import uvicorn
 
-from splitserve.common.background import in_daemon_thread
+from splitserve.common.background import in_daemon_thread, wait_first
 from splitserve.common.cli_args import setup_logging
 from splitserve.common.grpc_server import GrpcServer, start_server, stop_event_on_signals
 from splitserve.common.model_files import default_model_name, load_tokenizer, resolve_model_path
@@ -143,7 +143,7 @@ async def serve(args: argparse.Namespace) -> int:
     model_path = resolve_model_path(args.model)
     loading = in_daemon_thread(lambda: load_tokenizer(model_path), "load-tokenizer")
     stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
+    await wait_first(loading, stopping)
     if not loading.done():
         return 0  # stopped while loading: nothing was started yet
     tokenizer = loading.result()

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from splitserve.common.background import in_daemon_thread
+from splitserve.common.background import in_daemon_thread, wait_first
 from splitserve.common.grpc_server import start_server, stop_event_on_signals
 from splitserve.common.pod_load import PodLoad
 from splitserve.common.tracing import configure_tracing, shutdown_tracing
@@ -218,7 +218,7 @@ async def serve_pod(
     stop = stop_event_on_signals()
     loading = in_daemon_thread(load_core, "load-model")
     stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
+    await wait_first(loading, stopping)
     core = loading.result() if loading.done() else None
     is_engine_lost = False
     if core is not None and not stopping.done():
@@ -228,7 +228,7 @@ async def serve_pod(
         await server.set_serving(True)
         logger.info("serving as %s", pod_id(args))
         lost = in_daemon_thread(core.llm.engine_lost.wait, "engine-watch")
-        await asyncio.wait([stopping, lost], return_when=asyncio.FIRST_COMPLETED)
+        await wait_first(stopping, lost)
         is_engine_lost = lost.done() and not stopping.done()
         if is_engine_lost:
             logger.error("the engine lost a rank of its parallel layout: stopping the pod")

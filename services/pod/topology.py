@@ -54,7 +54,8 @@ def discover_topology(
         ) from error
     except urllib3.exceptions.HTTPError as error:
         raise TopologyLookupError(f"reading node {node_name!r}: {error}") from error
-    labels = node.metadata.labels or {}
+    metadata = node.metadata  # optional in the API's schema
+    labels = (metadata.labels if metadata is not None else None) or {}
     return Topology(region=labels.get(REGION_LABEL, ""), zone=labels.get(ZONE_LABEL, ""))
 
 

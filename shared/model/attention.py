@@ -135,6 +135,7 @@ class TorchPagedAttention:
             # kernel checks lengths and block ids, and splitserve.kernels.cpu's argument checks
             # cost more
             # than a short batch's attention.
+            assert self._kernels is not None, "in-place decode tables need the CPU kernels"
             out = self._kernels.paged_decode_attention(
                 query.float().contiguous(),
                 layer_cache[0],

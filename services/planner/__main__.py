@@ -181,7 +181,7 @@ def _add_validate_flags(sub: argparse.ArgumentParser) -> None:
 def run_profile(args: argparse.Namespace) -> int:
     from splitserve.common.cli_args import parse_size
     from splitserve.planner.measure.profiler import measure_profile
-    from splitserve.planner.measure.settings import QUICK_GRID, ProfileSettings
+    from splitserve.planner.measure.settings import QUICK_GRID, Grid, ProfileSettings
 
     settings = ProfileSettings(
         num_threads=args.num_threads,
@@ -195,7 +195,7 @@ def run_profile(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         neighbor_core=args.neighbor_core,
-        **(QUICK_GRID if args.quick else {}),
+        **(QUICK_GRID if args.quick else Grid()),
     )
     profile = measure_profile(settings)
     if args.serving:

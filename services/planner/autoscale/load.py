@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -97,7 +97,7 @@ class RedisLoadSource:
     def read(self) -> LoadSnapshot:
         from splitserve.common.registry_schema import PodRecord
 
-        pod_ids = self._client.zrange(self._keys.pods, 0, -1)
+        pod_ids = self._pod_ids()
         pipe = self._client.pipeline(transaction=False)
         for pod_id in pod_ids:
             pipe.hgetall(self._keys.pod(_text(pod_id)))
@@ -113,10 +113,14 @@ class RedisLoadSource:
         """Hosts of the live pods (for scraping their metrics ports)."""
         return [address.rsplit(":", 1)[0] for address in self._addresses()]
 
+    def _pod_ids(self) -> list[bytes]:
+        # redis-py's stubs type a ZRANGE reply as members or (member, score) pairs alike.
+        return cast(list[bytes], self._client.zrange(self._keys.pods, 0, -1))
+
     def _addresses(self) -> list[str]:
         from splitserve.common.registry_schema import PodRecord
 
-        pod_ids = self._client.zrange(self._keys.pods, 0, -1)
+        pod_ids = self._pod_ids()
         records = [
             PodRecord.from_fields(self._client.hgetall(self._keys.pod(_text(p)))) for p in pod_ids
         ]

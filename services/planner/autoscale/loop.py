@@ -38,7 +38,8 @@ class DeploymentScaler:
 
     def replicas(self, deployment: str) -> int:
         scale = self._apps.read_namespaced_deployment_scale(deployment, self.namespace)
-        return scale.spec.replicas or 0
+        spec = scale.spec  # optional in the API's schema
+        return (spec.replicas or 0) if spec is not None else 0
 
     def scale(self, deployment: str, replicas: int) -> None:
         body = {"spec": {"replicas": replicas}}

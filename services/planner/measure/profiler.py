@@ -255,7 +255,7 @@ async def _timed_transfers(settings: ProfileSettings, pack, unpack, count: int) 
             pages = pack()
             destination = pages.new_empty(pages.shape)
             descriptor = KVTransferDescriptor.for_buffer(
-                f"t{i}", range(pages.shape[0]), pages, None
+                f"t{i}", list(range(pages.shape[0])), pages, None
             )
             received = asyncio.create_task(receiver.receive(f"t{i}", destination, TIMEOUT_S))
             await sender.send(receiver.address, descriptor, pages, TIMEOUT_S)

@@ -24,6 +24,7 @@ Log = Callable[[str], None]
 def measure_tier_loads(
     engine, repeats: int, log: Log, disk_dir: str | None = None
 ) -> TierLoadModel:
+    from splitserve.engine.kv.block_hash import BlockHash
     from splitserve.engine.kv.offload.disk_store import DiskBlockStore
     from splitserve.engine.kv.offload.host_store import HostBlockStore
     from splitserve.engine.kv.offload.layout import BlockLayout, pool_block
@@ -31,7 +32,7 @@ def measure_tier_loads(
     kv_cache = engine.runner.kv_cache
     layout = BlockLayout.of_pool(kv_cache, "planner-profile")
     num_blocks = min(NUM_BLOCKS, engine.kv_spec.num_blocks // 2)
-    hashes = [hashlib.sha256(str(i).encode()).digest() for i in range(num_blocks)]
+    hashes = [BlockHash(hashlib.sha256(str(i).encode()).digest()) for i in range(num_blocks)]
     host = HostBlockStore(num_blocks, layout)
     for i, block_hash in enumerate(hashes):
         host.save(block_hash, pool_block(kv_cache, i), 1)
@@ -50,7 +51,10 @@ def measure_tier_loads(
 
             def load_disk() -> None:
                 for i, block_hash in enumerate(hashes):
-                    pool_block(kv_cache, num_blocks + i).copy_(disk.read(block_hash))
+                    block = disk.read(block_hash)
+                    if block is None:
+                        raise RuntimeError(f"the disk tier lost block {i} while being measured")
+                    pool_block(kv_cache, num_blocks + i).copy_(block)
 
             disk_s = _median_s(load_disk, repeats)
         finally:

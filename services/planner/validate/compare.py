@@ -164,6 +164,8 @@ def _measure(stack, target, config, workload, profile, args) -> Comparison:
     foreign_cores = foreign.cores()
     num_ok = sum(result.ok for result in run.results)
     finished = [result for result in run.results if result.ok]
+    ttfts_s = [result.ttft_s for result in finished if result.ttft_s is not None]
+    assert len(ttfts_s) == len(finished), "a finished request has had its first token"
     measured = Comparison(
         config.name,
         workload.name,
@@ -173,7 +175,7 @@ def _measure(stack, target, config, workload, profile, args) -> Comparison:
         foreign_cores,
         _measured(run),
         *_no_simulation(),
-        ttfts_s=[result.ttft_s for result in finished],
+        ttfts_s=ttfts_s,
         itls_s=[result.itls_s for result in finished],
     )
     comparison = simulated_beside(measured, profile, args.margin, args.seed, args.duration)
@@ -240,9 +242,9 @@ def format_report(comparisons: list[Comparison], with_overheads: bool = True) ->
     lines = [f"simulated with the profile, {kind}:", header]
     within = total = 0
     for c in comparisons:
-        simulated = c.simulated_with_overheads if with_overheads else c.simulated
+        simulated_latencies = c.simulated_with_overheads if with_overheads else c.simulated
         measured, errors = asdict(c.measured), c.errors(with_overheads)
-        simulated = asdict(simulated)
+        simulated = asdict(simulated_latencies)
         row = f"{c.config:<12} {c.workload:<12} {c.rate:>5.2f} {c.num_ok:>3}/{c.num_requests:<3} "
         row += f"{c.foreign_cores:>5.2f}"
         for key, _ in _FIGURES:

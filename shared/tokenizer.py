@@ -145,8 +145,8 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | list[str]:
         """Vocabulary strings (byte-level spelling, e.g. "Ġthe") of one id or a list of ids."""
         if isinstance(ids, int):
-            return self._backend.id_to_token(self._checked_ids([ids])[0])
-        return [self._backend.id_to_token(token_id) for token_id in self._checked_ids(ids)]
+            return _token_of(self._backend, self._checked_ids([ids])[0])
+        return [_token_of(self._backend, token_id) for token_id in self._checked_ids(ids)]
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
@@ -189,11 +189,13 @@ class Tokenizer:
 
     def _template_tokens(self) -> dict[str, str]:
         names = {"bos_token": self.bos_token_id, "eos_token": self.eos_token_id}
-        return {
+        tokens = {
             name: self._backend.id_to_token(token_id)
             for name, token_id in names.items()
             if token_id is not None
         }
+        # An id the vocabulary lacks leaves its name out of the template's variables.
+        return {name: token for name, token in tokens.items() if token is not None}
 
     def _collect_eos_ids(self, extra_eos_token_ids: Sequence[int]) -> tuple[int, ...]:
         candidates = [self.eos_token_id, self._end_of_turn_id(), *extra_eos_token_ids]
@@ -275,8 +277,8 @@ def _set_post_processor(
     backend: tokenizers.Tokenizer, bos_id: int | None, eos_id: int | None
 ) -> None:
     """Makes `encode(add_special_tokens=True)` add BOS and/or EOS (or nothing)."""
-    prefix = [backend.id_to_token(bos_id)] if bos_id is not None else []
-    suffix = [backend.id_to_token(eos_id)] if eos_id is not None else []
+    prefix = [_token_of(backend, bos_id)] if bos_id is not None else []
+    suffix = [_token_of(backend, eos_id)] if eos_id is not None else []
     if not prefix and not suffix:
         backend.post_processor = None
         return
@@ -285,6 +287,15 @@ def _set_post_processor(
         pair=[*prefix, "$A", *suffix, *prefix, "$B:1", *suffix],
         special_tokens=[(token, backend.token_to_id(token)) for token in {*prefix, *suffix}],
     )
+
+
+def _token_of(backend: tokenizers.Tokenizer, token_id: int) -> str:
+    """The vocabulary string of `token_id`; ValueError for an id the vocabulary lacks (a
+    file's BOS/EOS id past its vocabulary, or a hole in it)."""
+    token = backend.id_to_token(token_id)
+    if token is None:
+        raise ValueError(f"token id {token_id} is not in the tokenizer's vocabulary")
+    return token
 
 
 def _read_json(path: str) -> dict[str, Any]:

@@ -285,7 +285,7 @@ class Generation:
     def _can_retry(self, child: SequenceCall) -> bool:
         return self._reroute is not None and child.num_retries < MAX_DECODE_RETRIES
 
-    async def _move_elsewhere(self, child: SequenceCall, error: Exception) -> bool:
+    async def _move_elsewhere(self, child: SequenceCall, error: object) -> bool:
         """Points `child` at another pod (same request id and seed); False if none is left."""
         assert self._reroute is not None, "only called when retries are on"
         request_id, failed = child.request.request_id, child.pod.address
@@ -355,7 +355,7 @@ def _is_unreachable_before_output(child: SequenceCall, outcome: object) -> bool:
     return unreachable and not child.has_output
 
 
-def _details(error: Exception) -> str:
+def _details(error: object) -> str:
     if isinstance(error, grpc.aio.AioRpcError):
         return error.details() or error.code().name
     return str(error) or type(error).__name__

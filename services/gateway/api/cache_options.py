@@ -43,4 +43,4 @@ def _from_retention(value: object) -> float | None:
             f"prompt_cache_retention must be one of {', '.join(RETENTIONS)}, got {value!r}",
             "prompt_cache_retention",
         )
-    return RETENTIONS[value]  # type: ignore[index]
+    return RETENTIONS[value]

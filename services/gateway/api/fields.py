@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, JsonValue, ValidationError
 
 from splitserve.common.convert import is_int64
 from splitserve.engine.sampling_params import FIELD_TYPES, SamplingParams
@@ -36,7 +36,8 @@ Body = TypeVar("Body", bound=BaseModel)
 def doc_field(description: str, default: Any = None, **bounds: float) -> Any:
     """A field documented (and bounded) in the schema only; `bounds` are JSON Schema keywords
     (minimum, maximum, exclusiveMinimum) that SamplingParams enforces."""
-    return Field(default, description=description, json_schema_extra=bounds or None)
+    extra: dict[str, JsonValue] = dict(bounds)
+    return Field(default, description=description, json_schema_extra=extra or None)
 
 
 def unsupported_field(what: str) -> Any:
@@ -187,7 +188,7 @@ class CommonOptions:
     def params(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
         try:
-            return SamplingParams(max_tokens=max_tokens, **self.sampling)  # type: ignore[arg-type]
+            return SamplingParams(max_tokens=max_tokens, **self.sampling)
         except ValueError as error:
             raise RequestError(str(error), param_of(error)) from None
 

@@ -128,7 +128,7 @@ class ResponsesRequest:
         if max_tokens is None:
             max_tokens = default_max_tokens
         try:
-            return SamplingParams(max_tokens=max_tokens, **self.sampling)  # type: ignore[arg-type]
+            return SamplingParams(max_tokens=max_tokens, **self.sampling)
         except ValueError as error:
             name = str(error).split(" ", 1)[0]
             param = "max_output_tokens" if name == "max_tokens" else name

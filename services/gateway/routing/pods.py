@@ -211,7 +211,8 @@ class PodPool:
     @property
     def max_model_len(self) -> int | None:
         """The context every available pod can serve: the smallest of theirs."""
-        lengths = [pod.stats.max_model_len for pod in self.available()]
+        # An available pod has stats (is_available); the test says so to the type checker.
+        lengths = [pod.stats.max_model_len for pod in self.available() if pod.stats is not None]
         return min(lengths) if lengths else None
 
     async def poll(self) -> None:

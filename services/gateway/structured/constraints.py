@@ -88,7 +88,7 @@ def _json_schema(schema: dict | str, param: str) -> StructuredOutput:
             raise RequestError(f"{param}: the schema is not valid JSON: {error}", param) from None
     if not isinstance(schema, dict):
         raise RequestError(f"{param}: the schema must be a JSON object", param)
-    return StructuredOutput.json_schema(closed_objects(schema))  # type: ignore[arg-type]
+    return StructuredOutput.json_schema(closed_objects(schema))
 
 
 def _from_response_format(response_format: ResponseFormat | None) -> StructuredOutput | None:
@@ -125,12 +125,12 @@ def _from_structured_outputs(body: StructuredOutputs | None) -> StructuredOutput
     (kind, value), = chosen.items()
     try:
         if kind == "json":
-            return _json_schema(value, "structured_outputs")  # type: ignore[arg-type]
+            return _json_schema(value, "structured_outputs")
         if kind == "choice":
-            return StructuredOutput.choice(value)  # type: ignore[arg-type]
+            return StructuredOutput.choice(value)
         if kind == "json_object":
             return StructuredOutput("json_object")
-        return StructuredOutput(kind, value)  # type: ignore[arg-type]
+        return StructuredOutput(kind, value)
     except RequestError:
         raise
     except ValueError as error:

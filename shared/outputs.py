@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from splitserve.engine.sampler import TokenLogprobs
+
+@dataclass
+class TokenLogprobs:
+    """One generated token's logprobs, as the sampler computes them (here, torch-free, so the
+    services convert them to and from protos without the sampler)."""
+
+    token_id: int
+    logprob: float  # of the sampled token, under the raw model distribution
+    rank: int  # 1 = the model's most likely token
+    # Top-N (token_id, logprob), most likely first; N = params.logprobs (may be 0).
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass

@@ -1,20 +1,21 @@
 """Proto <-> engine conversions shared by the services: `SamplingOptions` <-> `SamplingParams`
-and the engine's `TokenLogprobs` -> proto `TokenLogprob`.
+and the engine's `TokenLogprobs` <-> proto `TokenLogprob`.
 
 Every SamplingParams field travels in SamplingOptions under the same name: a tuple field as a
 repeated field, any other as an `optional` scalar (unset = the receiver's default). The
 conversions walk SamplingParams' fields, so a new field needs no code here;
 tests/test_sampling_fields.py checks that the proto declares it alike.
 
-Torch-free on purpose (the gateway imports it): `TokenLogprobs` is only named for type checking.
+Torch-free on purpose (the gateway imports it): `TokenLogprobs` lives in the engine's torch-free
+`outputs` module.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
+from splitserve.engine.outputs import TokenLogprobs
 from splitserve.engine.sampling_params import (
     FIELD_TYPES,
     SamplingParams,
@@ -23,9 +24,6 @@ from splitserve.engine.sampling_params import (
 )
 from splitserve.engine.structured_output.spec import StructuredOutput
 from splitserve.v1 import generate_pb2
-
-if TYPE_CHECKING:
-    from splitserve.engine.sampler import TokenLogprobs
 
 # Turns a token id into the text it stands for (special tokens included).
 TokenText = Callable[[int], str]
@@ -91,6 +89,16 @@ def logprob_to_proto(entry: TokenLogprobs, token_text: TokenText) -> generate_pb
         rank=entry.rank,
         token=token_text(entry.token_id),
         top=top,
+    )
+
+
+def logprob_from_proto(proto: generate_pb2.TokenLogprob) -> TokenLogprobs:
+    """`logprob_to_proto`'s inverse, less the token texts (the receiver has the tokenizer)."""
+    return TokenLogprobs(
+        token_id=proto.token_id,
+        logprob=proto.logprob,
+        rank=proto.rank,
+        top=[(top.token_id, top.logprob) for top in proto.top],
     )
 
 

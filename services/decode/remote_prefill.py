@@ -35,7 +35,7 @@ import grpc
 
 from splitserve.common import tracing
 from splitserve.common.channels import aio_channel
-from splitserve.common.convert import options_from_params
+from splitserve.common.convert import logprob_from_proto, options_from_params
 from splitserve.engine.async_llm import AsyncLLM, RemotePrefillReservation
 from splitserve.engine.kv.disaggregation import (
     RemotePrefillPlan,
@@ -44,10 +44,9 @@ from splitserve.engine.kv.disaggregation import (
 )
 from splitserve.engine.kv.transfer import KVReceiver, KVTransferError
 from splitserve.engine.outputs import StreamDelta
-from splitserve.engine.sampler import TokenLogprobs
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.pod.metrics import PodMetrics
-from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -370,12 +369,3 @@ class PromptPrefill:
         self._is_aborted = True
         if self._call is not None:
             self._call.cancel()
-
-
-def logprob_from_proto(proto: generate_pb2.TokenLogprob) -> TokenLogprobs:
-    return TokenLogprobs(
-        token_id=proto.token_id,
-        logprob=proto.logprob,
-        rank=proto.rank,
-        top=[(top.token_id, top.logprob) for top in proto.top],
-    )

@@ -27,7 +27,10 @@ upgrade runs both): the pod id is stored as "worker_id", the word the proto also
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
+
+import redis.asyncio
 
 from splitserve.common.pod_load import PodLoad
 from splitserve.engine.kv.block_hash import BLOCK_HASH_NUM_BYTES
@@ -262,10 +265,6 @@ def _lookup_script(client):
 def connect(url: str, timeout_s: float = 0.5):
     """An asyncio Redis client for `url`; the password comes from $REDIS_PASSWORD when set.
     Short timeouts: a Redis that is down must cost a request milliseconds, not seconds."""
-    import os
-
-    import redis.asyncio
-
     return redis.asyncio.Redis.from_url(
         url,
         password=os.environ.get("REDIS_PASSWORD") or None,

@@ -34,6 +34,14 @@ from typing import TYPE_CHECKING
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExportResult,
+)
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 if TYPE_CHECKING:
@@ -109,10 +117,6 @@ def configure_tracing(
     extra = list(extra_exporters)
     if not settings.is_enabled and not extra:
         return settings
-    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
-
     provider = TracerProvider(resource=Resource.create({SERVICE_NAME: settings.service_name}))
     for name in settings.exporters:
         exporter = _named_exporter(name, environ)
@@ -142,8 +146,6 @@ def is_enabled() -> bool:
 
 def _named_exporter(name: str, environ: Mapping[str, str] | None):
     if name == "console":
-        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
-
         return ConsoleSpanExporter()
     env = os.environ if environ is None else environ
     protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get(
@@ -151,6 +153,7 @@ def _named_exporter(name: str, environ: Mapping[str, str] | None):
     )
     if protocol.startswith("http"):
         try:
+            # optional: the HTTP exporter is not a dependency of ours
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError:
             raise ValueError(
@@ -158,6 +161,7 @@ def _named_exporter(name: str, environ: Mapping[str, str] | None):
                 "opentelemetry-exporter-otlp-proto-http; or use grpc"
             ) from None
         return OTLPSpanExporter()
+    # lazy: half a second of imports, paid only by a process that exports over OTLP
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
     return OTLPSpanExporter()
@@ -323,8 +327,6 @@ class JsonLinesSpanExporter:
         self._lock = threading.Lock()
 
     def export(self, spans) -> object:
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
         lines = "".join(
             json.dumps(span_record(span), separators=(",", ":")) + "\n" for span in spans
         )

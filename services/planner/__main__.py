@@ -9,8 +9,23 @@ import sys
 import time
 from dataclasses import asdict
 
+from splitserve.common.cli_args import parse_size
+from splitserve.loadgen.stats import Slo
+from splitserve.loadgen.workload import (
+    LengthDistribution,
+    WorkloadSpec,
+    load_trace,
+    poisson_requests,
+)
 from splitserve.planner.autoscale.loop import add_autoscale_flags, run_autoscale
-from splitserve.planner.profile import DEFAULT_MARGIN
+from splitserve.planner.measure.settings import QUICK_GRID, Grid, ProfileSettings
+from splitserve.planner.plot import plot_goodput_vs_ratio
+from splitserve.planner.profile import DEFAULT_MARGIN, load_profile
+from splitserve.planner.recommend import SearchSpec, format_table, helm_values, recommend
+from splitserve.planner.simulate.cluster import ClusterConfig, simulate
+from splitserve.planner.simulate.failures import PodFailure
+from splitserve.planner.simulate.prefix_cache import TierSizes
+from splitserve.planner.simulate.speculation import SpeculationModel
 
 DEFAULT_PROFILE = "planner_profile.json"
 DEFAULT_PLOT = "docs/planner_goodput_vs_ratio.png"
@@ -179,9 +194,8 @@ def _add_validate_flags(sub: argparse.ArgumentParser) -> None:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from splitserve.common.cli_args import parse_size
-    from splitserve.planner.measure.profiler import measure_profile
-    from splitserve.planner.measure.settings import QUICK_GRID, Grid, ProfileSettings
+    # lazy: the engine (torch), which only this command runs
+    from splitserve.planner.measure.profiler import log_to_stderr, measure_profile
 
     settings = ProfileSettings(
         num_threads=args.num_threads,
@@ -199,8 +213,7 @@ def run_profile(args: argparse.Namespace) -> int:
     )
     profile = measure_profile(settings)
     if args.serving:
-        from splitserve.planner.measure.profiler import log_to_stderr
-        from splitserve.planner.measure.serving import measure_serving
+        from splitserve.planner.measure.serving import measure_serving  # lazy: aiohttp
 
         profile = measure_serving(profile, log_to_stderr)
     profile.save(args.output)
@@ -236,19 +249,12 @@ def _size(parse, text: str) -> int:
 
 
 def _requests(args: argparse.Namespace, rate: float | None = None):
-    from splitserve.loadgen.workload import (
-        load_trace,
-        poisson_requests,
-    )
-
     if args.trace:
         return load_trace(args.trace)
     return poisson_requests(_workload_spec(args, rate), args.seed)
 
 
 def _workload_spec(args: argparse.Namespace, rate: float | None = None):
-    from splitserve.loadgen.workload import LengthDistribution, WorkloadSpec
-
     return WorkloadSpec(
         rate=args.rate if rate is None else rate,
         num_requests=args.num_requests,
@@ -260,14 +266,10 @@ def _workload_spec(args: argparse.Namespace, rate: float | None = None):
 
 
 def _slo(args: argparse.Namespace):
-    from splitserve.loadgen.stats import Slo
-
     return Slo(args.ttft_slo, args.itl_slo)
 
 
 def _cluster(args: argparse.Namespace, num_prefill: int, num_decode: int):
-    from splitserve.planner.simulate.cluster import ClusterConfig
-
     return ClusterConfig(
         num_prefill,
         num_decode,
@@ -283,14 +285,10 @@ def _cluster(args: argparse.Namespace, num_prefill: int, num_decode: int):
 
 
 def _tier_sizes(args: argparse.Namespace):
-    from splitserve.planner.simulate.prefix_cache import TierSizes
-
     return TierSizes(args.host_tier_blocks, args.disk_tier_blocks)
 
 
 def _failure(text: str):
-    from splitserve.planner.simulate.failures import PodFailure
-
     try:
         parts = [float(part) for part in text.split(",")]
         if not 1 <= len(parts) <= 3:
@@ -302,17 +300,12 @@ def _failure(text: str):
 
 
 def _speculation(args: argparse.Namespace):
-    from splitserve.planner.simulate.speculation import SpeculationModel
-
     if args.speculative_tokens == 0:
         return None
     return SpeculationModel(args.speculative_tokens, args.acceptance_rate)
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from splitserve.planner.profile import load_profile
-    from splitserve.planner.simulate.cluster import simulate
-
     profile = load_profile(args.profile).with_margin(args.margin)
     cluster = _cluster(args, args.prefill, args.decode)
     requests = _requests(args)
@@ -340,10 +333,6 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def run_recommend(args: argparse.Namespace) -> int:
-    from splitserve.planner.plot import plot_goodput_vs_ratio
-    from splitserve.planner.profile import load_profile
-    from splitserve.planner.recommend import SearchSpec, format_table, helm_values, recommend
-
     if args.trace:
         raise ValueError("recommend searches over Poisson rates: use --rate, not --trace")
     profile = load_profile(args.profile).with_margin(args.margin)
@@ -396,6 +385,7 @@ def _ms(seconds: float) -> str:
 
 
 def run_validate(args: argparse.Namespace) -> int:
+    # lazy: the load generator's HTTP client (aiohttp), which the other commands do without
     from splitserve.planner.validate.compare import run_validation
 
     return run_validation(args)

@@ -21,8 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol, cast
 
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from splitserve.common.registry_schema import DEFAULT_KEY_PREFIX, PodRecord, RegistryKeys
 from splitserve.pod.metrics import PREFIX as METRIC_PREFIX  # the pods' own metric names
 
 if TYPE_CHECKING:
@@ -87,16 +89,10 @@ class LoadSource(Protocol):
 
 class RedisLoadSource:
     def __init__(self, url: str, key_prefix: str | None = None) -> None:
-        import redis
-
-        from splitserve.common.registry_schema import DEFAULT_KEY_PREFIX, RegistryKeys
-
         self._client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
         self._keys = RegistryKeys(key_prefix or DEFAULT_KEY_PREFIX)
 
     def read(self) -> LoadSnapshot:
-        from splitserve.common.registry_schema import PodRecord
-
         pod_ids = self._pod_ids()
         pipe = self._client.pipeline(transaction=False)
         for pod_id in pod_ids:
@@ -118,8 +114,6 @@ class RedisLoadSource:
         return cast(list[bytes], self._client.zrange(self._keys.pods, 0, -1))
 
     def _addresses(self) -> list[str]:
-        from splitserve.common.registry_schema import PodRecord
-
         pod_ids = self._pod_ids()
         records = [
             PodRecord.from_fields(self._client.hgetall(self._keys.pod(_text(p)))) for p in pod_ids

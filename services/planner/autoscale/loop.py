@@ -16,7 +16,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from splitserve.planner.autoscale.controller import ROLES, Autoscaler, RoleDecision
+from splitserve.planner.autoscale.controller import (
+    ROLES,
+    Autoscaler,
+    Bounds,
+    PolicySettings,
+    RoleDecision,
+)
 from splitserve.planner.autoscale.load import (
     CombinedLoadSource,
     LoadSnapshot,
@@ -24,7 +30,7 @@ from splitserve.planner.autoscale.load import (
     MetricsLoadSource,
     RedisLoadSource,
 )
-from splitserve.planner.profile import DEFAULT_MARGIN
+from splitserve.planner.profile import DEFAULT_MARGIN, load_profile
 
 
 class DeploymentScaler:
@@ -125,6 +131,7 @@ class Controller:
 
 
 def _api_errors() -> tuple[type[BaseException], ...]:
+    # lazy: the Kubernetes client and its transport's errors, only when autoscaling
     from kubernetes.client.exceptions import OpenApiException
     from urllib3.exceptions import HTTPError
 
@@ -178,9 +185,6 @@ def load_source(args: argparse.Namespace) -> LoadSource:
 
 
 def run_autoscale(args: argparse.Namespace) -> int:
-    from splitserve.planner.autoscale.controller import Bounds, PolicySettings
-    from splitserve.planner.profile import load_profile
-
     settings = PolicySettings(
         ttft_slo_s=args.ttft_slo,
         itl_slo_s=args.itl_slo,

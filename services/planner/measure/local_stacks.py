@@ -8,6 +8,8 @@ import asyncio
 from dataclasses import dataclass
 
 from splitserve.launcher import UP_MAX_REMOTE_PREFILL_TOKENS
+from splitserve.loadgen.client import Target, run_sequential
+from splitserve.loadgen.stacks import RunningStack, SystemSetup, usable_cores
 from splitserve.loadgen.stats import Slo
 from splitserve.loadgen.workload import LengthDistribution, WorkloadShape, sequential_workload
 from splitserve.planner.simulate.cluster import ClusterConfig
@@ -52,8 +54,6 @@ def simulated_cluster(config: LocalConfig) -> ClusterConfig:
 
 def running_stack(config: LocalConfig):
     """A `RunningStack` context for `config`, pinned and single-threaded."""
-    from splitserve.loadgen.stacks import RunningStack, SystemSetup, usable_cores
-
     cores = usable_cores()
     pins = {name: {core} for name, core in zip(config.pins, cores)}
     setup = SystemSetup(config.name, [*config.up_flags, "--num-threads", "1"], pins, config.name)
@@ -61,14 +61,10 @@ def running_stack(config: LocalConfig):
 
 
 def completions_target(stack):
-    from splitserve.loadgen.client import Target
-
     return Target(f"{stack.base_url}/v1/completions", stack.model_name())
 
 
 def warm_up(target, seed: int | str) -> None:
     """Two requests one at a time: the first calls of a stack pay one-off costs."""
-    from splitserve.loadgen.client import run_sequential
-
     shape = WorkloadShape(LengthDistribution(64, 256), LengthDistribution(8, 8))
     asyncio.run(run_sequential(target, sequential_workload(f"{seed}/warm-up", 2, shape)))

@@ -22,10 +22,19 @@ receiver
 from __future__ import annotations
 
 import asyncio
+import platform
 import statistics
 import sys
 import time
 
+import torch
+
+from splitserve.engine.kv.disaggregation import pack_pages, unpack_pages
+from splitserve.engine.kv.transfer import (
+    KVTransferConfig,
+    KVTransferDescriptor,
+    create_kv_transport,
+)
 from splitserve.planner.measure.engine_steps import (
     Log,
     add_request,
@@ -97,10 +106,6 @@ def _engine_setup(engine, settings: ProfileSettings) -> EngineSetup:
 
 
 def _describe(engine, settings: ProfileSettings) -> str:
-    import platform
-
-    import torch
-
     return (
         f"{engine.model_name}, {engine.config.model.dtype}, torch {torch.__version__}, "
         f"{settings.num_threads} thread(s), {platform.machine()} {platform.processor() or ''}"
@@ -215,8 +220,6 @@ def _measure_mixed(engine, settings: ProfileSettings, log: Log) -> MixedGrid:
 
 
 def _measure_transfer(engine, settings: ProfileSettings, log: Log) -> KVTransferModel:
-    from splitserve.engine.kv.disaggregation import pack_pages, unpack_pages
-
     kv_cache = engine.runner.kv_cache
     sizes = [min(n, engine.kv_spec.num_blocks // 2) for n in settings.transfer_blocks]
     times = {}
@@ -237,12 +240,6 @@ def _measure_transfer(engine, settings: ProfileSettings, log: Log) -> KVTransfer
 
 
 async def _timed_transfers(settings: ProfileSettings, pack, unpack, count: int) -> float:
-    from splitserve.engine.kv.transfer import (
-        KVTransferConfig,
-        KVTransferDescriptor,
-        create_kv_transport,
-    )
-
     transport = create_kv_transport(
         KVTransferConfig(backend=settings.kv_transport, offer_wait_s=TIMEOUT_S)
     )

@@ -29,6 +29,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import replace
 
+from splitserve.loadgen.client import RunResult, run_open_loop, run_sequential
 from splitserve.loadgen.stats import summarize
 from splitserve.loadgen.workload import (
     LengthDistribution,
@@ -76,8 +77,6 @@ def measure_serving(profile: Profile, log: Log, seed: int = 0) -> Profile:
 
 
 def measure_costs(target, config: LocalConfig, profile: Profile, seed: int) -> ServingCosts:
-    from splitserve.loadgen.client import RunResult, run_open_loop, run_sequential
-
     specs = sequential_workload(f"{seed}/serving", NUM_REQUESTS, SHAPE)
     alone = asyncio.run(run_sequential(target, specs))
     batches = [specs[i : i + BATCH] for i in range(0, len(specs), BATCH)]

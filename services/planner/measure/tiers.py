@@ -14,6 +14,10 @@ import tempfile
 import time
 from collections.abc import Callable
 
+from splitserve.engine.kv.block_hash import BlockHash
+from splitserve.engine.kv.offload.disk_store import DiskBlockStore
+from splitserve.engine.kv.offload.host_store import HostBlockStore
+from splitserve.engine.kv.offload.layout import BlockLayout, pool_block
 from splitserve.planner.profile.parts import TierLoadModel
 
 NUM_BLOCKS = 32
@@ -24,11 +28,6 @@ Log = Callable[[str], None]
 def measure_tier_loads(
     engine, repeats: int, log: Log, disk_dir: str | None = None
 ) -> TierLoadModel:
-    from splitserve.engine.kv.block_hash import BlockHash
-    from splitserve.engine.kv.offload.disk_store import DiskBlockStore
-    from splitserve.engine.kv.offload.host_store import HostBlockStore
-    from splitserve.engine.kv.offload.layout import BlockLayout, pool_block
-
     kv_cache = engine.runner.kv_cache
     layout = BlockLayout.of_pool(kv_cache, "planner-profile")
     num_blocks = min(NUM_BLOCKS, engine.kv_spec.num_blocks // 2)

@@ -30,6 +30,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 
+from splitserve.loadgen.client import print_progress, run_open_loop
+from splitserve.loadgen.cpu import ForeignLoad
+from splitserve.loadgen.stacks import usable_cores
 from splitserve.loadgen.stats import Percentiles, summarize
 from splitserve.loadgen.workload import (
     LengthDistribution,
@@ -47,6 +50,9 @@ from splitserve.planner.measure.local_stacks import (
     simulated_cluster,
     warm_up,
 )
+from splitserve.planner.measure.serving import measure_serving
+from splitserve.planner.measure.settings import QUICK_GRID, ProfileSettings
+from splitserve.planner.plot import plot_validation
 from splitserve.planner.profile import Profile, ServingCosts, load_profile
 from splitserve.planner.simulate.cluster import simulate
 from splitserve.planner.validate.ranking import format_ranking
@@ -149,9 +155,6 @@ def _measured(run) -> Latencies:
 
 
 def _measure(stack, target, config, workload, profile, args) -> Comparison:
-    from splitserve.loadgen.client import print_progress, run_open_loop
-    from splitserve.loadgen.cpu import ForeignLoad
-
     rate = workload_rate(profile, workload)
     seed = f"{args.seed}/{workload.name}"
     specs = poisson_workload(seed, rate, args.duration, 10_000, workload.shape)
@@ -284,8 +287,6 @@ def run_validation(args: argparse.Namespace) -> int:
         save_record(args.json, comparisons, args)
         log(f"wrote {args.json}")
     if args.plot and comparisons:
-        from splitserve.planner.plot import plot_validation
-
         plot_validation(comparisons, args.plot)
         log(f"wrote {args.plot}")
     return 0
@@ -380,10 +381,8 @@ def _comparison(body: dict) -> Comparison:
 def _profile(path: str, fresh: bool) -> Profile:
     if os.path.exists(path) and not fresh:
         return load_profile(path)
-    from splitserve.loadgen.stacks import usable_cores
+    # lazy: the engine (torch), only to measure a fresh profile
     from splitserve.planner.measure.profiler import measure_profile
-    from splitserve.planner.measure.serving import measure_serving
-    from splitserve.planner.measure.settings import QUICK_GRID, ProfileSettings
 
     own_core, neighbor_core = usable_cores()
     log(f"measuring a profile into {path} first, pinned to CPU {own_core}")

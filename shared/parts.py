@@ -27,7 +27,7 @@ from splitserve.engine.kv.offload.build import build_offloader
 from splitserve.engine.kv.offload.offloader import KVOffloader
 from splitserve.engine.model.architecture import LoadedCheckpoint, ModelArchitecture
 from splitserve.engine.model.llama import LlamaForCausalLM
-from splitserve.engine.model.loader import load_checkpoint
+from splitserve.engine.model.loader import load_checkpoint, release_freed_memory
 from splitserve.engine.model.moe_layer import SparseMoeBlock, moe_blocks
 from splitserve.engine.output_processor import OutputProcessor
 from splitserve.engine.parallel.group import ParallelGroup
@@ -113,7 +113,7 @@ def build_parts(config: EngineConfig, progress=None) -> EngineParts:
     pages = _page_io(loaded)
     kv_exporter = KVPageExporter(pages)
     _log_kv_cache(loaded.kv_spec, config.cache)
-    return EngineParts(
+    parts = EngineParts(
         model=loaded,
         kv=kv,
         thread_tuner=thread_tuner,
@@ -131,6 +131,10 @@ def build_parts(config: EngineConfig, progress=None) -> EngineParts:
         step_observers=_step_observers(kv_exporter, speculator, kv.offloader),
         moe_blocks=moe_blocks(loaded.model),
     )
+    # The checkpoint went with load_model's frame, and building freed its temporaries: give
+    # that memory back, or glibc keeps it resident (shared/model/loader.py).
+    release_freed_memory()
+    return parts
 
 
 def _configure_threads(config: EngineConfig) -> ThreadTuner | None:

@@ -33,8 +33,12 @@ class Linear(nn.Module):
         self.onednn_weight: torch.Tensor | None = None
 
     def prepare_cpu_kernel(self) -> None:
-        """Call after the weight is loaded; costs the weight's memory once more."""
+        """Call once, after the weight is loaded. Where oneDNN takes the products, its
+        reordered copy replaces the weight: `weight` stays as a meta tensor (shape and dtype,
+        no storage), so the layer holds its weights once."""
         self.onednn_weight = onednn_weight(self.weight)
+        if self.onednn_weight is not None:
+            self.weight = nn.Parameter(self.weight.detach().to("meta"), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = linear(x, self.weight, self.onednn_weight)

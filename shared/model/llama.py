@@ -190,7 +190,10 @@ class LlamaForCausalLM(nn.Module):
             )
             self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
             if self.quantization == "none":
-                self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+                # Given its (meta) weight: its own initialisation, normal_ on the meta device,
+                # would import torch._dynamo (and Triton where installed), ~145 MiB resident.
+                shape = (arch.vocab_size, arch.hidden_size)
+                self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
                 self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(arch, max_positions, device)
         self.requires_grad_(False)
@@ -340,6 +343,10 @@ class LlamaForCausalLM(nn.Module):
             # shared/model/linear.py): its weights are reordered once, here.
             assert isinstance(self.lm_head, nn.Linear), "unquantized heads are nn.Linear"
             self._lm_head_onednn = onednn_weight(self.lm_head.weight)
+            if self._lm_head_onednn is not None and not self.arch.tie_word_embeddings:
+                # Its own head: the reordered copy replaces it (tied, the lookup needs it).
+                head = self.lm_head.weight.detach()
+                self.lm_head.weight = nn.Parameter(head.to("meta"), requires_grad=False)
             for submodule in self.modules():
                 if isinstance(submodule, Linear):
                     submodule.prepare_cpu_kernel()

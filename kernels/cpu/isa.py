@@ -127,7 +127,7 @@ def _runs(name: str, needs: tuple[str, ...], features: CpuFeatures) -> bool:
 
 def torch_dispatch() -> dict[str, str]:
     """What torch itself dispatches to (its own choice, overridable by its variables)."""
-    import torch
+    import torch  # lazy: reading the CPU's features needs no torch; only this report does
 
     return {
         "aten_capability": torch.backends.cpu.get_cpu_capability(),

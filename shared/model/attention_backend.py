@@ -25,6 +25,7 @@ def select_attention_backend(
             f"SPLITSERVE_ATTENTION_BACKEND must be 'triton' or 'torch', got {choice!r}"
         )
     if choice == "triton" or (not choice and device.type == "cuda"):
+        # optional: Triton, imported only where the Triton path is chosen
         from splitserve.engine.model.triton_attention import TritonPagedAttention
 
         return TritonPagedAttention()

@@ -109,7 +109,7 @@ def triton_experts(
     the second one's epilogue), then the same combine. No host sync. When the layer holds only
     a range of the experts, rows of the others are left out of the combine (their sum is what
     the other ranks add)."""
-    from splitserve.kernels.moe_gemm import grouped_gemm
+    from splitserve.kernels.moe_gemm import grouped_gemm  # optional: Triton, CUDA path only
 
     first, num_local = experts.first_expert, experts.gate_up.shape[0]
     offsets = order.offsets[first : first + num_local + 1]  # absolute rows: no rebasing

@@ -79,7 +79,7 @@ class TritonInt8Weight(Int8Weight):
         """x [rows, in_features] -> [rows, out] in x's dtype. Weight-only: the activations are
         multiplied as they are, so `activation_passes` (the CPU int8 x int8 path's) does not
         apply."""
-        from splitserve.kernels.dequant_matmul import int8_matmul
+        from splitserve.kernels.dequant_matmul import int8_matmul  # optional: Triton
 
         return int8_matmul(x.contiguous(), self.codes, self.scales)
 
@@ -108,7 +108,7 @@ class Int4GroupWeight:
 
     def matmul(self, x: torch.Tensor, activation_passes: int = 1) -> torch.Tensor:
         """x [rows, in_features] -> [rows, out] in x's dtype (weight-only, as TritonInt8Weight)."""
-        from splitserve.kernels.dequant_matmul import int4_group_matmul
+        from splitserve.kernels.dequant_matmul import int4_group_matmul  # optional: Triton
 
         return int4_group_matmul(x.contiguous(), self.packed, self.scales, self.minimums)
 

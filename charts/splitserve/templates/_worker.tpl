@@ -104,7 +104,7 @@ terminationGracePeriodSeconds, so both must fit in it, with time left to close t
 {{- end -}}
 
 {{/* Static region/zone when the values give them; otherwise the node's name, whose topology
-labels the pod reads at start (services/common/topology.py). */}}
+labels the pod reads at start (services/pod/topology.py). */}}
 {{- define "splitserve.worker.topologyArgs" -}}
 {{- with .Values.topology.region }}
 - --region

@@ -35,14 +35,14 @@ from splitserve.gateway.api.fields import (
     validate_body,
 )
 from splitserve.gateway.api.format import (
+    ChoicesFormat,
     Envelope,
-    StreamUsage,
     choice_json,
     clamp_logprob,
     usage_json,
 )
 from splitserve.gateway.api.respond import respond, start_generation
-from splitserve.gateway.core import GatewayCore, GenerationRequest
+from splitserve.gateway.core import GatewayCore
 from splitserve.gateway.errors import RequestError
 from splitserve.gateway.outputs import CollectedSequence, SequenceChunk, Usage
 from splitserve.gateway.strict_model import StrictModel
@@ -225,21 +225,14 @@ class ChatRoutes:
         # Unset max_tokens means "until the context is full", as OpenAI and vLLM do for chat.
         params = options.params(max(core.max_model_len - len(prompt), 1))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generation_request = GenerationRequest(
-            request_id,
-            [prompt],
-            params,
-            options.priority,
-            options.prompt_cache_key,
-            options.structured_output_param,
-        )
+        generation_request = options.generation_request(request_id, [prompt], params)
         generation = await start_generation(core, generation_request, "messages", request)
         fmt = ChatFormat(
             Envelope(request_id, core.model_name, int(time.time())),
-            parsed.logprobs,
             options,
-            ToolOutputs.for_request(parsed.tools),  # tool calling hook (tools/hooks.py)
-            generation.usage.prompt_tokens,
+            logprobs=parsed.logprobs,
+            num_prompt_tokens=generation.usage.prompt_tokens,
+            tools=ToolOutputs.for_request(parsed.tools),  # tool calling hook (tools/hooks.py)
         )
         return await respond(request, generation, fmt, options)
 
@@ -248,20 +241,12 @@ class ChatRoutes:
 
 
 @dataclass
-class ChatFormat:
+class ChatFormat(ChoicesFormat):
     """Chat completion objects and chunks for one request."""
 
-    envelope: Envelope
-    logprobs: bool
-    options: CommonOptions
+    chunk_object = "chat.completion.chunk"
     tools: ToolOutputs | None = None  # answers read for tool calls (tools/); None: text
-    num_prompt_tokens: int = 0
     _started: set[int] = field(default_factory=set)  # choices whose role was sent
-    _usage: StreamUsage | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.envelope.request_id
 
     def chunk(self, chunk: SequenceChunk) -> dict:
         delta: dict[str, object] = {"content": chunk.text}
@@ -273,13 +258,7 @@ class ChatFormat:
             delta = {"role": "assistant", **delta}
         choice = choice_json(chunk, {"delta": delta}, self._logprobs(chunk.logprobs), self.options)
         choice["finish_reason"] = finish_reason
-        if self._usage is None:
-            self._usage = StreamUsage(self.num_prompt_tokens)
-        extra = self._usage.extra(self.options, chunk)
-        return self.envelope.wrap("chat.completion.chunk", [choice], **extra)
-
-    def usage_chunk(self, usage: Usage) -> dict:
-        return self.envelope.wrap("chat.completion.chunk", [], usage=usage_json(usage))
+        return self._wrap_chunk(choice, chunk)
 
     def response(self, sequences: list[CollectedSequence], usage: Usage) -> dict:
         choices = [self._message_choice(sequence) for sequence in sequences]

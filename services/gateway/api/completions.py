@@ -28,14 +28,14 @@ from splitserve.gateway.api.fields import (
     validate_body,
 )
 from splitserve.gateway.api.format import (
+    ChoicesFormat,
     Envelope,
-    StreamUsage,
     choice_json,
     clamp_logprob,
     usage_json,
 )
 from splitserve.gateway.api.respond import respond, start_generation
-from splitserve.gateway.core import GatewayCore, GenerationRequest
+from splitserve.gateway.core import GatewayCore
 from splitserve.gateway.errors import RequestError
 from splitserve.gateway.outputs import CollectedSequence, SequenceChunk, Usage
 from splitserve.v1 import generate_pb2
@@ -143,21 +143,14 @@ class CompletionRoutes:
         options = parsed.options
         params = options.params(DEFAULT_COMPLETION_MAX_TOKENS)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        generation_request = GenerationRequest(
-            request_id,
-            prompts,
-            params,
-            options.priority,
-            options.prompt_cache_key,
-            options.structured_output_param,
-        )
+        generation_request = options.generation_request(request_id, prompts, params)
         generation = await start_generation(core, generation_request, "prompt", request)
         fmt = CompletionFormat(
             Envelope(request_id, core.model_name, int(time.time())),
-            params.logprobs is not None,
             options,
-            generation.usage.prompt_tokens,
-            _echo_texts(core, parsed, prompts, params),
+            logprobs=params.logprobs is not None,
+            num_prompt_tokens=generation.usage.prompt_tokens,
+            echo=_echo_texts(core, parsed, prompts, params),
         )
         return await respond(request, generation, fmt, options)
 
@@ -179,22 +172,14 @@ def _echo_texts(
 
 
 @dataclass
-class CompletionFormat:
+class CompletionFormat(ChoicesFormat):
     """Completion objects and chunks for one request."""
 
-    envelope: Envelope
-    logprobs: bool
-    options: CommonOptions
-    num_prompt_tokens: int = 0
+    chunk_object = "text_completion"
     # choice -> its prompt's text, put before its text (`echo`); empty: no echo
     echo: list[str] = field(default_factory=list)
     _offsets: dict[int, int] = field(default_factory=dict)  # choice -> text offset so far
     _echoed: set[int] = field(default_factory=set)  # choices whose prompt was sent
-    _usage: StreamUsage | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.envelope.request_id
 
     def chunk(self, chunk: SequenceChunk) -> dict:
         logprobs = self._logprobs(chunk.index, chunk.logprobs)
@@ -203,13 +188,7 @@ class CompletionFormat:
             self._echoed.add(chunk.index)
             text = self.echo[chunk.index] + text
         choice = choice_json(chunk, {"text": text}, logprobs, self.options)
-        if self._usage is None:
-            self._usage = StreamUsage(self.num_prompt_tokens)
-        extra = self._usage.extra(self.options, chunk)
-        return self.envelope.wrap("text_completion", [choice], **extra)
-
-    def usage_chunk(self, usage: Usage) -> dict:
-        return self.envelope.wrap("text_completion", [], usage=usage_json(usage))
+        return self._wrap_chunk(choice, chunk)
 
     def response(self, sequences: list[CollectedSequence], usage: Usage) -> dict:
         choices = [

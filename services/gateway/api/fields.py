@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field, JsonValue, ValidationError
 from splitserve.common.convert import is_int64
 from splitserve.engine.sampling_params import FIELD_TYPES, SamplingParams
 from splitserve.gateway.api.cache_options import CacheControl, cache_retention_s
+from splitserve.gateway.core import GenerationRequest
 from splitserve.gateway.errors import RequestError, from_validation, param_of
 from splitserve.gateway.strict_model import StrictModel
 from splitserve.gateway.structured.constraints import parse_logit_bias, parse_structured_output
@@ -184,6 +185,19 @@ class CommonOptions:
     prompt_cache_key: str | None = None  # routing affinity (routing/router.py)
     # The field sampling["structured_output"] came from, named if it does not compile.
     structured_output_param: str = "structured_output"
+
+    def generation_request(
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams
+    ) -> GenerationRequest:
+        """What the request core is asked for, `params` from `self.params`."""
+        return GenerationRequest(
+            request_id,
+            prompts,
+            params,
+            self.priority,
+            self.prompt_cache_key,
+            self.structured_output_param,
+        )
 
     def params(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens

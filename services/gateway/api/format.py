@@ -4,7 +4,8 @@ them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from splitserve.gateway.api.fields import CommonOptions
 from splitserve.gateway.outputs import CollectedSequence, SequenceChunk, Usage
@@ -72,6 +73,34 @@ def choice_json(
     if options.return_token_ids:
         choice["token_ids"] = part.token_ids
     return choice
+
+
+@dataclass
+class ChoicesFormat:
+    """What completion and chat completion answers share: the envelope, the options, whether
+    logprobs are shown, and the usage that a stream's chunks carry (`chunk_object` names the
+    chunks)."""
+
+    chunk_object: ClassVar[str]
+    envelope: Envelope
+    options: CommonOptions
+    logprobs: bool
+    num_prompt_tokens: int
+    _stream_usage: StreamUsage | None = field(default=None, init=False)
+
+    @property
+    def request_id(self) -> str:
+        return self.envelope.request_id
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        return self.envelope.wrap(self.chunk_object, [], usage=usage_json(usage))
+
+    def _wrap_chunk(self, choice: dict, chunk: SequenceChunk) -> dict:
+        """One choice's chunk, with the usage key the options ask for."""
+        if self._stream_usage is None:
+            self._stream_usage = StreamUsage(self.num_prompt_tokens)
+        extra = self._stream_usage.extra(self.options, chunk)
+        return self.envelope.wrap(self.chunk_object, [choice], **extra)
 
 
 @dataclass

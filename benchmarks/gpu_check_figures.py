@@ -15,8 +15,10 @@ from typing import Any
 # Issue 41's bars, reported beside the figures (a benchmark never fails on a speed).
 TARGET_PERCENT_OF_COPY = 70.0
 BENCH_DTYPES = ("bfloat16", "float32")
+# Test ids may hold spaces (parameters such as "[(1, 32, 16, 4, 2)]"), so the id runs up to the
+# last outcome word on the line.
 VERBOSE_OUTCOME = re.compile(
-    r"^(?P<test>\S+::\S+) (?P<outcome>PASSED|FAILED|ERROR|SKIPPED)", re.MULTILINE
+    r"^(?P<test>\S+::.+) (?P<outcome>PASSED|FAILED|ERROR|SKIPPED)(?: +\[ *\d+%\])?$", re.MULTILINE
 )
 DEQUANT_ROW = re.compile(r"^(int8|int4|dense \w+) matmul (\S+)$")
 

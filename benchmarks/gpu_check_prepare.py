@@ -34,8 +34,6 @@ from pathlib import Path
 
 import torch
 
-from splitserve.engine.model_paths import default_model_path
-
 CARRIED_PACKAGES = ("gguf",)  # pure Python: copied from this machine's install
 # Compiled: the device's wheel (CPython 3.12, x86-64 Linux), at this machine's version.
 DEVICE_WHEELS = ("llguidance",)
@@ -62,6 +60,9 @@ def prepare(repo_root: Path) -> None:
         _copy_package(name, build / "site")
     for name in DEVICE_WHEELS:
         _unpack_device_wheel(name, build / "wheels", build / "site")
+    # lazy: on the device this module runs before its setup part has installed splitserve
+    from splitserve.engine.model_paths import default_model_path
+
     model = Path(default_model_path())
     manifest = _split_model(model, build)
     shutil.rmtree(build / "wheels")  # unpacked into site/
@@ -220,6 +221,8 @@ def _gpu() -> dict[str, object]:
 
 
 def _model_path() -> str | None:
+    from splitserve.engine.model_paths import default_model_path  # lazy: see prepare()
+
     try:
         return default_model_path()
     except FileNotFoundError:

@@ -178,14 +178,16 @@ def test_outcomes_come_from_the_verbose_log_when_pytest_was_killed(tmp_path):
     (tmp_path / "kernel_tests.log").write_text(
         "tests/test_a.py::test_ok[float32] PASSED                 [ 33%]\n"
         "tests/test_a.py::test_bad FAILED                         [ 66%]\n"
+        "tests/test_a.py::test_shape[(1, 32, 16)-plain] PASSED    [ 70%]\n"
         "tests/test_b.py::test_hangs \n"
     )
     outcomes = figures.junit_outcomes(tmp_path / "kernel_tests.xml")
     assert outcomes["tests"] == {
         "tests/test_a.py::test_ok[float32]": "passed",
         "tests/test_a.py::test_bad": "failed",
+        "tests/test_a.py::test_shape[(1, 32, 16)-plain]": "passed",  # an id with spaces
     }
-    assert (outcomes["passed"], outcomes["failed"]) == (1, 1)
+    assert (outcomes["passed"], outcomes["failed"]) == (2, 1)
     assert outcomes["source"].startswith("log")
 
 

@@ -35,23 +35,35 @@ needs_interpreter = pytest.mark.skipif(
     reason="the Triton kernels need a GPU or TRITON_INTERPRET=1",
 )
 
+# The Triton tests run on the GPU when TRITON_INTERPRET=0 (benchmarks.gpu_check), as the other
+# kernel tests do; their references run on the same device.
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
+
 # (num_tokens, hidden, intermediate, num_experts, top_k)
 SHAPES = [(1, 32, 16, 4, 2), (7, 64, 32, 8, 2), (33, 48, 40, 8, 1), (70, 64, 96, 6, 3)]
 
 
-def random_experts(num_experts: int, hidden: int, inter: int, seed: int) -> ExpertWeights:
+def random_experts(
+    num_experts: int, hidden: int, inter: int, seed: int, device: str = "cpu"
+) -> ExpertWeights:
     generator = torch.Generator().manual_seed(seed)
     gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=generator) / hidden**0.5
     down = torch.randn(num_experts, hidden, inter, generator=generator) / inter**0.5
-    return ExpertWeights(gate_up, down)
+    return ExpertWeights(gate_up.to(device), down.to(device))
 
 
-def random_routing(num_tokens: int, num_experts: int, top_k: int, seed: int) -> Routing:
+def random_routing(
+    num_tokens: int, num_experts: int, top_k: int, seed: int, device: str = "cpu"
+) -> Routing:
     """Routing from random logits, with expert 1 never chosen (an expert with no tokens)."""
     generator = torch.Generator().manual_seed(seed)
     logits = torch.randn(num_tokens, num_experts, generator=generator)
     logits[:, 1] = -1e9
-    return route_tokens(logits, top_k, renormalize=True)
+    return route_tokens(logits.to(device), top_k, renormalize=True)
+
+
+def random_activations(num_tokens: int, hidden: int, device: str = "cpu") -> torch.Tensor:
+    return torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(7)).to(device)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
@@ -115,10 +127,10 @@ def test_grouped_gemm_equals_reference(counts, dtype, scaled):
 
     generator = torch.Generator().manual_seed(sum(counts))
     num_rows, k, n = sum(counts), 48, 80
-    x = torch.randn(num_rows, k, generator=generator).to(dtype)
-    weights = torch.randn(len(counts), n, k, generator=generator).to(dtype)
-    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
-    scale = torch.rand(num_rows, generator=generator).to(dtype) if scaled else None
+    x = torch.randn(num_rows, k, generator=generator).to(DEVICE, dtype)
+    weights = torch.randn(len(counts), n, k, generator=generator).to(DEVICE, dtype)
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], device=DEVICE)
+    scale = torch.rand(num_rows, generator=generator).to(DEVICE, dtype) if scaled else None
     got = grouped_gemm(x, weights, offsets, scale)
     expected = reference.grouped_gemm(x, weights, offsets, scale)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
@@ -145,9 +157,9 @@ def test_grouped_gemm_refuses_bad_arguments():
 @pytest.mark.parametrize("shape", SHAPES[:3], ids=str)
 def test_triton_step_equals_torch_step(shape):
     num_tokens, hidden, inter, num_experts, top_k = shape
-    experts = random_experts(num_experts, hidden, inter, seed=num_tokens)
-    routing = random_routing(num_tokens, num_experts, top_k, seed=num_tokens + 1)
-    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(7))
+    experts = random_experts(num_experts, hidden, inter, seed=num_tokens, device=DEVICE)
+    routing = random_routing(num_tokens, num_experts, top_k, seed=num_tokens + 1, device=DEVICE)
+    x = random_activations(num_tokens, hidden, DEVICE)
     order = sort_by_expert(routing, num_experts)
     expected = torch_experts(x, experts, order)
     torch.testing.assert_close(triton_experts(x, experts, order), expected, rtol=1e-5, atol=1e-5)
@@ -161,10 +173,11 @@ def test_experts_split_in_ranges_sum_to_the_whole(path):
     """What expert parallelism relies on (docs/moe.md): a layer holding a contiguous range of
     experts computes exactly their share, so the ranks' outputs add up to the whole layer."""
     experts_fn = torch_experts if path == "torch" else triton_experts
+    device = "cpu" if path == "torch" else DEVICE
     num_tokens, hidden, inter, num_experts, top_k = SHAPES[1]
-    whole = random_experts(num_experts, hidden, inter, seed=5)
-    routing = random_routing(num_tokens, num_experts, top_k, seed=6)
-    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(7))
+    whole = random_experts(num_experts, hidden, inter, seed=5, device=device)
+    routing = random_routing(num_tokens, num_experts, top_k, seed=6, device=device)
+    x = random_activations(num_tokens, hidden, device)
     order = sort_by_expert(routing, num_experts)
     expected = torch_experts(x, whole, order)
     total = torch.zeros_like(expected)

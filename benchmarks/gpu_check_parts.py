@@ -37,11 +37,13 @@ MODEL_TEST_FILES = (
 DRY_RUN_TEST_FILE = "tests/test_kernels_norm_rope.py"
 
 # Seconds per command. Each call's commands add up to at most 540 s, inside a call's 600 s:
-# call 1 = 60 + 2 * 30 (setup) + 180 + 2 * 110 = 520, call 2 = 120 + 120 + 120 + 180 = 540.
+# call 1 = 60 + 2 * 30 (setup) + 250 + 2 * 85 = 540, call 2 = 120 + 120 + 120 + 180 = 540.
+# On the H100 (2026-11-26) the kernel tests needed ~200 s (180 cut them off at the last file),
+# the two kernel benchmarks 31 s and 59 s.
 SETUP_INSTALL_LIMIT_S = 60
 SETUP_STEP_LIMIT_S = 30
-KERNEL_TESTS_LIMIT_S = 180
-KERNEL_BENCH_LIMIT_S = 110  # per dtype
+KERNEL_TESTS_LIMIT_S = 250
+KERNEL_BENCH_LIMIT_S = 85  # per dtype
 MODEL_TESTS_LIMIT_S = 120
 ENGINE_CHECK_LIMIT_S = 120
 ENGINE_TIMINGS_LIMIT_S = 180

@@ -187,7 +187,8 @@ def _load_one_process(
     dtype = getattr(torch, config.model.dtype)
     model = LlamaForCausalLM(arch, max_model_len, device, config.model.quantization)
     model.materialize(device, dtype)
-    model.load_hf_weights(checkpoint.weights)
+    model.load_hf_weights(checkpoint.weights, consume=True)  # the checkpoint goes as it loads
+    release_freed_memory()  # before the KV cache is sized from what memory is free
     kv_spec = size_kv_cache(arch, config.cache, dtype, device)
     kv_cache = allocate_kv_cache(kv_spec, arch, dtype, device, config.cache.kv_cache_dtype)
     return model, kv_spec, kv_cache

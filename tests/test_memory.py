@@ -64,6 +64,21 @@ def test_float32_matrices_are_held_once_as_onednn_copies(make_tiny_hf_checkpoint
     assert torch.allclose(_prefill_logits(model), expected, rtol=1e-4, atol=1e-4)
 
 
+def test_consuming_load_empties_the_checkpoint_and_loads_the_same_model(
+    make_tiny_hf_checkpoint,
+) -> None:
+    """consume=True (the engine's load) deletes each layer's tensors from the checkpoint as
+    they go in, so both are never whole in memory; the model is the one a plain load builds."""
+    directory = make_tiny_hf_checkpoint(tie_word_embeddings=True)
+    checkpoint = load_checkpoint(directory)
+    consumed = LlamaForCausalLM(checkpoint.architecture, 256, torch.device("cpu"))
+    consumed.materialize(torch.device("cpu"), torch.float32)
+    consumed.load_hf_weights(checkpoint.weights, consume=True)
+    assert checkpoint.weights == {}
+    expected = _prefill_logits(_float32_model(directory))
+    assert torch.equal(_prefill_logits(consumed), expected)
+
+
 def test_float32_llm_grows_rss_by_at_most_1_5x_the_checkpoint() -> None:
     """Before issue 33: 3.39x (the plain weights beside oneDNN's copies, and the load's freed
     copies kept by glibc)."""

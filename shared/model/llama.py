@@ -10,7 +10,7 @@ row of `[num_tokens, hidden]`, and only attention needs to know which row belong
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Protocol, cast
 
 import torch
@@ -303,18 +303,21 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(hidden, angles, kv_cache[layer_id], meta, backend)
         return hidden
 
-    def load_hf_weights(self, weights: Mapping[str, torch.Tensor | BlockQuantized]) -> None:
+    def load_hf_weights(
+        self, weights: Mapping[str, torch.Tensor | BlockQuantized], consume: bool = False
+    ) -> None:
         """Copies Hugging Face-named tensors in, fusing q/k/v and gate/up, packing them when
-        quantized; mutates self."""
+        quantized; mutates self. With `consume` (`weights` a dict), each layer's tensors are
+        deleted from `weights` once they are in the model, so the checkpoint and the model are
+        never both whole in memory (the engine's load; tests build several models from one)."""
         params = dict(self.named_parameters())
         packed = _packed_modules(self)
-        try:
-            internal = _to_internal_names(weights, self.arch)
-        except KeyError as missing:
-            raise ValueError(f"checkpoint lacks weight {missing.args[0]!r}") from None
+        # On the CPU every product runs on oneDNN (shared/model/linear.py): each weight is
+        # reordered as soon as it is in, so the plain copies never pile up.
+        linears = _dense_linears(self) if self.quantization == "none" else {}
         if self.quantization == "gguf":
             log_gguf_notes(weights)
-        for name, tensor in internal.items():
+        for name, tensor in _internal_weights(weights, self.arch, consume):
             if name in packed:
                 module = packed.pop(name)
                 if isinstance(module, QuantizedLinear):
@@ -336,20 +339,18 @@ class LlamaForCausalLM(nn.Module):
                     f"expected {tuple(target.shape)}"
                 )
             target.data.copy_(tensor)
+            if name in linears:
+                linears.pop(name).prepare_cpu_kernel()
         if params or packed:
             raise ValueError(f"checkpoint lacks weights: {sorted([*params, *packed])[:5]}")
         if self.quantization == "none":
-            # On the CPU every product, the vocabulary projection too, runs on oneDNN (see
-            # shared/model/linear.py): its weights are reordered once, here.
+            # The vocabulary projection runs on oneDNN too, reordered once the embedding is in.
             assert isinstance(self.lm_head, nn.Linear), "unquantized heads are nn.Linear"
             self._lm_head_onednn = onednn_weight(self.lm_head.weight)
             if self._lm_head_onednn is not None and not self.arch.tie_word_embeddings:
                 # Its own head: the reordered copy replaces it (tied, the lookup needs it).
                 head = self.lm_head.weight.detach()
                 self.lm_head.weight = nn.Parameter(head.to("meta"), requires_grad=False)
-            for submodule in self.modules():
-                if isinstance(submodule, Linear):
-                    submodule.prepare_cpu_kernel()
         if not self._is_tensor_parallel():
             self.fused_decode = build_fused_decode(self)
         logger.info(
@@ -368,34 +369,68 @@ def _packed_modules(model: nn.Module) -> dict[str, QuantizedLinear | QuantizedEm
     return packed
 
 
-def _to_internal_names(
-    weights: Mapping[str, torch.Tensor | BlockQuantized], arch: ModelArchitecture
-) -> dict[str, torch.Tensor | BlockQuantized]:
-    out: dict[str, torch.Tensor | BlockQuantized] = {
-        "embed_tokens.weight": weights["model.embed_tokens.weight"],
-        "norm.weight": weights["model.norm.weight"],
+def _dense_linears(model: nn.Module) -> dict[str, Linear]:
+    """Internal weight name -> the dense `Linear` that takes it."""
+    return {
+        f"{name}.weight": module
+        for name, module in model.named_modules()
+        if isinstance(module, Linear)
     }
+
+
+Tensors = Mapping[str, torch.Tensor | BlockQuantized]
+
+
+def _internal_weights(
+    weights: Tensors, arch: ModelArchitecture, consume: bool
+) -> Iterator[tuple[str, torch.Tensor | BlockQuantized]]:
+    """(internal name, tensor) pairs, one layer at a time: a layer's fused q/k/v and gate/up
+    copies exist only while that layer loads. With `consume`, the Hugging Face tensors of
+    what was yielded are deleted from `weights` (a dict) before the next layer. Raises
+    ValueError naming a tensor the checkpoint lacks."""
+    top_level = ["model.embed_tokens.weight", "model.norm.weight"]
     if not arch.tie_word_embeddings:  # tied: lm_head shares embed_tokens' parameter
-        out["lm_head.weight"] = weights["lm_head.weight"]
-    for i in range(arch.num_layers):
-        hf = f"model.layers.{i}."
-        ours = f"layers.{i}."
-        attn = hf + "self_attn."
-        out[ours + "self_attn.qkv_proj.weight"] = cat_rows(
-            [
-                weights[attn + "q_proj.weight"],
-                weights[attn + "k_proj.weight"],
-                weights[attn + "v_proj.weight"],
-            ]
-        )
-        if arch.attention_bias:
-            out[ours + "self_attn.qkv_proj.bias"] = torch.cat(
-                [dense(weights[attn + f"{p}_proj.bias"]) for p in ("q", "k", "v")]
-            )
-        out[ours + "self_attn.o_proj.weight"] = weights[attn + "o_proj.weight"]
-        out.update(internal_feed_forward_weights(weights, arch, i))
-        out[ours + "input_layernorm.weight"] = weights[hf + "input_layernorm.weight"]
-        out[ours + "post_attention_layernorm.weight"] = weights[
-            hf + "post_attention_layernorm.weight"
+        top_level.append("lm_head.weight")
+    try:
+        yield from ((name.removeprefix("model."), weights[name]) for name in top_level)
+        if consume:
+            _delete(weights, top_level)
+        for i in range(arch.num_layers):
+            yield from _internal_layer_weights(weights, arch, i).items()
+            if consume:
+                _delete(weights, [n for n in weights if n.startswith(f"model.layers.{i}.")])
+    except KeyError as missing:
+        raise ValueError(f"checkpoint lacks weight {missing.args[0]!r}") from None
+
+
+def _delete(weights: Tensors, names: list[str]) -> None:
+    assert isinstance(weights, dict), "consume needs the checkpoint's dict"
+    for name in names:
+        del weights[name]
+
+
+def _internal_layer_weights(
+    weights: Tensors, arch: ModelArchitecture, i: int
+) -> dict[str, torch.Tensor | BlockQuantized]:
+    """Layer `i`'s tensors under the model's names, q/k/v and gate/up fused (KeyError for a
+    missing one)."""
+    out: dict[str, torch.Tensor | BlockQuantized] = {}
+    hf = f"model.layers.{i}."
+    ours = f"layers.{i}."
+    attn = hf + "self_attn."
+    out[ours + "self_attn.qkv_proj.weight"] = cat_rows(
+        [
+            weights[attn + "q_proj.weight"],
+            weights[attn + "k_proj.weight"],
+            weights[attn + "v_proj.weight"],
         ]
+    )
+    if arch.attention_bias:
+        out[ours + "self_attn.qkv_proj.bias"] = torch.cat(
+            [dense(weights[attn + f"{p}_proj.bias"]) for p in ("q", "k", "v")]
+        )
+    out[ours + "self_attn.o_proj.weight"] = weights[attn + "o_proj.weight"]
+    out.update(internal_feed_forward_weights(weights, arch, i))
+    out[ours + "input_layernorm.weight"] = weights[hf + "input_layernorm.weight"]
+    out[ours + "post_attention_layernorm.weight"] = weights[hf + "post_attention_layernorm.weight"]
     return out

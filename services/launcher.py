@@ -334,7 +334,7 @@ def _pod(
 ) -> ProcessSpec:
     port = address.rsplit(":", 1)[1]
     name = f"{role}-{index}"
-    argv = [sys.executable, "-m", f"services.{role}", "--host", args.host, "--port", port]
+    argv = [sys.executable, "-m", f"splitserve.{role}", "--host", args.host, "--port", port]
     argv += ["--worker-id", name, *engine_flags, *_disk_tier_flags(args, name)]
     return ProcessSpec(name, argv, HealthCheck(grpc_address=address, grpc_service=service))
 

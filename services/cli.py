@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -29,7 +30,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(commands.add_parser("generate", help="stream a completion from the local engine"))
     _add_up(commands.add_parser("up", help="run gateway, prefill and decode processes here"))
     _add_plan(commands.add_parser("plan", help="capacity planner and autoscaler"))
+    _add_env(commands.add_parser("env", help="versions, CPU features and the kernel paths here"))
     return parser
+
+
+def _add_env(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("--json", action="store_true", help="one JSON object (what pods log)")
+
+
+def run_env(args: argparse.Namespace) -> int:
+    from splitserve.environment import environment_report, format_report  # lazy: torch
+
+    report = environment_report()
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
 
 
 def _add_up(sub: argparse.ArgumentParser) -> None:
@@ -109,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_up(args)
         if args.command == "plan":
             return run_plan(args)
+        if args.command == "env":
+            return run_env(args)
     except ValueError as error:
         print(f"splitserve: error: {error}", file=sys.stderr)
         return 2

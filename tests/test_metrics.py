@@ -119,6 +119,23 @@ def test_every_pod_series_names_its_model_and_role(stack):
             assert ("role", role) in labels and ("model_name", MODEL_NAME) in labels
 
 
+def test_pods_expose_what_splitserve_env_reports(stack):
+    """`splitserve:environment_info`: the pod's versions and CPU paths as labels of a 1."""
+    import torch
+
+    from splitserve.kernels import cpu as cpu_kernels
+
+    loaded = cpu_kernels.load() is not None  # the pods run on this machine
+    for role in ("decode", "prefill"):
+        samples = scrape(stack.metrics_urls[role])
+        (labels,) = [dict(ls) for (n, ls) in samples if n == f"{PREFIX}environment_info"]
+        assert labels["role"] == role and labels["model_name"] == MODEL_NAME
+        assert labels["versions_torch"] == torch.__version__
+        assert labels["cpu_kernels"].startswith("loaded" if loaded else "unavailable: ")
+        assert {"quantization_int8", "quantization_int4", "quantization_gguf"} <= set(labels)
+        assert "dtypes_bfloat16" in labels and labels["cpu_kernel_isa_name"]
+
+
 def test_dashboard_queries_only_series_the_services_expose(stack):
     complete(stack, NUM_REQUESTS)  # so every labelled series (routing reasons...) exists
     exposed = {name for url in stack.metrics_urls.values() for (name, _) in scrape(url)}

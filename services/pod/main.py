@@ -90,10 +90,12 @@ def _engine_parts(role: PodRole, args: argparse.Namespace) -> EngineParts:
     # lazy: torch (and ucxx), loaded only once the server answers health checks
     from splitserve.engine.async_llm import AsyncLLM
     from splitserve.engine.kv.transfer import create_kv_transport
+    from splitserve.environment import log_environment
 
     transport = create_kv_transport(args.kv_transport)
     model_path = resolve_model_path(args.model)
     llm = AsyncLLM(model_path, **engine_options(args))
+    log_environment()  # what `splitserve env --json` prints here: the paths this pod runs
     place = pod_place(args)
     identity = PodIdentity(
         pod_id=pod_id(args),

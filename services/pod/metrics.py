@@ -10,9 +10,10 @@ Names follow vLLM's under our prefix, so a vLLM dashboard maps by replacing `vll
 `prefix_cache_hits_total`, `spec_decode_num_drafts_total`, `spec_decode_num_draft_tokens_total`,
 `spec_decode_num_accepted_tokens_total`. Ours alone: `num_kv_blocks_used` / `_total`,
 `kv_transfer_bytes_total` and `kv_transfer_time_seconds` (by transport and direction), and
-`remote_prefill_requests_total` (decode pods, by how the prompt was prefilled), and for
+`remote_prefill_requests_total` (decode pods, by how the prompt was prefilled), for
 mixture-of-experts models `moe_expert_tokens_total` (token-expert assignments by `expert`,
-summed over layers: the load imbalance expert parallelism suffers from shows here).
+summed over layers: the load imbalance expert parallelism suffers from shows here), and
+`environment_info` (what `splitserve env` reports, as labels: versions, CPU paths).
 
 Every series carries `model_name` (as vLLM's do) and `role` (prefill / decode). Latencies are
 measured on the pod, from when its gRPC handler received the request.
@@ -33,6 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    InfoMetricFamily,
     Metric,
     SummaryMetricFamily,
 )
@@ -124,6 +126,7 @@ class PodMetrics:
             registry=self.registry,
         )
         self.registry.register(_EngineCollector(engine_stats, self.labels))
+        self.registry.register(_EnvironmentCollector(self.labels))
         self.recent_ttft = RecentAverage()  # seconds, per request
         self.recent_itl = RecentAverage()  # seconds, each request's mean inter-token latency
 
@@ -314,6 +317,26 @@ class _EngineCollector:
 
 
 # ---- serving ----------------------------------------------------------------------------------
+
+
+class _EnvironmentCollector:
+    """`splitserve:environment_info`: what `splitserve env` reports for this process (versions,
+    CPU features, which path each kernel family takes) as the labels of a constant 1."""
+
+    def __init__(self, labels: tuple[str, str]) -> None:
+        self._labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        # lazy: the report reads torch, loaded with the engine by the time anyone scrapes
+        from splitserve.environment import info_labels, pod_environment
+
+        family = InfoMetricFamily(
+            PREFIX + "environment",
+            "Versions and CPU paths of this pod (splitserve env).",
+            labels=LABELS,
+        )
+        family.add_metric(list(self._labels), info_labels(pod_environment()))
+        yield family
 
 
 class _LateCollector:

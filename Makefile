@@ -1,7 +1,7 @@
 PYTHON ?= python3
 DEPS_STAMP := .deps.stamp
 
-.PHONY: deps test test-slow test-all lint run bench-engine bench-serve clean
+.PHONY: deps test test-slow test-avx2 test-all lint run bench-engine bench-serve clean
 
 # Re-run the installer only when what it installs changed.
 $(DEPS_STAMP): pyproject.toml scripts/install_deps.sh
@@ -19,6 +19,11 @@ test: deps lint
 
 test-slow: deps
 	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -m slow --durations=15
+
+# The kernel, quantization and bfloat16 test files again with every CPU path forced down to AVX2
+# (tests/test_forced_avx2.py: make test runs its quick subset, test-slow the whole files).
+test-avx2: deps
+	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests/test_forced_avx2.py
 
 test-all: test test-slow
 

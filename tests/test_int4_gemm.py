@@ -51,8 +51,13 @@ pytestmark = pytest.mark.skipif(
 
 
 def _variants() -> list[str]:
+    """The chosen variant and those below it (all this CPU runs, unless SPLITSERVE_CPU_ISA
+    forced a lower one: tests/test_forced_avx2.py)."""
     module = cpu_kernels.load()
-    return module.int4_isas() if module is not None else []
+    if module is None:
+        return []
+    names = module.int4_isas()
+    return names[names.index(module.int4_isa()) :]
 
 
 @pytest.fixture(params=_variants())
@@ -103,13 +108,13 @@ def test_kernel_matches_the_dequantized_product(variant, out_features, in_featur
 
 def test_every_variant_gives_the_same_bits():
     module = cpu_kernels.load()
-    chosen = module.int4_isa()
+    chosen, names = module.int4_isa(), _variants()
     weight = quantize_int4(_random(200, 96, seed=9))
     try:
         for rows in (1, 3, INT4_ONE_PASS_FROM_ROWS, 70):
             x = _random(rows, 96, seed=rows + 10)
             results = {}
-            for name in module.int4_isas():
+            for name in names:
                 module.select_int4_isa(name)
                 results[name] = _kernel(x, weight)
             first = results.pop("generic")

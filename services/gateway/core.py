@@ -107,7 +107,7 @@ class GatewayCore:
                 f"max_tokens exceed this model's context length of {max_model_len}"
             )
 
-    def check_params(self, request: GenerationRequest) -> None:
+    def _check_params(self, request: GenerationRequest) -> None:
         """The engine's own check of what the parameters ask of the model (logit_bias ids in
         the vocabulary, a structured output that compiles), before anything is scheduled. The
         one place the gateway compiles a request's grammar: a 400 names the field it came
@@ -125,7 +125,7 @@ class GatewayCore:
         """Validates every prompt, then sends every sequence to the pods the router picks
         (`client_region`: the client's region, from `x-splitserve-region`, "" if unknown)."""
         tracing.current_span().set_attribute(tracing.REQUEST_ID, request.request_id)
-        self.check_params(request)
+        self._check_params(request)
         for prompt in request.prompts:
             self.validate(prompt, request.params)
         with route_span(self.metrics) as observe:

@@ -12,6 +12,7 @@ deps: $(DEPS_STAMP)
 
 lint: deps
 	$(PYTHON) -m ruff check .
+	$(PYTHON) scripts/typecheck.py
 
 # The suites marked slow (see pyproject.toml) run in their own target.
 test: deps lint

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
 
@@ -13,6 +13,7 @@ from splitserve.engine.cuda_graphs import (
     DecodeGraphs,
     DecodeGraphsOptions,
 )
+from splitserve.engine.model.architecture import ModelArchitecture
 from splitserve.engine.model.attention_backend import select_attention_backend
 from splitserve.engine.model.attention_metadata import (
     AttentionBackend,
@@ -20,7 +21,6 @@ from splitserve.engine.model.attention_metadata import (
     PrefillChunk,
 )
 from splitserve.engine.model.decode_groups import group_decodes
-from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.parallel.step_tensors import ChunkInputs
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler, SamplingRow, advance_generator
@@ -42,10 +42,35 @@ class ModelInputs:
     chunks: Sequence[ChunkInputs] = ()
 
 
-class ModelRunner:
+class CausalLM(Protocol):
+    """What the runner needs of a model: the target (`LlamaForCausalLM`) or a draft that runs
+    part of it (`EarlyExitModel`)."""
+
+    @property
+    def arch(self) -> ModelArchitecture: ...
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor,  # [num_logits]
+        /,
+    ) -> torch.Tensor: ...  # [num_logits, vocab]
+
+
+# Covariant: a runner of the target is a runner of some CausalLM (only the runner sets .model).
+ModelT = TypeVar("ModelT", bound=CausalLM, covariant=True)
+
+
+class ModelRunner(Generic[ModelT]):
+    """`ModelRunner[LlamaForCausalLM]` where callers reach into the target model's layers."""
+
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: ModelT,
         kv_cache: torch.Tensor,
         block_size: int,
         eos_token_ids: tuple[int, ...],

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio
 
@@ -164,9 +166,10 @@ _WIRE_NAMES = {"pod_id": "worker_id"}
 _PARSERS = {"str": str, "int": int, "float": float}
 
 
-def _parsed(cls, text: dict[str, str]) -> dict[str, object]:
-    """`cls`'s scalar fields that the HASH holds, parsed; absent ones keep their defaults."""
-    values = {}
+def _parsed(cls, text: dict[str, str]) -> dict[str, Any]:
+    """`cls`'s scalar fields that the HASH holds, parsed; absent ones keep their defaults.
+    Any: each value has its field's type, which only the field's annotation says."""
+    values: dict[str, Any] = {}
     for item in dataclasses.fields(cls):
         name = _WIRE_NAMES.get(item.name, item.name)
         if name in text and item.type in _PARSERS:
@@ -231,7 +234,7 @@ class CachedPrefix:
 
 
 async def cached_prefixes(
-    client, queries: list[tuple[tuple[str, ...], list[bytes]]]
+    client, queries: Sequence[tuple[tuple[str, ...], Sequence[bytes]]]
 ) -> list[CachedPrefix]:
     """For each (the pod's tier block SETs from `tier_blocks`, the prompt's chained block
     hashes): the leading hashes the pod holds in any tier, counted by tier. One round trip.

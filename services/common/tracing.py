@@ -35,11 +35,12 @@ from typing import TYPE_CHECKING
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     ConsoleSpanExporter,
     SimpleSpanProcessor,
+    SpanExporter,
     SpanExportResult,
 )
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -107,7 +108,7 @@ _monotonic_to_epoch_ns = time.time_ns() - time.monotonic_ns()
 def configure_tracing(
     default_service_name: str,
     environ: Mapping[str, str] | None = None,
-    extra_exporters: Iterable[object] = (),
+    extra_exporters: Iterable[SpanExporter] = (),
 ) -> TracingSettings:
     """Sets this process's tracer up from the environment; `extra_exporters` (SpanExporter
     instances, e.g. an in-memory one in tests) are added with synchronous export."""
@@ -318,7 +319,7 @@ def context_from_headers(headers: Mapping[str, str]) -> Context | None:
 # ---- the span file ----------------------------------------------------------------------------
 
 
-class JsonLinesSpanExporter:
+class JsonLinesSpanExporter(SpanExporter):
     """A SpanExporter appending one JSON object per finished span to a file (several processes
     may share it: each span is one write on a file opened for appending)."""
 
@@ -326,7 +327,7 @@ class JsonLinesSpanExporter:
         self._path = path
         self._lock = threading.Lock()
 
-    def export(self, spans) -> object:
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         lines = "".join(
             json.dumps(span_record(span), separators=(",", ":")) + "\n" for span in spans
         )

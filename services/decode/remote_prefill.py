@@ -136,7 +136,7 @@ class PrefillClient:
         which aborts the request on the prefill pod too. The call is traced as
         `decode.remote_prefill` under `trace_parent`, whose context the prefill pod gets.
         """
-        attributes = {
+        attributes: tracing.Attributes = {
             tracing.REQUEST_ID: request_id,
             "splitserve.prefill.address": address,
             "splitserve.kv.transport": self.transport,
@@ -357,7 +357,9 @@ class PromptPrefill:
         except asyncio.CancelledError:
             # abort() cancelled the call, not our caller: the request ends as aborted (the
             # engine already knows), instead of its stream being torn down.
-            if self._is_aborted and not asyncio.current_task().cancelling():
+            task = asyncio.current_task()
+            assert task is not None, "a coroutine that awaits runs in a task"
+            if self._is_aborted and not task.cancelling():
                 return None
             raise
         finally:

@@ -6,7 +6,8 @@ below `api/`, `tools/`, `structured/` and the request core, which all raise it."
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+
+from pydantic_core import ErrorDetails
 
 from splitserve.engine.sampling_params import COMPOSITE_FIELDS, FIELD_TYPES
 
@@ -54,7 +55,7 @@ def param_of(error: ValueError) -> str | None:
     return first if first in _PARAM_NAMES else None
 
 
-def from_validation(errors: Sequence[dict[str, Any]], body: object) -> RequestError:
+def from_validation(errors: Sequence[ErrorDetails], body: object) -> RequestError:
     """The first offending field of pydantic's `errors` (locations relative to `body`) as one
     RequestError; several errors of one field (the alternatives of a union) become one."""
     if not errors:

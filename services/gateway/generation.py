@@ -189,7 +189,7 @@ class Generation:
         once the stream ended, Stalled when it went silent after output, or the exception the
         call failed with."""
         # The trace context is the one current when the Generation was made (the request's).
-        call = child.call = child.pod.stub.Decode(child.request, metadata=grpc_metadata())
+        call = child.call = child.pod.decode_stub.Decode(child.request, metadata=grpc_metadata())
         loop = asyncio.get_running_loop()
         stall_timeout = self._migration.stall_timeout_s
         pod_went_down = []

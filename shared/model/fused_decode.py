@@ -14,13 +14,14 @@ SPLITSERVE_FUSED_DECODE=0 turns it off (to compare the two).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from splitserve.engine.model.attention_metadata import AttentionMetadata
 from splitserve.engine.model.linear import Linear
+from splitserve.engine.model.moe_layer import SparseMoeBlock
 from splitserve.engine.model.quantized_linear import (
     INT8_ACTIVATION_QUANT_FROM_ROWS,
     Int4Weight,
@@ -30,6 +31,9 @@ from splitserve.engine.model.quantized_linear import (
 )
 from splitserve.engine.model.rotary import RotaryAngles
 from splitserve.kernels import cpu as cpu_kernels
+
+if TYPE_CHECKING:  # llama.py imports this module
+    from splitserve.engine.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 _ENV = "SPLITSERVE_FUSED_DECODE"
 _ONEDNN, _INT8, _INT4 = 0, 1, 2  # decode_layers.cpp's WeightFormat
@@ -77,7 +81,7 @@ class FusedDecode:
         )
 
 
-def build_fused_decode(model: nn.Module) -> FusedDecode | None:
+def build_fused_decode(model: LlamaForCausalLM) -> FusedDecode | None:
     """The fused layers for `model` (a loaded LlamaForCausalLM), or None where its layers or
     this machine do not fit them."""
     if os.environ.get(_ENV, "1") == "0":
@@ -88,12 +92,13 @@ def build_fused_decode(model: nn.Module) -> FusedDecode | None:
         return None
     if arch.attention_bias or model.norm.weight.dtype != torch.float32:
         return None
-    first = model.layers[0]
-    products = [_products(layer) for layer in model.layers]
+    decoder_layers = model.decoder_layers()
+    first = decoder_layers[0]
+    products = [_products(layer) for layer in decoder_layers]
     formats = {_format(linear) for layer in products for linear in layer}
-    if len(formats) != 1 or None in formats:
+    weight_format = formats.pop() if len(formats) == 1 else None
+    if weight_format is None:
         return None
-    weight_format = formats.pop()
     attention = first.self_attn
     layers = module.DecodeLayers(
         weight_format,
@@ -102,8 +107,11 @@ def build_fused_decode(model: nn.Module) -> FusedDecode | None:
         first.input_layernorm.eps,
         attention.scale,
     )
-    for layer, linears in zip(model.layers, products, strict=True):
-        tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    for layer, linears in zip(decoder_layers, products, strict=True):
+        tensors: list[torch.Tensor] = [
+            layer.input_layernorm.weight,
+            layer.post_attention_layernorm.weight,
+        ]
         sizes: list[int] = []
         for linear in linears:
             first_tensor, second_tensor, in_padded, out_features = _weight_parts(linear)
@@ -113,8 +121,9 @@ def build_fused_decode(model: nn.Module) -> FusedDecode | None:
     return FusedDecode(layers, weight_format)
 
 
-def _products(layer: nn.Module) -> list[nn.Module]:
+def _products(layer: LlamaDecoderLayer) -> list[nn.Module]:
     attention, mlp = layer.self_attn, layer.mlp
+    assert not isinstance(mlp, SparseMoeBlock), "build_fused_decode refuses arch.moe"
     return [attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj]
 
 
@@ -134,8 +143,11 @@ def _weight_parts(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, i
     """What decode_layers.cpp's Weight holds: (first, second, in_padded, out_features)."""
     if isinstance(linear, Linear):
         weight = linear.weight
+        assert linear.onednn_weight is not None, "_format admits oneDNN weights only"
         return linear.onednn_weight, torch.empty(0), weight.shape[1], weight.shape[0]
+    assert isinstance(linear, QuantizedLinear), "_format admits Linear and QuantizedLinear"
     packed = linear.qweight
     if isinstance(packed, Int8Weight):
         return packed.codes, packed.scales, inner_size(packed), packed.out_features
+    assert isinstance(packed, Int4Weight), "_format admits int4 in our layout only"
     return packed.packed, packed.scales_minimums, inner_size(packed), packed.out_features

@@ -76,7 +76,9 @@ def expected_weight_shapes(arch: ModelArchitecture) -> dict[str, tuple[int, ...]
             | {f"self_attn.{p}_proj.bias": (kv_size,) for p in ("k", "v")}
         )
     per_layer.update(hf_feed_forward_shapes(arch))
-    shapes = {"model.embed_tokens.weight": (arch.vocab_size, arch.hidden_size)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (arch.vocab_size, arch.hidden_size)
+    }
     for layer in range(arch.num_layers):
         for name, shape in per_layer.items():
             shapes[f"model.layers.{layer}.{name}"] = shape

@@ -506,6 +506,7 @@ def cpu_kernel_problem(method: str) -> str | None:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(128, 96, generator=generator)
     x = torch.randn(3, 96, generator=generator).to(_ACT_DTYPE)
+    packed: Int8Weight | TorchInt4Weight
     try:
         if method == "int8":
             packed = quantize_int8(weight)

@@ -208,7 +208,11 @@ class TensorParallelLayout:
         return runner.forward_local(inputs)
 
     def run_other_rank(
-        self, comm: Communicator, runner: ModelRunner, payload: torch.Tensor, num_chunks: int
+        self,
+        comm: Communicator,
+        runner: ModelRunner[LlamaForCausalLM],
+        payload: torch.Tensor,
+        num_chunks: int,
     ) -> None:
         """A rank other than 0: its slice of the layers (the all-reduces inside); no head."""
         inputs = runner.prepare_inputs(unpack_chunks(payload, num_chunks))

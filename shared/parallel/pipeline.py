@@ -110,7 +110,7 @@ class PipelineLayout:
         """Nothing to wire inside the model: the hand-offs happen between its layers and head."""
 
     def run_first_rank(
-        self, comm: Communicator, runner: ModelRunner, inputs: ModelInputs
+        self, comm: Communicator, runner: ModelRunner[LlamaForCausalLM], inputs: ModelInputs
     ) -> torch.Tensor:
         """Rank 0: the step in micro-batches (see the module docstring); the logits."""
         micro_batches = split_micro_batches(inputs.chunks, self.pp_size)
@@ -153,7 +153,7 @@ class PipelineLayout:
                 send_in_flight.work.wait()
 
     def _run_micro_batch(
-        self, comm: Communicator, runner: ModelRunner, inputs: ModelInputs
+        self, comm: Communicator, runner: ModelRunner[LlamaForCausalLM], inputs: ModelInputs
     ) -> Sent | None:
         """This stage's layers over one micro-batch; the send to the next rank (None: a rank
         of the last stage other than its first sends nothing)."""

@@ -28,7 +28,7 @@ from splitserve.engine.kv.cache import KVCacheSpec, allocate_kv_cache, bytes_per
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.loader import load_checkpoint
 from splitserve.engine.request import Request
-from splitserve.engine.runner import ModelRunner
+from splitserve.engine.runner import CausalLM, ModelRunner
 from splitserve.engine.sampler import draw, sampling_distribution
 from splitserve.engine.step import Drafts, ScheduledChunk
 
@@ -112,7 +112,10 @@ class DraftModelProposer:
     SamplingParams (greedy requests take its argmax)."""
 
     def __init__(
-        self, draft_runner: ModelRunner, target_runner: ModelRunner, shares_target_kv: bool
+        self,
+        draft_runner: ModelRunner[CausalLM],
+        target_runner: ModelRunner,
+        shares_target_kv: bool,
     ) -> None:
         self.draft_runner = draft_runner
         self.target_runner = target_runner

@@ -13,7 +13,8 @@ from typing import Protocol
 import torch
 
 from splitserve.engine.config import EngineConfig, SpeculativeConfig
-from splitserve.engine.runner import ModelRunner
+from splitserve.engine.model.llama import LlamaForCausalLM
+from splitserve.engine.runner import CausalLM, ModelRunner
 from splitserve.engine.sampler import compute_logprobs
 from splitserve.engine.spec_decode.adaptive import SpeculationPolicy
 from splitserve.engine.spec_decode.draft_model import (
@@ -110,7 +111,7 @@ class Speculator:
 def build_speculator(
     config: EngineConfig,
     policy: SpeculationPolicy,
-    target_runner: ModelRunner,
+    target_runner: ModelRunner[LlamaForCausalLM],
     max_model_len: int,
 ) -> Speculator:
     """The proposer `config.speculative.speculative_method` names, around the target."""
@@ -121,9 +122,9 @@ def build_speculator(
     if spec.speculative_method == "self":
         assert spec.speculative_draft_layers is not None, "validated by SpeculativeConfig"
         model = EarlyExitModel(target_runner.model, spec.speculative_draft_layers)
-        draft_runner = ModelRunner(
+        draft_runner: ModelRunner[CausalLM] = ModelRunner(
             model, target_runner.kv_cache, block_size, target_runner.eos_token_ids
-        )  # type: ignore[arg-type]
+        )
         return Speculator(
             policy, DraftModelProposer(draft_runner, target_runner, True), target_runner
         )

@@ -32,6 +32,9 @@ from splitserve.gateway.structured.constraints import parse_logit_bias, parse_st
 from splitserve.gateway.structured.schema import ConstraintFields
 
 Body = TypeVar("Body", bound=BaseModel)
+# SamplingParams keyword arguments as the body gave them. Any: SamplingParams normalises them
+# (a list to a tuple, a logit_bias dict to pairs) and checks each type itself.
+SamplingKwargs = dict[str, Any]
 
 
 def doc_field(description: str, default: Any = None, **bounds: float) -> Any:
@@ -175,7 +178,7 @@ class CommonOptions:
     """What completions and chat completions share."""
 
     model: str
-    sampling: dict[str, object]  # SamplingParams keyword arguments, except max_tokens
+    sampling: SamplingKwargs  # all but max_tokens
     max_tokens: int | None
     stream: bool
     include_usage: bool
@@ -210,7 +213,7 @@ class CommonOptions:
 def common_options(
     body: SamplingFields,
     model_name: str,
-    sampling: dict[str, object],
+    sampling: SamplingKwargs,
     max_tokens: int | None,
     structured_output_param: str,
 ) -> CommonOptions:
@@ -246,10 +249,10 @@ _PER_ENDPOINT_FIELDS = frozenset({"max_tokens", "logprobs"})
 SAMPLING_BODY_FIELDS = tuple(name for name in FIELD_TYPES if name not in _PER_ENDPOINT_FIELDS)
 
 
-def sampling_kwargs(body: SamplingFields) -> dict[str, object]:
+def sampling_kwargs(body: SamplingFields) -> SamplingKwargs:
     """SamplingParams keyword arguments from the fields that are set; ranges are left to
     SamplingParams, so every API rejects the same values with the same message."""
-    sampling: dict[str, Any] = {
+    sampling: SamplingKwargs = {
         name: getattr(body, name)
         for name in SAMPLING_BODY_FIELDS
         if getattr(body, name) is not None
@@ -267,7 +270,7 @@ def sampling_kwargs(body: SamplingFields) -> dict[str, object]:
     return sampling
 
 
-def apply_structured_output(sampling: dict[str, object], body: SamplingFields) -> str:
+def apply_structured_output(sampling: SamplingKwargs, body: SamplingFields) -> str:
     """The body's constraint into `sampling["structured_output"]`; returns the field it came
     from (the default "structured_output" when there is none), for the 400 of a constraint that
     does not compile. Compiled once, later, by the request core."""
@@ -279,7 +282,7 @@ def apply_structured_output(sampling: dict[str, object], body: SamplingFields) -
 
 
 def apply_cache_retention(
-    sampling: dict[str, object],
+    sampling: SamplingKwargs,
     body: SamplingFields,
     cache_controls: Sequence[CacheControl | None] = (),
 ) -> None:

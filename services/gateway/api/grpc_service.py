@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from typing import TypedDict
 
 from splitserve.common import tracing
 from splitserve.common.convert import params_from_options
@@ -119,7 +120,16 @@ def _sequence(sequence: CollectedSequence) -> generate_pb2.Sequence:
     return generate_pb2.Sequence(**_sequence_fields(sequence))
 
 
-def _sequence_fields(part: SequenceChunk | CollectedSequence) -> dict[str, object]:
+class _SequenceFields(TypedDict):
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[generate_pb2.TokenLogprob]
+    finish_reason: str
+    stop_reason: str
+
+
+def _sequence_fields(part: SequenceChunk | CollectedSequence) -> _SequenceFields:
     """What `Sequence` and `SequenceDelta` share: all their fields; unset reasons are ""."""
     return {
         "index": part.index,

@@ -23,7 +23,7 @@ from splitserve.common import tracing
 from splitserve.common.grpc_server import StatusError
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.structured_output.spec import StructuredOutput
-from splitserve.gateway.api.fields import check_unsupported, validate_body
+from splitserve.gateway.api.fields import SamplingKwargs, check_unsupported, validate_body
 from splitserve.gateway.api.format import cached_details
 from splitserve.gateway.api.respond import (
     EventStream,
@@ -121,7 +121,7 @@ class ResponsesBody(StrictModel):
 class ResponsesRequest:
     body: ResponsesBody
     messages: list[dict[str, str]]
-    sampling: dict[str, object]  # SamplingParams keyword arguments, except max_tokens
+    sampling: SamplingKwargs  # all but max_tokens
 
     def params(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = self.body.max_output_tokens
@@ -144,7 +144,7 @@ def parse_responses(raw: object, model_name: str) -> ResponsesRequest:
             "model",
             "model_not_found",
         )
-    sampling: dict[str, object] = {}
+    sampling: SamplingKwargs = {}
     if body.temperature is not None:
         sampling["temperature"] = body.temperature
     if body.top_p is not None:

@@ -75,6 +75,13 @@ class Pod:
             breaker()
 
     @property
+    def decode_stub(self) -> worker_pb2_grpc.DecodeWorkerStub:
+        """The stub of a decode pod (the decode pool's pods have no other)."""
+        stub = self.stub
+        assert isinstance(stub, worker_pb2_grpc.DecodeWorkerStub), f"{self.address}: not decode"
+        return stub
+
+    @property
     def pod_id(self) -> str:
         if self.record is not None:
             return self.record.pod_id

@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 from redis.exceptions import RedisError
 
 from splitserve.common.registry_schema import (
+    PodRecord,
     RegistryKeys,
     cached_prefixes,
     connect,
     read_pods,
 )
-from splitserve.engine.kv.block_hash import cache_salt_keys, hash_full_blocks
+from splitserve.engine.kv.block_hash import BlockHash, cache_salt_keys, hash_full_blocks
 from splitserve.gateway.routing.pods import Pod, PodPool
 from splitserve.gateway.routing.scoring import (
     LatencyMatrix,
@@ -202,17 +203,17 @@ class Router:
     ) -> dict[str, int]:
         """pod id -> tokens of `prompt` cached there, per the index ({} without one), blocks in
         a pod's offload tiers counted by their measured credit (`tier_credit.py`)."""
-        indexed = [p for p in pods if p.record is not None]
+        indexed = [(p.pod_id, p.record) for p in pods if p.record is not None]
         uses_index = self.settings.policy == "cache_aware" and self.is_redis_up
         if self.redis is None or not uses_index or not indexed:
             return {}
-        hashes = _prompt_hashes(prompt, indexed, extra_hash_keys)
+        hashes = _prompt_hashes(prompt, [record for _, record in indexed], extra_hash_keys)
         queries = [
             (
-                p.record.tier_blocks_keys(self.keys),
-                hashes[(p.record.block_size, p.record.hash_namespace)],
+                record.tier_blocks_keys(self.keys),
+                hashes[(record.block_size, record.hash_namespace)],
             )
-            for p in indexed
+            for _, record in indexed
         ]
         try:
             prefixes = await cached_prefixes(self.redis, queries)
@@ -220,18 +221,18 @@ class Router:
             self._redis_failed(error)
             return {}
         return {
-            p.pod_id: credited_tokens(p.record, prefix)
-            for p, prefix in zip(indexed, prefixes, strict=True)
+            pod_id: credited_tokens(record, prefix)
+            for (pod_id, record), prefix in zip(indexed, prefixes, strict=True)
         }
 
 
 def _prompt_hashes(
-    prompt: list[int], pods: list[Pod], extra_hash_keys: tuple[str, ...] = ()
-) -> dict[tuple[int, str], list[bytes]]:
+    prompt: list[int], records: list[PodRecord], extra_hash_keys: tuple[str, ...] = ()
+) -> dict[tuple[int, str], list[BlockHash]]:
     """The prompt's block hashes once per (block size, namespace) among the pods. A prompt's
     last token is never served from cache (it must be computed to sample), so a prompt of
     whole blocks is looked up without its last block, as the engine would."""
-    groups = {(p.record.block_size, p.record.hash_namespace) for p in pods}
+    groups = {(record.block_size, record.hash_namespace) for record in records}
     return {
         (block_size, namespace): hash_full_blocks(
             prompt[:-1], block_size, namespace, extra_hash_keys

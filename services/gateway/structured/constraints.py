@@ -8,6 +8,7 @@ and names the same field in its 400 (`GenerationRequest.structured_output_param`
 from __future__ import annotations
 
 import json
+from typing import Any, overload
 
 from splitserve.engine.structured_output.spec import StructuredOutput
 from splitserve.gateway.errors import RequestError
@@ -54,6 +55,10 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 
 
+@overload
+def closed_objects(schema: dict[str, Any]) -> dict[str, Any]: ...
+@overload
+def closed_objects(schema: object) -> object: ...
 def closed_objects(schema: object) -> object:
     """`schema` with `additionalProperties: false` on every object that lists `properties` and
     says nothing about others, as OpenAI's strict mode requires and vLLM's default grammar
@@ -122,16 +127,24 @@ def _from_structured_outputs(body: StructuredOutputs | None) -> StructuredOutput
             f"json_object; got {sorted(chosen) or 'none'}",
             "structured_outputs",
         )
-    (kind, value), = chosen.items()
+    (kind,) = chosen
     try:
-        if kind == "json":
-            return _json_schema(value, "structured_outputs")
-        if kind == "choice":
-            return StructuredOutput.choice(value)
-        if kind == "json_object":
-            return StructuredOutput("json_object")
-        return StructuredOutput(kind, value)
+        return _chosen_structured_output(body)
     except RequestError:
         raise
     except ValueError as error:
         raise RequestError(f"structured_outputs.{kind}: {error}", "structured_outputs") from None
+
+
+def _chosen_structured_output(body: StructuredOutputs) -> StructuredOutput:
+    """The constraint of the one field `body` sets (`_from_structured_outputs` checked that)."""
+    if body.json_ is not None:
+        return _json_schema(body.json_, "structured_outputs")
+    if body.choice is not None:
+        return StructuredOutput.choice(body.choice)
+    if body.json_object:
+        return StructuredOutput("json_object")
+    if body.regex is not None:
+        return StructuredOutput("regex", body.regex)
+    assert body.grammar is not None, "exactly one field is set"
+    return StructuredOutput("grammar", body.grammar)

@@ -187,10 +187,20 @@ def test_quantized_embedding_looks_up_and_projects_with_one_copy():
     embedding.load(weight)
     ids = torch.tensor([0, 5, 299, 5])
     restored = embedding.qweight.dequantize(torch.float32)
-    assert torch.allclose(embedding(ids), restored[ids], rtol=0, atol=1e-6)
-    assert _relative_error(embedding(ids), weight[ids]) < 0.5 / 127 + 2**-8
+    # A lookup refines each int8 code by its 4-bit residual: within a 28th of the row's step
+    # (the codes alone: within half a step).
+    step = embedding.qweight.scales.float()[ids, None]
+    assert ((embedding(ids) - weight[ids]).abs() <= step / 28 + 1e-6).all()
+    assert ((restored[ids] - weight[ids]).abs() > step / 8).any()
     hidden = _random(3, 64, seed=4)
     assert _relative_error(embedding.project(hidden), hidden @ restored.t()) < PRODUCT_TOLERANCE
+    assert embedding.lookup_residual.shape == (300, 32)  # half a byte per value
+    # From INT8_ACTIVATION_QUANT_FROM_ROWS rows the product takes the refinement too: the
+    # weights it multiplies are the lookup's, not the codes alone.
+    many = _random(INT8_ACTIVATION_QUANT_FROM_ROWS, 64, seed=5)
+    refined = embedding(torch.arange(300))
+    assert _relative_error(embedding.project(many), many @ refined.t()) < 1e-3
+    assert _relative_error(many @ restored.t(), many @ refined.t()) > 2e-3
 
 
 # ---- GGUF blocks --------------------------------------------------------------------------

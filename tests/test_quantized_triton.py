@@ -30,7 +30,11 @@ import torch  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
 from splitserve.engine.model.gguf_blocks import read_blocks  # noqa: E402
-from splitserve.engine.model.quantization import effective_method, pack_weight  # noqa: E402
+from splitserve.engine.model.quantization import (  # noqa: E402
+    QuantizedEmbedding,
+    effective_method,
+    pack_weight,
+)
 from splitserve.engine.model.quantized_linear import quantize, quantized_matmul  # noqa: E402
 from splitserve.engine.model.quantized_triton import (  # noqa: E402
     BACKEND_ENV,
@@ -231,7 +235,11 @@ def test_model_on_the_triton_path_is_its_weights_dequantized(
     restored = {}
     for name, tensor in checkpoint.weights.items():
         is_vocab = name in ("model.embed_tokens.weight", "lm_head.weight")
-        if tensor.dim() == 2:
+        if name == "model.embed_tokens.weight":  # a lookup adds its codes' 4-bit refinement
+            embedding = QuantizedEmbedding(*tensor.shape, torch.float32)
+            embedding.load(tensor)
+            tensor = embedding(torch.arange(tensor.shape[0]))
+        elif tensor.dim() == 2:
             packed = quantize_for_triton(tensor, "int8" if is_vocab else method)
             tensor = packed.dequantize(torch.float32)[:, : tensor.shape[1]]
         restored[name] = tensor

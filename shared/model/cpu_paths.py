@@ -57,16 +57,14 @@ def bfloat16_status() -> str:
 
 def kernel_paths() -> dict[str, str]:
     """Family -> the path it takes here, with the reason where it is not the fastest."""
+    module = cpu_kernels.load()
+    int4 = quantized_linear.int4_kernel_problem()
+    int8 = quantized_linear.int8_product_problem()
     bf16 = linear.onednn_bfloat16_problem()
     return {
         "float32_linear": "onednn" if linear.onednn_available() else "torch",
         "bfloat16_linear": "onednn" if bf16 is None else f"torch ({bf16})",
-        "int4": _int4_path(),
+        "int8_many_rows": "int8 x int8" if int8 is None else f"7-bit x int8, 2 passes ({int8})",
+        "int4": f"int4_gemm {module.int4_isa()}" if module and int4 is None else f"torch ({int4})",
+        "cpu_kernel_isa": module.int4_isa() if module else "none",
     }
-
-
-def _int4_path() -> str:
-    problem, module = quantized_linear.int4_kernel_problem(), cpu_kernels.load()
-    if problem is not None or module is None:  # no problem implies the module is loaded
-        return f"torch ({problem})"
-    return f"int4_gemm {module.int4_isa()}"

@@ -84,7 +84,8 @@ def _image_sources() -> list[str]:
     """What the Dockerfile copies into the image before `pip install .`."""
     sources = []
     for instruction in parse_dockerfile(DOCKERFILE.read_text()):
-        if instruction.keyword == "COPY":
+        from_context = not instruction.arguments.startswith("--from=")  # not another stage
+        if instruction.keyword == "COPY" and from_context:
             sources += shlex.split(instruction.arguments)[:-1]
     return sources
 
@@ -122,13 +123,13 @@ def _pip(venv: Path, *args: str, cwd: Path) -> None:
     assert result.returncode == 0, f"{shlex.join(argv)} failed:\n{result.stderr[-4000:]}"
 
 
-def _venv_with_dependencies(source: Path, scratch: Path) -> Path:
-    """build/clean-venv-<key> holding the project's dependencies, built once per key; an
+def _venv_with_dependencies(source: Path, scratch: Path, prefix: str = "clean-venv") -> Path:
+    """build/<prefix>-<key> holding the project's dependencies, built once per key; an
     interrupted build (no marker) is built again, other keys' environments are removed."""
-    venv = CACHE_DIR / f"clean-venv-{_venv_key()}"
+    venv = CACHE_DIR / f"{prefix}-{_venv_key()}"
     if (venv / COMPLETE_MARKER).exists():
         return venv
-    for stale in CACHE_DIR.glob("clean-venv-*"):
+    for stale in CACHE_DIR.glob(f"{prefix}-*"):
         shutil.rmtree(stale)
     CACHE_DIR.mkdir(exist_ok=True)
     # Not sys.executable -m venv with our environment: the new one must not see our packages.

@@ -22,11 +22,13 @@ the compiler's default elsewhere (ARMv8-A: NEON). What needs more (int4_gemm's A
 variant) is compiled for it in its own file and chosen at run time (isa.py decides; `load()`
 tells the module). On an x86-64 CPU below the baseline the module is not loaded at all.
 
-The build takes a few tens of seconds once; torch caches it under TORCH_EXTENSIONS_DIR (default
-~/.cache/torch_extensions) and later processes load it in milliseconds.
-`scripts/install_deps.sh` builds it, so `make test` and `make run` pay for it at install time.
-Where it cannot build (no compiler) or SPLITSERVE_CPU_KERNELS=0, `load()` returns None, says
-why once (`unavailable_reason()`), and the engine keeps its PyTorch path.
+The build takes a minute or two once; torch caches it under TORCH_EXTENSIONS_DIR (default
+~/.cache/torch_extensions), named after a hash of its sources and flags, and later processes
+import it directly, with no compiler and no write (prebuilt.py): a wheel builds it on first use,
+the image's builder stage ahead of time. `scripts/install_deps.sh` builds it, so `make test` and
+`make run` pay for it at install time. Where it cannot build (no compiler, no Python headers) or
+SPLITSERVE_CPU_KERNELS=0, `load()` returns None, says why once (`unavailable_reason()`, naming
+what is missing), and the engine keeps its PyTorch path.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from types import ModuleType
 
 import torch
 
-from splitserve.kernels.cpu import isa
+from splitserve.kernels.cpu import isa, prebuilt
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +54,17 @@ _SOURCES = [
     Path(__file__).with_name("int4_gemm_avx2.cpp"),
     Path(__file__).with_name("int4_gemm_avx512.cpp"),
     Path(__file__).with_name("module.cpp"),
-]  # kernels.h declares what one file calls from another: torch hashes only these sources, so
-#    a change to the header alone needs the name's version bumped below.
+]  # kernels.h and int4_gemm.h declare what one file calls from another (hashed into the name).
 _ENV = "SPLITSERVE_CPU_KERNELS"
+# The built module's name adds a hash of its sources, headers and flags (prebuilt.py), so
+# checkouts and installs sharing torch's extension cache never rebuild over each other; the
+# version says which layout generation the kernels are.
+# v2: int8 KV rows with their scales (attention reads them, write_kv_int8 writes).
+# v3: the layer ops (layer_ops.cpp).
+# v4: int4_gemm (int4_gemm.cpp), the int8 x int4 VNNI product for many rows.
+# v5: a baseline build (no -march=native), int4_gemm in our own layout with AVX-512 VNNI /
+#     AVX2 / generic variants chosen at run time.
+_NAME = "splitserve_cpu_kernels_v5"
 
 
 def load() -> ModuleType | None:
@@ -74,32 +84,43 @@ def _load_once() -> tuple[ModuleType | None, str | None]:
         return None, f"{_ENV}=0"
     below_baseline = isa.baseline_problem()
     if below_baseline is not None:
-        logger.warning("CPU kernels unavailable (%s); using the PyTorch path", below_baseline)
-        return None, below_baseline
+        return _unavailable(below_baseline)
     variant = isa.kernel_isa()  # a bad SPLITSERVE_CPU_ISA raises here, before any build
+    flags = ["-O3", *_baseline_flags(), "-ffast-math", "-fopenmp"]
+    # Named after what it is built from; built before (the image's builder stage, an earlier
+    # process), it is imported as it is, with no compiler and no write (prebuilt.py says why).
+    name = prebuilt.module_name(_NAME, _SOURCES, flags)
     try:
-        from torch.utils.cpp_extension import load as build_and_load
-
-        module = build_and_load(
-            # Versioned: every worktree and install shares torch's extension cache, and a
-            # changed source under the old name would make processes rebuild over each other.
-            # v2: int8 KV rows with their scales (attention reads them, write_kv_int8 writes).
-            # v3: the layer ops (layer_ops.cpp).
-            # v4: int4_gemm (int4_gemm.cpp), the int8 x int4 VNNI product for many rows.
-            # v5: a baseline build (no -march=native), int4_gemm in our own layout with
-            #     AVX-512 VNNI / AVX2 / generic variants chosen at run time.
-            name="splitserve_cpu_kernels_v5",
-            sources=[str(path) for path in _SOURCES],
-            extra_cflags=["-O3", *_baseline_flags(), "-ffast-math", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except (OSError, RuntimeError, ImportError) as error:  # no compiler, a failed build
-        logger.warning("CPU kernels unavailable (%s); using the PyTorch path", error)
-        return None, f"{type(error).__name__}: {error}"
+        module = prebuilt.load_prebuilt(name)
+        if module is None:
+            problem = prebuilt.build_problem()
+            if problem is not None:
+                return _unavailable(problem)
+            module = _build(name, flags)
+            prebuilt.mark_built(name)
+    except (OSError, RuntimeError, ImportError) as error:  # a failed build, a missing library
+        return _unavailable(f"{type(error).__name__}: {error}")
     module.select_int4_isa(variant.name)
     logger.info("CPU kernels: int4_gemm runs its %s variant (%s)", variant.name, variant.reason)
     return module, None
+
+
+def _unavailable(reason: str) -> tuple[None, str]:
+    logger.warning("CPU kernels unavailable (%s); using the PyTorch path", reason)
+    return None, reason
+
+
+def _build(name: str, flags: list[str]) -> ModuleType:
+    from torch.utils.cpp_extension import load as build_and_load
+
+    with prebuilt.ninja_on_path():
+        return build_and_load(
+            name=name,
+            sources=[str(path) for path in _SOURCES],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
 
 
 def _baseline_flags() -> list[str]:

@@ -59,14 +59,62 @@ def _arg_defaults(instructions: list[Instruction]) -> dict[str, str]:
     return dict(a.split("=", 1) for a in _all(instructions, "ARG") if "=" in a)
 
 
+def stages(instructions: list[Instruction]) -> dict[str, list[Instruction]]:
+    """Each stage's instructions after its FROM, by its `AS` name ("final" for the last)."""
+    named: dict[str, list[Instruction]] = {}
+    current: list[Instruction] = []  # before the first FROM: global ARGs, not a stage's
+    for index, instruction in enumerate(instructions):
+        if instruction.keyword == "FROM":
+            _, _, name = instruction.arguments.partition(" AS ")
+            current = named.setdefault(name.strip() or f"stage{index}", [])
+        else:
+            current.append(instruction)
+    last = list(named)[-1]
+    named["final"] = named.pop(last)
+    return named
+
+
+def _env(instructions: list[Instruction]) -> dict[str, str]:
+    pairs = [p for a in _all(instructions, "ENV") for p in shlex.split(a)]
+    return dict(pair.split("=", 1) for pair in pairs)
+
+
 def test_base_image_is_pinned_to_a_patch_version(instructions):
-    (base,) = _all(instructions, "FROM")  # one stage
+    bases = [a.partition(" AS ")[0] for a in _all(instructions, "FROM")]
+    assert len(set(bases)) == 1, "builder and final stage share a base: its python runs the venv"
+    base = bases[0]
     image, _, tag = base.partition(":")
     assert "$" not in base, "the base image is written out, not taken from a build argument"
     assert re.fullmatch(r"\d+\.\d+\.\d+(-[a-z0-9.-]+)?(@sha256:[0-9a-f]{64})?", tag), (
         f"base image {base!r} is not pinned to a patch version"
     )
     assert image == "python" and tag.startswith("3.11."), "pyproject requires Python 3.11+"
+
+
+def test_builder_stage_builds_the_kernels_the_final_stage_copies(instructions):
+    """The C++ kernels are compiled in `builder` (with g++) into TORCH_EXTENSIONS_DIR, after
+    the project is installed; the final stage copies that directory and the environment, points
+    TORCH_EXTENSIONS_DIR at it, and installs no compiler (kernels/cpu/prebuilt.py loads it)."""
+    from splitserve.kernels.cpu import _baseline_flags
+
+    parts = stages(instructions)
+    assert set(parts) == {"builder", "final"}
+    builder, final = parts["builder"], parts["final"]
+    cache = _env(builder)["TORCH_EXTENSIONS_DIR"]
+    assert _env(final)["TORCH_EXTENSIONS_DIR"] == cache
+    runs = _all(builder, "RUN")
+    assert any(re.search(r"apt-get install .*\bg\+\+", run) for run in runs)
+    install = next(i for i, r in enumerate(runs) if re.search(r"pip install \.(\s|$)", r))
+    build = [i for i, r in enumerate(runs) if "cpu.load()" in r and "unavailable_reason" in r]
+    assert build and build[0] > install, "the kernels build from the installed sources"
+    venv = _env(builder)["VIRTUAL_ENV"]
+    copied = [shlex.split(a) for a in _all(final, "COPY")]
+    assert ["--from=builder", cache, cache] in copied
+    assert ["--from=builder", venv, venv] in copied
+    assert _env(final)["PATH"].startswith(f"{venv}/bin:")
+    assert not any(re.search(r"\b(g\+\+|gcc|build-essential)\b", r) for r in _all(final, "RUN"))
+    # Built for a baseline, never for the build host: the image runs on other CPUs.
+    assert not any("native" in flag for flag in _baseline_flags())
 
 
 def test_runs_as_the_non_root_user_the_chart_expects(instructions):
@@ -87,12 +135,13 @@ def test_every_copy_source_exists_and_is_not_ignored(instructions):
         for line in DOCKERIGNORE.read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
-    copies = _all(instructions, "COPY")
+    # From the build context; what the final stage takes from the builder is checked above.
+    copies = [a for a in _all(instructions, "COPY") if not a.startswith("--from=")]
     assert copies
     for arguments in copies:
         *sources, _destination = shlex.split(arguments)
         for source in sources:
-            assert not source.startswith("--"), f"COPY {source}: no --from stages expected"
+            assert not source.startswith("--"), f"COPY {source}: no flags expected"
             assert (REPO / source).exists(), f"COPY source {source} does not exist"
             hit = [p for p in ignored if fnmatch.fnmatch(source.rstrip("/"), p)]
             assert not hit, f"COPY {source} is excluded by .dockerignore {hit}"

@@ -1,54 +1,52 @@
 """Weight-only quantized linear layers on the CPU: int8 per output channel, int4 in groups of 32.
 
-The weights stay packed in memory; what runs depends on how many rows a product has, because
-torch's CPU kernels (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`) are fast
-only at few rows and only with bfloat16 activations (with float32 ones both fall to a path
-4-7x slower: measured below). Rough figures, 2 threads, the 120 products of SmolLM2-135M's
-decoder (30 layers of qkv, o, gate_up, down), ms per pass; one throwaway run, not a benchmark:
+The weights stay packed in memory. int8 products depend on how many rows they have, because
+torch's int8 kernel (`aten._weight_int8pack_mm`) is fast only at few rows and only with
+bfloat16 activations (float32 ones fall to a path 4-7x slower). Rough figures, 2 threads, the
+120 products of SmolLM2-135M's decoder (30 layers of qkv, o, gate_up, down), ms per pass; one
+throwaway run on an AVX-512 machine, not a benchmark:
 
     rows                          1      4     16     64    256    512
     float32, oneDNN            10.5   10.5   16.7   41     131     -
     bfloat16, oneDNN            7      7.5   12.4   26      71     -
     int8 kernel                 5.7    5.4   16.3   51     189    423
-    int4 kernel (group 32)      3.7    4.7   13.3   45     167    331-342
     int8 dequantized + dense     -      -      -     ~56     95    173
-    int4 dequantized + dense     -      -      -    130    157    223
 
-So decode rows (few) go through the quantized kernel. From 32 rows an int8 product quantizes
-its activations per row and multiplies int8 by int8 (oneDNN's VNNI path through
-torch._int_mm): 1.4x float32 at 64 rows with qkv and down in two passes, which their accuracy
-needs (`_int8_activation_product` has the figures). An
-int4 product from 16 rows takes kernels/cpu/int4_gemm.cpp (below); where that kernel is not
-usable, an int4 product with many rows (a prefill chunk) dequantizes the weight to bfloat16 on
-the fly, multiplies densely and drops the copy: resident memory stays the packed size (the
-point of quantizing), at ~90 ms of dequantizing per forward. The crossovers come from these
-tables.
+So int8 decode rows (few) go through torch's kernel, activations cast to bfloat16 for the
+product only. From 32 rows an int8 product quantizes its activations per row and multiplies
+int8 by int8 (oneDNN through torch._int_mm): 1.4x float32 at 64 rows with qkv and down in two
+passes, which their accuracy needs (`_int8_activation_product` has the figures). Without VNNI
+(AVX2 CPUs) oneDNN's int8 product saturates full-range codes, so there the activations take 7
+bits and always two passes (`int8_product_problem`).
 
-Activations are cast to bfloat16 for the packed kernels and the result back to the caller's
-dtype, so the rest of the model keeps its dtype. Group size 32: GGUF's Q4_0/Q4_1 blocks are 32
-weights with one scale (and minimum) each, so the same layout holds them exactly
-(`int4_from_codes`); it costs 1 bit per weight in bfloat16 scales and zeros (64 would cost 0.5)
-and the kernel ran as fast with either.
+int4 (and GGUF's Q4_0/Q4_1, `int4_from_codes`) is packed in our own layout
+(kernels/cpu/int4_gemm.h) and multiplied at every row count by kernels/cpu/int4_gemm.cpp, which
+quantizes the float32 activations to int8 per row and group of 32 and multiplies them by the
+4-bit codes as integers (llama.cpp's Q4 x Q8 arithmetic): AVX-512 VNNI, AVX2 or generic C++,
+chosen at run time (splitserve.kernels.cpu.isa), all three giving the same bits. Below 16 rows
+(decode steps) each activation takes two int8 passes, the second quantizing what the first
+rounded away, so the product is float32-exact to ~1e-5 (bfloat16 activations, torch's kernel
+before, left 0.1-0.2% of a product's norm); from 16 rows (prefill chunks, big decode batches,
+compute-bound) one pass, about 0.5% of a product's norm. Same 120 products, ms per pass, one
+thread, one rough run on the shared AVX-512 machine (others' jobs running; ratios only):
 
-int4 products of 16 rows or more, on a CPU with AVX512-VNNI (and VBMI), skip all of the above:
-kernels/cpu/int4_gemm.cpp reads the same packed bytes, quantizes the float32 activations to int8
-per row and group of 32 and multiplies them by the 4-bit codes with VNNI dot products (same 120
-products, ms per pass, best of 7, one thread: the other core was busy, and two-thread runs
-stalled at their barrier; an earlier quiet two-thread run gave the same ratios, 2.0x at 64):
+    rows                            1     4     8    16    64    256
+    float32, oneDNN               20    20    24    36   116    625
+    int4_gemm, AVX-512 VNNI        3.0   6.5  11.4  12.0  45    368
+    int4_gemm, AVX2 variant        3.8  12.2  24.0  24.5 101    985
+    torch's int4 kernel            6.4  10.6  22.2  41.9 287   1323
 
-    rows                      1     4     8    16    32    64   128   256   512
-    float32, oneDNN          6.8   9.9  14.1  19.5  37.6  63.9   125   233   475
-    int4 VNNI (int4_gemm)    1.2   2.3   4.2   8.2  16.6  32.7  67.8   131   262
-    int4, torch's paths      3.8   6.1  11.1  21.2  41.4  83.1   171   227   365
+(At 4-8 rows the two passes cost what they save: the earlier one-pass kernel took 4.2 and 7.9
+there, torch's kernel, which those rows used, 10.6 and 22.2.) The perplexity of
+tests/test_quantization_quality.py's text moved by +0.06% (one prefill) and +0.29% (chunks of
+8) against float32, all of it from the int8 vocabulary matrix (quantization.QuantizedEmbedding).
 
-It wins at every row count, but int8 activations add noise that bfloat16 ones do not (about 0.6%
-of each product's norm against 0.1-0.2%), and below 16 rows - decode steps of a small batch -
-torch's kernel keeps bfloat16 activations: a 2.6-3.2x slower product there, and perplexity on
-tests/test_quantization_quality.py's text as before. From 16 rows (prefill chunks, the decode
-steps of big batches, where torch's kernel is no faster than float32) the VNNI kernel runs:
-its perplexity on that text moved by -0.16% to +1.16% depending only on how the text was
-chunked (float32's did not move; an activation near a rounding boundary flips with the last bit
-of the attention's sums), around llama.cpp's own +0.41% with the same Q4 x Q8 arithmetic.
+Where our kernels are not loaded (no compiler, SPLITSERVE_CPU_KERNELS=0, an x86 CPU below
+AVX2), int4 weights are packed by torch in this process for its own kernel
+(`TorchInt4Weight`, bfloat16 activations at every row count); their bytes are never read here,
+because torch's layout depends on the CPU capability it dispatches to. Group size 32: GGUF's
+blocks are 32 weights with one scale (and minimum) each, so the layout holds them exactly; it
+costs 1 bit per weight in float16 scales and minimums.
 """
 
 from __future__ import annotations

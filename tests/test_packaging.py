@@ -59,6 +59,7 @@ ENTRY_POINTS = [
     "splitserve up --help",
     "splitserve generate --help",
     "splitserve plan autoscale --help",
+    "splitserve env --help",
 ]
 
 

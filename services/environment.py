@@ -44,7 +44,7 @@ def log_environment() -> None:
 
 
 def versions() -> dict[str, str]:
-    import torch
+    import torch  # lazy: torch, as environment_report's import
 
     return {
         "splitserve": _installed_version("splitserve"),
@@ -57,7 +57,7 @@ def versions() -> dict[str, str]:
 def onednn_version() -> str:
     """oneDNN's version as torch's build configuration names it ("3.12.0"); "none" in a torch
     built without it."""
-    import torch
+    import torch  # lazy: torch, as environment_report's import
 
     if not torch.backends.mkldnn.is_available():
         return "none"

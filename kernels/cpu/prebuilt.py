@@ -127,7 +127,7 @@ def _ninja_directory() -> str | None:
     if found is not None:
         return os.path.dirname(found)
     try:
-        import ninja  # the PyPI package: a binary under its BIN_DIR
+        import ninja  # optional: the PyPI package, a binary under its BIN_DIR
     except ImportError:
         return None
     directory = getattr(ninja, "BIN_DIR", None)

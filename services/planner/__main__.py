@@ -92,7 +92,8 @@ def _add_profile(sub: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_simulation_flags(sub: argparse.ArgumentParser) -> None:
+def _add_profile_flags(sub: argparse.ArgumentParser) -> None:
+    """The measured profile a subcommand reads, and the margin its times are taken with."""
     sub.add_argument("--profile", default=DEFAULT_PROFILE, metavar="PATH")
     sub.add_argument(
         "--margin",
@@ -100,6 +101,10 @@ def _add_simulation_flags(sub: argparse.ArgumentParser) -> None:
         default=DEFAULT_MARGIN,
         help="measured times are taken this much slower (0.1 = 10%%): the planner errs high",
     )
+
+
+def _add_simulation_flags(sub: argparse.ArgumentParser) -> None:
+    _add_profile_flags(sub)
     sub.add_argument("--trace", default=None, metavar="PATH", help="JSONL requests (else Poisson)")
     sub.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals, requests/s")
     sub.add_argument("--num-requests", type=int, default=400)
@@ -165,13 +170,7 @@ def _add_recommend_flags(sub: argparse.ArgumentParser) -> None:
 
 
 def _add_validate_flags(sub: argparse.ArgumentParser) -> None:
-    sub.add_argument("--profile", default=DEFAULT_PROFILE, metavar="PATH")
-    sub.add_argument(
-        "--margin",
-        type=float,
-        default=DEFAULT_MARGIN,
-        help="measured times are taken this much slower (0.1 = 10%%): the planner errs high",
-    )
+    _add_profile_flags(sub)
     sub.add_argument("--duration", type=float, default=60.0, help="seconds per measured run")
     sub.add_argument(
         "--fresh-profile", action="store_true", help="measure --profile first (quick grid)"

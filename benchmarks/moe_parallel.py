@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from dataclasses import dataclass
 
+from benchmarks.parallel import log, timed, write_random_checkpoint
 from splitserve import LLM, SamplingParams
 from splitserve.engine.parallel.moe_shard import DISPATCH_ENV
 
@@ -53,19 +53,12 @@ class Figures:
     comm_share: float
 
 
-def log(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
 def synthetic_model(quick: bool) -> str:
     """A random Mixtral-shaped checkpoint (8 experts, top 2) with SmolLM2's tokenizer."""
     directory = MODEL_DIR + ("_quick" if quick else "")
     if os.path.isfile(os.path.join(directory, "config.json")):
         return directory
-    import torch
-    from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
-
-    from splitserve.engine.model_paths import default_model_path
+    from transformers import MixtralConfig, MixtralForCausalLM
 
     log(f"writing a random Mixtral-shaped checkpoint to {directory}")
     sizes = QUICK_SIZES if quick else FULL_SIZES
@@ -82,11 +75,7 @@ def synthetic_model(quick: bool) -> str:
         eos_token_id=2,
         **sizes,
     )
-    torch.manual_seed(0)
-    MixtralForCausalLM(config).save_pretrained(directory, safe_serialization=True)
-    gguf_dir, gguf_name = os.path.split(default_model_path())
-    AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name).save_pretrained(directory)
-    return directory
+    return write_random_checkpoint(MixtralForCausalLM, config, directory)
 
 
 def measure(model: str, layout: str, args: argparse.Namespace) -> list[Figures]:
@@ -116,8 +105,8 @@ def _run(llm: LLM, layout: str, prompt: list[int], batch: int, max_tokens: int) 
     decode = SamplingParams(temperature=0.0, max_tokens=max_tokens + 1, ignore_eos=True)
     a2a_before, comm_before = _comm_seconds(llm)
     start = time.perf_counter()
-    prefill_s = _timed(lambda: llm.generate(prompts, first))
-    whole_s = _timed(lambda: llm.generate(prompts, decode))
+    prefill_s = timed(lambda: llm.generate(prompts, first))
+    whole_s = timed(lambda: llm.generate(prompts, decode))
     wall = time.perf_counter() - start
     a2a_after, comm_after = _comm_seconds(llm)
     decode_s = whole_s - prefill_s
@@ -127,12 +116,6 @@ def _run(llm: LLM, layout: str, prompt: list[int], batch: int, max_tokens: int) 
     return Figures(
         layout, batch, tps, (a2a_after - a2a_before) / wall, (comm_after - comm_before) / wall
     )
-
-
-def _timed(action) -> float:
-    start = time.perf_counter()
-    action()
-    return time.perf_counter() - start
 
 
 def _comm_seconds(llm: LLM) -> tuple[float, float]:

@@ -51,13 +51,9 @@ def synthetic_model(directory: str = MODEL_DIR) -> str:
     """SmolLM2-135M's sizes with 8 heads of 72 and 2 KV heads, random weights, its tokenizer."""
     if os.path.isfile(os.path.join(directory, "config.json")):
         return directory
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from splitserve.engine.model_paths import default_model_path
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     log(f"writing a random 8-head SmolLM2-sized checkpoint to {directory}")
-    gguf_dir, gguf_name = os.path.split(default_model_path())
     config = LlamaConfig(
         vocab_size=49152,
         hidden_size=576,
@@ -72,8 +68,20 @@ def synthetic_model(directory: str = MODEL_DIR) -> str:
         bos_token_id=1,
         eos_token_id=2,
     )
+    return write_random_checkpoint(LlamaForCausalLM, config, directory)
+
+
+def write_random_checkpoint(model_class: type, config: object, directory: str) -> str:
+    """`model_class(config)` with seeded random weights and SmolLM2's tokenizer, saved in
+    `directory` (benchmarks/moe_parallel.py's Mixtral too)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from splitserve.engine.model_paths import default_model_path
+
+    gguf_dir, gguf_name = os.path.split(default_model_path())
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    model_class(config).save_pretrained(directory, safe_serialization=True)
     AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name).save_pretrained(directory)
     return directory
 
@@ -102,18 +110,19 @@ def _run(llm: LLM, tp_size: int, pp_size: int, max_tokens: int, batch: int) -> F
     decode = SamplingParams(temperature=0.0, max_tokens=max_tokens + 1, ignore_eos=True)
     llm.generate([prompt], decode)  # warm-up: kernels, buffers
     comm_before, wall_before = _comm_seconds(llm), time.perf_counter()
-    prefill_s = _timed(lambda: llm.generate([prompt], first))
-    whole_s = _timed(lambda: llm.generate([prompt], decode))
+    prefill_s = timed(lambda: llm.generate([prompt], first))
+    whole_s = timed(lambda: llm.generate([prompt], decode))
     batch1 = max_tokens / max(whole_s - prefill_s, 1e-9)
     log(f"TP={tp_size} PP={pp_size}: batch-1 decode {batch1:.1f} tok/s; {batch} requests ...")
     prompts = [prompt + [1000 + i] for i in range(batch)]  # distinct: no shared last block
-    batch_s = _timed(lambda: llm.generate(prompts, decode))
+    batch_s = timed(lambda: llm.generate(prompts, decode))
     wall = time.perf_counter() - wall_before
     share = (_comm_seconds(llm) - comm_before) / wall
     return Figures(tp_size, pp_size, batch1, batch * (max_tokens + 1) / batch_s, share)
 
 
-def _timed(action) -> float:
+def timed(action) -> float:
+    """Seconds `action()` took."""
     start = time.perf_counter()
     action()
     return time.perf_counter() - start

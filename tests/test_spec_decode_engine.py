@@ -9,24 +9,14 @@ import pytest
 import torch
 
 from benchmarks.parity_prompts import parity_prompts as _prompts
+from benchmarks.speculative import SNIPPETS
 from splitserve import LLM, SamplingParams
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
-CODE = """def moving_average(values, window):
-    if window <= 0:
-        raise ValueError("window must be positive")
-    totals = []
-    running = 0
-    for index, value in enumerate(values):
-        running += value
-        if index >= window:
-            running -= values[index - window]
-        if index >= window - 1:
-            totals.append(running / window)
-    return totals
-"""
+# The speculative benchmark's first snippet: code a prompt asks to repeat, so drafts hit.
+CODE = SNIPPETS[0]
 
 
 @pytest.fixture(scope="module")

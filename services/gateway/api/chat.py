@@ -41,7 +41,7 @@ from splitserve.gateway.api.format import (
     clamp_logprob,
     usage_json,
 )
-from splitserve.gateway.api.respond import respond, start_generation
+from splitserve.gateway.api.respond import encode_conversation, respond, start_generation
 from splitserve.gateway.core import GatewayCore
 from splitserve.gateway.errors import RequestError
 from splitserve.gateway.outputs import CollectedSequence, SequenceChunk, Usage
@@ -216,11 +216,10 @@ class ChatRoutes:
         core = self.core
         with tracing.child_span("gateway.validate", None):
             parsed = parse_chat(body, core.model_name)
-        try:
-            with tracing.child_span("gateway.tokenize", None):
-                prompt = core.encode_chat(parsed.messages, parsed.add_generation_prompt)
-        except ValueError as error:  # a template that rejects the conversation
-            raise RequestError(str(error), "messages") from None
+        with tracing.child_span("gateway.tokenize", None):
+            prompt = encode_conversation(
+                core, parsed.messages, "messages", parsed.add_generation_prompt
+            )
         options = parsed.options
         # Unset max_tokens means "until the context is full", as OpenAI and vLLM do for chat.
         params = options.params(max(core.max_model_len - len(prompt), 1))

@@ -65,6 +65,20 @@ def error_response(error: Exception) -> tuple[int, dict]:
     raise TypeError(f"no HTTP mapping for {type(error).__name__}")
 
 
+def encode_conversation(
+    core: GatewayCore,
+    messages: list[dict[str, str]],
+    messages_param: str,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """`core.encode_chat`, a conversation the chat template rejects reported as a 400 naming
+    the endpoint's `messages_param`."""
+    try:
+        return core.encode_chat(messages, add_generation_prompt)
+    except ValueError as error:
+        raise RequestError(str(error), messages_param) from None
+
+
 async def start_generation(
     core: GatewayCore, request: GenerationRequest, prompt_param: str, http: Request
 ) -> Generation:

@@ -28,6 +28,7 @@ from splitserve.gateway.api.format import cached_details
 from splitserve.gateway.api.respond import (
     EventStream,
     annotate_usage,
+    encode_conversation,
     error_response,
     sse,
     start_generation,
@@ -194,11 +195,8 @@ class ResponsesRoutes:
         core = self.core
         with tracing.child_span("gateway.validate", None):
             parsed = parse_responses(body, core.model_name)
-        try:
-            with tracing.child_span("gateway.tokenize", None):
-                prompt = core.encode_chat(parsed.messages)
-        except ValueError as error:  # a template that rejects the conversation
-            raise RequestError(str(error), "input") from None
+        with tracing.child_span("gateway.tokenize", None):
+            prompt = encode_conversation(core, parsed.messages, "input")
         params = parsed.params(max(core.max_model_len - len(prompt), 1))
         request_id = f"resp_{uuid.uuid4().hex}"
         generation_request = GenerationRequest(

@@ -8,6 +8,7 @@ from fastapi import FastAPI
 from pydantic import Field
 
 from splitserve.gateway.api.chat import ChatMessage, chat_messages
+from splitserve.gateway.api.respond import encode_conversation
 from splitserve.gateway.core import GatewayCore
 from splitserve.gateway.errors import RequestError
 from splitserve.gateway.strict_model import StrictModel
@@ -78,10 +79,9 @@ class TokenRoutes:
         if body.add_special_tokens is not None:
             raise RequestError("add_special_tokens applies to prompt only", "add_special_tokens")
         messages = chat_messages(body.messages or [])
-        try:
-            return self.core.encode_chat(messages, body.add_generation_prompt is not False)
-        except ValueError as error:  # a template that rejects the conversation
-            raise RequestError(str(error), "messages") from None
+        return encode_conversation(
+            self.core, messages, "messages", body.add_generation_prompt is not False
+        )
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.core.model_name:

@@ -10,8 +10,6 @@ as its models throughout: nothing is turned back into JSON to be read again.
 
 from __future__ import annotations
 
-import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -36,12 +34,11 @@ from splitserve.gateway.api.fields import (
 )
 from splitserve.gateway.api.format import (
     ChoicesFormat,
-    Envelope,
     choice_json,
     clamp_logprob,
     usage_json,
 )
-from splitserve.gateway.api.respond import encode_conversation, respond, start_generation
+from splitserve.gateway.api.respond import encode_conversation, respond, start_choices
 from splitserve.gateway.core import GatewayCore
 from splitserve.gateway.errors import RequestError
 from splitserve.gateway.outputs import CollectedSequence, SequenceChunk, Usage
@@ -222,12 +219,13 @@ class ChatRoutes:
             )
         options = parsed.options
         # Unset max_tokens means "until the context is full", as OpenAI and vLLM do for chat.
-        params = options.params(max(core.max_model_len - len(prompt), 1))
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generation_request = options.generation_request(request_id, [prompt], params)
-        generation = await start_generation(core, generation_request, "messages", request)
+        default_max_tokens = max(core.max_model_len - len(prompt), 1)
+        started = await start_choices(
+            core, options, [prompt], default_max_tokens, "chatcmpl-", "messages", request
+        )
+        generation = started.generation
         fmt = ChatFormat(
-            Envelope(request_id, core.model_name, int(time.time())),
+            started.envelope,
             options,
             logprobs=parsed.logprobs,
             num_prompt_tokens=generation.usage.prompt_tokens,

@@ -4,8 +4,6 @@ legacy parallel-list layout)."""
 
 from __future__ import annotations
 
-import time
-import uuid
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -29,12 +27,11 @@ from splitserve.gateway.api.fields import (
 )
 from splitserve.gateway.api.format import (
     ChoicesFormat,
-    Envelope,
     choice_json,
     clamp_logprob,
     usage_json,
 )
-from splitserve.gateway.api.respond import respond, start_generation
+from splitserve.gateway.api.respond import respond, start_choices
 from splitserve.gateway.core import GatewayCore
 from splitserve.gateway.errors import RequestError
 from splitserve.gateway.outputs import CollectedSequence, SequenceChunk, Usage
@@ -141,12 +138,12 @@ class CompletionRoutes:
                 for p in parsed.prompts
             ]
         options = parsed.options
-        params = options.params(DEFAULT_COMPLETION_MAX_TOKENS)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        generation_request = options.generation_request(request_id, prompts, params)
-        generation = await start_generation(core, generation_request, "prompt", request)
+        started = await start_choices(
+            core, options, prompts, DEFAULT_COMPLETION_MAX_TOKENS, "cmpl-", "prompt", request
+        )
+        generation, params = started.generation, started.params
         fmt = CompletionFormat(
-            Envelope(request_id, core.model_name, int(time.time())),
+            started.envelope,
             options,
             logprobs=params.logprobs is not None,
             num_prompt_tokens=generation.usage.prompt_tokens,

@@ -1,5 +1,6 @@
-"""What every HTTP generation endpoint does around the request core: start the generation (a bad
-prompt a 400 naming the endpoint's prompt field), answer whole or as server-sent events, cancel
+"""What every HTTP generation endpoint does around the request core: encode a conversation (one
+the chat template rejects a 400), start the generation under a fresh id (a bad prompt a 400
+naming the endpoint's prompt field), answer whole or as server-sent events, cancel
 the pods' calls when the client goes away, and turn an error into its status and OpenAI body
 (`error_response`: the one mapping, for the exception handlers and for a stream's error event).
 """
@@ -9,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import grpc
@@ -19,7 +23,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from splitserve.common import tracing
 from splitserve.common.grpc_server import StatusError
 from splitserve.engine.prompts import PromptError
+from splitserve.engine.sampling_params import SamplingParams
 from splitserve.gateway.api.fields import CommonOptions
+from splitserve.gateway.api.format import Envelope
 from splitserve.gateway.core import GatewayCore, GenerationRequest
 from splitserve.gateway.errors import RequestError, error_body, param_of
 from splitserve.gateway.generation import Generation, collect
@@ -87,6 +93,34 @@ async def start_generation(
         return await core.start(request, http.headers.get(REGION_HEADER, ""))
     except PromptError as error:
         raise RequestError(str(error), prompt_param, error.code) from None
+
+
+@dataclass(frozen=True)
+class StartedChoices:
+    """A chat or completion request once its generation has started."""
+
+    generation: Generation
+    params: SamplingParams
+    envelope: Envelope  # its fresh id, the model, the time: what each object repeats
+
+
+async def start_choices(
+    core: GatewayCore,
+    options: CommonOptions,
+    prompts: list[list[int]],
+    default_max_tokens: int,
+    id_prefix: str,
+    prompt_param: str,
+    http: Request,
+) -> StartedChoices:
+    """Starts `prompts` with `options`' params (`default_max_tokens` where the body set none)
+    under a fresh id starting with `id_prefix`; a bad prompt is a 400 naming `prompt_param`."""
+    params = options.params(default_max_tokens)
+    request_id = f"{id_prefix}{uuid.uuid4().hex}"
+    generation_request = options.generation_request(request_id, prompts, params)
+    generation = await start_generation(core, generation_request, prompt_param, http)
+    envelope = Envelope(request_id, core.model_name, int(time.time()))
+    return StartedChoices(generation, params, envelope)
 
 
 async def respond(

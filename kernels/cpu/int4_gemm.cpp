@@ -80,7 +80,9 @@ void quantize_row(const float* x, int64_t in_features, int64_t r, QuantizedActiv
       q.scales[at * q.groups + g] = step;
       minimum_sum = std::fma(step, static_cast<float>(sum), minimum_sum);
       // What this pass rounded away, for the next one.
-      for (int64_t j = 0; j < kGroup; ++j) values[j] = std::fma(-static_cast<float>(codes[j]), step, values[j]);
+      for (int64_t j = 0; j < kGroup; ++j) {
+        values[j] = std::fma(-static_cast<float>(codes[j]), step, values[j]);
+      }
     }
     q.minimum_sums[r * q.groups + g] = minimum_sum;
   }
@@ -129,7 +131,8 @@ void tile_generic(const Weights& w, const Activations& x, const TileTask& task) 
       for (int64_t g = 0; g < w.groups; ++g) {
         const uint8_t* group = w.packed + (task.tile * w.groups + g) * kGroupBytes;
         const uint16_t* pairs = w.scales_minimums + (task.tile * w.groups + g) * 2 * kTileOutputs;
-        const float scale = half_to_float(pairs[n]), minimum = half_to_float(pairs[kTileOutputs + n]);
+        const float scale = half_to_float(pairs[n]);
+        const float minimum = half_to_float(pairs[kTileOutputs + n]);
         for (int p = 0; p < x.passes; ++p) {
           const int64_t at = row * x.passes + p;
           const int32_t dot = group_dot(group, n, x.codes + at * x.in_padded + g * kGroup);
@@ -230,7 +233,8 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor sca
   auto out = torch::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
   const int passes = rows < kInt4OnePassFromRows ? 2 : 1;
-  const QuantizedActivations q = quantize_rows(x.data_ptr<float>(), rows, x.size(1), in_padded, passes);
+  const QuantizedActivations q =
+      quantize_rows(x.data_ptr<float>(), rows, x.size(1), in_padded, passes);
   const Activations activations = q.view();
   const Weights weights{packed.data_ptr<uint8_t>(),
                         reinterpret_cast<const uint16_t*>(scales_minimums.data_ptr()), groups};

@@ -35,13 +35,15 @@ inline void group_dots(const uint8_t* half, const int8_t* const* codes, int64_t 
   __m256i pairs[kActs];
   for (int a = 0; a < kActs; ++a) pairs[a] = _mm256_setzero_si256();
   for (int c = 0; c < 4; ++c) {
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + c * kChunkBytes));
+    const auto* chunk = reinterpret_cast<const __m256i*>(half + c * kChunkBytes);
+    const __m256i bytes = _mm256_loadu_si256(chunk);
     const __m256i first = _mm256_and_si256(bytes, low);
     const __m256i second = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
     const int64_t k = k0 + 8 * c;
     for (int a = 0; a < kActs; ++a) {
-      const __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(first, broadcast_four(codes[a] + k)),
-                                            _mm256_maddubs_epi16(second, broadcast_four(codes[a] + k + 4)));
+      const __m256i low_part = _mm256_maddubs_epi16(first, broadcast_four(codes[a] + k));
+      const __m256i high_part = _mm256_maddubs_epi16(second, broadcast_four(codes[a] + k + 4));
+      const __m256i both = _mm256_add_epi16(low_part, high_part);
       pairs[a] = _mm256_add_epi16(pairs[a], both);
     }
   }
@@ -64,16 +66,19 @@ void tile(const Weights& w, const Activations& x, const TileTask& task) {
     for (int64_t g = 0; g < w.groups; ++g, group += kGroupBytes, pairs += 2 * kTileOutputs) {
       __m256i dot[kActs];
       group_dots<kActs>(group, codes, g * kGroup, dot);
-      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pairs)));
+      const auto* halves = reinterpret_cast<const __m128i*>(pairs);
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(halves));
       const __m256 minimum =
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pairs + kTileOutputs)));
       for (int r = 0; r < kRows; ++r) {
         const int64_t row = task.row0 + r;
         for (int p = 0; p < kPasses; ++p) {
-          const __m256 step = _mm256_mul_ps(scale, _mm256_set1_ps(x.scales[(row * kPasses + p) * x.groups + g]));
+          const float d = x.scales[(row * kPasses + p) * x.groups + g];
+          const __m256 step = _mm256_mul_ps(scale, _mm256_set1_ps(d));
           total[r] = _mm256_fmadd_ps(step, _mm256_cvtepi32_ps(dot[r * kPasses + p]), total[r]);
         }
-        total[r] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(x.minimum_sums[row * x.groups + g]), total[r]);
+        const __m256 minimum_sum = _mm256_set1_ps(x.minimum_sums[row * x.groups + g]);
+        total[r] = _mm256_fmadd_ps(minimum, minimum_sum, total[r]);
       }
     }
     const int64_t valid = task.out_features - first_out < 8 ? task.out_features - first_out : 8;

@@ -55,16 +55,19 @@ void tile(const Weights& w, const Activations& x, const TileTask& task) {
   for (int64_t g = 0; g < w.groups; ++g, group += kGroupBytes, pairs += 2 * kTileOutputs) {
     __m512i dot[kActs];
     group_dots<kActs>(group, codes, g * kGroup, dot);
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs)));
+    const auto* halves = reinterpret_cast<const __m256i*>(pairs);
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
     const __m512 minimum =
         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + kTileOutputs)));
     for (int r = 0; r < kRows; ++r) {
       const int64_t row = task.row0 + r;
       for (int p = 0; p < kPasses; ++p) {
-        const __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(x.scales[(row * kPasses + p) * x.groups + g]));
+        const float d = x.scales[(row * kPasses + p) * x.groups + g];
+        const __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(d));
         total[r] = _mm512_fmadd_ps(step, _mm512_cvtepi32_ps(dot[r * kPasses + p]), total[r]);
       }
-      total[r] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(x.minimum_sums[row * x.groups + g]), total[r]);
+      const __m512 minimum_sum = _mm512_set1_ps(x.minimum_sums[row * x.groups + g]);
+      total[r] = _mm512_fmadd_ps(minimum, minimum_sum, total[r]);
     }
   }
   const int64_t first_out = task.tile * kTileOutputs;

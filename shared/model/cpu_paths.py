@@ -33,9 +33,11 @@ def cpu_report() -> dict[str, object]:
 
 
 def cpu_kernels_status() -> str:
-    if cpu_kernels.load() is not None:
-        return "loaded"
-    return f"unavailable: {cpu_kernels.unavailable_reason()}"
+    try:
+        module = cpu_kernels.load()
+    except ValueError as error:  # a SPLITSERVE_CPU_ISA this CPU cannot run: the engine refuses
+        return f"unavailable: {error}"
+    return "loaded" if module is not None else f"unavailable: {cpu_kernels.unavailable_reason()}"
 
 
 def quantization_status(method: str) -> str:

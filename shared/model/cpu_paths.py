@@ -10,6 +10,8 @@ module's build the first time on a machine), nothing more.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 from splitserve.engine.model import linear, quantized_linear
 from splitserve.kernels import cpu as cpu_kernels
 from splitserve.kernels.cpu import isa
@@ -40,12 +42,22 @@ def cpu_kernels_status() -> str:
     return "loaded" if module is not None else f"unavailable: {cpu_kernels.unavailable_reason()}"
 
 
+def _loaded_module() -> ModuleType | None:
+    try:
+        return cpu_kernels.load()
+    except ValueError:  # cpu_kernels_status says why
+        return None
+
+
 def quantization_status(method: str) -> str:
     """"ok" when `method`'s packed products run right here; otherwise why the engine would
     build the model dense instead."""
     kernels = ("int8",) if method == "int8" else ("int8", "int4")
     for kernel in kernels:
-        problem = quantized_linear.cpu_kernel_problem(kernel)
+        try:
+            problem = quantized_linear.cpu_kernel_problem(kernel)
+        except ValueError as error:  # a SPLITSERVE_CPU_ISA this CPU cannot run
+            return str(error)
         if problem is not None:
             return f"{kernel} products: {problem}"
     return "ok"
@@ -59,8 +71,8 @@ def bfloat16_status() -> str:
 
 def kernel_paths() -> dict[str, str]:
     """Family -> the path it takes here, with the reason where it is not the fastest."""
-    module = cpu_kernels.load()
-    int4 = quantized_linear.int4_kernel_problem()
+    module = _loaded_module()
+    int4 = quantized_linear.int4_kernel_problem() if module is not None else cpu_kernels_status()
     int8 = quantized_linear.int8_product_problem()
     bf16 = linear.onednn_bfloat16_problem()
     return {
@@ -68,5 +80,5 @@ def kernel_paths() -> dict[str, str]:
         "bfloat16_linear": "onednn" if bf16 is None else f"torch ({bf16})",
         "int8_many_rows": "int8 x int8" if int8 is None else f"7-bit x int8, 2 passes ({int8})",
         "int4": f"int4_gemm {module.int4_isa()}" if module and int4 is None else f"torch ({int4})",
-        "cpu_kernel_isa": module.int4_isa() if module else "none",
+        "cpu_kernel_isa": module.int4_isa() if module is not None else "none",
     }

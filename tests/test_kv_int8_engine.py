@@ -279,7 +279,7 @@ def _mean_nll(model, token_ids: list[int], kv_cache_dtype: str, chunk: int = 64)
 
 @pytest.mark.slow  # eight prompts (one of 600+ tokens) through two engines
 def test_greedy_agreement_with_float_kv_over_the_parity_prompts(smollm2, capsys):
-    from tests.test_engine_parity import _prompts as parity_prompts
+    from benchmarks.parity_prompts import parity_prompts
     from tests.test_quantization_quality import NEAR_TIE, _first_divergence
 
     prompts = parity_prompts(smollm2["auto"].tokenizer)

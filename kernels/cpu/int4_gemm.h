@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 namespace int4 {
 
@@ -54,6 +55,26 @@ struct TileTask {
 };
 
 using TileFunction = void (*)(const Weights&, const Activations&, const TileTask&);
+
+template <int kValue>
+using Count = std::integral_constant<int, kValue>;
+
+// The row counts and passes a tile call is compiled for (rows x passes <= kMaxActivationRows),
+// shared by the ISA variants: `tile(Count<rows>{}, Count<passes>{})` runs the task's case with
+// constants the variant's loops unroll over.
+template <class Tile>
+inline void with_row_count(const Activations& x, const TileTask& task, Tile tile) {
+  if (x.passes == 2) {
+    if (task.num_rows == 1) return tile(Count<1>{}, Count<2>{});
+    return tile(Count<2>{}, Count<2>{});
+  }
+  switch (task.num_rows) {
+    case 1: return tile(Count<1>{}, Count<1>{});
+    case 2: return tile(Count<2>{}, Count<1>{});
+    case 3: return tile(Count<3>{}, Count<1>{});
+    default: return tile(Count<4>{}, Count<1>{});
+  }
+}
 
 void tile_generic(const Weights&, const Activations&, const TileTask&);
 #if defined(__x86_64__)

@@ -82,16 +82,9 @@ void tile(const Weights& w, const Activations& x, const TileTask& task) {
 }  // namespace
 
 void tile_avx512_vnni(const Weights& w, const Activations& x, const TileTask& task) {
-  if (x.passes == 2) {
-    if (task.num_rows == 1) return tile<1, 2>(w, x, task);
-    return tile<2, 2>(w, x, task);
-  }
-  switch (task.num_rows) {
-    case 1: return tile<1, 1>(w, x, task);
-    case 2: return tile<2, 1>(w, x, task);
-    case 3: return tile<3, 1>(w, x, task);
-    default: return tile<4, 1>(w, x, task);
-  }
+  with_row_count(x, task, [&](auto rows, auto passes) {
+    tile<decltype(rows)::value, decltype(passes)::value>(w, x, task);
+  });
 }
 
 }  // namespace int4

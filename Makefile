@@ -8,7 +8,12 @@ $(DEPS_STAMP): pyproject.toml scripts/install_deps.sh
 	PYTHON=$(PYTHON) bash scripts/install_deps.sh
 	touch $@
 
-deps: $(DEPS_STAMP)
+# The stamp says the installer ran, not that this interpreter still holds what it installed (a
+# new virtual environment, a machine rebuilt under the same checkout): check, and install again.
+deps:
+	@$(PYTHON) -c "import splitserve, torch, redis, grpc" >/dev/null 2>&1 \
+		&& command -v redis-server >/dev/null || rm -f $(DEPS_STAMP)
+	@$(MAKE) --no-print-directory PYTHON=$(PYTHON) $(DEPS_STAMP)
 
 lint: deps
 	$(PYTHON) -m ruff check .

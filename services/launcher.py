@@ -87,6 +87,14 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
         f"always send; default {UP_MAX_REMOTE_PREFILL_TOKENS}: the processes share this machine)",
     )
     sub.add_argument(
+        "--max-prefill-tokens-while-decoding",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="decode (and colocated) processes: prompt tokens in a step that also decodes, so "
+        "prompts arriving cannot stall the running streams (default: no cap)",
+    )
+    sub.add_argument(
         "--kv-checksum", action="store_true", help="prefill pods CRC-32 every KV page buffer"
     )
     sub.add_argument("--host", default="127.0.0.1", help="address every process binds")
@@ -195,6 +203,9 @@ def plan(
         raise ValueError("--local-prefill-threshold must be >= 0")
     if args.max_remote_prefill_tokens < 0:
         raise ValueError("--max-remote-prefill-tokens must be >= 0")
+    cap = args.max_prefill_tokens_while_decoding
+    if cap is not None and cap < 1:
+        raise ValueError(f"--max-prefill-tokens-while-decoding must be >= 1, got {cap}")
     if not 0 <= args.prefill_nice <= 19:
         raise ValueError(f"--prefill-nice must be within 0..19, got {args.prefill_nice}")
     if prefill_available is None:
@@ -212,6 +223,9 @@ def plan(
     prefill_flags += ["--kv-checksum"] if args.kv_checksum else []
     prefill_flags += _prefill_quantization(args)
     decode_flags = ["--num-threads", str(threads.decode)]
+    if args.max_prefill_tokens_while_decoding is not None:
+        cap = args.max_prefill_tokens_while_decoding
+        decode_flags += ["--max-prefill-tokens-while-decoding", str(cap)]
     decode_flags += [] if colocated else _decode_flags(args)
     engine_flags += _host_tier_flags(args, num_prefill + args.decode)
     specs = [

@@ -186,6 +186,10 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     # Longest prefill chunk of one request in one step (chunked prefill); None = the budget.
     long_prefill_token_threshold: int | None = None
+    # Prompt tokens in a step that also decodes (stall-free batching, as Sarathi-Serve): a
+    # burst of prompts cannot stretch every running stream's next token past what this many
+    # tokens cost. Steps with nothing decoding still take the whole budget. None = no cap.
+    max_prefill_tokens_while_decoding: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -196,6 +200,9 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
             raise ValueError("long_prefill_token_threshold must be >= 1")
+        cap = self.max_prefill_tokens_while_decoding
+        if cap is not None and cap < 1:
+            raise ValueError(f"max_prefill_tokens_while_decoding must be >= 1, got {cap}")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft", "self")

@@ -61,6 +61,8 @@ class Scheduler:
         # Requests ended inside schedule() (their context outgrew the cache), until taken.
         self._dropped: list[Request] = []
         self.loads = loads
+        # What is left this step of the prompt tokens a step may take (see _prefill_cap).
+        self._prefill_budget = config.max_num_batched_tokens
 
     # ---- admission and removal ------------------------------------------------------------
 
@@ -118,13 +120,22 @@ class Scheduler:
             loaded = self.loads.take_due(nothing_else_to_run=not self.running and not self._waiting)
             self.running.extend(loaded)
         budget = self.config.max_num_batched_tokens
+        self._prefill_budget = self._prefill_cap(budget)
         budget = self._schedule_running(out, budget)
         if not out.preempted_request_ids:
             # Admitting while preempting would only thrash: the freed blocks go to running work.
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, min(budget, self._prefill_budget))
         # Single-token chunks first: the runner attends to them in one batched call.
         out.chunks.sort(key=lambda chunk: chunk.num_tokens != 1)
         return out
+
+    def _prefill_cap(self, budget: int) -> int:
+        """Prompt tokens this step may take: the whole budget unless a running request decodes
+        and the config caps prefill beside decodes."""
+        cap = self.config.max_prefill_tokens_while_decoding
+        if cap is None or not any(_is_decoding(r) for r in self.running):
+            return budget
+        return min(cap, budget)
 
     def _chunk_size(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
@@ -140,13 +151,20 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = self._chunk_size(request, budget)
+            is_prefill = not _is_decoding(request)
+            num_new = self._chunk_size(
+                request, min(budget, self._prefill_budget) if is_prefill else budget
+            )
+            if num_new == 0:
+                continue  # a prompt chunk, and this step's prefill share is spent
             num_drafts = self._num_draft_slots(request, budget, plan) if plan else 0
             if self._allocate_or_preempt(request, num_new + num_drafts, out):
                 chunk = self._chunk(request, num_new)
                 chunk.num_draft_slots = num_drafts
                 out.chunks.append(chunk)
                 budget -= num_new + num_drafts
+                if is_prefill:
+                    self._prefill_budget -= num_new
         return budget
 
     def _speculation_plan(self, running: list[Request]) -> StepPlan | None:

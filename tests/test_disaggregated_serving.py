@@ -434,6 +434,21 @@ def test_up_runs_one_prefill_and_one_decode_pod_by_default():
     assert "--max-remote-prefill-tokens" not in colocated.specs[0].argv
 
 
+def test_up_passes_the_prefill_cap_beside_decodes_to_the_decode_pods_only():
+    default = plan(build_parser().parse_args(["up"]), prefill_available=True)
+    assert all("--max-prefill-tokens-while-decoding" not in s.argv for s in default.specs)
+    args = build_parser().parse_args(["up", "--max-prefill-tokens-while-decoding", "64"])
+    capped = plan(args, prefill_available=True)
+    assert "--max-prefill-tokens-while-decoding" not in capped.specs[0].argv  # prefill pod
+    assert _flag(capped.specs[1].argv, "--max-prefill-tokens-while-decoding") == "64"
+    flag = "--max-prefill-tokens-while-decoding"
+    args = build_parser().parse_args(["up", "--colocated", flag, "64"])
+    assert _flag(plan(args, True).specs[0].argv, flag) == "64"
+    with pytest.raises(ValueError, match="must be >= 1, got 0"):
+        args = build_parser().parse_args(["up", "--max-prefill-tokens-while-decoding", "0"])
+        plan(args, prefill_available=True)
+
+
 def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 

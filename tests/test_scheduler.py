@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from splitserve.engine.config import SchedulerConfig
 from splitserve.engine.kv.manager import KVCacheManager
 from splitserve.engine.request import Request, RequestStatus
@@ -70,6 +72,24 @@ def test_long_prefill_threshold_caps_one_request_per_step():
     sched.add_request(make_request("a", 10, t=0))
     sched.add_request(make_request("b", 10, t=1))
     assert plan(step(sched)) == [("a", 6), ("b", 6)]
+
+
+def test_prefill_beside_decodes_is_capped_and_alone_takes_the_budget():
+    config = SchedulerConfig(max_num_batched_tokens=16, max_prefill_tokens_while_decoding=5)
+    sched = Scheduler(config, KVCacheManager(64, BLOCK), max_model_len=1024, eos_token_ids=(EOS,))
+    sched.add_request(make_request("a", 12, max_tokens=8, t=0))
+    assert plan(step(sched)) == [("a", 12)]  # nothing decodes yet: the whole budget
+    sched.add_request(make_request("b", 9, t=1))
+    sched.add_request(make_request("c", 9, t=2))
+    # a decodes now: the prompts share 5 tokens per step, b's unfinished chunk before c's.
+    assert dict(plan(step(sched))) == {"a": 1, "b": 5}
+    assert dict(plan(step(sched))) == {"a": 1, "b": 4, "c": 1}
+    assert dict(plan(step(sched))) == {"a": 1, "b": 1, "c": 5}  # b decodes, c's prompt goes on
+
+
+def test_prefill_cap_while_decoding_must_be_positive():
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
+        SchedulerConfig(max_prefill_tokens_while_decoding=0)
 
 
 def test_waiting_order_is_priority_then_arrival():

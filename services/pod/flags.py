@@ -45,6 +45,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory-fraction", type=float, default=0.25)
     group.add_argument("--max-num-batched-tokens", type=int, default=512)
     group.add_argument("--max-num-seqs", type=int, default=128)
+    group.add_argument(
+        "--max-prefill-tokens-while-decoding",
+        type=int,
+        default=None,
+        help="prompt tokens in a step that also decodes (stall-free batching); default: the "
+        "whole --max-num-batched-tokens",
+    )
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     group.add_argument(
@@ -217,6 +224,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "kv_cache_memory_fraction": args.kv_cache_memory_fraction,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs,
+        "max_prefill_tokens_while_decoding": args.max_prefill_tokens_while_decoding,
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": args.prefix_caching,
         "eviction_policy": args.eviction_policy,

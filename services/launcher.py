@@ -19,6 +19,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from splitserve.common.cli_args import parse_size
+from splitserve.common.redis_auth import redis_password, use_redis_password_file
 from splitserve.common.redis_server import RedisServer
 from splitserve.common.supervisor import (
     HealthCheck,
@@ -27,6 +28,7 @@ from splitserve.common.supervisor import (
     RestartPolicy,
     Supervisor,
 )
+from splitserve.common.tls import add_tls_flags, tls_argv, tls_from_args
 from splitserve.engine.config import QUANTIZATION_METHODS
 from splitserve.engine.kv.offload.sizing import auto_host_tier_bytes
 from splitserve.pod.flags import (
@@ -169,6 +171,7 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
         default="cache_aware",
         choices=["cache_aware", "least_load", "round_robin"],
     )
+    add_security_flags(sub)
     sub.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
     sub.add_argument(
         "--exit-on-failure",
@@ -182,6 +185,31 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
         choices=["debug", "info", "warning", "error"],
         help="log level of the started processes",
     )
+
+
+def add_security_flags(sub: argparse.ArgumentParser) -> None:
+    """Passed through to the processes as given (docs/security.md)."""
+    add_tls_flags(sub)  # pods serve gRPC over TLS; the gateway and pods dial them with it
+    sub.add_argument(
+        "--kv-secret-file",
+        default=None,
+        metavar="PATH",
+        help="tcp KV transport: prefill and decode prove this secret on connect",
+    )
+    sub.add_argument(
+        "--redis-password-file",
+        default=None,
+        metavar="PATH",
+        help="Redis AUTH password for every process (a redis-server started here requires it)",
+    )
+
+
+def _security_flags(args: argparse.Namespace) -> list[str]:
+    """The --tls-* and --redis-password-file flags every process gets."""
+    flags = tls_argv(tls_from_args(args))
+    if args.redis_password_file:
+        flags += ["--redis-password-file", args.redis_password_file]
+    return flags
 
 
 @dataclass(frozen=True)
@@ -215,8 +243,11 @@ def plan(
     transport, transport_note = _transport(args, colocated)
     threads = _thread_split(args, num_prefill, args.decode)
     engine_flags = _engine_flags(args, transport)
-    redis_flags = ["--redis-url", redis_url] if redis_url else []
-    engine_flags += redis_flags
+    # Every process: where Redis is, and the TLS files and Redis password they all use.
+    shared_flags = (["--redis-url", redis_url] if redis_url else []) + _security_flags(args)
+    engine_flags += shared_flags
+    if args.kv_secret_file:
+        engine_flags += ["--kv-secret-file", args.kv_secret_file]
     prefill_addresses = [f"{args.host}:{args.prefill_port + i}" for i in range(num_prefill)]
     decode_addresses = [f"{args.host}:{args.decode_port + i}" for i in range(args.decode)]
     prefill_flags = ["--num-threads", str(threads.prefill), "--nice", str(args.prefill_nice)]
@@ -235,7 +266,7 @@ def plan(
         _pod("decode", i, address, DECODE_SERVICE, engine_flags + decode_flags, args)
         for i, address in enumerate(decode_addresses)
     ]
-    specs.append(_gateway(args, decode_addresses, prefill_addresses, redis_flags))
+    specs.append(_gateway(args, decode_addresses, prefill_addresses, shared_flags))
     note += f"{transport_note}; torch threads: {threads.decode} per decode process"
     note += "" if colocated else f", {threads.prefill} per prefill process"
     note += f"; routing {args.routing_policy}" + (f" (Redis {redis_url})" if redis_url else "")
@@ -350,18 +381,19 @@ def _pod(
     name = f"{role}-{index}"
     argv = [sys.executable, "-m", f"splitserve.{role}", "--host", args.host, "--port", port]
     argv += ["--worker-id", name, *engine_flags, *_disk_tier_flags(args, name)]
-    return ProcessSpec(name, argv, HealthCheck(grpc_address=address, grpc_service=service))
+    health = HealthCheck(grpc_address=address, grpc_service=service, tls=tls_from_args(args))
+    return ProcessSpec(name, argv, health)
 
 
 def _gateway(
     args: argparse.Namespace,
     decode_addresses: list[str],
     prefill_addresses: list[str],
-    redis_flags: list[str],
+    shared_flags: list[str],
 ) -> ProcessSpec:
     argv = [sys.executable, "-m", "splitserve.gateway", "--host", args.host]
     argv += ["--port", str(args.port), "--grpc-port", str(args.grpc_port)]
-    argv += ["--routing-policy", args.routing_policy, *redis_flags]
+    argv += ["--routing-policy", args.routing_policy, *shared_flags]
     argv += ["--log-level", args.log_level]
     for address in decode_addresses:
         argv += ["--decode", address]
@@ -395,7 +427,11 @@ def _redis_url(args: argparse.Namespace, stack: contextlib.ExitStack) -> str | N
     if shutil.which("redis-server") is None:
         print("[up] redis-server is not installed: routing by load only", file=sys.stderr)
         return None
-    server = stack.enter_context(RedisServer(host=args.host))
+    password = None
+    if args.redis_password_file:
+        use_redis_password_file(args.redis_password_file)  # checks the file, as a pod would
+        password = redis_password()
+    server = stack.enter_context(RedisServer(host=args.host, password=password))
     print(f"[up] started redis-server on {server.url}", flush=True)
     return server.url
 

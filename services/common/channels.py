@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import grpc
 
+from splitserve.common.tls import TlsFiles, channel_credentials, channel_options
+
 KEEPALIVE_TIME_MS = 10_000
 KEEPALIVE_TIMEOUT_MS = 5_000
 
@@ -37,9 +39,29 @@ SERVER_KEEPALIVE_OPTIONS = [
 CHANNEL_OPTIONS = RECONNECT_OPTIONS + CLIENT_KEEPALIVE_OPTIONS
 
 
-def aio_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+# The TLS files this process dials our other processes with (None: plaintext). One setting per
+# process, like its log format: set once by `main` from --tls-*, before any channel opens.
+_client_tls: TlsFiles | None = None
 
 
-def sync_channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def use_client_tls(tls: TlsFiles | None) -> None:
+    """Every channel this process opens from now on uses `tls` (None: plaintext)."""
+    global _client_tls
+    _client_tls = tls
+
+
+def aio_channel(address: str, tls: TlsFiles | None = None) -> grpc.aio.Channel:
+    """A channel to `address`, over TLS with `tls` or else the process's `use_client_tls`."""
+    tls = tls or _client_tls
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    options = CHANNEL_OPTIONS + channel_options(tls)
+    return grpc.aio.secure_channel(address, channel_credentials(tls), options=options)
+
+
+def sync_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
+    tls = tls or _client_tls
+    if tls is None:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    options = CHANNEL_OPTIONS + channel_options(tls)
+    return grpc.secure_channel(address, channel_credentials(tls), options=options)

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from splitserve.common.channels import SERVER_KEEPALIVE_OPTIONS
+from splitserve.common.tls import TlsFiles, server_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,9 @@ class GrpcServer:
     health: HealthServicer
     port: int  # the bound port (the one asked for, or the one picked for port 0)
     service_names: tuple[str, ...]  # full names, e.g. "splitserve.v1.DecodeWorker"
+    # A plaintext server with only grpc.health.v1 beside a TLS one: kubelet's gRPC probes
+    # cannot speak TLS. None without TLS (the main port answers them) or when not asked for.
+    health_server: grpc.aio.Server | None = None
 
     async def set_serving(self, serving: bool) -> None:
         """Overall health ("") and every named service together."""
@@ -106,26 +110,51 @@ class GrpcServer:
         seconds to finish before they are cancelled."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
 
 
 async def start_server(
-    host: str, port: int, service_names: Sequence[str], add_servicers
+    host: str,
+    port: int,
+    service_names: Sequence[str],
+    add_servicers,
+    tls: TlsFiles | None = None,
+    health_port: int = 0,
 ) -> GrpcServer:
     """Starts a grpc.aio server, NOT_SERVING until `set_serving(True)`; `add_servicers(server)`
-    registers the service's own servicers before the server starts."""
+    registers the service's own servicers before the server starts. With `tls` the port serves
+    TLS only (mutual with a CA); `health_port` > 0 then also serves the health service alone in
+    plaintext there, for probes."""
     server = grpc.aio.server(
         interceptors=[ErrorInterceptor()], options=SERVER_KEEPALIVE_OPTIONS
     )
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     add_servicers(server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind gRPC port {host}:{port}")
-    grpc_server = GrpcServer(server, health, bound, tuple(service_names))
+    bound = _bind(server, host, port, tls)
+    health_server = None
+    if tls is not None and health_port:
+        health_server = grpc.aio.server(options=SERVER_KEEPALIVE_OPTIONS)
+        health_pb2_grpc.add_HealthServicer_to_server(health, health_server)
+        _bind(health_server, host, health_port, None)
+    grpc_server = GrpcServer(server, health, bound, tuple(service_names), health_server)
     await grpc_server.set_serving(False)
     await server.start()
+    if health_server is not None:
+        await health_server.start()
     return grpc_server
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, tls: TlsFiles | None) -> int:
+    address = f"{host}:{port}"
+    if tls is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, server_credentials(tls))
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC port {address}")
+    return bound
 
 
 def stop_event_on_signals() -> asyncio.Event:

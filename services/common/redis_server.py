@@ -32,9 +32,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 class RedisServer:
     """Owns one redis-server process. Use as a context manager, or `start()` / `stop()`."""
 
-    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, port: int | None = None, host: str = "127.0.0.1", password: str | None = None
+    ) -> None:
         self.host = host
         self.port = port or free_port(host)
+        # requirepass: clients must AUTH. Given on stdin, never on the command line (ps).
+        self._password = password
         self._process: subprocess.Popen | None = None
 
     @property
@@ -52,14 +56,19 @@ class RedisServer:
                 "redis-server is not on PATH (scripts/install_deps.sh installs it), or pass "
                 "--redis-url / set REDIS_URL to use a running Redis"
             )
-        argv = [binary, "--port", str(self.port), "--bind", self.host, "--save", ""]
+        argv = [binary, "-", "--port", str(self.port), "--bind", self.host, "--save", ""]
         argv += ["--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"]
         self._process = subprocess.Popen(
             dying_with_us(argv),
+            stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
+        assert self._process.stdin is not None, "stdin is piped"
+        config = "" if self._password is None else f'requirepass "{_quoted(self._password)}"\n'
+        self._process.stdin.write(config.encode())
+        self._process.stdin.close()  # redis-server reads its config from stdin until EOF
         self._wait_until_answering()
         return self
 
@@ -110,6 +119,14 @@ def _answers_ping(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=0.2) as sock:
             sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
+            # -NOAUTH: a server with requirepass answers too, just not before AUTH.
+            return sock.recv(16).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
         return False
+
+
+def _quoted(text: str) -> str:
+    """`text` inside a redis.conf double-quoted string."""
+    if any(ord(char) < 32 for char in text):
+        raise ValueError("a Redis password must not contain control characters")
+    return text.replace("\\", "\\\\").replace('"', '\\"')

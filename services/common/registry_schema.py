@@ -27,7 +27,6 @@ upgrade runs both): the pod id is stored as "worker_id", the word the proto also
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +34,7 @@ from typing import Any
 import redis.asyncio
 
 from splitserve.common.pod_load import PodLoad
+from splitserve.common.redis_auth import redis_password
 from splitserve.engine.kv.block_hash import BLOCK_HASH_NUM_BYTES
 from splitserve.engine.kv.tiers import Tier
 
@@ -266,11 +266,11 @@ def _lookup_script(client):
 
 
 def connect(url: str, timeout_s: float = 0.5):
-    """An asyncio Redis client for `url`; the password comes from $REDIS_PASSWORD when set.
+    """An asyncio Redis client for `url`; its password as redis_auth.py says.
     Short timeouts: a Redis that is down must cost a request milliseconds, not seconds."""
     return redis.asyncio.Redis.from_url(
         url,
-        password=os.environ.get("REDIS_PASSWORD") or None,
+        password=redis_password(),
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         retry_on_timeout=False,

@@ -29,6 +29,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.common.channels import sync_channel
+from splitserve.common.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class HealthCheck:
     grpc_address: str | None = None  # host:port of a grpc.health.v1 server
     grpc_service: str = ""  # the service name to ask about ("" = the whole server)
     http_url: str | None = None  # answers 200 when ready
+    tls: TlsFiles | None = None  # dial grpc_address over TLS with these files
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ class Supervisor:
         process = self._popen(spec)
         child = _Child(spec, process)
         if spec.health.grpc_address is not None:
-            child.channel = sync_channel(spec.health.grpc_address)
+            child.channel = sync_channel(spec.health.grpc_address, spec.health.tls)
         self._children.append(child)
         return process
 

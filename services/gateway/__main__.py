@@ -12,9 +12,12 @@ import os
 import uvicorn
 
 from splitserve.common.background import in_daemon_thread, wait_first
+from splitserve.common.channels import use_client_tls
 from splitserve.common.cli_args import setup_logging
 from splitserve.common.grpc_server import GrpcServer, start_server, stop_event_on_signals
 from splitserve.common.model_files import default_model_name, load_tokenizer, resolve_model_path
+from splitserve.common.redis_auth import add_redis_password_flag, use_redis_password_file
+from splitserve.common.tls import add_tls_flags, tls_from_args
 from splitserve.common.tracing import configure_tracing
 from splitserve.gateway.api.grpc_service import GenerationServicer
 from splitserve.gateway.api.http_app import create_app
@@ -63,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_routing_flags(parser)
     add_migration_flags(parser)
+    add_tls_flags(parser)  # the gateway's calls to the pods (its own ports: docs/security.md)
     return parser
 
 
@@ -73,8 +77,9 @@ def add_routing_flags(parser: argparse.ArgumentParser) -> None:
         "--redis-url",
         default=os.environ.get("REDIS_URL") or None,
         help="discover pods and their cached prefixes here (default: $REDIS_URL, else the "
-        "--decode/--prefill addresses only); password from $REDIS_PASSWORD",
+        "--decode/--prefill addresses only); password: services/common/redis_auth.py",
     )
+    add_redis_password_flag(group)
     group.add_argument("--region", default=os.environ.get("SPLITSERVE_REGION", ""))
     group.add_argument("--zone", default=os.environ.get("SPLITSERVE_ZONE", ""))
     group.add_argument("--routing-policy", default="cache_aware", choices=POLICIES)
@@ -148,6 +153,7 @@ async def serve(args: argparse.Namespace) -> int:
         return 0  # stopped while loading: nothing was started yet
     tokenizer = loading.result()
     model_name = args.model_name or default_model_name(model_path)
+    use_client_tls(tls_from_args(args))  # before the pools open their channels
     decode_pool = PodPool("decode", args.decode, model_name)
     # With a registry, prefill pods may join at any time: keep a pool to follow them.
     has_prefill = bool(args.prefill or args.redis_url)
@@ -226,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         router_settings(args)
         migration_policy(args)
+        tls_from_args(args)
+        use_redis_password_file(args.redis_password_file)
     except (OSError, ValueError) as error:
         parser.error(str(error))
     setup_logging(args.log_level, "gateway")

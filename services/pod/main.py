@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 from splitserve.common.cli_args import setup_logging
 from splitserve.common.model_files import default_model_name, resolve_model_path
+from splitserve.common.redis_auth import use_redis_password_file
+from splitserve.common.tls import tls_from_args
 from splitserve.pod.flags import engine_options
 from splitserve.pod.registry_publisher import pod_place
 from splitserve.pod.server import PodIdentity, PodServicer, add_pod_flags, pod_id, serve_pod
@@ -21,6 +23,7 @@ from splitserve.pod.server import PodIdentity, PodServicer, add_pod_flags, pod_i
 if TYPE_CHECKING:
     from splitserve.engine.async_llm import AsyncLLM
     from splitserve.engine.kv.transfer import KVTransport
+    from splitserve.engine.kv.transfer.config import KVTransferConfig
     from splitserve.pod.core import EnginePodCore
 
 
@@ -64,7 +67,10 @@ def run_pod(role: PodRole, argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         role.check_flags(args)
-    except ValueError as error:
+        tls_from_args(args)
+        kv_transfer_config(args)
+        use_redis_password_file(args.redis_password_file)
+    except (OSError, ValueError) as error:
         parser.error(str(error))
     setup_logging(args.log_level, args.worker_id or role.name)
     if args.nice:
@@ -85,6 +91,20 @@ async def _serve(role: PodRole[CoreT], args: argparse.Namespace) -> bool:
     )
 
 
+def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig:
+    """--kv-transport with --kv-secret-file's secret; ValueError/OSError naming a bad file."""
+    from splitserve.engine.kv.transfer.config import KVTransferConfig  # torch-free
+    from splitserve.engine.kv.transfer.peer_auth import read_secret
+
+    if args.kv_secret_file is None:
+        return KVTransferConfig(backend=args.kv_transport)
+    try:
+        secret = read_secret(args.kv_secret_file)
+        return KVTransferConfig(backend=args.kv_transport, auth_secret=secret)
+    except ValueError as error:
+        raise ValueError(f"--kv-secret-file: {error}") from None
+
+
 def _engine_parts(role: PodRole, args: argparse.Namespace) -> EngineParts:
     """Loads the model; runs off the event loop, once the server answers health checks."""
     # lazy: torch (and ucxx), loaded only once the server answers health checks
@@ -92,7 +112,7 @@ def _engine_parts(role: PodRole, args: argparse.Namespace) -> EngineParts:
     from splitserve.engine.kv.transfer import create_kv_transport
     from splitserve.environment import log_environment
 
-    transport = create_kv_transport(args.kv_transport)
+    transport = create_kv_transport(kv_transfer_config(args))
     model_path = resolve_model_path(args.model)
     llm = AsyncLLM(model_path, **engine_options(args))
     log_environment()  # what `splitserve env --json` prints here: the paths this pod runs

@@ -11,7 +11,7 @@ taken meanwhile are dropped, and the next heartbeat that gets through resyncs fr
 which is how the index refills after Redis restarts empty.
 
 Flags (the Helm chart renders them as spelled here) and their defaults: `--redis-url`
-($REDIS_URL, else no registry; password from $REDIS_PASSWORD), `--region` / `--zone`
+($REDIS_URL, else no registry; password: services/common/redis_auth.py), `--region` / `--zone`
 ($SPLITSERVE_REGION / $SPLITSERVE_ZONE, else the node's topology labels when `--node-name`
 ($NODE_NAME) is given, else ""), `--advertise-host` (the address others dial for this pod's
 gRPC: $POD_IP, else the bind host made reachable).
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
+from splitserve.common.redis_auth import add_redis_password_flag
 from splitserve.common.registry_schema import (
     DEREGISTER_SCRIPT,
     HEARTBEAT_FENCED,
@@ -249,6 +250,7 @@ def add_registry_flags(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("REDIS_URL") or None,
         help="register here and publish prefix-cache events (default: $REDIS_URL, else none)",
     )
+    add_redis_password_flag(group)
     group.add_argument("--region", default=os.environ.get("SPLITSERVE_REGION", ""))
     group.add_argument("--zone", default=os.environ.get("SPLITSERVE_ZONE", ""))
     group.add_argument(

@@ -16,14 +16,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from splitserve.common.background import in_daemon_thread, wait_first
+from splitserve.common.channels import use_client_tls
 from splitserve.common.grpc_server import start_server, stop_event_on_signals
 from splitserve.common.pod_load import PodLoad
+from splitserve.common.tls import add_tls_flags, tls_from_args
 from splitserve.common.tracing import configure_tracing, shutdown_tracing
 from splitserve.pod.flags import add_engine_flags, add_server_flags
 from splitserve.pod.metrics import PodMetrics, serve_pod_metrics
@@ -141,6 +144,21 @@ def add_pod_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument(
         "--kv-transport", default="tcp", choices=KV_TRANSPORTS, help="KV page transport"
     )
+    parser.add_argument(
+        "--kv-secret-file",
+        default=os.environ.get("SPLITSERVE_KV_SECRET_FILE") or None,
+        metavar="PATH",
+        help="tcp transport: KV connections prove this per-deployment secret on connect; a "
+        "peer without it is refused (default: $SPLITSERVE_KV_SECRET_FILE, else open)",
+    )
+    add_tls_flags(parser)
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=0,
+        help="with --tls-cert: also serve only grpc.health.v1, in plaintext, on this port "
+        "(kubelet's gRPC probes cannot speak TLS; 0 = off)",
+    )
     add_registry_flags(parser)
     parser.add_argument(
         "--drain-timeout",
@@ -210,7 +228,13 @@ async def serve_pod(
     process should exit with an error). `register(server)` adds the servicer to the gRPC
     server; `load_core()` runs in a daemon thread (it loads the model)."""
     configure_tracing(_trace_service_name(service_name))
-    server = await start_server(args.host, args.port, [service_name], register)
+    tls = tls_from_args(args)
+    use_client_tls(tls)  # a decode pod dials prefill pods with the same files
+    server = await start_server(
+        args.host, args.port, [service_name], register, tls, args.health_port
+    )
+    if tls is not None:
+        logger.info("gRPC over %s", tls.describe())
     metrics = None
     if args.metrics_port:
         metrics = serve_pod_metrics(args.host, args.metrics_port, lambda: servicer.core)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from splitserve.common.redis_auth import redis_password
 from splitserve.common.registry_schema import DEFAULT_KEY_PREFIX, PodRecord, RegistryKeys
 from splitserve.pod.metrics import PREFIX as METRIC_PREFIX  # the pods' own metric names
 
@@ -89,7 +90,9 @@ class LoadSource(Protocol):
 
 class RedisLoadSource:
     def __init__(self, url: str, key_prefix: str | None = None) -> None:
-        self._client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._client = redis.Redis.from_url(
+            url, password=redis_password(), socket_timeout=2.0, socket_connect_timeout=2.0
+        )
         self._keys = RegistryKeys(key_prefix or DEFAULT_KEY_PREFIX)
 
     def read(self) -> LoadSnapshot:

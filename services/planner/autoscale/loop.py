@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from splitserve.common.redis_auth import add_redis_password_flag, use_redis_password_file
 from splitserve.planner.autoscale.controller import (
     ROLES,
     Autoscaler,
@@ -164,6 +165,7 @@ def _line(load: LoadSnapshot, decisions: list[RoleDecision], dry_run: bool) -> s
 
 
 def load_source(args: argparse.Namespace) -> LoadSource:
+    use_redis_password_file(args.redis_password_file)
     redis_source = RedisLoadSource(args.redis_url) if args.redis_url else None
     urls = list(args.metrics_url or [])
     if redis_source is not None and args.pod_metrics_port:
@@ -239,6 +241,7 @@ def add_autoscale_flags(sub: argparse.ArgumentParser) -> None:
         default=os.environ.get("REDIS_URL") or None,
         help="the pod registry (default: $REDIS_URL)",
     )
+    add_redis_password_flag(sub)
     sub.add_argument(
         "--metrics-url",
         action="append",

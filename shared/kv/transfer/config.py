@@ -46,6 +46,9 @@ class KVTransferConfig:
     # ~1 GB/s when other processes loaded the cores (docs/benchmarks.md).
     ucx_progress_mode: str = "thread"
     ucx_options: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_UCX_OPTIONS))
+    # Per-deployment secret both ends of a TCP connection prove on connect (peer_auth.py);
+    # None = anyone who reaches the port may connect. Kept out of repr: config gets logged.
+    auth_secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -54,6 +57,11 @@ class KVTransferConfig:
             raise ValueError(f"offer_wait_s must be > 0, got {self.offer_wait_s}")
         if self.connect_timeout_s <= 0:
             raise ValueError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s}")
+        if self.auth_secret is not None and self.backend != "tcp":
+            raise ValueError(
+                "auth_secret needs backend 'tcp': UCX connections are not authenticated, keep "
+                "them on the pod network behind a NetworkPolicy (docs/security.md)"
+            )
         if self.ucx_progress_mode not in UCX_PROGRESS_MODES:
             raise ValueError(
                 f"ucx_progress_mode must be one of {UCX_PROGRESS_MODES}, "

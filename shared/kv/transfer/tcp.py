@@ -1,5 +1,6 @@
 """KV transport over plain TCP with asyncio, the fallback where UCX is not installed.
-Addresses look like `tcp://HOST:PORT`.
+Addresses look like `tcp://HOST:PORT`. With `KVTransferConfig.auth_secret` both ends prove
+the per-deployment secret before any control message (peer_auth.py).
 
 Framing: a control message is a 4-byte big-endian length and that many bytes of JSON; a payload
 is the raw bytes, sent from and received into the tensors' own memory (`loop.sock_sendall` /
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import struct
 
@@ -23,12 +25,15 @@ from splitserve.engine.kv.transfer.base import (
     with_timeout,
 )
 from splitserve.engine.kv.transfer.config import KVTransferConfig
+from splitserve.engine.kv.transfer.peer_auth import PeerAuthError, check_client, prove_to_server
 from splitserve.engine.kv.transfer.protocol import (
     Channel,
     ChannelError,
     ChannelReceiver,
     ChannelSender,
 )
+
+logger = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct("!I")
 # Control messages are small JSON; a larger length means the stream is out of step.
@@ -62,6 +67,14 @@ class TcpChannel(Channel):
 
     async def recv_payload(self, data: memoryview) -> None:
         await self._recv_into(data)
+
+    async def send_raw(self, data: bytes) -> None:
+        await self._send(data)
+
+    async def recv_exactly(self, num_bytes: int) -> bytes:
+        data = bytearray(num_bytes)
+        await self._recv_into(memoryview(data))
+        return bytes(data)
 
     async def _send(self, data: bytes | memoryview) -> None:
         try:
@@ -98,6 +111,9 @@ class TcpChannel(Channel):
 class TcpReceiver(ChannelReceiver):
     def __init__(self, config: KVTransferConfig, host: str, listener: socket.socket) -> None:
         super().__init__(config.offer_wait_s)
+        self._secret = config.auth_secret
+        self._auth_timeout_s = config.connect_timeout_s
+        self._admitting: set[asyncio.Task[None]] = set()  # connections still proving the secret
         self._listener = listener
         self._address = f"tcp://{host}:{listener.getsockname()[1]}"
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_forever())
@@ -109,13 +125,34 @@ class TcpReceiver(ChannelReceiver):
     async def _accept_forever(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            sock, _ = await loop.sock_accept(self._listener)
-            self._serve(TcpChannel(sock))
+            sock, peer = await loop.sock_accept(self._listener)
+            if self._secret is None:
+                self._serve(TcpChannel(sock))
+                continue
+            task = loop.create_task(self._admit(TcpChannel(sock), peer))
+            self._admitting.add(task)
+            task.add_done_callback(self._admitting.discard)
+
+    async def _admit(self, channel: TcpChannel, peer: object) -> None:
+        """Serves the connection once the peer has proved the secret; closes it otherwise."""
+        assert self._secret is not None, "admitting needs a secret"
+        try:
+            await asyncio.wait_for(
+                check_client(self._secret, channel.send_raw, channel.recv_exactly),
+                self._auth_timeout_s,
+            )
+        except (PeerAuthError, ChannelError, TimeoutError) as error:
+            logger.warning("refused a KV connection from %s: %s", peer, error or "timed out")
+            await channel.close()
+            return
+        self._serve(channel)
 
     async def close(self) -> None:
         self._accept_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._accept_task
+        for task in (self._accept_task, *self._admitting):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         self._listener.close()
         await self._close_channels()
 
@@ -124,6 +161,7 @@ class TcpSender(ChannelSender):
     def __init__(self, config: KVTransferConfig) -> None:
         super().__init__()
         self._connect_timeout_s = config.connect_timeout_s
+        self._secret = config.auth_secret
 
     async def _open_channel(self, address: str) -> Channel:
         host, port = parse_address(address, "tcp")
@@ -141,7 +179,31 @@ class TcpSender(ChannelSender):
         except BaseException:
             sock.close()
             raise
-        return TcpChannel(sock)
+        channel = TcpChannel(sock)
+        if self._secret is not None:
+            await self._prove(channel, address)
+        return channel
+
+    async def _prove(self, channel: TcpChannel, address: str) -> None:
+        assert self._secret is not None, "proving needs a secret"
+        try:
+            await with_timeout(
+                prove_to_server(self._secret, channel.send_raw, channel.recv_exactly),
+                self._connect_timeout_s,
+                f"authenticating {address}",
+            )
+        except PeerAuthError as error:
+            await channel.close()
+            raise ChannelError(f"{address}: {error}") from None
+        except ChannelError as error:
+            await channel.close()
+            raise ChannelError(
+                f"{address} refused the connection while authenticating (wrong or missing KV "
+                f"secret?): {error}"
+            ) from None
+        except BaseException:
+            await channel.close()
+            raise
 
 
 class TcpTransport(KVTransport):

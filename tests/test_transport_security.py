@@ -1,0 +1,405 @@
+"""Security between the parts, with the real things: gRPC servers over TLS and mutual TLS (a
+throwaway CA made here), a real pod process serving TLS only, the TCP KV transport proving a
+per-deployment secret, and a real redis-server with requirepass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.common import redis_auth
+from splitserve.common.channels import aio_channel, sync_channel
+from splitserve.common.grpc_server import start_server
+from splitserve.common.redis_server import RedisServer, free_port
+from splitserve.common.registry_schema import connect
+from splitserve.common.supervisor import HealthCheck, ProcessSpec, Supervisor
+from splitserve.common.tls import TlsFiles
+from splitserve.engine.kv.transfer import (
+    KVTransferConfig,
+    KVTransferDescriptor,
+    KVTransferError,
+    create_kv_transport,
+)
+from splitserve.engine.kv.transfer.peer_auth import NONCE_BYTES
+from splitserve.v1 import worker_pb2_grpc
+
+from .services_util import MODEL_NAME
+from .tls_certs import issue, make_ca
+
+SERVICE = "splitserve.v1.DecodeWorker"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    directory = tmp_path_factory.mktemp("pki")
+    ca = make_ca(directory)
+    other_ca = make_ca(directory, "other-ca")
+    return {
+        "ca": ca,
+        "server": issue(ca, directory, "pod", ("splitserve-pod", "localhost")),
+        "client": issue(ca, directory, "gateway"),
+        "stranger": issue(other_ca, directory, "stranger"),
+        "dir": directory,
+    }
+
+
+# ---- gRPC: one real server, clients with and without the right certificates ------------------
+
+
+async def _check(address: str, channel: grpc.aio.Channel, service: str = "") -> int:
+    async with channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        return reply.status
+
+
+async def _with_server(tls: TlsFiles | None, test, health_port: int = 0) -> None:
+    server = await start_server("127.0.0.1", 0, [SERVICE], lambda _: None, tls, health_port)
+    await server.set_serving(True)
+    try:
+        await test(f"127.0.0.1:{server.port}")
+    finally:
+        await server.stop(0)
+
+
+def _plaintext(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address)
+
+
+def _code(error: pytest.ExceptionInfo[grpc.aio.AioRpcError]) -> grpc.StatusCode:
+    return error.value.code()
+
+
+def test_tls_server_refuses_plaintext_and_serves_tls(pki) -> None:
+    server_tls = TlsFiles(pki["server"].cert, pki["server"].key)  # server-only TLS
+
+    async def test(address: str) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await _check(address, _plaintext(address))
+        assert _code(refused) == grpc.StatusCode.UNAVAILABLE
+        # A client that trusts the CA but presents no certificate: fine without mutual TLS.
+        trusting = grpc.ssl_channel_credentials(root_certificates=Path(pki["ca"].path).read_bytes())
+        assert await _check(address, grpc.aio.secure_channel(address, trusting)) == SERVING
+        assert await _check(address, aio_channel(address, pki["client"])) == SERVING
+
+    asyncio.run(_with_server(server_tls, test))
+
+
+def test_mutual_tls_refuses_clients_without_a_certificate_from_the_ca(pki) -> None:
+    ca_pem = Path(pki["ca"].path).read_bytes()
+
+    async def test(address: str) -> None:
+        no_cert = grpc.ssl_channel_credentials(root_certificates=ca_pem)
+        stranger: TlsFiles = pki["stranger"]
+        foreign_cert = grpc.ssl_channel_credentials(
+            root_certificates=ca_pem,  # trusts our server, presents another CA's certificate
+            private_key=Path(stranger.key).read_bytes(),
+            certificate_chain=Path(stranger.cert).read_bytes(),
+        )
+        for credentials in (no_cert, foreign_cert):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await _check(address, grpc.aio.secure_channel(address, credentials))
+            assert _code(refused) == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await _check(address, _plaintext(address))
+        assert _code(refused) == grpc.StatusCode.UNAVAILABLE
+        assert await _check(address, aio_channel(address, pki["client"])) == SERVING
+
+    asyncio.run(_with_server(pki["server"], test))
+
+
+def test_client_refuses_a_server_the_ca_did_not_sign(pki) -> None:
+    async def test(address: str) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await _check(address, aio_channel(address, pki["client"]))
+        assert _code(refused) == grpc.StatusCode.UNAVAILABLE
+
+    stranger: TlsFiles = pki["stranger"]
+    asyncio.run(_with_server(TlsFiles(stranger.cert, stranger.key), test))
+
+
+def test_server_name_override_checks_the_fixed_name_not_the_dialled_host(pki) -> None:
+    client: TlsFiles = pki["client"]
+    right = TlsFiles(client.cert, client.key, client.ca, server_name="splitserve-pod")
+    wrong = TlsFiles(client.cert, client.key, client.ca, server_name="somebody-else")
+
+    async def test(address: str) -> None:
+        assert await _check(address, aio_channel(address, right)) == SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await _check(address, aio_channel(address, wrong))
+        assert _code(refused) == grpc.StatusCode.UNAVAILABLE
+
+    asyncio.run(_with_server(pki["server"], test))
+
+
+def test_plaintext_health_port_answers_health_only(pki) -> None:
+    health_port = free_port()
+
+    async def test(address: str) -> None:
+        plain = f"127.0.0.1:{health_port}"
+        assert await _check(plain, _plaintext(plain), SERVICE) == SERVING
+        async with _plaintext(plain) as channel:
+            stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.GetStats(_stats_request(), timeout=5)
+            assert _code(refused) == grpc.StatusCode.UNIMPLEMENTED
+
+    asyncio.run(_with_server(pki["server"], test, health_port))
+
+
+def _stats_request():
+    from splitserve.v1 import worker_pb2
+
+    return worker_pb2.StatsRequest()
+
+
+def test_real_pod_serves_tls_only(pki, tmp_path: Path) -> None:
+    """A decode pod started as the chart starts it: plaintext is refused on its gRPC port
+    (before and after the model loads), a mutual-TLS client is answered."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    server: TlsFiles = pki["server"]
+    argv = [sys.executable, "-m", "splitserve.decode", "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "--kv-transport", "tcp", "--kv-cache-bytes", "64MiB"]
+    argv += ["--num-threads", "1", "--log-level", "warning"]
+    argv += ["--tls-cert", server.cert, "--tls-key", server.key, "--tls-ca", str(server.ca)]
+    health = HealthCheck(grpc_address=address, grpc_service=SERVICE, tls=pki["client"])
+    with Supervisor() as supervisor:
+        supervisor.start(ProcessSpec("decode-tls", argv, health))
+        supervisor.wait_healthy(120.0)
+        with sync_channel(address) as channel:  # no TLS files given: plaintext
+            stub = health_pb2_grpc.HealthStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+# ---- the TCP KV transport with a per-deployment secret ---------------------------------------
+
+SECRET = b"0123456789abcdef-deployment-secret"
+
+
+def _config(secret: bytes | None) -> KVTransferConfig:
+    return KVTransferConfig(
+        backend="tcp", offer_wait_s=2.0, connect_timeout_s=1.0, auth_secret=secret
+    )
+
+
+def _pages(seed: int) -> torch.Tensor:
+    return torch.randn((3, 2, 2, 16, 2, 8), generator=torch.Generator().manual_seed(seed))
+
+
+async def _transfer(receiver_secret: bytes | None, sender_secret: bytes | None) -> torch.Tensor:
+    """One transfer; returns what landed in the destination."""
+    receiver = await create_kv_transport(_config(receiver_secret)).start_receiver()
+    sender = create_kv_transport(_config(sender_secret)).create_sender()
+    pages = _pages(1)
+    destination = torch.zeros_like(pages)
+    descriptor = KVTransferDescriptor.for_buffer("r1", [0, 1, 2], pages, "crc32")
+    try:
+        receiving = asyncio.ensure_future(receiver.receive("r1", destination, timeout=3.0))
+        await asyncio.sleep(0)
+        await sender.send(receiver.address, descriptor, pages, timeout=3.0)
+        await receiving
+        return destination
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
+def test_kv_transfer_with_the_shared_secret_delivers_the_pages() -> None:
+    landed = asyncio.run(_transfer(SECRET, SECRET))
+    assert torch.equal(landed, _pages(1))
+
+
+@pytest.mark.parametrize("sender_secret", [None, b"not-the-deployment-secret-at-all"])
+def test_kv_receiver_refuses_a_sender_without_the_secret(sender_secret) -> None:
+    with pytest.raises(KVTransferError):
+        asyncio.run(_transfer(SECRET, sender_secret))
+
+
+def test_kv_sender_refuses_a_receiver_without_the_secret() -> None:
+    """An impostor listening where a decode pod was: the sender pushes no page to it."""
+    with pytest.raises(KVTransferError, match="authenticating|secret"):
+        asyncio.run(_transfer(b"an-impostor-guessing-a-secret", SECRET))
+
+
+def test_kv_receiver_closes_on_a_raw_peer_that_sends_junk() -> None:
+    async def run() -> bytes:
+        receiver = await create_kv_transport(_config(SECRET)).start_receiver()
+        host, port = receiver.address.removeprefix("tcp://").rsplit(":", 1)
+        try:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            nonce = await reader.readexactly(NONCE_BYTES)
+            writer.write(b"\x00" * 64 + b'{"type": "offer"}')
+            await writer.drain()
+            rest = await asyncio.wait_for(reader.read(), 5.0)  # b"" once it is closed
+            writer.close()
+            return nonce + rest
+        finally:
+            await receiver.close()
+
+    answer = asyncio.run(run())
+    assert len(answer) == NONCE_BYTES  # the nonce, then nothing: closed without an answer
+
+
+def test_kv_secret_is_not_in_the_config_repr() -> None:
+    assert SECRET.decode() not in repr(_config(SECRET))
+
+
+def test_ucx_with_a_secret_is_refused_rather_than_pretending() -> None:
+    with pytest.raises(ValueError, match="NetworkPolicy"):
+        KVTransferConfig(backend="ucx", auth_secret=SECRET)
+
+
+# ---- Redis with AUTH --------------------------------------------------------------------------
+
+REDIS_PASSWORD = 'p@ss "word" with spaces'
+
+
+@pytest.fixture
+def redis_with_password() -> Iterator[RedisServer]:
+    with RedisServer(password=REDIS_PASSWORD) as server:
+        yield server
+    redis_auth.use_redis_password_file(None)
+
+
+def test_redis_with_requirepass_refuses_us_without_the_password(redis_with_password) -> None:
+    client = redis.Redis.from_url(redis_with_password.url, socket_timeout=2)
+    with pytest.raises(redis.AuthenticationError):
+        client.ping()
+
+    async def ping() -> None:
+        async with connect(redis_with_password.url, timeout_s=2.0) as client:
+            await client.ping()
+
+    redis_auth.use_redis_password_file(None)
+    with pytest.raises(redis.AuthenticationError):
+        asyncio.run(ping())
+
+
+def test_redis_password_file_lets_our_client_in(redis_with_password, tmp_path: Path) -> None:
+    wrong = tmp_path / "wrong"
+    wrong.write_text("guess\n")
+    redis_auth.use_redis_password_file(str(wrong))
+
+    async def ping() -> bool:
+        async with connect(redis_with_password.url, timeout_s=2.0) as client:
+            return bool(await client.ping())
+
+    with pytest.raises(redis.AuthenticationError):
+        asyncio.run(ping())
+    right = tmp_path / "password"
+    right.write_text(REDIS_PASSWORD + "\n")  # a trailing newline, as `kubectl create` leaves
+    redis_auth.use_redis_password_file(str(right))
+    assert asyncio.run(ping())
+
+
+def test_redis_password_file_errors_name_the_flag(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    for path in (str(empty), str(tmp_path / "missing")):
+        with pytest.raises(ValueError, match="--redis-password-file"):
+            redis_auth.use_redis_password_file(path)
+
+
+def test_redis_server_password_is_not_on_its_command_line(redis_with_password) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                argv = (proc / "cmdline").read_bytes()
+                if f"{redis_with_password.port}".encode() in argv:
+                    assert REDIS_PASSWORD.encode() not in argv
+
+
+# ---- splitserve up passes it all through -----------------------------------------------------
+
+
+def _up_args(pki, tmp_path: Path, *extra: str):
+    from splitserve.cli import build_parser
+
+    secret, password = tmp_path / "kv-secret", tmp_path / "redis-password"
+    secret.write_bytes(SECRET)
+    password.write_text(REDIS_PASSWORD)
+    server: TlsFiles = pki["server"]
+    argv = ["up", "--transport", "tcp", "--tls-cert", server.cert, "--tls-key", server.key]
+    argv += ["--tls-ca", str(server.ca), "--tls-server-name", "splitserve-pod"]
+    argv += ["--kv-secret-file", str(secret), "--redis-password-file", str(password), *extra]
+    return build_parser().parse_args(argv)
+
+
+def _value(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+def test_up_passes_tls_kv_secret_and_redis_password_files_to_the_processes(pki, tmp_path):
+    from splitserve.launcher import plan
+
+    args = _up_args(pki, tmp_path)
+    the_plan = plan(args, prefill_available=True, redis_url="redis://127.0.0.1:1/0")
+    by_name = {spec.name: spec for spec in the_plan.specs}
+    assert set(by_name) == {"prefill-0", "decode-0", "gateway"}
+    for spec in the_plan.specs:
+        assert _value(spec.argv, "--tls-cert") == args.tls_cert
+        assert _value(spec.argv, "--tls-ca") == args.tls_ca
+        assert _value(spec.argv, "--tls-server-name") == "splitserve-pod"
+        assert _value(spec.argv, "--redis-password-file") == args.redis_password_file
+        assert REDIS_PASSWORD not in " ".join(spec.argv)  # paths, never the secrets
+        assert SECRET.decode() not in " ".join(spec.argv)
+    for name in ("prefill-0", "decode-0"):
+        assert _value(by_name[name].argv, "--kv-secret-file") == args.kv_secret_file
+        assert by_name[name].health.tls is not None  # up's own health checks speak TLS
+    assert "--kv-secret-file" not in by_name["gateway"].argv
+    assert by_name["gateway"].health.tls is None  # the gateway's public port stays as it was
+
+
+@pytest.mark.slow
+def test_up_stack_serves_over_tls_with_kv_secret_and_redis_auth(pki, tmp_path):
+    """1 prefill + 1 decode pod and the gateway, as `splitserve up` starts them with every
+    protection on, and a Redis with requirepass: a prompt is prefilled remotely and answered."""
+    import json
+    import urllib.request
+
+    from splitserve.launcher import plan
+
+    with RedisServer(password=REDIS_PASSWORD) as redis_server:
+        ports = [str(free_port()) for _ in range(4)]
+        args = _up_args(
+            pki,
+            tmp_path,
+            *("--port", ports[0], "--grpc-port", ports[1]),
+            *("--prefill-port", ports[2], "--decode-port", ports[3]),
+            *("--num-threads", "1", "--kv-cache-bytes", "64MiB"),
+            *("--max-remote-prefill-tokens", "0", "--local-prefill-threshold", "0"),
+        )
+        the_plan = plan(args, prefill_available=True, redis_url=redis_server.url)
+        with Supervisor() as supervisor:
+            for spec in the_plan.specs:
+                supervisor.start(spec)
+            supervisor.wait_healthy(240.0)
+            body = {"model": MODEL_NAME, "prompt": "The capital of France is", "max_tokens": 4}
+            request = urllib.request.Request(
+                f"{the_plan.http_url}/v1/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=120) as response:
+                answer = json.load(response)
+            assert answer["usage"]["completion_tokens"] == 4
+            # The pods registered in the password-protected Redis.
+            client = redis.Redis.from_url(redis_server.url, password=REDIS_PASSWORD)
+            assert client.dbsize() > 0

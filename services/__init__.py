@@ -9,7 +9,7 @@ The installed name maps the repository's folders (setup.py says how):
 | splitserve.kernels   | kernels/            | Triton kernels, their references, C++ CPU ones  |
 | splitserve.v1        | proto/splitserve/v1 | the gRPC stubs (the proto package's own name)   |
 
-`LLM`, `AsyncLLM` and `SamplingParams` load on first use: the gateway imports
+`LLM`, `AsyncLLM`, `SamplingParams` and `LoRARequest` load on first use: the gateway imports
 `splitserve.engine.tokenizer` and must not pay for (or need) torch.
 """
 
@@ -21,14 +21,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from splitserve.engine.async_llm import AsyncLLM
     from splitserve.engine.llm import LLM
+    from splitserve.engine.lora.request import LoRARequest
     from splitserve.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "LoRARequest"]
 
 _LAZY = {
     "LLM": "splitserve.engine.llm",
     "AsyncLLM": "splitserve.engine.async_llm",
     "SamplingParams": "splitserve.engine.sampling_params",
+    "LoRARequest": "splitserve.engine.lora.request",
 }
 
 

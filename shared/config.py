@@ -260,6 +260,32 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA (shared/lora/, vLLM's names): adapters in PEFT's format, each request with
+    one of them or none, mixed in one batch."""
+
+    enable_lora: bool = False
+    # Adapters in active slots at once (so at most this many distinct ones per step).
+    max_loras: int = 1
+    # Every slot holds this rank (smaller adapters are zero-padded); larger ones are refused.
+    max_lora_rank: int = 16
+    # Host copies kept, least recently used out first; None = max_loras.
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
+        _check_count("max_loras", self.max_loras, 1)
+        _check_count("max_lora_rank", self.max_lora_rank, 1)
+        if self.max_cpu_loras is not None:
+            _check_count("max_cpu_loras", self.max_cpu_loras, self.max_loras)
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     """How one engine splits the model over processes (shared/parallel/, docs/parallelism.md).
     Whether a size divides the model's heads is checked once the model is loaded."""
@@ -305,6 +331,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     # torch intra-op threads (of each tensor-parallel rank); None = all cores (shared out
     # among the ranks).
     num_threads: int | None = None
@@ -333,6 +360,13 @@ class EngineConfig:
                 f"tensor_parallel_size {self.parallel.tensor_parallel_size} / "
                 f"pipeline_parallel_size {self.parallel.pipeline_parallel_size} yet; set them "
                 "to 0 (the default 'auto' host tier is left off by itself)"
+            )
+        if self.parallel.world_size > 1 and self.lora.enable_lora:
+            # The ranks' projections are slices; adapter weights are not sliced yet.
+            raise ValueError(
+                "enable_lora does not support tensor_parallel_size "
+                f"{self.parallel.tensor_parallel_size} / pipeline_parallel_size "
+                f"{self.parallel.pipeline_parallel_size} yet"
             )
         if self.parallel.world_size > 1 and self.model.quantization != "none":
             # The ranks load and slice Hugging Face weights; packed weights are not sliced yet.
@@ -364,12 +398,20 @@ class EngineConfig:
             scheduler=SchedulerConfig(**groups.get(SchedulerConfig, {})),
             speculative=SpeculativeConfig(**groups.get(SpeculativeConfig, {})),
             parallel=ParallelConfig(**groups.get(ParallelConfig, {})),
+            lora=LoRAConfig(**groups.get(LoRAConfig, {})),
             num_threads=engine.get("num_threads"),
             adaptive_threads=engine.get("adaptive_threads", True),
         )
 
 
-_CONCERNS = (ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig, ParallelConfig)
+_CONCERNS = (
+    ModelConfig,
+    CacheConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    ParallelConfig,
+    LoRAConfig,
+)
 
 _OPTION_OWNERS: dict[str, type] = {
     **{option.name: concern for concern in _CONCERNS for option in fields(concern)},

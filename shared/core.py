@@ -27,6 +27,7 @@ from splitserve.engine.kv.events import KVCacheEvent
 from splitserve.engine.kv.eviction import retention_for
 from splitserve.engine.kv.offload.stats import KVTierStats, tier_stats
 from splitserve.engine.kv.tiers import Tier
+from splitserve.engine.lora.request import LoRARequest, lora_hash_keys
 from splitserve.engine.model.moe_layer import expert_token_counts
 from splitserve.engine.outputs import StreamDelta
 from splitserve.engine.params_check import check_params
@@ -76,6 +77,18 @@ class EngineStats:
         return 1.0 - self.num_kv_blocks_free / self.num_kv_blocks_total
 
 
+@dataclass(frozen=True)
+class LoRAInfo:
+    """vLLM's lora_requests_info, plus the slots' cumulative loads and evictions."""
+
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
+    resident_adapters: tuple[str, ...] = ()  # in active slots, least recently used first
+    max_loras: int = 0
+    num_slot_loads: int = 0
+    num_slot_evictions: int = 0
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, progress=None) -> None:
         """Loads the model (reporting to `progress`) and builds the parts (shared/parts.py)."""
@@ -103,6 +116,7 @@ class EngineCore:
         self.thread_tuner = parts.thread_tuner
         self._num_threads = torch.get_num_threads()
         self._moe_blocks = parts.moe_blocks
+        self.lora = parts.lora
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -144,6 +158,7 @@ class EngineCore:
         arrival_time: float | None = None,
         export_kv_from_block: int | None = None,
         resumed_output: Sequence[int] = (),
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validates and queues one sequence (n > 1 is fanned out by the callers).
 
@@ -151,9 +166,17 @@ class EngineCore:
         pages of its prompt blocks from that index on are packed for `take_exported_pages`.
         `resumed_output`: tokens the sequence already generated elsewhere (a migration from a
         pod that died): they count as output (max_tokens, penalties, the seeded generator's
-        draws, the grammar) but are not streamed again, and generation continues after them."""
+        draws, the grammar) but are not streamed again, and generation continues after them.
+        `lora_request`: the adapter it runs with (registered, read from disk if new); None =
+        the base model."""
         request = self._new_request(
-            request_id, prompt_token_ids, params, priority, arrival_time, resumed_output
+            request_id,
+            prompt_token_ids,
+            params,
+            priority,
+            arrival_time,
+            resumed_output,
+            lora_request,
         )
         request.export_kv_from_block = export_kv_from_block
         self.scheduler.add_request(request)
@@ -167,13 +190,16 @@ class EngineCore:
         priority: int,
         arrival_time: float | None = None,
         resumed_output: Sequence[int] = (),
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         self.validate_request(prompt_token_ids, params, priority)
+        self.add_lora(lora_request)
         if resumed_output:
             self._validate_resumed_output(prompt_token_ids, resumed_output, params)
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, list(prompt_token_ids), params, priority=priority)
+        request.lora_name = lora_request.lora_name if lora_request is not None else None
         for token_id in resumed_output:
             request.append_output_token(token_id)
         self._apply_cache_options(request)
@@ -186,7 +212,9 @@ class EngineCore:
     def _apply_cache_options(self, request: Request) -> None:
         """The tenant's salt into the block hashes; the eviction policy's retention."""
         params, cache = request.sampling_params, self.config.cache
-        request.extra_hash_keys = cache_salt_keys(params.cache_salt)
+        request.extra_hash_keys = cache_salt_keys(params.cache_salt) + lora_hash_keys(
+            request.lora_name
+        )
         request.kv_retention = retention_for(
             cache.eviction_policy,
             request.priority,
@@ -214,10 +242,14 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RemotePrefillPlan | None:
         """Allocates the request's blocks for a prefill pod to fill; None when they are not
-        free now (the caller then prefills locally with `add_request`)."""
-        request = self._new_request(request_id, prompt_token_ids, params, priority)
+        free now, or its adapter would need a slot no step has now (the caller then prefills
+        locally with `add_request`). The prefill pod must run the same `lora_request`."""
+        request = self._new_request(
+            request_id, prompt_token_ids, params, priority, lora_request=lora_request
+        )
         num_cached = self.scheduler.reserve_remote_kv(request)
         if num_cached is None:
             return None
@@ -275,6 +307,55 @@ class EngineCore:
     def has_schedulable_requests(self) -> bool:
         """False when every unfinished request waits for remote KV (a step would do nothing)."""
         return self.scheduler.has_schedulable_requests()
+
+    # ---- LoRA adapters (shared/lora/) --------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest | None) -> None:
+        """Registers the adapter and reads it to the host (a no-op for one registered as it
+        is, or None); ValueError when LoRA is off or the adapter cannot run here."""
+        if lora_request is None:
+            return
+        if self.lora is None:
+            raise ValueError(
+                f"LoRA adapter {lora_request.lora_name!r} requested but this engine was "
+                "started without enable_lora"
+            )
+        self.lora.register(lora_request)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Forgets the adapter; False if it was not registered. ValueError while a request
+        still runs with it."""
+        if self.lora is None:
+            return False
+        users = [r.request_id for r in self.scheduler.requests.values() if r.lora_name == lora_name]
+        if users:
+            raise ValueError(
+                f"LoRA adapter {lora_name!r} is in use by {len(users)} request(s); retry later"
+            )
+        return self.lora.unregister(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.lora is None else self.lora.registered()
+
+    def lora_info(self) -> LoRAInfo:
+        """Which adapters requests run or wait with now, and the slots' counters."""
+        if self.lora is None:
+            return LoRAInfo()
+        running: set[str] = set()
+        waiting: set[str] = set()
+        for request in self.scheduler.requests.values():
+            if request.lora_name is not None:
+                is_waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+                (waiting if is_waiting else running).add(request.lora_name)
+        stats = self.lora.stats
+        return LoRAInfo(
+            running_adapters=tuple(sorted(running)),
+            waiting_adapters=tuple(sorted(waiting)),
+            resident_adapters=tuple(self.lora.resident()),
+            max_loras=self.lora.max_loras,
+            num_slot_loads=stats.num_slot_loads,
+            num_slot_evictions=stats.num_slot_evictions,
+        )
 
     # ---- the prefix cache's index (what a pod publishes) -----------------------------------
 

@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core import EngineCore, EngineStats
+from splitserve.engine.lora.request import LoRARequest
 from splitserve.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
 from splitserve.engine.prompts import PromptInput, child_sequences, normalize_prompts
 from splitserve.engine.sampling_params import SamplingParams
@@ -31,19 +32,25 @@ class LLM:
         prompts: object,
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One `RequestOutput` per prompt, in input order. All prompts are validated before
         any is queued, so a bad one raises `ValueError` and none runs. If the run itself fails
-        (or is interrupted), this call's sequences are aborted so the engine stays usable."""
+        (or is interrupted), this call's sequences are aborted so the engine stays usable.
+        `lora_request`: one adapter for every prompt, or a list with one per prompt (None: the
+        base model); needs an engine built with enable_lora."""
         inputs = normalize_prompts(prompts, self.tokenizer)
         all_params = _per_prompt(params, len(inputs), SamplingParams(), "params")
         priorities = _per_prompt(priority, len(inputs), 0, "priority")
+        loras = _per_prompt(lora_request, len(inputs), None, "lora_request")
         for prompt, p, prio in zip(inputs, all_params, priorities):
             self.engine.validate_request(prompt.token_ids, p, prio)
+        for lora in loras:
+            self.engine.add_lora(lora)
         request_ids: list[str] = []
         with self._aborted_on_error(request_ids, all_params):
-            for prompt, p, prio in zip(inputs, all_params, priorities):
-                request_ids.append(self._submit(prompt, p, prio))
+            for prompt, p, prio, lora in zip(inputs, all_params, priorities, loras):
+                request_ids.append(self._submit(prompt, p, prio, lora))
             finals = self._run_until_done()
         return [
             _request_output(rid, prompt, p, finals)
@@ -72,10 +79,23 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    def _submit(self, prompt: PromptInput, params: SamplingParams, priority: int) -> str:
+    def _submit(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        priority: int,
+        lora_request: LoRARequest | None = None,
+    ) -> str:
         request_id = f"offline-{next(self._ids)}"
         for index, (child_id, child_params) in enumerate(child_sequences(request_id, params)):
-            self.engine.add_request(child_id, prompt.token_ids, child_params, priority, index)
+            self.engine.add_request(
+                child_id,
+                prompt.token_ids,
+                child_params,
+                priority,
+                index,
+                lora_request=lora_request,
+            )
         return request_id
 
     def _run_until_done(self) -> dict[str, CompletionOutput]:

@@ -25,6 +25,8 @@ from splitserve.engine.kv.loads import KVLoads
 from splitserve.engine.kv.manager import KVCacheManager
 from splitserve.engine.kv.offload.build import build_offloader
 from splitserve.engine.kv.offload.offloader import KVOffloader
+from splitserve.engine.lora.build import build_lora
+from splitserve.engine.lora.slots import LoRASlots
 from splitserve.engine.model.architecture import LoadedCheckpoint, ModelArchitecture
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.loader import load_checkpoint, release_freed_memory
@@ -82,6 +84,7 @@ class EngineParts:
     kv_exporter: KVPageExporter
     step_observers: list[StepObserver]
     moe_blocks: list[SparseMoeBlock]  # their expert counters, for stats
+    lora: LoRASlots | None  # multi-LoRA's slots (enable_lora), hooked into the model
 
 
 def build_parts(config: EngineConfig, progress=None) -> EngineParts:
@@ -91,6 +94,7 @@ def build_parts(config: EngineConfig, progress=None) -> EngineParts:
     loaded = load_model(config, progress)
     kv = build_kv(config.cache, loaded, config.parallel.world_size)
     speculation = build_policy(config.speculative)
+    lora = build_lora(config, loaded.model)
     scheduler = Scheduler(
         config.scheduler,
         kv.manager,
@@ -98,6 +102,7 @@ def build_parts(config: EngineConfig, progress=None) -> EngineParts:
         loaded.eos_token_ids,
         speculation,
         kv.loads,
+        config.lora.max_loras if lora is not None else None,
     )
     runner = ModelRunner(
         loaded.model,
@@ -106,6 +111,7 @@ def build_parts(config: EngineConfig, progress=None) -> EngineParts:
         loaded.eos_token_ids,
         loaded.parallel,
         DecodeGraphsOptions(loaded.max_model_len) if config.model.cuda_graphs else None,
+        lora,
     )
     speculator = None
     if speculation is not None:
@@ -130,6 +136,7 @@ def build_parts(config: EngineConfig, progress=None) -> EngineParts:
         kv_exporter=kv_exporter,
         step_observers=_step_observers(kv_exporter, speculator, kv.offloader),
         moe_blocks=moe_blocks(loaded.model),
+        lora=lora,
     )
     # The checkpoint went with load_model's frame, and building freed its temporaries: give
     # that memory back, or glibc keeps it resident (shared/model/loader.py).

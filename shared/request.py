@@ -63,6 +63,8 @@ class Request:
     # Mixed into the first block's hash, e.g. a LoRA or multimodal identity, or a tenant's
     # cache salt; () for plain text.
     extra_hash_keys: tuple[str, ...] = ()
+    # The LoRA adapter it runs with (shared/lora/); None = the base model.
+    lora_name: str | None = None
     # What its cached blocks keep once it frees them (shared/kv/eviction.py).
     kv_retention: Retention = KEEP_LRU
 

@@ -28,6 +28,7 @@ from splitserve.engine.step import ModelOutput, SchedulerOutput
 from splitserve.engine.structured_output.matcher import NO_MASKS, StepMasks
 
 if TYPE_CHECKING:
+    from splitserve.engine.lora.slots import LoRASlots
     from splitserve.engine.parallel.group import ParallelGroup
 
 
@@ -76,8 +77,11 @@ class ModelRunner(Generic[ModelT]):
         eos_token_ids: tuple[int, ...],
         parallel: ParallelGroup | None = None,
         decode_graphs: DecodeGraphsOptions | None = None,
+        lora: LoRASlots | None = None,
     ) -> None:
         self.model = model
+        # Multi-LoRA: each step's adapters are put in slots and its rows mapped to them.
+        self.lora = lora
         # Rank 0 of a parallel engine: each forward is sent to the other ranks first.
         self.parallel = parallel
         self.kv_cache = kv_cache
@@ -98,7 +102,7 @@ class ModelRunner(Generic[ModelT]):
         `masks` allow). A verification chunk's logits rows come back unsampled in
         `verification_logits`, for the speculator."""
         inputs = self.prepare_inputs(sched.chunks)
-        logits = self.forward(inputs)  # [num_logits, vocab]
+        logits = self._forward_with_adapters(inputs, sched)  # [num_logits, vocab]
         plain_rows: list[int] = []
         plain_requests: list[Request] = []
         verification_logits: dict[str, torch.Tensor] = {}
@@ -113,6 +117,17 @@ class ModelRunner(Generic[ModelT]):
         out = self._sample_plain(logits[plain_rows], plain_requests, masks)
         out.verification_logits = verification_logits
         return out
+
+    def _forward_with_adapters(self, inputs: ModelInputs, sched: SchedulerOutput) -> torch.Tensor:
+        """`forward`, with the step's LoRA batch set on the model's hooks for its duration."""
+        if self.lora is None:
+            return self.forward(inputs)
+        state = self.lora.model.state
+        state.batch = self.lora.batch_for(sched.chunks)
+        try:
+            return self.forward(inputs)
+        finally:
+            state.batch = None  # a draft's forward (early exit) runs the base model
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """One batched forward over the paged cache; logits of `inputs.logits_indices` rows."""

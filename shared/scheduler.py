@@ -44,9 +44,11 @@ class Scheduler:
         eos_token_ids: tuple[int, ...],
         speculation: SpeculationPolicy | None = None,
         loads: KVLoads | None = None,
+        max_loras: int | None = None,
     ) -> None:
         """`loads`: the offload tiers' loads (None without tiers): admissions whose cached
-        prefix continues in a lower tier wait there for it."""
+        prefix continues in a lower tier wait there for it. `max_loras`: multi-LoRA's slots;
+        no more distinct adapters than that are ever admitted at once."""
         self.config = config
         self.speculation = speculation
         self.eos_token_ids = eos_token_ids
@@ -61,6 +63,7 @@ class Scheduler:
         # Requests ended inside schedule() (their context outgrew the cache), until taken.
         self._dropped: list[Request] = []
         self.loads = loads
+        self.max_loras = max_loras
         # What is left this step of the prompt tokens a step may take (see _prefill_cap).
         self._prefill_budget = config.max_num_batched_tokens
 
@@ -238,6 +241,8 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self._waiting and budget > 0 and self._has_seq_room():
             request = self._waiting[0][3]
+            if not self._has_lora_room(request):
+                break  # its adapter waits for a slot; the queue keeps its order
             computed = self.kv.get_computed_blocks(request)
             if computed.load_hashes and self.loads is not None:
                 if not self.loads.start_admission(request, computed):
@@ -258,6 +263,18 @@ class Scheduler:
             out.chunks.append(self._chunk(request, num_new))
             budget -= num_new
 
+
+    def _has_lora_room(self, request: Request) -> bool:
+        """Whether admitting `request` keeps the admitted requests' distinct adapters within
+        max_loras (admitted: running, or waiting for KV from a prefill pod or a lower tier)."""
+        if request.lora_name is None or self.max_loras is None:
+            return True
+        admitted = {
+            other.lora_name
+            for other in self.requests.values()
+            if RequestStatus.WAITING < other.status < RequestStatus.PREEMPTED
+        }
+        return request.lora_name in admitted or len(admitted - {None}) < self.max_loras
 
     def _has_seq_room(self) -> bool:
         return len(self.running) + self._num_loading < self.config.max_num_seqs
@@ -356,6 +373,8 @@ class Scheduler:
         With offload tiers, the prefix found there is loaded meanwhile, and counts as cached:
         the prefill pod sends only the pages after it."""
         assert request.request_id not in self.requests, f"duplicate id {request.request_id}"
+        if not self._has_lora_room(request):
+            return None
         computed = self.kv.get_computed_blocks(request)
         if self.loads is None:
             computed = computed.without_loads()

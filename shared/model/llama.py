@@ -1,7 +1,9 @@
 """A Llama-family decoder that runs flattened ragged batches over the paged KV cache.
 
-Mixtral and Qwen2-MoE share it: only the feed-forward block differs (`feed_forward`,
+Mixtral and Qwen2/Qwen3-MoE share it: only the feed-forward block differs (`feed_forward`,
 shared/model/moe_layer.py) and Qwen2's q/k/v biases (`ModelArchitecture.attention_bias`).
+Qwen2/3, Mistral, Phi-3 and Gemma 2/3 add parts the architecture switches on (q/k norms,
+sliding windows, soft-capping, Gemma's extra norms and GeGLU): docs/models.md lists them.
 
 One forward serves prefill chunks and decode tokens of many requests at once: every token is a
 row of `[num_tokens, hidden]`, and only attention needs to know which row belongs to whom.
@@ -16,13 +18,19 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
+from splitserve.engine.lora.layers import LoRAState
 from splitserve.engine.model.architecture import ModelArchitecture
 from splitserve.engine.model.attention_metadata import AttentionBackend, AttentionMetadata
 from splitserve.engine.model.feed_forward import internal_feed_forward_weights
-from splitserve.engine.model.fused_decode import FusedDecode, build_fused_decode
+from splitserve.engine.model.fused_decode import (
+    FusedDecode,
+    build_fused_decode,
+    fused_decode_problem,
+)
 from splitserve.engine.model.gguf_blocks import BlockQuantized
 from splitserve.engine.model.layer_ops import TorchLayerOps, select_layer_ops
 from splitserve.engine.model.linear import Linear, linear, onednn_weight
+from splitserve.engine.model.masked_attention import masked_attention
 from splitserve.engine.model.moe_layer import SparseMoeBlock
 from splitserve.engine.model.quantization import (
     QuantizedEmbedding,
@@ -76,7 +84,13 @@ class LlamaAttention(nn.Module):
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
-        self.scale = arch.head_dim**-0.5
+        self.scale = arch.head_dim**-0.5 if arch.attention_scale is None else arch.attention_scale
+        # Set per layer by LlamaForCausalLM: a sliding window (0 = none) and Gemma 2's cap.
+        self.window = 0
+        self.softcap = arch.attn_logit_softcap
+        # Qwen3 and Gemma 3: each head's q and k RMS-normalised before rotary.
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         q_size = arch.num_heads * arch.head_dim
         kv_size = arch.num_kv_heads * arch.head_dim
         # q, k and v in one matmul: one pass over the activations instead of three (quantized,
@@ -100,14 +114,30 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if self.q_norm is not None:
+            qkv = self._norm_qk(qkv)
         q = self.ops.rotary_qkv_into_cache(
             qkv, rotary, self.num_heads, self.num_kv_heads, layer_cache, meta, backend
         )
-        out = backend.attend(q, layer_cache, meta, self.scale)  # [num_tokens, heads, head_dim]
+        if self.window or self.softcap:  # what the backends' kernels do not take
+            out = masked_attention(q, layer_cache, meta, self.scale, self.window, self.softcap)
+        else:
+            out = backend.attend(q, layer_cache, meta, self.scale)  # [tokens, heads, head_dim]
         out = self.o_proj(out.reshape(num_tokens, -1))
         if self.tensor_parallel is not None:
             self.tensor_parallel.all_reduce(out)
         return out
+
+    def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv with q's and k's heads RMS-normalised, each over head_dim (the fused rotary op
+        then takes it as before)."""
+        assert self.q_norm is not None and self.k_norm is not None, "qk_norm models only"
+        num_tokens, dim = qkv.shape[0], self.head_dim
+        q_size, kv_size = self.num_heads * dim, self.num_kv_heads * dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = self.q_norm(q.reshape(-1, dim)).view(num_tokens, q_size)
+        k = self.k_norm(k.reshape(-1, dim)).view(num_tokens, kv_size)
+        return torch.cat((q, k, v), dim=-1)
 
 
 class LlamaMLP(nn.Module):
@@ -120,9 +150,16 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = make_linear(arch.hidden_size, 2 * arch.intermediate_size, quantization)
         # SwiGLU's output has a few large features per row: two activation passes.
         self.down_proj = make_linear(arch.intermediate_size, arch.hidden_size, quantization, 2)
+        self.gelu = arch.hidden_act == "gelu_pytorch_tanh"  # Gemma's GeGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            activated = torch.nn.functional.gelu(gate, approximate="tanh") * up
+        else:
+            activated = self.ops.silu_and_mul(gate_up)
+        out = self.down_proj(activated)
         if self.tensor_parallel is not None:
             self.tensor_parallel.all_reduce(out)
         return out
@@ -141,6 +178,12 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(arch, quantization)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = feed_forward(arch, quantization)
+        # Gemma: post_attention_layernorm normalises the attention branch itself, and the MLP
+        # branch has a norm before and after it.
+        self.sandwich_norms = arch.sandwich_norms
+        if arch.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(
         self,
@@ -151,6 +194,10 @@ class LlamaDecoderLayer(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         attn_out = self.self_attn(self.input_layernorm(hidden), rotary, layer_cache, meta, backend)
+        if self.sandwich_norms:
+            attn_out = self.post_attention_layernorm(attn_out)
+            normed, hidden = self.pre_feedforward_layernorm.add_and_norm(attn_out, hidden)
+            return hidden + self.post_feedforward_layernorm(self.mlp(normed))
         normed, hidden = self.post_attention_layernorm.add_and_norm(attn_out, hidden)
         return hidden + self.mlp(normed)
 
@@ -196,11 +243,22 @@ class LlamaForCausalLM(nn.Module):
                 self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
                 self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(arch, max_positions, device)
+        # Gemma 3: the window layers rotate with their own base.
+        self.local_rotary = (
+            None
+            if arch.local_rope_theta is None
+            else RotaryEmbedding(arch, max_positions, device, arch.local_rope_theta)
+        )
+        for layer_id, layer in enumerate(self.decoder_layers()):
+            layer.self_attn.window = arch.window_of(layer_id)
         self.requires_grad_(False)
         self.use_layer_ops(select_layer_ops(device))
         # Decode-only steps through all layers in one C++ call, once the weights are loaded
         # (shared/model/fused_decode.py); None: the Python layers serve every step.
         self.fused_decode: FusedDecode | None = None
+        # Multi-LoRA (shared/lora/layers.py): while its batch is set, a step has adapter rows,
+        # which the fused decode does not apply, so the Python layers (hooked) take it.
+        self.lora: LoRAState | None = None
 
     def use_layer_ops(self, ops: TorchLayerOps) -> None:
         """Runs the norms, activations and rotary of every layer through `ops`."""
@@ -265,8 +323,11 @@ class LlamaForCausalLM(nn.Module):
         Callers hold torch.inference_mode."""
         last = self.norm(rows)
         if isinstance(self.lm_head, QuantizedEmbedding):
-            return self.lm_head.project(last).float()
-        return linear(last, self.lm_head.weight, self._lm_head_onednn).float()
+            logits = self.lm_head.project(last).float()
+        else:
+            logits = linear(last, self.lm_head.weight, self._lm_head_onednn).float()
+        cap = self.arch.final_logit_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     def decode_layers(
         self,
@@ -280,6 +341,9 @@ class LlamaForCausalLM(nn.Module):
         """The hidden states after the decoder layers, [num_tokens, hidden] (no head: tensor-
         parallel ranks other than 0 stop here). Callers hold torch.inference_mode."""
         hidden = self.embed_tokens(input_ids)
+        if self.arch.embedding_multiplier != 1.0:
+            # Gemma: rounded to the model's dtype first, as its reference multiplies.
+            hidden = hidden * torch.tensor(self.arch.embedding_multiplier, dtype=hidden.dtype)
         return self.run_layers(hidden, positions, kv_cache, meta, backend, num_layers)
 
     def run_layers(
@@ -293,14 +357,20 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """`hidden` through this model's decoder layers (a pipeline stage starts here)."""
         angles = self.rotary.lookup(positions, hidden.dtype)
+        local = self.local_rotary
+        local_angles = None if local is None else local.lookup(positions, hidden.dtype)
         fused = self.fused_decode
-        if fused is not None and fused.serves(hidden, meta):
+        lora_in_step = self.lora is not None and self.lora.batch is not None
+        if fused is not None and not lora_in_step and fused.serves(hidden, meta):
             return fused.run(hidden, angles, kv_cache, meta, num_layers)
         # Iterated, not sliced: a slice of a ModuleList builds a new one every step.
         for layer_id, layer in enumerate(self.layers):
             if layer_id == num_layers:
                 break
-            hidden = layer(hidden, angles, kv_cache[layer_id], meta, backend)
+            layer_angles = angles
+            if local_angles is not None and self.arch.window_of(layer_id):
+                layer_angles = local_angles
+            hidden = layer(hidden, layer_angles, kv_cache[layer_id], meta, backend)
         return hidden
 
     def load_hf_weights(
@@ -353,6 +423,9 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.weight = nn.Parameter(head.to("meta"), requires_grad=False)
         if not self._is_tensor_parallel():
             self.fused_decode = build_fused_decode(self)
+            problem = fused_decode_problem(self.arch)
+            if problem is not None:
+                logger.info("fused decode off for %s: %s", self.arch.name, problem)
         logger.info(
             "weights: quantization %s, %.0f MiB resident",
             self.quantization,
@@ -431,6 +504,11 @@ def _internal_layer_weights(
         )
     out[ours + "self_attn.o_proj.weight"] = weights[attn + "o_proj.weight"]
     out.update(internal_feed_forward_weights(weights, arch, i))
-    out[ours + "input_layernorm.weight"] = weights[hf + "input_layernorm.weight"]
-    out[ours + "post_attention_layernorm.weight"] = weights[hf + "post_attention_layernorm.weight"]
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if arch.sandwich_norms:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    if arch.qk_norm:
+        norms += ["self_attn.q_norm", "self_attn.k_norm"]
+    for norm in norms:
+        out[f"{ours}{norm}.weight"] = weights[f"{hf}{norm}.weight"]
     return out

@@ -1,0 +1,254 @@
+"""Multi-LoRA in the engine: random PEFT adapters on a tiny random Llama, mixed with the base
+model in one batch, each row token for token against transformers (adapter merged into the
+weights, and peft's own model); the prefix cache per adapter; what is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from splitserve import LLM, LoRARequest, SamplingParams
+from splitserve.engine.lora.batched import (
+    LoRABatch,
+    add_lora_delta,
+    lora_delta_segmented,
+    make_batch,
+    slot_runs,
+)
+from tests.hf_reference import transformers_greedy
+
+peft = pytest.importorskip("peft")
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+KV_BYTES = 16 * 2**20
+EOS_TOKEN_ID = 2
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> (rank, alpha, target modules, use_rslora, seed)
+ADAPTERS = {
+    "alpha": (8, 16, ALL_MODULES, False, 1),
+    "beta": (4, 8, ["q_proj", "v_proj", "down_proj"], True, 2),
+    "wide": (16, 16, ["q_proj"], False, 3),  # rank above the engines' max_lora_rank of 8
+}
+_STORY = (
+    "The lighthouse keeper had lived on the island for thirty years. Every evening he climbed "
+    "the spiral stairs, trimmed the wick and watched the beam sweep across the dark water."
+)
+
+
+def _write_adapter(base_dir: str, out_dir: str, spec: tuple) -> None:
+    from transformers import AutoModelForCausalLM
+
+    rank, alpha, targets, rslora, seed = spec
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, use_rslora=rslora
+    )
+    peft_model = peft.get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:  # B is zeros at init: make both random so the delta shows
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
+    peft_model.save_pretrained(out_dir)
+
+
+@pytest.fixture(scope="module")
+def base_dir(make_tiny_hf_checkpoint) -> str:
+    return make_tiny_hf_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(base_dir, tmp_path_factory) -> dict[str, str]:
+    dirs = {}
+    for name, spec in ADAPTERS.items():
+        out = str(tmp_path_factory.mktemp(f"lora_{name}"))
+        _write_adapter(base_dir, out, spec)
+        dirs[name] = out
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def lora_llm(single_thread, base_dir) -> LLM:
+    return LLM(base_dir, kv_cache_bytes=KV_BYTES, enable_lora=True, max_loras=2, max_lora_rank=8)
+
+
+def _request(adapter_dirs: dict[str, str], name: str) -> LoRARequest:
+    return LoRARequest(name, list(ADAPTERS).index(name) + 1, adapter_dirs[name])
+
+
+def _references(base_dir: str, adapter_dir: str | None, prompts: list[list[int]]) -> dict:
+    """Greedy tokens of transformers: {"merged": ..., "peft": ...} for an adapter (W + scale
+    B A written into the weights, and peft's model running the adapter), {"base": ...}."""
+    from transformers import AutoModelForCausalLM
+
+    def greedy(model) -> list[list[int]]:
+        out = []
+        for prompt in prompts:
+            tokens = transformers_greedy(model, prompt, MAX_TOKENS, eos_token_id=EOS_TOKEN_ID)
+            if EOS_TOKEN_ID in tokens:
+                tokens = tokens[: tokens.index(EOS_TOKEN_ID) + 1]
+            out.append(tokens)
+        return out
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    if adapter_dir is None:
+        return {"base": greedy(model)}
+    peft_model = peft.PeftModel.from_pretrained(model, adapter_dir).eval()
+    references = {"peft": greedy(peft_model)}
+    merged = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    _merge_by_hand(merged, adapter_dir)
+    references["merged"] = greedy(merged)
+    return references
+
+
+def _merge_by_hand(model, adapter_dir: str) -> None:
+    """W += scale * B @ A for every adapted projection, from the files (not through peft)."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        config = json.load(f)
+    tensors = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    modules = dict(model.named_modules())
+    for key, a in tensors.items():
+        if ".lora_A." not in key:
+            continue
+        b = tensors[key.replace(".lora_A.", ".lora_B.")]
+        rank = a.shape[0]
+        alpha = config["lora_alpha"]
+        scale = alpha / rank**0.5 if config.get("use_rslora") else alpha / rank
+        name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        with torch.no_grad():
+            modules[name].weight += scale * (b @ a)
+
+
+def _prompts(llm: LLM) -> list[list[int]]:
+    return [
+        llm.tokenizer.encode("Hi"),
+        llm.tokenizer.encode("def quicksort(items):"),
+        llm.tokenizer.encode(_STORY),
+    ]
+
+
+def test_a_batch_mixing_two_adapters_and_the_base_matches_transformers(
+    lora_llm, base_dir, adapter_dirs
+):
+    prompts = _prompts(lora_llm)
+    alpha, beta = _request(adapter_dirs, "alpha"), _request(adapter_dirs, "beta")
+    # Every prompt under each of the three, interleaved, in one generate call (one batch).
+    rows = [(prompt, lora) for prompt in prompts for lora in (alpha, None, beta)]
+    outputs = lora_llm.generate(
+        [prompt for prompt, _ in rows], GREEDY, lora_request=[lora for _, lora in rows]
+    )
+    got = {
+        (i, lora.lora_name if lora else None): out.outputs[0].token_ids
+        for i, ((_, lora), out) in enumerate(zip(rows, outputs))
+    }
+    refs = {
+        None: _references(base_dir, None, prompts),
+        "alpha": _references(base_dir, adapter_dirs["alpha"], prompts),
+        "beta": _references(base_dir, adapter_dirs["beta"], prompts),
+    }
+    for row, (prompt, lora) in enumerate(rows):
+        name = lora.lora_name if lora else None
+        tokens = got[(row, name)]
+        for kind, reference in refs[name].items():
+            assert tokens == reference[prompts.index(prompt)], (row, name, kind)
+    # The adapters change the output, else the test above would prove little.
+    for i in range(len(prompts)):
+        base = refs[None]["base"][i]
+        assert refs["alpha"]["peft"][i] != base and refs["beta"]["peft"][i] != base, i
+
+
+def test_prefix_cache_is_shared_within_an_adapter_and_never_across(lora_llm, adapter_dirs):
+    # A prompt no other test sends: nothing of it is cached yet.
+    prompt = lora_llm.tokenizer.encode("Prefix test. " + _STORY[::-1])
+    block_size = lora_llm.config.cache.block_size
+    full_blocks_tokens = (len(prompt) - 1) // block_size * block_size
+    assert full_blocks_tokens >= 2 * block_size
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    alpha, beta = _request(adapter_dirs, "alpha"), _request(adapter_dirs, "beta")
+
+    def cached(lora: LoRARequest | None) -> int:
+        return lora_llm.generate([prompt], one, lora_request=lora)[0].outputs[0].num_cached_tokens
+
+    assert cached(None) == 0
+    assert cached(alpha) == 0, "the base model's blocks are not the adapter's"
+    assert cached(beta) == 0, "nor another adapter's"
+    assert cached(alpha) == full_blocks_tokens
+    assert cached(beta) == full_blocks_tokens
+    assert cached(None) == full_blocks_tokens
+
+
+def test_more_adapters_than_slots_take_turns(single_thread, base_dir, adapter_dirs):
+    """max_loras=1: two adapters in one call run one after the other, each evicting the other
+    from the slot, and both still give their own tokens."""
+    llm = LLM(base_dir, kv_cache_bytes=KV_BYTES, enable_lora=True, max_loras=1, max_lora_rank=8)
+    prompts = _prompts(llm)[:2]
+    alpha, beta = _request(adapter_dirs, "alpha"), _request(adapter_dirs, "beta")
+    mixed = llm.generate(prompts * 2, GREEDY, lora_request=[alpha, alpha, beta, beta])
+    alone = [
+        llm.generate([p], GREEDY, lora_request=lora)[0]
+        for p, lora in zip(prompts * 2, [alpha, alpha, beta, beta])
+    ]
+    assert [m.outputs[0].token_ids for m in mixed] == [a.outputs[0].token_ids for a in alone]
+    info = llm.engine.lora_info()
+    assert info.num_slot_evictions >= 2 and info.max_loras == 1
+
+
+def test_rank_above_max_lora_rank_is_refused(lora_llm, adapter_dirs):
+    with pytest.raises(ValueError, match="rank 16, above this engine's max_lora_rank 8"):
+        lora_llm.generate(["Hi"], GREEDY, lora_request=_request(adapter_dirs, "wide"))
+    assert not lora_llm.engine.has_unfinished_requests()
+
+
+def test_unsupported_adapters_are_refused(lora_llm, adapter_dirs, tmp_path):
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    with open(os.path.join(adapter_dirs["beta"], "adapter_config.json")) as f:
+        config = json.load(f)
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(ValueError, match="DoRA"):
+        lora_llm.generate(["Hi"], GREEDY, lora_request=LoRARequest("dora", 9, str(dora)))
+    with pytest.raises(ValueError, match="adapter_config.json"):
+        lora_llm.generate(["Hi"], GREEDY, lora_request=LoRARequest("none", 10, str(tmp_path)))
+
+
+def test_an_engine_without_enable_lora_refuses_adapters(single_thread, base_dir, adapter_dirs):
+    llm = LLM(base_dir, kv_cache_bytes=KV_BYTES)
+    with pytest.raises(ValueError, match="enable_lora"):
+        llm.generate(["Hi"], GREEDY, lora_request=_request(adapter_dirs, "alpha"))
+
+
+# ---- the batched product against the segmented reference ----------------------------------
+
+
+@pytest.mark.parametrize("num_rows,max_loras,rank", [(1, 1, 4), (7, 3, 8), (33, 4, 16)])
+def test_batched_product_matches_the_segmented_reference(num_rows, max_loras, rank):
+    generator = torch.Generator().manual_seed(num_rows)
+    in_features, sizes = 24, (16, 8, 8)
+    x = torch.randn(num_rows, in_features, generator=generator)
+    a = torch.randn(max_loras, len(sizes), rank, in_features, generator=generator)
+    b = [torch.randn(max_loras, rank, size, generator=generator) for size in sizes]
+    row_slots = torch.randint(-1, max_loras, (num_rows,), generator=generator).tolist()
+    row_slots[0] = max_loras - 1  # at least one adapter row
+    base = torch.randn(num_rows, sum(sizes), generator=generator)
+    out = base.clone()
+    add_lora_delta(out, x, a, b, [0, 16, 24], make_batch(row_slots, torch.float32, x.device))
+    slot_ids = torch.tensor(row_slots)
+    expected = base + torch.cat(
+        [lora_delta_segmented(x, a[:, s], b[s], slot_ids) for s in range(len(sizes))], dim=1
+    )
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    base_rows = slot_ids < 0
+    assert torch.equal(out[base_rows], base[base_rows]), "base rows are left exactly as they were"
+
+
+def test_slot_runs_and_batch():
+    assert slot_runs([0, 0, -1, 1, 1, 0]) == [(0, 2, 0), (2, 3, -1), (3, 5, 1), (5, 6, 0)]
+    batch: LoRABatch = make_batch([-1, 2, 0], torch.float32, torch.device("cpu"))
+    assert batch.num_slots == 3
+    assert batch.mask[:, :, 0, 0].tolist() == [[0, 0, 0], [0, 0, 1], [1, 0, 0]]

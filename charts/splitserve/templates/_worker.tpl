@@ -153,6 +153,11 @@ labels the pod reads at start (services/pod/topology.py). */}}
   containerPort: {{ $values.kvPort }}
   protocol: TCP
 {{- end }}
+{{- if .root.Values.tls.enabled }}
+- name: health
+  containerPort: {{ .root.Values.tls.healthPort }}
+  protocol: TCP
+{{- end }}
 {{- end -}}
 
 {{/* Native gRPC probes against grpc.health.v1 on the pod's gRPC port. The pod answers
@@ -162,19 +167,19 @@ NOT_SERVING until its model has loaded, so the startup probe's budget is the loa
 {{- $service := printf "splitserve.v1.%sWorker" (title .component) -}}
 startupProbe:
   grpc:
-    port: {{ $values.grpcPort }}
+    port: {{ include "splitserve.worker.probePort" . }}
     service: {{ $service }}
   periodSeconds: {{ $values.startupProbe.periodSeconds }}
   failureThreshold: {{ $values.startupProbe.failureThreshold }}
 readinessProbe:
   grpc:
-    port: {{ $values.grpcPort }}
+    port: {{ include "splitserve.worker.probePort" . }}
     service: {{ $service }}
   periodSeconds: 5
   failureThreshold: 2
 livenessProbe:
   grpc:
-    port: {{ $values.grpcPort }}
+    port: {{ include "splitserve.worker.probePort" . }}
     service: {{ $service }}
   periodSeconds: 15
   timeoutSeconds: 5
@@ -248,6 +253,10 @@ spec:
             {{- if eq .component "decode" }}
             {{- include "splitserve.worker.decodeArgs" . | nindent 12 }}
             {{- end }}
+            {{- if $root.Values.tls.enabled }}
+            - --health-port
+            - {{ $root.Values.tls.healthPort | quote }}
+            {{- end }}
             {{- with $values.extraArgs }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -256,6 +265,7 @@ spec:
                 name: {{ include "splitserve.engineConfigName" $root }}
           env:
             {{- include "splitserve.commonEnv" $root | nindent 12 }}
+            {{- with include "splitserve.securityEnv" (dict "root" $root "component" .component) | trim }}{{ . | nindent 12 }}{{ end }}
             {{- with $values.extraEnv }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -281,6 +291,7 @@ spec:
               mountPath: /var/cache/splitserve/kv
             {{- end }}
             {{- with include "splitserve.modelVolumeMount" $root | trim }}{{ . | nindent 12 }}{{ end }}
+            {{- with include "splitserve.securityVolumeMounts" (dict "root" $root "component" .component) | trim }}{{ . | nindent 12 }}{{ end }}
       volumes:
         - name: tmp
           emptyDir: {}
@@ -294,6 +305,7 @@ spec:
             sizeLimit: {{ $values.kvOffload.diskBytes }}
         {{- end }}
         {{- with include "splitserve.modelVolume" $root | trim }}{{ . | nindent 8 }}{{ end }}
+        {{- with include "splitserve.securityVolumes" (dict "root" $root "component" .component) | trim }}{{ . | nindent 8 }}{{ end }}
 {{- end -}}
 
 {{/* Headless: the router dials pods by the address they register in Redis; the Service gives

@@ -1,0 +1,158 @@
+"""The chart's security wiring (docs/security.md), rendered by Helm's own engine as
+tests/test_helm_chart.py renders it: NetworkPolicies, TLS files and probes, secrets only as
+mounted files, and values.schema.json on the new values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+
+from .test_helm_chart import (
+    KUBE_VERSIONS,
+    by_kind,
+    command_line,
+    command_problems,
+    containers_of,
+    deployment_of,
+    objects_of,
+    render,
+)
+
+SECURE = {
+    "tls": {"enabled": True, "certManager": {"enabled": True, "issuerRef": {"name": "our-ca"}}},
+    "engine": {"kvTransport": "tcp", "kvAuth": {"existingSecret": "kv-secret"}},
+    "redis": {"auth": {"existingSecret": "redis-password"}},
+}
+
+
+def _component_labels(objects: list[dict[str, Any]], component: str) -> dict[str, str]:
+    deployment = deployment_of(objects, component)
+    assert deployment is not None, component
+    return deployment["spec"]["template"]["metadata"]["labels"]
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(key) == value for key, value in selector.items())
+
+
+def _allowed(policy: dict[str, Any], port: int, objects, component: str) -> bool:
+    """Whether `component`'s pods may reach `port` under `policy`'s ingress rules."""
+    labels = _component_labels(objects, component) if component != "autoscaler" else {
+        "app.kubernetes.io/component": "autoscaler",
+        "app.kubernetes.io/instance": "demo",
+        "app.kubernetes.io/name": "splitserve",
+    }
+    for rule in policy["spec"]["ingress"]:
+        if port not in [p["port"] for p in rule.get("ports", [])]:
+            continue
+        peers = rule.get("from")
+        if peers is None:
+            return True
+        if any(_selects(p.get("podSelector", {}).get("matchLabels", {}), labels) for p in peers):
+            return True
+    return False
+
+
+def test_network_policies_let_only_the_right_parts_in():
+    objects = objects_of(render({"autoscaler": {"enabled": True}}))
+    policies = {
+        name.removeprefix("demo-splitserve-"): policy
+        for name, policy in by_kind(objects, "NetworkPolicy").items()
+    }
+    assert set(policies) == {"gateway", "prefill", "decode", "redis"}
+    for component in ("gateway", "prefill", "decode"):
+        selector = policies[component]["spec"]["podSelector"]["matchLabels"]
+        assert _selects(selector, _component_labels(objects, component))
+    decode, prefill, redis = policies["decode"], policies["prefill"], policies["redis"]
+    parts = ("gateway", "prefill", "decode", "autoscaler")
+    # decode gRPC: the gateway only; its KV port: prefill pods only.
+    assert [p for p in parts if _allowed(decode, 50061, objects, p)] == ["gateway"]
+    assert [p for p in parts if _allowed(decode, 50062, objects, p)] == ["prefill"]
+    # prefill gRPC: the gateway, and decode pods asking for a remote prefill.
+    assert [p for p in parts if _allowed(prefill, 50071, objects, p)] == ["gateway", "decode"]
+    assert [p for p in parts if _allowed(prefill, 9090, objects, p)] == ["autoscaler"]
+    assert [p for p in parts if _allowed(redis, 6379, objects, p)] == list(parts)
+    assert not _allowed(decode, 9999, objects, "gateway")  # nothing else is open
+    assert _allowed(policies["gateway"], 8000, objects, "decode")  # the public API: anyone
+
+
+def test_network_policies_can_be_turned_off():
+    objects = objects_of(render({"networkPolicy": {"enabled": False}}))
+    assert not by_kind(objects, "NetworkPolicy")
+
+
+def test_secure_values_validate_and_mount_secrets_as_files_only():
+    objects = objects_of(render(SECURE))
+    custom = []
+    for obj in objects:
+        try:
+            kubernetes_validate.validate(obj, KUBE_VERSIONS[-1], strict=True)
+        except kubernetes_validate.SchemaNotFoundError:
+            custom.append(obj["kind"])
+    assert custom == ["Certificate"]
+    certificate = by_kind(objects, "Certificate")["demo-splitserve-tls"]
+    assert certificate["spec"]["secretName"] == "demo-splitserve-tls"
+    assert set(certificate["spec"]["usages"]) == {"server auth", "client auth"}
+    assert "splitserve.internal" in certificate["spec"]["dnsNames"]
+    for component, container in containers_of(objects):
+        for variable in container.get("env", []):
+            # A secret reaches a container as a file or a secretKeyRef, never a literal value.
+            assert "password" not in variable.get("value", "").lower() or variable[
+                "value"
+            ].startswith("/"), (component, variable)
+        argv = command_line(container, objects)
+        assert not any("REDIS_PASSWORD" in arg for arg in argv[1:-1] if "printf" not in arg)
+        if component in ("prefill", "decode", "gateway"):
+            assert command_problems(argv) == [], component
+            mounts = {m["name"]: m for m in container["volumeMounts"]}
+            assert mounts["tls"]["readOnly"] is True
+            env = {v["name"]: v.get("value") for v in container["env"]}
+            assert env["SPLITSERVE_TLS_CA"] == "/etc/splitserve/tls/ca.crt"
+        if component in ("prefill", "decode"):
+            assert "kv-auth" in {m["name"] for m in container["volumeMounts"]}
+            # kubelet probes the plaintext health-only port, which the pod is told to open.
+            assert container["readinessProbe"]["grpc"]["port"] == 50090
+            assert argv[argv.index("--health-port") + 1] == "50090"
+
+
+def test_redis_password_never_reaches_a_command_line():
+    objects = objects_of(render({"redis": {"auth": {"existingSecret": "redis-password"}}}))
+    redis = next(c for name, c in containers_of(objects) if name == "redis")
+    assert "--requirepass" not in redis.get("args", [])
+    assert "$(REDIS_PASSWORD)" not in " ".join(redis["command"] + redis.get("args", []))
+
+
+def test_gateway_mounts_its_api_key_file_and_is_told_where():
+    objects = objects_of(render({"gateway": {"apiKeys": {"secretName": "keys"}}}))
+    gateway = deployment_of(objects, "gateway")
+    assert gateway is not None
+    container = gateway["spec"]["template"]["spec"]["containers"][0]
+    path = container["args"][container["args"].index("--api-keys") + 1]
+    assert path == "/etc/splitserve/api-keys/api-keys.yaml"
+    volumes = {v["name"]: v for v in gateway["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["api-keys"]["secret"]["secretName"] == "keys"
+    default = deployment_of(objects_of(render({})), "gateway")
+    assert default is not None
+    assert "--api-keys" not in default["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+@pytest.mark.parametrize(
+    ("values", "where"),
+    [
+        ({"tls": {"enabled": True, "certManager": {"enabled": True}}}, "name"),
+        ({"networkPolicy": {"allowAll": True}}, "allowAll"),
+        ({"tls": {"healthPort": 0}}, "healthPort"),
+    ],
+)
+def test_schema_rejects_bad_security_values(values, where):
+    with pytest.raises(helm.HelmValuesError) as error:
+        render(values)
+    assert where in str(error.value)
+
+
+def test_kv_auth_with_ucx_is_refused():
+    with pytest.raises(Exception, match="kvAuth needs engine.kvTransport tcp"):
+        render({"engine": {"kvTransport": "ucx", "kvAuth": {"existingSecret": "kv"}}})

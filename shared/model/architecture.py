@@ -23,15 +23,21 @@ if TYPE_CHECKING:
 class RopeScaling:
     """RoPE frequency scaling as Hugging Face's `rope_scaling` describes it."""
 
-    rope_type: str = "default"  # "default", "linear" or "llama3"
+    rope_type: str = "default"  # "default", "linear", "llama3" or "longrope"
     factor: float = 1.0
     # llama3 only: the band of wavelengths that is interpolated smoothly.
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # longrope only (Phi-3): per-frequency divisors below and from the original length, and the
+    # factor cos and sin are multiplied by.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 FAMILIES = ("llama", "mixtral", "qwen2_moe")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -107,12 +113,39 @@ class ModelArchitecture:
     moe: MoEConfig | None = None
     # Biases on q, k and v (Qwen2 attention); o_proj and the MLPs never have one.
     attention_bias: bool = False
+    # The parts other dense families add to the Llama decoder (docs/models.md says which family
+    # sets which). Defaults: plain Llama.
+    # RMSNorm of each head's q and k before rotary (Qwen3, Gemma 3).
+    qk_norm: bool = False
+    # Per layer: how many positions a query sees, itself included (0 = all); () = all layers 0.
+    layer_windows: tuple[int, ...] = ()
+    # Gemma 2: tanh soft-capping of attention scores and of the final logits (0 = none).
+    attn_logit_softcap: float = 0.0
+    final_logit_softcap: float = 0.0
+    # Gemma: query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5 (None = the latter).
+    attention_scale: float | None = None
+    # Gemma: embeddings are multiplied by sqrt(hidden_size) before the first layer.
+    embedding_multiplier: float = 1.0
+    # Gemma: a norm after attention and one before and one after the MLP, each on its branch.
+    sandwich_norms: bool = False
+    # The MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU).
+    hidden_act: str = "silu"
+    # Gemma 3: the window layers' rotary base (None = rope_theta on every layer).
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"unknown model family {self.family!r}; known: {', '.join(FAMILIES)}")
         if (self.moe is None) != (self.family == "llama"):
             raise ValueError(f"model family {self.family!r} and moe={self.moe!r} disagree")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(
+                f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers"
+            )
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(
+                f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(HIDDEN_ACTS)}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of "
@@ -122,6 +155,10 @@ class ModelArchitecture:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    def window_of(self, layer: int) -> int:
+        """How many positions layer `layer`'s queries see, themselves included (0 = all)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
 
 @dataclass

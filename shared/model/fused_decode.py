@@ -7,7 +7,7 @@ output (tests/test_fused_decode.py holds it to that). It serves the steps it can
 decode token, float32 activations, dense Llama-family layers without biases whose products are
 all oneDNN, all int8 or all int4 in our layout, in one process. Everything else (prefill
 chunks, mixed steps, tensor parallel, mixture-of-experts, bfloat16 models, CUDA, int4 in
-torch's layout) keeps the Python layers.
+torch's layout, and the other families' parts: `fused_decode_problem`) keeps the Python layers.
 SPLITSERVE_FUSED_DECODE=0 turns it off (to compare the two).
 """
 
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from splitserve.engine.model.architecture import ModelArchitecture
 from splitserve.engine.model.attention_metadata import AttentionMetadata
 from splitserve.engine.model.linear import Linear
 from splitserve.engine.model.moe_layer import SparseMoeBlock
@@ -88,9 +89,9 @@ def build_fused_decode(model: LlamaForCausalLM) -> FusedDecode | None:
         return None
     module = cpu_kernels.load()
     arch = model.arch
-    if module is None or model.weight_device.type != "cpu" or arch.moe is not None:
+    if module is None or model.weight_device.type != "cpu" or fused_decode_problem(arch):
         return None
-    if arch.attention_bias or model.norm.weight.dtype != torch.float32:
+    if model.norm.weight.dtype != torch.float32:
         return None
     decoder_layers = model.decoder_layers()
     first = decoder_layers[0]
@@ -119,6 +120,23 @@ def build_fused_decode(model: LlamaForCausalLM) -> FusedDecode | None:
             sizes += [in_padded, out_features]
         layers.add_layer(tensors, sizes)
     return FusedDecode(layers, weight_format)
+
+
+def fused_decode_problem(arch: ModelArchitecture) -> str | None:
+    """Why `arch`'s layers are not the ones decode_layers.cpp computes (a plain Llama layer
+    without biases), or None: those models decode through the Python layers."""
+    parts = {
+        "mixture-of-experts": arch.moe is not None,
+        "q/k/v biases": arch.attention_bias,
+        "q/k norms": arch.qk_norm,
+        "sliding windows": any(arch.layer_windows),
+        "attention soft-capping": bool(arch.attn_logit_softcap),
+        "Gemma's extra norms": arch.sandwich_norms,
+        f"{arch.hidden_act} MLP": arch.hidden_act != "silu",
+        "per-layer rotary bases": arch.local_rope_theta is not None,
+    }
+    found = [name for name, present in parts.items() if present]
+    return None if not found else "the C++ decode layers lack " + ", ".join(found)
 
 
 def _products(layer: LlamaDecoderLayer) -> list[nn.Module]:

@@ -2,8 +2,9 @@
 
 Accepts single-file and sharded (`model.safetensors.index.json`) safetensors, both spellings of
 RoPE settings (transformers 5's `rope_parameters` with `rope_theta` inside; older `rope_theta` +
-`rope_scaling`), Mistral configs that describe exactly a Llama (no sliding window), and the
-mixture-of-experts families Mixtral and Qwen2-MoE (docs/moe.md) where every layer is sparse.
+`rope_scaling`), the dense families Llama, Mistral, Qwen2/3, Phi-3 and Gemma 2/3
+(shared/model/hf_families.py) and the mixture-of-experts families Mixtral, Qwen2-MoE and
+Qwen3-MoE (docs/moe.md) where every layer is sparse. docs/models.md lists what is refused.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from splitserve.engine.model import hf_families
 from splitserve.engine.model.architecture import (
     LoadedCheckpoint,
     ModelArchitecture,
@@ -28,11 +30,20 @@ from splitserve.engine.tokenizer import Tokenizer
 _FAMILY_OF_MODEL_TYPE = {
     "llama": "llama",
     "mistral": "llama",
+    "qwen2": "llama",
+    "qwen3": "llama",
+    "phi3": "llama",
+    "gemma2": "llama",
+    "gemma3_text": "llama",
     "mixtral": "mixtral",
     "qwen2_moe": "qwen2_moe",
+    # Qwen2-MoE's sparse block without its shared expert (same tensor names).
+    "qwen3_moe": "qwen2_moe",
 }
+# Families whose extra parts shared/model/hf_families.py reads.
+_EXTENDED = ("qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "gemma2", "gemma3_text")
 SUPPORTED_MODEL_TYPES = tuple(_FAMILY_OF_MODEL_TYPE)
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
 
@@ -43,6 +54,7 @@ def load_hf_dir(path: str, progress: ProgressFn | None = None) -> LoadedCheckpoi
     tokenizer = Tokenizer.from_hf_dir(path)
     architecture = architecture_from_config(config, tokenizer)
     weights = _read_weights(path, architecture.tie_word_embeddings, progress)
+    hf_families.to_llama_weights(config, weights)
     return LoadedCheckpoint(
         architecture=architecture, weights=weights, tokenizer=tokenizer, source=os.fspath(path)
     )
@@ -56,6 +68,7 @@ def architecture_from_config(config: dict[str, Any], tokenizer: Tokenizer) -> Mo
     hidden_size = int(config["hidden_size"])
     num_heads = int(config["num_attention_heads"])
     rope_theta, rope_scaling = _rope_settings(config)
+    extra = hf_families.family_fields(config) if config["model_type"] in _EXTENDED else {}
     return ModelArchitecture(
         name=str(config["model_type"]),
         vocab_size=int(config["vocab_size"]),
@@ -74,8 +87,12 @@ def architecture_from_config(config: dict[str, Any], tokenizer: Tokenizer) -> Mo
         rope_scaling=rope_scaling,
         family=family,
         moe=_moe_config(config, family),
-        attention_bias=family == "qwen2_moe" and bool(config.get("qkv_bias", True)),
+        **({"attention_bias": _qwen2_moe_bias(config)} | extra),
     )
+
+
+def _qwen2_moe_bias(config: dict[str, Any]) -> bool:
+    return config["model_type"] == "qwen2_moe" and bool(config.get("qkv_bias", True))
 
 
 def _moe_config(config: dict[str, Any], family: str) -> MoEConfig | None:
@@ -87,6 +104,8 @@ def _moe_config(config: dict[str, Any], family: str) -> MoEConfig | None:
             norm_topk_prob=True,
         )
     if family == "qwen2_moe":
+        if "num_experts" not in config and "num_local_experts" in config:  # transformers 5
+            config = {**config, "num_experts": config["num_local_experts"]}
         return MoEConfig(
             num_experts=_required_int(config, "num_experts"),
             num_experts_per_tok=_required_int(config, "num_experts_per_tok"),
@@ -128,10 +147,10 @@ def _check_supported(config: dict[str, Any]) -> None:
 
 def _differences(config: dict[str, Any]) -> dict[str, bool]:
     """Settings that would change the computation our decoder performs, by name."""
-    common = {
-        "mlp_bias": bool(config.get("mlp_bias", False)),
-        "hidden_act": config.get("hidden_act", "silu") != "silu",
-    }
+    common = {"mlp_bias": bool(config.get("mlp_bias", False))}
+    if config["model_type"] in _EXTENDED:
+        return common | hf_families.differences(config)
+    common["hidden_act"] = config.get("hidden_act", "silu") != "silu"
     if config["model_type"] != "qwen2_moe":
         return common | {
             "sliding_window": config.get("sliding_window") is not None,
@@ -149,14 +168,16 @@ def _differences(config: dict[str, Any]) -> dict[str, bool]:
 
 def _rope_settings(config: dict[str, Any]) -> tuple[float, RopeScaling]:
     params = config.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]  # per layer type (Gemma 3): the global layers'
     if isinstance(params, dict):  # transformers 5: theta and scaling in one dict
         theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-        return float(theta), _rope_scaling(params)
+        return float(theta), _rope_scaling(params, config)
     scaling = config.get("rope_scaling")
-    return float(config.get("rope_theta", 10000.0)), _rope_scaling(scaling or {})
+    return float(config.get("rope_theta", 10000.0)), _rope_scaling(scaling or {}, config)
 
 
-def _rope_scaling(params: dict[str, Any]) -> RopeScaling:
+def _rope_scaling(params: dict[str, Any], config: dict[str, Any]) -> RopeScaling:
     # Older configs spell the kind "type", newer ones "rope_type".
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in _SUPPORTED_ROPE_TYPES:
@@ -165,6 +186,8 @@ def _rope_scaling(params: dict[str, Any]) -> RopeScaling:
         )
     if rope_type == "default":
         return RopeScaling()
+    if rope_type == "longrope":
+        return hf_families.longrope_scaling(config, params)
     defaults = RopeScaling()
     return RopeScaling(
         rope_type=rope_type,

@@ -76,6 +76,12 @@ def expected_weight_shapes(arch: ModelArchitecture) -> dict[str, tuple[int, ...]
             | {f"self_attn.{p}_proj.bias": (kv_size,) for p in ("k", "v")}
         )
     per_layer.update(hf_feed_forward_shapes(arch))
+    if arch.qk_norm:
+        per_layer.update({f"self_attn.{n}_norm.weight": (arch.head_dim,) for n in ("q", "k")})
+    if arch.sandwich_norms:
+        per_layer.update(
+            {f"{n}_feedforward_layernorm.weight": (arch.hidden_size,) for n in ("pre", "post")}
+        )
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (arch.vocab_size, arch.hidden_size)
     }

@@ -20,6 +20,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> to
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":
         return _llama3_scaled(inv_freq, scaling)
+    if scaling.rope_type == "longrope":
+        return inv_freq / torch.tensor(scaling.short_factor, dtype=torch.float32)
     raise ValueError(f"rope_scaling type {scaling.rope_type!r} is not supported")
 
 
@@ -37,16 +39,44 @@ def _llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(in_between, blended, scaled)
 
 
+def _angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    freqs = torch.outer(positions, inv_freq)  # [num_positions, head_dim // 2]
+    return torch.cat((freqs, freqs), dim=-1)
+
+
+def _longrope_angles(
+    positions: torch.Tensor, head_dim: int, theta: float, s: RopeScaling
+) -> torch.Tensor:
+    """Phi-3's longrope: short factors below the original length, long ones from it. Chosen per
+    position (transformers picks one set per forward by the longest position, so a sequence
+    that crosses the original length differs there; below it the two agree exactly)."""
+    base = inverse_frequencies(head_dim, theta, RopeScaling())
+    short = _angles(positions, base / torch.tensor(s.short_factor, dtype=torch.float32))
+    long = _angles(positions, base / torch.tensor(s.long_factor, dtype=torch.float32))
+    is_long = (positions >= s.original_max_position_embeddings).unsqueeze(1)
+    return torch.where(is_long, long, short)
+
+
 class RotaryEmbedding:
     """Precomputed cos/sin per position; applied to flattened ragged batches by position id."""
 
-    def __init__(self, arch: ModelArchitecture, max_positions: int, device: torch.device) -> None:
-        inv_freq = inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+    def __init__(
+        self,
+        arch: ModelArchitecture,
+        max_positions: int,
+        device: torch.device,
+        theta: float | None = None,  # another base, unscaled (Gemma 3's window layers)
+    ) -> None:
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim // 2]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        self.cos = angles.cos().to(device)  # [max_positions, head_dim]
-        self.sin = angles.sin().to(device)
+        scaling = arch.rope_scaling if theta is None else RopeScaling()
+        theta = arch.rope_theta if theta is None else theta
+        if scaling.rope_type == "longrope":
+            angles = _longrope_angles(positions, arch.head_dim, theta, scaling)
+        else:
+            angles = _angles(positions, inverse_frequencies(arch.head_dim, theta, scaling))
+        # longrope scales cos and sin themselves (1.0 for every other kind).
+        self.cos = (angles.cos() * scaling.attention_factor).to(device)  # [max_positions, dim]
+        self.sin = (angles.sin() * scaling.attention_factor).to(device)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryAngles:
         """The step's cos/sin, looked up once and shared by every layer."""

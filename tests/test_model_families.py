@@ -1,0 +1,297 @@
+"""The dense families beyond Llama, and Qwen3-MoE, on random tiny checkpoints that transformers
+builds from its own config and model classes (docs/models.md):
+
+- greedy 12 tokens equal transformers' `generate`, and the top-5 logprobs of every step its
+  scores, through chunked prefill (a 16-token budget) and then again through a prefix-cache hit;
+- each special part is one the reference depends on (turned off, transformers' logprobs move
+  by far more than the tolerance), so the equality above tests it;
+- a Qwen3 disaggregated request (prefill engine exports pages, decode engine takes them) equals
+  the colocated one;
+- what is not supported is refused with a message that names it.
+
+The configs set every special part: q/k/v biases (random, not zeros), q/k norms with random
+weights, head_dim apart from hidden / heads, windows shorter than the prompt (some not a
+multiple of the block size), attention and final logit soft-capping, longrope factors, Gemma 3's
+local rotary base. q and k projections are scaled up so attention is far from uniform: random
+tiny models barely look at position otherwise, and a wrong window would go unseen.
+
+torch runs single-threaded (see tests/test_engine_api.py for why).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from splitserve import LLM, SamplingParams
+from tests.test_disaggregation_engine import disaggregated
+
+MAX_TOKENS = 12
+TOP = 5
+KV_BYTES = 8 * 2**20
+EOS_TOKEN_ID = 2
+CHUNK = 16  # max_num_batched_tokens: the long prompts take several chunks
+TOLERANCE = 2e-5
+
+_COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    bos_token_id=1,
+    eos_token_id=EOS_TOKEN_ID,
+)
+_LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0 + 0.3 * i for i in range(8)],
+    "long_factor": [4.0] * 8,
+}
+
+# family -> (transformers config class, its options, {what a special part is: the options
+# that turn it off}).
+FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, dict[str, Any]]]] = {
+    "qwen2": ("Qwen2Config", {}, {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 24}, {}),
+    "mistral": ("MistralConfig", {"sliding_window": 8}, {"window": {"sliding_window": 4096}}),
+    "phi3": (
+        "Phi3Config",
+        {
+            "pad_token_id": 0,
+            "sliding_window": 20,
+            "original_max_position_embeddings": 1024,
+            "rope_scaling": _LONGROPE,
+        },
+        {
+            "window": {"sliding_window": 4096},
+            "longrope": {"rope_parameters": {"short_factor": [1.0] * 8}},
+        },
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "head_dim": 16,
+            "sliding_window": 8,
+            "attn_logit_softcapping": 3.0,
+            "final_logit_softcapping": 2.0,
+            "query_pre_attn_scalar": 24,
+        },
+        {
+            "window": {"sliding_window": 4096},
+            "attention cap": {"attn_logit_softcapping": None},
+            "final cap": {"final_logit_softcapping": None},
+        },
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 16,
+            "sliding_window": 12,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_local_base_freq": 50.0,
+        },
+        {
+            "window": {"sliding_window": 4096},
+            "local rope": {"rope_parameters": {"sliding_attention": {"rope_theta": 1e6}}},
+        },
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+        {},
+    ),
+}
+
+
+def _hf_model(config_class: str, options: dict[str, Any]) -> Any:
+    import transformers
+
+    config = getattr(transformers, config_class)(**{**_COMMON, **options})
+    return transformers.AutoModelForCausalLM.from_config(config).float().eval()
+
+
+def _randomize(model: Any) -> None:
+    """Parts whose default initialisation would hide them: biases and norms (zeros and ones),
+    and q/k scaled so that attention depends on position."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.3)
+            elif "norm" in name:
+                param.add_(torch.randn_like(param) * 0.3)
+            elif name.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
+                param.mul_(12.0)
+
+
+@pytest.fixture(scope="module")
+def make_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory, hf_reference_tokenizer: Any
+) -> Callable[[str], str]:
+    built: dict[str, str] = {}
+
+    def make(family: str) -> str:
+        if family not in built:
+            config_class, options, _ = FAMILIES[family]
+            torch.manual_seed(0)
+            model = _hf_model(config_class, options)
+            _randomize(model)
+            directory = str(tmp_path_factory.mktemp(family))
+            model.save_pretrained(directory)
+            hf_reference_tokenizer.save_pretrained(directory)
+            built[family] = directory
+        return built[family]
+
+    return make
+
+
+def _prompts() -> list[list[int]]:
+    """A short prompt, a long one (windows are shorter), and one sharing its first 32 tokens."""
+    long = [(7 * i + 3) % 500 + 3 for i in range(45)]
+    return [[5, 9, 11], long, long[:32] + [(11 * i) % 400 + 50 for i in range(9)]]
+
+
+def _reference(directory: str, prompt: list[int], overrides: dict[str, Any] | None = None):
+    """(greedy tokens up to EOS, [step][vocab] log_softmax of each step's logits)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    if overrides:
+        config = model.config
+        for key, value in overrides.items():
+            if key == "rope_parameters":  # merged: per layer type (Gemma 3) or whole
+                for sub, params in value.items():
+                    if isinstance(params, dict):
+                        config.rope_parameters[sub].update(params)
+                    else:
+                        config.rope_parameters[sub] = params
+            else:
+                setattr(config, key, value)
+        changed = type(model)(config).eval()
+        changed.load_state_dict(model.state_dict())
+        model = changed
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=EOS_TOKEN_ID,
+            pad_token_id=EOS_TOKEN_ID,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    if EOS_TOKEN_ID in tokens:
+        tokens = tokens[: tokens.index(EOS_TOKEN_ID) + 1]
+    logprobs = [torch.log_softmax(step[0].float(), dim=-1) for step in out.scores]
+    return tokens, logprobs
+
+
+def _assert_matches(output: Any, tokens: list[int], logprobs: list[torch.Tensor]) -> None:
+    assert output.token_ids == tokens
+    for step, entry in enumerate(output.logprobs):
+        expected = logprobs[step]
+        assert entry.top[0][0] == int(expected.argmax())
+        for token_id, value in entry.top:
+            assert value == pytest.approx(expected[token_id].item(), abs=TOLERANCE)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_and_logprobs_match_transformers(single_thread, make_checkpoint, family):
+    directory = make_checkpoint(family)
+    llm = LLM(directory, kv_cache_bytes=KV_BYTES, max_num_batched_tokens=CHUNK)
+    assert llm.engine.architecture.name == family
+    prompts = _prompts()
+    assert max(len(p) for p in prompts) > 2 * CHUNK
+    references = [_reference(directory, prompt) for prompt in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP)
+    for prompt, (tokens, logprobs) in zip(prompts, references):  # one at a time: no hit yet
+        _assert_matches(llm.generate([prompt], params)[0].outputs[0], tokens, logprobs)
+    assert llm.stats().prefix_cache_hit_tokens >= 32, "the third prompt reuses the second's"
+    hits = llm.stats().prefix_cache_hit_tokens
+    results = llm.generate(prompts, params)  # batched, every prompt a prefix hit now
+    assert llm.stats().prefix_cache_hit_tokens - hits >= 2 * 32
+    for result, (tokens, logprobs) in zip(results, references):
+        _assert_matches(result.outputs[0], tokens, logprobs)
+
+
+SPECIAL_PARTS = [(family, part) for family, spec in FAMILIES.items() for part in spec[2]]
+
+
+@pytest.mark.parametrize(("family", "part"), SPECIAL_PARTS)
+def test_each_special_part_changes_the_reference(make_checkpoint, family, part):
+    """Without the part transformers' logprobs move far past the tolerance: the equality
+    test above would catch an engine that skipped it."""
+    directory = make_checkpoint(family)
+    prompt = _prompts()[1]
+    _, logprobs = _reference(directory, prompt)
+    _, without = _reference(directory, prompt, FAMILIES[family][2][part])
+    assert (logprobs[0] - without[0]).abs().max() > 100 * TOLERANCE
+
+
+def test_architecture_reads_each_part(make_checkpoint):
+    archs = {family: LLM(make_checkpoint(family), kv_cache_bytes=KV_BYTES) for family in FAMILIES}
+    arch = {family: llm.engine.architecture for family, llm in archs.items()}
+    assert arch["qwen2"].attention_bias and not arch["qwen3"].attention_bias
+    assert (arch["qwen3"].qk_norm, arch["qwen3"].head_dim) == (True, 24)
+    assert arch["mistral"].layer_windows == (8, 8)
+    assert arch["phi3"].layer_windows == (20, 20)
+    assert arch["phi3"].rope_scaling.rope_type == "longrope"
+    assert arch["gemma2"].layer_windows == (8, 0)
+    assert (arch["gemma2"].attn_logit_softcap, arch["gemma2"].final_logit_softcap) == (3.0, 2.0)
+    assert arch["gemma2"].attention_scale == pytest.approx(24**-0.5)
+    assert arch["gemma2"].embedding_multiplier == pytest.approx(8.0)
+    assert arch["gemma3_text"].layer_windows == (12, 0)
+    assert arch["gemma3_text"].local_rope_theta == 50.0
+    assert arch["qwen3_moe"].moe is not None and arch["qwen3_moe"].qk_norm
+    # Their parts are not in the C++ decode layers: the Python layers serve every step.
+    assert all(llm.engine.runner.model.fused_decode is None for llm in archs.values())
+
+
+def test_qwen3_disaggregated_equals_colocated(single_thread, make_checkpoint):
+    directory = make_checkpoint("qwen3")
+    options = {"kv_cache_bytes": KV_BYTES, "max_num_batched_tokens": CHUNK}
+    reference, prefill, decode = (LLM(directory, **options) for _ in range(3))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
+    for i, prompt in enumerate(_prompts()):
+        expected = reference.generate([prompt], params)[0].outputs[0]
+        _, got = disaggregated(prefill.engine, decode.engine, f"q3-{i}", prompt, params)
+        assert got.token_ids == expected.token_ids
+        for entry, expected_entry in zip(got.logprobs, expected.logprobs, strict=True):
+            assert [t for t, _ in entry.top] == [t for t, _ in expected_entry.top]
+            values = [v for _, v in expected_entry.top]
+            assert [v for _, v in entry.top] == pytest.approx(values, abs=TOLERANCE)
+    assert decode.stats().num_kv_blocks_free == decode.stats().num_kv_blocks_total
+    assert prefill.stats().num_kv_blocks_free == prefill.stats().num_kv_blocks_total
+
+
+@pytest.mark.parametrize(
+    ("model_type", "setting", "message"),
+    [
+        ("deepseek_v2", {}, "unsupported model_type 'deepseek_v2'"),
+        ("gemma2", {"hidden_activation": "relu"}, "hidden_activation"),
+        ("qwen3", {"attention_bias": True}, "attention_bias"),
+        ("phi3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ("gemma3_text", {"layer_types": ["chunked_attention"] * 2}, "layer_types"),
+    ],
+)
+def test_unsupported_settings_are_refused(make_checkpoint, tmp_path, model_type, setting, message):
+    source = make_checkpoint("qwen3" if model_type == "deepseek_v2" else model_type)
+    for name in os.listdir(source):
+        os.symlink(os.path.join(source, name), tmp_path / name)
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config.update(setting, model_type=model_type)
+    os.unlink(tmp_path / "config.json")
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tmp_path), kv_cache_bytes=KV_BYTES)

@@ -32,6 +32,7 @@ from splitserve.engine.kv.disaggregation import (
 )
 from splitserve.engine.kv.events import KVCacheEvent
 from splitserve.engine.kv.tiers import Tier
+from splitserve.engine.lora.request import LoRARequest
 from splitserve.engine.outputs import StreamDelta, merge_deltas
 from splitserve.engine.parallel.group import ParallelError
 from splitserve.engine.prompts import child_sequences
@@ -49,6 +50,7 @@ class _Submit:
     sink: _Sink
     export_kv_from_block: int | None = None
     resumed_output: list[int] = field(default_factory=list)  # see EngineCore.add_request
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
 
 @dataclass
@@ -184,6 +186,7 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         resumed_output: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Streams the deltas of all n sequences, interleaved; `delta.index` tells them apart.
 
@@ -195,7 +198,12 @@ class AsyncLLM:
         if resumed_output and params.n != 1:
             raise ValueError(f"n must be 1 to resume a sequence, got {params.n}")
         deltas = self._submit_and_stream(
-            prompt_token_ids, params, request_id, priority, resumed_output=resumed_output or []
+            prompt_token_ids,
+            params,
+            request_id,
+            priority,
+            resumed_output=resumed_output or [],
+            lora_request=lora_request,
         )
         async for delta in deltas:
             yield delta
@@ -206,6 +214,7 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str,
         export_kv_from_block: int,
+        lora_request: LoRARequest | None = None,
     ) -> ExportedPrefill | None:
         """Prefill pods: computes the prompt (batched with everything else in flight), samples
         its first token under `params` (which should stop there: max_tokens=1) and packs the
@@ -214,7 +223,12 @@ class AsyncLLM:
         final = None
         try:
             deltas = self._submit_and_stream(
-                prompt_token_ids, params, request_id, 0, export_kv_from_block
+                prompt_token_ids,
+                params,
+                request_id,
+                0,
+                export_kv_from_block,
+                lora_request=lora_request,
             )
             async for delta in deltas:
                 final = delta.final or final
@@ -222,7 +236,8 @@ class AsyncLLM:
             pages = self.engine.take_exported_pages(request_id)
         if final is None or final.finish_reason == "abort" or pages is None:
             return None
-        return ExportedPrefill(final, pages)
+        lora_name = lora_request.lora_name if lora_request is not None else None
+        return ExportedPrefill(final, pages, lora_name)
 
     async def reserve_remote_prefill(
         self,
@@ -230,6 +245,7 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RemotePrefillReservation:
         """Decode pods: allocates the prompt's blocks (reusing this cache's prefix) for a
         prefill pod to fill. When they are not free now, the request is queued for a local
@@ -243,7 +259,9 @@ class AsyncLLM:
         await self._compile_grammar(params)
         sink = _Sink(asyncio.get_running_loop())
         reserved: concurrent.futures.Future = concurrent.futures.Future()
-        submit = _Submit(request_id, list(prompt_token_ids), params, priority, sink)
+        submit = _Submit(
+            request_id, list(prompt_token_ids), params, priority, sink, lora_request=lora_request
+        )
         self._commands.put(_Reserve(submit, reserved))
         try:
             plan = await asyncio.wrap_future(reserved)
@@ -262,6 +280,7 @@ class AsyncLLM:
         priority: int,
         export_kv_from_block: int | None = None,
         resumed_output: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[StreamDelta]:
         self._check_running()
         self.engine.validate_request(prompt_token_ids, params, priority)
@@ -276,6 +295,7 @@ class AsyncLLM:
             sink,
             export_kv_from_block,
             list(resumed_output or []),
+            lora_request,
         )
         self._commands.put(submit)
         async for delta in self._stream(sink, request_id, params.n):
@@ -447,11 +467,19 @@ class AsyncLLM:
         submit = command.submit
         try:
             plan = self.engine.reserve_remote_prefill(
-                submit.request_id, submit.prompt_token_ids, submit.params, submit.priority
+                submit.request_id,
+                submit.prompt_token_ids,
+                submit.params,
+                submit.priority,
+                lora_request=submit.lora_request,
             )
             if plan is None:
                 self.engine.add_request(
-                    submit.request_id, submit.prompt_token_ids, submit.params, submit.priority
+                    submit.request_id,
+                    submit.prompt_token_ids,
+                    submit.params,
+                    submit.priority,
+                    lora_request=submit.lora_request,
                 )
         except ValueError as error:
             _settle(command.reserved, error=error)
@@ -474,6 +502,7 @@ class AsyncLLM:
                     index,
                     export_kv_from_block=command.export_kv_from_block,
                     resumed_output=command.resumed_output,
+                    lora_request=command.lora_request,
                 )
                 added.append(child_id)
                 self._sinks[child_id] = command.sink

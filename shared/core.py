@@ -14,6 +14,7 @@ Not thread-safe: one thread drives it (the offline `LLM` or `AsyncLLM`'s engine 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.step import ModelOutput, SchedulerOutput, StepResult
 from splitserve.engine.structured_output.matcher import StepMasks
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -263,15 +266,28 @@ class EngineCore:
             block_ids,
             self.pages.shape(len(block_ids)),
             self.runner.kv_cache.dtype,
+            request.lora_name,
         )
 
     def complete_remote_prefill(
         self, request_id: str, result: RemotePrefillResult
     ) -> list[StreamDelta]:
         """Writes the received pages into the reserved blocks and appends the prefill pod's
-        first token; the request then decodes here. A request aborted meanwhile is ignored."""
+        first token; the request then decodes here. A request aborted meanwhile is ignored.
+        Pages computed under another LoRA adapter than the request's (or under one when it
+        has none) are refused: the request is prefilled here instead."""
         request = self.scheduler.requests.get(request_id)
         if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            return []
+        if result.lora_name != request.lora_name:
+            logger.warning(
+                "request %s: refused KV pages computed with adapter %r, the request runs with "
+                "%r; prefilling locally",
+                request_id,
+                result.lora_name,
+                request.lora_name,
+            )
+            self.scheduler.fall_back_to_local_prefill(request_id)
             return []
         first_block = request.num_cached_tokens // self.kv_spec.block_size
         block_ids = self.kv_manager.get_block_ids(request_id)[first_block:]

@@ -18,6 +18,7 @@ from splitserve.engine.lora.batched import (
     make_batch,
     slot_runs,
 )
+from splitserve.engine.request import RequestStatus
 from tests.hf_reference import transformers_greedy
 
 peft = pytest.importorskip("peft")
@@ -252,3 +253,62 @@ def test_slot_runs_and_batch():
     batch: LoRABatch = make_batch([-1, 2, 0], torch.float32, torch.device("cpu"))
     assert batch.num_slots == 3
     assert batch.mask[:, :, 0, 0].tolist() == [[0, 0, 0], [0, 0, 1], [1, 0, 0]]
+
+
+# ---- disaggregation: the prefill pod's pages carry the adapter ------------------------------
+
+
+def _run(engine) -> dict:
+    finals = {}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            if delta.final is not None:
+                finals[delta.request_id] = delta.final
+    return finals
+
+
+def _disaggregated(prefill, decode, rid, prompt, params, lora, prefill_lora):
+    """What the pods do over gRPC and the KV transport, done directly: the decode engine
+    reserves, the prefill engine computes with `prefill_lora` and exports, the decode engine
+    takes the pages (tagged with the prefill's adapter) and finishes."""
+    from splitserve.engine.kv.disaggregation import RemotePrefillResult
+
+    plan = decode.reserve_remote_prefill(rid, prompt, params, lora_request=lora)
+    assert plan is not None and plan.lora_name == (lora.lora_name if lora else None)
+    first_only = SamplingParams(temperature=0.0, max_tokens=1)
+    prefill.add_request(
+        rid,
+        prompt,
+        first_only,
+        export_kv_from_block=plan.first_block_index,
+        lora_request=prefill_lora,
+    )
+    final = _run(prefill)[rid]
+    pages = prefill.take_exported_pages(rid)
+    tag = prefill_lora.lora_name if prefill_lora else None
+    result = RemotePrefillResult(final.token_ids[0], None, pages, lora_name=tag)
+    deltas = decode.complete_remote_prefill(rid, result)
+    was_taken = decode.scheduler.requests[rid].status == RequestStatus.RUNNING
+    assert was_taken == bool(deltas), "taken pages come with the first token's delta"
+    finals = {d.request_id: d.final for d in deltas if d.final is not None}
+    finals.update(_run(decode))
+    return finals[rid], was_taken
+
+
+def test_disaggregated_with_an_adapter_equals_colocated_and_refuses_other_pages(
+    single_thread, base_dir, adapter_dirs, lora_llm
+):
+    options = dict(kv_cache_bytes=KV_BYTES, enable_lora=True, max_loras=2, max_lora_rank=8)
+    prefill, decode = LLM(base_dir, **options).engine, LLM(base_dir, **options).engine
+    alpha, beta = _request(adapter_dirs, "alpha"), _request(adapter_dirs, "beta")
+    prompt = lora_llm.tokenizer.encode("Disaggregated: " + _STORY)
+    expected = lora_llm.generate([prompt], GREEDY, lora_request=alpha)[0].outputs[0].token_ids
+    got, was_taken = _disaggregated(prefill, decode, "pd-1", prompt, GREEDY, alpha, alpha)
+    assert was_taken and got.token_ids == expected
+    # Pages computed with beta (or the base model) for a request of alpha are refused: the
+    # decode pod prefills the prompt itself, so the output is still alpha's.
+    for rid, wrong in [("pd-2", beta), ("pd-3", None)]:
+        other_prompt = prompt[:-1] + [prompt[len(rid)]]
+        got, was_taken = _disaggregated(prefill, decode, rid, other_prompt, GREEDY, alpha, wrong)
+        reference = lora_llm.generate([other_prompt], GREEDY, lora_request=alpha)
+        assert not was_taken and got.token_ids == reference[0].outputs[0].token_ids

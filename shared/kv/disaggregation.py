@@ -55,6 +55,8 @@ class RemotePrefillPlan:
     # [len(block_ids), num_layers, 2, block_size, num_kv_heads, head_dim]
     page_shape: tuple[int, ...]
     dtype: torch.dtype
+    # The LoRA adapter the pages must be computed with (None: the base model).
+    lora_name: str | None = None
 
 
 @dataclass
@@ -66,6 +68,9 @@ class RemotePrefillResult:
     kv_pages: torch.Tensor  # RemotePrefillPlan.page_shape, on any device
     # What the prefill pod served from its own cache, by tier (Tier.label -> tokens).
     prefill_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    # The LoRA adapter the prefill pod computed the pages with (None: the base model); the
+    # decode pod refuses pages of another adapter than its request's.
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,7 @@ class ExportedPrefill:
 
     output: CompletionOutput  # token_ids[0] is the first token; num_cached_tokens, timings
     kv_pages: torch.Tensor  # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
+    lora_name: str | None = None  # the adapter they were computed with; None: the base model
 
     @property
     def first_token_id(self) -> int:

@@ -397,13 +397,22 @@ def test_hf_dir_mistral_without_sliding_window_is_a_llama(tiny_hf_checkpoint, tm
     checkpoint = load_checkpoint(_variant(tiny_hf_checkpoint, tmp_path, mistral))
     assert checkpoint.architecture.name == "mistral"
     assert checkpoint.architecture.num_layers == 2
+    assert checkpoint.architecture.layer_windows == ()
+
+
+def test_hf_dir_mistral_sliding_window_windows_every_layer(tiny_hf_checkpoint, tmp_path):
+    def mistral(config):
+        config.update(model_type="mistral", sliding_window=4096)
+
+    checkpoint = load_checkpoint(_variant(tiny_hf_checkpoint, tmp_path, mistral))
+    assert checkpoint.architecture.layer_windows == (4096, 4096)
 
 
 @pytest.mark.parametrize(
     "edit,message",
     [
         (lambda c: c.update(model_type="gpt_neox"), r"unsupported model_type 'gpt_neox'"),
-        (lambda c: c.update(model_type="mistral", sliding_window=4096), r"sliding_window"),
+        (lambda c: c.update(model_type="mistral", hidden_act="gelu"), r"hidden_act"),
         (lambda c: c.update(attention_bias=True), r"attention_bias"),
         (lambda c: c["rope_parameters"].update(rope_type="yarn"), r"unsupported rope_type 'yarn'"),
     ],

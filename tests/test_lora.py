@@ -312,3 +312,27 @@ def test_disaggregated_with_an_adapter_equals_colocated_and_refuses_other_pages(
         got, was_taken = _disaggregated(prefill, decode, rid, other_prompt, GREEDY, alpha, wrong)
         reference = lora_llm.generate([other_prompt], GREEDY, lora_request=alpha)
         assert not was_taken and got.token_ids == reference[0].outputs[0].token_ids
+
+
+# ---- pod flags ------------------------------------------------------------------------------
+
+
+def test_pod_lora_flags_become_engine_options_and_adapters():
+    import argparse
+
+    from splitserve.engine.config import EngineConfig
+    from splitserve.pod.flags import add_engine_flags, engine_options, lora_modules
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    args = parser.parse_args(["--lora-modules", "sql=/a/sql", "chat=/a/chat", "--max-loras", "2"])
+    options = engine_options(args)
+    config = EngineConfig.from_options(None, **options).lora
+    assert (config.enable_lora, config.max_loras, config.max_lora_rank) == (True, 2, 16)
+    assert lora_modules(args) == [
+        LoRARequest("sql", 1, "/a/sql"),
+        LoRARequest("chat", 2, "/a/chat"),
+    ]
+    assert engine_options(parser.parse_args([]))["enable_lora"] is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--lora-modules", "no-path"])

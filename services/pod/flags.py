@@ -15,6 +15,7 @@ from splitserve.engine.config import (
     QUANTIZATION_METHODS,
     CacheConfig,
 )
+from splitserve.engine.lora.request import LoRARequest
 
 
 def parse_tier_size(text: str) -> int | str:
@@ -114,6 +115,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "each expert's intermediate size is split (docs/moe.md)",
     )
     _add_speculative_flags(parser)
+    _add_lora_flags(parser)
 
 
 def _add_offload_flags(parser: argparse.ArgumentParser) -> None:
@@ -213,6 +215,41 @@ def _add_speculative_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_lora_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("LoRA adapters (vLLM's flags)")
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="PEFT adapters served by name (clients put the name in \"model\"); implies "
+        "--enable-lora",
+    )
+    group.add_argument(
+        "--enable-lora", action="store_true", help="serve adapters (also loaded at run time)"
+    )
+    group.add_argument("--max-loras", type=_positive_int, default=1, help="active adapter slots")
+    group.add_argument("--max-lora-rank", type=_positive_int, default=16)
+    group.add_argument(
+        "--max-cpu-loras", type=_positive_int, default=None, help="host copies (default: slots)"
+    )
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
+
+
+def lora_modules(args: argparse.Namespace) -> list[LoRARequest]:
+    """The --lora-modules adapters, with ids 1, 2, ... in flag order."""
+    return [
+        LoRARequest(name, index, path) for index, (name, path) in enumerate(args.lora_modules, 1)
+    ]
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
     """Keyword options for `AsyncLLM(model, **options)` from `add_engine_flags`' flags."""
     return {
@@ -245,6 +282,10 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_draft_model": args.speculative_draft_model,
         "speculative_draft_layers": args.speculative_draft_layers,
+        "enable_lora": args.enable_lora or bool(args.lora_modules),
+        "max_loras": args.max_loras,
+        "max_lora_rank": args.max_lora_rank,
+        "max_cpu_loras": args.max_cpu_loras,
     }
 
 

@@ -16,7 +16,7 @@ from splitserve.common.cli_args import setup_logging
 from splitserve.common.model_files import default_model_name, resolve_model_path
 from splitserve.common.redis_auth import use_redis_password_file
 from splitserve.common.tls import tls_from_args
-from splitserve.pod.flags import engine_options
+from splitserve.pod.flags import engine_options, lora_modules
 from splitserve.pod.registry_publisher import pod_place
 from splitserve.pod.server import PodIdentity, PodServicer, add_pod_flags, pod_id, serve_pod
 
@@ -115,6 +115,8 @@ def _engine_parts(role: PodRole, args: argparse.Namespace) -> EngineParts:
     transport = create_kv_transport(kv_transfer_config(args))
     model_path = resolve_model_path(args.model)
     llm = AsyncLLM(model_path, **engine_options(args))
+    for adapter in lora_modules(args):  # before any request: the engine's thread is idle
+        llm.engine.add_lora(adapter)
     log_environment()  # what `splitserve env --json` prints here: the paths this pod runs
     place = pod_place(args)
     identity = PodIdentity(

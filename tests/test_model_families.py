@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
+from splitserve.engine.model.cpu_paths import cpu_report
 from tests.test_disaggregation_engine import disaggregated
 
 MAX_TOKENS = 12
@@ -254,6 +255,9 @@ def test_architecture_reads_each_part(make_checkpoint):
     assert arch["qwen3_moe"].moe is not None and arch["qwen3_moe"].qk_norm
     # Their parts are not in the C++ decode layers: the Python layers serve every step.
     assert all(llm.engine.runner.model.fused_decode is None for llm in archs.values())
+    paths = cpu_report()["model_families"]
+    assert set(FAMILIES) <= set(paths)
+    assert "soft-capping" in paths["gemma2"] and "q/k norms" in paths["qwen3"]
 
 
 def test_qwen3_disaggregated_equals_colocated(single_thread, make_checkpoint):

@@ -24,13 +24,15 @@ def cpu_report() -> dict[str, object]:
     "cpu_kernels": "loaded" | "unavailable: <why>",
     "quantization": {"int8": "ok" | "<why not>", "int4": ..., "gguf": ...},
     "dtypes": {"bfloat16": "ok" | "<why not>"},
-    "paths": {family: what runs}} (plain values only: JSON-ready)."""
+    "paths": {family: what runs},
+    "model_families": {model_type: how its decode steps run}} (plain values only: JSON-ready)."""
     return {
         "cpu": isa.features_report(),
         "cpu_kernels": cpu_kernels_status(),
         "quantization": {method: quantization_status(method) for method in _QUANTIZATION_METHODS},
         "dtypes": {"bfloat16": bfloat16_status()},
         "paths": kernel_paths(),
+        "model_families": model_family_paths(),
     }
 
 
@@ -82,3 +84,28 @@ def kernel_paths() -> dict[str, str]:
         "int4": f"int4_gemm {module.int4_isa()}" if module and int4 is None else f"torch ({int4})",
         "cpu_kernel_isa": module.int4_isa() if module is not None else "none",
     }
+
+
+# config.json model_type -> what its layers add that decode_layers.cpp does not compute
+# (shared/model/fused_decode.py's fused_decode_problem decides per loaded model; this is the
+# same answer for each family's usual config, for the report).
+_PYTHON_LAYER_PARTS = {
+    "qwen2": "q/k/v biases",
+    "qwen3": "q/k norms",
+    "gemma2": "sliding windows, attention soft-capping, Gemma's extra norms, GeGLU",
+    "gemma3_text": "sliding windows, q/k norms, Gemma's extra norms, GeGLU, two rotary bases",
+    "mixtral": "mixture-of-experts",
+    "qwen2_moe": "mixture-of-experts, q/k/v biases",
+    "qwen3_moe": "mixture-of-experts, q/k norms",
+}
+
+
+def model_family_paths() -> dict[str, str]:
+    """Model type -> "fused C++ decode" where its dense float32 decode steps may take the C++
+    layers (kernels/cpu/decode_layers.cpp), else the Python layers and why (docs/models.md)."""
+    fused = "fused C++ decode (float32, no LoRA rows)" if _loaded_module() else "python layers"
+    windowed = f"{fused}; python layers when sliding_window is set (windows)"
+    paths = {"llama": fused, "mistral": windowed, "phi3": windowed}
+    for model_type, parts in _PYTHON_LAYER_PARTS.items():
+        paths[model_type] = f"python layers (the C++ decode layers lack {parts})"
+    return paths

@@ -299,3 +299,13 @@ def test_unsupported_settings_are_refused(make_checkpoint, tmp_path, model_type,
         json.dump(config, f)
     with pytest.raises(ValueError, match=message):
         LLM(str(tmp_path), kv_cache_bytes=KV_BYTES)
+
+
+def test_pipeline_stages_keep_their_layers_windows(make_checkpoint):
+    from splitserve.engine.parallel.pipeline import PipelineLayout
+
+    arch = LLM(make_checkpoint("gemma2"), kv_cache_bytes=KV_BYTES).engine.architecture
+    stages = [
+        PipelineLayout(pp_size=2, rank=rank, num_layers=2).local_arch(arch) for rank in (0, 1)
+    ]
+    assert [stage.layer_windows for stage in stages] == [(8,), (0,)]

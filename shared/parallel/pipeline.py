@@ -86,7 +86,10 @@ class PipelineLayout:
         return dataclasses.replace(self, rank=rank)
 
     def local_arch(self, arch: ModelArchitecture) -> ModelArchitecture:
-        return dataclasses.replace(arch, num_layers=len(self.layers_of(self.stage)))
+        layers = self.layers_of(self.stage)
+        # Window layers (Mistral, Gemma) keep their windows on whichever stage holds them.
+        windows = tuple(arch.layer_windows[i] for i in layers) if arch.layer_windows else ()
+        return dataclasses.replace(arch, num_layers=len(layers), layer_windows=windows)
 
     def pod_kv_arch(self, arch: ModelArchitecture) -> ModelArchitecture:
         """Every layer's KV once, over all stages."""

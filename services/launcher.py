@@ -171,6 +171,14 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
         default="cache_aware",
         choices=["cache_aware", "least_load", "round_robin"],
     )
+    sub.add_argument(
+        "--strip-system-line-prefix",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="the gateway's /v1/messages drops a system prompt's first line starting with "
+        "PREFIX (repeatable; e.g. 'x-anthropic-billing-header:', for prefix caching)",
+    )
     add_security_flags(sub)
     sub.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
     sub.add_argument(
@@ -395,6 +403,8 @@ def _gateway(
     argv += ["--port", str(args.port), "--grpc-port", str(args.grpc_port)]
     argv += ["--routing-policy", args.routing_policy, *shared_flags]
     argv += ["--log-level", args.log_level]
+    for prefix in args.strip_system_line_prefix:
+        argv += ["--strip-system-line-prefix", prefix]
     for address in decode_addresses:
         argv += ["--decode", address]
     for address in prefill_addresses:

@@ -21,6 +21,7 @@ from splitserve.common.tls import add_tls_flags, tls_from_args
 from splitserve.common.tracing import configure_tracing
 from splitserve.gateway.api.grpc_service import GenerationServicer
 from splitserve.gateway.api.http_app import create_app
+from splitserve.gateway.api.messages import MessagesSettings
 from splitserve.gateway.core import GatewayCore
 from splitserve.gateway.metrics import GatewayMetrics
 from splitserve.gateway.migration import add_migration_flags, migration_policy
@@ -64,10 +65,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
+    add_messages_flags(parser)
     add_routing_flags(parser)
     add_migration_flags(parser)
     add_tls_flags(parser)  # the gateway's calls to the pods (its own ports: docs/security.md)
     return parser
+
+
+def add_messages_flags(parser: argparse.ArgumentParser) -> None:
+    """Anthropic's /v1/messages (docs/api.md)."""
+    parser.add_argument(
+        "--strip-system-line-prefix",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="/v1/messages: drop the system prompt's first line when it starts with PREFIX "
+        "(repeatable), e.g. 'x-anthropic-billing-header:', the line Claude Code changes on "
+        "every request, which would defeat prefix caching",
+    )
 
 
 def add_routing_flags(parser: argparse.ArgumentParser) -> None:
@@ -183,7 +198,7 @@ async def serve(args: argparse.Namespace) -> int:
     health = asyncio.create_task(_follow_decode_health(grpc_server, decode_pool))
     http = _HttpServer(
         uvicorn.Config(
-            create_app(core),
+            create_app(core, MessagesSettings(tuple(args.strip_system_line_prefix))),
             host=args.host,
             port=args.port,
             log_level=args.log_level,

@@ -5,7 +5,7 @@ below `api/`, `tools/`, `structured/` and the request core, which all raise it."
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pydantic_core import ErrorDetails
 
@@ -55,9 +55,12 @@ def param_of(error: ValueError) -> str | None:
     return first if first in _PARAM_NAMES else None
 
 
-def from_validation(errors: Sequence[ErrorDetails], body: object) -> RequestError:
+def from_validation(
+    errors: Sequence[ErrorDetails], body: object, expected: Mapping[str, str] | None = None
+) -> RequestError:
     """The first offending field of pydantic's `errors` (locations relative to `body`) as one
-    RequestError; several errors of one field (the alternatives of a union) become one."""
+    RequestError; several errors of one field (the alternatives of a union) become one.
+    `expected`: what each field may be, for an API whose fields differ from OpenAI's."""
     if not errors:
         return RequestError("the request is invalid", code="invalid_value")
     first = errors[0]
@@ -79,9 +82,10 @@ def from_validation(errors: Sequence[ErrorDetails], body: object) -> RequestErro
         code = "missing_required_parameter" if len(path) == 1 else "invalid_type"
         return RequestError(f"{name} is required", param, code)
     field = _field(path)
-    expected = _EXPECTED.get(_pattern(field)) or _EXPECTED.get(str(field[-1]))
-    if expected is not None:
-        return RequestError(f"{_name(field)} must be {expected}", param, "invalid_type")
+    shapes = _EXPECTED if expected is None else expected
+    shape = shapes.get(_pattern(field)) or shapes.get(str(field[-1]))
+    if shape is not None:
+        return RequestError(f"{_name(field)} must be {shape}", param, "invalid_type")
     code = "invalid_type" if kind.endswith("_type") or kind == "model_type" else "invalid_value"
     return RequestError(f"{name}: {first['msg']}", param, code)
 

@@ -1,13 +1,15 @@
 """The OpenAI-compatible HTTP API (FastAPI): the app, with the routes of every endpoint
 (/v1/completions, /v1/chat/completions, /v1/responses, /v1/models and /v1/models/{id},
-/tokenize, /detokenize: each in its module of `api/`) and /health and /metrics. Request bodies
+/tokenize, /detokenize, and Anthropic's /v1/messages: each in its module of `api/`) and /health
+and /metrics. Request bodies
 are the endpoints' pydantic models (FastAPI validates them and lists them in /openapi.json).
 The exception handlers here are the one place errors become status codes and OpenAI error
-bodies (`respond.error_response`)."""
+bodies (`respond.error_response`; Anthropic's bodies on /v1/messages, `messages_format`)."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,6 +20,9 @@ from splitserve.common import tracing
 from splitserve.common.grpc_server import StatusError
 from splitserve.gateway.api.chat import ChatRoutes
 from splitserve.gateway.api.completions import CompletionRoutes
+from splitserve.gateway.api.messages import MessagesRoutes, MessagesSettings
+from splitserve.gateway.api.messages_format import MESSAGES_PATHS, anthropic_error
+from splitserve.gateway.api.messages_schema import EXPECTED_SHAPES
 from splitserve.gateway.api.models import ModelRoutes
 from splitserve.gateway.api.respond import ClientDisconnected, error_response
 from splitserve.gateway.api.responses import ResponsesRoutes
@@ -34,20 +39,22 @@ ENDPOINTS = (
     "/v1/chat/completions",
     "/v1/models",
     "/v1/responses",
+    *MESSAGES_PATHS,
     "/tokenize",
     "/detokenize",
     "/health",
     "/metrics",
 )
 # Traced when tracing is on.
-GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 ENDPOINT_ROUTES = (CompletionRoutes, ChatRoutes, ResponsesRoutes, ModelRoutes, TokenRoutes)
 
 
-def create_app(core: GatewayCore) -> FastAPI:
+def create_app(core: GatewayCore, messages: MessagesSettings | None = None) -> FastAPI:
     app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None)
     for routes in ENDPOINT_ROUTES:
         routes(core).add_to(app)
+    MessagesRoutes(core, messages).add_to(app)
     server = _ServerRoutes(core)
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.metrics, methods=["GET"])
@@ -90,19 +97,19 @@ def _pools(core: GatewayCore) -> list[PodPool]:
 
 def _add_error_handlers(app: FastAPI) -> None:
     async def known(request: Request, error: Exception) -> JSONResponse:
-        status, body = error_response(error)
-        return JSONResponse(body, status_code=status)
+        return _error_json(request, *error_response(error))
 
     async def validation(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, RequestValidationError), "registered for it alone"
-        status, body = error_response(from_validation(error.errors(), error.body))
-        return JSONResponse(body, status_code=status)
+        shapes = EXPECTED_SHAPES if request.url.path in MESSAGES_PATHS else None
+        problem = from_validation(error.errors(), error.body, shapes)
+        return _error_json(request, *error_response(problem))
 
     async def http(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, HTTPException), "registered for it alone"
         kind = "invalid_request_error" if error.status_code < 500 else "server_error"
         body = error_body(str(error.detail), kind, None, None)
-        return JSONResponse(body, status_code=error.status_code, headers=error.headers)
+        return _error_json(request, error.status_code, body, error.headers)
 
     async def disconnected(request: Request, error: Exception) -> Response:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -112,6 +119,15 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ClientDisconnected, disconnected)
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(HTTPException, http)
+
+
+def _error_json(
+    request: Request, status: int, body: dict, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    """An error's response: OpenAI's body, or Anthropic's on its endpoints."""
+    if request.url.path in MESSAGES_PATHS:
+        status, body = anthropic_error(status, body)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class _CountRequests:

@@ -1,0 +1,353 @@
+"""Anthropic's Messages API beside OpenAI's: POST /v1/messages and /v1/messages/count_tokens.
+
+A Messages request is parsed into what a chat completion would be (the same request core, chat
+template, tool calling hooks of `tools/` and grammars), so routing, migration and P/D work as
+for /v1/chat/completions:
+- `system` (a string or text blocks) is the system message. With the gateway's
+  `--strip-system-line-prefix P`, a first line starting with P is dropped (Claude Code's
+  per-request `x-anthropic-billing-header: ...` line would otherwise change the prompt's first
+  block and defeat prefix caching).
+- Turns are user or assistant. An assistant's `tool_use` blocks become its tool calls, a user's
+  `tool_result` blocks become tool turns (tools/prompt.py renders both as text), in order.
+- `tools` (`input_schema`) and `tool_choice` become OpenAI's: auto -> auto, any -> required,
+  tool -> the named function, none -> none; `disable_parallel_tool_use` -> one call at most.
+- `cache_control` on system blocks, content blocks and tools sets the retention window
+  (api/cache_options.py); `metadata.user_id` routes a user's requests to the same decode pod.
+The answer's objects and events, and this endpoint's error bodies: api/messages_format.py.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from splitserve.common import tracing
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.structured_output.spec import StructuredOutput
+from splitserve.gateway.api.cache_options import CacheControl, cache_retention_s
+from splitserve.gateway.api.fields import SamplingKwargs, check_unsupported, validate_body
+from splitserve.gateway.api.messages_format import MessageFormat, message_events
+from splitserve.gateway.api.messages_schema import (
+    AnthropicMessage,
+    ConversationFields,
+    CountTokensBody,
+    MessagesBody,
+    TextBlock,
+    ToolChoiceAny,
+    ToolChoiceAuto,
+    ToolChoiceNone,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from splitserve.gateway.api.respond import (
+    EventStream,
+    annotate_usage,
+    encode_conversation,
+    start_generation,
+    unless_disconnected,
+)
+from splitserve.gateway.core import GatewayCore, GenerationRequest
+from splitserve.gateway.errors import RequestError, param_of
+from splitserve.gateway.generation import collect
+from splitserve.gateway.structured.constraints import closed_objects
+from splitserve.gateway.tools.hooks import ToolError, ToolRequest, prepare_chat, render_tool_turns
+from splitserve.gateway.tools.schema import CalledFunction, ToolCall
+
+MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+
+
+@dataclass(frozen=True)
+class MessagesSettings:
+    """The operator's options for this endpoint (gateway flags)."""
+
+    # A system prompt whose first line starts with one of these loses that line.
+    strip_system_line_prefixes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A Messages prompt in chat terms."""
+
+    messages: list[dict[str, str]]  # role and text, tools section and tool turns rendered
+    tools: ToolRequest | None
+    sampling: SamplingKwargs  # the tool grammar and the cache window, when asked for
+    has_cache_control: bool
+
+
+@dataclass(frozen=True)
+class MessagesRequest:
+    conversation: Conversation
+    params: SamplingParams
+    stream: bool
+    stop_sequences: tuple[str, ...]
+    user_id: str | None
+
+
+# ---- parsing --------------------------------------------------------------------------------
+
+
+def parse_conversation(
+    body: ConversationFields, model_name: str, settings: MessagesSettings
+) -> Conversation:
+    check_unsupported(body)
+    if body.model is not None and body.model != model_name:
+        raise RequestError(
+            f"model {body.model!r} does not exist; this server serves {model_name!r}",
+            "model",
+            "model_not_found",
+        )
+    messages = _system(body, settings) + _turns(body.messages)
+    sampling: SamplingKwargs = {}
+    try:
+        messages, tools = prepare_chat(_openai_tool_fields(body), messages, sampling)
+    except ToolError as error:
+        raise RequestError(_anthropic_words(str(error)), error.param) from None
+    output = _output_format(body)
+    if output is not None:
+        if "structured_output" in sampling:
+            raise RequestError(
+                "output_config.format cannot be combined with tool_choice any or tool",
+                "output_config",
+            )
+        sampling["structured_output"] = output
+    markers = _cache_controls(body)
+    window = cache_retention_s(None, markers)
+    if window is not None:
+        sampling["cache_retention_s"] = window
+    return Conversation(messages, tools, sampling, any(markers))
+
+
+def _output_format(body: ConversationFields) -> StructuredOutput | None:
+    config = body.output_config
+    if config is None or config.format is None:
+        return None
+    return StructuredOutput.json_schema(closed_objects(config.format.schema_))
+
+
+def parse_messages(raw: object, model_name: str, settings: MessagesSettings) -> MessagesRequest:
+    body = validate_body(MessagesBody, raw)
+    conversation = parse_conversation(body, model_name, settings)
+    if body.temperature is not None and not 0 <= body.temperature <= 1:
+        raise RequestError(f"temperature must be in [0, 1], got {body.temperature}", "temperature")
+    sampling = dict(conversation.sampling)
+    for name in ("temperature", "top_p", "top_k"):
+        if getattr(body, name) is not None:
+            sampling[name] = getattr(body, name)
+    stop_sequences = tuple(body.stop_sequences or ())
+    if stop_sequences:
+        sampling["stop"] = stop_sequences
+    try:
+        params = SamplingParams(max_tokens=body.max_tokens, **sampling)
+    except ValueError as error:
+        param = "stop_sequences" if param_of(error) == "stop" else param_of(error)
+        raise RequestError(str(error), param) from None
+    user_id = body.metadata.user_id if body.metadata is not None else None
+    return MessagesRequest(conversation, params, bool(body.stream), stop_sequences, user_id)
+
+
+def _system(body: ConversationFields, settings: MessagesSettings) -> list[dict[str, str]]:
+    system = body.system
+    if system is None:
+        return []
+    text = system if isinstance(system, str) else "\n".join(block.text for block in system)
+    first_line, _, rest = text.partition("\n")
+    if any(first_line.startswith(prefix) for prefix in settings.strip_system_line_prefixes):
+        text = rest
+    return [{"role": "system", "content": text}] if text else []
+
+
+@dataclass(frozen=True)
+class _Turn:
+    """What tools/prompt.render_tool_turns reads of a chat message."""
+
+    role: str
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+def _turns(messages: list[AnthropicMessage]) -> list[dict[str, str]]:
+    """The conversation as chat messages: tool_use blocks as the assistant's tool calls, each
+    tool_result block as a tool turn, written as text by the tool calling hooks."""
+    turns: list[_Turn] = []
+    texts: list[str] = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, str):
+            pairs = [(_Turn(message.role), content)]
+        elif message.role == "assistant":
+            pairs = [_assistant_turn(i, content)]
+        else:
+            pairs = _user_turns(i, content)
+        turns += [turn for turn, _ in pairs]
+        texts += [text for _, text in pairs]
+    if messages[-1].role == "assistant":
+        raise RequestError(
+            f"messages[{len(messages) - 1}]: a final assistant turn (prefill) is not supported; "
+            "end with a user turn",
+            f"messages[{len(messages) - 1}]",
+        )
+    chat = [{"role": turn.role, "content": text} for turn, text in zip(turns, texts, strict=True)]
+    return render_tool_turns(turns, chat)
+
+
+def _assistant_turn(i: int, blocks: Sequence[object]) -> tuple[_Turn, str]:
+    texts, calls = [], []
+    for j, block in enumerate(blocks):
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolUseBlock):
+            arguments = json.dumps(block.input, ensure_ascii=False)
+            calls.append(
+                ToolCall(id=block.id, function=CalledFunction(name=block.name, arguments=arguments))
+            )
+        else:
+            _refuse_block(i, j, block, "assistant")
+    return _Turn("assistant", tool_calls=calls or None), "\n".join(texts)
+
+
+def _user_turns(i: int, blocks: Sequence[object]) -> list[tuple[_Turn, str]]:
+    pairs: list[tuple[_Turn, str]] = []
+    texts: list[str] = []
+    for j, block in enumerate(blocks):
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolResultBlock):
+            if texts:  # text before a result stays before it
+                pairs.append((_Turn("user"), "\n".join(texts)))
+                texts = []
+            pairs.append((_Turn("tool", tool_call_id=block.tool_use_id), _result_text(block)))
+        else:
+            _refuse_block(i, j, block, "user")
+    if texts or not pairs:
+        pairs.append((_Turn("user"), "\n".join(texts)))
+    return pairs
+
+
+def _result_text(block: ToolResultBlock) -> str:
+    content = block.content
+    text = content if isinstance(content, str) else "\n".join(b.text for b in content or [])
+    return f"Error: {text}" if block.is_error else text
+
+
+def _refuse_block(i: int, j: int, block: object, role: str) -> None:
+    kind = getattr(block, "type", "?")
+    where = f"messages[{i}].content[{j}]"
+    if kind in ("tool_use", "tool_result"):
+        message = f"{where}: {kind} blocks cannot be in a {role} turn"
+        raise RequestError(message, f"messages[{i}]")
+    raise RequestError(
+        f"{where}: {kind} blocks are not supported by this server (its model reads text only)",
+        f"messages[{i}]",
+        "unsupported_value",
+    )
+
+
+def _openai_tool_fields(body: ConversationFields):
+    """The body's tools and tool_choice as the tool calling hooks read them (OpenAI's)."""
+    tools = None
+    if body.tools is not None:
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": tool.name,
+                    "description": tool.description,
+                    "parameters": tool.input_schema,
+                },
+            }
+            for tool in body.tools
+        ]
+    choice, parallel = body.tool_choice, None
+    openai_choice: object = None
+    if isinstance(choice, ToolChoiceNone):
+        openai_choice = "none"
+    elif choice is not None:
+        parallel = False if choice.disable_parallel_tool_use else None
+        if isinstance(choice, ToolChoiceAuto):
+            openai_choice = "auto"
+        elif isinstance(choice, ToolChoiceAny):
+            openai_choice = "required"
+        else:
+            openai_choice = {"type": "function", "function": {"name": choice.name}}
+    fields = {"tools": tools, "tool_choice": openai_choice, "parallel_tool_calls": parallel}
+    return fields.get
+
+
+def _anthropic_words(message: str) -> str:
+    """A tool calling hook's message in this API's terms."""
+    return message.replace(".function.parameters", ".input_schema").replace(
+        "names the function", "names the tool"
+    )
+
+
+def _cache_controls(body: ConversationFields) -> list[CacheControl | None]:
+    markers: list[CacheControl | None] = [body.cache_control]
+    if isinstance(body.system, list):
+        markers += [block.cache_control for block in body.system]
+    for message in body.messages:
+        if not isinstance(message.content, str):
+            markers += [getattr(block, "cache_control", None) for block in message.content]
+    markers += [tool.cache_control for tool in body.tools or []]
+    return markers
+
+
+def _constraint_param(conversation: Conversation) -> str:
+    """The field a grammar that does not compile came from."""
+    tools = conversation.tools
+    return "tools" if tools is not None and tools.is_enforced else "output_config"
+
+
+# ---- the routes -----------------------------------------------------------------------------
+
+
+class MessagesRoutes:
+    def __init__(self, core: GatewayCore, settings: MessagesSettings | None = None) -> None:
+        self.core = core
+        self.settings = settings or MessagesSettings()
+
+    def add_to(self, app: FastAPI) -> None:
+        app.add_api_route(MESSAGES_PATH, self.messages, methods=["POST"])
+        app.add_api_route(COUNT_TOKENS_PATH, self.count_tokens, methods=["POST"])
+
+    async def messages(self, body: MessagesBody, request: Request) -> Response:
+        core = self.core
+        with tracing.child_span("gateway.validate", None):
+            parsed = parse_messages(body, core.model_name, self.settings)
+        with tracing.child_span("gateway.tokenize", None):
+            prompt = encode_conversation(core, parsed.conversation.messages, "messages")
+        request_id = f"msg_{uuid.uuid4().hex}"
+        tools = parsed.conversation.tools
+        generation_request = GenerationRequest(
+            request_id,
+            [prompt],
+            parsed.params,
+            prompt_cache_key=parsed.user_id,
+            structured_output_param=_constraint_param(parsed.conversation),
+        )
+        generation = await start_generation(core, generation_request, "messages", request)
+        fmt = MessageFormat(
+            request_id,
+            core.model_name,
+            tools,
+            parsed.stop_sequences,
+            parsed.conversation.has_cache_control,
+        )
+        if not parsed.stream:
+            sequences = await unless_disconnected(request, collect(generation), generation)
+            annotate_usage(generation)
+            return JSONResponse(fmt.message(sequences[0], generation.usage))
+        first = await unless_disconnected(request, anext(generation), generation)
+        return EventStream(message_events(fmt, generation, first), generation.cancel)
+
+    async def count_tokens(self, body: CountTokensBody) -> dict:
+        """The prompt's tokens, as /v1/messages would send it to the pods."""
+        conversation = parse_conversation(body, self.core.model_name, self.settings)
+        prompt = encode_conversation(self.core, conversation.messages, "messages")
+        return {"input_tokens": len(prompt)}

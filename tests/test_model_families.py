@@ -5,6 +5,7 @@ builds from its own config and model classes (docs/models.md):
   scores, through chunked prefill (a 16-token budget) and then again through a prefix-cache hit;
 - each special part is one the reference depends on (turned off, transformers' logprobs move
   by far more than the tolerance), so the equality above tests it;
+- a one-layer self-speculative draft and preemption (a pool too small) keep Gemma 2's tokens;
 - a Qwen3 disaggregated request (prefill engine exports pages, decode engine takes them) equals
   the colocated one;
 - what is not supported is refused with a message that names it.
@@ -309,3 +310,25 @@ def test_pipeline_stages_keep_their_layers_windows(make_checkpoint):
         PipelineLayout(pp_size=2, rank=rank, num_layers=2).local_arch(arch) for rank in (0, 1)
     ]
     assert [stage.layer_windows for stage in stages] == [(8,), (0,)]
+
+
+@pytest.mark.parametrize("family", ["gemma2"])
+def test_self_speculative_decoding_and_preemption_keep_the_tokens(
+    single_thread, make_checkpoint, family
+):
+    """A one-layer self-draft (Gemma 2's is its window layer) and a pool too small for the
+    batch change the schedule only."""
+    directory = make_checkpoint(family)
+    prompts = _prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    plain = LLM(directory, kv_cache_bytes=KV_BYTES, enable_prefix_caching=False)
+    expected = [r.outputs[0].token_ids for r in plain.generate(prompts, params)]
+    options = {"speculative_method": "self", "speculative_draft_layers": 1}
+    speculative = LLM(directory, kv_cache_bytes=KV_BYTES, **options)
+    assert [r.outputs[0].token_ids for r in speculative.generate(prompts, params)] == expected
+    assert speculative.stats().num_spec_proposed_tokens > 0
+    cramped = LLM(
+        directory, kv_cache_bytes=KV_BYTES, num_blocks_override=4, enable_prefix_caching=False
+    )
+    assert [r.outputs[0].token_ids for r in cramped.generate(prompts, params)] == expected
+    assert cramped.stats().num_preemptions > 0

@@ -444,6 +444,8 @@ def test_missing_max_tokens_and_unknown_model_get_anthropics_statuses(stack):
         "type": "error",
         "error": {"type": "invalid_request_error", "message": "max_tokens is required"},
     }
+    status, answer = _post_status(stack, "/v1/messages", {**body, "messages": [], "max_tokens": 5})
+    assert (status, answer["error"]["message"]) == (400, "messages must not be empty")
     status, answer = _post_status(
         stack, "/v1/messages", {**body, "max_tokens": 5, "model": "claude-x"}
     )

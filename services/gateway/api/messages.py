@@ -11,8 +11,10 @@ for /v1/chat/completions:
   `tool_result` blocks become tool turns (tools/prompt.py renders both as text), in order.
 - `tools` (`input_schema`) and `tool_choice` become OpenAI's: auto -> auto, any -> required,
   tool -> the named function, none -> none; `disable_parallel_tool_use` -> one call at most.
-- `cache_control` on system blocks, content blocks and tools sets the retention window
-  (api/cache_options.py); `metadata.user_id` routes a user's requests to the same decode pod.
+- `output_config.format` (a JSON schema) constrains the answer as `response_format` does.
+- `cache_control` on the request, system blocks, content blocks and tools sets the retention
+  window (api/cache_options.py); `metadata.user_id` routes a user's requests to the same decode
+  pod (as OpenAI's `prompt_cache_key`), for its prefix cache.
 The answer's objects and events, and this endpoint's error bodies: api/messages_format.py.
 """
 
@@ -175,6 +177,8 @@ class _Turn:
 def _turns(messages: list[AnthropicMessage]) -> list[dict[str, str]]:
     """The conversation as chat messages: tool_use blocks as the assistant's tool calls, each
     tool_result block as a tool turn, written as text by the tool calling hooks."""
+    if not messages:
+        raise RequestError("messages must not be empty", "messages")
     turns: list[_Turn] = []
     texts: list[str] = []
     for i, message in enumerate(messages):
@@ -219,6 +223,9 @@ def _user_turns(i: int, blocks: Sequence[object]) -> list[tuple[_Turn, str]]:
         if isinstance(block, TextBlock):
             texts.append(block.text)
         elif isinstance(block, ToolResultBlock):
+            if not block.tool_use_id:
+                where = f"messages[{i}].content[{j}].tool_use_id"
+                raise RequestError(f"{where} must be a non-empty string", f"messages[{i}]")
             if texts:  # text before a result stays before it
                 pairs.append((_Turn("user"), "\n".join(texts)))
                 texts = []

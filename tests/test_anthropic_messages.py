@@ -22,6 +22,7 @@ import pytest
 from openai import OpenAI
 
 from splitserve.cli import build_parser
+from splitserve.common import tracing
 from splitserve.engine.model_paths import default_model_path
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.launcher import plan
@@ -60,13 +61,22 @@ QUESTION = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def stack() -> Stack:
-    started = start_stack(
-        num_decode=2,
-        num_prefill=1,
-        decode_flags=["--local-prefill-threshold", "8"],
-        gateway_flags=["--strip-system-line-prefix", BILLING, "--stream-stall-timeout", "3"],
-    )
+def span_file(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("traces") / "spans.jsonl")
+
+
+@pytest.fixture(scope="module")
+def stack(span_file) -> Stack:
+    with pytest.MonkeyPatch.context() as patch:  # every process writes its spans there
+        patch.setenv(tracing.TRACES_FILE_ENV, span_file)
+        patch.delenv("OTEL_SERVICE_NAME", raising=False)
+        patch.setenv("OTEL_TRACES_EXPORTER", "none")
+        started = start_stack(
+            num_decode=2,
+            num_prefill=1,
+            decode_flags=["--local-prefill-threshold", "8"],
+            gateway_flags=["--strip-system-line-prefix", BILLING, "--stream-stall-timeout", "3"],
+        )
     try:
         yield started.wait_healthy()
     finally:
@@ -455,12 +465,22 @@ def test_missing_max_tokens_and_unknown_model_get_anthropics_statuses(stack):
     assert status == 400 and answer["error"]["code"] == "unknown_parameter"
 
 
-def test_schemas_metrics_and_the_up_flag(stack, client):
+def test_schemas_metrics_traces_and_the_up_flag(stack, client, span_file):
     schema = json.loads(_get(stack, "/openapi.json"))
     assert {"/v1/messages", "/v1/messages/count_tokens"} <= set(schema["paths"])
     body = schema["components"]["schemas"]["MessagesBody"]
     assert {"max_tokens", "messages"} <= set(body["required"])
-    create(client, max_tokens=2)
+    for name in ("MessagesBody", "CountTokensBody"):  # unknown fields are refused
+        assert schema["components"]["schemas"][name]["additionalProperties"] is False
+    trace_id, parent_id = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    traceparent = {"traceparent": f"00-{trace_id}-{parent_id}-01"}
+    create(client, max_tokens=2, extra_headers=traceparent)
+    spans = _wait_for_spans(span_file, trace_id, {"POST /v1/messages", "decode.request"})
+    (server,) = [span for span in spans if span["name"] == "POST /v1/messages"]
+    assert server["parent_span_id"] == parent_id
+    assert server["attributes"][tracing.OUTPUT_TOKENS] == 2
+    (decode,) = [span for span in spans if span["name"] == "decode.request"]
+    assert decode["parent_span_id"] == server["span_id"]
     metrics = _get(stack, "/metrics")
     assert 'splitserve_requests_total{endpoint="/v1/messages",status="200"}' in metrics
     assert 'splitserve_requests_total{endpoint="/v1/messages",status="400"}' in metrics
@@ -501,6 +521,15 @@ def test_a_stream_whose_decode_pod_is_killed_finishes_on_the_other(stack, client
 
 
 # ---- helpers --------------------------------------------------------------------------------
+
+
+def _wait_for_spans(path: str, trace_id: str, names: set[str]) -> list[dict]:
+    deadline = time.monotonic() + 15
+    while True:
+        spans = [s for s in tracing.read_span_file(path) if s["trace_id"] == trace_id]
+        if names <= {s["name"] for s in spans} or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.1)
 
 
 def _busy_pod(stack: Stack) -> str:

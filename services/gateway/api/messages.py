@@ -15,14 +15,13 @@ for /v1/chat/completions:
 - `cache_control` on the request, system blocks, content blocks and tools sets the retention
   window (api/cache_options.py); `metadata.user_id` routes a user's requests to the same decode
   pod (as OpenAI's `prompt_cache_key`), for its prefix cache.
-The answer's objects and events, and this endpoint's error bodies: api/messages_format.py.
+The prompt's pieces: api/messages_prompt.py; the answer's objects and events, and this
+endpoint's error bodies: api/messages_format.py.
 """
 
 from __future__ import annotations
 
-import json
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -31,20 +30,20 @@ from fastapi.responses import JSONResponse, Response
 from splitserve.common import tracing
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.structured_output.spec import StructuredOutput
-from splitserve.gateway.api.cache_options import CacheControl, cache_retention_s
+from splitserve.gateway.api.cache_options import cache_retention_s
 from splitserve.gateway.api.fields import SamplingKwargs, check_unsupported, validate_body
-from splitserve.gateway.api.messages_format import MessageFormat, message_events
+from splitserve.gateway.api.messages_format import MESSAGES_PATHS, MessageFormat, message_events
+from splitserve.gateway.api.messages_prompt import (
+    anthropic_words,
+    cache_controls,
+    chat_turns,
+    openai_tool_fields,
+    system_messages,
+)
 from splitserve.gateway.api.messages_schema import (
-    AnthropicMessage,
     ConversationFields,
     CountTokensBody,
     MessagesBody,
-    TextBlock,
-    ToolChoiceAny,
-    ToolChoiceAuto,
-    ToolChoiceNone,
-    ToolResultBlock,
-    ToolUseBlock,
 )
 from splitserve.gateway.api.respond import (
     EventStream,
@@ -57,11 +56,9 @@ from splitserve.gateway.core import GatewayCore, GenerationRequest
 from splitserve.gateway.errors import RequestError, param_of
 from splitserve.gateway.generation import collect
 from splitserve.gateway.structured.constraints import closed_objects
-from splitserve.gateway.tools.hooks import ToolError, ToolRequest, prepare_chat, render_tool_turns
-from splitserve.gateway.tools.schema import CalledFunction, ToolCall
+from splitserve.gateway.tools.hooks import ToolError, ToolRequest, prepare_chat
 
-MESSAGES_PATH = "/v1/messages"
-COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+MESSAGES_PATH, COUNT_TOKENS_PATH = MESSAGES_PATHS
 
 
 @dataclass(frozen=True)
@@ -104,12 +101,13 @@ def parse_conversation(
             "model",
             "model_not_found",
         )
-    messages = _system(body, settings) + _turns(body.messages)
+    messages = system_messages(body, settings.strip_system_line_prefixes)
+    messages += chat_turns(body.messages)
     sampling: SamplingKwargs = {}
     try:
-        messages, tools = prepare_chat(_openai_tool_fields(body), messages, sampling)
+        messages, tools = prepare_chat(openai_tool_fields(body), messages, sampling)
     except ToolError as error:
-        raise RequestError(_anthropic_words(str(error)), error.param) from None
+        raise RequestError(anthropic_words(str(error)), error.param) from None
     output = _output_format(body)
     if output is not None:
         if "structured_output" in sampling:
@@ -118,7 +116,7 @@ def parse_conversation(
                 "output_config",
             )
         sampling["structured_output"] = output
-    markers = _cache_controls(body)
+    markers = cache_controls(body)
     window = cache_retention_s(None, markers)
     if window is not None:
         sampling["cache_retention_s"] = window
@@ -151,158 +149,6 @@ def parse_messages(raw: object, model_name: str, settings: MessagesSettings) -> 
         raise RequestError(str(error), param) from None
     user_id = body.metadata.user_id if body.metadata is not None else None
     return MessagesRequest(conversation, params, bool(body.stream), stop_sequences, user_id)
-
-
-def _system(body: ConversationFields, settings: MessagesSettings) -> list[dict[str, str]]:
-    system = body.system
-    if system is None:
-        return []
-    text = system if isinstance(system, str) else "\n".join(block.text for block in system)
-    first_line, _, rest = text.partition("\n")
-    if any(first_line.startswith(prefix) for prefix in settings.strip_system_line_prefixes):
-        text = rest
-    return [{"role": "system", "content": text}] if text else []
-
-
-@dataclass(frozen=True)
-class _Turn:
-    """What tools/prompt.render_tool_turns reads of a chat message."""
-
-    role: str
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-
-
-def _turns(messages: list[AnthropicMessage]) -> list[dict[str, str]]:
-    """The conversation as chat messages: tool_use blocks as the assistant's tool calls, each
-    tool_result block as a tool turn, written as text by the tool calling hooks."""
-    if not messages:
-        raise RequestError("messages must not be empty", "messages")
-    turns: list[_Turn] = []
-    texts: list[str] = []
-    for i, message in enumerate(messages):
-        content = message.content
-        if isinstance(content, str):
-            pairs = [(_Turn(message.role), content)]
-        elif message.role == "assistant":
-            pairs = [_assistant_turn(i, content)]
-        else:
-            pairs = _user_turns(i, content)
-        turns += [turn for turn, _ in pairs]
-        texts += [text for _, text in pairs]
-    if messages[-1].role == "assistant":
-        raise RequestError(
-            f"messages[{len(messages) - 1}]: a final assistant turn (prefill) is not supported; "
-            "end with a user turn",
-            f"messages[{len(messages) - 1}]",
-        )
-    chat = [{"role": turn.role, "content": text} for turn, text in zip(turns, texts, strict=True)]
-    return render_tool_turns(turns, chat)
-
-
-def _assistant_turn(i: int, blocks: Sequence[object]) -> tuple[_Turn, str]:
-    texts, calls = [], []
-    for j, block in enumerate(blocks):
-        if isinstance(block, TextBlock):
-            texts.append(block.text)
-        elif isinstance(block, ToolUseBlock):
-            arguments = json.dumps(block.input, ensure_ascii=False)
-            calls.append(
-                ToolCall(id=block.id, function=CalledFunction(name=block.name, arguments=arguments))
-            )
-        else:
-            _refuse_block(i, j, block, "assistant")
-    return _Turn("assistant", tool_calls=calls or None), "\n".join(texts)
-
-
-def _user_turns(i: int, blocks: Sequence[object]) -> list[tuple[_Turn, str]]:
-    pairs: list[tuple[_Turn, str]] = []
-    texts: list[str] = []
-    for j, block in enumerate(blocks):
-        if isinstance(block, TextBlock):
-            texts.append(block.text)
-        elif isinstance(block, ToolResultBlock):
-            if not block.tool_use_id:
-                where = f"messages[{i}].content[{j}].tool_use_id"
-                raise RequestError(f"{where} must be a non-empty string", f"messages[{i}]")
-            if texts:  # text before a result stays before it
-                pairs.append((_Turn("user"), "\n".join(texts)))
-                texts = []
-            pairs.append((_Turn("tool", tool_call_id=block.tool_use_id), _result_text(block)))
-        else:
-            _refuse_block(i, j, block, "user")
-    if texts or not pairs:
-        pairs.append((_Turn("user"), "\n".join(texts)))
-    return pairs
-
-
-def _result_text(block: ToolResultBlock) -> str:
-    content = block.content
-    text = content if isinstance(content, str) else "\n".join(b.text for b in content or [])
-    return f"Error: {text}" if block.is_error else text
-
-
-def _refuse_block(i: int, j: int, block: object, role: str) -> None:
-    kind = getattr(block, "type", "?")
-    where = f"messages[{i}].content[{j}]"
-    if kind in ("tool_use", "tool_result"):
-        message = f"{where}: {kind} blocks cannot be in a {role} turn"
-        raise RequestError(message, f"messages[{i}]")
-    raise RequestError(
-        f"{where}: {kind} blocks are not supported by this server (its model reads text only)",
-        f"messages[{i}]",
-        "unsupported_value",
-    )
-
-
-def _openai_tool_fields(body: ConversationFields):
-    """The body's tools and tool_choice as the tool calling hooks read them (OpenAI's)."""
-    tools = None
-    if body.tools is not None:
-        tools = [
-            {
-                "type": "function",
-                "function": {
-                    "name": tool.name,
-                    "description": tool.description,
-                    "parameters": tool.input_schema,
-                },
-            }
-            for tool in body.tools
-        ]
-    choice, parallel = body.tool_choice, None
-    openai_choice: object = None
-    if isinstance(choice, ToolChoiceNone):
-        openai_choice = "none"
-    elif choice is not None:
-        parallel = False if choice.disable_parallel_tool_use else None
-        if isinstance(choice, ToolChoiceAuto):
-            openai_choice = "auto"
-        elif isinstance(choice, ToolChoiceAny):
-            openai_choice = "required"
-        else:
-            openai_choice = {"type": "function", "function": {"name": choice.name}}
-    fields = {"tools": tools, "tool_choice": openai_choice, "parallel_tool_calls": parallel}
-    return fields.get
-
-
-def _anthropic_words(message: str) -> str:
-    """A tool calling hook's message in this API's terms."""
-    return message.replace(".function.parameters", ".input_schema").replace(
-        "names the function", "names the tool"
-    )
-
-
-def _cache_controls(body: ConversationFields) -> list[CacheControl | None]:
-    markers: list[CacheControl | None] = [body.cache_control]
-    if isinstance(body.system, list):
-        markers += [block.cache_control for block in body.system]
-    for message in body.messages:
-        if not isinstance(message.content, str):
-            markers += [getattr(block, "cache_control", None) for block in message.content]
-    markers += [tool.cache_control for tool in body.tools or []]
-    return markers
 
 
 def _constraint_param(conversation: Conversation) -> str:

@@ -481,6 +481,7 @@ def test_schemas_metrics_traces_and_the_up_flag(stack, client, span_file):
     assert server["attributes"][tracing.OUTPUT_TOKENS] == 2
     (decode,) = [span for span in spans if span["name"] == "decode.request"]
     assert decode["parent_span_id"] == server["span_id"]
+    _error_of(lambda: create(client, extra_body={"frobnicate": 1}))
     metrics = _get(stack, "/metrics")
     assert 'splitserve_requests_total{endpoint="/v1/messages",status="200"}' in metrics
     assert 'splitserve_requests_total{endpoint="/v1/messages",status="400"}' in metrics
@@ -494,21 +495,23 @@ def test_schemas_metrics_traces_and_the_up_flag(stack, client, span_file):
 
 # ---- migration (kills a decode pod: keep last) ----------------------------------------------
 
+MIGRATED_TOKENS = 60
+
 
 def test_a_stream_whose_decode_pod_is_killed_finishes_on_the_other(stack, client):
     prompt = "Write a long story about a lighthouse keeper and the sea."
-    want = create(client, prompt, max_tokens=40)
+    want = create(client, prompt, max_tokens=MIGRATED_TOKENS)
     assert want.stop_reason == "max_tokens"
     migrations = _migrations(stack)
     killed = []
     with client.messages.stream(
         model=MODEL_NAME,
-        max_tokens=40,
+        max_tokens=MIGRATED_TOKENS,
         extra_body=GREEDY,
         messages=[{"role": "user", "content": prompt}],
     ) as stream:
         for i, _ in enumerate(stream.text_stream):
-            if i == 8:
+            if i == 6:  # well before the end: the pod must die mid-stream
                 busy = _busy_pod(stack)
                 name = f"decode-{stack.decode_addresses.index(busy)}"
                 stack.processes[name].send_signal(signal.SIGKILL)
@@ -516,7 +519,7 @@ def test_a_stream_whose_decode_pod_is_killed_finishes_on_the_other(stack, client
         final = stream.get_final_message()
     assert len(killed) == 1
     assert final.content[0].text == want.content[0].text
-    assert (final.stop_reason, final.usage.output_tokens) == ("max_tokens", 40)
+    assert (final.stop_reason, final.usage.output_tokens) == ("max_tokens", MIGRATED_TOKENS)
     assert _migrations(stack) == migrations + 1
 
 

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API (FastAPI): the app, with the routes of every endpoint
 (/v1/completions, /v1/chat/completions, /v1/responses, /v1/models and /v1/models/{id},
 /tokenize, /detokenize, and Anthropic's /v1/messages: each in its module of `api/`) and /health
-and /metrics. Request bodies
-are the endpoints' pydantic models (FastAPI validates them and lists them in /openapi.json).
+and /metrics. Request bodies are the endpoints' pydantic models (FastAPI validates them and
+lists them in /openapi.json).
 The exception handlers here are the one place errors become status codes and OpenAI error
 bodies (`respond.error_response`; Anthropic's bodies on /v1/messages, `messages_format`)."""
 

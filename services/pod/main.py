@@ -93,7 +93,8 @@ async def _serve(role: PodRole[CoreT], args: argparse.Namespace) -> bool:
 
 def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig:
     """--kv-transport with --kv-secret-file's secret; ValueError/OSError naming a bad file."""
-    from splitserve.engine.kv.transfer.config import KVTransferConfig  # torch-free
+    # lazy: the engine package, which this module imports only once health checks answer
+    from splitserve.engine.kv.transfer.config import KVTransferConfig
     from splitserve.engine.kv.transfer.peer_auth import read_secret
 
     if args.kv_secret_file is None:

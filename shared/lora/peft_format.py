@@ -59,7 +59,7 @@ def load_peft_adapter(path: str, max_rank: int, num_layers: int, dtype: torch.dt
     weights_path = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(weights_path):
         raise ValueError(f"LoRA adapter {path!r} has no {WEIGHTS_FILE}")
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # lazy: torch, which reading the config does without
 
     tensors = load_file(weights_path)
     pairs = _pair_tensors(tensors, path, num_layers)

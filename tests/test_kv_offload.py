@@ -178,6 +178,7 @@ def test_reused_blocks_reach_the_disk_and_a_restarted_engine_serves_them(
     restarted.engine.close()
 
 
+@pytest.mark.slow  # an engine of its own (~10 s); the abort-while-loading case stays in make test
 def test_a_failed_disk_load_falls_back_to_computing_the_prefix(single_thread, tmp_path):
     llm = LLM(**_disk_tier(tmp_path, offload_disk_min_hits=0))
     session, flood = _session_and_flood(llm)
@@ -257,6 +258,7 @@ def _write_quietly(fifo) -> None:
         fifo.write_bytes(b"late")
 
 
+@pytest.mark.slow  # an engine of its own (~10 s)
 def test_a_load_stuck_on_the_disk_is_cut_short_and_the_prefix_computed(single_thread, tmp_path):
     import os
     import threading

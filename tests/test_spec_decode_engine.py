@@ -216,6 +216,7 @@ def plain_samples(peaked_tiny_checkpoint) -> tuple[list[int], list[int]]:
     return _sampled_tokens(LLM(peaked_tiny_checkpoint, kv_cache_bytes=64 * 2**20))
 
 
+@pytest.mark.slow  # thousands of samples per method: ~15 s on 2 cores
 @pytest.mark.parametrize("method", ["self", "draft"])
 def test_sampling_follows_the_target_distribution(method, peaked_tiny_checkpoint, plain_samples):
     options = {"speculative_draft_layers": 1}

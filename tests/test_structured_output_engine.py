@@ -122,7 +122,15 @@ def _json_of(completion) -> object:
     return json.loads(completion.text)
 
 
-@pytest.mark.parametrize("schema", SCHEMAS, ids=["person", "order", "points"])
+# One schema in make test; the two longer outputs in make test-slow (~8 s each).
+@pytest.mark.parametrize(
+    "schema",
+    [
+        pytest.param(SCHEMAS[0], id="person", marks=pytest.mark.slow),
+        pytest.param(SCHEMAS[1], id="order", marks=pytest.mark.slow),
+        pytest.param(SCHEMAS[2], id="points"),
+    ],
+)
 def test_greedy_json_matches_transformers_under_the_same_grammar(llm, hf_reference_model, schema):
     output = StructuredOutput.json_schema(schema)
     prompt = _chat_prompt(llm, QUESTION)

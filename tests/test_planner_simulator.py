@@ -492,3 +492,22 @@ def test_a_step_with_a_prompt_chunk_is_a_prefill_step() -> None:
     prefilling = SimSeq(SimRequest(1, 0.0, 64, 8), num_tokens=64, num_computed=0)
     assert ScheduledStep([(decoding, 1)], 0.02).kind == "decode"
     assert ScheduledStep([(decoding, 1), (prefilling, 64)], 0.1).kind == "prefill"
+
+
+def test_a_simulated_pod_caps_prompt_tokens_beside_decodes_as_the_engine_does() -> None:
+    from splitserve.planner.simulate.pod import SimPod, SimSeq
+
+    profile = synthetic_profile(0.01)
+    cluster = ClusterConfig(0, 1, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=8)
+    pod = SimPod("decode-0", cluster.limits(profile), profile)
+    first = SimSeq(SimRequest(0, 0.0, 16, 8), num_tokens=16)
+    pod.add(first)
+    assert [n for _, n in pod.schedule().chunks] == [16]  # nothing decodes: the whole budget
+    first.num_computed = 16
+    first.num_tokens = 17  # its first token sampled: it decodes from now on
+    for i in (1, 2):
+        pod.add(SimSeq(SimRequest(i, 0.0, 40, 8), num_tokens=40))
+    step = pod.schedule()
+    assert [(seq.request.request_id, n) for seq, n in step.chunks] == [(0, 1), (1, 8)]
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
+        ClusterConfig(0, 1, max_prefill_tokens_while_decoding=0)

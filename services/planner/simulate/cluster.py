@@ -54,6 +54,9 @@ class ClusterConfig:
     # Engine limits; None = the profile's.
     max_num_batched_tokens: int | None = None
     long_prefill_token_threshold: int | None = None
+    # As `--max-prefill-tokens-while-decoding` (a step that also decodes takes at most this
+    # many prompt tokens); None = no cap.
+    max_prefill_tokens_while_decoding: int | None = None
     num_kv_blocks: int | None = None
     # How often the gateway refreshes its pod stats (the real gateway's constant); 0 = it sees
     # every pod's exact load at each arrival.
@@ -86,7 +89,13 @@ class ClusterConfig:
             raise ValueError("local_prefill_threshold must be >= 0")
         if self.max_remote_prefill_tokens < 0:
             raise ValueError("max_remote_prefill_tokens must be >= 0")
-        for name in ("max_num_batched_tokens", "long_prefill_token_threshold", "num_kv_blocks"):
+        bounded = (
+            "max_num_batched_tokens",
+            "long_prefill_token_threshold",
+            "max_prefill_tokens_while_decoding",
+            "num_kv_blocks",
+        )
+        for name in bounded:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -107,6 +116,7 @@ class ClusterConfig:
             num_kv_blocks=self.num_kv_blocks or profile.num_kv_blocks,
             block_size=profile.block_size,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
             num_speculative_tokens=(
                 self.speculation.num_speculative_tokens if self.speculation else 0
             ),

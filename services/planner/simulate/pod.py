@@ -64,6 +64,7 @@ class PodLimits:
     num_kv_blocks: int
     block_size: int
     long_prefill_token_threshold: int | None = None
+    max_prefill_tokens_while_decoding: int | None = None  # the engine's stall-free cap
     num_speculative_tokens: int = 0  # drafts each decode row verifies (0 = no speculation)
     tier_sizes: TierSizes = field(default_factory=TierSizes)  # KV offload tiers per pod
 
@@ -78,6 +79,7 @@ class SimPod:
     is_busy: bool = False  # a step is in flight
     busy_s: float = 0.0  # total step time, for utilization
     num_preemptions: int = 0
+    _prefill_budget: int = field(default=0, repr=False)  # this step's prompt tokens left
     cache: SimPrefixCache = field(init=False)
     # Heap of (arrival, tie-break, seq): waiting requests in arrival order.
     _waiting: list[tuple[float, int, SimSeq]] = field(default_factory=list)
@@ -164,10 +166,19 @@ class SimPod:
 
     def schedule(self) -> ScheduledStep:
         chunks: list[tuple[SimSeq, int]] = []
+        self._prefill_budget = self._prefill_cap()
         budget, preempted = self._schedule_running(chunks, self.limits.max_num_batched_tokens)
         if not preempted:
-            self._admit_waiting(chunks, budget)
+            self._admit_waiting(chunks, min(budget, self._prefill_budget))
         return ScheduledStep(chunks, self._step_s(chunks))
+
+    def _prefill_cap(self) -> int:
+        """Prompt tokens this step may take, as the engine's scheduler decides it."""
+        budget = self.limits.max_num_batched_tokens
+        cap = self.limits.max_prefill_tokens_while_decoding
+        if cap is None or not any(seq.is_decode for seq in self.running):
+            return budget
+        return min(cap, budget)
 
     def _chunk_size(self, seq: SimSeq, budget: int) -> int:
         cap = self.limits.long_prefill_token_threshold or budget
@@ -180,7 +191,12 @@ class SimPod:
                 break
             if seq not in self.running:
                 continue  # preempted earlier in this loop
-            num_new = self._chunk_size(seq, budget)
+            if seq.is_decode:
+                num_new = self._chunk_size(seq, budget)
+            else:
+                num_new = self._chunk_size(seq, min(budget, self._prefill_budget))
+                if num_new == 0:
+                    continue  # this step's prompt share is spent
             if seq.is_decode and self.limits.num_speculative_tokens:
                 num_new = min(1 + self.limits.num_speculative_tokens, budget)
             seq.num_drafts = num_new - 1 if seq.is_decode else 0
@@ -198,6 +214,8 @@ class SimPod:
             else:
                 chunks.append((seq, num_new))
                 budget -= num_new
+                if not seq.is_decode:
+                    self._prefill_budget -= num_new
         return budget, preempted
 
     def _admit_waiting(self, chunks: list[tuple[SimSeq, int]], budget: int) -> None:

@@ -179,6 +179,16 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
         help="the gateway's /v1/messages drops a system prompt's first line starting with "
         "PREFIX (repeatable; e.g. 'x-anthropic-billing-header:', for prefix caching)",
     )
+    sub.add_argument(
+        "--api-keys",
+        default=None,
+        metavar="FILE",
+        help="the gateway's API keys, tenants and limits (JSON or YAML; docs/security.md); "
+        "none = open to anyone",
+    )
+    sub.add_argument(
+        "--metrics-public", action="store_true", help="the gateway's /metrics without a key"
+    )
     add_security_flags(sub)
     sub.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
     sub.add_argument(
@@ -405,6 +415,10 @@ def _gateway(
     argv += ["--log-level", args.log_level]
     for prefix in args.strip_system_line_prefix:
         argv += ["--strip-system-line-prefix", prefix]
+    if args.api_keys:
+        argv += ["--api-keys", os.path.abspath(args.api_keys)]
+    if args.metrics_public:
+        argv += ["--metrics-public"]
     for address in decode_addresses:
         argv += ["--decode", address]
     for address in prefill_addresses:

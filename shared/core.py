@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.kv.block_hash import BlockHash, cache_salt_keys
+from splitserve.engine.kv.block_hash import BlockHash, cache_salt_keys, quota_tenant
 from splitserve.engine.kv.disaggregation import RemotePrefillPlan, RemotePrefillResult
 from splitserve.engine.kv.events import KVCacheEvent
 from splitserve.engine.kv.eviction import retention_for
@@ -223,7 +223,7 @@ class EngineCore:
             request.priority,
             cache.idle_ttl_s,
             params.cache_retention_s,
-            tenant=params.cache_salt or "",
+            tenant=quota_tenant(params.cache_salt),
         )
 
     def _validate_resumed_output(

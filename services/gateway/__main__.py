@@ -22,6 +22,9 @@ from splitserve.common.tracing import configure_tracing
 from splitserve.gateway.api.grpc_service import GenerationServicer
 from splitserve.gateway.api.http_app import create_app
 from splitserve.gateway.api.messages import MessagesSettings
+from splitserve.gateway.auth.gate import Gate
+from splitserve.gateway.auth.http import DEFAULT_MAX_BODY_BYTES
+from splitserve.gateway.auth.keys import KeyRing
 from splitserve.gateway.core import GatewayCore
 from splitserve.gateway.metrics import GatewayMetrics
 from splitserve.gateway.migration import add_migration_flags, migration_policy
@@ -66,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     add_messages_flags(parser)
+    add_auth_flags(parser)
     add_routing_flags(parser)
     add_migration_flags(parser)
     add_tls_flags(parser)  # the gateway's calls to the pods (its own ports: docs/security.md)
@@ -83,6 +87,38 @@ def add_messages_flags(parser: argparse.ArgumentParser) -> None:
         "(repeatable), e.g. 'x-anthropic-billing-header:', the line Claude Code changes on "
         "every request, which would defeat prefix caching",
     )
+
+
+def add_auth_flags(parser: argparse.ArgumentParser) -> None:
+    """Keys, tenants, limits and request bounds (docs/security.md, docs/api.md)."""
+    group = parser.add_argument_group("access")
+    group.add_argument(
+        "--api-keys",
+        default=os.environ.get("SPLITSERVE_API_KEYS_FILE") or None,
+        metavar="FILE",
+        help="JSON or YAML list of {key | key_sha256, tenant, requests_per_minute, "
+        "tokens_per_minute, concurrent_requests}: every route but /health then needs a key "
+        "(default: $SPLITSERVE_API_KEYS_FILE; none = open to anyone)",
+    )
+    group.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="serve /metrics without a key (with --api-keys; else it is open anyway)",
+    )
+    group.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="N",
+        help=f"largest request body; larger is a 400 (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+
+
+def load_keys(args: argparse.Namespace) -> KeyRing | None:
+    """Raises ValueError naming the flag for a key file that cannot be used."""
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
+    return KeyRing.from_file(args.api_keys) if args.api_keys else None
 
 
 def add_routing_flags(parser: argparse.ArgumentParser) -> None:
@@ -187,18 +223,26 @@ async def serve(args: argparse.Namespace) -> int:
         router,
         migration_policy(args),
     )
+    gate = Gate(load_keys(args), core.metrics.registry, args.redis_url, args.metrics_public)
+    if gate.is_open:
+        logger.warning("no --api-keys: serving anyone who reaches it, without tenants or limits")
     grpc_server = await start_server(
         args.host,
         args.grpc_port,
         [SERVICE_NAME],
         lambda server: generate_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(core), server
+            GenerationServicer(core, gate), server
         ),
     )
     health = asyncio.create_task(_follow_decode_health(grpc_server, decode_pool))
     http = _HttpServer(
         uvicorn.Config(
-            create_app(core, MessagesSettings(tuple(args.strip_system_line_prefix))),
+            create_app(
+                core,
+                MessagesSettings(tuple(args.strip_system_line_prefix)),
+                gate,
+                args.max_request_bytes,
+            ),
             host=args.host,
             port=args.port,
             log_level=args.log_level,
@@ -215,6 +259,7 @@ async def serve(args: argparse.Namespace) -> int:
     health.cancel()
     await grpc_server.stop()
     await router.close()
+    await gate.close()
     for pool in (decode_pool, prefill_pool):
         if pool is not None:
             await pool.close()
@@ -248,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         router_settings(args)
         migration_policy(args)
         tls_from_args(args)
+        load_keys(args)
         use_redis_password_file(args.redis_password_file)
     except (OSError, ValueError) as error:
         parser.error(str(error))

@@ -22,6 +22,8 @@ from splitserve.engine.prompts import check_prompt, child_sequences
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.structured_output.grammar import GrammarError
 from splitserve.engine.tokenizer import Tokenizer
+from splitserve.gateway.auth.gate import current_caller
+from splitserve.gateway.bounds import check_conversation, check_params_bounds
 from splitserve.gateway.errors import RequestError
 from splitserve.gateway.generation import Generation, SequenceCall
 from splitserve.gateway.metrics import GatewayMetrics, route_span
@@ -82,6 +84,7 @@ class GatewayCore:
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> list[int]:
         """As `LLM.chat` does: the chat template, then tokens without extra specials."""
+        check_conversation(messages)
         text = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt
         )
@@ -112,6 +115,7 @@ class GatewayCore:
         the vocabulary, a structured output that compiles), before anything is scheduled. The
         one place the gateway compiles a request's grammar: a 400 names the field it came
         from."""
+        check_params_bounds(request.params)
         try:
             check_params(request.params, self.tokenizer.vocab_size)
         except GrammarError as error:
@@ -123,11 +127,16 @@ class GatewayCore:
 
     async def start(self, request: GenerationRequest, client_region: str = "") -> Generation:
         """Validates every prompt, then sends every sequence to the pods the router picks
-        (`client_region`: the client's region, from `x-splitserve-region`, "" if unknown)."""
+        (`client_region`: the client's region, from `x-splitserve-region`, "" if unknown).
+        A request of an authenticated caller (auth/gate.py) is charged to its tenant's
+        tokens per minute (LimitExceeded past it) and carries its tenant's cache salt."""
         tracing.current_span().set_attribute(tracing.REQUEST_ID, request.request_id)
         self._check_params(request)
         for prompt in request.prompts:
             self.validate(prompt, request.params)
+        caller = current_caller()
+        if caller is not None:  # its tenant's tokens per minute, and its cache salt
+            request = await caller.charge(request)
         with route_span(self.metrics) as observe:
             calls = [
                 await self._call(

@@ -120,3 +120,25 @@ def cache_salt_keys(cache_salt: str | None) -> tuple[str, ...]:
     """The extra hash keys of a tenant's salt: requests share cached blocks only with requests
     of the same salt (the engine and the router hash alike)."""
     return () if cache_salt is None else (f"cache_salt:{cache_salt}",)
+
+
+# A salt the gateway set from a key's tenant: "tenant:<name>" or "tenant:<name>/<client salt>".
+# Tenant names hold no "/" (services/gateway/auth/keys.py), so the first "/" ends the name and
+# no client salt can spell another tenant's salt.
+TENANT_SALT_PREFIX = "tenant:"
+
+
+def tenant_cache_salt(tenant: str, client_salt: str | None) -> str:
+    """The salt the server sets for a tenant's request: the client's salt only narrows it."""
+    salt = f"{TENANT_SALT_PREFIX}{tenant}"
+    return salt if client_salt is None else f"{salt}/{client_salt}"
+
+
+def quota_tenant(cache_salt: str | None) -> str:
+    """Whom a salted block's cache quota counts against: the tenant of a server-set salt (all
+    its client salts together), else the salt itself ("" for unsalted prompts)."""
+    if cache_salt is None:
+        return ""
+    if cache_salt.startswith(TENANT_SALT_PREFIX):
+        return cache_salt.split("/", 1)[0]
+    return cache_salt

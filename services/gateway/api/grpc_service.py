@@ -10,6 +10,7 @@ from typing import TypedDict
 
 from splitserve.common import tracing
 from splitserve.common.convert import params_from_options
+from splitserve.gateway.auth.gate import Gate, grpc_caller
 from splitserve.gateway.core import GatewayCore, GenerationRequest
 from splitserve.gateway.generation import Generation, collect
 from splitserve.gateway.outputs import CollectedSequence, SequenceChunk, Usage
@@ -20,10 +21,20 @@ REGION_METADATA = "x-splitserve-region"
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
-    def __init__(self, core: GatewayCore) -> None:
+    def __init__(self, core: GatewayCore, gate: Gate | None = None) -> None:
         self.core = core
+        self.gate = gate  # keys, tenants and limits (None: open)
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context):
+        async with grpc_caller(self.gate, context):
+            return await self._generate(request, context)
+
+    async def GenerateStream(self, request: generate_pb2.GenerateRequest, context):
+        async with grpc_caller(self.gate, context):
+            async for message in self._generate_stream(request, context):
+                yield message
+
+    async def _generate(self, request: generate_pb2.GenerateRequest, context):
         with _server_span("Generate", context):
             generation, request_id = await self._start(request, context)
             sequences = await collect(generation)
@@ -35,7 +46,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 usage=_usage(generation.usage),
             )
 
-    async def GenerateStream(self, request: generate_pb2.GenerateRequest, context):
+    async def _generate_stream(self, request: generate_pb2.GenerateRequest, context):
         with _server_span("GenerateStream", context):
             generation, request_id = await self._start(request, context)
             try:

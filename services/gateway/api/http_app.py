@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
 
 from splitserve.common import tracing
@@ -27,6 +28,9 @@ from splitserve.gateway.api.models import ModelRoutes
 from splitserve.gateway.api.respond import ClientDisconnected, error_response
 from splitserve.gateway.api.responses import ResponsesRoutes
 from splitserve.gateway.api.tokenize import TokenRoutes
+from splitserve.gateway.auth.gate import Gate
+from splitserve.gateway.auth.http import DEFAULT_MAX_BODY_BYTES, GateMiddleware, rate_limited_body
+from splitserve.gateway.auth.limits import LimitExceeded
 from splitserve.gateway.core import GatewayCore
 from splitserve.gateway.errors import error_body, from_validation
 from splitserve.gateway.metrics import CONTENT_TYPE
@@ -50,7 +54,13 @@ GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/response
 ENDPOINT_ROUTES = (CompletionRoutes, ChatRoutes, ResponsesRoutes, ModelRoutes, TokenRoutes)
 
 
-def create_app(core: GatewayCore, messages: MessagesSettings | None = None) -> FastAPI:
+def create_app(
+    core: GatewayCore,
+    messages: MessagesSettings | None = None,
+    gate: Gate | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """`gate`: keys, tenants and limits (auth/); None = open to anyone, as without a key file."""
     app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None)
     for routes in ENDPOINT_ROUTES:
         routes(core).add_to(app)
@@ -59,7 +69,9 @@ def create_app(core: GatewayCore, messages: MessagesSettings | None = None) -> F
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.metrics, methods=["GET"])
     _add_error_handlers(app)
-    app.add_middleware(_CountRequests, core=core)
+    gate = gate or Gate(None, CollectorRegistry())
+    app.add_middleware(GateMiddleware, gate=gate, max_body_bytes=max_body_bytes)
+    app.add_middleware(_CountRequests, core=core)  # outermost: counts the gate's refusals too
     return app
 
 
@@ -111,11 +123,16 @@ def _add_error_handlers(app: FastAPI) -> None:
         body = error_body(str(error.detail), kind, None, None)
         return _error_json(request, error.status_code, body, error.headers)
 
+    async def limited(request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, LimitExceeded), "registered for it alone"
+        return _error_json(request, 429, rate_limited_body(error), error.retry_after)
+
     async def disconnected(request: Request, error: Exception) -> Response:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     for error_class in (ValueError, StatusError):
         app.add_exception_handler(error_class, known)
+    app.add_exception_handler(LimitExceeded, limited)  # a tenant's tokens per minute
     app.add_exception_handler(ClientDisconnected, disconnected)
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(HTTPException, http)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from splitserve.gateway.bounds import MAX_TOOLS, check_count
 from splitserve.gateway.tools.calls import ToolCallParser, assemble
 from splitserve.gateway.tools.prompt import render_tool_turns, with_tools_prompt
 from splitserve.gateway.tools.request import (
@@ -43,6 +44,7 @@ def prepare_chat(
     body's fields (`raw(name)`: a field's value, its model (`schema.py`) or plain JSON, None if
     absent), read as they are: no trip back to JSON. Sets `sampling["structured_output"]` when
     the tool choice must be enforced. Raises ToolError (HTTP 400 naming the field)."""
+    check_count("tools", raw("tools"), MAX_TOOLS)
     request = parse_tool_request(raw("tools"), raw("tool_choice"), raw("parallel_tool_calls"))
     if request is None:
         return messages, None

@@ -7,6 +7,7 @@ gRPC through the generated stub.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import random
 import statistics
@@ -326,10 +327,20 @@ def test_past_a_bound_is_a_400_naming_the_field(stack, param):
 
 
 def test_a_body_past_the_size_limit_is_a_400(stack):
-    big = _chat_body(messages=[{"role": "user", "content": "a" * MAX_REQUEST_BYTES}])
-    status, error = _post(stack, "/v1/chat/completions", big)
-    assert status == 400
-    assert error["error"]["code"] == "request_too_large"
+    """Refused on its Content-Length, before the body is read (so none is sent here: a client
+    still sending would see the connection close under it)."""
+    connection = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=30)
+    try:
+        connection.putrequest("POST", "/v1/chat/completions")
+        for name, value in {**_bearer(KEY_A), "Content-Type": "application/json"}.items():
+            connection.putheader(name, value)
+        connection.putheader("Content-Length", str(MAX_REQUEST_BYTES + 1))
+        connection.endheaders()
+        response = connection.getresponse()
+        assert response.status == 400
+        assert json.load(response)["error"]["code"] == "request_too_large"
+    finally:
+        connection.close()
 
 
 @pytest.mark.parametrize(

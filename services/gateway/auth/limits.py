@@ -24,7 +24,7 @@ import redis.asyncio
 import redis.exceptions
 
 from splitserve.common.grpc_server import StatusError
-from splitserve.common.registry_schema import connect
+from splitserve.common.redis_auth import redis_password
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,8 @@ WINDOW_S = 60.0
 STALE_AFTER_S = 3600.0  # a concurrent slot nobody released (its gateway died)
 REDIS_RETRY_S = 5.0
 REDIS_TIMEOUT_S = 0.25
+# Requests wait up to REDIS_TIMEOUT_S for one of these rather than open more.
+REDIS_MAX_CONNECTIONS = 32
 _PREFIX = "splitserve:limits"
 
 # KEYS: current window, previous window. ARGV: amount, limit, previous window's weight, ttl.
@@ -139,9 +141,10 @@ class RateLimiter:
     without one or while it is down, this process."""
 
     def __init__(self, redis_url: str | None = None) -> None:
-        self._redis: redis.asyncio.Redis | None = (
-            connect(redis_url, REDIS_TIMEOUT_S) if redis_url else None
-        )
+        self._redis = _connect(redis_url) if redis_url else None
+        if self._redis is not None:  # by EVALSHA: the scripts travel once
+            self._add_script = self._redis.register_script(_ADD_SCRIPT)
+            self._enter_script = self._redis.register_script(_ENTER_SCRIPT)
         self._local = _LocalCounters()
         self._redis_down_until = 0.0
         self._is_degraded = False
@@ -163,7 +166,7 @@ class RateLimiter:
             weight = 1.0 - (now % WINDOW_S) / WINDOW_S
             args: list[str | int] = [amount, limit, repr(weight), int(2 * WINDOW_S) + 1]
             try:
-                reply = await client.eval(_ADD_SCRIPT, 2, *keys, *args)
+                reply = await self._add_script(keys, args, client)
             except redis.exceptions.RedisError as error:
                 self._redis_failed(error)
             else:
@@ -187,7 +190,7 @@ class RateLimiter:
                 int(STALE_AFTER_S),
             ]
             try:
-                allowed, _ = await client.eval(_ENTER_SCRIPT, 1, key, *args)
+                allowed, _ = await self._enter_script([key], args, client)
             except redis.exceptions.RedisError as error:
                 self._redis_failed(error)
             else:
@@ -228,3 +231,18 @@ class RateLimiter:
     @staticmethod
     def _key(tenant: str, kind: str, index: int) -> str:
         return f"{_PREFIX}:{{{tenant}}}:{kind}:{index}"
+
+
+def _connect(url: str) -> redis.asyncio.Redis:
+    """A client whose pool makes a burst of requests wait briefly for a connection (the
+    default pool fails past its size); short timeouts, so a Redis that is down costs a request
+    milliseconds (password as services/common/redis_auth.py says)."""
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        url,
+        password=redis_password(),
+        max_connections=REDIS_MAX_CONNECTIONS,
+        timeout=REDIS_TIMEOUT_S,
+        socket_timeout=REDIS_TIMEOUT_S,
+        socket_connect_timeout=REDIS_TIMEOUT_S,
+    )
+    return redis.asyncio.Redis(connection_pool=pool)

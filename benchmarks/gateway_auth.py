@@ -1,0 +1,200 @@
+"""What API keys and tenant limits add to a request's latency at the gateway, side by side.
+
+    python -m benchmarks.gateway_auth [--quick] [--streams 64] [--rounds 5] [--requests 8]
+
+Two gateway processes over the same pod: one open (no key file), one with --api-keys whose
+tenant has requests-per-minute, tokens-per-minute and concurrency limits (high enough never to
+refuse) counted in a real redis-server. The pod is a stand-in decode pod started here (GetStats
+and a Decode stream of eight one-token answers 50 ms apart, no model), so what is measured is
+the gateway: its auth, limit round trips to Redis and response headers, not prefill.
+`--streams` clients at once each send `--requests` streaming completions in turn
+(Authorization: Bearer on the keyed gateway); per request: time to the first SSE byte and
+to the last. Rounds alternate the two gateways so a busy machine skews both alike. Prints the
+medians and p90s side by side and their differences (target: under 1 ms at 64 streams).
+
+`--quick` runs a few seconds on a shared 2-core box; figures to quote come from a quiet machine
+with the defaults (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from splitserve.common.grpc_server import start_server, stop_event_on_signals
+from splitserve.common.redis_server import RedisServer
+from splitserve.common.supervisor import HealthCheck, ProcessSpec, Supervisor
+from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+
+MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1"  # the shipped model's name: the gateway checks it
+KEY = "sk-bench-0123456789"
+NUM_TOKENS = 8
+ITL_S = 0.05  # the stand-in pod's time between tokens: streams overlap as real ones do
+_TOKEN_ID = 28  # any id in the vocabulary
+
+
+class _StandInDecodePod(worker_pb2_grpc.DecodeWorkerServicer):
+    """Answers every request at once with NUM_TOKENS one-token responses."""
+
+    async def Decode(self, request, context):
+        for i in range(NUM_TOKENS):
+            await asyncio.sleep(ITL_S)
+            response = worker_pb2.DecodeResponse(token_ids=[_TOKEN_ID], text="a")
+            if i == NUM_TOKENS - 1:
+                response.finish_reason = "length"
+                response.usage.CopyFrom(
+                    generate_pb2.Usage(
+                        prompt_tokens=len(request.prompt_token_ids), completion_tokens=NUM_TOKENS
+                    )
+                )
+            yield response
+
+    async def Abort(self, request, context):
+        return worker_pb2.AbortResponse()
+
+    async def GetStats(self, request, context):
+        return worker_pb2.WorkerStats(
+            worker_id="stand-in",
+            role="decode",
+            kv_blocks_total=4096,
+            kv_blocks_free=4096,
+            model=MODEL_NAME,
+            max_model_len=2048,
+            block_size=16,
+            vocab_size=49152,
+            kv_transport="tcp",
+        )
+
+
+async def _serve_pod(port: int) -> None:
+    stop = stop_event_on_signals()
+    server = await start_server(
+        "127.0.0.1",
+        port,
+        ["splitserve.v1.DecodeWorker"],
+        lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(_StandInDecodePod(), s),
+    )
+    await server.set_serving(True)
+    await stop.wait()
+    await server.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _gateway(name: str, pod: str, extra: list[str]) -> tuple[ProcessSpec, str]:
+    port = _free_port()
+    argv = [sys.executable, "-m", "splitserve.gateway", "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "--grpc-port", str(_free_port()), "--decode", pod]
+    argv += ["--log-level", "warning", *extra]
+    url = f"http://127.0.0.1:{port}"
+    return ProcessSpec(name, argv, HealthCheck(http_url=f"{url}/health")), url
+
+
+async def _one(session: aiohttp.ClientSession, url: str, headers: dict) -> tuple[float, float]:
+    body = {"model": MODEL_NAME, "prompt": "Hello there", "max_tokens": NUM_TOKENS}
+    start = time.perf_counter()
+    first = None
+    async with session.post(
+        f"{url}/v1/completions", json={**body, "stream": True}, headers=headers
+    ) as response:
+        assert response.status == 200, response.status
+        async for _ in response.content.iter_any():
+            if first is None:
+                first = time.perf_counter() - start
+    return first or 0.0, time.perf_counter() - start
+
+
+async def _round(url: str, headers: dict, streams: int, requests: int) -> list[tuple[float, float]]:
+    connector = aiohttp.TCPConnector(limit=streams)
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def worker() -> list[tuple[float, float]]:
+            return [await _one(session, url, headers) for _ in range(requests)]
+
+        await _one(session, url, headers)  # connections and caches warm
+        results = await asyncio.gather(*(worker() for _ in range(streams)))
+    return [timing for result in results for timing in result]
+
+
+def _ms(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run(streams: int, rounds: int, requests: int) -> None:
+    limits = {"requests_per_minute": 10**9, "tokens_per_minute": 10**12}
+    limits["concurrent_requests"] = 10**6
+    with tempfile.TemporaryDirectory() as tmp, RedisServer() as redis, Supervisor() as sup:
+        key_file = Path(tmp) / "keys.json"
+        key_file.write_text(json.dumps([{"key": KEY, "tenant": "bench", **limits}]))
+        pod = f"127.0.0.1:{_free_port()}"
+        argv = [sys.executable, "-m", "benchmarks.gateway_auth", "--stand-in-pod", pod]
+        health = HealthCheck(grpc_address=pod, grpc_service="splitserve.v1.DecodeWorker")
+        sup.start(ProcessSpec("pod", argv, health))
+        keyed = ["--api-keys", str(key_file), "--redis-url", redis.url]
+        configs = {}
+        for name, extra, headers in [
+            ("off", [], {}),
+            ("on", keyed, {"Authorization": f"Bearer {KEY}"}),
+        ]:
+            spec, url = _gateway(f"gateway-{name}", pod, extra)
+            sup.start(spec)
+            configs[name] = (url, headers)
+        sup.wait_healthy(120)
+        time.sleep(1.5)  # the gateways' first poll of the pod
+        timings: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
+        for _ in range(rounds):
+            for name, (url, headers) in configs.items():
+                timings[name] += asyncio.run(_round(url, headers, streams, requests))
+    _report(timings, streams)
+
+
+def _report(timings: dict[str, list[tuple[float, float]]], streams: int) -> None:
+    gap_ms = ITL_S * 1000
+    print(f"gateway latency at {streams} concurrent streams ({NUM_TOKENS} tokens {gap_ms:.0f} ms "
+          "apart from a stand-in pod), ms")  # fmt: skip
+    print(f"{'':>24}{'keys off':>12}{'keys+limits':>14}{'added':>10}")
+    for label, index in (("first byte", 0), ("whole stream", 1)):
+        for q_name, q in (("median", 0.5), ("p90", 0.9)):
+            off = _ms([t[index] for t in timings["off"]], q)
+            on = _ms([t[index] for t in timings["on"]], q)
+            print(f"{label + ' ' + q_name:>24}{off:>12.2f}{on:>14.2f}{on - off:>10.2f}")
+    num = len(timings["on"])
+    spread = statistics.pstdev([t[0] for t in timings["off"]]) * 1000
+    print(f"({num} requests each; keys-off first-byte spread {spread:.2f} ms)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gateway_auth", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 2 requests per stream")
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=8, help="per stream per round")
+    parser.add_argument("--stand-in-pod", metavar="ADDR", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.stand_in_pod:
+        asyncio.run(_serve_pod(int(args.stand_in_pod.rsplit(":", 1)[1])))
+        return 0
+    if args.quick:
+        args.rounds, args.requests = 2, 2
+    run(args.streams, args.rounds, args.requests)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

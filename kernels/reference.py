@@ -147,8 +147,9 @@ def pack_kv_pages(
     """Copies blocks out of `[num_layers, 2, num_blocks, ...]` into a contiguous buffer
     `[n, num_layers, 2, block_size, num_kv_heads, head_dim]` (block-major)."""
     ids = torch.as_tensor(block_ids).tolist()
-    num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    out = kv_cache.new_empty((len(ids), num_layers, 2, block_size, num_kv_heads, head_dim))
+    # kv_parts: 2 (K, V), or 1 for MLA's latent pages (shared/kv/cache.py).
+    num_layers, kv_parts, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    out = kv_cache.new_empty((len(ids), num_layers, kv_parts, block_size, num_kv_heads, head_dim))
     # One strided copy per block into its final place: gathering with an index tensor and then
     # permuting copied everything twice and ran about 10x slower on the CPU.
     for i, block_id in enumerate(ids):

@@ -281,7 +281,7 @@ def test_qwen3_disaggregated_equals_colocated(single_thread, make_checkpoint):
 @pytest.mark.parametrize(
     ("model_type", "setting", "message"),
     [
-        ("deepseek_v2", {}, "unsupported model_type 'deepseek_v2'"),
+        ("deepseek_v3", {}, "unsupported model_type 'deepseek_v3'"),
         ("gemma2", {"hidden_activation": "relu"}, "hidden_activation"),
         ("qwen3", {"attention_bias": True}, "attention_bias"),
         ("phi3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
@@ -289,7 +289,7 @@ def test_qwen3_disaggregated_equals_colocated(single_thread, make_checkpoint):
     ],
 )
 def test_unsupported_settings_are_refused(make_checkpoint, tmp_path, model_type, setting, message):
-    source = make_checkpoint("qwen3" if model_type == "deepseek_v2" else model_type)
+    source = make_checkpoint("qwen3" if model_type == "deepseek_v3" else model_type)
     for name in os.listdir(source):
         os.symlink(os.path.join(source, name), tmp_path / name)
     with open(os.path.join(source, "config.json")) as f:

@@ -5,10 +5,21 @@
 (`splitserve.kernels.kv_int8`), so the same budget holds
 (2 * head_dim * itemsize) / (head_dim + 2) times the blocks: 3.88x for a float32 model and
 1.94x for a bfloat16 one at head_dim 64.
+
+Two page layouts, both `[num_layers, kv_parts, num_blocks, block_size, rows, row]`, so the block
+manager, the page packing and the P->D transfer move either whatever the inner shape:
+
+    per-head K/V (every family but DeepSeek)   [layers, 2, blocks, block_size, kv_heads, head_dim]
+    MLA latent (DeepSeek-V2/V3, arch.mla)      [layers, 1, blocks, block_size, 1, kv_lora_rank
+                                                                               + qk_rope_head_dim]
+
+An MLA page row is the token's normalized latent followed by its rotated rope key (576 values
+for DeepSeek-V3's shape), shared by every head: shared/model/mla.py writes and reads it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -42,16 +53,37 @@ def cache_dtype(dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
 
 
 def row_width(arch: ModelArchitecture, kv_cache_dtype: str) -> int:
-    """Elements of one (token, KV head) row: head_dim, plus the scale's bytes for int8."""
+    """Elements of one (token, KV head) row: head_dim, plus the scale's bytes for int8; an MLA
+    model's one row per token: its latent and rope key."""
+    if arch.mla is not None:
+        _check_mla_dtype(kv_cache_dtype)
+        return arch.mla.latent_width
     return kv_int8.row_width(arch.head_dim) if kv_cache_dtype == "int8" else arch.head_dim
+
+
+def cache_shape(
+    arch: ModelArchitecture, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto"
+) -> tuple[int, ...]:
+    """The cache tensor's shape in the model's page layout (module docstring)."""
+    row = row_width(arch, kv_cache_dtype)
+    if arch.mla is not None:
+        return (arch.num_layers, 1, num_blocks, block_size, 1, row)
+    return (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, row)
 
 
 def bytes_per_block(
     arch: ModelArchitecture, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 ) -> int:
     element_size = cache_dtype(dtype, kv_cache_dtype).itemsize
-    row_bytes = row_width(arch, kv_cache_dtype) * element_size
-    return 2 * arch.num_layers * arch.num_kv_heads * row_bytes * block_size
+    return math.prod(cache_shape(arch, 1, block_size, kv_cache_dtype)) * element_size
+
+
+def _check_mla_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype != "auto":
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r} does not support MLA latent pages (DeepSeek) "
+            "yet: use 'auto'"
+        )
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -90,7 +122,7 @@ def allocate_kv_cache(
     kv_cache_dtype: str = "auto",
 ) -> torch.Tensor:
     """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], zero-filled; int8 with
-    a last dim of head_dim + 2 (codes, then the scale's bytes) for kv_cache_dtype "int8"."""
-    row = row_width(arch, kv_cache_dtype)
-    shape = (arch.num_layers, 2, spec.num_blocks, spec.block_size, arch.num_kv_heads, row)
+    a last dim of head_dim + 2 (codes, then the scale's bytes) for kv_cache_dtype "int8"; an MLA
+    model's latent layout (module docstring)."""
+    shape = cache_shape(arch, spec.num_blocks, spec.block_size, kv_cache_dtype)
     return torch.zeros(shape, dtype=cache_dtype(dtype, kv_cache_dtype), device=device)

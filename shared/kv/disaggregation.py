@@ -18,7 +18,9 @@ once, model order), whatever the tensor-parallel layout of either pod: a TP pod 
 cuts its ranks' heads (shared/parallel/pages.py), so prefill and decode pods of different
 layouts exchange pages. An int8 cache (kv_cache_dtype int8) packs int8 rows of head_dim + 2,
 codes then scale (kernels/kv_int8.py): its pages move as they are, and a pod of the other
-kv_cache_dtype refuses them (`KVTransferDescriptor.check_destination`).
+kv_cache_dtype refuses them (`KVTransferDescriptor.check_destination`). An MLA model's cache
+(shared/kv/cache.py) is `[num_layers, 1, num_blocks, block_size, 1, latent]`: its pages move the
+same way, one latent row per token and layer, and a pod of another layout refuses them by shape.
 """
 
 from __future__ import annotations
@@ -151,13 +153,14 @@ class KVPageExporter:
 
 def page_shape(kv_cache: torch.Tensor, num_blocks: int) -> tuple[int, ...]:
     """`[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]` for this cache."""
-    if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+    if kv_cache.dim() != 6 or kv_cache.shape[1] not in (1, 2):
         raise ValueError(
-            "kv_cache must be [num_layers, 2, num_blocks, block_size, kv_heads, head_dim], "
-            f"got {tuple(kv_cache.shape)}"
+            "kv_cache must be [num_layers, 2, num_blocks, block_size, kv_heads, head_dim] "
+            f"(or MLA's [num_layers, 1, num_blocks, block_size, 1, latent]), got "
+            f"{tuple(kv_cache.shape)}"
         )
-    num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    return (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+    num_layers, kv_parts, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    return (num_blocks, num_layers, kv_parts, block_size, num_kv_heads, head_dim)
 
 
 def pack_pages(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:

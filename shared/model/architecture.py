@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 class RopeScaling:
     """RoPE frequency scaling as Hugging Face's `rope_scaling` describes it."""
 
-    rope_type: str = "default"  # "default", "linear", "llama3" or "longrope"
+    rope_type: str = "default"  # "default", "linear", "llama3", "longrope" or "yarn"
     factor: float = 1.0
     # llama3 only: the band of wavelengths that is interpolated smoothly.
     low_freq_factor: float = 1.0
@@ -34,17 +34,24 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    # yarn only (DeepSeek): the band of rotations blended between interpolation and
+    # extrapolation, and DeepSeek's softmax mscale (shared/model/hf_deepseek.py).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    mscale_all_dim: float = 0.0
 
 
-FAMILIES = ("llama", "mixtral", "qwen2_moe")
+FAMILIES = ("llama", "mixtral", "qwen2_moe", "deepseek_v2")
+TOPK_METHODS = ("greedy", "group_limited_greedy")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
 class MoEConfig:
     """A sparse feed-forward block: a router picks `num_experts_per_tok` of `num_experts`
-    SwiGLU experts for each token (docs/moe.md). Every decoder layer is sparse: families that
-    mix dense and sparse layers are refused by the loaders."""
+    SwiGLU experts for each token (docs/moe.md). Every decoder layer is sparse except
+    DeepSeek's first `first_dense_layers` and those off its `sparse_layer_step` (`is_sparse`)."""
 
     num_experts: int
     num_experts_per_tok: int
@@ -57,6 +64,23 @@ class MoEConfig:
     # first_local_expert .. first_local_expert + num_local_experts - 1; 0 = all of them.
     first_local_expert: int = 0
     num_local_experts: int = 0
+    # DeepSeek: the shared experts are added ungated (Qwen2-MoE scales by a sigmoid gate).
+    shared_expert_gated: bool = True
+    # DeepSeek routing: "group_limited_greedy" keeps the experts of the `topk_groups` groups
+    # (of `num_groups`) with the highest best-expert score; the chosen weights are multiplied by
+    # `routed_scaling_factor`. None: the softmax top-k of Mixtral and Qwen.
+    topk_method: str | None = None
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    # DeepSeek: layers below first_dense_layers, and those whose index is not a multiple of
+    # sparse_layer_step, are dense (the architecture's intermediate_size).
+    first_dense_layers: int = 0
+    sparse_layer_step: int = 1
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer`'s feed-forward block is the sparse one."""
+        return layer >= self.first_dense_layers and layer % self.sparse_layer_step == 0
 
     @property
     def local_experts(self) -> range:
@@ -81,6 +105,7 @@ class MoEConfig:
                 "shared_expert_intermediate_size must be >= 0, got "
                 f"{self.shared_expert_intermediate_size}"
             )
+        self._check_routing()
         local_end = self.first_local_expert + self.num_local_experts
         if self.first_local_expert < 0 or self.num_local_experts < 0 or (
             local_end > self.num_experts
@@ -89,6 +114,55 @@ class MoEConfig:
                 f"local experts {self.first_local_expert}..{local_end - 1} are not within the "
                 f"model's {self.num_experts} experts"
             )
+
+    def _check_routing(self) -> None:
+        if self.topk_method is not None and self.topk_method not in TOPK_METHODS:
+            raise ValueError(
+                f"unsupported topk_method {self.topk_method!r}; "
+                f"supported: {', '.join(TOPK_METHODS)}"
+            )
+        if self.num_experts % self.num_groups or not 1 <= self.topk_groups <= self.num_groups:
+            raise ValueError(
+                f"n_group ({self.num_groups}) must divide the {self.num_experts} experts and "
+                f"topk_group ({self.topk_groups}) be between 1 and n_group"
+            )
+        if self.sparse_layer_step < 1 or self.first_dense_layers < 0:
+            raise ValueError(
+                f"moe_layer_freq ({self.sparse_layer_step}) must be >= 1 and "
+                f"first_k_dense_replace ({self.first_dense_layers}) >= 0"
+            )
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention (shared/model/mla.py): keys and values come from
+    one `kv_lora_rank` latent per token, shared by every head, plus one rotary key part of
+    `qk_rope_head_dim` shared likewise; the cache holds those two and nothing per head."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: q straight from q_proj
+    # The softmax scale: (qk_nope + qk_rope) ** -0.5, times yarn's mscale squared.
+    softmax_scale: float = 0.0
+
+    def __post_init__(self) -> None:
+        sizes = (self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+        if min(sizes) < 1 or self.qk_rope_head_dim % 2 or (self.q_lora_rank or 1) < 1:
+            raise ValueError(
+                "kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim (even), v_head_dim and "
+                f"q_lora_rank must be positive, got {sizes} and {self.q_lora_rank}"
+            )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_width(self) -> int:
+        """Cached values per token per layer: the latent, then the rotated rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -132,12 +206,19 @@ class ModelArchitecture:
     hidden_act: str = "silu"
     # Gemma 3: the window layers' rotary base (None = rope_theta on every layer).
     local_rope_theta: float | None = None
+    # DeepSeek-V2/V3: multi-head latent attention, with head_dim the rotary part's width
+    # (qk_rope_head_dim) and the latent KV page layout (shared/kv/cache.py).
+    mla: MLAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"unknown model family {self.family!r}; known: {', '.join(FAMILIES)}")
-        if (self.moe is None) != (self.family == "llama"):
-            raise ValueError(f"model family {self.family!r} and moe={self.moe!r} disagree")
+        if (self.moe is None) != (self.family == "llama") or (
+            (self.mla is None) != (self.family != "deepseek_v2")
+        ):
+            raise ValueError(
+                f"model family {self.family!r}, moe={self.moe!r} and mla={self.mla!r} disagree"
+            )
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(
                 f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers"
@@ -151,6 +232,11 @@ class ModelArchitecture:
                 f"num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether layer `layer` has the sparse experts (False for every layer of a dense
+        model)."""
+        return self.moe is not None and self.moe.is_sparse(layer)
 
     @property
     def num_queries_per_kv(self) -> int:

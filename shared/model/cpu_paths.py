@@ -97,6 +97,7 @@ _PYTHON_LAYER_PARTS = {
     "mixtral": "mixture-of-experts",
     "qwen2_moe": "mixture-of-experts, q/k/v biases",
     "qwen3_moe": "mixture-of-experts, q/k norms",
+    "deepseek_v2": "mixture-of-experts, multi-head latent attention",
 }
 
 

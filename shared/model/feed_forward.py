@@ -5,6 +5,8 @@ shapes (for the loader's check) and how they map onto the model's parameters (fu
     mixtral    block_sparse_moe.gate, .experts.{e}.w1/w3/w2  -> SparseMoeBlock (experts stacked)
     qwen2_moe  mlp.gate, mlp.experts.{e}.{gate,up,down}_proj,
                mlp.shared_expert.*, mlp.shared_expert_gate   -> SparseMoeBlock + shared expert
+    deepseek_v2  qwen2_moe's experts, mlp.shared_experts.* (no gate) -> SparseMoeBlock; its
+                 dense layers (first_k_dense_replace, moe_layer_freq) are llama's
 
 Names are relative to `model.layers.{i}.` in the checkpoint and `layers.{i}.` in the model.
 """
@@ -37,8 +39,15 @@ class ExpertNames:
 _EXPERT_NAMES = {
     "mixtral": ExpertNames("block_sparse_moe.", "w1", "w3", "w2"),
     "qwen2_moe": ExpertNames("mlp.", "gate_proj", "up_proj", "down_proj"),
+    "deepseek_v2": ExpertNames("mlp.", "gate_proj", "up_proj", "down_proj"),
 }
 _SHARED = "mlp.shared_expert."
+# DeepSeek's n_shared_experts experts, held as one SwiGLU of their summed width.
+_DEEPSEEK_SHARED = "mlp.shared_experts."
+
+
+def _shared_prefix(family: str) -> str:
+    return _DEEPSEEK_SHARED if family == "deepseek_v2" else _SHARED
 
 
 def hf_router_name(family: str) -> str:
@@ -53,10 +62,12 @@ def hf_expert_names(family: str, expert: int) -> dict[str, str]:
     return {"gate": prefix + names.gate, "up": prefix + names.up, "down": prefix + names.down}
 
 
-def hf_feed_forward_shapes(arch: ModelArchitecture) -> dict[str, tuple[int, ...]]:
-    """One layer's feed-forward tensors in the checkpoint, with their [out, in] shapes."""
+def hf_feed_forward_shapes(
+    arch: ModelArchitecture, layer: int = 0
+) -> dict[str, tuple[int, ...]]:
+    """Layer `layer`'s feed-forward tensors in the checkpoint, with their [out, in] shapes."""
     hidden = arch.hidden_size
-    if arch.moe is None:
+    if arch.moe is None or not arch.is_sparse_layer(layer):
         inter = arch.intermediate_size
         return _swiglu_shapes("mlp.", "gate_proj", "up_proj", "down_proj", hidden, inter)
     names = _EXPERT_NAMES[arch.family]
@@ -68,8 +79,10 @@ def hf_feed_forward_shapes(arch: ModelArchitecture) -> dict[str, tuple[int, ...]
         shapes.update(_swiglu_shapes(prefix, names.gate, names.up, names.down, hidden, inter))
     if moe.shared_expert_intermediate_size:
         inter = moe.shared_expert_intermediate_size
-        shapes.update(_swiglu_shapes(_SHARED, "gate_proj", "up_proj", "down_proj", hidden, inter))
-        shapes["mlp.shared_expert_gate.weight"] = (1, hidden)
+        prefix = _shared_prefix(arch.family)
+        shapes.update(_swiglu_shapes(prefix, "gate_proj", "up_proj", "down_proj", hidden, inter))
+        if moe.shared_expert_gated:
+            shapes["mlp.shared_expert_gate.weight"] = (1, hidden)
     return shapes
 
 
@@ -80,7 +93,7 @@ def internal_feed_forward_weights(
     missing one, which the model reports). Experts are stacked dense: MoE models are never
     quantized (LlamaForCausalLM refuses it)."""
     hf, ours = f"model.layers.{layer}.", f"layers.{layer}.mlp."
-    if arch.moe is None:
+    if arch.moe is None or not arch.is_sparse_layer(layer):
         return _swiglu(weights, hf + "mlp.", "gate_proj", "up_proj", "down_proj", ours)
     names = _EXPERT_NAMES[arch.family]
     # Only the experts this model holds (a range of them under expert parallelism).
@@ -100,9 +113,11 @@ def internal_feed_forward_weights(
         ours + "experts_down": torch.stack([expert(p + f"{names.down}.weight") for p in experts]),
     }
     if arch.moe.shared_expert_intermediate_size:
-        shared = ours + "shared_expert."
-        out.update(_swiglu(weights, hf + _SHARED, "gate_proj", "up_proj", "down_proj", shared))
-        out[ours + "shared_expert_gate.weight"] = weights[hf + "mlp.shared_expert_gate.weight"]
+        shared, prefix = ours + "shared_expert.", hf + _shared_prefix(arch.family)
+        out.update(_swiglu(weights, prefix, "gate_proj", "up_proj", "down_proj", shared))
+        if arch.moe.shared_expert_gated:
+            gate = weights[hf + "mlp.shared_expert_gate.weight"]
+            out[ours + "shared_expert_gate.weight"] = gate
     return out
 
 

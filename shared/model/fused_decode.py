@@ -22,6 +22,7 @@ from torch import nn
 from splitserve.engine.model.architecture import ModelArchitecture
 from splitserve.engine.model.attention_metadata import AttentionMetadata
 from splitserve.engine.model.linear import Linear
+from splitserve.engine.model.mla import MLAAttention
 from splitserve.engine.model.moe_layer import SparseMoeBlock
 from splitserve.engine.model.quantized_linear import (
     INT8_ACTIVATION_QUANT_FROM_ROWS,
@@ -134,6 +135,7 @@ def fused_decode_problem(arch: ModelArchitecture) -> str | None:
         "Gemma's extra norms": arch.sandwich_norms,
         f"{arch.hidden_act} MLP": arch.hidden_act != "silu",
         "per-layer rotary bases": arch.local_rope_theta is not None,
+        "multi-head latent attention": arch.mla is not None,
     }
     found = [name for name, present in parts.items() if present]
     return None if not found else "the C++ decode layers lack " + ", ".join(found)
@@ -142,6 +144,7 @@ def fused_decode_problem(arch: ModelArchitecture) -> str | None:
 def _products(layer: LlamaDecoderLayer) -> list[nn.Module]:
     attention, mlp = layer.self_attn, layer.mlp
     assert not isinstance(mlp, SparseMoeBlock), "build_fused_decode refuses arch.moe"
+    assert not isinstance(attention, MLAAttention), "build_fused_decode refuses arch.mla"
     return [attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj]
 
 

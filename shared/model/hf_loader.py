@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from splitserve.engine.model import hf_families
+from splitserve.engine.model import hf_deepseek, hf_families
 from splitserve.engine.model.architecture import (
     LoadedCheckpoint,
     ModelArchitecture,
@@ -39,6 +39,8 @@ _FAMILY_OF_MODEL_TYPE = {
     "qwen2_moe": "qwen2_moe",
     # Qwen2-MoE's sparse block without its shared expert (same tensor names).
     "qwen3_moe": "qwen2_moe",
+    # Latent attention and its page layout, grouped routing, dense layers first.
+    "deepseek_v2": "deepseek_v2",
 }
 # Families whose extra parts shared/model/hf_families.py reads.
 _EXTENDED = ("qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "gemma2", "gemma3_text")
@@ -69,7 +71,9 @@ def architecture_from_config(config: dict[str, Any], tokenizer: Tokenizer) -> Mo
     num_heads = int(config["num_attention_heads"])
     rope_theta, rope_scaling = _rope_settings(config)
     extra = hf_families.family_fields(config) if config["model_type"] in _EXTENDED else {}
-    return ModelArchitecture(
+    if config["model_type"] == hf_deepseek.MODEL_TYPE:
+        extra = hf_deepseek.family_fields(config, rope_scaling)
+    fields: dict[str, Any] = dict(
         name=str(config["model_type"]),
         vocab_size=int(config["vocab_size"]),
         hidden_size=hidden_size,
@@ -87,8 +91,9 @@ def architecture_from_config(config: dict[str, Any], tokenizer: Tokenizer) -> Mo
         rope_scaling=rope_scaling,
         family=family,
         moe=_moe_config(config, family),
-        **({"attention_bias": _qwen2_moe_bias(config)} | extra),
+        attention_bias=_qwen2_moe_bias(config),
     )
+    return ModelArchitecture(**(fields | extra))
 
 
 def _qwen2_moe_bias(config: dict[str, Any]) -> bool:
@@ -148,6 +153,8 @@ def _check_supported(config: dict[str, Any]) -> None:
 def _differences(config: dict[str, Any]) -> dict[str, bool]:
     """Settings that would change the computation our decoder performs, by name."""
     common = {"mlp_bias": bool(config.get("mlp_bias", False))}
+    if config["model_type"] == hf_deepseek.MODEL_TYPE:
+        return common | hf_deepseek.differences(config)
     if config["model_type"] in _EXTENDED:
         return common | hf_families.differences(config)
     common["hidden_act"] = config.get("hidden_act", "silu") != "silu"
@@ -180,14 +187,19 @@ def _rope_settings(config: dict[str, Any]) -> tuple[float, RopeScaling]:
 def _rope_scaling(params: dict[str, Any], config: dict[str, Any]) -> RopeScaling:
     # Older configs spell the kind "type", newer ones "rope_type".
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in _SUPPORTED_ROPE_TYPES:
+    supported: tuple[str, ...] = _SUPPORTED_ROPE_TYPES
+    if config.get("model_type") == hf_deepseek.MODEL_TYPE:
+        supported = (*supported, "yarn")  # checked against transformers for DeepSeek only
+    if rope_type not in supported:
         raise ValueError(
-            f"unsupported rope_type {rope_type!r}; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}"
+            f"unsupported rope_type {rope_type!r}; supported: {', '.join(supported)}"
         )
     if rope_type == "default":
         return RopeScaling()
     if rope_type == "longrope":
         return hf_families.longrope_scaling(config, params)
+    if rope_type == "yarn":
+        return hf_deepseek.yarn_scaling(config, params)
     defaults = RopeScaling()
     return RopeScaling(
         rope_type=rope_type,

@@ -4,6 +4,8 @@ Mixtral and Qwen2/Qwen3-MoE share it: only the feed-forward block differs (`feed
 shared/model/moe_layer.py) and Qwen2's q/k/v biases (`ModelArchitecture.attention_bias`).
 Qwen2/3, Mistral, Phi-3 and Gemma 2/3 add parts the architecture switches on (q/k norms,
 sliding windows, soft-capping, Gemma's extra norms and GeGLU): docs/models.md lists them.
+DeepSeek-V2 swaps the attention for multi-head latent attention (shared/model/mla.py, with its
+own KV page layout) and mixes dense and sparse feed-forward layers.
 
 One forward serves prefill chunks and decode tokens of many requests at once: every token is a
 row of `[num_tokens, hidden]`, and only attention needs to know which row belongs to whom.
@@ -31,6 +33,7 @@ from splitserve.engine.model.gguf_blocks import BlockQuantized
 from splitserve.engine.model.layer_ops import TorchLayerOps, select_layer_ops
 from splitserve.engine.model.linear import Linear, linear, onednn_weight
 from splitserve.engine.model.masked_attention import masked_attention
+from splitserve.engine.model.mla import LATENT_NORM_EPS, MLAAttention
 from splitserve.engine.model.moe_layer import SparseMoeBlock
 from splitserve.engine.model.quantization import (
     QuantizedEmbedding,
@@ -165,19 +168,28 @@ class LlamaMLP(nn.Module):
         return out
 
 
-def feed_forward(arch: ModelArchitecture, quantization: str = "none") -> LlamaMLP | SparseMoeBlock:
-    """A layer's MLP: dense SwiGLU (quantized as asked), or the sparse experts of Mixtral and
-    Qwen2-MoE (never quantized: LlamaForCausalLM refuses that combination)."""
-    return LlamaMLP(arch, quantization) if arch.moe is None else SparseMoeBlock(arch)
+def feed_forward(
+    arch: ModelArchitecture, quantization: str = "none", layer: int = 0
+) -> LlamaMLP | SparseMoeBlock:
+    """Layer `layer`'s MLP: dense SwiGLU (quantized as asked), or the sparse experts of Mixtral,
+    Qwen2-MoE and DeepSeek's sparse layers (never quantized: LlamaForCausalLM refuses that)."""
+    return SparseMoeBlock(arch) if arch.is_sparse_layer(layer) else LlamaMLP(arch, quantization)
+
+
+def attention(arch: ModelArchitecture, quantization: str) -> LlamaAttention | MLAAttention:
+    """A layer's attention: Llama's (with the parts families add), or DeepSeek's MLA."""
+    if arch.mla is None:
+        return LlamaAttention(arch, quantization)
+    return MLAAttention(arch, lambda size: RMSNorm(size, LATENT_NORM_EPS))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchitecture, quantization: str) -> None:
+    def __init__(self, arch: ModelArchitecture, quantization: str, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, quantization)
+        self.self_attn = attention(arch, quantization)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = feed_forward(arch, quantization)
+        self.mlp = feed_forward(arch, quantization, layer)
         # Gemma: post_attention_layernorm normalises the attention branch itself, and the MLP
         # branch has a norm before and after it.
         self.sandwich_norms = arch.sandwich_norms
@@ -233,7 +245,8 @@ class LlamaForCausalLM(nn.Module):
         # would cost seconds. `materialize` gives them real storage.
         with torch.device("meta"):
             self.layers = nn.ModuleList(
-                LlamaDecoderLayer(arch, self.quantization) for _ in range(arch.num_layers)
+                LlamaDecoderLayer(arch, self.quantization, layer)
+                for layer in range(arch.num_layers)
             )
             self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
             if self.quantization == "none":
@@ -490,7 +503,36 @@ def _internal_layer_weights(
     out: dict[str, torch.Tensor | BlockQuantized] = {}
     hf = f"model.layers.{i}."
     ours = f"layers.{i}."
-    attn = hf + "self_attn."
+    if arch.mla is not None:  # DeepSeek: its latent attention's tensors under their own names
+        out.update(_mla_weights(weights, i))
+    else:
+        out.update(_qkv_weights(weights, arch, i))
+    out.update(internal_feed_forward_weights(weights, arch, i))
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if arch.sandwich_norms:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    if arch.qk_norm:
+        norms += ["self_attn.q_norm", "self_attn.k_norm"]
+    for norm in norms:
+        out[f"{ours}{norm}.weight"] = weights[f"{hf}{norm}.weight"]
+    return out
+
+
+def _mla_weights(weights: Tensors, i: int) -> dict[str, torch.Tensor | BlockQuantized]:
+    prefix = f"model.layers.{i}.self_attn."
+    return {
+        f"layers.{i}.self_attn.{name.removeprefix(prefix)}": tensor
+        for name, tensor in weights.items()
+        if name.startswith(prefix)
+    }
+
+
+def _qkv_weights(
+    weights: Tensors, arch: ModelArchitecture, i: int
+) -> dict[str, torch.Tensor | BlockQuantized]:
+    """Layer `i`'s q/k/v fused (with Qwen2's biases) and o_proj, under the model's names."""
+    out: dict[str, torch.Tensor | BlockQuantized] = {}
+    attn, ours = f"model.layers.{i}.self_attn.", f"layers.{i}."
     out[ours + "self_attn.qkv_proj.weight"] = cat_rows(
         [
             weights[attn + "q_proj.weight"],
@@ -503,12 +545,4 @@ def _internal_layer_weights(
             [dense(weights[attn + f"{p}_proj.bias"]) for p in ("q", "k", "v")]
         )
     out[ours + "self_attn.o_proj.weight"] = weights[attn + "o_proj.weight"]
-    out.update(internal_feed_forward_weights(weights, arch, i))
-    norms = ["input_layernorm", "post_attention_layernorm"]
-    if arch.sandwich_norms:
-        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
-    if arch.qk_norm:
-        norms += ["self_attn.q_norm", "self_attn.k_norm"]
-    for norm in norms:
-        out[f"{ours}{norm}.weight"] = weights[f"{hf}{norm}.weight"]
     return out

@@ -75,7 +75,6 @@ def expected_weight_shapes(arch: ModelArchitecture) -> dict[str, tuple[int, ...]
             {"self_attn.q_proj.bias": (q_size,)}
             | {f"self_attn.{p}_proj.bias": (kv_size,) for p in ("k", "v")}
         )
-    per_layer.update(hf_feed_forward_shapes(arch))
     if arch.qk_norm:
         per_layer.update({f"self_attn.{n}_norm.weight": (arch.head_dim,) for n in ("q", "k")})
     if arch.sandwich_norms:
@@ -85,13 +84,38 @@ def expected_weight_shapes(arch: ModelArchitecture) -> dict[str, tuple[int, ...]
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (arch.vocab_size, arch.hidden_size)
     }
+    if arch.mla is not None:  # DeepSeek: latent attention instead of q/k/v
+        per_layer = {n: s for n, s in per_layer.items() if not n.startswith("self_attn.")}
+        per_layer.update(mla_weight_shapes(arch))
     for layer in range(arch.num_layers):
-        for name, shape in per_layer.items():
+        for name, shape in (per_layer | hf_feed_forward_shapes(arch, layer)).items():
             shapes[f"model.layers.{layer}.{name}"] = shape
     shapes["model.norm.weight"] = (arch.hidden_size,)
     if not arch.tie_word_embeddings:
         shapes["lm_head.weight"] = (arch.vocab_size, arch.hidden_size)
     return shapes
+
+
+def mla_weight_shapes(arch: ModelArchitecture) -> dict[str, tuple[int, ...]]:
+    """One layer's latent attention tensors (shared/model/mla.py) with their shapes."""
+    mla, hidden, heads = arch.mla, arch.hidden_size, arch.num_heads
+    assert mla is not None, "MLA models only"
+    q_out = heads * mla.qk_head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "kv_a_proj_with_mqa.weight": (mla.latent_width, hidden),
+        "kv_a_layernorm.weight": (mla.kv_lora_rank,),
+        "kv_b_proj.weight": (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+        "o_proj.weight": (hidden, heads * mla.v_head_dim),
+    }
+    if mla.q_lora_rank is None:
+        shapes["q_proj.weight"] = (q_out, hidden)
+    else:
+        shapes |= {
+            "q_a_proj.weight": (mla.q_lora_rank, hidden),
+            "q_a_layernorm.weight": (mla.q_lora_rank,),
+            "q_b_proj.weight": (q_out, mla.q_lora_rank),
+        }
+    return {f"self_attn.{name}": shape for name, shape in shapes.items()}
 
 
 def check_weights(checkpoint: LoadedCheckpoint) -> None:

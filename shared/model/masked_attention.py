@@ -43,13 +43,15 @@ def masked_attention(
     """[num_tokens, num_heads, head_dim]: every row's attention over its sequence's keys."""
     out = torch.empty_like(query)
     block_size = layer_cache.shape[2]
-    for segment in _segments(meta, block_size):
+    for segment in segments(meta, block_size):
         rows = segment.rows
         out[rows] = _attend(query[rows], layer_cache, segment, scale, window, softcap)
     return out
 
 
-def _segments(meta: AttentionMetadata, block_size: int) -> Iterator[Segment]:
+def segments(meta: AttentionMetadata, block_size: int) -> Iterator[Segment]:
+    """Every sequence of the step, decode rows first (as the runner lays them out); MLA
+    (shared/model/mla.py) attends over the same segments."""
     yield from _decode_segments(meta, block_size)
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)

@@ -57,6 +57,28 @@ def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     return Routing(expert_ids, weights.to(router_logits.dtype))
 
 
+def route_grouped(
+    router_logits: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    scaling_factor: float,
+) -> Routing:
+    """DeepSeek's routing: softmax over all experts in float32; with num_groups > 1
+    ("group_limited_greedy") only the experts of the `topk_groups` groups whose best expert
+    scores highest stay candidates; the top k of those, their probabilities (not renormalised)
+    times `scaling_factor`. num_groups 1 is DeepSeek's "greedy"."""
+    probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
+    if num_groups > 1:
+        grouped = probs.unflatten(-1, (num_groups, -1))  # [T, G, E / G]
+        best_groups = torch.topk(grouped.amax(dim=-1), topk_groups, dim=-1).indices  # [T, g]
+        kept = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=probs.device)
+        kept.scatter_(1, best_groups, True)
+        probs = grouped.masked_fill(~kept.unsqueeze(-1), 0.0).flatten(1)
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    return Routing(expert_ids, (weights * scaling_factor).to(router_logits.dtype))
+
+
 def sort_by_expert(routing: Routing, num_experts: int) -> ExpertOrder:
     flat_ids = routing.expert_ids.flatten()  # [T*k], assignment a is token a // k
     order = torch.argsort(flat_ids, stable=True)

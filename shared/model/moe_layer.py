@@ -1,7 +1,8 @@
-"""The sparse feed-forward block of Mixtral and Qwen2-MoE decoder layers (`mlp` of a layer).
+"""The sparse feed-forward block of Mixtral, Qwen2-MoE and DeepSeek decoder layers (`mlp`).
 
     x [T, H] -> router (`gate`) -> top-k routing -> fused experts (shared/model/moe.py)
              (+ Qwen2-MoE: sigmoid(shared_expert_gate(x)) * shared_expert(x))
+             (+ DeepSeek: shared_expert(x), ungated; grouped top-k routing, scaled weights)
 
 Parameter names are the internal ones `shared/model/feed_forward.py` maps checkpoints onto.
 Each block counts the token-expert assignments its router made, per expert, since start: the
@@ -29,6 +30,7 @@ from splitserve.engine.model.moe import (
     ExpertsFn,
     ExpertWeights,
     Routing,
+    route_grouped,
     route_tokens,
     select_moe_experts,
     sort_by_expert,
@@ -85,6 +87,7 @@ class SparseMoeBlock(nn.Module):
         self.num_experts = moe.num_experts
         self.top_k = moe.num_experts_per_tok
         self.renormalize = moe.norm_topk_prob
+        self.moe = moe
         hidden, inter = arch.hidden_size, moe.expert_intermediate_size
         self.gate = Linear(hidden, moe.num_experts)  # the router, over every expert
         # Stacked experts held here, gate and up fused: [E_local, 2*I, H] and [E_local, H, I].
@@ -96,7 +99,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate: Linear | None = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = SwiGLU(hidden, moe.shared_expert_intermediate_size)
-            self.shared_expert_gate = Linear(hidden, 1)
+            self.shared_expert_gate = Linear(hidden, 1) if moe.shared_expert_gated else None
         # Built on the first forward, after the weights are loaded (the model is built on the
         # meta device): the experts' view with CPU layouts, the implementation, the counters.
         self._experts: ExpertWeights | None = None
@@ -112,14 +115,23 @@ class SparseMoeBlock(nn.Module):
             order = sort_by_expert(self.route(x), self.num_experts)
             out, counts = experts_fn(x, experts, order), order.counts
         self.expert_tokens += counts
-        if self.shared_expert is not None and self.shared_expert_gate is not None:  # both or none
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:  # Qwen2-MoE's; DeepSeek's are ungated
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         if self.tensor_parallel is not None:
             self.tensor_parallel.all_reduce(out)
         return out
 
     def route(self, x: torch.Tensor) -> Routing:
         """Each row's top-k experts and weights (the router holds every expert)."""
+        moe = self.moe
+        if moe.topk_method is not None:  # DeepSeek
+            groups = moe.num_groups if moe.topk_method == "group_limited_greedy" else 1
+            return route_grouped(
+                self.gate(x), self.top_k, groups, moe.topk_groups, moe.routed_scaling_factor
+            )
         return route_tokens(self.gate(x), self.top_k, self.renormalize)
 
     def _prepared(self, device: torch.device) -> tuple[ExpertWeights, ExpertsFn]:

@@ -22,6 +22,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> to
         return _llama3_scaled(inv_freq, scaling)
     if scaling.rope_type == "longrope":
         return inv_freq / torch.tensor(scaling.short_factor, dtype=torch.float32)
+    if scaling.rope_type == "yarn":
+        return _yarn_scaled(inv_freq, head_dim, theta, scaling)
     raise ValueError(f"rope_scaling type {scaling.rope_type!r} is not supported")
 
 
@@ -37,6 +39,27 @@ def _llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     blended = (1 - blend) * scaled / s.factor + blend * scaled
     in_between = (wavelen >= keep_band_end) & (wavelen <= slow_band_start)
     return torch.where(in_between, blended, scaled)
+
+
+def _yarn_scaled(
+    inv_freq: torch.Tensor, head_dim: int, theta: float, s: RopeScaling
+) -> torch.Tensor:
+    # yarn (DeepSeek): frequencies that turn fewer than beta_slow times over the original length
+    # are interpolated (divided by `factor`), those that turn more than beta_fast times kept,
+    # and the dimensions between blended along a linear ramp.
+    def dim_of(rotations: float) -> float:
+        turns = s.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return head_dim * math.log(turns) / (2 * math.log(theta))
+
+    low, high = dim_of(s.beta_fast), dim_of(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does, against a zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    return inv_freq / s.factor * (1 - keep) + inv_freq * keep
 
 
 def _angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,184 @@
+"""DeepSeek's multi-head latent attention (MLA) over the latent page layout (shared/kv/cache.py).
+
+    hidden -> q_proj, or q_a_proj -> q_a_layernorm -> q_b_proj    q [T, H, nope + rope]
+    hidden -> kv_a_proj_with_mqa -> | latent [T, R] | k_rope [T, P] |
+              latent -> kv_a_layernorm; q's and k's rope parts rotated (interleaved pairs)
+    cache row per token and layer: | normalized latent (R) | rotated k_rope (P) |
+
+Keys and values per head are never cached: `kv_b_proj` [H * (nope + v), R] makes them from the
+latent. A prefill chunk decompresses its sequence's latents (k_nope and v per head, then plain
+attention, the cheaper way for many queries); a decode row attends in latent space with the
+absorbed projections (q_nope @ W_uk gives a query over the latent, the latent itself is the
+value, and W_uv takes the result out to v per head), reading R + P values per cached token:
+
+    scores = (q_nope W_uk) . latent + q_rope . k_rope     out = (probs @ latent) W_uv^T
+
+DeepSeek rotates the rope parts as complex numbers over consecutive pairs (x[2i], x[2i+1]),
+not rotate-half: queries and keys both, so the cached keys keep that layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from splitserve.engine.model.architecture import MLAConfig, ModelArchitecture
+from splitserve.engine.model.attention_metadata import AttentionBackend, AttentionMetadata
+from splitserve.engine.model.linear import Linear
+from splitserve.engine.model.masked_attention import Segment, segments
+from splitserve.engine.model.rotary import RotaryAngles
+
+# DeepSeek's q_a_layernorm and kv_a_layernorm keep their default eps, not rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+class AllReduce(Protocol):
+    def all_reduce(self, tensor: torch.Tensor) -> None: ...
+
+
+class MLAAttention(nn.Module):
+    # Never set: tensor parallel is refused for MLA models (shared/parts.py); here so the
+    # decoder treats both attentions alike.
+    tensor_parallel: AllReduce | None = None
+
+    def __init__(self, arch: ModelArchitecture, norm: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        mla = arch.mla
+        assert mla is not None, "MLAAttention needs an architecture with mla set"
+        self.mla: MLAConfig = mla
+        self.num_heads = heads = arch.num_heads
+        self.scale = mla.softmax_scale
+        self.window = 0  # LlamaForCausalLM sets every layer's; MLA models have none
+        hidden = arch.hidden_size
+        self.q_proj: Linear | None = None
+        self.q_a_proj: Linear | None = None
+        self.q_a_layernorm: nn.Module | None = None
+        self.q_b_proj: Linear | None = None
+        if mla.q_lora_rank is None:
+            self.q_proj = Linear(hidden, heads * mla.qk_head_dim)
+        else:
+            self.q_a_proj = Linear(hidden, mla.q_lora_rank)
+            self.q_a_layernorm = norm(mla.q_lora_rank)
+            self.q_b_proj = Linear(mla.q_lora_rank, heads * mla.qk_head_dim)
+        self.kv_a_proj_with_mqa = Linear(hidden, mla.latent_width)
+        self.kv_a_layernorm = norm(mla.kv_lora_rank)
+        # A plain nn.Linear: its weight stays readable (no oneDNN copy replaces it), since
+        # decode reads it as the absorbed W_uk and W_uv.
+        self.kv_b_proj = nn.Linear(
+            mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False
+        )
+        self.o_proj = Linear(heads * mla.v_head_dim, hidden)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        rotary: RotaryAngles,
+        layer_cache: torch.Tensor,  # [1, num_blocks, block_size, 1, R + P]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,  # unused: MLA reads its own page layout
+    ) -> torch.Tensor:
+        mla, num_tokens = self.mla, hidden.shape[0]
+        q = self._query(hidden).view(num_tokens, self.num_heads, mla.qk_head_dim)
+        q_nope, q_rope = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(hidden).split(
+            [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1
+        )
+        q_rope = rotate_pairs(q_rope, rotary)
+        k_rope = rotate_pairs(k_rope.unsqueeze(1), rotary).squeeze(1)
+        rows = torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1)  # [T, R + P]
+        write_latent(layer_cache, meta.slot_mapping, rows)
+        out = hidden.new_empty(num_tokens, self.num_heads, mla.v_head_dim)
+        for segment in segments(meta, layer_cache.shape[2]):
+            cached = read_latent(layer_cache, segment)  # [seq_len, R + P]
+            q_rows = (q_nope[segment.rows], q_rope[segment.rows])
+            is_decode = segment.rows.start < meta.num_decodes
+            attend = self._attend_absorbed if is_decode else self._attend_decompressed
+            out[segment.rows] = attend(*q_rows, cached)
+        return self.o_proj(out.view(num_tokens, -1))
+
+    def _query(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.q_proj is not None:
+            return self.q_proj(hidden)
+        assert self.q_a_proj is not None and self.q_a_layernorm is not None, "q_lora_rank set"
+        assert self.q_b_proj is not None, "q_lora_rank set"
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+
+    def _split_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_uk [H, nope, R], W_uv [H, v, R]): kv_b_proj's rows per head."""
+        mla = self.mla
+        weight = self.kv_b_proj.weight.view(self.num_heads, -1, mla.kv_lora_rank)
+        return weight.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
+
+    def _attend_absorbed(
+        self,
+        q_nope: torch.Tensor,  # [query_len, H, nope]
+        q_rope: torch.Tensor,  # [query_len, H, P]
+        cached: torch.Tensor,  # [seq_len, R + P]
+    ) -> torch.Tensor:
+        """Attention in latent space: no per-head key or value is formed."""
+        w_uk, w_uv = self._split_kv_b()
+        latent, k_rope = cached.split([self.mla.kv_lora_rank, self.mla.qk_rope_head_dim], -1)
+        q_latent = torch.einsum("qhn,hnr->hqr", q_nope, w_uk)  # [H, query_len, R]
+        scores = torch.matmul(q_latent, latent.t()) + torch.matmul(
+            q_rope.transpose(0, 1), k_rope.t()
+        )  # [H, query_len, seq_len]
+        probs = _causal_softmax(scores * self.scale, latent.shape[0])
+        out_latent = torch.matmul(probs, latent)  # [H, query_len, R]
+        return torch.einsum("hqr,hvr->qhv", out_latent, w_uv)
+
+    def _attend_decompressed(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, cached: torch.Tensor
+    ) -> torch.Tensor:
+        """Per-head keys and values made from the latents, then plain attention."""
+        mla, seq_len = self.mla, cached.shape[0]
+        latent, k_rope = cached.split([mla.kv_lora_rank, mla.qk_rope_head_dim], -1)
+        kv = self.kv_b_proj(latent).view(seq_len, self.num_heads, -1)
+        k_nope, value = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+        scores = torch.matmul(q_nope.transpose(0, 1), k_nope.permute(1, 2, 0)) + torch.matmul(
+            q_rope.transpose(0, 1), k_rope.t()
+        )  # [H, query_len, seq_len]
+        probs = _causal_softmax(scores * self.scale, seq_len)
+        return torch.matmul(probs, value.transpose(0, 1)).transpose(0, 1)  # [q, H, v]
+
+
+def _causal_softmax(scores: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Softmax over keys (float32) of scores [H, query_len, seq_len] whose queries are the
+    last query_len positions of the sequence."""
+    query_len = scores.shape[1]
+    if query_len > 1:
+        query_pos = torch.arange(seq_len - query_len, seq_len, device=scores.device)
+        key_pos = torch.arange(seq_len, device=scores.device)
+        hidden = key_pos.unsqueeze(0) > query_pos.unsqueeze(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+
+
+def rotate_pairs(x: torch.Tensor, rotary: RotaryAngles) -> torch.Tensor:
+    """DeepSeek's rotary: each consecutive pair (x[2i], x[2i+1]) turned by position * inv_freq[i]
+    (as complex numbers, in float32). x: [num_tokens, heads, P]; rotary's cos/sin are
+    [num_tokens, 1, P] in rotate-half order, whose first half holds each pair's angle."""
+    half = x.shape[-1] // 2
+    cos, sin = rotary.cos[..., :half].float(), rotary.sin[..., :half].float()
+    pairs = x.float().unflatten(-1, (half, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    turned = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return turned.flatten(-2).to(x.dtype)
+
+
+def write_latent(layer_cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
+    """Writes token t's cache row [R + P] into slot slot_mapping[t] (-1: padding, skipped);
+    mutates layer_cache [1, num_blocks, block_size, 1, R + P]."""
+    flat = layer_cache.view(-1, layer_cache.shape[-1])  # slot = block * block_size + offset
+    keep = slot_mapping >= 0
+    flat[slot_mapping[keep]] = rows[keep].to(flat.dtype)
+
+
+def read_latent(layer_cache: torch.Tensor, segment: Segment) -> torch.Tensor:
+    """The segment's cached rows [seq_len, R + P], in position order."""
+    block_size = layer_cache.shape[2]
+    num_blocks = -(-segment.seq_len // block_size)
+    block_ids = segment.block_ids[:num_blocks].long()
+    return layer_cache[0, block_ids].flatten(0, 1)[: segment.seq_len, 0]

@@ -1,0 +1,208 @@
+"""DeepSeek-V2 (`deepseek_v2`): multi-head latent attention over the latent KV page layout,
+grouped top-k routing with shared experts, dense layers first; against transformers on random
+tiny checkpoints built with its own config and model classes (docs/models.md):
+
+- greedy 12 tokens and every step's top-5 logprobs equal transformers', with and without
+  q_lora_rank, with group-limited and plain greedy routing, with no sparse layer at all, through
+  chunked prefill (16-token budget), then again through prefix-cache hits (decode rows attend
+  with the absorbed projections, prefill chunks decompress the latents);
+- the cache holds (kv_lora_rank + qk_rope_head_dim) values per token per layer, nothing per head;
+- a disaggregated request (pages packed by the prefill engine, unpacked by the decode engine)
+  equals the colocated one;
+- each special part moves transformers' logprobs far past the tolerance (so it is tested).
+
+torch runs single-threaded (see tests/test_engine_api.py for why).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from splitserve import LLM, SamplingParams
+from splitserve.engine.kv.cache import bytes_per_block
+from tests.test_disaggregation_engine import disaggregated
+from tests.test_model_families import (
+    _COMMON,
+    CHUNK,
+    KV_BYTES,
+    MAX_TOKENS,
+    TOLERANCE,
+    TOP,
+    _assert_matches,
+    _prompts,
+    _reference,
+)
+
+_MLA = dict(
+    num_hidden_layers=3,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+    n_group=2,
+    topk_group=1,
+    topk_method="group_limited_greedy",
+    routed_scaling_factor=1.5,
+)
+# name -> the options on top of _MLA.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "q_lora": {},
+    "no_q_lora": {"q_lora_rank": None, "topk_method": "greedy", "n_group": 1, "topk_group": 1},
+    "dense": {"first_k_dense_replace": 3, "q_lora_rank": None},
+    # DeepSeek-V2's own rope: yarn with mscale (cos/sin and the softmax scale).
+    "yarn": {
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 16,
+            "mscale": 1.0,  # DeepSeek-V2 has 0.707 for both: here cos/sin are scaled too
+            "mscale_all_dim": 0.707,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        }
+    },
+}
+
+
+def _hf_model(options: dict[str, Any]) -> Any:
+    import transformers
+
+    config = transformers.DeepseekV2Config(**{**_COMMON, **_MLA, **options})
+    return transformers.AutoModelForCausalLM.from_config(config).float().eval()
+
+
+def _randomize(model: Any) -> None:
+    """Norm weights off one (the latent norms included), q and the latent's projection scaled
+    up so attention depends on position, the router scaled so routing is decisive."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.3)
+            elif name.endswith(("q_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight")):
+                param.mul_(8.0)
+            elif name.endswith("mlp.gate.weight"):
+                param.mul_(20.0)
+
+
+@pytest.fixture(scope="module")
+def make_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory, hf_reference_tokenizer: Any
+) -> Callable[[str], str]:
+    built: dict[str, str] = {}
+
+    def make(name: str) -> str:
+        if name not in built:
+            torch.manual_seed(0)
+            model = _hf_model(CONFIGS[name])
+            _randomize(model)
+            directory = str(tmp_path_factory.mktemp(name))
+            model.save_pretrained(directory)
+            hf_reference_tokenizer.save_pretrained(directory)
+            built[name] = directory
+        return built[name]
+
+    return make
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_and_logprobs_match_transformers(single_thread, make_checkpoint, name):
+    directory = make_checkpoint(name)
+    llm = LLM(directory, kv_cache_bytes=KV_BYTES, max_num_batched_tokens=CHUNK)
+    assert llm.engine.architecture.name == "deepseek_v2"
+    prompts = _prompts()
+    references = [_reference(directory, prompt) for prompt in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP)
+    for prompt, (tokens, logprobs) in zip(prompts, references):  # one at a time: no hit yet
+        _assert_matches(llm.generate([prompt], params)[0].outputs[0], tokens, logprobs)
+    assert llm.stats().prefix_cache_hit_tokens >= 32, "the third prompt reuses the second's"
+    hits = llm.stats().prefix_cache_hit_tokens
+    results = llm.generate(prompts, params)  # batched, every prompt a prefix hit now
+    assert llm.stats().prefix_cache_hit_tokens - hits >= 2 * 32
+    for result, (tokens, logprobs) in zip(results, references):
+        _assert_matches(result.outputs[0], tokens, logprobs)
+
+
+def test_latent_pages_hold_the_latent_and_rope_key_only(make_checkpoint):
+    llm = LLM(make_checkpoint("q_lora"), kv_cache_bytes=KV_BYTES)
+    arch = llm.engine.architecture
+    assert arch.mla is not None and arch.moe is not None
+    cache = llm.engine.runner.kv_cache
+    block_size = cache.shape[3]
+    # [layers, 1, blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]
+    assert cache.shape[:2] == (3, 1) and cache.shape[4:] == (1, 16 + 8)
+    per_token_per_layer = bytes_per_block(arch, block_size, torch.float32) / block_size / 3
+    assert per_token_per_layer == (16 + 8) * 4
+    assert [arch.is_sparse_layer(i) for i in range(3)] == [False, True, True]
+    assert llm.engine.runner.model.fused_decode is None
+
+
+def test_disaggregated_equals_colocated(single_thread, make_checkpoint):
+    directory = make_checkpoint("q_lora")
+    options = {"kv_cache_bytes": KV_BYTES, "max_num_batched_tokens": CHUNK}
+    reference, prefill, decode = (LLM(directory, **options) for _ in range(3))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
+    for i, prompt in enumerate(_prompts()):
+        expected = reference.generate([prompt], params)[0].outputs[0]
+        _, got = disaggregated(prefill.engine, decode.engine, f"mla-{i}", prompt, params)
+        assert got.token_ids == expected.token_ids
+        for entry, expected_entry in zip(got.logprobs, expected.logprobs, strict=True):
+            assert [t for t, _ in entry.top] == [t for t, _ in expected_entry.top]
+            values = [v for _, v in expected_entry.top]
+            assert [v for _, v in entry.top] == pytest.approx(values, abs=TOLERANCE)
+    assert decode.stats().num_kv_blocks_free == decode.stats().num_kv_blocks_total
+    assert prefill.stats().num_kv_blocks_free == prefill.stats().num_kv_blocks_total
+
+
+@pytest.mark.parametrize(
+    ("name", "part"),
+    [
+        ("q_lora", {"routed_scaling_factor": 1.0}),
+        ("q_lora", {"topk_method": "greedy"}),
+        ("yarn", {"rope_parameters": {"rope_type": "default"}}),
+        ("yarn", {"rope_parameters": {"mscale_all_dim": 0.0}}),
+    ],
+)
+def test_each_special_part_changes_the_reference(make_checkpoint, name, part):
+    """Without the part transformers' logprobs move far past the tolerance: the equality
+    test above would catch an engine that skipped it."""
+    directory = make_checkpoint(name)
+    prompt = _prompts()[1]
+    _, logprobs = _reference(directory, prompt)
+    _, without = _reference(directory, prompt, part)
+    assert (logprobs[0] - without[0]).abs().max() > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"norm_topk_prob": True}, "norm_topk_prob"),
+        ({"topk_method": "noaux_tc"}, "topk_method"),
+        ({"attention_bias": True}, "attention_bias"),
+    ],
+)
+def test_unsupported_settings_are_refused(make_checkpoint, tmp_path, setting, message):
+    import json
+    import os
+
+    source = make_checkpoint("q_lora")
+    for name in os.listdir(source):
+        if name != "config.json":
+            os.symlink(os.path.join(source, name), tmp_path / name)
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config | setting, f)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tmp_path), kv_cache_bytes=KV_BYTES)

@@ -1,0 +1,363 @@
+"""`python -m benchmarks.scale --pods 10 100 1000 [--quick]`: the real router and a real
+redis-server over simulated decode pods (benchmarks/scale/sim_pod.py), one size at a time, each
+on a fresh Redis. Per size it prints:
+
+- routing decision p50/p99: `Router.pick` from the prompt's tokens to the chosen pod (hashing,
+  the index lookup, scoring), timed in this process under a Poisson load;
+- Redis bytes per pod (INFO memory, registered with empty caches: record, registry entry,
+  sentinel SET, the pod's connection) and per indexed block (MEMORY USAGE of the block SETs
+  after seeding the caches, over the blocks they hold);
+- Redis commands per routed request (INFO commandstats deltas over the routing phase, minus an
+  idle window of equal length that counts the pods' heartbeats and the gateway's registry
+  reads; commands run inside Lua scripts count one each);
+- block events ingested per second (stored + removed, by the churn the pods publish) and
+  whether the index matched every pod's cache once the churn stopped;
+- prefix hit rate: cached blocks on the chosen pod over prompt blocks, against an oracle that
+  reads every pod's cache and takes the best;
+- router req/s: closed-loop `pick` calls on this process's one core for a second (an upper
+  bound on one gateway core: no HTTP, no tokenizing).
+
+It ends with one line per size, `pods N: routing p99 X ms, gateway Y req/s`, where Y is that
+closed-loop rate, and writes a PNG of the curves. Everything shares one process and one event
+loop (pods, publishers, router), so the figures include the pods' own work on the same cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+from benchmarks.scale.sim_pod import SimPod, SimPodSettings, close_pods, start_pods
+from benchmarks.scale.workload import Workload, WorkloadSettings, oracle_cached_blocks
+from splitserve.common.redis_server import RedisServer
+from splitserve.common.registry_schema import RegistryKeys, connect
+from splitserve.engine.kv.block_hash import hash_full_blocks
+from splitserve.gateway.routing.pods import PodPool
+from splitserve.gateway.routing.router import Router, RouterSettings
+from splitserve.v1 import generate_pb2, worker_pb2
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    blocks_per_pod: int  # seeded into each pod's cache before routing
+    num_requests: int
+    request_rate: float  # Poisson arrivals per second
+    churn_blocks_per_s: float  # fresh blocks stored across the cluster per second
+    max_tokens: int = 4
+    seed: int = 0
+
+
+@dataclass
+class SizeResult:
+    num_pods: int
+    num_blocks: int = 0
+    routing_ms: list[float] = field(default_factory=list)
+    bytes_per_pod: float = 0.0
+    bytes_per_block: float = 0.0
+    ops_per_request: dict[str, float] = field(default_factory=dict)
+    events_per_s: float = 0.0
+    is_index_consistent: bool = False
+    hit_blocks: int = 0
+    oracle_blocks: int = 0
+    prompt_blocks: int = 0
+    picks_per_s: float = 0.0
+
+    def percentile(self, q: float) -> float:
+        ordered = sorted(self.routing_ms)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else math.nan
+
+
+async def used_memory(client) -> int:
+    return int((await client.info("memory"))["used_memory"])
+
+
+async def index_bytes(client, keys: RegistryKeys, pods: list[SimPod]) -> int:
+    """MEMORY USAGE of every pod's block SET, summed (exact: SAMPLES 0 counts every member)."""
+    pipe = client.pipeline(transaction=False)
+    for pod in pods:
+        pipe.memory_usage(keys.blocks(pod.pod_id, pod.generation), samples=0)
+    return sum(size or 0 for size in await pipe.execute())
+
+
+async def command_calls(client) -> dict[str, int]:
+    stats = await client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
+
+
+async def wait_index_matches(client, keys: RegistryKeys, pods: list[SimPod], timeout_s: float):
+    """True once every pod's block SET holds its cache's blocks and the sentinel."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pipe = client.pipeline(transaction=False)
+        for pod in pods:
+            pipe.scard(keys.blocks(pod.pod_id, pod.generation))
+        sizes = await pipe.execute()
+        if all(size == len(pod.cache) + 1 for size, pod in zip(sizes, pods, strict=True)):
+            return True
+        await asyncio.sleep(0.2)
+    return False
+
+
+def seed_caches(pods: list[SimPod], workload: Workload, blocks_per_pod: int) -> int:
+    """Sessions onto pods round robin until each holds about `blocks_per_pod` blocks."""
+    num_sessions = max(1, blocks_per_pod // max(workload.settings.session_blocks, 1))
+    for _ in range(num_sessions):
+        for pod in pods:
+            pod.cache.store(workload.hashes(workload.session_tokens[workload.new_session()]))
+    return sum(len(pod.cache) for pod in pods)
+
+
+async def churn(pods: list[SimPod], blocks_per_s: float, stop: asyncio.Event, seed: int) -> None:
+    """Fresh 8-block chains onto random pods at `blocks_per_s`: sessions this router never
+    sees (other gateways' traffic), which make the pods store and evict."""
+    rng = random.Random(seed)
+    interval = 8 / blocks_per_s
+    while not stop.is_set():
+        pod = rng.choice(pods)
+        tokens = [rng.randrange(1, 32000) for _ in range(8 * pod.settings.block_size)]
+        pod.cache.store(hash_full_blocks(tokens, pod.settings.block_size, ""))
+        await asyncio.sleep(interval)
+
+
+async def serve(picked, prompt: list[int], max_tokens: int) -> list[int]:
+    request = worker_pb2.DecodeRequest(
+        request_id=f"r{random.getrandbits(48)}",
+        prompt_token_ids=prompt,
+        sampling=generate_pb2.SamplingOptions(max_tokens=max_tokens),
+    )
+    tokens: list[int] = []
+    async for response in picked.decode.decode_stub.Decode(request, timeout=30):
+        tokens.extend(response.token_ids)
+    return tokens
+
+
+async def route_requests(
+    router: Router, pods: list[SimPod], workload: Workload, run: RunSettings, result: SizeResult
+) -> None:
+    rng = random.Random(run.seed + 1)
+    by_id = {pod.pod_id: pod for pod in pods}
+    caches = [pod.cache for pod in pods]
+    in_flight: set[asyncio.Task] = set()
+    for _ in range(run.num_requests):
+        session, prompt = workload.next_prompt()
+        lookup = workload.hashes(prompt[:-1])
+        start = time.perf_counter()
+        picked = await router.pick(prompt)
+        result.routing_ms.append((time.perf_counter() - start) * 1000)
+        assert picked is not None, "every simulated pod is available"
+        result.hit_blocks += by_id[picked.decode.pod_id].cache.cached_prefix(lookup)
+        result.oracle_blocks += oracle_cached_blocks(caches, lookup)
+        result.prompt_blocks += len(lookup)
+        task = asyncio.create_task(_serve_and_grow(picked, session, prompt, workload, run))
+        in_flight.add(task)
+        task.add_done_callback(in_flight.discard)
+        await asyncio.sleep(rng.expovariate(run.request_rate))
+    await asyncio.gather(*in_flight)
+
+
+async def _serve_and_grow(picked, session, prompt, workload: Workload, run: RunSettings):
+    workload.answered(session, prompt, await serve(picked, prompt, run.max_tokens))
+
+
+async def closed_loop_picks(router: Router, workload: Workload, seconds: float) -> float:
+    prompts = [workload.next_prompt()[1] for _ in range(64)]
+    count, deadline = 0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        await router.pick(prompts[count % len(prompts)])
+        count += 1
+    return count / seconds
+
+
+def ops_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {name: after.get(name, 0) - before.get(name, 0) for name in after}
+
+
+async def measure_size(
+    num_pods: int,
+    run: RunSettings,
+    pod_settings: SimPodSettings,
+    workload_settings: WorkloadSettings,
+) -> SizeResult:
+    result = SizeResult(num_pods)
+    keys = RegistryKeys()
+    with RedisServer() as redis_server:
+        client = connect(redis_server.url, timeout_s=30)
+        baseline = await used_memory(client)
+        pods = await start_pods(num_pods, pod_settings, redis_server.url, keys, run.seed)
+        try:
+            await wait_index_matches(client, keys, pods, 60)
+            registered = await used_memory(client)
+            result.bytes_per_pod = (registered - baseline) / num_pods
+            workload = Workload(workload_settings, run.seed)
+            result.num_blocks = seed_caches(pods, workload, run.blocks_per_pod)
+            await wait_index_matches(client, keys, pods, 120)
+            result.bytes_per_block = await index_bytes(client, keys, pods) / result.num_blocks
+            await _route_phase(client, keys, pods, workload, run, pod_settings, result)
+        finally:
+            await close_pods(pods)
+            await client.aclose()
+    return result
+
+
+async def _route_phase(client, keys, pods, workload, run, pod_settings, result: SizeResult):
+    pool = PodPool("decode", [], pod_settings.model, poll_interval_s=1.0)
+    router = Router(pool, None, RouterSettings(redis_url=_url(client)), keys)
+    await pool.start()
+    await router.start()
+    try:
+        assert len(pool.available()) == len(pods), "the router sees every simulated pod"
+        idle_start, idle_t0 = await command_calls(client), time.perf_counter()
+        await asyncio.sleep(1.0)
+        idle = ops_delta(idle_start, await command_calls(client))
+        idle_s = time.perf_counter() - idle_t0
+        stop = asyncio.Event()
+        stored0 = sum(p.cache.num_stored + p.cache.num_removed for p in pods)
+        churner = asyncio.create_task(churn(pods, run.churn_blocks_per_s, stop, run.seed))
+        before, t0 = await command_calls(client), time.perf_counter()
+        await route_requests(router, pods, workload, run, result)
+        busy = ops_delta(before, await command_calls(client))
+        busy_s = time.perf_counter() - t0
+        stop.set()
+        await churner
+        result.events_per_s = (
+            sum(p.cache.num_stored + p.cache.num_removed for p in pods) - stored0
+        ) / busy_s
+        result.ops_per_request = _per_request(busy, busy_s, idle, idle_s, run.num_requests)
+        result.is_index_consistent = await wait_index_matches(client, keys, pods, 10)
+        result.picks_per_s = await closed_loop_picks(router, workload, 1.0)
+    finally:
+        await router.close()
+        await pool.close()
+
+
+def _per_request(busy, busy_s, idle, idle_s, num_requests) -> dict[str, float]:
+    """Commands per routed request by name, the background rate (idle window) taken out."""
+    per = {}
+    for name, calls in busy.items():
+        background = idle.get(name, 0) * busy_s / idle_s
+        per[name] = max(calls - background, 0.0) / num_requests
+    per["total"] = sum(per.values())
+    return per
+
+
+def _url(client) -> str:
+    kwargs = client.connection_pool.connection_kwargs
+    return f"redis://{kwargs['host']}:{kwargs['port']}/0"
+
+
+def report(result: SizeResult) -> None:
+    ops = result.ops_per_request
+    top = sorted(((v, k) for k, v in ops.items() if k != "total" and v >= 0.05), reverse=True)
+    hit = result.hit_blocks / max(result.prompt_blocks, 1)
+    oracle = result.oracle_blocks / max(result.prompt_blocks, 1)
+    print(f"== {result.num_pods} pods, {result.num_blocks} indexed blocks")
+    print(
+        f"  routing decision: p50 {result.percentile(0.5):.2f} ms, "
+        f"p99 {result.percentile(0.99):.2f} ms ({len(result.routing_ms)} requests)"
+    )
+    print(
+        f"  redis memory: {result.bytes_per_pod:.0f} B per pod (empty cache), "
+        f"{result.bytes_per_block:.1f} B per indexed block"
+    )
+    print(
+        f"  redis commands per routed request: {ops.get('total', 0):.1f} ("
+        + ", ".join(f"{name} {value:.1f}" for value, name in top)
+        + ")"
+    )
+    print(
+        f"  block events ingested: {result.events_per_s:.0f}/s; index matches every cache "
+        f"after: {result.is_index_consistent}"
+    )
+    print(
+        f"  prefix hit rate: router {hit:.1%}, oracle {oracle:.1%} "
+        f"({result.hit_blocks / max(result.oracle_blocks, 1):.1%} of the oracle's)"
+    )
+    print(f"  router closed loop: {result.picks_per_s:.0f} picks/s", flush=True)
+
+
+def plot(results: list[SizeResult], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [r.num_pods for r in results]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    axes[0].plot(sizes, [r.percentile(0.5) for r in results], "o-", label="p50")
+    axes[0].plot(sizes, [r.percentile(0.99) for r in results], "o-", label="p99")
+    axes[0].set(title="routing decision (ms)", xscale="log", yscale="log")
+    axes[0].legend()
+    axes[1].plot(sizes, [r.ops_per_request.get("total", 0) for r in results], "o-")
+    axes[1].set(title="Redis commands per request", xscale="log", yscale="log")
+    axes[2].plot(sizes, [r.bytes_per_block for r in results], "o-", label="per block")
+    axes[2].set(title="Redis bytes per indexed block", xscale="log")
+    axes[3].plot(
+        sizes, [r.hit_blocks / max(r.prompt_blocks, 1) for r in results], "o-", label="router"
+    )
+    axes[3].plot(
+        sizes, [r.oracle_blocks / max(r.prompt_blocks, 1) for r in results], "o--", label="oracle"
+    )
+    axes[3].set(title="prefix hit rate", xscale="log", ylim=(0, 1))
+    axes[3].legend()
+    for axis in axes:
+        axis.set_xlabel("pods")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__)
+    parser.add_argument("--pods", type=int, nargs="+", default=None)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="small caches, few requests, 10 and 100 pods unless --pods",
+    )
+    parser.add_argument("--blocks-per-pod", type=int, default=None)
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--rate", type=float, default=None, help="requests per second")
+    parser.add_argument("--churn", type=float, default=None, help="blocks stored per second")
+    parser.add_argument("--step-ms", type=float, default=2.0, help="per generated token")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", default="build/scale.png")
+    return parser.parse_args(argv)
+
+
+def run_settings(args: argparse.Namespace) -> RunSettings:
+    quick = args.quick
+    return RunSettings(
+        blocks_per_pod=args.blocks_per_pod or (100 if quick else 1000),
+        num_requests=args.requests or (200 if quick else 2000),
+        request_rate=args.rate or (100.0 if quick else 200.0),
+        churn_blocks_per_s=args.churn or (400.0 if quick else 4000.0),
+        seed=args.seed,
+    )
+
+
+async def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    sizes = args.pods or ([10, 100] if args.quick else [10, 100, 1000])
+    run = run_settings(args)
+    pod_settings = SimPodSettings(
+        capacity_blocks=max(2 * run.blocks_per_pod, 64), step_s=args.step_ms / 1000
+    )
+    workload_settings = WorkloadSettings()
+    results = []
+    for num_pods in sizes:
+        results.append(await measure_size(num_pods, run, pod_settings, workload_settings))
+        report(results[-1])
+    for r in results:
+        print(
+            f"pods {r.num_pods}: routing p99 {r.percentile(0.99):.2f} ms, "
+            f"gateway {r.picks_per_s:.0f} req/s"
+        )
+    plot(results, args.plot)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

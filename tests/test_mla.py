@@ -190,6 +190,7 @@ def test_each_special_part_changes_the_reference(make_checkpoint, name, part):
         ({"norm_topk_prob": True}, "norm_topk_prob"),
         ({"topk_method": "noaux_tc"}, "topk_method"),
         ({"attention_bias": True}, "attention_bias"),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
     ],
 )
 def test_unsupported_settings_are_refused(make_checkpoint, tmp_path, setting, message):
@@ -206,3 +207,15 @@ def test_unsupported_settings_are_refused(make_checkpoint, tmp_path, setting, me
         json.dump(config | setting, f)
     with pytest.raises(ValueError, match=message):
         LLM(str(tmp_path), kv_cache_bytes=KV_BYTES)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"kv_cache_dtype": "int8"}, "does not support MLA latent pages"),
+        ({"tensor_parallel_size": 2}, "does not support tensor or pipeline parallel"),
+    ],
+)
+def test_engine_options_mla_lacks_are_refused(make_checkpoint, options, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(make_checkpoint("q_lora"), kv_cache_bytes=KV_BYTES, **options)

@@ -5,15 +5,19 @@ readers), and the real router over ~200 of them picks the pod holding a prompt's
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import pytest
 
 from benchmarks.scale.sim_pod import SimPod, SimPodSettings, close_pods, start_pods
 from splitserve.common.channels import aio_channel
+from splitserve.common.prefix_lookup import cached_prefixes as fast_cached_prefixes
 from splitserve.common.redis_server import RedisServer
 from splitserve.common.registry_schema import SENTINEL, RegistryKeys, connect, read_pods
+from splitserve.common.registry_schema import cached_prefixes as schema_cached_prefixes
 from splitserve.engine.kv.block_hash import hash_full_blocks
+from splitserve.engine.kv.tiers import Tier
 from splitserve.gateway.routing.pods import PodPool
 from splitserve.gateway.routing.router import Router, RouterSettings
 from splitserve.pod.registry_publisher import PublisherSettings
@@ -150,3 +154,42 @@ async def _all_published(pods: list[SimPod], redis_url: str, prefix: str) -> boo
     finally:
         await client.aclose()
     return all(size == len(pod.cache) + 1 for size, pod in zip(sizes, pods, strict=True))
+
+
+def test_the_fast_lookup_answers_as_the_lookup_script_does(redis_url):
+    """services/common/prefix_lookup.py against registry_schema's script, on pods whose
+    held hashes form a prefix of each chain (device only, and with host and disk tiers) and
+    with two block sizes among the queries."""
+
+    async def run() -> None:
+        client = connect(redis_url)
+        keys, rng = RegistryKeys("fastlookup"), random.Random(7)
+        chains = [hash_full_blocks(_prompt(s, 16 * 40), 16, "") for s in range(3)]
+        other = hash_full_blocks(_prompt(0, 32 * 20), 32, "")
+        unrelated = hash_full_blocks(_prompt(99, 16 * 20), 16, "")  # held, never asked for
+        queries = []
+        try:
+            for pod in range(60):
+                chain = chains[pod % 3] if pod % 5 else other
+                tier_keys = keys.tier_blocks(f"p{pod}", 1)
+                held = rng.choice([0, 1, 2, 7, 16, 39, len(chain)])
+                await client.sadd(tier_keys[0], SENTINEL, *rng.sample(unrelated, 5))
+                if pod % 4 == 0 and held:  # offload tiers: a device run, then host, then disk
+                    cut = sorted(rng.sample(range(held + 1), 2))
+                    for tier_key, part in zip(tier_keys, _split(chain[:held], cut), strict=True):
+                        if part:
+                            await client.sadd(tier_key, *part)
+                elif held:
+                    await client.sadd(tier_keys[0], *chain[:held])
+                queries.append((tier_keys, chain))
+            expected = await schema_cached_prefixes(client, queries)
+            assert await fast_cached_prefixes(client, queries) == expected
+            assert any(p.num_blocks_by_tier[Tier.DISK] for p in expected), "tiers exercised"
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
+
+
+def _split(chain: list, cut: list[int]) -> list[list]:
+    return [chain[: cut[0]], chain[cut[0] : cut[1]], chain[cut[1] :]]

@@ -28,13 +28,15 @@ import argparse
 import asyncio
 import math
 import random
+import statistics
 import time
 from dataclasses import dataclass, field
 
 from benchmarks.scale.sim_pod import SimPod, SimPodSettings, close_pods, start_pods
 from benchmarks.scale.workload import Workload, WorkloadSettings, oracle_cached_blocks
+from splitserve.common import prefix_lookup
 from splitserve.common.redis_server import RedisServer
-from splitserve.common.registry_schema import RegistryKeys, connect
+from splitserve.common.registry_schema import RegistryKeys, cached_prefixes, connect
 from splitserve.engine.kv.block_hash import hash_full_blocks
 from splitserve.gateway.routing.pods import PodPool
 from splitserve.gateway.routing.router import Router, RouterSettings
@@ -65,6 +67,8 @@ class SizeResult:
     oracle_blocks: int = 0
     prompt_blocks: int = 0
     picks_per_s: float = 0.0
+    # lookup name -> (ms per lookup p50, Redis commands per lookup, argument bytes per lookup)
+    lookups: dict[str, tuple[float, float, int]] = field(default_factory=dict)
 
     def percentile(self, q: float) -> float:
         ordered = sorted(self.routing_ms)
@@ -172,6 +176,43 @@ async def closed_loop_picks(router: Router, workload: Workload, seconds: float) 
     return count / seconds
 
 
+LOOKUPS = {
+    "LOOKUP_SCRIPT (registry_schema)": cached_prefixes,
+    "FAST_LOOKUP_SCRIPT (prefix_lookup)": prefix_lookup.cached_prefixes,
+}
+
+
+async def compare_lookups(
+    client, keys: RegistryKeys, pods: list[SimPod], workload: Workload, num_prompts: int = 40
+) -> dict[str, tuple[float, float, int]]:
+    """Each lookup over every pod for the same prompts, churn stopped; commands counted
+    include the pods' heartbeats meanwhile (a few per second)."""
+    prompts = [workload.next_prompt()[1] for _ in range(num_prompts)]
+    queries = [
+        [(keys.tier_blocks(p.pod_id, p.generation), workload.hashes(prompt[:-1])) for p in pods]
+        for prompt in prompts
+    ]
+    answers, figures = [], {}
+    for name, lookup in LOOKUPS.items():
+        before, times = await command_calls(client), []
+        for query in queries:
+            start = time.perf_counter()
+            answers.append(await lookup(client, query))
+            times.append((time.perf_counter() - start) * 1000)
+        calls = sum(ops_delta(before, await command_calls(client)).values())
+        arg_bytes = _argument_bytes(name, queries[0])
+        figures[name] = (statistics.median(times), calls / len(queries), arg_bytes)
+    assert answers[: len(queries)] == answers[len(queries) :], "both lookups agree"
+    return figures
+
+
+def _argument_bytes(name: str, query) -> int:
+    """Hash bytes a lookup sends: the prompt once per pod, or once plus a byte per pod."""
+    if name in LOOKUPS and LOOKUPS[name] is cached_prefixes:
+        return 16 * sum(len(hashes) for _, hashes in query)
+    return 16 * len(query[0][1]) + len(query)
+
+
 def ops_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {name: after.get(name, 0) - before.get(name, 0) for name in after}
 
@@ -229,6 +270,7 @@ async def _route_phase(client, keys, pods, workload, run, pod_settings, result: 
         result.ops_per_request = _per_request(busy, busy_s, idle, idle_s, run.num_requests)
         result.is_index_consistent = await wait_index_matches(client, keys, pods, 10)
         result.picks_per_s = await closed_loop_picks(router, workload, 1.0)
+        result.lookups = await compare_lookups(client, keys, pods, workload)
     finally:
         await router.close()
         await pool.close()
@@ -276,7 +318,10 @@ def report(result: SizeResult) -> None:
         f"  prefix hit rate: router {hit:.1%}, oracle {oracle:.1%} "
         f"({result.hit_blocks / max(result.oracle_blocks, 1):.1%} of the oracle's)"
     )
-    print(f"  router closed loop: {result.picks_per_s:.0f} picks/s", flush=True)
+    print(f"  router closed loop: {result.picks_per_s:.0f} picks/s")
+    for name, (ms, calls, arg_bytes) in result.lookups.items():
+        print(f"  {name}: p50 {ms:.2f} ms, {calls:.0f} commands, {arg_bytes} B of hashes")
+    print(end="", flush=True)
 
 
 def plot(results: list[SizeResult], path: str) -> None:
@@ -291,7 +336,14 @@ def plot(results: list[SizeResult], path: str) -> None:
     axes[0].plot(sizes, [r.percentile(0.99) for r in results], "o-", label="p99")
     axes[0].set(title="routing decision (ms)", xscale="log", yscale="log")
     axes[0].legend()
-    axes[1].plot(sizes, [r.ops_per_request.get("total", 0) for r in results], "o-")
+    axes[1].plot(
+        sizes, [r.ops_per_request.get("total", 0) for r in results], "o-", label="routed request"
+    )
+    for name in LOOKUPS:
+        axes[1].plot(
+            sizes, [r.lookups[name][1] for r in results], "o--", label=name.split()[0].lower()
+        )
+    axes[1].legend(fontsize=7)
     axes[1].set(title="Redis commands per request", xscale="log", yscale="log")
     axes[2].plot(sizes, [r.bytes_per_block for r in results], "o-", label="per block")
     axes[2].set(title="Redis bytes per indexed block", xscale="log")

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.core import EngineCore, EngineStats
+from splitserve.engine.core import EngineCore, EngineStats, LoRAInfo
 from splitserve.engine.kv.block_hash import BlockHash
 from splitserve.engine.kv.disaggregation import (
     ExportedPrefill,
@@ -86,7 +86,19 @@ class _SnapshotCache:
     hashes: concurrent.futures.Future
 
 
-_Command = _Submit | _Reserve | _CompleteRemote | _FallBack | _Abort | _SnapshotCache
+@dataclass
+class _ChangeLoRA:
+    """Registers (`add`) or forgets (`remove`, by name) an adapter between two steps; the
+    outcome (None / whether it was registered, or the ValueError) goes to `done`."""
+
+    done: concurrent.futures.Future
+    add: LoRARequest | None = None
+    remove: str | None = None
+
+
+_Command = (
+    _Submit | _Reserve | _CompleteRemote | _FallBack | _Abort | _SnapshotCache | _ChangeLoRA
+)
 
 
 @dataclass
@@ -167,6 +179,7 @@ class AsyncLLM:
         self._sinks: dict[str, _Sink] = {}  # sequence id -> sink; engine thread only
         self._ids = itertools.count()
         self._stats = self.engine.stats()
+        self._lora_info = self.engine.lora_info()
         # Prefix-cache events for a publisher (the Redis index); kept only once one asked
         # for them, so a pod without an index does not hoard them.
         self._kv_events: list[KVCacheEvent] = []
@@ -340,6 +353,25 @@ class AsyncLLM:
         """A snapshot taken by the engine thread after its latest step."""
         return self._stats
 
+    def lora_info(self) -> LoRAInfo:
+        """The adapters' state as the engine thread saw it after its latest step."""
+        return self._lora_info
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Registers the adapter and reads it (EngineCore.add_lora) between two steps;
+        ValueError when it cannot run here."""
+        await self._change_lora(_ChangeLoRA(concurrent.futures.Future(), add=lora_request))
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        """EngineCore.remove_lora between two steps: False if it was not registered,
+        ValueError while a request still runs with it."""
+        return await self._change_lora(_ChangeLoRA(concurrent.futures.Future(), remove=lora_name))
+
+    async def _change_lora(self, command: _ChangeLoRA):
+        self._check_running()
+        self._commands.put(command)
+        return await asyncio.wrap_future(command.done)
+
     def take_kv_events(self) -> list[KVCacheEvent]:
         """The prefix-cache events since the last call (or snapshot), oldest first. The first
         call starts the keeping; until then events are dropped. Any thread."""
@@ -382,6 +414,8 @@ class AsyncLLM:
             if self.engine.has_schedulable_requests():
                 self._step()
             self._stats = self.engine.stats()
+            if self.engine.lora is not None:
+                self._lora_info = self.engine.lora_info()
             self._keep_kv_events(self.engine.take_kv_events())
 
     def _keep_kv_events(self, events: list[KVCacheEvent]) -> None:
@@ -425,6 +459,8 @@ class AsyncLLM:
                 _settle(command.reserved, error=error)
             elif isinstance(command, _SnapshotCache):
                 _settle(command.hashes, error=error)
+            elif isinstance(command, _ChangeLoRA):
+                _settle(command.done, error=error)
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -454,8 +490,24 @@ class AsyncLLM:
             self._route(self.engine.complete_remote_prefill(command.request_id, command.result))
         elif isinstance(command, _FallBack):
             self.engine.fall_back_to_local_prefill(command.request_id)
+        elif isinstance(command, _ChangeLoRA):
+            self._change_lora_now(command)
         else:
             self._submit(command)
+
+    def _change_lora_now(self, command: _ChangeLoRA) -> None:
+        try:
+            result: bool | None = None
+            if command.add is not None:
+                self.engine.add_lora(command.add)
+            else:
+                assert command.remove is not None, "a change adds or removes"
+                result = self.engine.remove_lora(command.remove)
+        except (ValueError, OSError) as error:  # a bad adapter, or one still in use
+            _settle(command.done, error=error)
+        else:
+            _settle(command.done, result=result)
+        self._lora_info = self.engine.lora_info()
 
     def _snapshot_cache(self, command: _SnapshotCache) -> None:
         self.engine.take_kv_events()

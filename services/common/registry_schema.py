@@ -134,6 +134,10 @@ class PodRecord:
     prefill_s_per_token: float = 0.0
     host_load_s_per_block: float = 0.0
     disk_load_s_per_block: float = 0.0
+    # LoRA adapters the pod holds and those in its active slots now, comma-separated (the
+    # gateway routes an adapter's requests to pods where it is resident: routing/scoring.py).
+    lora_adapters: str = ""
+    resident_lora_adapters: str = ""
 
     def to_fields(self) -> dict[str, str]:
         """The HASH fields: this record's scalars and its load's, flat."""

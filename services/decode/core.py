@@ -23,6 +23,7 @@ from splitserve.decode.remote_prefill import (
 )
 from splitserve.engine.async_llm import AsyncLLM
 from splitserve.engine.kv.transfer import KVTransport
+from splitserve.engine.lora.request import LoRARequest
 from splitserve.engine.outputs import CompletionOutput, StreamDelta
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.pod.core import EnginePodCore
@@ -102,9 +103,11 @@ class DecodePodCore(EnginePodCore):
         prefill_address: str = "",
         trace_parent: Context | None = None,
         resumed_output: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[DecodeOutput]:
         """Streams the request's deltas; the last one has `finished` set and a `final`.
         `resumed_output`: a migrated sequence's tokens so far (see AsyncLLM.generate).
+        `lora_request`: the adapter it runs with, here and on the prefill pod (None: base).
 
         Raises ValueError before the first output for a request this pod can never serve.
         Closing the iterator early (the caller went away, or was cancelled) aborts the request
@@ -130,7 +133,7 @@ class DecodePodCore(EnginePodCore):
         error: BaseException | None = None
         try:
             deltas = prefill.deltas(
-                request_id, prompt_token_ids, params, priority, resumed_output
+                request_id, prompt_token_ids, params, priority, resumed_output, lora_request
             )
             async for delta in deltas:
                 progress.see(delta, span)

@@ -43,6 +43,7 @@ from splitserve.engine.kv.disaggregation import (
     receive_pages,
 )
 from splitserve.engine.kv.transfer import KVReceiver, KVTransferError
+from splitserve.engine.lora.request import LoRARequest
 from splitserve.engine.outputs import StreamDelta
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.pod.metrics import PodMetrics
@@ -200,6 +201,7 @@ class PrefillClient:
             first_logprobs,
             pages,
             prefill_cached_tokens_by_tier=dict(response.cached_tokens_by_tier),
+            lora_name=response.lora_name or None,
         )
         return result, response
 
@@ -221,6 +223,7 @@ class PrefillClient:
             prompt_token_ids=prompt_token_ids,
             sampling=options_from_params(params),
             destination=destination,
+            lora_name=plan.lora_name or "",  # the adapter the pages must be computed with
         )
 
     def _stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
@@ -268,6 +271,7 @@ class PromptPrefill:
         params: SamplingParams,
         priority: int,
         resumed_output: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """The request's deltas, however its prompt gets prefilled. Raises ValueError before
         the first for a request this pod can never serve; closing early aborts it.
@@ -279,11 +283,11 @@ class PromptPrefill:
             # The prompt's length bounds its uncached part: short ones are local at no cost.
             self.mode = PrefillMode.LOCAL
             deltas = self._llm.generate(
-                prompt_token_ids, params, request_id, priority, resumed_output
+                prompt_token_ids, params, request_id, priority, resumed_output, lora_request
             )
         else:
             reservation = await self._llm.reserve_remote_prefill(
-                prompt_token_ids, params, request_id, priority
+                prompt_token_ids, params, request_id, priority, lora_request
             )
             self.reserved_time = time.monotonic()
             try:

@@ -24,6 +24,7 @@ class DecodeWorkerServicer(
             request.prefill_address,
             trace_parent=tracing.context_from_grpc(context),
             resumed_output=list(request.resumed_output_token_ids),
+            lora_request=core.lora_request(request.lora_name),
         )
         # grpc cancels this handler when the caller goes away; the cancellation unwinds
         # through `outputs`, whose cleanup aborts the request in the engine.

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar
 
 import grpc
 
+from splitserve.common.grpc_server import StatusError
+from splitserve.engine.lora.request import LoRARequest
 from splitserve.engine.telemetry import record_engine_steps
 from splitserve.pod.metrics import PodMetrics
 from splitserve.pod.server import (
@@ -46,11 +48,17 @@ class EnginePodCore:
     ) -> None:
         self.llm = llm
         self.identity = identity
-        self.metrics = metrics or PodMetrics(self.role, identity.model_name, llm.stats)
+        lora_info = llm.lora_info if llm.engine.lora is not None else None
+        self.metrics = metrics or PodMetrics(self.role, identity.model_name, llm.stats, lora_info)
         self._steps = record_engine_steps(llm.engine)  # queue time and chunks, per request
         # request id -> what besides the engine an abort must stop (None: nothing), while the
         # request is in flight here
         self._in_flight: dict[str, Abortable | None] = {}
+        # name -> the adapter requests may name (--lora-modules, then runtime loads); read
+        # once here, before the engine thread runs requests, then kept by load/unload_lora.
+        self.loras: dict[str, LoRARequest] = {
+            lora.lora_name: lora for lora in llm.engine.list_loras()
+        }
 
     def _check_new_request_id(self, request_id: str) -> None:
         if not request_id:
@@ -72,7 +80,54 @@ class EnginePodCore:
         return True
 
     def stats(self) -> PodStats:
-        return pod_stats(self.llm, self.identity)
+        return pod_stats(self.llm, self.identity, tuple(self.loras))
+
+    # ---- LoRA adapters ----------------------------------------------------------------------
+
+    def lora_request(self, lora_name: str) -> LoRARequest | None:
+        """The adapter a request names ("" = the base model: None); NOT_FOUND for one this pod
+        does not hold."""
+        if not lora_name:
+            return None
+        lora = self.loras.get(lora_name)
+        if lora is None:
+            raise StatusError(
+                grpc.StatusCode.NOT_FOUND, f"LoRA adapter {lora_name!r} is not loaded on this pod"
+            )
+        return lora
+
+    async def load_lora(self, lora_name: str, lora_path: str) -> bool:
+        """Registers and reads a new adapter under the next free id; False when it is loaded
+        from that path already. ValueError for a bad adapter, a name taken by another path,
+        or a pod without LoRA."""
+        known = self.loras.get(lora_name)
+        if known is not None:
+            if known.lora_path != lora_path:
+                raise ValueError(
+                    f"lora_name {lora_name!r} is already loaded from {known.lora_path!r}; "
+                    "unload it first"
+                )
+            return False
+        next_id = max((lora.lora_int_id for lora in self.loras.values()), default=0) + 1
+        lora = LoRARequest(lora_name, next_id, lora_path)
+        await self.llm.add_lora(lora)
+        self.loras[lora_name] = lora
+        return True
+
+    async def unload_lora(self, lora_name: str) -> bool:
+        """Forgets the adapter; NOT_FOUND for one not loaded, ValueError while requests run
+        with it."""
+        lora = self.loras.pop(lora_name, None)  # new requests cannot name it from now on
+        if lora is None:
+            raise StatusError(
+                grpc.StatusCode.NOT_FOUND, f"LoRA adapter {lora_name!r} is not loaded on this pod"
+            )
+        try:
+            await self.llm.remove_lora(lora_name)
+        except ValueError:
+            self.loras[lora_name] = lora
+            raise
+        return True
 
     def token_text(self, token_id: int) -> str:
         return token_text(self.llm, token_id)
@@ -104,6 +159,19 @@ class PodServicerBase(Generic[CoreT]):
     async def GetStats(self, request: worker_pb2.StatsRequest, context) -> worker_pb2.WorkerStats:
         core = await self._ready(context)
         return pod_stats_to_proto(core.stats())
+
+    async def LoadLoRAAdapter(
+        self, request: worker_pb2.LoadLoRAAdapterRequest, context
+    ) -> worker_pb2.LoRAAdapterResponse:
+        core = await self._ready(context)
+        changed = await core.load_lora(request.lora_name, request.lora_path)
+        return worker_pb2.LoRAAdapterResponse(changed=changed)
+
+    async def UnloadLoRAAdapter(
+        self, request: worker_pb2.UnloadLoRAAdapterRequest, context
+    ) -> worker_pb2.LoRAAdapterResponse:
+        core = await self._ready(context)
+        return worker_pb2.LoRAAdapterResponse(changed=await core.unload_lora(request.lora_name))
 
     async def _ready(self, context) -> CoreT:
         core = self.core

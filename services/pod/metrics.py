@@ -12,7 +12,11 @@ Names follow vLLM's under our prefix, so a vLLM dashboard maps by replacing `vll
 `kv_transfer_bytes_total` and `kv_transfer_time_seconds` (by transport and direction), and
 `remote_prefill_requests_total` (decode pods, by how the prompt was prefilled), for
 mixture-of-experts models `moe_expert_tokens_total` (token-expert assignments by `expert`,
-summed over layers: the load imbalance expert parallelism suffers from shows here), and
+summed over layers: the load imbalance expert parallelism suffers from shows here), for pods
+serving LoRA adapters vLLM's `lora_requests_info` (value: when it was read; labels
+`running_lora_adapters`, `waiting_lora_adapters` (comma-separated) and `max_lora`) with
+`lora_slot_loads_total` and `lora_slot_evictions_total` (adapters copied into, and pushed out
+of, the active slots), and
 `environment_info` (what `splitserve env` reports, as labels: versions, CPU paths).
 
 Every series carries `model_name` (as vLLM's do) and `role` (prefill / decode). Latencies are
@@ -26,6 +30,7 @@ heartbeat, for readers of the registry that do not scrape every pod.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -40,7 +45,7 @@ from prometheus_client.core import (
 )
 
 if TYPE_CHECKING:
-    from splitserve.engine.core import EngineStats
+    from splitserve.engine.core import EngineStats, LoRAInfo
     from splitserve.engine.kv.offload.stats import KVTierStats
     from splitserve.engine.outputs import CompletionOutput
     from splitserve.engine.telemetry import RequestSteps
@@ -89,7 +94,14 @@ class PodMetrics:
     """One pod's metrics in their own registry (several pods in one test process never
     collide). Engine gauges and counters are read from `engine_stats()` at scrape time."""
 
-    def __init__(self, role: str, model_name: str, engine_stats: Callable[[], EngineStats]) -> None:
+    def __init__(
+        self,
+        role: str,
+        model_name: str,
+        engine_stats: Callable[[], EngineStats],
+        lora_info: Callable[[], LoRAInfo] | None = None,
+    ) -> None:
+        """`lora_info`: the engine's adapters (AsyncLLM.lora_info); None: LoRA is off."""
         self.registry = CollectorRegistry()
         self.labels = (model_name, role)
         self._histograms = _Histograms(self.registry)
@@ -127,6 +139,8 @@ class PodMetrics:
         )
         self.registry.register(_EngineCollector(engine_stats, self.labels))
         self.registry.register(_EnvironmentCollector(self.labels))
+        if lora_info is not None:
+            self.registry.register(_LoRACollector(lora_info, self.labels))
         self.recent_ttft = RecentAverage()  # seconds, per request
         self.recent_itl = RecentAverage()  # seconds, each request's mean inter-token latency
 
@@ -314,6 +328,37 @@ class _EngineCollector:
         family = kind(PREFIX + name, text, labels=LABELS)
         family.add_metric(self._labels, value)
         return family
+
+
+class _LoRACollector:
+    """vLLM's lora_requests_info gauge and the slots' counters, read when scraped."""
+
+    def __init__(self, lora_info: Callable[[], LoRAInfo], labels: tuple[str, str]) -> None:
+        self._lora_info = lora_info
+        self._labels = list(labels)
+
+    def collect(self) -> Iterator[Metric]:
+        info = self._lora_info()
+        requests = GaugeMetricFamily(
+            PREFIX + "lora_requests_info",
+            "Adapters of the running and waiting requests, and the active slots (as labels); "
+            "the value is when they were read (Unix seconds).",
+            labels=[*LABELS, "running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        adapters = [",".join(info.running_adapters), ",".join(info.waiting_adapters)]
+        requests.add_metric([*self._labels, *adapters, str(info.max_loras)], time.time())
+        yield requests
+        counters = {
+            "lora_slot_loads": ("Adapters copied into an active slot.", info.num_slot_loads),
+            "lora_slot_evictions": (
+                "Adapters pushed out of an active slot for another.",
+                info.num_slot_evictions,
+            ),
+        }
+        for name, (text, value) in counters.items():
+            family = CounterMetricFamily(PREFIX + name, text, labels=LABELS)
+            family.add_metric(self._labels, value)
+            yield family
 
 
 # ---- serving ----------------------------------------------------------------------------------

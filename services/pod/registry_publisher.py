@@ -322,6 +322,8 @@ async def start_registry(
             prefill_s_per_token=tiers.prefill_s_per_token,
             host_load_s_per_block=tiers.load_s_per_block.get(Tier.HOST.label, 0.0),
             disk_load_s_per_block=tiers.load_s_per_block.get(Tier.DISK.label, 0.0),
+            lora_adapters=",".join(stats.lora_adapters),
+            resident_lora_adapters=",".join(stats.lora.resident_adapters if stats.lora else ()),
         )
 
     publisher = RegistryPublisher(connect(args.redis_url), core.llm, record)

@@ -35,7 +35,7 @@ from splitserve.v1 import worker_pb2
 
 if TYPE_CHECKING:
     from splitserve.engine.async_llm import AsyncLLM
-    from splitserve.engine.core import EngineStats
+    from splitserve.engine.core import EngineStats, LoRAInfo
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,8 @@ class PodStats:
     vocab_size: int
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    lora_adapters: tuple[str, ...] = ()  # the adapters requests may name here
+    lora: LoRAInfo | None = None  # which are in slots now, and how many slots (None: no LoRA)
 
     @property
     def load(self) -> PodLoad:
@@ -73,7 +75,9 @@ class PodStats:
         return PodLoad.from_engine(self.engine)
 
 
-def pod_stats(llm: AsyncLLM, identity: PodIdentity) -> PodStats:
+def pod_stats(
+    llm: AsyncLLM, identity: PodIdentity, lora_adapters: tuple[str, ...] = ()
+) -> PodStats:
     return PodStats(
         identity=identity,
         engine=llm.stats(),
@@ -82,6 +86,8 @@ def pod_stats(llm: AsyncLLM, identity: PodIdentity) -> PodStats:
         vocab_size=llm.engine.architecture.vocab_size,
         tensor_parallel_size=llm.config.parallel.tensor_parallel_size,
         pipeline_parallel_size=llm.config.parallel.pipeline_parallel_size,
+        lora_adapters=lora_adapters,
+        lora=llm.lora_info() if llm.engine.lora is not None else None,
     )
 
 
@@ -107,6 +113,9 @@ def pod_stats_to_proto(stats: PodStats) -> worker_pb2.WorkerStats:
         spec_verify_steps=engine.num_spec_verify_steps,
         tensor_parallel_size=stats.tensor_parallel_size,
         pipeline_parallel_size=stats.pipeline_parallel_size,
+        lora_adapters=stats.lora_adapters,
+        resident_lora_adapters=stats.lora.resident_adapters if stats.lora else (),
+        max_loras=stats.lora.max_loras if stats.lora else 0,
     )
 
 

@@ -30,6 +30,7 @@ from splitserve.engine.kv.transfer import (
     KVTransport,
 )
 from splitserve.engine.kv.transfer.base import parse_address
+from splitserve.engine.lora.request import LoRARequest
 from splitserve.engine.outputs import CompletionOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.pod.core import EnginePodCore
@@ -77,6 +78,7 @@ class PrefillOutcome:
     transfer: KVTransferDescriptor
     transfer_seconds: float
     cached_tokens_by_tier: dict[str, int]  # num_cached_tokens by the tier that served them
+    lora_name: str | None = None  # the adapter the pages were computed with; None: the base
 
 
 def first_token_params(params: SamplingParams) -> SamplingParams:
@@ -114,13 +116,15 @@ class PrefillPodCore(EnginePodCore):
         params: SamplingParams,
         destination: KVDestination,
         trace_parent: Context | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> PrefillOutcome:
         """Computes the prompt, sends the destination blocks' pages and returns the first
         token once the decode pod has acknowledged them.
 
         Raises ValueError for a request or destination that cannot work, StatusError when the
         request was aborted or the transfer failed. Cancelling it aborts the request here.
-        `trace_parent`: the caller's trace context (the decode pod's span)."""
+        `trace_parent`: the caller's trace context (the decode pod's span). `lora_request`:
+        the adapter to compute the prompt with (None: the base model)."""
         received_time = time.monotonic()
         self._check_new_request_id(request_id)
         self._check_destination(destination)
@@ -136,7 +140,9 @@ class PrefillPodCore(EnginePodCore):
         exported: ExportedPrefill | None = None
         with tracing.span_scope(span):
             try:
-                exported = await self._compute(request_id, prompt_token_ids, params, destination)
+                exported = await self._compute(
+                    request_id, prompt_token_ids, params, destination, lora_request
+                )
                 self._in_flight.pop(request_id, None)
                 return await self._send_pages(request_id, exported, destination, span)
             finally:
@@ -159,6 +165,7 @@ class PrefillPodCore(EnginePodCore):
             descriptor,
             seconds,
             exported.output.cached_tokens_by_tier,
+            exported.lora_name,
         )
 
     def _check_destination(self, destination: KVDestination) -> None:
@@ -186,12 +193,14 @@ class PrefillPodCore(EnginePodCore):
         prompt_token_ids: list[int],
         params: SamplingParams,
         destination: KVDestination,
+        lora_request: LoRARequest | None = None,
     ) -> ExportedPrefill:
         exported = await self.llm.prefill_and_export(
             prompt_token_ids,
             first_token_params(params),
             request_id,
             destination.first_block_index,
+            lora_request,
         )
         if exported is None:
             raise StatusError(grpc.StatusCode.ABORTED, f"request {request_id} was aborted")

@@ -28,8 +28,10 @@ class PrefillWorkerServicer(
             params,
             destination_from_proto(request.destination),
             trace_parent=tracing.context_from_grpc(context),
+            lora_request=core.lora_request(request.lora_name),
         )
         response = worker_pb2.PrefillResponse(
+            lora_name=outcome.lora_name or "",
             first_token_id=outcome.first_token_id,
             num_cached_tokens=outcome.num_cached_tokens,
             cached_tokens_by_tier=outcome.cached_tokens_by_tier,

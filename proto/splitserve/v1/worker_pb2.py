@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitserve.v1 import generate_pb2 as splitserve_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/worker.proto\x12\rsplitserve.v1\x1a\x1csplitserve/v1/generate.proto\"\xbc\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.splitserve.v1.SamplingOptions\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12 \n\x18resumed_output_token_ids\x18\x06 \x03(\x05\"\xc7\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\x14\n\x0cprefill_mode\x18\x07 \x01(\t\"a\n\rKVDestination\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x19\n\x11\x66irst_block_index\x18\x04 \x01(\x05\"\xa3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.splitserve.v1.SamplingOptions\x12\x31\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x1c.splitserve.v1.KVDestination\"\xc1\x01\n\x14KVTransferDescriptor\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x11\n\tnum_bytes\x18\x08 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\t \x01(\r\"\xdb\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x32\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x35\n\x08transfer\x18\x04 \x01(\x0b\x32#.splitserve.v1.KVTransferDescriptor\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12U\n\x15\x63\x61\x63hed_tokens_by_tier\x18\x06 \x03(\x0b\x32\x36.splitserve.v1.PrefillResponse.CachedTokensByTierEntry\x1a\x39\n\x17\x43\x61\x63hedTokensByTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x93\x04\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x03\x12#\n\x1bprefix_cache_queried_tokens\x18\x08 \x01(\x03\x12\x1f\n\x17prefix_cache_hit_tokens\x18\t \x01(\x03\x12\x12\n\nkv_address\x18\n \x01(\t\x12\r\n\x05model\x18\x0b \x01(\t\x12\x15\n\rmax_model_len\x18\x0c \x01(\x05\x12\x12\n\nblock_size\x18\r \x01(\x05\x12\x12\n\nvocab_size\x18\x0e \x01(\x05\x12\x14\n\x0ckv_transport\x18\x0f \x01(\t\x12\x1c\n\x14spec_proposed_tokens\x18\x10 \x01(\x03\x12\x1c\n\x14spec_accepted_tokens\x18\x11 \x01(\x03\x12\x19\n\x11spec_verify_steps\x18\x12 \x01(\x03\x12\x0e\n\x06region\x18\x13 \x01(\t\x12\x0c\n\x04zone\x18\x14 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x15 \x01(\x05\x12\x1e\n\x16pipeline_parallel_size\x18\x16 \x01(\x05\x32\xe0\x01\n\x0c\x44\x65\x63odeWorker\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12\x43\n\x08GetStats\x12\x1b.splitserve.v1.StatsRequest\x1a\x1a.splitserve.v1.WorkerStats2\xe2\x01\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12\x43\n\x08GetStats\x12\x1b.splitserve.v1.StatsRequest\x1a\x1a.splitserve.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/worker.proto\x12\rsplitserve.v1\x1a\x1csplitserve/v1/generate.proto\"\xcf\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.splitserve.v1.SamplingOptions\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12 \n\x18resumed_output_token_ids\x18\x06 \x03(\x05\x12\x11\n\tlora_name\x18\x07 \x01(\t\"\xc7\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\x14\n\x0cprefill_mode\x18\x07 \x01(\t\"a\n\rKVDestination\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x19\n\x11\x66irst_block_index\x18\x04 \x01(\x05\"\xb6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.splitserve.v1.SamplingOptions\x12\x31\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x1c.splitserve.v1.KVDestination\x12\x11\n\tlora_name\x18\x05 \x01(\t\"\xc1\x01\n\x14KVTransferDescriptor\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x11\n\tnum_bytes\x18\x08 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\t \x01(\r\"\xee\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x32\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x35\n\x08transfer\x18\x04 \x01(\x0b\x32#.splitserve.v1.KVTransferDescriptor\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12U\n\x15\x63\x61\x63hed_tokens_by_tier\x18\x06 \x03(\x0b\x32\x36.splitserve.v1.PrefillResponse.CachedTokensByTierEntry\x12\x11\n\tlora_name\x18\x07 \x01(\t\x1a\x39\n\x17\x43\x61\x63hedTokensByTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xdd\x04\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x03\x12#\n\x1bprefix_cache_queried_tokens\x18\x08 \x01(\x03\x12\x1f\n\x17prefix_cache_hit_tokens\x18\t \x01(\x03\x12\x12\n\nkv_address\x18\n \x01(\t\x12\r\n\x05model\x18\x0b \x01(\t\x12\x15\n\rmax_model_len\x18\x0c \x01(\x05\x12\x12\n\nblock_size\x18\r \x01(\x05\x12\x12\n\nvocab_size\x18\x0e \x01(\x05\x12\x14\n\x0ckv_transport\x18\x0f \x01(\t\x12\x1c\n\x14spec_proposed_tokens\x18\x10 \x01(\x03\x12\x1c\n\x14spec_accepted_tokens\x18\x11 \x01(\x03\x12\x19\n\x11spec_verify_steps\x18\x12 \x01(\x03\x12\x0e\n\x06region\x18\x13 \x01(\t\x12\x0c\n\x04zone\x18\x14 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x15 \x01(\x05\x12\x1e\n\x16pipeline_parallel_size\x18\x16 \x01(\x05\x12\x15\n\rlora_adapters\x18\x17 \x03(\t\x12\x1e\n\x16resident_lora_adapters\x18\x18 \x03(\t\x12\x11\n\tmax_loras\x18\x19 \x01(\x05\">\n\x16LoadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"&\n\x13LoRAAdapterResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\x08\x32\xa0\x03\n\x0c\x44\x65\x63odeWorker\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12\x43\n\x08GetStats\x12\x1b.splitserve.v1.StatsRequest\x1a\x1a.splitserve.v1.WorkerStats\x12\\\n\x0fLoadLoRAAdapter\x12%.splitserve.v1.LoadLoRAAdapterRequest\x1a\".splitserve.v1.LoRAAdapterResponse\x12`\n\x11UnloadLoRAAdapter\x12\'.splitserve.v1.UnloadLoRAAdapterRequest\x1a\".splitserve.v1.LoRAAdapterResponse2\xa2\x03\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12\x43\n\x08GetStats\x12\x1b.splitserve.v1.StatsRequest\x1a\x1a.splitserve.v1.WorkerStats\x12\\\n\x0fLoadLoRAAdapter\x12%.splitserve.v1.LoadLoRAAdapterRequest\x1a\".splitserve.v1.LoRAAdapterResponse\x12`\n\x11UnloadLoRAAdapter\x12\'.splitserve.v1.UnloadLoRAAdapterRequest\x1a\".splitserve.v1.LoRAAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,29 +35,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLRESPONSE_CACHEDTOKENSBYTIERENTRY']._loaded_options = None
   _globals['_PREFILLRESPONSE_CACHEDTOKENSBYTIERENTRY']._serialized_options = b'8\001'
   _globals['_DECODEREQUEST']._serialized_start=76
-  _globals['_DECODEREQUEST']._serialized_end=264
-  _globals['_DECODERESPONSE']._serialized_start=267
-  _globals['_DECODERESPONSE']._serialized_end=466
-  _globals['_KVDESTINATION']._serialized_start=468
-  _globals['_KVDESTINATION']._serialized_end=565
-  _globals['_PREFILLREQUEST']._serialized_start=568
-  _globals['_PREFILLREQUEST']._serialized_end=731
-  _globals['_KVTRANSFERDESCRIPTOR']._serialized_start=734
-  _globals['_KVTRANSFERDESCRIPTOR']._serialized_end=927
-  _globals['_PREFILLRESPONSE']._serialized_start=930
-  _globals['_PREFILLRESPONSE']._serialized_end=1277
-  _globals['_PREFILLRESPONSE_CACHEDTOKENSBYTIERENTRY']._serialized_start=1220
-  _globals['_PREFILLRESPONSE_CACHEDTOKENSBYTIERENTRY']._serialized_end=1277
-  _globals['_ABORTREQUEST']._serialized_start=1279
-  _globals['_ABORTREQUEST']._serialized_end=1313
-  _globals['_ABORTRESPONSE']._serialized_start=1315
-  _globals['_ABORTRESPONSE']._serialized_end=1345
-  _globals['_STATSREQUEST']._serialized_start=1347
-  _globals['_STATSREQUEST']._serialized_end=1361
-  _globals['_WORKERSTATS']._serialized_start=1364
-  _globals['_WORKERSTATS']._serialized_end=1895
-  _globals['_DECODEWORKER']._serialized_start=1898
-  _globals['_DECODEWORKER']._serialized_end=2122
-  _globals['_PREFILLWORKER']._serialized_start=2125
-  _globals['_PREFILLWORKER']._serialized_end=2351
+  _globals['_DECODEREQUEST']._serialized_end=283
+  _globals['_DECODERESPONSE']._serialized_start=286
+  _globals['_DECODERESPONSE']._serialized_end=485
+  _globals['_KVDESTINATION']._serialized_start=487
+  _globals['_KVDESTINATION']._serialized_end=584
+  _globals['_PREFILLREQUEST']._serialized_start=587
+  _globals['_PREFILLREQUEST']._serialized_end=769
+  _globals['_KVTRANSFERDESCRIPTOR']._serialized_start=772
+  _globals['_KVTRANSFERDESCRIPTOR']._serialized_end=965
+  _globals['_PREFILLRESPONSE']._serialized_start=968
+  _globals['_PREFILLRESPONSE']._serialized_end=1334
+  _globals['_PREFILLRESPONSE_CACHEDTOKENSBYTIERENTRY']._serialized_start=1277
+  _globals['_PREFILLRESPONSE_CACHEDTOKENSBYTIERENTRY']._serialized_end=1334
+  _globals['_ABORTREQUEST']._serialized_start=1336
+  _globals['_ABORTREQUEST']._serialized_end=1370
+  _globals['_ABORTRESPONSE']._serialized_start=1372
+  _globals['_ABORTRESPONSE']._serialized_end=1402
+  _globals['_STATSREQUEST']._serialized_start=1404
+  _globals['_STATSREQUEST']._serialized_end=1418
+  _globals['_WORKERSTATS']._serialized_start=1421
+  _globals['_WORKERSTATS']._serialized_end=2026
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=2028
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=2090
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=2092
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2137
+  _globals['_LORAADAPTERRESPONSE']._serialized_start=2139
+  _globals['_LORAADAPTERRESPONSE']._serialized_end=2177
+  _globals['_DECODEWORKER']._serialized_start=2180
+  _globals['_DECODEWORKER']._serialized_end=2596
+  _globals['_PREFILLWORKER']._serialized_start=2599
+  _globals['_PREFILLWORKER']._serialized_end=3017
 # @@protoc_insertion_point(module_scope)

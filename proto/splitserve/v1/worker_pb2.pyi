@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "prefill_address", "resumed_output_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "prefill_address", "resumed_output_token_ids", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingOptions
     priority: int
     prefill_address: str
     resumed_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingOptions, _Mapping]] = ..., priority: _Optional[int] = ..., prefill_address: _Optional[str] = ..., resumed_output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingOptions, _Mapping]] = ..., priority: _Optional[int] = ..., prefill_address: _Optional[str] = ..., resumed_output_token_ids: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "stop_reason", "usage", "prefill_mode")
@@ -54,16 +56,18 @@ class KVDestination(_message.Message):
     def __init__(self, transport: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., first_block_index: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingOptions
     destination: KVDestination
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingOptions, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingOptions, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class KVTransferDescriptor(_message.Message):
     __slots__ = ("request_id", "block_ids", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "num_bytes", "checksum")
@@ -88,7 +92,7 @@ class KVTransferDescriptor(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., num_bytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "num_cached_tokens", "transfer", "transfer_seconds", "cached_tokens_by_tier")
+    __slots__ = ("first_token_id", "first_logprob", "num_cached_tokens", "transfer", "transfer_seconds", "cached_tokens_by_tier", "lora_name")
     class CachedTokensByTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -102,13 +106,15 @@ class PrefillResponse(_message.Message):
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_BY_TIER_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: _generate_pb2.TokenLogprob
     num_cached_tokens: int
     transfer: KVTransferDescriptor
     transfer_seconds: float
     cached_tokens_by_tier: _containers.ScalarMap[str, int]
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., transfer: _Optional[_Union[KVTransferDescriptor, _Mapping]] = ..., transfer_seconds: _Optional[float] = ..., cached_tokens_by_tier: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., transfer: _Optional[_Union[KVTransferDescriptor, _Mapping]] = ..., transfer_seconds: _Optional[float] = ..., cached_tokens_by_tier: _Optional[_Mapping[str, int]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -127,7 +133,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "num_preemptions", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "kv_address", "model", "max_model_len", "block_size", "vocab_size", "kv_transport", "spec_proposed_tokens", "spec_accepted_tokens", "spec_verify_steps", "region", "zone", "tensor_parallel_size", "pipeline_parallel_size")
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "num_preemptions", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "kv_address", "model", "max_model_len", "block_size", "vocab_size", "kv_transport", "spec_proposed_tokens", "spec_accepted_tokens", "spec_verify_steps", "region", "zone", "tensor_parallel_size", "pipeline_parallel_size", "lora_adapters", "resident_lora_adapters", "max_loras")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +156,9 @@ class WorkerStats(_message.Message):
     ZONE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_running: int
@@ -172,4 +181,27 @@ class WorkerStats(_message.Message):
     zone: str
     tensor_parallel_size: int
     pipeline_parallel_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., kv_address: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_transport: _Optional[str] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_verify_steps: _Optional[int] = ..., region: _Optional[str] = ..., zone: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    resident_lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    max_loras: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., kv_address: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_transport: _Optional[str] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_verify_steps: _Optional[int] = ..., region: _Optional[str] = ..., zone: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., resident_lora_adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ...) -> None: ...
+
+class LoadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoRAAdapterResponse(_message.Message):
+    __slots__ = ("changed",)
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    changed: bool
+    def __init__(self, changed: _Optional[bool] = ...) -> None: ...

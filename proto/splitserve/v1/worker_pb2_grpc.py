@@ -49,6 +49,16 @@ class DecodeWorkerStub:
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/splitserve.v1.DecodeWorker/LoadLoRAAdapter',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/splitserve.v1.DecodeWorker/UnloadLoRAAdapter',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -73,6 +83,19 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Runtime adapters (the gateway's /v1/load_lora_adapter and /v1/unload_lora_adapter).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +113,16 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.LoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.LoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -183,6 +216,60 @@ class DecodeWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.DecodeWorker/LoadLoRAAdapter',
+            splitserve_dot_v1_dot_worker__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.DecodeWorker/UnloadLoRAAdapter',
+            splitserve_dot_v1_dot_worker__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -207,6 +294,16 @@ class PrefillWorkerStub:
                 '/splitserve.v1.PrefillWorker/GetStats',
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+                _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/splitserve.v1.PrefillWorker/LoadLoRAAdapter',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/splitserve.v1.PrefillWorker/UnloadLoRAAdapter',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.LoRAAdapterResponse.FromString,
                 _registered_method=True)
 
 
@@ -233,6 +330,19 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Runtime adapters (the gateway's /v1/load_lora_adapter and /v1/unload_lora_adapter).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -250,6 +360,16 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.LoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.LoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -333,6 +453,60 @@ class PrefillWorker:
             '/splitserve.v1.PrefillWorker/GetStats',
             splitserve_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
             splitserve_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.PrefillWorker/LoadLoRAAdapter',
+            splitserve_dot_v1_dot_worker__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.PrefillWorker/UnloadLoRAAdapter',
+            splitserve_dot_v1_dot_worker__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.LoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

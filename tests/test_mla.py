@@ -219,3 +219,21 @@ def test_unsupported_settings_are_refused(make_checkpoint, tmp_path, setting, me
 def test_engine_options_mla_lacks_are_refused(make_checkpoint, options, message):
     with pytest.raises(ValueError, match=message):
         LLM(make_checkpoint("q_lora"), kv_cache_bytes=KV_BYTES, **options)
+
+
+def test_latent_pages_go_to_host_memory_and_come_back(single_thread, make_checkpoint):
+    """The host tier keeps blocks in the pool's layout, MLA's latent pages too."""
+    from splitserve.engine.kv.tiers import Tier
+
+    options = {"num_blocks_override": 8, "offload_host_bytes": 64 * 2**20}
+    llm = LLM(make_checkpoint("q_lora"), kv_cache_bytes=KV_BYTES, **options)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    session = _prompts()[1]
+    first = llm.generate([session], params)[0].outputs[0]
+    for i in range(4):  # other prompts push the session's blocks out of the pool
+        llm.generate([[(13 * j + 7 * i) % 400 + 50 for j in range(45)]], params)
+    resumed = llm.generate([session], params)[0].outputs[0]
+    assert resumed.token_ids == first.token_ids
+    assert resumed.num_cached_tokens == 32
+    assert llm.engine.offloader is not None
+    assert llm.engine.offloader.counters.load_hits[Tier.HOST] >= 1

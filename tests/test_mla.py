@@ -237,3 +237,61 @@ def test_latent_pages_go_to_host_memory_and_come_back(single_thread, make_checkp
     assert resumed.num_cached_tokens == 32
     assert llm.engine.offloader is not None
     assert llm.engine.offloader.counters.load_hits[Tier.HOST] >= 1
+
+
+def test_latent_pages_cross_a_tcp_transport(single_thread, make_checkpoint):
+    """The pods' path, in one process: the decode engine plans, the prefill engine exports, the
+    pages go over the TCP KV transport (real sockets) and the decode engine finishes; tokens
+    equal one engine's. The descriptor carries the latent shape; a destination of the per-head
+    K/V layout refuses them before any payload."""
+    import asyncio
+
+    from splitserve.engine.kv.disaggregation import (
+        RemotePrefillResult,
+        receive_pages,
+        send_pages,
+    )
+    from splitserve.engine.kv.transfer import KVTransferConfig, KVTransferError, create_kv_transport
+    from tests.test_disaggregation_engine import run_until_done
+
+    directory = make_checkpoint("q_lora")
+    options = {"kv_cache_bytes": KV_BYTES, "max_num_batched_tokens": CHUNK}
+    reference, prefill, decode = (LLM(directory, **options) for _ in range(3))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    prompt = _prompts()[1]
+    expected = reference.generate([prompt], params)[0].outputs[0]
+    plan = decode.engine.reserve_remote_prefill("tcp", prompt, params)
+    assert plan is not None and plan.page_shape[2:] == (1, 16, 1, 16 + 8)  # latent pages
+    first_only = SamplingParams(temperature=0.0, max_tokens=1)
+    prefill.engine.add_request("tcp", prompt, first_only, export_kv_from_block=0)
+    first = run_until_done(prefill.engine)["tcp"]
+    pages = prefill.engine.take_exported_pages("tcp")
+    assert pages is not None
+
+    async def transfer() -> tuple[torch.Tensor, BaseException | None]:
+        transport = create_kv_transport(KVTransferConfig(backend="tcp"))
+        receiver = await transport.start_receiver()
+        sender = transport.create_sender()
+        try:
+            (received, _), _ = await asyncio.gather(
+                receive_pages(receiver, plan, 20.0),
+                send_pages(sender, receiver.address, "tcp", pages, plan.block_ids, 20.0),
+            )
+            per_head = torch.zeros(len(plan.block_ids), 3, 2, 16, 4, 24)  # K/V pages
+            refused = await asyncio.gather(
+                receiver.receive("kv", per_head, 5.0),
+                send_pages(sender, receiver.address, "kv", pages, plan.block_ids, 5.0),
+                return_exceptions=True,
+            )
+            return received, refused[0]
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    received, refused = asyncio.run(transfer())
+    assert torch.equal(received, pages)
+    assert isinstance(refused, KVTransferError) and "does not match" in str(refused)
+    result = RemotePrefillResult(first.token_ids[0], None, received)
+    finals = {d.request_id: d.final for d in decode.engine.complete_remote_prefill("tcp", result)}
+    finals.update(run_until_done(decode.engine))
+    assert finals["tcp"] is not None and finals["tcp"].token_ids == expected.token_ids

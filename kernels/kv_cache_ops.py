@@ -157,19 +157,21 @@ def _copy_pages_kernel(
     stride_kv,
     stride_block,
     num_layers,
+    KV_PARTS: tl.constexpr,
     PAGE_ELEMS: tl.constexpr,
     TILE: tl.constexpr,
     TO_BUFFER: tl.constexpr,
 ):
-    """Program (i, layer * 2 + kv) copies one page between block `block_ids[i]` of the cache
-    and its place in the buffer `[n, num_layers, 2, page]`."""
+    """Program (i, layer * KV_PARTS + part) copies one page between block `block_ids[i]` of the
+    cache and its place in the buffer `[n, num_layers, KV_PARTS, page]` (KV_PARTS 2: K and V;
+    1: MLA's latent pages)."""
     i = tl.program_id(0)
     layer_kv = tl.program_id(1)
-    layer = layer_kv // 2
+    layer = layer_kv // KV_PARTS
     block_id = tl.load(block_ids_ptr + i).to(tl.int64)
-    cache_page = (cache_ptr + layer.to(tl.int64) * stride_layer + (layer_kv % 2) * stride_kv
-                  + block_id * stride_block)
-    buffer_page = buffer_ptr + (i.to(tl.int64) * num_layers * 2 + layer_kv) * PAGE_ELEMS
+    cache_page = (cache_ptr + layer.to(tl.int64) * stride_layer
+                  + (layer_kv % KV_PARTS) * stride_kv + block_id * stride_block)
+    buffer_page = buffer_ptr + (i.to(tl.int64) * num_layers * KV_PARTS + layer_kv) * PAGE_ELEMS
     for start in range(0, PAGE_ELEMS, TILE):
         offsets = start + tl.arange(0, TILE)
         mask = offsets < PAGE_ELEMS
@@ -183,7 +185,8 @@ def pack_kv_pages(
     kv_cache: torch.Tensor, block_ids: torch.Tensor | Sequence[int]
 ) -> torch.Tensor:
     """Copies blocks `block_ids` (all layers, K and V) into a new contiguous buffer
-    `[n, num_layers, 2, block_size, num_kv_heads, head_dim]`.
+    `[n, num_layers, 2, block_size, num_kv_heads, head_dim]` (dim 2 is 1 for MLA's latent
+    pages, shared/kv/cache.py).
 
     Block-major on purpose: everything one block holds, across all layers, is one contiguous
     run of `buffer[i]`, so a block is the unit of transfer. The sender can ship any subset of a
@@ -193,7 +196,7 @@ def pack_kv_pages(
     Precondition not checked: every id is below num_blocks.
     """
     index = _check_pages_args(kv_cache, block_ids)
-    buffer = torch.empty((index.shape[0], kv_cache.shape[0], 2, *kv_cache.shape[3:]),
+    buffer = torch.empty((index.shape[0], *kv_cache.shape[:2], *kv_cache.shape[3:]),
                          dtype=kv_cache.dtype, device=kv_cache.device)
     _launch_copy(kv_cache, buffer, index, to_buffer=True)
     return buffer
@@ -205,9 +208,9 @@ def unpack_kv_pages(
     """The inverse of `pack_kv_pages`: writes `buffer[i]` into block `block_ids[i]` of every
     layer of kv_cache, which it mutates. buffer must be contiguous and of kv_cache's dtype."""
     index = _check_pages_args(kv_cache, block_ids)
-    num_layers, _, _, *page_shape = kv_cache.shape
+    num_layers, kv_parts, _, *page_shape = kv_cache.shape
     checks.check_tensor("buffer", buffer, 6, (kv_cache.dtype,))
-    checks.check_shape("buffer", buffer, (index.shape[0], num_layers, 2, *page_shape))
+    checks.check_shape("buffer", buffer, (index.shape[0], num_layers, kv_parts, *page_shape))
     checks.check_contiguous("buffer", buffer)
     checks.check_same_device(dict(kv_cache=kv_cache, buffer=buffer))
     _launch_copy(kv_cache, buffer, index, to_buffer=False)
@@ -218,8 +221,10 @@ def _check_pages_args(
 ) -> torch.Tensor:
     """Checks the cache and returns block_ids as a 1-D integer tensor on its device."""
     checks.check_tensor("kv_cache", kv_cache, 6, checks.CACHE_DTYPES)
-    if kv_cache.shape[1] != 2:
-        raise ValueError(f"kv_cache dim 1 must be 2 (K, V), got shape {tuple(kv_cache.shape)}")
+    if kv_cache.shape[1] not in (1, 2):
+        raise ValueError(
+            f"kv_cache dim 1 must be 2 (K, V) or 1 (MLA latent), got shape {tuple(kv_cache.shape)}"
+        )
     block_size, num_kv_heads, head_dim = kv_cache.shape[3:]
     if kv_cache.stride()[3:] != (num_kv_heads * head_dim, head_dim, 1):
         raise ValueError(f"kv_cache pages must be contiguous, got strides {kv_cache.stride()}")
@@ -239,8 +244,8 @@ def _launch_copy(
     if index.shape[0] == 0 or kv_cache.shape[0] == 0:
         return
     page_elems = kv_cache.shape[3] * kv_cache.shape[4] * kv_cache.shape[5]
-    _copy_pages_kernel[(index.shape[0], kv_cache.shape[0] * 2)](
+    _copy_pages_kernel[(index.shape[0], kv_cache.shape[0] * kv_cache.shape[1])](
         kv_cache, buffer, index, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        kv_cache.shape[0], PAGE_ELEMS=page_elems,
+        kv_cache.shape[0], KV_PARTS=kv_cache.shape[1], PAGE_ELEMS=page_elems,
         TILE=min(COPY_TILE, triton.next_power_of_2(page_elems)), TO_BUFFER=to_buffer,
     )

@@ -88,21 +88,23 @@ def test_write_kv_rejects_bad_arguments():
 
 @pytest.mark.parametrize(
     ("dtype", "block_size", "num_kv_heads", "head_dim"),
-    [(torch.float32, 16, 3, 64), (torch.bfloat16, 32, 8, 128)],
+    [(torch.float32, 16, 3, 64), (torch.bfloat16, 32, 8, 128), (torch.bfloat16, 16, 1, 576)],
 )
 def test_pack_and_unpack_move_whole_blocks(dtype, block_size, num_kv_heads, head_dim):
+    """K/V pages, and MLA's latent pages (one part, one row of 576 per token)."""
     gen = torch.Generator().manual_seed(block_size)
     num_layers, num_blocks = 3, 9
-    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv_parts = 1 if head_dim == 576 else 2
+    shape = (num_layers, kv_parts, num_blocks, block_size, num_kv_heads, head_dim)
     source = random(shape, dtype, gen)
     block_ids = torch.tensor([7, 2, 5], device=DEVICE)
 
     buffer = pack_kv_pages(source, block_ids)
 
-    assert buffer.shape == (3, num_layers, 2, block_size, num_kv_heads, head_dim)
+    assert buffer.shape == (3, num_layers, kv_parts, block_size, num_kv_heads, head_dim)
     assert buffer.is_contiguous()
     assert torch.equal(buffer, reference.pack_kv_pages(source, block_ids))
-    assert torch.equal(buffer[1, 2, 1], source[2, 1, 2])  # block 2, layer 2, V
+    assert torch.equal(buffer[1, 2, kv_parts - 1], source[2, kv_parts - 1, 2])  # block 2, layer 2
 
     destination = random(shape, dtype, gen)
     expected = destination.clone()
@@ -123,7 +125,7 @@ def test_pack_and_unpack_reject_bad_arguments():
     with pytest.raises(ValueError, match="kv_cache must have 6 dims"):
         pack_kv_pages(cache[0], [0])
     with pytest.raises(ValueError, match="K, V"):
-        pack_kv_pages(cache[:, :1], [0])
+        pack_kv_pages(random((2, 3, 3, 16, 1, 64), torch.float32, gen), [0])
     with pytest.raises(ValueError, match="pages must be contiguous"):
         pack_kv_pages(cache.transpose(4, 5), [0])
     with pytest.raises(ValueError, match="block_ids must have dtype"):

@@ -7,8 +7,8 @@
 
 Keys and values per head are never cached: `kv_b_proj` [H * (nope + v), R] makes them from the
 latent. A prefill chunk decompresses its sequence's latents (k_nope and v per head, then plain
-attention, the cheaper way for many queries); a decode row attends in latent space with the
-absorbed projections (q_nope @ W_uk gives a query over the latent, the latent itself is the
+attention, the cheaper way for many queries); the step's decode rows attend together (blocks
+padded to the longest, masked by length) in latent space with the absorbed projections (q_nope @ W_uk gives a query over the latent, the latent itself is the
 value, and W_uv takes the result out to v per head), reading R + P values per cached token:
 
     scores = (q_nope W_uk) . latent + q_rope . k_rope     out = (probs @ latent) W_uv^T
@@ -91,12 +91,18 @@ class MLAAttention(nn.Module):
         rows = torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1)  # [T, R + P]
         write_latent(layer_cache, meta.slot_mapping, rows)
         out = hidden.new_empty(num_tokens, self.num_heads, mla.v_head_dim)
+        decodes: list[Segment] = []
         for segment in segments(meta, layer_cache.shape[2]):
+            if segment.rows.start < meta.num_decodes:  # one row each, attended together below
+                decodes.append(segment)
+                continue
             cached = read_latent(layer_cache, segment)  # [seq_len, R + P]
-            q_rows = (q_nope[segment.rows], q_rope[segment.rows])
-            is_decode = segment.rows.start < meta.num_decodes
-            attend = self._attend_absorbed if is_decode else self._attend_decompressed
-            out[segment.rows] = attend(*q_rows, cached)
+            rows = segment.rows
+            out[rows] = self._attend_decompressed(q_nope[rows], q_rope[rows], cached)
+        if decodes:
+            rows = slice(0, len(decodes))  # decode rows come first, in order
+            assert [d.rows.start for d in decodes] == list(range(len(decodes))), "decode rows"
+            out[rows] = self._attend_absorbed(q_nope[rows], q_rope[rows], layer_cache, decodes)
         return self.o_proj(out.view(num_tokens, -1))
 
     def _query(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -114,20 +120,26 @@ class MLAAttention(nn.Module):
 
     def _attend_absorbed(
         self,
-        q_nope: torch.Tensor,  # [query_len, H, nope]
-        q_rope: torch.Tensor,  # [query_len, H, P]
-        cached: torch.Tensor,  # [seq_len, R + P]
+        q_nope: torch.Tensor,  # [num_decodes, H, nope]
+        q_rope: torch.Tensor,  # [num_decodes, H, P]
+        layer_cache: torch.Tensor,
+        decodes: list[Segment],
     ) -> torch.Tensor:
-        """Attention in latent space: no per-head key or value is formed."""
+        """Every decode row at once, in latent space: no per-head key or value is formed.
+        Rows read their blocks padded to the longest; keys past a row's length are masked."""
         w_uk, w_uv = self._split_kv_b()
+        cached, lengths = read_latent_batch(layer_cache, decodes)  # [B, keys, R + P], [B]
         latent, k_rope = cached.split([self.mla.kv_lora_rank, self.mla.qk_rope_head_dim], -1)
-        q_latent = torch.einsum("qhn,hnr->hqr", q_nope, w_uk)  # [H, query_len, R]
-        scores = torch.matmul(q_latent, latent.t()) + torch.matmul(
-            q_rope.transpose(0, 1), k_rope.t()
-        )  # [H, query_len, seq_len]
-        probs = _causal_softmax(scores * self.scale, latent.shape[0])
-        out_latent = torch.matmul(probs, latent)  # [H, query_len, R]
-        return torch.einsum("hqr,hvr->qhv", out_latent, w_uv)
+        q_latent = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
+        scores = torch.einsum("bhr,bkr->bhk", q_latent, latent) + torch.einsum(
+            "bhp,bkp->bhk", q_rope, k_rope
+        )  # [B, H, keys]
+        keys = torch.arange(cached.shape[1], device=cached.device)
+        beyond = (keys.unsqueeze(0) >= lengths.unsqueeze(1)).unsqueeze(1)  # [B, 1, keys]
+        scores = (scores * self.scale).masked_fill(beyond, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+        out_latent = torch.einsum("bhk,bkr->bhr", probs, latent)
+        return torch.einsum("bhr,hvr->bhv", out_latent, w_uv)  # [B, H, v]
 
     def _attend_decompressed(
         self, q_nope: torch.Tensor, q_rope: torch.Tensor, cached: torch.Tensor
@@ -142,6 +154,21 @@ class MLAAttention(nn.Module):
         )  # [H, query_len, seq_len]
         probs = _causal_softmax(scores * self.scale, seq_len)
         return torch.matmul(probs, value.transpose(0, 1)).transpose(0, 1)  # [q, H, v]
+
+
+def read_latent_batch(
+    layer_cache: torch.Tensor, decodes: list[Segment]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, keys, R + P] each row's cached rows, padded to the longest; [B] lengths)."""
+    block_size = layer_cache.shape[2]
+    lengths = [segment.seq_len for segment in decodes]
+    num_blocks = -(-max(lengths) // block_size)
+    tables = torch.zeros(len(decodes), num_blocks, dtype=torch.int64, device=layer_cache.device)
+    for row, segment in enumerate(decodes):  # padding reads block 0, masked by the length
+        needed = -(-segment.seq_len // block_size)
+        tables[row, :needed] = segment.block_ids[:needed]
+    cached = layer_cache[0, tables].flatten(1, 2)[:, :, 0]  # [B, num_blocks * block_size, R+P]
+    return cached, torch.tensor(lengths, device=layer_cache.device)
 
 
 def _causal_softmax(scores: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -8,8 +8,9 @@
 Keys and values per head are never cached: `kv_b_proj` [H * (nope + v), R] makes them from the
 latent. A prefill chunk decompresses its sequence's latents (k_nope and v per head, then plain
 attention, the cheaper way for many queries); the step's decode rows attend together (blocks
-padded to the longest, masked by length) in latent space with the absorbed projections (q_nope @ W_uk gives a query over the latent, the latent itself is the
-value, and W_uv takes the result out to v per head), reading R + P values per cached token:
+padded to the longest, masked by length) in latent space with the absorbed projections
+(q_nope @ W_uk gives a query over the latent, the latent itself is the value, and W_uv takes
+the result out to v per head), reading R + P values per cached token:
 
     scores = (q_nope W_uk) . latent + q_rope . k_rope     out = (probs @ latent) W_uv^T
 

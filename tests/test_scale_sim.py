@@ -132,7 +132,12 @@ def test_the_router_over_200_simulated_pods_picks_the_one_holding_the_prefix(red
             pods[137].cache.store(hash_full_blocks(prompt, 16, ""))
             await _eventually(lambda: _all_published(pods, redis_url, "scale200"), 30)
             await router.start()
-            assert len(pool.available()) == 200
+
+            async def all_answered() -> bool:  # first polls may time out on a busy machine
+                await pool.poll()
+                return len(pool.available()) == 200
+
+            await _eventually(all_answered, 60)
             picked = await router.pick([*prompt, 5])
             assert picked is not None
             return picked.decode.pod_id

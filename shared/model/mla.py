@@ -89,8 +89,8 @@ class MLAAttention(nn.Module):
         )
         q_rope = rotate_pairs(q_rope, rotary)
         k_rope = rotate_pairs(k_rope.unsqueeze(1), rotary).squeeze(1)
-        rows = torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1)  # [T, R + P]
-        write_latent(layer_cache, meta.slot_mapping, rows)
+        cache_rows = torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1)  # [T, R + P]
+        write_latent(layer_cache, meta.slot_mapping, cache_rows)
         out = hidden.new_empty(num_tokens, self.num_heads, mla.v_head_dim)
         decodes: list[Segment] = []
         for segment in segments(meta, layer_cache.shape[2]):

@@ -189,6 +189,17 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
         "--metrics-public", action="store_true", help="the gateway's /metrics without a key"
     )
+    sub.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="PEFT adapters every engine pod serves by name (clients put it in \"model\")",
+    )
+    sub.add_argument(
+        "--enable-lora", action="store_true", help="pods take adapters loaded at run time"
+    )
+    sub.add_argument("--max-loras", type=int, default=None, help="active adapter slots per pod")
     add_security_flags(sub)
     sub.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
     sub.add_argument(
@@ -384,7 +395,18 @@ def _engine_flags(args: argparse.Namespace, transport: str) -> list[str]:
         flags += ["--model", args.model]
     if args.model_name is not None:
         flags += ["--model-name", args.model_name]
+    if args.lora_modules:  # each pod resolves the paths itself: made absolute here
+        flags += ["--lora-modules", *map(_absolute_lora_module, args.lora_modules)]
+    if args.enable_lora:
+        flags += ["--enable-lora"]
+    if args.max_loras is not None:
+        flags += ["--max-loras", str(args.max_loras)]
     return flags
+
+
+def _absolute_lora_module(module: str) -> str:
+    name, sep, path = module.partition("=")
+    return f"{name}={os.path.abspath(path)}" if sep and path else module
 
 
 def _pod(

@@ -209,7 +209,6 @@ INVALID_REQUESTS = [
     generate_pb2.GenerateRequest(text="", sampling=_greedy()),
     generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[10**6])),
     generate_pb2.GenerateRequest(chat=generate_pb2.ChatMessages()),
-    generate_pb2.GenerateRequest(text="hi", model="gpt-4"),
     generate_pb2.GenerateRequest(text="hi", sampling=generate_pb2.SamplingOptions(n=0)),
     generate_pb2.GenerateRequest(
         text="hi", sampling=generate_pb2.SamplingOptions(temperature=-1.0)
@@ -231,6 +230,15 @@ def test_bad_requests_are_invalid_argument(generation, request_):
         list(generation.GenerateStream(request_, timeout=30))
     assert stream.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert stream.value.details() == unary.value.details()
+
+
+def test_an_unknown_model_is_not_found(generation):
+    # HTTP answers OpenAI's 404 model_not_found; gRPC's status for it is NOT_FOUND.
+    request = generate_pb2.GenerateRequest(text="hi", model="gpt-4")
+    with pytest.raises(grpc.RpcError) as unary:
+        generation.Generate(request, timeout=30)
+    assert unary.value.code() == grpc.StatusCode.NOT_FOUND, unary.value.details()
+    assert "gpt-4" in unary.value.details()
 
 
 # ---- the internal DecodeWorker -------------------------------------------------------------

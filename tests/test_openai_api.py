@@ -394,7 +394,8 @@ def test_tokenize_and_detokenize_round_trip(stack, client, tokenizer):
     assert without.body["count"] < chat.body["count"]
     _assert_400(_post(stack, "/tokenize", {}), "prompt")
     _assert_400(_post(stack, "/detokenize", {"tokens": [tokenizer.vocab_size]}), "tokens")
-    _assert_400(_post(stack, "/tokenize", {"prompt": "x", "model": "nope"}), "model")
+    unknown = _post(stack, "/tokenize", {"prompt": "x", "model": "nope"})
+    assert unknown.status == 404 and unknown.body["error"]["code"] == "model_not_found"
 
 
 def test_echo_puts_the_prompt_first(client, stack):

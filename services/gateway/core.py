@@ -10,7 +10,7 @@ would. What happens to the calls once sent (merged streams, resends, migration) 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -51,6 +51,35 @@ class GenerationRequest:
     # The request field params.structured_output came from ("response_format", "tools", ...):
     # the 400 of a constraint that does not compile names it.
     structured_output_param: str = "structured_output"
+    # The LoRA adapter the request's "model" named (ServedModels.lora_name); None: the base.
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True)
+class ServedModels:
+    """What a request's "model" may name: the base model, or a LoRA adapter some pod holds."""
+
+    base: str
+    adapters: frozenset[str] = field(default_factory=frozenset)
+
+    def lora_name(self, model: str | None) -> str | None:
+        """The adapter `model` names; None for the base model (or no model given).
+        RequestError (HTTP 404, code model_not_found) for a name served nowhere."""
+        if model is None or model == self.base:
+            return None
+        if model in self.adapters:
+            return model
+        served = ", ".join(repr(name) for name in [self.base, *sorted(self.adapters)])
+        raise RequestError(
+            f"model {model!r} does not exist; this server serves {served}",
+            "model",
+            "model_not_found",
+        )
+
+
+def served_models(models: str | ServedModels) -> ServedModels:
+    """A bare model name means a server without adapters."""
+    return ServedModels(models) if isinstance(models, str) else models
 
 
 class GatewayCore:
@@ -73,6 +102,10 @@ class GatewayCore:
         # Picks the pods of every sequence (services/gateway/routing/router.py); without one
         # given, static pods by load and proximity.
         self.router = router or Router(decode_pool, prefill_pool)
+
+    def served_models(self) -> ServedModels:
+        """The base model and every adapter an available decode pod holds (from its stats)."""
+        return ServedModels(self.model_name, frozenset(self.decode_pool.lora_adapters()))
 
     # ---- prompts ----------------------------------------------------------------------------
 
@@ -172,6 +205,7 @@ class GatewayCore:
             client_region,
             cache_salt=child_params.cache_salt,
             cache_key=request.prompt_cache_key,
+            lora_name=request.lora_name,
         )
         if picked is None:
             raise NoPodError()
@@ -181,6 +215,7 @@ class GatewayCore:
             sampling=options_from_params(child_params),
             priority=request.priority,
             prefill_address=picked.prefill.address if picked.prefill is not None else "",
+            lora_name=request.lora_name or "",
         )
         index = prompt_index * request.params.n + sequence_index
         return SequenceCall(
@@ -203,6 +238,7 @@ class GatewayCore:
             exclude=call.failed_addresses,
             avoid_prefill=call.earlier_prefill_addresses,
             cache_salt=call.cache_salt,
+            lora_name=call.request.lora_name or None,
         )
 
 

@@ -39,7 +39,7 @@ from splitserve.gateway.api.format import (
     usage_json,
 )
 from splitserve.gateway.api.respond import encode_conversation, respond, start_choices
-from splitserve.gateway.core import GatewayCore
+from splitserve.gateway.core import GatewayCore, ServedModels
 from splitserve.gateway.errors import RequestError
 from splitserve.gateway.outputs import CollectedSequence, SequenceChunk, Usage
 from splitserve.gateway.strict_model import StrictModel
@@ -140,7 +140,7 @@ class ChatRequest:
     tools: ToolRequest | None = None  # tools, tool_choice, parallel_tool_calls (tools/)
 
 
-def parse_chat(raw: object, model_name: str) -> ChatRequest:
+def parse_chat(raw: object, model_name: str | ServedModels) -> ChatRequest:
     body = validate_body(ChatBody, raw)
     check_unsupported(body)
     sampling = sampling_kwargs(body)
@@ -212,7 +212,7 @@ class ChatRoutes:
     async def chat_completions(self, body: ChatBody, request: Request) -> Response:
         core = self.core
         with tracing.child_span("gateway.validate", None):
-            parsed = parse_chat(body, core.model_name)
+            parsed = parse_chat(body, core.served_models())
         with tracing.child_span("gateway.tokenize", None):
             prompt = encode_conversation(
                 core, parsed.messages, "messages", parsed.add_generation_prompt

@@ -32,7 +32,7 @@ from splitserve.gateway.api.format import (
     usage_json,
 )
 from splitserve.gateway.api.respond import respond, start_choices
-from splitserve.gateway.core import GatewayCore
+from splitserve.gateway.core import GatewayCore, ServedModels
 from splitserve.gateway.errors import RequestError
 from splitserve.gateway.outputs import CollectedSequence, SequenceChunk, Usage
 from splitserve.v1 import generate_pb2
@@ -76,7 +76,7 @@ class CompletionRequest:
     add_special_tokens: bool = True  # for text prompts
 
 
-def parse_completion(raw: object, model_name: str) -> CompletionRequest:
+def parse_completion(raw: object, model_name: str | ServedModels) -> CompletionRequest:
     body = validate_body(CompletionBody, raw)
     check_unsupported(body)
     sampling = sampling_kwargs(body)
@@ -131,7 +131,7 @@ class CompletionRoutes:
     async def completions(self, body: CompletionBody, request: Request) -> Response:
         core = self.core
         with tracing.child_span("gateway.validate", None):
-            parsed = parse_completion(body, core.model_name)
+            parsed = parse_completion(body, core.served_models())
         with tracing.child_span("gateway.tokenize", None):
             prompts = [
                 core.encode(p, parsed.add_special_tokens) if isinstance(p, str) else p

@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field, JsonValue, ValidationError
 from splitserve.common.convert import is_int64
 from splitserve.engine.sampling_params import FIELD_TYPES, SamplingParams
 from splitserve.gateway.api.cache_options import CacheControl, cache_retention_s
-from splitserve.gateway.core import GenerationRequest
+from splitserve.gateway.core import GenerationRequest, ServedModels, served_models
 from splitserve.gateway.errors import RequestError, from_validation, param_of
 from splitserve.gateway.strict_model import StrictModel
 from splitserve.gateway.structured.constraints import parse_logit_bias, parse_structured_output
@@ -188,6 +188,7 @@ class CommonOptions:
     prompt_cache_key: str | None = None  # routing affinity (routing/router.py)
     # The field sampling["structured_output"] came from, named if it does not compile.
     structured_output_param: str = "structured_output"
+    lora_name: str | None = None  # the LoRA adapter "model" named; None: the base model
 
     def generation_request(
         self, request_id: str, prompts: list[list[int]], params: SamplingParams
@@ -200,6 +201,7 @@ class CommonOptions:
             self.priority,
             self.prompt_cache_key,
             self.structured_output_param,
+            self.lora_name,
         )
 
     def params(self, default_max_tokens: int) -> SamplingParams:
@@ -212,18 +214,14 @@ class CommonOptions:
 
 def common_options(
     body: SamplingFields,
-    model_name: str,
+    models: str | ServedModels,
     sampling: SamplingKwargs,
     max_tokens: int | None,
     structured_output_param: str,
 ) -> CommonOptions:
-    model = body.model if body.model is not None else model_name
-    if model != model_name:
-        raise RequestError(
-            f"model {model!r} does not exist; this server serves {model_name!r}",
-            "model",
-            "model_not_found",
-        )
+    served = served_models(models)
+    lora_name = served.lora_name(body.model)
+    model = lora_name or served.base
     stream_options = body.stream_options
     if stream_options is not None and not body.stream:
         # As OpenAI and vLLM answer: options for a stream that is not one would go unheard.
@@ -239,6 +237,7 @@ def common_options(
         continuous_usage=bool(stream_options and stream_options.continuous_usage_stats),
         prompt_cache_key=body.prompt_cache_key,
         structured_output_param=structured_output_param,
+        lora_name=lora_name,
     )
 
 

@@ -8,10 +8,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import TypedDict
 
+import grpc
+
 from splitserve.common import tracing
 from splitserve.common.convert import params_from_options
+from splitserve.common.grpc_server import StatusError
 from splitserve.gateway.auth.gate import Gate, grpc_caller
 from splitserve.gateway.core import GatewayCore, GenerationRequest
+from splitserve.gateway.errors import RequestError
 from splitserve.gateway.generation import Generation, collect
 from splitserve.gateway.outputs import CollectedSequence, SequenceChunk, Usage
 from splitserve.v1 import generate_pb2, generate_pb2_grpc
@@ -64,18 +68,19 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def _start(
         self, request: generate_pb2.GenerateRequest, context
     ) -> tuple[Generation, str]:
-        if request.model and request.model != self.core.model_name:
-            raise ValueError(
-                f"model {request.model!r} does not exist; this server serves "
-                f"{self.core.model_name!r}"
-            )
+        try:
+            lora_name = self.core.served_models().lora_name(request.model or None)
+        except RequestError as error:  # HTTP's 404
+            raise StatusError(grpc.StatusCode.NOT_FOUND, str(error)) from None
         with tracing.child_span("gateway.tokenize", None):
             prompt = self._prompt(request)
         with tracing.child_span("gateway.validate", None):
             params = params_from_options(request.sampling)
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
         metadata = dict(context.invocation_metadata() or ())
-        generation_request = GenerationRequest(request_id, [prompt], params, request.priority)
+        generation_request = GenerationRequest(
+            request_id, [prompt], params, request.priority, lora_name=lora_name
+        )
         generation = await self.core.start(
             generation_request, metadata.get(REGION_METADATA, "")
         )

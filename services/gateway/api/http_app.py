@@ -21,6 +21,7 @@ from splitserve.common import tracing
 from splitserve.common.grpc_server import StatusError
 from splitserve.gateway.api.chat import ChatRoutes
 from splitserve.gateway.api.completions import CompletionRoutes
+from splitserve.gateway.api.lora_adapters import LoRAAdapterRoutes
 from splitserve.gateway.api.messages import MessagesRoutes, MessagesSettings
 from splitserve.gateway.api.messages_format import MESSAGES_PATHS, anthropic_error
 from splitserve.gateway.api.messages_schema import EXPECTED_SHAPES
@@ -43,6 +44,8 @@ ENDPOINTS = (
     "/v1/chat/completions",
     "/v1/models",
     "/v1/responses",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
     *MESSAGES_PATHS,
     "/tokenize",
     "/detokenize",
@@ -51,7 +54,14 @@ ENDPOINTS = (
 )
 # Traced when tracing is on.
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
-ENDPOINT_ROUTES = (CompletionRoutes, ChatRoutes, ResponsesRoutes, ModelRoutes, TokenRoutes)
+ENDPOINT_ROUTES = (
+    CompletionRoutes,
+    ChatRoutes,
+    ResponsesRoutes,
+    ModelRoutes,
+    TokenRoutes,
+    LoRAAdapterRoutes,
+)
 
 
 def create_app(

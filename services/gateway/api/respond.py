@@ -64,7 +64,8 @@ def error_response(error: Exception) -> tuple[int, dict]:
     """An error as its HTTP status and OpenAI error body."""
     if isinstance(error, ValueError):
         code = error.code if isinstance(error, RequestError) else "invalid_value"
-        return 400, error_body(str(error), "invalid_request_error", param_of(error), code)
+        status = 404 if code == "model_not_found" else 400  # as OpenAI answers it
+        return status, error_body(str(error), "invalid_request_error", param_of(error), code)
     if isinstance(error, StatusError):
         status = _HTTP_STATUS.get(error.code, 502)
         return status, error_body(str(error), "server_error", None, error.code.name.lower())
@@ -119,7 +120,7 @@ async def start_choices(
     request_id = f"{id_prefix}{uuid.uuid4().hex}"
     generation_request = options.generation_request(request_id, prompts, params)
     generation = await start_generation(core, generation_request, prompt_param, http)
-    envelope = Envelope(request_id, core.model_name, int(time.time()))
+    envelope = Envelope(request_id, options.model, int(time.time()))
     return StartedChoices(generation, params, envelope)
 
 

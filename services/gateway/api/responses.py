@@ -34,7 +34,7 @@ from splitserve.gateway.api.respond import (
     start_generation,
     unless_disconnected,
 )
-from splitserve.gateway.core import GatewayCore, GenerationRequest
+from splitserve.gateway.core import GatewayCore, GenerationRequest, ServedModels, served_models
 from splitserve.gateway.errors import RequestError
 from splitserve.gateway.generation import Generation, collect
 from splitserve.gateway.outputs import CollectedSequence, SequenceChunk, Usage
@@ -123,6 +123,7 @@ class ResponsesRequest:
     body: ResponsesBody
     messages: list[dict[str, str]]
     sampling: SamplingKwargs  # all but max_tokens
+    lora_name: str | None = None  # the LoRA adapter "model" named; None: the base model
 
     def params(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = self.body.max_output_tokens
@@ -136,15 +137,10 @@ class ResponsesRequest:
             raise RequestError(str(error).replace("max_tokens", param, 1), param) from None
 
 
-def parse_responses(raw: object, model_name: str) -> ResponsesRequest:
+def parse_responses(raw: object, model_name: str | ServedModels) -> ResponsesRequest:
     body = validate_body(ResponsesBody, raw)
     check_unsupported(body)
-    if body.model is not None and body.model != model_name:
-        raise RequestError(
-            f"model {body.model!r} does not exist; this server serves {model_name!r}",
-            "model",
-            "model_not_found",
-        )
+    lora_name = served_models(model_name).lora_name(body.model)
     sampling: SamplingKwargs = {}
     if body.temperature is not None:
         sampling["temperature"] = body.temperature
@@ -153,7 +149,7 @@ def parse_responses(raw: object, model_name: str) -> ResponsesRequest:
     output = _structured_output(body.text)
     if output is not None:  # compiled once, by the request core (a 400 naming "text")
         sampling["structured_output"] = output
-    return ResponsesRequest(body, _messages(body), sampling)
+    return ResponsesRequest(body, _messages(body), sampling, lora_name)
 
 
 def _messages(body: ResponsesBody) -> list[dict[str, str]]:
@@ -194,16 +190,16 @@ class ResponsesRoutes:
     async def responses(self, body: ResponsesBody, request: Request) -> Response:
         core = self.core
         with tracing.child_span("gateway.validate", None):
-            parsed = parse_responses(body, core.model_name)
+            parsed = parse_responses(body, core.served_models())
         with tracing.child_span("gateway.tokenize", None):
             prompt = encode_conversation(core, parsed.messages, "input")
         params = parsed.params(max(core.max_model_len - len(prompt), 1))
         request_id = f"resp_{uuid.uuid4().hex}"
         generation_request = GenerationRequest(
-            request_id, [prompt], params, structured_output_param="text"
+            request_id, [prompt], params, structured_output_param="text", lora_name=parsed.lora_name
         )
         generation = await start_generation(core, generation_request, "input", request)
-        fmt = ResponsesFormat(request_id, core.model_name, parsed)
+        fmt = ResponsesFormat(request_id, parsed.lora_name or core.model_name, parsed)
         if not body.stream:
             sequences = await unless_disconnected(request, collect(generation), generation)
             annotate_usage(generation)

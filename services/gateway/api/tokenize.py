@@ -84,9 +84,5 @@ class TokenRoutes:
         )
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.core.model_name:
-            raise RequestError(
-                f"model {model!r} does not exist; this server serves {self.core.model_name!r}",
-                "model",
-                "model_not_found",
-            )
+        """The base model or an adapter (adapters share its tokenizer); else a 404."""
+        self.core.served_models().lora_name(model)

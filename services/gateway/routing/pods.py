@@ -27,7 +27,7 @@ import grpc
 from splitserve.common.channels import aio_channel
 from splitserve.common.pod_load import PodLoad
 from splitserve.common.registry_schema import PodRecord
-from splitserve.gateway.routing.scoring import Location, PodView
+from splitserve.gateway.routing.scoring import Location, LoRAResidency, PodView
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class Pod:
         node = (record.node if record else "") or self.address.rsplit(":", 1)[0]
         return Location(region, zone, node)
 
-    def view(self, cached_tokens: int = 0) -> PodView:
+    def view(self, cached_tokens: int = 0, lora_name: str | None = None) -> PodView:
         return PodView(
             self.pod_id,
             self.address,
@@ -104,7 +104,24 @@ class Pod:
             self.num_dispatched,
             cached_tokens,
             self.rtt_ms,
+            None if lora_name is None else self.lora_residency(lora_name),
         )
+
+    @property
+    def lora_adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters the pod holds, as its latest stats answered."""
+        return tuple(self.stats.lora_adapters) if self.stats is not None else ()
+
+    def lora_residency(self, lora_name: str) -> LoRAResidency:
+        """Where `lora_name` stands on this pod: in an active slot, a slot free for it, or
+        another adapter to push out first."""
+        assert self.stats is not None, "only a pod that answered a poll is scored"
+        resident = self.stats.resident_lora_adapters
+        if lora_name in resident:
+            return LoRAResidency.RESIDENT
+        if len(resident) < self.stats.max_loras:
+            return LoRAResidency.FREE_SLOT
+        return LoRAResidency.MUST_EVICT
 
     @property
     def is_available(self) -> bool:
@@ -200,6 +217,10 @@ class PodPool:
 
     def available(self) -> list[Pod]:
         return [pod for pod in self.pods if pod.is_available]
+
+    def lora_adapters(self) -> set[str]:
+        """Every LoRA adapter some available pod holds."""
+        return {name for pod in self.available() for name in pod.lora_adapters}
 
     def mark_unreachable(self, pod: Pod) -> None:
         """A call could not reach `pod` (connection refused or reset, the pod gone): routing

@@ -33,6 +33,7 @@ from splitserve.common.registry_schema import (
     read_pods,
 )
 from splitserve.engine.kv.block_hash import BlockHash, cache_salt_keys, hash_full_blocks
+from splitserve.engine.lora.request import lora_hash_keys
 from splitserve.gateway.routing.pods import Pod, PodPool
 from splitserve.gateway.routing.scoring import (
     LatencyMatrix,
@@ -135,6 +136,7 @@ class Router:
         avoid_prefill: Collection[str] = (),
         cache_salt: str | None = None,
         cache_key: str | None = None,
+        lora_name: str | None = None,
     ) -> PickedPods | None:
         """The pods for one prompt (counted as dispatched to), or None without a decode pod.
         `exclude`: addresses of decode pods not to choose (a retry leaves out the pods the
@@ -142,13 +144,21 @@ class Router:
         when no other is available (the ones a retry's failed attempts named). `cache_salt`:
         the request's tenant salt, which its cached blocks' hashes include. `cache_key`
         (OpenAI's prompt_cache_key): requests sharing it go where the last one went, as if
-        that pod held their whole prompt (load and saturation still count)."""
-        decode_pods = [p for p in self.decode_pool.available() if p.address not in exclude]
+        that pod held their whole prompt (load and saturation still count). `lora_name`: the
+        request's LoRA adapter: only pods holding it are candidates (without a prefill pod that
+        does, the decode pod prefills), scored by its residency, and its blocks are hashed
+        with it."""
+        decode_pods = [
+            p
+            for p in self.decode_pool.available()
+            if p.address not in exclude and _holds(p, lora_name)
+        ]
         if not decode_pods:
             return None
-        prefill_pods = self._prefill_candidates(avoid_prefill)
+        prefill_pods = [p for p in self._prefill_candidates(avoid_prefill) if _holds(p, lora_name)]
+        hash_keys = cache_salt_keys(cache_salt) + lora_hash_keys(lora_name)
         cached = await self.cached_tokens(
-            prompt_token_ids, [*prefill_pods, *decode_pods], cache_salt_keys(cache_salt)
+            prompt_token_ids, [*prefill_pods, *decode_pods], hash_keys
         )
         self._credit_cache_key(cached, cache_key, len(prompt_token_ids))
         place = self.settings.place
@@ -162,8 +172,8 @@ class Router:
             round_robin_turn=next(self._turns),
         )
         decision = decide(
-            [p.view(cached.get(p.pod_id, 0)) for p in prefill_pods],
-            [p.view(cached.get(p.pod_id, 0)) for p in decode_pods],
+            [p.view(cached.get(p.pod_id, 0), lora_name) for p in prefill_pods],
+            [p.view(cached.get(p.pod_id, 0), lora_name) for p in decode_pods],
             ctx,
         )
         logger.debug("routing decision: %s", decision)
@@ -224,6 +234,10 @@ class Router:
             pod_id: credited_tokens(record, prefix)
             for (pod_id, record), prefix in zip(indexed, prefixes, strict=True)
         }
+
+
+def _holds(pod: Pod, lora_name: str | None) -> bool:
+    return lora_name is None or lora_name in pod.lora_adapters
 
 
 def _prompt_hashes(

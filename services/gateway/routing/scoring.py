@@ -9,7 +9,9 @@ Scores (higher wins; every term lies in [0, 1] before its weight):
                + w.load      * 1 / (1 + queued(P))                    running + waiting + sent
                + w.kv        * (1 - kv_usage(P))                      KV headroom
                + w.proximity * proximity(client, P) * rtt_factor(P)
-    decode(D)  = the same four terms for D (its cached prefix is KV that P need not send)
+             + w.lora      * residency(P, adapter)                  requests naming an adapter:
+                                   1.0 resident, 0.8 a free slot, 0.6 another must leave
+    decode(D)  = the same five terms for D (its cached prefix is KV that P need not send)
                + w.pair      * proximity(P, D)                        KV pages travel P -> D
 
     proximity(a, b) = 1.0 same node, 0.8 same zone, 0.6 same region,
@@ -27,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
+from enum import Enum
 
 from splitserve.common.pod_load import PodLoad
 
@@ -39,6 +42,7 @@ REASONS = (
     "redis_down",
     "only_candidate",
     "prefix_cache",
+    "lora_affinity",
     "load",
     "proximity",
 )
@@ -57,6 +61,15 @@ class Location:
     node: str = ""  # "" for a client: it is on no node of ours
 
 
+class LoRAResidency(float, Enum):
+    """How ready a pod is to run a request's LoRA adapter, as llm-d's lora-affinity scorer
+    grades it: a cold load (reading it into a slot, maybe evicting another) is paid once."""
+
+    RESIDENT = 1.0  # in an active slot now
+    FREE_SLOT = 0.8  # a slot is free: loading it evicts nothing
+    MUST_EVICT = 0.6  # every slot is taken: another adapter must leave first
+
+
 @dataclass(frozen=True)
 class PodView:
     """What scoring sees of one available pod."""
@@ -69,6 +82,8 @@ class PodView:
     num_dispatched: int = 0
     cached_tokens: int = 0  # this prompt's longest prefix cached on the pod (from the index)
     rtt_ms: float | None = None  # moving average of gateway -> pod round trips
+    # The request's LoRA adapter on this pod; None: the request runs the base model.
+    lora_residency: LoRAResidency | None = None
 
     @property
     def num_queued(self) -> int:
@@ -87,11 +102,14 @@ class RoutingWeights:
     kv: float = 0.5
     proximity: float = 0.5
     pair: float = 0.5
+    # Above the load term's spread between an idle pod and one with a request queued (0.5),
+    # so an adapter's next request follows it to its slot unless that pod is busier.
+    lora: float = 3.0
     max_queue: int = 16  # a pod with this many requests queued is saturated
     saturation_kv_usage: float = 0.95  # ... and so is one with this much of its KV in use
 
     def __post_init__(self) -> None:
-        for name in ("prefix", "load", "kv", "proximity", "pair"):
+        for name in ("prefix", "load", "kv", "proximity", "pair", "lora"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"weight {name} must be a finite number >= 0, got {value}")
@@ -105,7 +123,7 @@ class RoutingWeights:
     def for_policy(self, policy: str) -> RoutingWeights:
         """least_load ignores the cache and where pods are."""
         if policy == "least_load":
-            return replace(self, prefix=0.0, proximity=0.0, pair=0.0)
+            return replace(self, prefix=0.0, proximity=0.0, pair=0.0, lora=0.0)
         return self
 
 
@@ -198,11 +216,14 @@ def score_terms(
     near_prefill = (
         0.0 if prefill is None else proximity(prefill.location, pod.location, ctx.latency)
     )
-    return {
+    terms = {
         "prefix_cache": w.prefix * cached_fraction,
         "load": w.load / (1 + pod.num_queued) + w.kv * (1.0 - pod.kv_usage),
         "proximity": w.proximity * near_client + w.pair * near_prefill,
     }
+    if pod.lora_residency is not None:
+        terms["lora_affinity"] = w.lora * pod.lora_residency.value
+    return terms
 
 
 # ---- choices --------------------------------------------------------------------------------

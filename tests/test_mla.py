@@ -295,3 +295,32 @@ def test_latent_pages_cross_a_tcp_transport(single_thread, make_checkpoint):
     finals = {d.request_id: d.final for d in decode.engine.complete_remote_prefill("tcp", result)}
     finals.update(run_until_done(decode.engine))
     assert finals["tcp"] is not None and finals["tcp"].token_ids == expected.token_ids
+
+
+def test_self_speculative_decoding_and_preemption_keep_the_tokens(single_thread, make_checkpoint):
+    """A one-layer self-draft (DeepSeek's dense first layer) and a pool too small for the batch
+    change the schedule only."""
+    directory = make_checkpoint("q_lora")
+    prompts = _prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    plain = LLM(directory, kv_cache_bytes=KV_BYTES, enable_prefix_caching=False)
+    expected = [r.outputs[0].token_ids for r in plain.generate(prompts, params)]
+    options = {"speculative_method": "self", "speculative_draft_layers": 1}
+    speculative = LLM(directory, kv_cache_bytes=KV_BYTES, **options)
+    assert [r.outputs[0].token_ids for r in speculative.generate(prompts, params)] == expected
+    assert speculative.stats().num_spec_proposed_tokens > 0
+    cramped = LLM(
+        directory, kv_cache_bytes=KV_BYTES, num_blocks_override=4, enable_prefix_caching=False
+    )
+    assert [r.outputs[0].token_ids for r in cramped.generate(prompts, params)] == expected
+    assert cramped.stats().num_preemptions > 0
+
+
+def test_dense_and_sparse_layers_follow_first_k_dense_replace_and_moe_layer_freq():
+    from splitserve.engine.model.hf_deepseek import moe_config
+
+    config = {**_MLA, "num_hidden_layers": 6, "moe_layer_freq": 2}
+    moe = moe_config(config)
+    assert [moe.is_sparse(i) for i in range(6)] == [False, False, True, False, True, False]
+    assert (moe.shared_expert_intermediate_size, moe.shared_expert_gated) == (32, False)
+    assert (moe.num_groups, moe.topk_groups, moe.routed_scaling_factor) == (2, 1, 1.5)

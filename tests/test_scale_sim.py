@@ -10,12 +10,17 @@ import time
 
 import pytest
 
+from benchmarks.scale.scan_lookup import cached_prefixes as scan_cached_prefixes
 from benchmarks.scale.sim_pod import SimPod, SimPodSettings, close_pods, start_pods
 from splitserve.common.channels import aio_channel
-from splitserve.common.prefix_lookup import cached_prefixes as fast_cached_prefixes
 from splitserve.common.redis_server import RedisServer
-from splitserve.common.registry_schema import SENTINEL, RegistryKeys, connect, read_pods
-from splitserve.common.registry_schema import cached_prefixes as schema_cached_prefixes
+from splitserve.common.registry_schema import (
+    SENTINEL,
+    RegistryKeys,
+    cached_prefixes,
+    connect,
+    read_pods,
+)
 from splitserve.engine.kv.block_hash import hash_full_blocks
 from splitserve.engine.kv.tiers import Tier
 from splitserve.gateway.routing.pods import PodPool
@@ -161,8 +166,8 @@ async def _all_published(pods: list[SimPod], redis_url: str, prefix: str) -> boo
     return all(size == len(pod.cache) + 1 for size, pod in zip(sizes, pods, strict=True))
 
 
-def test_the_fast_lookup_answers_as_the_lookup_script_does(redis_url):
-    """services/common/prefix_lookup.py against registry_schema's script, on pods whose
+def test_the_lookup_answers_as_the_scan_it_replaced_did(redis_url):
+    """registry_schema's LOOKUP_SCRIPT against the per-block scan before it, on pods whose
     held hashes form a prefix of each chain (device only, and with host and disk tiers) and
     with two block sizes among the queries."""
 
@@ -187,8 +192,8 @@ def test_the_fast_lookup_answers_as_the_lookup_script_does(redis_url):
                 elif held:
                     await client.sadd(tier_keys[0], *chain[:held])
                 queries.append((tier_keys, chain))
-            expected = await schema_cached_prefixes(client, queries)
-            assert await fast_cached_prefixes(client, queries) == expected
+            expected = await scan_cached_prefixes(client, queries)
+            assert await cached_prefixes(client, queries) == expected
             assert any(p.num_blocks_by_tier[Tier.DISK] for p in expected), "tiers exercised"
         finally:
             await client.aclose()

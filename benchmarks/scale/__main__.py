@@ -32,9 +32,9 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from benchmarks.scale import scan_lookup
 from benchmarks.scale.sim_pod import SimPod, SimPodSettings, close_pods, start_pods
 from benchmarks.scale.workload import Workload, WorkloadSettings, oracle_cached_blocks
-from splitserve.common import prefix_lookup
 from splitserve.common.redis_server import RedisServer
 from splitserve.common.registry_schema import RegistryKeys, cached_prefixes, connect
 from splitserve.engine.kv.block_hash import hash_full_blocks
@@ -186,38 +186,45 @@ async def closed_loop_picks(router: Router, workload: Workload, seconds: float) 
 
 
 LOOKUPS = {
+    "scan (the lookup before issue 39)": scan_lookup.cached_prefixes,
     "LOOKUP_SCRIPT (registry_schema)": cached_prefixes,
-    "FAST_LOOKUP_SCRIPT (prefix_lookup)": prefix_lookup.cached_prefixes,
 }
 
 
 async def compare_lookups(
     client, keys: RegistryKeys, pods: list[SimPod], workload: Workload, num_prompts: int = 40
 ) -> dict[str, tuple[float, float, int]]:
-    """Each lookup over every pod for the same prompts, churn stopped; commands counted
-    include the pods' heartbeats meanwhile (a few per second)."""
+    """Each lookup over every pod for the same prompts, churn stopped. Commands: one pass per
+    lookup (the pods' heartbeats meanwhile count too, a few per second). Times: the lookups
+    alternate prompt by prompt, so a busy machine slows both alike."""
     prompts = [workload.next_prompt()[1] for _ in range(num_prompts)]
     queries = [
         [(keys.tier_blocks(p.pod_id, p.generation), workload.hashes(prompt[:-1])) for p in pods]
         for prompt in prompts
     ]
-    answers, figures = [], {}
+    answers: dict[str, list] = {}
+    calls: dict[str, float] = {}
     for name, lookup in LOOKUPS.items():
-        before, times = await command_calls(client), []
-        for query in queries:
+        before = await command_calls(client)
+        answers[name] = [await lookup(client, query) for query in queries]
+        calls[name] = sum(ops_delta(before, await command_calls(client)).values()) / len(queries)
+    first, second = answers.values()
+    assert first == second, "both lookups agree"
+    times: dict[str, list[float]] = {name: [] for name in LOOKUPS}
+    for query in queries:
+        for name, lookup in LOOKUPS.items():
             start = time.perf_counter()
-            answers.append(await lookup(client, query))
-            times.append((time.perf_counter() - start) * 1000)
-        calls = sum(ops_delta(before, await command_calls(client)).values())
-        arg_bytes = _argument_bytes(name, queries[0])
-        figures[name] = (statistics.median(times), calls / len(queries), arg_bytes)
-    assert answers[: len(queries)] == answers[len(queries) :], "both lookups agree"
-    return figures
+            await lookup(client, query)
+            times[name].append((time.perf_counter() - start) * 1000)
+    return {
+        name: (statistics.median(times[name]), calls[name], _argument_bytes(name, queries[0]))
+        for name in LOOKUPS
+    }
 
 
 def _argument_bytes(name: str, query) -> int:
     """Hash bytes a lookup sends: the prompt once per pod, or once plus a byte per pod."""
-    if name in LOOKUPS and LOOKUPS[name] is cached_prefixes:
+    if LOOKUPS[name] is scan_lookup.cached_prefixes:
         return 16 * sum(len(hashes) for _, hashes in query)
     return 16 * len(query[0][1]) + len(query)
 

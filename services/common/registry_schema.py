@@ -40,6 +40,7 @@ from splitserve.engine.kv.tiers import Tier
 
 DEFAULT_KEY_PREFIX = "splitserve"
 SENTINEL = b""  # always in a pod's block SET once it is complete (see the module docstring)
+MAX_DISTINCT_BLOBS = 255  # a lookup's prompt blobs (block sizes x namespaces): a byte per pod
 
 # KEYS: gen, pod, pods, blocks, then the lower tiers' block SETs. ARGV: generation, ttl_ms,
 # pod_id, field, value, ... Returns 0 when a newer generation owns the pod id (this writer is
@@ -197,30 +198,64 @@ async def read_pods(client, keys: RegistryKeys) -> list[PodRecord]:
     return [record for record in records if record is not None]
 
 
-# KEYS: each pod's block SETs, one per tier, fastest first (len(Tier) keys per pod); ARGV[i]:
-# the prompt's block hashes for pod i, concatenated (16 bytes each). Returns, per pod and tier,
-# how many of the leading hashes held anywhere on the pod are held in that tier (the fastest
-# one holding it): the run ends at the first hash no tier holds. Server side, so a 4k-token
-# prompt costs one command with a few arguments instead of thousands.
+# KEYS: per pod, its tier SETs (ARGV[1] of them, fastest first). ARGV[1]: tiers per pod;
+# ARGV[2]: per pod, one byte, the 1-based index of its prompt blob among ARGV[3..]; ARGV[3..]:
+# the distinct prompt blobs, 16 bytes per hash. Returns, per pod and tier, how many of the
+# leading hashes held anywhere on the pod are held in that tier (the fastest one holding it):
+# the run ends at the first hash no tier holds. Server side, one command per prompt. The work
+# per pod: each distinct prompt blob is sent once (a byte per pod names it); a pod with no
+# lower-tier SET has its run found by galloping then binary search, O(log run) SISMEMBERs,
+# which relies on the run being a prefix (see `cached_prefixes`); a pod with offload tiers is
+# scanned hash by hash, since each block's tier is credited. Still every pod is visited
+# (benchmarks/scale measures it: docs/benchmarks.md, "Cluster scale").
 LOOKUP_SCRIPT = """
-local tiers = #KEYS / #ARGV
+local tiers = tonumber(ARGV[1])
+local which = ARGV[2]
 local counts = {}
-for i, blob in ipairs(ARGV) do
-  local found = {}
-  for t = 1, tiers do found[t] = 0 end
+local function hash_at(blob, i) return string.sub(blob, (i - 1) * 16 + 1, i * 16) end
+local function run_on_device(key, blob)
+  local n = #blob / 16
+  local lo, probe = 0, 1
+  while probe <= n and redis.call('SISMEMBER', key, hash_at(blob, probe)) == 1 do
+    lo = probe
+    probe = probe * 2
+  end
+  local hi = math.min(probe, n + 1)
+  while hi - lo > 1 do
+    local mid = math.floor((lo + hi) / 2)
+    if redis.call('SISMEMBER', key, hash_at(blob, mid)) == 1 then lo = mid else hi = mid end
+  end
+  return lo
+end
+local function scan_tiers(base, present, blob, found)
   for start = 1, #blob, 16 do
     local hash = string.sub(blob, start, start + 15)
     local where = 0
-    for t = 1, tiers do
-      if redis.call('SISMEMBER', KEYS[(i - 1) * tiers + t], hash) == 1 then
+    for _, t in ipairs(present) do
+      if redis.call('SISMEMBER', KEYS[base + t], hash) == 1 then
         where = t
         break
       end
     end
-    if where == 0 then break end
+    if where == 0 then return end
     found[where] = found[where] + 1
   end
-  for t = 1, tiers do counts[(i - 1) * tiers + t] = found[t] end
+end
+for p = 1, #which do
+  local base = (p - 1) * tiers
+  local blob = ARGV[2 + string.byte(which, p)]
+  local present = {1}
+  for t = 2, tiers do
+    if redis.call('EXISTS', KEYS[base + t]) == 1 then present[#present + 1] = t end
+  end
+  local found = {}
+  for t = 1, tiers do found[t] = 0 end
+  if #present == 1 then
+    found[1] = run_on_device(KEYS[base + 1], blob)
+  else
+    scan_tiers(base, present, blob, found)
+  end
+  for t = 1, tiers do counts[base + t] = found[t] end
 end
 return counts
 """
@@ -251,9 +286,15 @@ async def cached_prefixes(
         "block hashes are 16 bytes"
     )
     assert all(len(tier_keys) == len(Tier) for tier_keys, _ in queries), "one key per tier"
+    blob_indexes: dict[bytes, int] = {}  # blob -> its 1-based place among the arguments
+    which = bytearray()
+    for _, hashes in queries:
+        which.append(blob_indexes.setdefault(b"".join(hashes), len(blob_indexes) + 1))
+    if len(blob_indexes) > MAX_DISTINCT_BLOBS:
+        raise ValueError(f"more than {MAX_DISTINCT_BLOBS} distinct block sizes and namespaces")
     keys = [key for tier_keys, _ in queries for key in tier_keys]
-    blobs = [b"".join(hashes) for _, hashes in queries]
-    counts = [int(count) for count in await _lookup_script(client)(keys=keys, args=blobs)]
+    args = [len(Tier), bytes(which), *blob_indexes]
+    counts = [int(count) for count in await _lookup_script(client)(keys=keys, args=args)]
     return [
         CachedPrefix({tier: counts[i * len(Tier) + t] for t, tier in enumerate(Tier)})
         for i in range(len(queries))

@@ -8,6 +8,7 @@ the router sends an adapter's next request to the pod where it is resident."""
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -17,10 +18,29 @@ import pytest
 import torch
 
 from splitserve import LLM, LoRARequest, SamplingParams
+from splitserve.cli import build_parser
 from splitserve.common.channels import sync_channel
 from splitserve.common.convert import options_from_params
+from splitserve.common.pod_load import PodLoad
+from splitserve.gateway.routing.scoring import (
+    Location,
+    LoRAResidency,
+    PodView,
+    RoutingContext,
+    decide,
+    score_terms,
+)
+from splitserve.launcher import plan
 from splitserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.services_util import HttpResult, Stack, get_json, pod_stats, start_stack
+from tests.services_util import (
+    HttpResult,
+    Stack,
+    free_port,
+    get_json,
+    pod_stats,
+    prefill_stats,
+    start_stack,
+)
 from tests.test_lora import ADAPTERS, _write_adapter
 
 pytest.importorskip("peft")
@@ -51,14 +71,19 @@ def adapter_dirs(base_dir, tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def stack(base_dir, adapter_dirs):
+def prefill_metrics_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def stack(base_dir, adapter_dirs, prefill_metrics_port):
     model = ["--model", base_dir, "--model-name", MODEL_NAME]
     pod_flags = [*model, "--lora-modules", f"alpha={adapter_dirs['alpha']}", *LORA_FLAGS]
     started = start_stack(
         num_decode=2,
         num_prefill=1,
         decode_flags=pod_flags,
-        prefill_flags=pod_flags,
+        prefill_flags=[*pod_flags, "--metrics-port", str(prefill_metrics_port)],
         gateway_flags=model,
     )
     try:
@@ -180,6 +205,9 @@ def test_an_adapter_through_the_prefill_pod_equals_the_offline_engine(stack, llm
     responses = decode_call(stack.decode_addresses[0], request)
     assert [r.prefill_mode for r in responses][-1] == "remote"
     assert [t for r in responses for t in r.token_ids] == expected
+    # The prefill pod computed the pages with the adapter (the decode engine would have
+    # refused other pages and prefilled itself, which the mode would not show).
+    assert "alpha" in prefill_stats(stack.prefill_addresses[0]).resident_lora_adapters
     # And through the gateway (it names the prefill pod for a long prompt).
     gateway = completion_tokens(complete(stack, "alpha", LONG_PROMPT))
     assert gateway == offline(llm, LONG_PROMPT, alpha)
@@ -254,3 +282,71 @@ def test_runtime_load_use_and_unload_over_http_and_residency_routing(stack, llm,
     assert complete(stack, "beta", first).status == 404
     again = post(f"{url}/v1/unload_lora_adapter", {"lora_name": "beta"})
     assert again.status == 404 and again.body["error"]["code"] == "model_not_found"
+
+
+def test_the_prefill_pod_reports_its_adapters_in_metrics(stack, prefill_metrics_port):
+    assert complete(stack, "alpha", LONG_PROMPT).status == 200  # prefilled there with alpha
+    url = f"http://127.0.0.1:{prefill_metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    info = [line for line in text.splitlines() if line.startswith("splitserve:lora_requests_info")]
+    assert len(info) == 1 and 'max_lora="2"' in info[0], info
+    assert 'running_lora_adapters=""' in info[0]  # nothing runs now
+    loads = _sample(text, "splitserve:lora_slot_loads_total")
+    assert loads >= 1  # alpha at least
+    assert _sample(text, "splitserve:lora_slot_evictions_total") >= 0
+
+
+def _sample(text: str, name: str) -> float:
+    lines = [line for line in text.splitlines() if line.startswith(name + "{")]
+    assert len(lines) == 1, (name, lines)
+    return float(lines[0].rsplit(" ", 1)[1])
+
+
+# ---- pure parts: the residency score and `splitserve up`'s flags --------------------------
+
+
+def _view(pod_id: str, residency: LoRAResidency | None, queued: int = 0) -> PodView:
+    load = PodLoad(num_waiting=queued, kv_blocks_total=100, kv_blocks_free=100)
+    return PodView(pod_id, f"{pod_id}:1", Location(), load, lora_residency=residency)
+
+
+def test_residency_scores_resident_over_free_slot_over_eviction():
+    ctx = RoutingContext(num_prompt_tokens=10, client=Location())
+    terms = {
+        r: score_terms(_view("p", r), ctx)["lora_affinity"] for r in LoRAResidency
+    }
+    weight = ctx.weights.lora
+    assert terms == {
+        LoRAResidency.RESIDENT: weight * 1.0,
+        LoRAResidency.FREE_SLOT: weight * 0.8,
+        LoRAResidency.MUST_EVICT: weight * 0.6,
+    }
+    assert "lora_affinity" not in score_terms(_view("p", None), ctx)  # base-model requests
+    pods = [
+        _view("a", LoRAResidency.MUST_EVICT),
+        _view("b", LoRAResidency.RESIDENT),
+        _view("c", LoRAResidency.FREE_SLOT),
+    ]
+    decision = decide([], pods, ctx)
+    assert (decision.decode_pod_id, decision.reason) == ("b", "lora_affinity")
+    # One request queued on the resident pod does not outweigh the load of a cold load...
+    busy = [_view("b", LoRAResidency.RESIDENT, queued=1), _view("c", LoRAResidency.FREE_SLOT)]
+    assert decide([], busy, ctx).decode_pod_id == "b"
+    # ... a long queue does.
+    swamped = [_view("b", LoRAResidency.RESIDENT, queued=8), _view("c", LoRAResidency.FREE_SLOT)]
+    assert decide([], swamped, ctx).decode_pod_id == "c"
+
+
+def test_up_passes_the_lora_flags_to_every_engine_pod(tmp_path):
+    args = ["up", "--lora-modules", "alpha=adapters/a", "b=/abs/b", "--max-loras", "3"]
+    specs = plan(build_parser().parse_args(args), prefill_available=True).specs
+    pods = [spec for spec in specs if "--kv-transport" in spec.argv]
+    assert len(pods) == 2  # one prefill, one decode
+    for spec in pods:
+        argv = spec.argv
+        start = argv.index("--lora-modules") + 1
+        assert argv[start : start + 2] == [f"alpha={os.path.abspath('adapters/a')}", "b=/abs/b"]
+        assert argv[argv.index("--max-loras") + 1] == "3"
+    gateway = [spec for spec in specs if "--kv-transport" not in spec.argv]
+    assert all("--lora-modules" not in spec.argv for spec in gateway)

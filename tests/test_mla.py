@@ -190,6 +190,7 @@ def test_each_special_part_changes_the_reference(make_checkpoint, name, part):
         ({"norm_topk_prob": True}, "norm_topk_prob"),
         ({"topk_method": "noaux_tc"}, "topk_method"),
         ({"attention_bias": True}, "attention_bias"),
+        ({"scoring_func": "sigmoid"}, "scoring_func"),
         ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
     ],
 )
@@ -324,3 +325,68 @@ def test_dense_and_sparse_layers_follow_first_k_dense_replace_and_moe_layer_freq
     assert [moe.is_sparse(i) for i in range(6)] == [False, False, True, False, True, False]
     assert (moe.shared_expert_intermediate_size, moe.shared_expert_gated) == (32, False)
     assert (moe.num_groups, moe.topk_groups, moe.routed_scaling_factor) == (2, 1, 1.5)
+
+
+# DeepSeek-V2-Lite's config.json as published (DeepSeek's remote-code spelling: rope_scaling with
+# "type", no head_dim), trimmed to what the loader reads.
+_V2_LITE = {
+    "model_type": "deepseek_v2",
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_shared_experts": 2,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 6,
+    "routed_scaling_factor": 1.0,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "moe_layer_freq": 1,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": False,
+    "scoring_func": "softmax",
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "bos_token_id": 100000,
+    "eos_token_id": 100001,
+    "tie_word_embeddings": False,
+}
+
+
+def test_deepseek_v2_lite_config_reads_as_published():
+    import math
+    from types import SimpleNamespace
+
+    from splitserve.engine.model.hf_loader import architecture_from_config
+
+    tokenizer = SimpleNamespace(bos_token_id=None, eos_token_ids=())
+    arch = architecture_from_config(dict(_V2_LITE), tokenizer)  # type: ignore[arg-type]
+    assert arch.mla is not None and arch.moe is not None
+    assert (arch.head_dim, arch.num_kv_heads, arch.mla.q_lora_rank) == (64, 16, None)
+    assert arch.mla.latent_width == 576
+    assert arch.rope_scaling.rope_type == "yarn" and arch.rope_scaling.factor == 40
+    assert arch.rope_scaling.attention_factor == 1.0  # mscale / mscale_all_dim
+    mscale = 0.1 * 0.707 * math.log(40) + 1.0
+    assert arch.mla.softmax_scale == pytest.approx(192**-0.5 * mscale**2)
+    assert [arch.is_sparse_layer(i) for i in (0, 1, 26)] == [False, True, True]
+    assert bytes_per_block(arch, 16, torch.bfloat16) == 27 * 16 * 576 * 2

@@ -106,4 +106,6 @@ def differences(config: dict[str, Any]) -> dict[str, bool]:
         "attention_bias": bool(config.get("attention_bias", False)),
         "hidden_act": config.get("hidden_act", "silu") != "silu",
         "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        # DeepSeek's remote-code configs name the router's scoring; V2 scores by softmax.
+        "scoring_func": config.get("scoring_func", "softmax") != "softmax",
     }

@@ -1,7 +1,9 @@
 """The key file and the rate limiter on their own: key files refused with the entry named,
 look-ups by key and by its SHA-256, the tenant's cache salt, and the limiter against a real
-redis-server: shared counts, the sliding window, the running set, and a Redis that goes away
-(the limiter keeps counting in its own process and says so in the log)."""
+redis-server: shared counts, the sliding window, the running set, one admission checking and
+charging every limit in one round trip (counted by Redis's own commandstats) or nothing, and
+a Redis that goes away (the limiter keeps counting in its own process and says so in the
+log). The HTTP gate is driven in process over a stand-in generation route."""
 
 from __future__ import annotations
 
@@ -9,13 +11,21 @@ import asyncio
 import hashlib
 import json
 import logging
+import time
 
 import pytest
+import redis
+from prometheus_client import CollectorRegistry
 
 from splitserve.common.redis_server import RedisServer
 from splitserve.engine.kv.block_hash import quota_tenant, tenant_cache_salt
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.gateway.api.http_app import GENERATION_ENDPOINTS
+from splitserve.gateway.auth.gate import Gate, current_caller
+from splitserve.gateway.auth.http import CHARGED_PATHS, GateMiddleware
 from splitserve.gateway.auth.keys import KeyRing, api_key_from_headers
-from splitserve.gateway.auth.limits import WINDOW_S, RateLimiter, _window_use
+from splitserve.gateway.auth.limits import WINDOW_S, Ask, RateLimiter, _window_use
+from splitserve.gateway.core import GenerationRequest
 
 
 def test_keys_by_value_and_by_sha256_share_their_tenants_limits(tmp_path):
@@ -156,3 +166,186 @@ def test_a_redis_outage_degrades_to_this_replicas_counts_and_logs_it(caplog):
         server.stop()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "per replica" in warnings[0], warnings
+
+
+def test_a_refused_admission_charges_nothing(redis_server):
+    """Requests, tokens and the running set in one script: the first limit over refuses
+    (requests, then concurrent requests, then tokens) and no count moves."""
+    everything = {"requests_per_minute": 10, "tokens_per_minute": 100, "concurrent_requests": 1}
+
+    async def run() -> list[str | None]:
+        limiter = RateLimiter(redis_server.url)
+        try:
+            refusals = []
+            for request_id, num_tokens in [("r1", 150), ("r2", 60), ("r3", 10), ("r4", 10)]:
+                ask = Ask(num_tokens=num_tokens, **everything)
+                admission = await limiter.admit("atomic-test", request_id, ask)
+                refusals.append(admission.refused)
+                if request_id == "r3":  # r2 still runs: its slot refused r3
+                    assert admission.requests is not None and admission.requests.remaining == 9
+                    await limiter.leave("atomic-test", "r2", True)
+            return refusals
+        finally:
+            await limiter.close()
+
+    assert asyncio.run(run()) == ["tokens", None, "concurrent_requests", None]
+    client = redis.Redis.from_url(redis_server.url)
+    index = int(time.time() // WINDOW_S)
+
+    def counted(kind: str) -> int:  # this minute and the last: the minute may have turned
+        keys = [f"splitserve:limits:{{atomic-test}}:{kind}:{i}" for i in (index, index - 1)]
+        return sum(int(value or 0) for value in client.mget(keys))
+
+    assert (counted("requests"), counted("tokens")) == (2, 70)  # r2's and r4's alone
+    assert client.zrange("splitserve:limits:{atomic-test}:running", 0, -1) == [b"r4"]
+
+
+def test_the_charged_paths_are_the_generation_endpoints():
+    assert set(GENERATION_ENDPOINTS) == CHARGED_PATHS
+
+
+LIMITED_KEY = "sk-limited-0123456789"
+
+
+def _gate(url: str, tenant: str, **limits: int) -> Gate:
+    keys = KeyRing.from_entries([{"key": LIMITED_KEY, "tenant": tenant, **limits}])
+    return Gate(keys, CollectorRegistry(), url)
+
+
+async def _generation_route(scope, receive, send) -> None:
+    """A stand-in for a generation route: the body read, the caller charged as
+    GatewayCore.start charges it, then a stream of two tokens."""
+    await receive()
+    caller = current_caller()
+    assert caller is not None, "the gate sets the caller"
+    request = GenerationRequest("gen-1", [[1] * 10], SamplingParams(max_tokens=5))
+    await caller.charge(request)
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    for token in (b"data: a\n\n", b"data: b\n\n"):
+        await send({"type": "http.response.body", "body": token, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _malformed_route(scope, receive, send) -> None:
+    """A stand-in for a generation route refusing its body before any charge."""
+    await receive()
+    await send({"type": "http.response.start", "status": 400, "headers": []})
+    await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+
+async def _call(app, path: str = "/v1/chat/completions", on_body=None) -> list[dict]:
+    """The messages `app` sent for one POST with the limited key."""
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "headers": [(b"authorization", f"Bearer {LIMITED_KEY}".encode()),
+                    (b"content-length", b"2")],
+    }  # fmt: skip
+    messages: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.body" and on_body is not None:
+            on_body(message)
+        messages.append(message)
+
+    await app(scope, receive, send)
+    return messages
+
+
+def _command_calls(client: redis.Redis) -> dict[str, int]:
+    stats = client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(stat["calls"]) for name, stat in stats.items()}
+
+
+def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    delta = {name: calls - before.get(name, 0) for name, calls in after.items()}
+    return {name: calls for name, calls in delta.items() if calls and name != "info"}
+
+
+def test_an_admitted_request_makes_one_redis_command_before_its_first_token(redis_server):
+    """Counted by Redis itself (INFO commandstats, which also counts the commands a script
+    runs): before the first token, one EVALSHA and what its script ran; after the response,
+    the slot's ZREM."""
+    client = redis.Redis.from_url(redis_server.url)
+    limits = {"requests_per_minute": 100, "tokens_per_minute": 10_000, "concurrent_requests": 4}
+    at_first_token: list[dict[str, int]] = []
+
+    def on_body(message: dict) -> None:
+        if not at_first_token:
+            at_first_token.append(_command_calls(client))
+
+    async def run() -> dict[str, int]:
+        gate = _gate(redis_server.url, "one-trip", **limits)
+        app = GateMiddleware(_generation_route, gate)
+        try:
+            await _call(app)  # the script loaded, a connection open
+            await gate.limiter.drain()  # type: ignore[union-attr]
+            before = _command_calls(client)
+            messages = await _call(app, on_body=on_body)
+            assert messages[0]["status"] == 200
+            headers = dict(messages[0]["headers"])
+            assert headers[b"x-ratelimit-remaining-requests"] == b"98"
+            assert headers[b"x-ratelimit-remaining-tokens"] == str(10_000 - 2 * 15).encode()
+            return before
+        finally:
+            await gate.close()  # waits for the slots queued for release
+
+    before = asyncio.run(run())
+    assert _delta(before, at_first_token[0]) == {
+        "evalsha": 1,  # the one round trip; the rest ran inside it
+        "get": 4,  # requests and tokens: this minute's and the last's
+        "zremrangebyscore": 1,
+        "zcard": 1,
+        "incr": 1,
+        "incrby": 1,
+        "expire": 3,
+        "zadd": 1,
+    }
+    assert _delta(at_first_token[0], _command_calls(client)) == {"zrem": 1}
+
+
+def test_a_generation_request_refused_before_its_charge_still_counts(redis_server):
+    """A 400 before the tokens are known is a request: counted, and past the requests per
+    minute a 429 goes out in its place."""
+
+    async def run() -> list[int]:
+        gate = _gate(redis_server.url, "malformed", requests_per_minute=1, concurrent_requests=1)
+        app = GateMiddleware(_malformed_route, gate)
+        try:
+            first, second = await _call(app), await _call(app)
+            assert len(second) == 2 and b"rate_limit_exceeded" in second[1]["body"]
+            assert dict(second[0]["headers"])[b"x-ratelimit-remaining-requests"] == b"0"
+            assert not await _running(redis_server.url)  # no slot was taken for either
+            return [first[0]["status"], second[0]["status"]]
+        finally:
+            await gate.close()
+
+    assert asyncio.run(run()) == [400, 429]
+
+
+async def _running(url: str) -> list[bytes]:
+    client = redis.asyncio.Redis.from_url(url)
+    try:
+        return await client.zrange("splitserve:limits:{malformed}:running", 0, -1)
+    finally:
+        await client.aclose()
+
+
+def test_a_tenant_without_limits_makes_no_redis_command(redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+
+    async def run() -> list[dict]:
+        gate = _gate(redis_server.url, "unlimited")
+        try:
+            return await _call(GateMiddleware(_generation_route, gate))
+        finally:
+            await gate.close()
+
+    before = _command_calls(client)
+    messages = asyncio.run(run())
+    assert messages[0]["status"] == 200
+    assert _delta(before, _command_calls(client)) == {}

@@ -1,8 +1,11 @@
-"""The gate every request passes, whichever API it came by: its key turned into a tenant, the
-tenant's request and concurrency limits checked (`Gate.admit`), and, once the request core
-knows the prompt, its tokens counted and its cache salt set (`Caller.charge`).
+"""The gate every request passes, whichever API it came by: its key turned into a tenant, then
+the tenant's limits checked and charged in one round trip to Redis. A generation request is
+admitted once the request core knows its prompt (`Gate.defer`, then `Caller.charge`: requests,
+tokens and concurrent requests together, and its cache salt set); any other request before its
+route runs (`Gate.admit`: requests and concurrent requests). A deferred request that ends
+before its charge (a 400) is admitted then (`Gate.settle`): counted, or refused in its place.
 
-The admitted caller is a context variable for the rest of the request (`current_caller`): the
+The caller is a context variable for the rest of the request (`current_caller`): the
 request core reads it without knowing which front end set it, and a request with none (no key
 file: the gateway is open) goes through as before.
 """
@@ -10,6 +13,7 @@ file: the gateway is open) goes through as before.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -24,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter
 from splitserve.common.grpc_server import StatusError
 from splitserve.engine.kv.block_hash import tenant_cache_salt
 from splitserve.gateway.auth.keys import ApiKey, KeyRing, api_key_from_headers
-from splitserve.gateway.auth.limits import LimitExceeded, RateLimiter, WindowUse
+from splitserve.gateway.auth.limits import Admission, Ask, LimitExceeded, RateLimiter, WindowUse
 
 if TYPE_CHECKING:
     from splitserve.gateway.core import GenerationRequest
@@ -42,13 +46,14 @@ class Unauthenticated(StatusError):
 
 @dataclass
 class Caller:
-    """One admitted request: its tenant, and what its limits said (for the response's
-    x-ratelimit-* headers). `charge` may run once per request."""
+    """One authenticated request: its tenant, whether its limits were checked yet, and what
+    they said (for the response's x-ratelimit-* headers). `charge` may run once per request."""
 
     key: ApiKey
-    request_id: str
+    request_id: str  # names its concurrent slot
     limiter: RateLimiter
     metrics: TenantMetrics
+    is_admitted: bool = False  # its limits were checked and charged
     holds_slot: bool = False  # a concurrent slot was taken
     slot_in_redis: bool = False
     headers: dict[str, str] = field(default_factory=dict)
@@ -59,20 +64,49 @@ class Caller:
 
     async def charge(self, request: GenerationRequest) -> GenerationRequest:
         """`request` with its tenant's cache salt, once its tokens (every prompt's tokens and
-        every sequence's max_tokens) fit the tenant's tokens per minute; raises
-        LimitExceeded."""
+        every sequence's max_tokens) fit the tenant's tokens per minute, and, if the caller
+        was deferred, its requests per minute and concurrent requests too (one round trip);
+        raises LimitExceeded."""
         params = request.params
         num_prompt_tokens = sum(len(prompt) for prompt in request.prompts)
         num_tokens = num_prompt_tokens + len(request.prompts) * params.n * params.max_tokens
-        limit = self.key.limits.tokens_per_minute
-        if limit is not None:
-            use = await self.limiter.add(self.tenant, "tokens", num_tokens, limit)
-            self.headers.update(rate_headers("tokens", use))
-            if use.retry_after_s:
-                raise self.refused("tokens", f"{num_tokens} tokens asked", use.retry_after_s)
-        self.metrics.tokens.labels(self.tenant).inc(num_tokens)
+        limits = self.key.limits
+        if not self.is_admitted:
+            await self.admit(num_tokens)
+        elif limits.tokens_per_minute is not None:  # admitted before its route ran
+            ask = Ask(num_tokens=num_tokens, tokens_per_minute=limits.tokens_per_minute)
+            self._take(await self.limiter.admit(self.tenant, self.request_id, ask), num_tokens)
+        self.metrics.tenant_tokens(self.tenant).inc(num_tokens)
         salt = tenant_cache_salt(self.tenant, params.cache_salt)
         return dataclasses.replace(request, params=dataclasses.replace(params, cache_salt=salt))
+
+    async def admit(self, num_tokens: int | None = None, takes_slot: bool = True) -> None:
+        """Checks and charges the caller's limits (its tokens per minute only with
+        `num_tokens`; `takes_slot` False: the running count checked, no slot taken); raises
+        LimitExceeded."""
+        assert not self.is_admitted, "a caller is admitted once"
+        limits = self.key.limits
+        ask = Ask(
+            limits.requests_per_minute,
+            num_tokens or 0,
+            limits.tokens_per_minute if num_tokens is not None else None,
+            limits.concurrent_requests,
+            takes_slot,
+        )
+        admission = await self.limiter.admit(self.tenant, self.request_id, ask)
+        self.is_admitted = True
+        self.holds_slot, self.slot_in_redis = admission.holds_slot, admission.slot_in_redis
+        self._take(admission, num_tokens or 0)
+
+    def _take(self, admission: Admission, num_tokens: int) -> None:
+        """The admission's headers kept; raises LimitExceeded if it refused."""
+        if admission.requests is not None:
+            self.headers.update(rate_headers("requests", admission.requests))
+        if admission.tokens is not None:
+            self.headers.update(rate_headers("tokens", admission.tokens))
+        if admission.refused is not None:
+            detail = _REFUSAL_DETAILS[admission.refused].format(num_tokens=num_tokens)
+            raise self.refused(admission.refused, detail, admission.retry_after_s)
 
     def refused(self, kind: str, detail: str, retry_after_s: float) -> LimitExceeded:
         limit = getattr(self.key.limits, _LIMIT_FIELDS[kind])
@@ -84,16 +118,24 @@ class Caller:
             retry_after_s,
         )
         error.rate_headers = dict(self.headers)
-        self.metrics.limited.labels(self.tenant, kind).inc()
+        self.metrics.tenant_limited(self.tenant, kind).inc()
         return error
 
 
+_REFUSAL_DETAILS = {
+    "requests": "1 more asked",
+    "tokens": "{num_tokens} tokens asked",
+    "concurrent_requests": "all in use",
+}
 _LIMIT_FIELDS = {
     "requests": "requests_per_minute",
     "tokens": "tokens_per_minute",
     "concurrent_requests": "concurrent_requests",
 }
 _caller: ContextVar[Caller | None] = ContextVar("splitserve_caller", default=None)
+# Concurrent slots' names: this process's own prefix, then a count (cheaper than a uuid each).
+_REQUEST_PREFIX = uuid.uuid4().hex[:16]
+_request_numbers = itertools.count()
 
 
 def current_caller() -> Caller | None:
@@ -102,7 +144,8 @@ def current_caller() -> Caller | None:
 
 
 class TenantMetrics:
-    """Per-tenant series; the tenant label takes only the key file's tenants."""
+    """Per-tenant series; the tenant label takes only the key file's tenants. A series is
+    looked up once (`labels` validates and locks each time), then kept."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter(
@@ -129,6 +172,22 @@ class TenantMetrics:
             "Requests refused for no key or an unknown key.",
             registry=registry,
         )
+        self._series: dict[tuple[str, ...], Counter] = {}
+
+    def tenant_requests(self, tenant: str, status: str) -> Counter:
+        return self._get(self.requests, ("requests", tenant, status))
+
+    def tenant_tokens(self, tenant: str) -> Counter:
+        return self._get(self.tokens, ("tokens", tenant))
+
+    def tenant_limited(self, tenant: str, kind: str) -> Counter:
+        return self._get(self.limited, ("limited", tenant, kind))
+
+    def _get(self, counter: Counter, key: tuple[str, ...]) -> Counter:
+        series = self._series.get(key)
+        if series is None:  # bounded: tenants of the key file, statuses, limit kinds
+            series = self._series[key] = counter.labels(*key[1:])
+        return series
 
 
 class Gate:
@@ -179,30 +238,35 @@ class Gate:
             raise Unauthenticated("Incorrect API key provided.", "invalid_api_key")
         return key
 
+    def defer(self, key: ApiKey) -> Caller:
+        """A caller whose limits are checked when its tokens are known (`Caller.charge`), or,
+        if it ends before that, by `settle`; `release` it when the response is done."""
+        assert self.limiter is not None, "callers only through a gate with keys"
+        request_id = f"{_REQUEST_PREFIX}-{next(_request_numbers)}"
+        return Caller(key, request_id, self.limiter, self.metrics)
+
     async def admit(self, key: ApiKey) -> Caller:
-        """A caller within its requests per minute and concurrent requests (a slot taken:
-        `release` it when the response is done); raises LimitExceeded."""
-        assert self.limiter is not None, "admit only through a gate with keys"
-        caller = Caller(key, uuid.uuid4().hex, self.limiter, self.metrics)
-        limits = key.limits
-        if limits.requests_per_minute is not None:
-            use = await self.limiter.add(key.tenant, "requests", 1, limits.requests_per_minute)
-            caller.headers.update(rate_headers("requests", use))
-            if use.retry_after_s:
-                raise caller.refused("requests", "1 more asked", use.retry_after_s)
-        if limits.concurrent_requests is not None:
-            taken, in_redis = await self.limiter.enter(
-                key.tenant, caller.request_id, limits.concurrent_requests
-            )
-            if not taken:
-                raise caller.refused("concurrent_requests", "all in use", 1.0)
-            caller.holds_slot, caller.slot_in_redis = True, in_redis
+        """A caller within its requests per minute and concurrent requests, checked and
+        charged now (a slot taken: `release` it when the response is done); raises
+        LimitExceeded."""
+        caller = self.defer(key)
+        await caller.admit()
         return caller
 
-    async def release(self, caller: Caller) -> None:
+    @staticmethod
+    async def settle(caller: Caller) -> None:
+        """Admits a deferred caller that ended before its charge (a request refused as
+        malformed is still a request): its requests per minute charged, its concurrent
+        requests checked (no slot taken, it is done); raises LimitExceeded."""
+        if not caller.is_admitted:
+            await caller.admit(takes_slot=False)
+
+    @staticmethod
+    def release(caller: Caller) -> None:
+        """Gives its concurrent slot back, in the background (no response waits on it)."""
         if caller.holds_slot:
             caller.holds_slot = False
-            await caller.limiter.leave(caller.tenant, caller.request_id, caller.slot_in_redis)
+            caller.limiter.leave_soon(caller.tenant, caller.request_id, caller.slot_in_redis)
 
     @staticmethod
     def enter_context(caller: Caller) -> object:
@@ -244,16 +308,16 @@ async def grpc_caller(gate: Gate | None, context) -> AsyncIterator[None]:
         return
     metadata = context.invocation_metadata() or ()
     key = gate.authenticate({k.lower(): v for k, v in metadata if isinstance(v, str)})
-    try:
-        caller = await gate.admit(key)
-    except LimitExceeded as error:
-        gate.metrics.requests.labels(key.tenant, "RESOURCE_EXHAUSTED").inc()
-        context.set_trailing_metadata(tuple(error.retry_after.items()))
-        raise
+    caller = gate.defer(key)  # admitted by its charge: every method here generates
     token = Gate.enter_context(caller)
     status = "OK"
     try:
-        yield
+        try:
+            yield
+        except Exception:
+            await Gate.settle(caller)  # refused in its error's place, else counted
+            raise
+        await Gate.settle(caller)
     except LimitExceeded as error:
         status = "RESOURCE_EXHAUSTED"
         context.set_trailing_metadata(tuple(error.retry_after.items()))
@@ -262,6 +326,6 @@ async def grpc_caller(gate: Gate | None, context) -> AsyncIterator[None]:
         status = error.code.name if isinstance(error, StatusError) else "ERROR"
         raise
     finally:
-        gate.metrics.requests.labels(key.tenant, status).inc()
+        gate.metrics.tenant_requests(key.tenant, status).inc()
         Gate.leave_context(token)
-        await gate.release(caller)
+        Gate.release(caller)

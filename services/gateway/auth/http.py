@@ -6,10 +6,15 @@ In order, for each request:
    bodies are small) and replayed to the route.
 2. Paths other than OPEN_PATHS (and /metrics with --metrics-public) need a key: none or an
    unknown one is a 401 with OpenAI's error body.
-3. The tenant's requests per minute and concurrent requests: over either is a 429 with
-   Retry-After and OpenAI's rate_limit_exceeded body.
+3. The tenant's limits, checked and charged in one round trip to Redis: over one is a 429
+   with Retry-After and OpenAI's rate_limit_exceeded body. On a generation path
+   (CHARGED_PATHS) that happens once the request core knows the prompt (`Caller.charge`, so
+   tokens per minute are checked in the same round trip); a generation request answered
+   before that (a 400) is admitted as its response starts, and a 429 replaces it if refused.
+   Elsewhere it happens before the route runs (requests and concurrent requests).
 4. The route runs with the caller current (`gate.current_caller`); its response carries the
-   x-ratelimit-* headers, and its concurrent slot is released once the last byte is sent.
+   x-ratelimit-* headers, and its concurrent slot is given back once the last byte is sent,
+   in the background.
 
 A plain ASGI wrapper, not BaseHTTPMiddleware, which would buffer the streams.
 """
@@ -25,6 +30,12 @@ from splitserve.gateway.auth.limits import LimitExceeded
 from splitserve.gateway.errors import error_body
 
 OPEN_PATHS = frozenset({"/health"})
+# The routes that reach GatewayCore.start, which charges the caller (api/http_app.py's
+# GENERATION_ENDPOINTS).
+CHARGED_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
+)
+_KEY_HEADERS = frozenset({b"authorization", b"x-api-key"})
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 # \uD800-\uDFFF as a JSON escape, not itself escaped (an odd number of backslashes before it).
@@ -38,10 +49,17 @@ class BadBody(ValueError):
 
 
 class GateMiddleware:
-    def __init__(self, app, gate: Gate, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(
+        self,
+        app,
+        gate: Gate,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        charged_paths: frozenset[str] = CHARGED_PATHS,
+    ) -> None:
         self.app = app
         self.gate = gate
         self.max_body_bytes = max_body_bytes
+        self.charged_paths = charged_paths
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -58,16 +76,18 @@ class GateMiddleware:
         if self._is_open(path):
             await self.app(scope, receive, send)
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            key = self.gate.authenticate(headers)
-            caller = await self.gate.admit(key)
+            key = self.gate.authenticate(_key_headers(scope))
+            if path in self.charged_paths:
+                caller = self.gate.defer(key)  # admitted by its charge, tokens known
+            else:
+                caller = await self.gate.admit(key)
         except Unauthenticated as error:
             kind, code = "invalid_request_error", error.openai_code
             await _send_error(send, path, 401, str(error), kind, code)
             return
         except LimitExceeded as error:
-            self.gate.metrics.requests.labels(key.tenant, "429").inc()
+            self.gate.metrics.tenant_requests(key.tenant, "429").inc()
             await send_rate_limited(send, path, error)
             return
         await self._serve(scope, receive, send, caller)
@@ -78,9 +98,23 @@ class GateMiddleware:
         return path == "/metrics" and self.gate.metrics_public
 
     async def _serve(self, scope, receive, send, caller: Caller) -> None:
+        path = scope.get("path", "")
+        is_replaced = False  # a 429 went out in place of the route's response
+
         async def send_with_headers(message) -> None:
+            nonlocal is_replaced
+            if is_replaced:
+                return
             if message["type"] == "http.response.start":
-                self.gate.metrics.requests.labels(caller.tenant, str(message["status"])).inc()
+                try:
+                    await Gate.settle(caller)  # a deferred caller answered before its charge
+                except LimitExceeded as error:
+                    is_replaced = True
+                    self.gate.metrics.tenant_requests(caller.tenant, "429").inc()
+                    await send_rate_limited(send, path, error)
+                    return
+                status = str(message["status"])
+                self.gate.metrics.tenant_requests(caller.tenant, status).inc()
                 extra = [(k.encode(), v.encode()) for k, v in caller.headers.items()]
                 message = {**message, "headers": [*message.get("headers", ()), *extra]}
             await send(message)
@@ -90,11 +124,11 @@ class GateMiddleware:
             await self.app(scope, receive, send_with_headers)
         finally:
             Gate.leave_context(token)
-            await self.gate.release(caller)
+            Gate.release(caller)
 
     async def _read_body(self, scope, receive) -> bytes:
         """The whole body; raises BadBody past the size or for text no tokenizer can take."""
-        declared = dict(scope["headers"]).get(b"content-length")
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise self._too_large()
         chunks: list[bytes] = []
@@ -120,6 +154,15 @@ class GateMiddleware:
             "bytes (--max-request-bytes)",
             "request_too_large",
         )
+
+
+def _key_headers(scope) -> dict[str, str]:
+    """The headers that may carry a key (lower-case names), the others left undecoded."""
+    return {
+        name.decode("latin-1").lower(): value.decode("latin-1")
+        for name, value in scope["headers"]
+        if name.lower() in _KEY_HEADERS
+    }
 
 
 def _check_text(body: bytes) -> None:

@@ -6,18 +6,23 @@ elapsed / 60)`, so a burst at a window's edge is not allowed twice. Concurrent r
 sorted set of request ids scored by their start; an id left behind by a gateway that died is
 dropped after STALE_AFTER_S.
 
-Counters live in Redis when the gateway has one (`--redis-url`), each check-and-add one Lua
-script, so every replica sees every replica's requests. When Redis cannot be reached the
-limiter logs it once, counts in this process alone (limits then hold per replica) and tries
-Redis again after REDIS_RETRY_S; it logs again when Redis is back.
+A request's limits are checked and charged together, by one Lua script in one round trip
+(`RateLimiter.admit`): every limit is read, the first over (requests, then concurrent requests,
+then tokens) refuses and nothing is charged; else every window is charged and the slot taken.
+Counters live in Redis when the gateway has one (`--redis-url`), so every replica sees every
+replica's requests. When Redis cannot be reached the limiter logs it once, counts in this
+process alone (limits then hold per replica) and tries Redis again after REDIS_RETRY_S; it logs
+again when Redis is back. A slot is given back in the background (`leave_soon`), its ZREMs
+pipelined, so no response waits on Redis at its end.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import redis.asyncio
@@ -35,27 +40,71 @@ REDIS_TIMEOUT_S = 0.25
 # Requests wait up to REDIS_TIMEOUT_S for one of these rather than open more.
 REDIS_MAX_CONNECTIONS = 32
 _PREFIX = "splitserve:limits"
+_WINDOW_TTL_S = int(2 * WINDOW_S) + 1  # a window is read as "previous" for one more minute
 
-# KEYS: current window, previous window. ARGV: amount, limit, previous window's weight, ttl.
-# -> {allowed (1/0), current, previous}
-_ADD_SCRIPT = """
-local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
-local prev = tonumber(redis.call('GET', KEYS[2]) or '0')
-local amount = tonumber(ARGV[1])
-if cur + prev * tonumber(ARGV[3]) + amount > tonumber(ARGV[2]) then return {0, cur, prev} end
-cur = redis.call('INCRBY', KEYS[1], amount)
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-return {1, cur, prev}
+# KEYS: requests now, requests before, tokens now, tokens before (windows), the running set.
+# ARGV: 1 previous window's weight, 2 window ttl, 3 requests limit, 4 tokens asked, 5 tokens
+# limit, 6 concurrent limit (a limit of 0: unchecked), 7 now, 8 stale before, 9 request id,
+# 10 running set ttl, 11 take a slot (1/0: check the running count only).
+# -> {refused ('' or the limit's kind), requests now, before, tokens now, before, running}, the
+# counts as found, before this request's charge.
+_ADMIT_SCRIPT = """
+local weight = tonumber(ARGV[1])
+local requests_limit, tokens = tonumber(ARGV[3]), tonumber(ARGV[4])
+local tokens_limit, running_limit = tonumber(ARGV[5]), tonumber(ARGV[6])
+local counts = {0, 0, 0, 0}
+local refused = ''
+local function over(index, amount, limit)
+  counts[index] = tonumber(redis.call('GET', KEYS[index]) or '0')
+  counts[index + 1] = tonumber(redis.call('GET', KEYS[index + 1]) or '0')
+  return counts[index] + counts[index + 1] * weight + amount > limit
+end
+if requests_limit > 0 and over(1, 1, requests_limit) then refused = 'requests' end
+local running = 0
+if running_limit > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', ARGV[8])
+  running = redis.call('ZCARD', KEYS[5])
+  if refused == '' and running >= running_limit then refused = 'concurrent_requests' end
+end
+if tokens_limit > 0 and over(3, tokens, tokens_limit) and refused == '' then
+  refused = 'tokens'
+end
+if refused == '' then
+  if requests_limit > 0 then
+    redis.call('INCR', KEYS[1])
+    redis.call('EXPIRE', KEYS[1], ARGV[2])
+  end
+  if tokens_limit > 0 then
+    redis.call('INCRBY', KEYS[3], tokens)
+    redis.call('EXPIRE', KEYS[3], ARGV[2])
+  end
+  if running_limit > 0 and ARGV[11] == '1' then
+    redis.call('ZADD', KEYS[5], ARGV[7], ARGV[9])
+    redis.call('EXPIRE', KEYS[5], ARGV[10])
+  end
+end
+return {refused, counts[1], counts[2], counts[3], counts[4], running}
 """
-# KEYS: the running set. ARGV: now, stale before, limit, request id, ttl. -> {allowed, running}
-_ENTER_SCRIPT = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2])
-local running = redis.call('ZCARD', KEYS[1])
-if running >= tonumber(ARGV[3]) then return {0, running} end
-redis.call('ZADD', KEYS[1], ARGV[1], ARGV[4])
-redis.call('EXPIRE', KEYS[1], ARGV[5])
-return {1, running + 1}
-"""
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What one request asks of its tenant's limits, checked and charged together; a None
+    limit is not checked."""
+
+    requests_per_minute: int | None = None  # one request asked
+    num_tokens: int = 0
+    tokens_per_minute: int | None = None
+    concurrent_requests: int | None = None
+    takes_slot: bool = True  # False: the running count is checked, no slot taken
+
+    @property
+    def checks_nothing(self) -> bool:
+        return (
+            self.requests_per_minute is None
+            and self.tokens_per_minute is None
+            and self.concurrent_requests is None
+        )
 
 
 @dataclass(frozen=True)
@@ -63,13 +112,28 @@ class WindowUse:
     """One per-minute limit after a check: what OpenAI's x-ratelimit-* headers say."""
 
     limit: int
-    used: float  # in the sliding minute, this request included if it was allowed
+    used: float  # in the sliding minute, this request included if it was charged
     reset_s: float  # until the current window closes
     retry_after_s: float  # until this request would have fit (0 if it did)
 
     @property
     def remaining(self) -> int:
         return max(0, self.limit - math.ceil(self.used))
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What `RateLimiter.admit` found: charged in full, or refused with nothing charged."""
+
+    refused: str | None  # the limit that refused: "requests", "concurrent_requests", "tokens"
+    retry_after_s: float  # 0 when admitted
+    requests: WindowUse | None  # None: requests per minute not checked
+    tokens: WindowUse | None  # None: tokens per minute not checked
+    holds_slot: bool  # a concurrent slot was taken: `leave` it
+    slot_in_redis: bool  # where the slot is (or the counts were) kept
+
+
+_UNCHECKED = Admission(None, 0.0, None, None, holds_slot=False, slot_in_redis=False)
 
 
 class LimitExceeded(StatusError):
@@ -103,6 +167,36 @@ def _window_use(limit: int, cur: float, prev: float, amount: int, now: float) ->
     return WindowUse(limit, used, reset_s, max(wait, 0.001))
 
 
+def _admission(
+    ask: Ask,
+    refused: str | None,
+    counts: tuple[float, float, float, float],
+    now: float,
+    in_redis: bool,
+) -> Admission:
+    """The headers' view of what the store found (`counts`: each window's current and
+    previous count, before this request)."""
+    requests = tokens = None
+    if ask.requests_per_minute is not None:
+        requests = _window_use(ask.requests_per_minute, counts[0], counts[1], 1, now)
+    if ask.tokens_per_minute is not None:
+        tokens = _window_use(ask.tokens_per_minute, counts[2], counts[3], ask.num_tokens, now)
+    if refused is None:
+        holds_slot = ask.concurrent_requests is not None and ask.takes_slot
+        return Admission(None, 0.0, requests, tokens, holds_slot, in_redis)
+    retry_after_s = 1.0  # concurrent requests: a slot may free at any moment
+    if refused in ("requests", "tokens"):
+        use = requests if refused == "requests" else tokens
+        assert use is not None, "a window refused that was not checked"
+        retry_after_s = max(use.retry_after_s, 0.001)
+    # A window that had room was not charged either: its headers say so.
+    if requests is not None and not requests.retry_after_s:
+        requests = replace(requests, used=requests.used - 1)
+    if tokens is not None and not tokens.retry_after_s:
+        tokens = replace(tokens, used=tokens.used - ask.num_tokens)
+    return Admission(refused, retry_after_s, requests, tokens, False, in_redis)
+
+
 @dataclass
 class _LocalCounters:
     """This process's counters: the fallback while Redis is away, the store without one."""
@@ -110,23 +204,41 @@ class _LocalCounters:
     windows: dict[tuple[str, str, int], int] = field(default_factory=dict)
     running: dict[str, dict[str, float]] = field(default_factory=dict)
 
-    def add(self, tenant: str, kind: str, amount: int, limit: int, now: float) -> WindowUse:
+    def admit(self, tenant: str, request_id: str, ask: Ask, now: float) -> Admission:
+        """As the script does: every limit read, the first over refuses, else all charged."""
         index = int(now // WINDOW_S)
-        cur = self.windows.get((tenant, kind, index), 0)
-        prev = self.windows.get((tenant, kind, index - 1), 0)
-        use = _window_use(limit, cur, prev, amount, now)
-        if not use.retry_after_s:
-            self.windows[(tenant, kind, index)] = cur + amount
-            self._forget_before(index - 1)
-        return use
-
-    def enter(self, tenant: str, request_id: str, limit: int, now: float) -> int | None:
-        """The number running with this one, or None if the limit is reached."""
+        weight = 1.0 - (now % WINDOW_S) / WINDOW_S
+        counts = (
+            self.windows.get((tenant, "requests", index), 0),
+            self.windows.get((tenant, "requests", index - 1), 0),
+            self.windows.get((tenant, "tokens", index), 0),
+            self.windows.get((tenant, "tokens", index - 1), 0),
+        )
         running = self.running.setdefault(tenant, {})
-        if len(running) >= limit:
-            return None
-        running[request_id] = now
-        return len(running)
+        refused = None
+        limit = ask.requests_per_minute
+        if limit is not None and counts[0] + counts[1] * weight + 1 > limit:
+            refused = "requests"
+        elif ask.concurrent_requests is not None and len(running) >= ask.concurrent_requests:
+            refused = "concurrent_requests"
+        elif (limit := ask.tokens_per_minute) is not None and (
+            counts[2] + counts[3] * weight + ask.num_tokens > limit
+        ):
+            refused = "tokens"
+        if refused is None:
+            self._charge(tenant, request_id, ask, index, now)
+        return _admission(ask, refused, counts, now, in_redis=False)
+
+    def _charge(self, tenant: str, request_id: str, ask: Ask, index: int, now: float) -> None:
+        if ask.requests_per_minute is not None:
+            key = (tenant, "requests", index)
+            self.windows[key] = self.windows.get(key, 0) + 1
+        if ask.tokens_per_minute is not None:
+            key = (tenant, "tokens", index)
+            self.windows[key] = self.windows.get(key, 0) + ask.num_tokens
+        if ask.concurrent_requests is not None and ask.takes_slot:
+            self.running[tenant][request_id] = now
+        self._forget_before(index - 1)
 
     def leave(self, tenant: str, request_id: str) -> None:
         self.running.get(tenant, {}).pop(request_id, None)
@@ -142,70 +254,103 @@ class RateLimiter:
 
     def __init__(self, redis_url: str | None = None) -> None:
         self._redis = _connect(redis_url) if redis_url else None
-        if self._redis is not None:  # by EVALSHA: the scripts travel once
-            self._add_script = self._redis.register_script(_ADD_SCRIPT)
-            self._enter_script = self._redis.register_script(_ENTER_SCRIPT)
+        if self._redis is not None:  # by EVALSHA: the script travels once
+            self._admit_script = self._redis.register_script(_ADMIT_SCRIPT)
         self._local = _LocalCounters()
         self._redis_down_until = 0.0
         self._is_degraded = False
+        self._to_leave: list[tuple[str, str]] = []  # (tenant, request id): slots to give back
+        self._leaving: asyncio.Task[None] | None = None
         if self._redis is None:
             logger.info("rate limits count in this gateway alone (no --redis-url)")
 
     async def close(self) -> None:
+        """Gives back the slots still queued, then closes the client."""
+        await self.drain()
         if self._redis is not None:
             await self._redis.aclose()
 
-    async def add(self, tenant: str, kind: str, amount: int, limit: int) -> WindowUse:
-        """Adds `amount` to the tenant's `kind` window if it stays within `limit`; the use
-        after (retry_after_s > 0: refused, nothing added)."""
+    async def admit(self, tenant: str, request_id: str, ask: Ask) -> Admission:
+        """Checks every limit `ask` names and, if all have room, charges them all and takes
+        the slot (`request_id` names it): one EVALSHA, or this process's counters while Redis
+        is away. Refused: nothing charged. An unlimited tenant costs no round trip."""
+        if ask.checks_nothing:
+            return _UNCHECKED
         now = time.time()
         client = self._client()
         if client is not None:
-            index = int(now // WINDOW_S)
-            keys = [self._key(tenant, kind, index), self._key(tenant, kind, index - 1)]
-            weight = 1.0 - (now % WINDOW_S) / WINDOW_S
-            args: list[str | int] = [amount, limit, repr(weight), int(2 * WINDOW_S) + 1]
             try:
-                reply = await self._add_script(keys, args, client)
+                reply = await self._admit_script(
+                    _script_keys(tenant, now), _script_args(request_id, ask, now), client
+                )
             except redis.exceptions.RedisError as error:
                 self._redis_failed(error)
             else:
                 self._redis_ok()
-                allowed, cur, prev = reply
-                # The window as the script found it: the same arithmetic then says the rest.
-                return _window_use(limit, cur - amount if allowed else cur, prev, amount, now)
-        return self._local.add(tenant, kind, amount, limit, now)
+                refused = reply[0].decode() or None
+                counts = (reply[1], reply[2], reply[3], reply[4])
+                return _admission(ask, refused, counts, now, in_redis=True)
+        return self._local.admit(tenant, request_id, ask, now)
+
+    async def add(self, tenant: str, kind: str, amount: int, limit: int) -> WindowUse:
+        """One per-minute window alone ("requests": amount 1, or "tokens"): `admit` with that
+        limit only; the use after (retry_after_s > 0: refused, nothing added)."""
+        if kind == "requests":
+            assert amount == 1, "a request counts one"
+            use = (await self.admit(tenant, "", Ask(requests_per_minute=limit))).requests
+        else:
+            assert kind == "tokens", f"no {kind} window"
+            ask = Ask(num_tokens=amount, tokens_per_minute=limit)
+            use = (await self.admit(tenant, "", ask)).tokens
+        assert use is not None, "the window asked is in the admission"
+        return use
 
     async def enter(self, tenant: str, request_id: str, limit: int) -> tuple[bool, bool]:
-        """Takes a concurrent slot: (taken, in Redis). A slot taken must be `leave`n."""
-        now = time.time()
-        client = self._client()
-        if client is not None:
-            key = f"{_PREFIX}:{{{tenant}}}:running"
-            args: list[str | int] = [
-                repr(now),
-                repr(now - STALE_AFTER_S),
-                limit,
-                request_id,
-                int(STALE_AFTER_S),
-            ]
-            try:
-                allowed, _ = await self._enter_script([key], args, client)
-            except redis.exceptions.RedisError as error:
-                self._redis_failed(error)
-            else:
-                self._redis_ok()
-                return bool(allowed), True
-        return self._local.enter(tenant, request_id, limit, now) is not None, False
+        """Takes a concurrent slot alone: (taken, in Redis). A slot taken must be `leave`n."""
+        admission = await self.admit(tenant, request_id, Ask(concurrent_requests=limit))
+        return admission.holds_slot, admission.slot_in_redis
 
     async def leave(self, tenant: str, request_id: str, in_redis: bool) -> None:
+        """Gives back a slot now (`leave_soon`: without waiting for Redis)."""
         if not in_redis or self._redis is None:
             self._local.leave(tenant, request_id)
             return
+        self._to_leave.append((tenant, request_id))
+        await self._give_back()
+
+    def leave_soon(self, tenant: str, request_id: str, in_redis: bool) -> None:
+        """Gives back a slot in the background: queued, and sent with the others queued by
+        then in one pipeline. Needs a running event loop."""
+        if not in_redis or self._redis is None:
+            self._local.leave(tenant, request_id)
+            return
+        self._to_leave.append((tenant, request_id))
+        if self._leaving is None:
+            self._leaving = asyncio.get_running_loop().create_task(self._give_back_queued())
+
+    async def drain(self) -> None:
+        """Returns once the slots queued by `leave_soon` are given back (or Redis failed)."""
+        if self._leaving is not None:
+            await asyncio.shield(self._leaving)
+
+    async def _give_back_queued(self) -> None:
         try:
-            await self._redis.zrem(f"{_PREFIX}:{{{tenant}}}:running", request_id)
+            while self._to_leave:
+                await self._give_back()
+        finally:
+            self._leaving = None
+
+    async def _give_back(self) -> None:
+        """One pipeline of ZREMs for the slots queued so far."""
+        assert self._redis is not None, "slots in Redis need its client"
+        slots, self._to_leave = self._to_leave, []
+        pipeline = self._redis.pipeline(transaction=False)
+        for tenant, request_id in slots:
+            pipeline.zrem(_running_key(tenant), request_id)
+        try:
+            await pipeline.execute()
         except redis.exceptions.RedisError as error:
-            # The slot stays counted until STALE_AFTER_S: a stricter limit, never a looser one.
+            # The slots stay counted until STALE_AFTER_S: a stricter limit, never a looser one.
             self._redis_failed(error)
 
     def _client(self) -> redis.asyncio.Redis | None:
@@ -228,9 +373,38 @@ class RateLimiter:
             self._is_degraded = False
             logger.warning("rate limits: Redis is back; limits hold across replicas again")
 
-    @staticmethod
-    def _key(tenant: str, kind: str, index: int) -> str:
-        return f"{_PREFIX}:{{{tenant}}}:{kind}:{index}"
+
+def _running_key(tenant: str) -> str:
+    return f"{_PREFIX}:{{{tenant}}}:running"
+
+
+def _script_keys(tenant: str, now: float) -> list[str]:
+    """The admission script's KEYS: one hash tag per tenant, so one cluster slot."""
+    index = int(now // WINDOW_S)
+    base = f"{_PREFIX}:{{{tenant}}}"
+    return [
+        f"{base}:requests:{index}",
+        f"{base}:requests:{index - 1}",
+        f"{base}:tokens:{index}",
+        f"{base}:tokens:{index - 1}",
+        f"{base}:running",
+    ]
+
+
+def _script_args(request_id: str, ask: Ask, now: float) -> list[str | int]:
+    return [
+        repr(1.0 - (now % WINDOW_S) / WINDOW_S),
+        _WINDOW_TTL_S,
+        ask.requests_per_minute or 0,
+        ask.num_tokens,
+        ask.tokens_per_minute or 0,
+        ask.concurrent_requests or 0,
+        repr(now),
+        repr(now - STALE_AFTER_S),
+        request_id,
+        int(STALE_AFTER_S),
+        1 if ask.takes_slot else 0,
+    ]
 
 
 def _connect(url: str) -> redis.asyncio.Redis:

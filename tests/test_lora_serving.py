@@ -350,3 +350,26 @@ def test_up_passes_the_lora_flags_to_every_engine_pod(tmp_path):
         assert argv[argv.index("--max-loras") + 1] == "3"
     gateway = [spec for spec in specs if "--kv-transport" not in spec.argv]
     assert all("--lora-modules" not in spec.argv for spec in gateway)
+
+
+def test_the_chart_passes_lora_modules_to_both_engine_roles():
+    chart = pytest.importorskip("tests.test_helm_chart")
+    adapters = [{"name": "sql", "path": "/models/adapters/sql"}, {"name": "chat", "path": "/a/c"}]
+    objects = chart.objects_of(chart.render({"engine": {"loraModules": adapters, "maxLoras": 2}}))
+    roles = set()
+    for component, container in chart.containers_of(objects):
+        argv = chart.command_line(container, objects)
+        if component not in ("prefill", "decode"):
+            assert "--lora-modules" not in argv
+            continue
+        roles.add(component)
+        start = argv.index("--lora-modules") + 1
+        assert argv[start : start + 2] == ["sql=/models/adapters/sql", "chat=/a/c"]
+        assert argv[argv.index("--max-loras") + 1] == "2"
+        assert chart.command_problems(argv) == []
+    assert roles == {"prefill", "decode"}
+    default = chart.objects_of(chart.render({}))
+    assert all(
+        "--lora-modules" not in chart.command_line(container, default)
+        for _, container in chart.containers_of(default)
+    )

@@ -56,6 +56,14 @@ so the ConfigMap is the one place they are written. */}}
 - $({{ include "splitserve.worker.configKey" (dict "component" .component "setting" "QUANTIZATION") }})
 - --kv-cache-dtype
 - $(SPLITSERVE_KV_CACHE_DTYPE)
+{{- with $root.Values.engine.loraModules }}
+- --lora-modules
+{{- range . }}
+- {{ printf "%s=%s" .name .path | quote }}
+{{- end }}
+- --max-loras
+- {{ default 1 $root.Values.engine.maxLoras | quote }}
+{{- end }}
 - --redis-url
 - $(REDIS_URL)
 {{- include "splitserve.worker.threadArgs" $values }}

@@ -349,3 +349,28 @@ def test_a_tenant_without_limits_makes_no_redis_command(redis_server):
     messages = asyncio.run(run())
     assert messages[0]["status"] == 200
     assert _delta(before, _command_calls(client)) == {}
+
+
+def test_concurrent_admissions_share_pipelines_and_survive_a_script_flush(redis_server):
+    """Admissions made at once go out pipelined, each still its own script: of 20 at once
+    under a limit of 10, exactly 10 pass. A Redis that lost the script (SCRIPT FLUSH, as after
+    a restart) is sent it again, and the calls it refused run."""
+    client = redis.Redis.from_url(redis_server.url)
+
+    async def run() -> list[str | None]:
+        limiter = RateLimiter(redis_server.url)
+        ask = Ask(requests_per_minute=10)
+        try:
+            client.script_flush()
+            admissions = await asyncio.gather(
+                *(limiter.admit("pipelined", f"r{i}", ask) for i in range(20))
+            )
+            return [admission.refused for admission in admissions]
+        finally:
+            await limiter.close()
+
+    before = _command_calls(client)
+    refusals = asyncio.run(run())
+    assert refusals.count(None) == 10 and set(refusals) == {None, "requests"}
+    calls = _delta(before, _command_calls(client))
+    assert calls["evalsha"] == 40 and calls["script|load"] == 1  # all 20 refused, then run

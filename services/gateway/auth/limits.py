@@ -9,6 +9,8 @@ dropped after STALE_AFTER_S.
 A request's limits are checked and charged together, by one Lua script in one round trip
 (`RateLimiter.admit`): every limit is read, the first over (requests, then concurrent requests,
 then tokens) refuses and nothing is charged; else every window is charged and the slot taken.
+The scripts of requests admitted in one turn of the event loop share one pipeline
+(script_batch.py).
 Counters live in Redis when the gateway has one (`--redis-url`), so every replica sees every
 replica's requests. When Redis cannot be reached the limiter logs it once, counts in this
 process alone (limits then hold per replica) and tries Redis again after REDIS_RETRY_S; it logs
@@ -30,6 +32,7 @@ import redis.exceptions
 
 from splitserve.common.grpc_server import StatusError
 from splitserve.common.redis_auth import redis_password
+from splitserve.gateway.auth.script_batch import ScriptBatcher
 
 logger = logging.getLogger(__name__)
 
@@ -254,8 +257,8 @@ class RateLimiter:
 
     def __init__(self, redis_url: str | None = None) -> None:
         self._redis = _connect(redis_url) if redis_url else None
-        if self._redis is not None:  # by EVALSHA: the script travels once
-            self._admit_script = self._redis.register_script(_ADMIT_SCRIPT)
+        if self._redis is not None:  # by EVALSHA, pipelined: the script travels once
+            self._admit_script = ScriptBatcher(self._redis, _ADMIT_SCRIPT)
         self._local = _LocalCounters()
         self._redis_down_until = 0.0
         self._is_degraded = False
@@ -277,11 +280,10 @@ class RateLimiter:
         if ask.checks_nothing:
             return _UNCHECKED
         now = time.time()
-        client = self._client()
-        if client is not None:
+        if self._client() is not None:
             try:
-                reply = await self._admit_script(
-                    _script_keys(tenant, now), _script_args(request_id, ask, now), client
+                reply = await self._admit_script.call(
+                    _script_keys(tenant, now), _script_args(request_id, ask, now)
                 )
             except redis.exceptions.RedisError as error:
                 self._redis_failed(error)

@@ -18,8 +18,8 @@ on a fresh Redis. Per size it prints:
   bound on one gateway core: no HTTP, no tokenizing).
 
 It ends with one line per size, `pods N: routing p99 X ms, gateway Y req/s`, where Y is that
-closed-loop rate, and writes a PNG of the curves. Everything shares one process and one event
-loop (pods, publishers, router), so the figures include the pods' own work on the same cores.
+closed-loop rate, and writes a PNG of the curves. The pods run in a process of their own
+(benchmarks/scale/host.py); on a machine with few cores they still take CPU from the router.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ import time
 from dataclasses import dataclass, field
 
 from benchmarks.scale import scan_lookup
-from benchmarks.scale.sim_pod import SimPod, SimPodSettings, close_pods, start_pods
-from benchmarks.scale.workload import Workload, WorkloadSettings, oracle_cached_blocks
+from benchmarks.scale.host import PodHost
+from benchmarks.scale.sim_pod import SimPodSettings
+from benchmarks.scale.workload import Workload, WorkloadSettings
 from splitserve.common.redis_server import RedisServer
 from splitserve.common.registry_schema import RegistryKeys, cached_prefixes, connect
-from splitserve.engine.kv.block_hash import hash_full_blocks
 from splitserve.gateway.routing.pods import PodPool
 from splitserve.gateway.routing.router import Router, RouterSettings
 from splitserve.v1 import generate_pb2, worker_pb2
@@ -81,10 +81,10 @@ async def used_memory(client) -> int:
     return int((await client.info("memory"))["used_memory"])
 
 
-async def index_bytes(client, keys: RegistryKeys, pods: list[SimPod]) -> int:
+async def index_bytes(client, keys: RegistryKeys, host: PodHost) -> int:
     """MEMORY USAGE of every pod's block SET, summed (exact: SAMPLES 0 counts every member)."""
     pipe = client.pipeline(transaction=False)
-    for pod in pods:
+    for pod in await host.info():
         pipe.memory_usage(keys.blocks(pod.pod_id, pod.generation), samples=0)
     return sum(size or 0 for size in await pipe.execute())
 
@@ -94,39 +94,30 @@ async def command_calls(client) -> dict[str, int]:
     return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
 
 
-async def wait_index_matches(client, keys: RegistryKeys, pods: list[SimPod], timeout_s: float):
+async def wait_index_matches(client, keys: RegistryKeys, host: PodHost, timeout_s: float):
     """True once every pod's block SET holds its cache's blocks and the sentinel."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        pods = await host.info()
         pipe = client.pipeline(transaction=False)
         for pod in pods:
             pipe.scard(keys.blocks(pod.pod_id, pod.generation))
         sizes = await pipe.execute()
-        if all(size == len(pod.cache) + 1 for size, pod in zip(sizes, pods, strict=True)):
+        if all(size == pod.num_blocks + 1 for size, pod in zip(sizes, pods, strict=True)):
             return True
         await asyncio.sleep(0.2)
     return False
 
 
-def seed_caches(pods: list[SimPod], workload: Workload, blocks_per_pod: int) -> int:
-    """Sessions onto pods round robin until each holds about `blocks_per_pod` blocks."""
+def seed_chains(num_pods: int, workload: Workload, blocks_per_pod: int) -> list[list]:
+    """Sessions onto pods round robin until each holds about `blocks_per_pod` blocks: the
+    chains of block hashes each pod's cache is seeded with."""
     num_sessions = max(1, blocks_per_pod // max(workload.settings.session_blocks, 1))
+    chains: list[list] = [[] for _ in range(num_pods)]
     for _ in range(num_sessions):
-        for pod in pods:
-            pod.cache.store(workload.hashes(workload.session_tokens[workload.new_session()]))
-    return sum(len(pod.cache) for pod in pods)
-
-
-async def churn(pods: list[SimPod], blocks_per_s: float, stop: asyncio.Event, seed: int) -> None:
-    """Fresh 8-block chains onto random pods at `blocks_per_s`: sessions this router never
-    sees (other gateways' traffic), which make the pods store and evict."""
-    rng = random.Random(seed)
-    interval = 8 / blocks_per_s
-    while not stop.is_set():
-        pod = rng.choice(pods)
-        tokens = [rng.randrange(1, 32000) for _ in range(8 * pod.settings.block_size)]
-        pod.cache.store(hash_full_blocks(tokens, pod.settings.block_size, ""))
-        await asyncio.sleep(interval)
+        for pod_chains in chains:
+            pod_chains.append(workload.hashes(workload.session_tokens[workload.new_session()]))
+    return chains
 
 
 async def serve(picked, prompt: list[int], max_tokens: int) -> list[int]:
@@ -142,11 +133,9 @@ async def serve(picked, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 async def route_requests(
-    router: Router, pods: list[SimPod], workload: Workload, run: RunSettings, result: SizeResult
+    router: Router, host: PodHost, workload: Workload, run: RunSettings, result: SizeResult
 ) -> None:
     rng = random.Random(run.seed + 1)
-    by_id = {pod.pod_id: pod for pod in pods}
-    caches = [pod.cache for pod in pods]
     in_flight: set[asyncio.Task] = set()
     for _ in range(run.num_requests):
         session, prompt = workload.next_prompt()
@@ -164,8 +153,9 @@ async def route_requests(
         if picked is None:  # every pod's latest poll failed: the event loop is overloaded
             result.num_pick_errors += 1
             continue
-        result.hit_blocks += by_id[picked.decode.pod_id].cache.cached_prefix(lookup)
-        result.oracle_blocks += oracle_cached_blocks(caches, lookup)
+        prefixes = await host.prefixes(lookup, picked.decode.pod_id)
+        result.hit_blocks += prefixes.chosen
+        result.oracle_blocks += prefixes.best
         result.prompt_blocks += len(lookup)
         task = asyncio.create_task(_serve_and_grow(picked, session, prompt, workload, run))
         in_flight.add(task)
@@ -194,12 +184,13 @@ LOOKUPS = {
 
 
 async def compare_lookups(
-    client, keys: RegistryKeys, pods: list[SimPod], workload: Workload, num_prompts: int = 40
+    client, keys: RegistryKeys, host: PodHost, workload: Workload, num_prompts: int = 40
 ) -> dict[str, tuple[float, float, int]]:
     """Each lookup over every pod for the same prompts, churn stopped. Commands: one pass per
     lookup (the pods' heartbeats meanwhile count too, a few per second). Times: the lookups
     alternate prompt by prompt, so a busy machine slows both alike."""
     prompts = [workload.next_prompt()[1] for _ in range(num_prompts)]
+    pods = await host.info()
     queries = [
         [(keys.tier_blocks(p.pod_id, p.generation), workload.hashes(prompt[:-1])) for p in pods]
         for prompt in prompts
@@ -246,49 +237,45 @@ async def measure_size(
     with RedisServer() as redis_server:
         client = connect(redis_server.url, timeout_s=30)
         baseline = await used_memory(client)
-        pods = await start_pods(num_pods, pod_settings, redis_server.url, keys, run.seed)
+        host = await PodHost.start(num_pods, pod_settings, redis_server.url, keys.prefix, run.seed)
         try:
-            await wait_index_matches(client, keys, pods, 60)
+            await wait_index_matches(client, keys, host, 60)
             registered = await used_memory(client)
             result.bytes_per_pod = (registered - baseline) / num_pods
             workload = Workload(workload_settings, run.seed)
-            result.num_blocks = seed_caches(pods, workload, run.blocks_per_pod)
-            await wait_index_matches(client, keys, pods, 120)
-            result.bytes_per_block = await index_bytes(client, keys, pods) / result.num_blocks
-            await _route_phase(client, keys, pods, workload, run, pod_settings, result)
+            result.num_blocks = await host.seed(seed_chains(num_pods, workload, run.blocks_per_pod))
+            await wait_index_matches(client, keys, host, 120)
+            result.bytes_per_block = await index_bytes(client, keys, host) / result.num_blocks
+            await _route_phase(client, keys, host, workload, run, pod_settings, result)
         finally:
-            await close_pods(pods)
+            await host.close()
             await client.aclose()
     return result
 
 
-async def _route_phase(client, keys, pods, workload, run, pod_settings, result: SizeResult):
+async def _route_phase(client, keys, host, workload, run, pod_settings, result: SizeResult):
     pool = PodPool("decode", [], pod_settings.model, poll_interval_s=run.stats_poll_s)
     router = Router(pool, None, RouterSettings(redis_url=_url(client)), keys)
     await pool.start()
     await router.start()
     try:
-        await wait_all_available(pool, len(pods), 60)
+        await wait_all_available(pool, result.num_pods, 60)
         idle_start, idle_t0 = await command_calls(client), time.perf_counter()
         await asyncio.sleep(1.0)
         idle = ops_delta(idle_start, await command_calls(client))
         idle_s = time.perf_counter() - idle_t0
-        stop = asyncio.Event()
-        stored0 = sum(p.cache.num_stored + p.cache.num_removed for p in pods)
-        churner = asyncio.create_task(churn(pods, run.churn_blocks_per_s, stop, run.seed))
+        events0 = await host.num_events()
+        await host.start_churn(run.churn_blocks_per_s)
         before, t0 = await command_calls(client), time.perf_counter()
-        await route_requests(router, pods, workload, run, result)
+        await route_requests(router, host, workload, run, result)
         busy = ops_delta(before, await command_calls(client))
         busy_s = time.perf_counter() - t0
-        stop.set()
-        await churner
-        result.events_per_s = (
-            sum(p.cache.num_stored + p.cache.num_removed for p in pods) - stored0
-        ) / busy_s
+        await host.stop_churn()
+        result.events_per_s = (await host.num_events() - events0) / busy_s
         result.ops_per_request = _per_request(busy, busy_s, idle, idle_s, run.num_requests)
-        result.is_index_consistent = await wait_index_matches(client, keys, pods, 10)
+        result.is_index_consistent = await wait_index_matches(client, keys, host, 10)
         result.picks_per_s = await closed_loop_picks(router, workload, 1.0)
-        result.lookups = await compare_lookups(client, keys, pods, workload)
+        result.lookups = await compare_lookups(client, keys, host, workload)
     finally:
         await router.close()
         await pool.close()

@@ -96,7 +96,7 @@ async def _serve_async(conn, num_pods, settings, redis_url, prefix, seed) -> Non
     stop, churner = asyncio.Event(), None
     while True:
         command, args = await asyncio.to_thread(conn.recv)
-        reply = None
+        reply: object = None  # each command's own answer, over the pipe
         if command == "info":
             reply = [PodInfo(p.pod_id, p.generation, len(p.cache)) for p in pods]
         elif command == "seed":

@@ -251,6 +251,22 @@ def test_the_grpc_gateway_selects_the_adapter(stack, llm, adapter_dirs):
         )
         response = stub.Generate(request, timeout=60)
     assert list(response.sequences[0].token_ids) == offline(llm, prompt, alpha)
+    assert response.model == "alpha"
+
+
+def test_anthropic_messages_select_the_adapter(stack, llm, adapter_dirs):
+    alpha = LoRARequest("alpha", 1, adapter_dirs["alpha"])
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    body = {"model": "alpha", "max_tokens": MAX_TOKENS, "messages": messages, "temperature": 0.0}
+    result = post(f"{stack.base_url}/v1/messages", body)
+    assert result.status == 200, result.body
+    assert result.body["model"] == "alpha"
+    template = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = llm.tokenizer.encode(template, add_special_tokens=False)
+    expected = llm.generate([ids], GREEDY, lora_request=alpha)[0].outputs[0].text
+    assert result.body["content"][0]["text"] == expected
+    unknown = post(f"{stack.base_url}/v1/messages", {**body, "model": "nope"})
+    assert unknown.status == 404 and unknown.body["error"]["type"] == "not_found_error"
 
 
 # ---- runtime adapters and routing ---------------------------------------------------------
@@ -264,6 +280,11 @@ def test_runtime_load_use_and_unload_over_http_and_residency_routing(stack, llm,
         f"{url}/v1/load_lora_adapter", {"lora_name": "beta", "lora_path": adapter_dirs["beta"]}
     )
     assert loaded.status == 200, loaded.body
+    again = {"lora_name": "beta", "lora_path": adapter_dirs["beta"]}
+    assert post(f"{url}/v1/load_lora_adapter", again).status == 200  # the same: no change
+    taken = {"lora_name": "alpha", "lora_path": adapter_dirs["beta"]}
+    clash = post(f"{url}/v1/load_lora_adapter", taken)
+    assert clash.status == 400 and clash.body["error"]["param"] == "lora_path", clash.body
     ids = {card["id"] for card in get_json(f"{url}/v1/models").body["data"]}
     assert ids == {MODEL_NAME, "alpha", "beta"}
     assert resident_on(stack, "beta") == [], "loaded, but no request has run with it yet"

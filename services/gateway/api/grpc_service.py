@@ -45,7 +45,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             _annotate_usage(generation.usage)
             return generate_pb2.GenerateResponse(
                 request_id=request_id,
-                model=self.core.model_name,
+                model=request.model or self.core.model_name,
                 sequences=[_sequence(sequence) for sequence in sequences],
                 usage=_usage(generation.usage),
             )
@@ -56,7 +56,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             try:
                 async for chunk in generation:
                     message = generate_pb2.GenerateStreamResponse(
-                        request_id=request_id, model=self.core.model_name, deltas=[_delta(chunk)]
+                        request_id=request_id,
+                        model=request.model or self.core.model_name,
+                        deltas=[_delta(chunk)],
                     )
                     if generation.is_done:  # the stream's last message carries usage
                         message.usage.CopyFrom(_usage(generation.usage))

@@ -49,7 +49,7 @@ class LoRAAdapterRoutes:
             lora_name=body.lora_name, lora_path=body.lora_path
         )
         await self._on_every_pod(
-            lambda pod: pod.stub.LoadLoRAAdapter(message, timeout=ADMIN_TIMEOUT_S)
+            lambda pod: pod.stub.LoadLoRAAdapter(message, timeout=ADMIN_TIMEOUT_S), "lora_path"
         )
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
@@ -61,7 +61,9 @@ class LoRAAdapterRoutes:
         message = worker_pb2.UnloadLoRAAdapterRequest(lora_name=name)
         holders = [pod for pod in self._pods() if name in pod.lora_adapters]
         await self._on_pods(
-            holders, lambda pod: pod.stub.UnloadLoRAAdapter(message, timeout=ADMIN_TIMEOUT_S)
+            holders,
+            lambda pod: pod.stub.UnloadLoRAAdapter(message, timeout=ADMIN_TIMEOUT_S),
+            "lora_name",
         )
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
@@ -72,28 +74,28 @@ class LoRAAdapterRoutes:
         core = self.core
         return [pool for pool in (core.decode_pool, core.prefill_pool) if pool is not None]
 
-    async def _on_every_pod(self, call) -> None:
+    async def _on_every_pod(self, call, param: str) -> None:
         pods = self._pods()
         if not pods:
             raise NoPodError()
-        await self._on_pods(pods, call)
+        await self._on_pods(pods, call, param)
 
-    async def _on_pods(self, pods: list[Pod], call) -> None:
+    async def _on_pods(self, pods: list[Pod], call, param: str) -> None:
         """`call(pod)` on each pod at once; the first failure (in pod order) is the answer,
-        after every pool has been polled again."""
+        after every pool has been polled again. `param`: the field a refusal names."""
         results = await asyncio.gather(*(call(pod) for pod in pods), return_exceptions=True)
         await asyncio.gather(*(pool.poll() for pool in self._pools()))
         for pod, result in zip(pods, results, strict=True):
             if isinstance(result, grpc.aio.AioRpcError):
-                raise _from_rpc_error(pod, result)
+                raise _from_rpc_error(pod, result, param)
             if isinstance(result, BaseException):
                 raise result
 
 
-def _from_rpc_error(pod: Pod, error: grpc.aio.AioRpcError) -> Exception:
+def _from_rpc_error(pod: Pod, error: grpc.aio.AioRpcError, param: str) -> Exception:
     detail = error.details() or str(error.code())
     if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
-        return RequestError(detail, "lora_path")
+        return RequestError(detail, param)
     if error.code() == grpc.StatusCode.NOT_FOUND:
         return RequestError(detail, "lora_name", "model_not_found")
     return StatusError(error.code(), f"pod {pod.address}: {detail}")

@@ -52,7 +52,12 @@ from splitserve.gateway.api.respond import (
     start_generation,
     unless_disconnected,
 )
-from splitserve.gateway.core import GatewayCore, GenerationRequest
+from splitserve.gateway.core import (
+    GatewayCore,
+    GenerationRequest,
+    ServedModels,
+    served_models,
+)
 from splitserve.gateway.errors import RequestError, param_of
 from splitserve.gateway.generation import collect
 from splitserve.gateway.structured.constraints import closed_objects
@@ -77,6 +82,7 @@ class Conversation:
     tools: ToolRequest | None
     sampling: SamplingKwargs  # the tool grammar and the cache window, when asked for
     has_cache_control: bool
+    lora_name: str | None = None  # the LoRA adapter "model" named; None: the base model
 
 
 @dataclass(frozen=True)
@@ -92,15 +98,10 @@ class MessagesRequest:
 
 
 def parse_conversation(
-    body: ConversationFields, model_name: str, settings: MessagesSettings
+    body: ConversationFields, model_name: str | ServedModels, settings: MessagesSettings
 ) -> Conversation:
     check_unsupported(body)
-    if body.model is not None and body.model != model_name:
-        raise RequestError(
-            f"model {body.model!r} does not exist; this server serves {model_name!r}",
-            "model",
-            "model_not_found",
-        )
+    lora_name = served_models(model_name).lora_name(body.model)
     messages = system_messages(body, settings.strip_system_line_prefixes)
     messages += chat_turns(body.messages)
     sampling: SamplingKwargs = {}
@@ -120,7 +121,7 @@ def parse_conversation(
     window = cache_retention_s(None, markers)
     if window is not None:
         sampling["cache_retention_s"] = window
-    return Conversation(messages, tools, sampling, any(markers))
+    return Conversation(messages, tools, sampling, any(markers), lora_name)
 
 
 def _output_format(body: ConversationFields) -> StructuredOutput | None:
@@ -130,7 +131,9 @@ def _output_format(body: ConversationFields) -> StructuredOutput | None:
     return StructuredOutput.json_schema(closed_objects(config.format.schema_))
 
 
-def parse_messages(raw: object, model_name: str, settings: MessagesSettings) -> MessagesRequest:
+def parse_messages(
+    raw: object, model_name: str | ServedModels, settings: MessagesSettings
+) -> MessagesRequest:
     body = validate_body(MessagesBody, raw)
     conversation = parse_conversation(body, model_name, settings)
     if body.temperature is not None and not 0 <= body.temperature <= 1:
@@ -172,7 +175,7 @@ class MessagesRoutes:
     async def messages(self, body: MessagesBody, request: Request) -> Response:
         core = self.core
         with tracing.child_span("gateway.validate", None):
-            parsed = parse_messages(body, core.model_name, self.settings)
+            parsed = parse_messages(body, core.served_models(), self.settings)
         with tracing.child_span("gateway.tokenize", None):
             prompt = encode_conversation(core, parsed.conversation.messages, "messages")
         request_id = f"msg_{uuid.uuid4().hex}"
@@ -183,11 +186,12 @@ class MessagesRoutes:
             parsed.params,
             prompt_cache_key=parsed.user_id,
             structured_output_param=_constraint_param(parsed.conversation),
+            lora_name=parsed.conversation.lora_name,
         )
         generation = await start_generation(core, generation_request, "messages", request)
         fmt = MessageFormat(
             request_id,
-            core.model_name,
+            parsed.conversation.lora_name or core.model_name,
             tools,
             parsed.stop_sequences,
             parsed.conversation.has_cache_control,
@@ -201,6 +205,6 @@ class MessagesRoutes:
 
     async def count_tokens(self, body: CountTokensBody) -> dict:
         """The prompt's tokens, as /v1/messages would send it to the pods."""
-        conversation = parse_conversation(body, self.core.model_name, self.settings)
+        conversation = parse_conversation(body, self.core.served_models(), self.settings)
         prompt = encode_conversation(self.core, conversation.messages, "messages")
         return {"input_tokens": len(prompt)}

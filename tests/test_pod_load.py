@@ -37,6 +37,8 @@ def test_the_registry_hash_keeps_its_field_names():
         "tensor_parallel_size", "pipeline_parallel_size",
         # Added with the KV offload tiers (the router credits tiers by these costs).
         "prefill_s_per_token", "host_load_s_per_block", "disk_load_s_per_block",
+        # Added with LoRA adapters (comma-separated names; the gateway routes by residency).
+        "lora_adapters", "resident_lora_adapters",
     }  # fmt: skip
     assert (fields["worker_id"], fields["num_running"], fields["kv_blocks_free"]) == (
         "d-0",

@@ -204,10 +204,10 @@ async def read_pods(client, keys: RegistryKeys) -> list[PodRecord]:
 # leading hashes held anywhere on the pod are held in that tier (the fastest one holding it):
 # the run ends at the first hash no tier holds. Server side, one command per prompt. The work
 # per pod: each distinct prompt blob is sent once (a byte per pod names it); a pod with no
-# lower-tier SET has its run found by galloping then binary search, O(log run) SISMEMBERs,
-# which relies on the run being a prefix (see `cached_prefixes`); a pod with offload tiers is
-# scanned hash by hash, since each block's tier is credited. Still every pod is visited
-# (benchmarks/scale measures it: docs/benchmarks.md, "Cluster scale").
+# lower-tier SET (one EXISTS) has its run found by galloping then binary search, O(log run)
+# SISMEMBERs, which relies on the run being a prefix (see `cached_prefixes`); a pod with
+# offload tiers is scanned hash by hash, since each block's tier is credited. Still every pod
+# is visited (benchmarks/scale measures it: docs/benchmarks.md, "Cluster scale").
 LOOKUP_SCRIPT = """
 local tiers = tonumber(ARGV[1])
 local which = ARGV[2]
@@ -227,11 +227,11 @@ local function run_on_device(key, blob)
   end
   return lo
 end
-local function scan_tiers(base, present, blob, found)
+local function scan_tiers(base, blob, found)
   for start = 1, #blob, 16 do
     local hash = string.sub(blob, start, start + 15)
     local where = 0
-    for _, t in ipairs(present) do
+    for t = 1, tiers do
       if redis.call('SISMEMBER', KEYS[base + t], hash) == 1 then
         where = t
         break
@@ -244,16 +244,12 @@ end
 for p = 1, #which do
   local base = (p - 1) * tiers
   local blob = ARGV[2 + string.byte(which, p)]
-  local present = {1}
-  for t = 2, tiers do
-    if redis.call('EXISTS', KEYS[base + t]) == 1 then present[#present + 1] = t end
-  end
   local found = {}
   for t = 1, tiers do found[t] = 0 end
-  if #present == 1 then
+  if tiers == 1 or redis.call('EXISTS', unpack(KEYS, base + 2, base + tiers)) == 0 then
     found[1] = run_on_device(KEYS[base + 1], blob)
   else
-    scan_tiers(base, present, blob, found)
+    scan_tiers(base, blob, found)
   end
   for t = 1, tiers do counts[base + t] = found[t] end
 end

@@ -394,3 +394,22 @@ def test_the_chart_passes_lora_modules_to_both_engine_roles():
         "--lora-modules" not in chart.command_line(container, default)
         for _, container in chart.containers_of(default)
     )
+
+
+def test_an_adapter_held_by_one_decode_pod_is_routed_only_there(stack, llm, adapter_dirs):
+    """Loaded on one pod directly (as a pod that joined with other --lora-modules would hold
+    it): served, routed only to that pod, and unloaded from it through the gateway."""
+    holder = stack.decode_addresses[1]
+    with sync_channel(holder) as channel:
+        load = worker_pb2.LoadLoRAAdapterRequest(lora_name="gamma", lora_path=adapter_dirs["beta"])
+        assert worker_pb2_grpc.DecodeWorkerStub(channel).LoadLoRAAdapter(load, timeout=60).changed
+    wait_for_poll()
+    cards = {card["id"]: card for card in get_json(f"{stack.base_url}/v1/models").body["data"]}
+    assert cards["gamma"]["parent"] == MODEL_NAME
+    gamma = LoRARequest("gamma", 9, adapter_dirs["beta"])
+    for prompt in ("Roses are red", "Violets are blue"):  # short: prefilled on the decode pod
+        assert completion_tokens(complete(stack, "gamma", prompt)) == offline(llm, prompt, gamma)
+        assert resident_on(stack, "gamma") == [holder]
+    unloaded = post(f"{stack.base_url}/v1/unload_lora_adapter", {"lora_name": "gamma"})
+    assert unloaded.status == 200, unloaded.body
+    assert "gamma" not in pod_stats(holder).lora_adapters

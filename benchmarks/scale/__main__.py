@@ -323,7 +323,7 @@ def report(result: SizeResult) -> None:
     )
     print(
         f"  redis commands per routed request: {ops.get('total', 0):.1f} ("
-        + ", ".join(f"{name} {value:.1f}" for value, name in top)
+        + ", ".join(f"{name} {value:.1f}" for value, name in top[:4])
         + ")"
     )
     print(

@@ -203,3 +203,34 @@ def test_the_lookup_answers_as_the_scan_it_replaced_did(redis_url):
 
 def _split(chain: list, cut: list[int]) -> list[list]:
     return [chain[: cut[0]], chain[cut[0] : cut[1]], chain[cut[1] :]]
+
+
+class _PollFailsDuringLookup(Router):
+    """The real router, with a real round of stats polls (one pod stopped) landing while the
+    index lookup is in flight: the interleaving that 1,000 pods on a busy gateway produce."""
+
+    async def cached_tokens(self, prompt, pods, extra_hash_keys=()):
+        answer = await super().cached_tokens(prompt, pods, extra_hash_keys)
+        await self.decode_pool.poll()
+        return answer
+
+
+def test_a_pod_whose_poll_fails_during_the_lookup_is_not_picked(redis_url):
+    async def run() -> str | None:
+        keys = RegistryKeys("pollrace")
+        pods = await start_pods(2, SETTINGS, redis_url, keys)
+        pool = PodPool("decode", [], "sim-model", poll_interval_s=60)
+        router = _PollFailsDuringLookup(pool, None, RouterSettings(redis_url=redis_url), keys)
+        try:
+            await _eventually(lambda: _all_published(pods, redis_url, "pollrace"))
+            await router.start()
+            assert len(pool.available()) == 2
+            await pods[0].close()
+            picked = await router.pick(_prompt(3, 64))
+            return picked.decode.pod_id if picked is not None else None
+        finally:
+            await router.close()
+            await pool.close()
+            await close_pods(pods[1:])
+
+    assert asyncio.run(run()) == "sim-decode-1"

@@ -160,6 +160,12 @@ class Router:
         cached = await self.cached_tokens(
             prompt_token_ids, [*prefill_pods, *decode_pods], hash_keys
         )
+        # A stats poll that failed while the index answered leaves its pod without a load to
+        # score (and unavailable): it drops out now (seen at 1,000 pods: benchmarks/scale).
+        decode_pods = [p for p in decode_pods if p.is_available]
+        prefill_pods = [p for p in prefill_pods if p.is_available]
+        if not decode_pods:
+            return None
         self._credit_cache_key(cached, cache_key, len(prompt_token_ids))
         place = self.settings.place
         ctx = RoutingContext(

@@ -144,9 +144,8 @@ async def route_requests(
         try:
             picked = await router.pick(prompt)
         except AssertionError:
-            # Router.pick lists the available pods, awaits the index, then reads each one's
-            # load: a stats poll that failed meanwhile leaves a pod without one (a router bug
-            # that shows once polls time out, at hundreds of pods): counted, not hidden.
+            # A router invariant broken under load (as a poll failing during the index
+            # lookup once did, at 1,000 pods): counted, not hidden.
             result.num_pick_errors += 1
             continue
         result.routing_ms.append((time.perf_counter() - start) * 1000)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -22,6 +23,7 @@ from splitserve.cli import build_parser
 from splitserve.common.channels import sync_channel
 from splitserve.common.convert import options_from_params
 from splitserve.common.pod_load import PodLoad
+from splitserve.common.supervisor import RestartPolicy
 from splitserve.gateway.routing.scoring import (
     Location,
     LoRAResidency,
@@ -413,3 +415,33 @@ def test_an_adapter_held_by_one_decode_pod_is_routed_only_there(stack, llm, adap
     unloaded = post(f"{stack.base_url}/v1/unload_lora_adapter", {"lora_name": "gamma"})
     assert unloaded.status == 200, unloaded.body
     assert "gamma" not in pod_stats(holder).lora_adapters
+
+
+# ---- last: it restarts a decode pod -------------------------------------------------------
+
+
+def test_a_restarted_pod_gets_the_runtime_adapters_back(stack, adapter_dirs):
+    url = stack.base_url
+    body = {"lora_name": "delta", "lora_path": adapter_dirs["beta"]}
+    assert post(f"{url}/v1/load_lora_adapter", body).status == 200
+    victim = stack.decode_addresses[1]
+    process = stack.supervisor.process("decode-1")
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    policy = RestartPolicy(initial_backoff_s=0.0)
+    stack.supervisor.restart_exited(policy)  # sees the exit
+    assert stack.supervisor.restart_exited(policy) == ["decode-1 restarted (restart 1)"]
+    deadline = time.monotonic() + 90
+    while True:  # started with --lora-modules alpha only: the gateway gives it delta
+        try:
+            adapters = set(pod_stats(victim).lora_adapters)
+        except grpc.RpcError:  # not up yet, or still loading the model
+            adapters = set()
+        if "delta" in adapters:
+            break
+        assert time.monotonic() < deadline, "the restarted pod never got the runtime adapter"
+        time.sleep(0.2)
+    assert adapters == {"alpha", "delta"}
+    wait_for_poll()
+    assert post(f"{url}/v1/unload_lora_adapter", {"lora_name": "delta"}).status == 200
+    assert "delta" not in pod_stats(victim).lora_adapters

@@ -7,6 +7,7 @@ other when the gateway has API keys."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 from fastapi import FastAPI
@@ -18,6 +19,8 @@ from splitserve.gateway.errors import RequestError
 from splitserve.gateway.routing.pods import Pod, PodPool
 from splitserve.gateway.strict_model import StrictModel
 from splitserve.v1 import worker_pb2
+
+logger = logging.getLogger(__name__)
 
 ADMIN_TIMEOUT_S = 60.0  # reading an adapter from disk may take a while
 
@@ -35,6 +38,11 @@ class UnloadLoRAAdapterBody(StrictModel):
 class LoRAAdapterRoutes:
     def __init__(self, core: GatewayCore) -> None:
         self.core = core
+        # name -> path of the adapters loaded through this gateway and not unloaded: a pod
+        # that comes up later (a new one, or one restarted without them) gets them too.
+        self.runtime_loras: dict[str, str] = {}
+        for pool in self._pools():
+            pool.on_pod_up = self._give_runtime_loras
 
     def add_to(self, app: FastAPI) -> None:
         app.add_api_route("/v1/load_lora_adapter", self.load, methods=["POST"])
@@ -51,6 +59,7 @@ class LoRAAdapterRoutes:
         await self._on_every_pod(
             lambda pod: pod.stub.LoadLoRAAdapter(message, timeout=ADMIN_TIMEOUT_S), "lora_path"
         )
+        self.runtime_loras[body.lora_name] = body.lora_path
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     async def unload(self, body: UnloadLoRAAdapterBody) -> PlainTextResponse:
@@ -65,7 +74,27 @@ class LoRAAdapterRoutes:
             lambda pod: pod.stub.UnloadLoRAAdapter(message, timeout=ADMIN_TIMEOUT_S),
             "lora_name",
         )
+        self.runtime_loras.pop(name, None)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def _give_runtime_loras(self, pod: Pod) -> None:
+        """Loads on a pod that just came up the runtime adapters it lacks; a refusal is
+        logged (routing keeps that adapter's requests on the pods that hold it)."""
+        missing = {n: p for n, p in self.runtime_loras.items() if n not in pod.lora_adapters}
+        for name, path in missing.items():
+            message = worker_pb2.LoadLoRAAdapterRequest(lora_name=name, lora_path=path)
+            try:
+                await pod.stub.LoadLoRAAdapter(message, timeout=ADMIN_TIMEOUT_S)
+            except grpc.aio.AioRpcError as error:
+                logger.warning(
+                    "pod %s refused LoRA adapter %r (%s): %s",
+                    pod.address,
+                    name,
+                    error.code().name,
+                    error.details(),
+                )
+            else:
+                logger.info("pod %s: loaded runtime LoRA adapter %r", pod.address, name)
 
     def _pods(self) -> list[Pod]:
         return [pod for pool in self._pools() for pod in pool.available()]

@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -160,6 +162,11 @@ class PodPool:
         # Channels of pods that left the registry, closing once their calls end.
         self._leaving: dict[asyncio.Task, grpc.aio.Channel] = {}
         self._poller: asyncio.Task | None = None
+        # Called (as a task of its own) when a pod answers a poll after none or a failed one:
+        # a new pod, or one back from a restart (services/gateway/api/lora_adapters.py gives
+        # it the adapters loaded at run time).
+        self.on_pod_up: Callable[[Pod], Coroutine[Any, Any, None]] | None = None
+        self._pod_up_tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         for address in self.addresses:
@@ -274,7 +281,8 @@ class PodPool:
                 pod.break_calls()
             return
         pod.failing_since = None
-        if pod.stats is None:
+        is_up_now = pod.stats is None
+        if is_up_now:
             logger.info("%s pod %s is up (%s)", self.role, pod.address, stats.worker_id)
         serving = stats.model == self.model_name
         if not serving and (pod.stats is None or pod.is_serving_model):
@@ -287,6 +295,10 @@ class PodPool:
             )
         pod.stats, pod.num_dispatched, pod.is_serving_model = stats, 0, serving
         _end_cooldown_if_answered_since(pod, started)
+        if is_up_now and self.on_pod_up is not None:
+            task = asyncio.create_task(self.on_pod_up(pod), name=f"up-{pod.address}")
+            self._pod_up_tasks.add(task)
+            task.add_done_callback(self._pod_up_tasks.discard)
         rtt_ms = (time.perf_counter() - start) * 1000
         previous = pod.rtt_ms
         pod.rtt_ms = rtt_ms if previous is None else previous + RTT_SMOOTHING * (rtt_ms - previous)

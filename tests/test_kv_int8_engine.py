@@ -85,7 +85,7 @@ def test_splitserve_up_gives_every_engine_process_the_same_kv_cache_dtype():
 
 # ---- capacity ---------------------------------------------------------------------------------
 
-SMOLLM2 = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)  # what sizing reads
+SMOLLM2 = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, mla=None)  # what sizing reads
 
 
 def test_the_same_budget_holds_at_least_1_9x_the_blocks(tiny):

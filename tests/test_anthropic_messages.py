@@ -498,6 +498,7 @@ def test_schemas_metrics_traces_and_the_up_flag(stack, client, span_file):
 MIGRATED_TOKENS = 60
 
 
+@pytest.mark.slow  # kills a pod (~19 s); make test has migration in test_gateway_retry
 def test_a_stream_whose_decode_pod_is_killed_finishes_on_the_other(stack, client):
     prompt = "Write a long story about a lighthouse keeper and the sea."
     want = create(client, prompt, max_tokens=MIGRATED_TOKENS)

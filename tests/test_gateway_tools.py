@@ -139,7 +139,10 @@ def assert_valid_calls(choice, allowed: set[str]) -> list[tuple[str, dict]]:
 # ---- enforced choices -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("question", QUESTIONS)
+# One question in make test, the other two in make test-slow (~5 s each).
+@pytest.mark.parametrize(
+    "question", [QUESTIONS[0], *(pytest.param(q, marks=pytest.mark.slow) for q in QUESTIONS[1:])]
+)
 def test_required_always_answers_with_valid_calls(client, question):
     response = chat(client, question, tool_choice="required")
     assert_valid_calls(response.choices[0], set(SCHEMAS))
@@ -275,7 +278,18 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("question, kwargs", CASES)
+# required, an auto call and unconstrained auto in make test; named, auto text and sampled in
+# make test-slow.
+SLOW_CASES = {1, 2, 5}
+
+
+@pytest.mark.parametrize(
+    "question, kwargs",
+    [
+        pytest.param(*case, marks=pytest.mark.slow) if i in SLOW_CASES else case
+        for i, case in enumerate(CASES)
+    ],
+)
 def test_streamed_calls_reassemble_to_the_non_streamed_ones(client, question, kwargs):
     whole = chat(client, question, **kwargs).choices[0]
     content, calls, finish = streamed(client, question, **kwargs)

@@ -57,6 +57,7 @@ def test_dry_run_writes_a_status_and_figures_for_every_part(tmp_path):
     ]  # fmt: skip
 
 
+@pytest.mark.slow  # installs splitserve into a scratch site (~10 s)
 def test_dry_run_of_setup_installs_splitserve_into_the_scratch_site(tmp_path):
     result, out = _dry_run(tmp_path, "--parts", "setup")
 

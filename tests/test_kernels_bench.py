@@ -84,6 +84,7 @@ def test_smoke_shapes_reach_the_paths_the_full_run_takes():
     assert any(group & (group - 1) for group in groups) and 4 in groups
 
 
+@pytest.mark.slow  # the program end to end (~8 s a dtype); its checker stays fast
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_smoke_run_checks_every_kernel_against_its_reference(dtype, tmp_path):
     record_path = tmp_path / "bench.json"
@@ -176,6 +177,7 @@ def test_shapes_reject_a_partition_size_the_decode_kernel_refuses():
             dataclasses.replace(bench.SMOKE, decode_partition_sizes=(size,))
 
 
+@pytest.mark.slow  # a run of the program (~4 s)
 def test_step_option_runs_only_the_matching_steps():
     # The GPU runbook times the dequantizing matmuls alone with --step dequant.
     result = run_bench("--smoke", "--step", "dequant", interpret=os.environ["TRITON_INTERPRET"])

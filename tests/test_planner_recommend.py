@@ -46,6 +46,7 @@ def test_recommend_finds_the_prefill_heavy_ratio() -> None:
     assert (ratio.cluster.num_prefill, ratio.cluster.num_decode) == (2, 1)
 
 
+@pytest.mark.slow  # the whole recommend sweep and its plot (~15 s)
 def test_recommend_command_prints_table_plot_and_helm_values(tmp_path, capsys) -> None:
     profile_path = tmp_path / "profile.json"
     _prefill_bound_profile().save(str(profile_path))

@@ -128,7 +128,9 @@ def test_random_draft_model_greedy_identical(prompts, reference, tiny_hf_checkpo
     _assert_all_blocks_free(llm)
 
 
-@pytest.mark.parametrize("condition", ["max_tokens", "stop_token"])
+@pytest.mark.parametrize(
+    "condition", [pytest.param("max_tokens", marks=pytest.mark.slow), "stop_token"]
+)
 def test_stop_conditions_cut_accepted_runs(baseline_llm, prompts, condition):
     prompt = prompts[-1]  # the code copy: long accepted runs
     params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)

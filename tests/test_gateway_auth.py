@@ -130,6 +130,25 @@ def test_bearer_and_x_api_key_both_admit(stack):
         assert models["data"][0]["id"] == MODEL_NAME
 
 
+def test_anthropics_sdk_key_admits_and_a_wrong_one_gets_anthropics_401(stack):
+    import anthropic  # optional: the test extras install it; the gateway never imports it
+
+    def client(key: str) -> anthropic.Anthropic:  # the SDK sends its key as x-api-key
+        return anthropic.Anthropic(base_url=stack.base_url, api_key=key, max_retries=0)
+
+    message = client(KEY_B).messages.create(
+        model=MODEL_NAME, max_tokens=4, messages=[{"role": "user", "content": "Hi"}]
+    )
+    assert message.usage.output_tokens > 0
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        client("sk-wrong-0123456789").messages.create(
+            model=MODEL_NAME, max_tokens=4, messages=[{"role": "user", "content": "Hi"}]
+        )
+    assert refused.value.status_code == 401
+    assert refused.value.body["type"] == "error"
+    assert refused.value.body["error"]["type"] == "authentication_error"
+
+
 def test_health_is_open_and_metrics_guarded(stack):
     assert _request(f"{stack.base_url}/health")[0] == 200
     assert _request(f"{stack.base_url}/metrics")[0] == 401

@@ -24,7 +24,6 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.kv.cache import bytes_per_block
-from tests.test_disaggregation_engine import disaggregated
 from tests.test_model_families import (
     _COMMON,
     CHUNK,
@@ -35,6 +34,7 @@ from tests.test_model_families import (
     _assert_matches,
     _prompts,
     _reference,
+    assert_disaggregated_equals_colocated,
 )
 
 _MLA = dict(
@@ -149,20 +149,7 @@ def test_latent_pages_hold_the_latent_and_rope_key_only(make_checkpoint):
 
 
 def test_disaggregated_equals_colocated(single_thread, make_checkpoint):
-    directory = make_checkpoint("q_lora")
-    options = {"kv_cache_bytes": KV_BYTES, "max_num_batched_tokens": CHUNK}
-    reference, prefill, decode = (LLM(directory, **options) for _ in range(3))
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
-    for i, prompt in enumerate(_prompts()):
-        expected = reference.generate([prompt], params)[0].outputs[0]
-        _, got = disaggregated(prefill.engine, decode.engine, f"mla-{i}", prompt, params)
-        assert got.token_ids == expected.token_ids
-        for entry, expected_entry in zip(got.logprobs, expected.logprobs, strict=True):
-            assert [t for t, _ in entry.top] == [t for t, _ in expected_entry.top]
-            values = [v for _, v in expected_entry.top]
-            assert [v for _, v in entry.top] == pytest.approx(values, abs=TOLERANCE)
-    assert decode.stats().num_kv_blocks_free == decode.stats().num_kv_blocks_total
-    assert prefill.stats().num_kv_blocks_free == prefill.stats().num_kv_blocks_total
+    assert_disaggregated_equals_colocated(make_checkpoint("q_lora"))
 
 
 @pytest.mark.parametrize(

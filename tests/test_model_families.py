@@ -262,13 +262,18 @@ def test_architecture_reads_each_part(make_checkpoint):
 
 
 def test_qwen3_disaggregated_equals_colocated(single_thread, make_checkpoint):
-    directory = make_checkpoint("qwen3")
+    assert_disaggregated_equals_colocated(make_checkpoint("qwen3"))
+
+
+def assert_disaggregated_equals_colocated(directory: str) -> None:
+    """Each prompt prefilled by one engine and decoded by another gives the tokens and top
+    logprobs of one engine alone, and both engines end with every block free."""
     options = {"kv_cache_bytes": KV_BYTES, "max_num_batched_tokens": CHUNK}
     reference, prefill, decode = (LLM(directory, **options) for _ in range(3))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
     for i, prompt in enumerate(_prompts()):
         expected = reference.generate([prompt], params)[0].outputs[0]
-        _, got = disaggregated(prefill.engine, decode.engine, f"q3-{i}", prompt, params)
+        _, got = disaggregated(prefill.engine, decode.engine, f"pd-{i}", prompt, params)
         assert got.token_ids == expected.token_ids
         for entry, expected_entry in zip(got.logprobs, expected.logprobs, strict=True):
             assert [t for t, _ in entry.top] == [t for t, _ in expected_entry.top]

@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -177,3 +178,16 @@ def test_ninja_from_the_environment_joins_path_for_the_build(monkeypatch, tmp_pa
     with prebuilt.ninja_on_path():
         assert shutil.which("ninja") == os.path.join(ninja.BIN_DIR, "ninja")
     assert os.environ["PATH"] == str(tmp_path)
+
+
+def test_a_killed_builds_lock_is_cleared_and_a_fresh_one_kept(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = prebuilt.build_directory("some_kernels") / "lock"
+    lock.write_text("")
+    assert not prebuilt.clear_stale_lock("some_kernels")  # may be a build running now
+    assert lock.exists()
+    old = time.time() - prebuilt.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert prebuilt.clear_stale_lock("some_kernels")
+    assert not lock.exists()
+    assert not prebuilt.clear_stale_lock("some_kernels")  # nothing left to clear

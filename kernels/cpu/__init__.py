@@ -96,6 +96,7 @@ def _load_once() -> tuple[ModuleType | None, str | None]:
             problem = prebuilt.build_problem()
             if problem is not None:
                 return _unavailable(problem)
+            prebuilt.clear_stale_lock(name)
             module = _build(name, flags)
             prebuilt.mark_built(name)
     except (OSError, RuntimeError, ImportError) as error:  # a failed build, a missing library

@@ -28,6 +28,7 @@ import platform
 import shutil
 import sys
 import sysconfig
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -37,6 +38,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "splitserve-build-complete"
+# torch's build lock (cpp_extension's FileBaton): a build killed mid-way leaves it behind, and
+# every later build then waits on it forever. A whole build takes a few minutes on 2 cores, so
+# a lock this old is nobody's.
+STALE_LOCK_S = 15 * 60
 
 
 def module_name(base: str, sources: Sequence[Path], flags: Sequence[str]) -> str:
@@ -84,6 +89,22 @@ def mark_built(name: str) -> None:
         (build_directory(name) / COMPLETE_MARKER).write_text("")
     except OSError as error:
         logger.info("CPU kernels: could not mark the build complete (%s)", error)
+
+
+def clear_stale_lock(name: str, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Removes torch's build lock of `name` when it is older than `max_age_s` (a killed
+    build's); True if it did."""
+    try:
+        lock = build_directory(name) / "lock"
+        age_s = time.time() - lock.stat().st_mtime
+    except OSError:  # no directory or no lock: nothing waits
+        return False
+    if age_s < max_age_s:
+        return False  # another process may be building right now
+    logger.warning("CPU kernels: removing a stale build lock (%.0f s old): %s", age_s, lock)
+    with contextlib.suppress(FileNotFoundError):
+        lock.unlink()
+    return True
 
 
 def build_problem() -> str | None:

@@ -35,6 +35,7 @@ from tests.test_model_families import (
     _prompts,
     _reference,
     assert_disaggregated_equals_colocated,
+    assert_speculation_and_preemption_keep_the_tokens,
 )
 
 _MLA = dict(
@@ -288,20 +289,7 @@ def test_latent_pages_cross_a_tcp_transport(single_thread, make_checkpoint):
 def test_self_speculative_decoding_and_preemption_keep_the_tokens(single_thread, make_checkpoint):
     """A one-layer self-draft (DeepSeek's dense first layer) and a pool too small for the batch
     change the schedule only."""
-    directory = make_checkpoint("q_lora")
-    prompts = _prompts()
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    plain = LLM(directory, kv_cache_bytes=KV_BYTES, enable_prefix_caching=False)
-    expected = [r.outputs[0].token_ids for r in plain.generate(prompts, params)]
-    options = {"speculative_method": "self", "speculative_draft_layers": 1}
-    speculative = LLM(directory, kv_cache_bytes=KV_BYTES, **options)
-    assert [r.outputs[0].token_ids for r in speculative.generate(prompts, params)] == expected
-    assert speculative.stats().num_spec_proposed_tokens > 0
-    cramped = LLM(
-        directory, kv_cache_bytes=KV_BYTES, num_blocks_override=4, enable_prefix_caching=False
-    )
-    assert [r.outputs[0].token_ids for r in cramped.generate(prompts, params)] == expected
-    assert cramped.stats().num_preemptions > 0
+    assert_speculation_and_preemption_keep_the_tokens(make_checkpoint("q_lora"))
 
 
 def test_dense_and_sparse_layers_follow_first_k_dense_replace_and_moe_layer_freq():

@@ -323,7 +323,12 @@ def test_self_speculative_decoding_and_preemption_keep_the_tokens(
 ):
     """A one-layer self-draft (Gemma 2's is its window layer) and a pool too small for the
     batch change the schedule only."""
-    directory = make_checkpoint(family)
+    assert_speculation_and_preemption_keep_the_tokens(make_checkpoint(family))
+
+
+def assert_speculation_and_preemption_keep_the_tokens(directory: str) -> None:
+    """Greedy tokens with a one-layer self-speculative draft, and in a 4-block pool that
+    preempts, equal those of a plain engine."""
     prompts = _prompts()
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     plain = LLM(directory, kv_cache_bytes=KV_BYTES, enable_prefix_caching=False)

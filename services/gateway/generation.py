@@ -113,6 +113,10 @@ class Generation:
         self._first_token_time: float | None = None
         # prompt index -> (cached tokens, by tier)
         self._cached_tokens: dict[int, tuple[int, dict[str, int]]] = {}
+        # Called once when the generation ends, however it ends (its last chunk read, an
+        # error, cancel()): admission control (services/gateway/admission/) frees its place.
+        self.on_end: Callable[[Generation], None] | None = None
+        self._end_time: float | None = None
         for child in children:
             child.task = asyncio.create_task(self._pump(child), name=child.request.request_id)
 
@@ -144,6 +148,7 @@ class Generation:
                     )
                 continue
             return self._chunk(child, item)
+        self._end()
         raise StopAsyncIteration
 
     def cancel(self) -> None:
@@ -152,6 +157,31 @@ class Generation:
                 child.call.cancel()
             if child.task is not None:
                 child.task.cancel()
+        self._end()
+
+    def _end(self) -> None:
+        if self._end_time is not None:
+            return
+        self._end_time = time.monotonic()
+        if self.on_end is not None:
+            self.on_end(self)
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Seconds from the start to the first token read (None: none was)."""
+        if self._first_token_time is None:
+            return None
+        return self._first_token_time - self._start_time
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Once ended: seconds per output token after the first, over the sequences (None
+        with fewer than two tokens per sequence, or before the end)."""
+        first, end = self._first_token_time, self._end_time
+        num_gaps = self.usage.completion_tokens / max(self.num_choices, 1) - 1
+        if first is None or end is None or num_gaps < 1:
+            return None
+        return (end - first) / num_gaps
 
     async def _pump(self, child: SequenceCall) -> None:
         """Streams one sequence into the queue: resent to another pod while its pod is

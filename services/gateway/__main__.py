@@ -19,6 +19,9 @@ from splitserve.common.model_files import default_model_name, load_tokenizer, re
 from splitserve.common.redis_auth import add_redis_password_flag, use_redis_password_file
 from splitserve.common.tls import add_tls_flags, tls_from_args
 from splitserve.common.tracing import configure_tracing
+from splitserve.gateway.admission.controller import AdmissionController
+from splitserve.gateway.admission.flags import add_admission_flags, admission_settings
+from splitserve.gateway.admission.metrics import AdmissionMetrics
 from splitserve.gateway.api.grpc_service import GenerationServicer
 from splitserve.gateway.api.http_app import create_app
 from splitserve.gateway.api.messages import MessagesSettings
@@ -72,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_auth_flags(parser)
     add_routing_flags(parser)
     add_migration_flags(parser)
+    add_admission_flags(parser)
     add_tls_flags(parser)  # the gateway's calls to the pods (its own ports: docs/security.md)
     return parser
 
@@ -214,16 +218,19 @@ async def serve(args: argparse.Namespace) -> int:
             await pool.start()
     router = Router(decode_pool, prefill_pool, router_settings(args))
     await router.start()
+    keys, metrics = load_keys(args), GatewayMetrics()
+    admission = _admission(args, decode_pool, prefill_pool, metrics, keys)
     core = GatewayCore(
         tokenizer,
         model_name,
         decode_pool,
         prefill_pool,
-        GatewayMetrics(),
+        metrics,
         router,
         migration_policy(args),
+        admission,
     )
-    gate = Gate(load_keys(args), core.metrics.registry, args.redis_url, args.metrics_public)
+    gate = Gate(keys, core.metrics.registry, args.redis_url, args.metrics_public)
     if gate.is_open:
         logger.warning("no --api-keys: serving anyone who reaches it, without tenants or limits")
     grpc_server = await start_server(
@@ -260,11 +267,29 @@ async def serve(args: argparse.Namespace) -> int:
     await grpc_server.stop()
     await router.close()
     await gate.close()
+    if admission is not None:
+        await admission.close()
     for pool in (decode_pool, prefill_pool):
         if pool is not None:
             await pool.close()
     logger.info("stopped")
     return 0 if started else 1
+
+
+def _admission(
+    args: argparse.Namespace,
+    decode_pool: PodPool,
+    prefill_pool: PodPool | None,
+    metrics: GatewayMetrics,
+    keys: KeyRing | None,
+) -> AdmissionController | None:
+    settings = admission_settings(args)
+    if settings is None:
+        return None
+    weight_of = keys.weight_of if keys is not None else None
+    return AdmissionController(
+        settings, decode_pool, prefill_pool, AdmissionMetrics(metrics.registry), weight_of
+    )
 
 
 async def _follow_decode_health(server: GrpcServer, decode_pool: PodPool) -> None:
@@ -294,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         migration_policy(args)
         tls_from_args(args)
         load_keys(args)
+        admission_settings(args)
         use_redis_password_file(args.redis_password_file)
     except (OSError, ValueError) as error:
         parser.error(str(error))

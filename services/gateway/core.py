@@ -22,7 +22,9 @@ from splitserve.engine.prompts import check_prompt, child_sequences
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.structured_output.grammar import GrammarError
 from splitserve.engine.tokenizer import Tokenizer
-from splitserve.gateway.auth.gate import current_caller
+from splitserve.gateway.admission.controller import AdmissionAsk, AdmissionController, Ticket
+from splitserve.gateway.admission.slo import TPOT_HEADER, TTFT_HEADER, Slo
+from splitserve.gateway.auth.gate import Caller, current_caller
 from splitserve.gateway.bounds import check_conversation, check_params_bounds
 from splitserve.gateway.errors import RequestError
 from splitserve.gateway.generation import Generation, SequenceCall
@@ -92,8 +94,12 @@ class GatewayCore:
         metrics: GatewayMetrics | None = None,
         router: Router | None = None,
         migration: MigrationPolicy | None = None,
+        admission: AdmissionController | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # SLO-aware admission and fair queues (services/gateway/admission/); None: every
+        # request goes to the pods at once, as without --admission.
+        self.admission = admission
         self.migration = migration or MigrationPolicy()
         self.model_name = model_name
         self.decode_pool = decode_pool
@@ -158,11 +164,16 @@ class GatewayCore:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    async def start(self, request: GenerationRequest, client_region: str = "") -> Generation:
+    async def start(
+        self, request: GenerationRequest, client_region: str = "", slo: Slo | None = None
+    ) -> Generation:
         """Validates every prompt, then sends every sequence to the pods the router picks
         (`client_region`: the client's region, from `x-splitserve-region`, "" if unknown).
         A request of an authenticated caller (auth/gate.py) is charged to its tenant's
-        tokens per minute (LimitExceeded past it) and carries its tenant's cache salt."""
+        tokens per minute (LimitExceeded past it) and carries its tenant's cache salt. With
+        admission control on, the request may wait for room first, or be refused
+        (AdmissionRefused): `slo` is what its headers asked for, over its tenant's and the
+        gateway's defaults."""
         tracing.current_span().set_attribute(tracing.REQUEST_ID, request.request_id)
         self._check_params(request)
         for prompt in request.prompts:
@@ -170,6 +181,18 @@ class GatewayCore:
         caller = current_caller()
         if caller is not None:  # its tenant's tokens per minute, and its cache salt
             request = await caller.charge(request)
+        ticket = await self._admit(request, caller, slo or Slo())
+        try:
+            generation = await self._dispatch(request, client_region)
+        except BaseException:
+            self._release(ticket, None)
+            raise
+        if ticket is not None:
+            generation.on_end = lambda ended: self._release(ticket, ended)
+        return generation
+
+    async def _dispatch(self, request: GenerationRequest, client_region: str) -> Generation:
+        """Routes and sends every sequence of `request`."""
         with route_span(self.metrics) as observe:
             calls = [
                 await self._call(
@@ -190,6 +213,40 @@ class GatewayCore:
             self.decode_pool.mark_unreachable,
             self.migration,
         )
+
+    async def _admit(
+        self, request: GenerationRequest, caller: Caller | None, slo: Slo
+    ) -> Ticket | None:
+        """Waits for admission control's leave (None without admission control: then an SLO
+        asked for is a 400 naming its header, not a response that ignored it)."""
+        if self.admission is None:
+            if slo.binds:
+                header = TTFT_HEADER if slo.ttft_ms is not None else TPOT_HEADER
+                raise RequestError(
+                    f"{header}: this gateway runs without admission control (--admission), "
+                    "so it cannot honour an SLO",
+                    header,
+                )
+            return None
+        tenant_slo = caller.key.slo if caller is not None else Slo()
+        ask = AdmissionAsk(
+            request_id=request.request_id,
+            tenant=caller.tenant if caller is not None else "",
+            priority=request.priority,
+            slo=slo.over(tenant_slo).over(self.admission.settings.slo),
+            num_sequences=len(request.prompts) * request.params.n,
+            num_prompt_tokens=max(len(prompt) for prompt in request.prompts),
+            max_tokens=request.params.max_tokens,
+        )
+        return await self.admission.admit(ask)
+
+    def _release(self, ticket: Ticket | None, generation: Generation | None) -> None:
+        if ticket is None or self.admission is None:
+            return
+        if generation is None:
+            self.admission.release(ticket, None, None)
+        else:
+            self.admission.release(ticket, generation.ttft_s, generation.tpot_s)
 
     async def _call(
         self,

@@ -13,6 +13,7 @@ import grpc
 from splitserve.common import tracing
 from splitserve.common.convert import params_from_options
 from splitserve.common.grpc_server import StatusError
+from splitserve.gateway.admission.slo import requested_slo
 from splitserve.gateway.auth.gate import Gate, grpc_caller
 from splitserve.gateway.core import GatewayCore, GenerationRequest
 from splitserve.gateway.errors import RequestError
@@ -84,7 +85,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             request_id, [prompt], params, request.priority, lora_name=lora_name
         )
         generation = await self.core.start(
-            generation_request, metadata.get(REGION_METADATA, "")
+            generation_request, metadata.get(REGION_METADATA, ""), requested_slo(metadata)
         )
         return generation, request_id
 

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 
 from splitserve.common import tracing
 from splitserve.common.grpc_server import StatusError
+from splitserve.gateway.admission.controller import AdmissionRefused
 from splitserve.gateway.api.chat import ChatRoutes
 from splitserve.gateway.api.completions import CompletionRoutes
 from splitserve.gateway.api.lora_adapters import LoRAAdapterRoutes
@@ -116,6 +117,9 @@ def _pools(core: GatewayCore) -> list[PodPool]:
 
 # ---- errors ---------------------------------------------------------------------------------
 
+# The error body's type of an admission refusal, by its status (its code is the reason).
+_REFUSAL_TYPES = {429: "rate_limit_error", 503: "overloaded_error", 408: "timeout_error"}
+
 
 def _add_error_handlers(app: FastAPI) -> None:
     async def known(request: Request, error: Exception) -> JSONResponse:
@@ -137,12 +141,18 @@ def _add_error_handlers(app: FastAPI) -> None:
         assert isinstance(error, LimitExceeded), "registered for it alone"
         return _error_json(request, 429, rate_limited_body(error), error.retry_after)
 
+    async def refused(request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, AdmissionRefused), "registered for it alone"
+        body = error_body(str(error), _REFUSAL_TYPES[error.http_status], None, error.reason)
+        return _error_json(request, error.http_status, body, error.retry_after)
+
     async def disconnected(request: Request, error: Exception) -> Response:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     for error_class in (ValueError, StatusError):
         app.add_exception_handler(error_class, known)
     app.add_exception_handler(LimitExceeded, limited)  # a tenant's tokens per minute
+    app.add_exception_handler(AdmissionRefused, refused)  # overload control
     app.add_exception_handler(ClientDisconnected, disconnected)
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(HTTPException, http)

@@ -24,6 +24,7 @@ from splitserve.common import tracing
 from splitserve.common.grpc_server import StatusError
 from splitserve.engine.prompts import PromptError
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.gateway.admission.slo import requested_slo
 from splitserve.gateway.api.fields import CommonOptions
 from splitserve.gateway.api.format import Envelope
 from splitserve.gateway.core import GatewayCore, GenerationRequest
@@ -91,7 +92,8 @@ async def start_generation(
 ) -> Generation:
     """`core.start`, a bad prompt reported as a 400 naming the endpoint's `prompt_param`."""
     try:
-        return await core.start(request, http.headers.get(REGION_HEADER, ""))
+        slo = requested_slo(http.headers)
+        return await core.start(request, http.headers.get(REGION_HEADER, ""), slo)
     except PromptError as error:
         raise RequestError(str(error), prompt_param, error.code) from None
 

@@ -59,6 +59,7 @@ class Pod:
     # Requests this gateway sent since `stats` was taken: the stats do not count them yet, and
     # without them every request between two polls would land on the same pod.
     num_dispatched: int = 0
+    dispatched_prompt_tokens: int = 0  # their prompts' tokens, for admission's predictions
     is_serving_model: bool = False  # stats name the gateway's model
     # The pod's registry entry; None for a pod given by address (no prefix index for it).
     record: PodRecord | None = None
@@ -294,6 +295,7 @@ class PodPool:
                 self.model_name,
             )
         pod.stats, pod.num_dispatched, pod.is_serving_model = stats, 0, serving
+        pod.dispatched_prompt_tokens = 0
         _end_cooldown_if_answered_since(pod, started)
         if is_up_now and self.on_pod_up is not None:
             task = asyncio.create_task(self.on_pod_up(pod), name=f"up-{pod.address}")

@@ -188,7 +188,7 @@ class Router:
             self._cache_key_pods.move_to_end(cache_key)
             while len(self._cache_key_pods) > MAX_CACHE_KEYS:
                 self._cache_key_pods.popitem(last=False)
-        return self._dispatch(decision, prefill_pods, decode_pods)
+        return self._dispatch(decision, prefill_pods, decode_pods, len(prompt_token_ids))
 
     def _credit_cache_key(
         self, cached: dict[str, int], cache_key: str | None, num_prompt_tokens: int
@@ -205,13 +205,20 @@ class Router:
         return preferred or available
 
     def _dispatch(
-        self, decision: RoutingDecision, prefill: list[Pod], decode: list[Pod]
+        self,
+        decision: RoutingDecision,
+        prefill: list[Pod],
+        decode: list[Pod],
+        num_prompt_tokens: int,
     ) -> PickedPods:
+        """Counts the prompt on the pods chosen until their next stats: on the prefill pod
+        if there is one, else on the decode pod, which then prefills it."""
         decode_pod = next(p for p in decode if p.pod_id == decision.decode_pod_id)
         decode_pod.num_dispatched += 1
         prefill_pod = next((p for p in prefill if p.pod_id == decision.prefill_pod_id), None)
         if prefill_pod is not None:
             prefill_pod.num_dispatched += 1
+        (prefill_pod or decode_pod).dispatched_prompt_tokens += num_prompt_tokens
         return PickedPods(decision, decode_pod, prefill_pod)
 
     async def cached_tokens(

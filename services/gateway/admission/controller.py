@@ -1,0 +1,350 @@
+"""Admission control: which requests the gateway lets through to the pods now, which wait, and
+which it refuses at once because no pod could serve them within their SLO.
+
+    admit(ask) ─▶ predict its TTFT/TPOT on the pods as they stand (predict.py)
+               ─▶ an SLO-bound request whose prediction misses: refused now (429, or 503 when
+                  the pool is saturated), before any prefill is spent on it
+               ─▶ room in the pool and nobody queued: admitted now
+               ─▶ otherwise queued (fair_queue.py); an SLO-bound request whose predicted wait
+                  plus service misses its TTFT is refused now instead (503)
+               ─▶ a queued request leaves when room frees up (admitted), when its wait passes
+                  the queue timeout or its TTFT deadline (408), or when its client goes away
+    release(ticket) when the generation ends: its rows are free, its figures are recorded.
+
+Room is counted in rows (sequences in flight through this gateway) against the sum of the
+decode pods' row caps: each pod's own maximum, lowered so that its fitted step stays within
+the default TPOT objective (`predict.row_cap`). Several gateways in front of one pool each
+count only their own requests; the pods' RESOURCE_EXHAUSTED is the backstop there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from splitserve.common.grpc_server import StatusError
+from splitserve.gateway.admission.fair_queue import FairQueue, QueueFull, Waiter
+from splitserve.gateway.admission.metrics import AdmissionMetrics
+from splitserve.gateway.admission.predict import Prediction, best_prediction, row_cap
+from splitserve.gateway.admission.slo import Slo
+from splitserve.gateway.routing.pods import PodPool
+
+logger = logging.getLogger(__name__)
+
+# How often queued requests are looked at while nothing ends (pods may join or free rows).
+QUEUE_TICK_SECONDS = 0.05
+# The window over which requests finishing per second are counted, for the queue's wait.
+COMPLETION_WINDOW_SECONDS = 10.0
+_MIN_COMPLETIONS = 3  # fewer in the window: the wait comes from the cost model instead
+
+
+class AdmissionRefused(StatusError):
+    """A request the gateway will not serve now: HTTP 429, 503 or 408 with Retry-After (gRPC
+    RESOURCE_EXHAUSTED, UNAVAILABLE or DEADLINE_EXCEEDED). `reason` names why (the metrics'
+    label)."""
+
+    _CODES = {
+        429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+        503: grpc.StatusCode.UNAVAILABLE,
+        408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    }
+
+    def __init__(self, http_status: int, reason: str, message: str, retry_after_s: float) -> None:
+        super().__init__(self._CODES[http_status], message)
+        self.http_status = http_status
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+    @property
+    def retry_after(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    slo: Slo = field(default_factory=Slo)  # the default objective (--slo-ttft-ms, ...)
+    batch_priority: int = 100  # at or past it: batch work, never refused on a prediction
+    queue_timeout_s: float = 30.0
+    max_queued_per_tenant: int = 256
+    fallback_row_cap: int = 64  # rows for a pod that reports no maximum of its own
+
+
+@dataclass(frozen=True)
+class AdmissionAsk:
+    """What admission knows of a request: whose, how urgent, how big."""
+
+    request_id: str
+    tenant: str
+    priority: int
+    slo: Slo
+    num_sequences: int  # rows it takes (prompts x n)
+    num_prompt_tokens: int  # its longest prompt
+    max_tokens: int
+
+    @property
+    def cost(self) -> float:
+        """What serving it advances its tenant's fair-share clock by."""
+        return self.num_sequences * (self.num_prompt_tokens + self.max_tokens)
+
+
+@dataclass
+class Ticket:
+    """An admitted request: released once, when its generation ends."""
+
+    ask: AdmissionAsk
+    arrived_at: float
+    queued_s: float
+    predicted: Prediction | None  # at admission, the queue's wait included in its TTFT
+    is_released: bool = False
+
+
+class AdmissionController:
+    """Owned by the gateway's event loop."""
+
+    def __init__(
+        self,
+        settings: AdmissionSettings,
+        decode_pool: PodPool,
+        prefill_pool: PodPool | None,
+        metrics: AdmissionMetrics,
+        weight_of: Callable[[str], float] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.decode_pool = decode_pool
+        self.prefill_pool = prefill_pool
+        self.metrics = metrics
+        self._queue = FairQueue(settings.max_queued_per_tenant, weight_of)
+        self._futures: dict[Waiter, asyncio.Future[Ticket]] = {}
+        self._asks: dict[Waiter, AdmissionAsk] = {}
+        self.num_rows_in_flight = 0
+        self._finished_at: deque[float] = deque()
+        self._ticker: asyncio.Task | None = None
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    # ---- admitting --------------------------------------------------------------------------
+
+    async def admit(self, ask: AdmissionAsk) -> Ticket:
+        """A ticket once `ask` may go to the pods; raises AdmissionRefused."""
+        arrived = time.monotonic()
+        prediction = self._predict(ask)
+        bound = ask.slo.binds and ask.priority < self.settings.batch_priority
+        if bound and prediction is not None:
+            self._refuse_if_service_misses(ask, prediction)
+        if not self._queue and self._has_room(ask):
+            return self._ticket(ask, arrived, prediction, queued=False)
+        return await self._wait_in_queue(ask, arrived, prediction, bound)
+
+    def release(self, ticket: Ticket, ttft_s: float | None, tpot_s: float | None) -> None:
+        """The request's generation ended (`ttft_s`/`tpot_s`: what it measured, None if it
+        produced too little): its rows go back, queued requests may follow."""
+        if ticket.is_released:
+            return
+        ticket.is_released = True
+        self.num_rows_in_flight -= ticket.ask.num_sequences
+        if ttft_s is not None:
+            self._finished_at.append(time.monotonic())
+            self._record(ticket, ttft_s, tpot_s)
+        self._serve_queue()
+
+    def _record(self, ticket: Ticket, ttft_s: float, tpot_s: float | None) -> None:
+        predicted, slo = ticket.predicted, ticket.ask.slo
+        if predicted is not None:
+            ratio = self.metrics.prediction_ratio
+            ratio.labels("ttft").observe(ttft_s * 1000 / max(predicted.ttft_ms, 1e-3))
+            if tpot_s is not None:
+                ratio.labels("tpot").observe(tpot_s * 1000 / max(predicted.tpot_ms, 1e-3))
+        if slo.binds:
+            tpot_ms = None if tpot_s is None else tpot_s * 1000
+            met = slo.is_met(ttft_s * 1000, tpot_ms)
+            self.metrics.slo_requests.labels("met" if met else "missed").inc()
+
+    def _ticket(
+        self, ask: AdmissionAsk, arrived: float, prediction: Prediction | None, queued: bool
+    ) -> Ticket:
+        self.num_rows_in_flight += ask.num_sequences
+        queued_s = time.monotonic() - arrived
+        if prediction is not None:
+            prediction = Prediction(prediction.ttft_ms + queued_s * 1000, prediction.tpot_ms)
+        self.metrics.admitted(queued)
+        if queued:
+            self.metrics.queue_seconds.observe(queued_s)
+        return Ticket(ask, arrived, queued_s, prediction)
+
+    # ---- refusing ---------------------------------------------------------------------------
+
+    def _refuse_if_service_misses(self, ask: AdmissionAsk, prediction: Prediction) -> None:
+        """Refuses `ask` when even the best pod, with no queue before it, misses its SLO."""
+        slo = ask.slo
+        misses = []
+        if slo.ttft_ms is not None and prediction.ttft_ms > slo.ttft_ms:
+            misses.append(f"time to first token {prediction.ttft_ms:.0f} ms > {slo.ttft_ms:g} ms")
+        if slo.tpot_ms is not None and prediction.tpot_ms > slo.tpot_ms:
+            misses.append(f"time per output token {prediction.tpot_ms:.0f} ms > {slo.tpot_ms:g} ms")
+        if not misses:
+            return
+        saturated = bool(self._queue) or not self._has_room(ask)
+        self._refuse(
+            503 if saturated else 429,
+            "saturated" if saturated else "slo",
+            f"no pod can serve this request within its SLO now: predicted {', '.join(misses)}",
+            self._service_seconds(prediction, ask),
+        )
+
+    def _refuse(self, status: int, reason: str, message: str, retry_after_s: float) -> None:
+        self.metrics.refused(reason)
+        raise AdmissionRefused(status, reason, message, retry_after_s)
+
+    # ---- the queue --------------------------------------------------------------------------
+
+    async def _wait_in_queue(
+        self, ask: AdmissionAsk, arrived: float, prediction: Prediction | None, bound: bool
+    ) -> Ticket:
+        waiter = Waiter(ask.tenant, ask.priority, ask.cost, arrived)
+        try:
+            self._queue.push(waiter)
+        except QueueFull:
+            self._refuse(
+                429,
+                "queue_full",
+                f"tenant {ask.tenant!r} has {self.settings.max_queued_per_tenant} requests "
+                f"queued at priority {ask.priority} already",
+                self._wait_s(waiter, ask, prediction),
+            )
+        timeout = self._timeout_s(waiter, ask, prediction, bound)
+        future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
+        self._futures[waiter], self._asks[waiter] = future, ask
+        self.metrics.queued.set(len(self._queue))
+        self._ensure_ticking()
+        try:
+            done, _ = await asyncio.wait({future}, timeout=timeout)
+        except asyncio.CancelledError:  # the client went away while it waited
+            self._abandon(waiter, future)
+            raise
+        if not done:
+            self._abandon(waiter, future)
+            deadline = bound and timeout < self.settings.queue_timeout_s
+            self._refuse(
+                408,
+                "slo_deadline" if deadline else "queue_timeout",
+                f"the request waited {timeout:.1f} s in the queue "
+                + ("and could no longer meet its SLO" if deadline else "(the queue timeout)"),
+                self._wait_s(waiter, ask, prediction),
+            )
+        return future.result()
+
+    def _timeout_s(
+        self, waiter: Waiter, ask: AdmissionAsk, prediction: Prediction | None, bound: bool
+    ) -> float:
+        """The queue timeout, or less for an SLO-bound request: the time left to start it
+        within its TTFT. A bound request that would not get even that is refused now (503)."""
+        timeout = self.settings.queue_timeout_s
+        if not bound or prediction is None or ask.slo.ttft_ms is None:
+            return timeout
+        slack_s = (ask.slo.ttft_ms - prediction.ttft_ms) / 1000
+        wait_s = self._wait_s(waiter, ask, prediction)
+        if wait_s > slack_s:
+            self._queue.remove(waiter)
+            self._refuse(
+                503,
+                "saturated",
+                f"the pool is saturated: this request would wait about {wait_s:.1f} s and miss "
+                f"its time to first token of {ask.slo.ttft_ms:g} ms",
+                wait_s,
+            )
+        return min(timeout, slack_s)
+
+    def _abandon(self, waiter: Waiter, future: asyncio.Future[Ticket]) -> None:
+        """A waiter leaves (timeout, cancellation): out of the queue, or, if it was admitted
+        in the same instant, its rows given back."""
+        self._futures.pop(waiter, None)
+        self._asks.pop(waiter, None)
+        if future.done() and not future.cancelled():
+            self.release(future.result(), None, None)
+        else:
+            self._queue.remove(waiter)
+            future.cancel()
+        self.metrics.queued.set(len(self._queue))
+
+    def _serve_queue(self) -> None:
+        """Admits queued requests, in the queue's order, while there is room."""
+        while (waiter := self._queue.peek()) is not None:
+            ask = self._asks[waiter]
+            if not self._has_room(ask):
+                break
+            self._queue.pop()
+            future = self._futures.pop(waiter)
+            del self._asks[waiter]
+            future.set_result(self._ticket(ask, waiter.enqueued_at, self._predict(ask), True))
+        self.metrics.queued.set(len(self._queue))
+
+    def _ensure_ticking(self) -> None:
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.create_task(self._tick(), name="admission-queue")
+
+    async def _tick(self) -> None:
+        """While requests wait: pods join, answer polls with more room, or come back."""
+        while self._queue:
+            await asyncio.sleep(QUEUE_TICK_SECONDS)
+            self._serve_queue()
+
+    async def close(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+
+    # ---- room, predictions, waits -----------------------------------------------------------
+
+    def _has_room(self, ask: AdmissionAsk) -> bool:
+        """Rows for `ask` under the pool's cap; a request larger than the whole cap still goes
+        when nothing else is in flight, or it would wait for ever."""
+        if self.num_rows_in_flight == 0:
+            return bool(self.decode_pool.available())
+        return self.num_rows_in_flight + ask.num_sequences <= self.row_capacity()
+
+    def row_capacity(self) -> int:
+        tpot = self.settings.slo.tpot_ms
+        fallback = self.settings.fallback_row_cap
+        return sum(row_cap(pod, tpot, fallback) for pod in self.decode_pool.available())
+
+    def _predict(self, ask: AdmissionAsk) -> Prediction | None:
+        prefill_pods = self.prefill_pool.available() if self.prefill_pool is not None else []
+        return best_prediction(
+            self.decode_pool.available(), prefill_pods, ask.num_prompt_tokens, ask.max_tokens
+        )
+
+    def _wait_s(self, waiter: Waiter, ask: AdmissionAsk, prediction: Prediction | None) -> float:
+        """About how long `waiter` will queue: one request finishes for each one ahead of it,
+        at the rate requests finished lately (or, with too few finished, the rate the pool's
+        rows would turn over by the cost model)."""
+        rate = self._completion_rate() or self._modelled_rate(ask, prediction)
+        if rate <= 0:
+            return 0.0
+        return (self._queue.ahead_of(waiter) + 1) / rate
+
+    def _completion_rate(self) -> float:
+        now = time.monotonic()
+        while self._finished_at and now - self._finished_at[0] > COMPLETION_WINDOW_SECONDS:
+            self._finished_at.popleft()
+        if len(self._finished_at) < _MIN_COMPLETIONS:
+            return 0.0
+        span = max(now - self._finished_at[0], 1e-3)
+        return len(self._finished_at) / span
+
+    def _modelled_rate(self, ask: AdmissionAsk, prediction: Prediction | None) -> float:
+        """Requests per second the pool finishes if every row serves one like `ask`."""
+        if prediction is None:
+            return 0.0
+        return self.row_capacity() / self._service_seconds(prediction, ask)
+
+    @staticmethod
+    def _service_seconds(prediction: Prediction, ask: AdmissionAsk) -> float:
+        return (prediction.ttft_ms + prediction.tpot_ms * max(ask.max_tokens - 1, 0)) / 1000

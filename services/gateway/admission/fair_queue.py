@@ -1,0 +1,138 @@
+"""The gateway's waiting room: a bounded FIFO per tenant and priority, served by strict
+priority (vLLM's convention: a lower value first), then by weighted fair share between the
+tenants of one priority.
+
+Fair share is start-time fair queueing over virtual time: each tenant has a virtual clock that
+advances by a served request's cost (prompt tokens plus max output tokens) over the tenant's
+weight; the next request comes from the waiting tenant whose clock is furthest behind. A tenant
+that was idle comes back at the clock of the waiting tenants, never behind them, so idling
+banks no credit. A flood from one tenant therefore only lengthens that tenant's own queue.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+class QueueFull(Exception):
+    """The tenant's queue at this priority holds its maximum already."""
+
+
+@dataclass(eq=False)
+class Waiter:
+    """One queued request. `cost` is what serving it advances its tenant's clock by."""
+
+    tenant: str
+    priority: int
+    cost: float
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Level:
+    """The tenants' queues at one priority."""
+
+    queues: dict[str, deque[Waiter]] = field(default_factory=dict)  # only non-empty ones
+    clocks: dict[str, float] = field(default_factory=dict)  # tenant -> its virtual clock
+
+    def waiting_clock(self) -> float:
+        """The lowest clock among the waiting tenants (0 with none waiting)."""
+        return min((self.clocks[tenant] for tenant in self.queues), default=0.0)
+
+
+class FairQueue:
+    def __init__(
+        self, max_per_tenant: int, weight_of: Callable[[str], float] | None = None
+    ) -> None:
+        self.max_per_tenant = max_per_tenant
+        self._weight_of = weight_of or (lambda tenant: 1.0)
+        self._levels: dict[int, _Level] = {}
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def push(self, waiter: Waiter) -> None:
+        """Queues `waiter` at the back of its tenant's queue; raises QueueFull."""
+        level = self._levels.setdefault(waiter.priority, _Level())
+        queue = level.queues.get(waiter.tenant)
+        if queue is None:  # the tenant starts waiting: at the waiting tenants' clock at least
+            clock = max(level.clocks.get(waiter.tenant, 0.0), level.waiting_clock())
+            level.clocks[waiter.tenant] = clock
+            queue = level.queues[waiter.tenant] = deque()
+        if len(queue) >= self.max_per_tenant:
+            raise QueueFull()
+        queue.append(waiter)
+        self._size += 1
+
+    def peek(self) -> Waiter | None:
+        """The request `pop` would return, left in place."""
+        level = self._first_level()
+        if level is None:
+            return None
+        return level.queues[self._next_tenant(level)][0]
+
+    def pop(self) -> Waiter | None:
+        """The next request to serve, or None if nothing waits."""
+        level = self._first_level()
+        if level is None:
+            return None
+        tenant = self._next_tenant(level)
+        waiter = level.queues[tenant].popleft()
+        level.clocks[tenant] += waiter.cost / self._weight_of(tenant)
+        self._drop_if_empty(level, tenant, waiter.priority)
+        self._size -= 1
+        return waiter
+
+    def remove(self, waiter: Waiter) -> bool:
+        """Takes a waiter out (its request was cancelled or timed out); False if not queued."""
+        level = self._levels.get(waiter.priority)
+        queue = level.queues.get(waiter.tenant) if level else None
+        if level is None or queue is None or waiter not in queue:
+            return False
+        queue.remove(waiter)
+        self._drop_if_empty(level, waiter.tenant, waiter.priority)
+        self._size -= 1
+        return True
+
+    def ahead_of(self, waiter: Waiter) -> int:
+        """About how many queued requests will be served before `waiter`: every one of a higher
+        priority, and at its own, as many of each other tenant's as fair share lets through
+        while its tenant's queue reaches it."""
+        ahead = sum(
+            len(queue)
+            for priority, level in self._levels.items()
+            if priority < waiter.priority
+            for queue in level.queues.values()
+        )
+        level = self._levels.get(waiter.priority)
+        if level is None or waiter.tenant not in level.queues:
+            return ahead
+        own = level.queues[waiter.tenant]
+        position = own.index(waiter) if waiter in own else len(own)
+        weight = self._weight_of(waiter.tenant)
+        for tenant, queue in level.queues.items():
+            if tenant != waiter.tenant:
+                share = (position + 1) * self._weight_of(tenant) / weight
+                ahead += min(len(queue), math.ceil(share))
+        return ahead + position
+
+    def _first_level(self) -> _Level | None:
+        for priority in sorted(self._levels):
+            if self._levels[priority].queues:
+                return self._levels[priority]
+        return None
+
+    def _next_tenant(self, level: _Level) -> str:
+        # Ties go to the tenant whose head waited longest: FIFO between equals.
+        return min(level.queues, key=lambda t: (level.clocks[t], level.queues[t][0].enqueued_at))
+
+    def _drop_if_empty(self, level: _Level, tenant: str, priority: int) -> None:
+        if not level.queues[tenant]:
+            del level.queues[tenant]
+        if not level.queues:  # nobody waits at this priority: clocks restart from 0 later
+            del self._levels[priority]

@@ -1,0 +1,117 @@
+"""What a request would see on the pods as they stand: its time to first token and time per
+output token, predicted from each pod's reported load and fitted step costs
+(services/common/step_costs.py), and how many rows a decode pod can run before its steps
+outgrow a TPOT objective.
+
+The model, per pod (steps of `base + row * rows + prefill_token * prompt tokens` ms):
+- prefill: the prompt tokens queued ahead on the pod plus this prompt's, computed at most
+  `max_num_batched_tokens - rows` per step beside the pod's decode rows;
+- time to first token: that prefill on the pod that prefills (a prefill pod, or the decode pod
+  itself when there is none), then one decode step;
+- time per output token: a decode step with one row more, plus the queued prompt tokens the
+  pod will interleave, spread over this request's output.
+The gateway does not know yet how much of the prompt a pod has cached (routing asks the index
+after admission), so every prompt token is counted: a prediction errs long, never short.
+Pods that have not fitted their costs yet (a fresh pod) give no prediction: nothing is refused
+on a guess."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from splitserve.common.step_costs import StepCosts
+from splitserve.gateway.routing.pods import Pod
+
+# The share of a TPOT objective a decode step may take at a pod's row cap: the rest is room for
+# the prompts it interleaves and for the noise of a shared machine.
+ROW_CAP_HEADROOM = 0.8
+
+
+@dataclass(frozen=True)
+class PodSnapshot:
+    """What prediction reads of one pod at one moment."""
+
+    costs: StepCosts
+    num_rows: int  # requests it runs or has queued, with those sent since its last stats
+    num_queued_prompt_tokens: int  # prompt tokens it has yet to compute, likewise
+
+
+@dataclass(frozen=True)
+class Prediction:
+    ttft_ms: float
+    tpot_ms: float
+
+
+def snapshot(pod: Pod) -> PodSnapshot | None:
+    """None for a pod without stats or without fitted costs."""
+    if pod.stats is None:
+        return None
+    costs = StepCosts.from_proto(pod.stats)
+    if not costs.is_known:
+        return None
+    load = pod.load
+    return PodSnapshot(
+        costs,
+        load.num_queued + pod.num_dispatched,
+        load.num_waiting_prompt_tokens + pod.dispatched_prompt_tokens,
+    )
+
+
+def prefill_ms(pod: PodSnapshot, num_prompt_tokens: int, num_rows: int) -> float:
+    """Until `num_prompt_tokens` more are computed behind the pod's queue, with `num_rows`
+    decode rows in every step."""
+    tokens = pod.num_queued_prompt_tokens + num_prompt_tokens
+    budget = pod.costs.max_num_batched_tokens - num_rows
+    steps = math.ceil(tokens / budget) if budget > 0 else 1
+    return steps * pod.costs.step_ms(num_rows) + tokens * pod.costs.step_prefill_token_ms
+
+
+def ttft_ms(prefill: PodSnapshot | None, decode: PodSnapshot, num_prompt_tokens: int) -> float:
+    """Prefill on `prefill` (None: the decode pod prefills), then the first decode step."""
+    if prefill is None:
+        prefilled = prefill_ms(decode, num_prompt_tokens, decode.num_rows)
+    else:
+        prefilled = prefill_ms(prefill, num_prompt_tokens, 0)
+    return prefilled + decode.costs.step_ms(decode.num_rows + 1)
+
+
+def tpot_ms(decode: PodSnapshot, num_prompt_tokens: int, max_tokens: int, prefills: bool) -> float:
+    """A decode step with this request's row added; `prefills`: the decode pod computes this
+    prompt too (no prefill pod)."""
+    interleaved = decode.num_queued_prompt_tokens + (num_prompt_tokens if prefills else 0)
+    per_step = interleaved / max(max_tokens, 1)
+    return decode.costs.step_ms(decode.num_rows + 1, round(per_step))
+
+
+def best_prediction(
+    decode_pods: list[Pod], prefill_pods: list[Pod], num_prompt_tokens: int, max_tokens: int
+) -> Prediction | None:
+    """The best time to first token and the best time per output token any pod offers (each
+    taken on its own best pod: admission refuses only what no placement could serve); None
+    when no decode pod has fitted costs."""
+    decodes = [s for s in map(snapshot, decode_pods) if s is not None]
+    if not decodes:
+        return None
+    prefills: list[PodSnapshot | None] = [s for s in map(snapshot, prefill_pods) if s is not None]
+    if not prefill_pods:
+        prefills = [None]  # colocated: the decode pod prefills
+    elif not prefills:
+        return None  # prefill pods without fitted costs: no basis for a TTFT
+    first = min(ttft_ms(p, d, num_prompt_tokens) for p in prefills for d in decodes)
+    gap = min(tpot_ms(d, num_prompt_tokens, max_tokens, not prefill_pods) for d in decodes)
+    return Prediction(first, gap)
+
+
+def row_cap(pod: Pod, tpot_slo_ms: float | None, fallback: int) -> int:
+    """How many rows the decode pod may run: its own maximum, and no more than keep a step
+    within ROW_CAP_HEADROOM of the TPOT objective by its fitted costs. `fallback` for a pod
+    that reports neither."""
+    if pod.stats is None:
+        return 0
+    costs = StepCosts.from_proto(pod.stats)
+    cap = costs.max_num_seqs or fallback
+    if tpot_slo_ms is None or not costs.is_known or costs.step_row_ms <= 0:
+        return cap
+    room = tpot_slo_ms * ROW_CAP_HEADROOM - costs.step_base_ms
+    return max(1, min(cap, int(room / costs.step_row_ms)))

@@ -1,0 +1,180 @@
+"""Admission control's parts on their own (issue 35): the fair queue's order, bounds and
+removal; the predictions and row caps from a pod's reported stats; the SLO's sources. The
+behaviour through real processes is tests/test_admission.py's."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.gateway.admission.fair_queue import FairQueue, QueueFull, Waiter
+from splitserve.gateway.admission.predict import best_prediction, row_cap
+from splitserve.gateway.admission.slo import Slo, requested_slo
+from splitserve.gateway.auth.keys import KeyRing
+from splitserve.gateway.errors import RequestError
+from splitserve.gateway.routing.pods import Pod
+from splitserve.v1 import worker_pb2
+
+# ---- the fair queue --------------------------------------------------------------------------
+
+
+def _push(queue: FairQueue, tenant: str, count: int, priority: int = 0) -> list[Waiter]:
+    waiters = [Waiter(tenant, priority, cost=100.0) for _ in range(count)]
+    for waiter in waiters:
+        queue.push(waiter)
+    return waiters
+
+
+def _drain(queue: FairQueue) -> list[str]:
+    order = []
+    while (waiter := queue.pop()) is not None:
+        order.append(waiter.tenant)
+    return order
+
+
+def test_a_flooding_tenant_only_lengthens_its_own_queue():
+    queue = FairQueue(max_per_tenant=100)
+    _push(queue, "flood", 20)
+    _push(queue, "quiet", 2)
+    order = _drain(queue)
+    assert order[:4] == ["flood", "quiet", "flood", "quiet"]
+    assert order[4:] == ["flood"] * 18
+
+
+def test_strict_priority_comes_before_fair_share():
+    queue = FairQueue(max_per_tenant=100)
+    _push(queue, "a", 3, priority=5)
+    _push(queue, "b", 2, priority=0)
+    assert [w.priority for w in iter(queue.pop, None)] == [0, 0, 5, 5, 5]
+
+
+def test_weights_set_the_shares():
+    weights = {"heavy": 2.0, "light": 1.0}
+    queue = FairQueue(max_per_tenant=100, weight_of=weights.__getitem__)
+    _push(queue, "heavy", 30)
+    _push(queue, "light", 30)
+    first = _drain(queue)[:30]
+    assert first.count("heavy") == 20 and first.count("light") == 10
+
+
+def test_an_idle_tenant_banks_no_credit():
+    """A tenant that was idle while another was served alone comes back at that one's clock:
+    they alternate, it does not get its idle time's worth of turns in a row."""
+    queue = FairQueue(max_per_tenant=100)
+    _push(queue, "busy", 10)
+    for _ in range(5):
+        queue.pop()  # "busy" served alone: its clock is ahead of an idle tenant's
+    _push(queue, "late", 5)
+    assert _drain(queue)[:6] == ["busy", "late"] * 3
+
+
+def test_the_bound_is_per_tenant_and_priority():
+    queue = FairQueue(max_per_tenant=2)
+    _push(queue, "a", 2)
+    with pytest.raises(QueueFull):
+        _push(queue, "a", 1)
+    _push(queue, "b", 2)  # another tenant has its own room
+    _push(queue, "a", 1, priority=3)  # and so has another priority
+    assert len(queue) == 5
+
+
+def test_removed_waiters_are_never_served():
+    queue = FairQueue(max_per_tenant=10)
+    first, second, third = _push(queue, "a", 3)
+    assert queue.remove(second)
+    assert not queue.remove(second)
+    assert len(queue) == 2
+    assert [queue.pop(), queue.pop(), queue.pop()] == [first, third, None]
+
+
+def test_ahead_of_counts_fair_share_not_arrival_order():
+    queue = FairQueue(max_per_tenant=100)
+    _push(queue, "flood", 50)
+    (quiet,) = _push(queue, "quiet", 1)
+    assert queue.ahead_of(quiet) == 1  # one of the flood's, then its own turn
+    (urgent,) = _push(queue, "other", 1, priority=-1)
+    assert queue.ahead_of(urgent) == 0
+    assert queue.ahead_of(quiet) == 2
+
+
+# ---- predictions from a pod's stats ----------------------------------------------------------
+
+
+def _pod(address: str, **stats) -> Pod:
+    fields = dict(model="m", max_num_seqs=64, max_num_batched_tokens=512)
+    fields.update(stats)
+    return Pod(address, stub=None, stats=worker_pb2.WorkerStats(**fields))  # type: ignore[arg-type]
+
+
+COSTS = dict(step_base_ms=20.0, step_row_ms=2.0, step_prefill_token_ms=0.5)
+
+
+def test_a_pod_without_fitted_costs_predicts_nothing():
+    assert best_prediction([_pod("d:1")], [], 100, 10) is None
+
+
+def test_colocated_prediction_counts_the_queue_and_the_rows():
+    idle = _pod("d:1", **COSTS)
+    busy = _pod("d:2", **COSTS, num_running=10, num_waiting_prompt_tokens=1000)
+    alone = best_prediction([idle], [], 100, 10)
+    assert alone is not None
+    # 100 tokens in one step: 20 + 0.5 * 100, then a decode step of one row: 20 + 2.
+    assert alone.ttft_ms == pytest.approx(70 + 22)
+    loaded = best_prediction([busy], [], 100, 10)
+    assert loaded is not None and loaded.ttft_ms > alone.ttft_ms + 500
+    assert loaded.tpot_ms > alone.tpot_ms
+    both = best_prediction([busy, idle], [], 100, 10)
+    assert both == alone  # the best pod's
+
+
+def test_disaggregated_prediction_takes_the_prefill_pods_queue():
+    decode = _pod("d:1", **COSTS, num_running=4)
+    prefill = _pod("p:1", **COSTS, num_waiting_prompt_tokens=400)
+    predicted = best_prediction([decode], [prefill], 100, 10)
+    assert predicted is not None
+    # 500 tokens on the prefill pod (one step: 20 + 250), then a step of 5 rows (20 + 10).
+    assert predicted.ttft_ms == pytest.approx(270 + 30)
+    assert predicted.tpot_ms == pytest.approx(30)
+
+
+def test_row_cap_keeps_a_step_within_the_tpot_objective():
+    pod = _pod("d:1", **COSTS)
+    assert row_cap(pod, None, 8) == 64  # no objective: the pod's own maximum
+    assert row_cap(pod, 100.0, 8) == 30  # (0.8 * 100 - 20) / 2
+    assert row_cap(pod, 10.0, 8) == 1  # never below one row
+    assert row_cap(_pod("d:2", max_num_seqs=0), 100.0, 8) == 8  # reports nothing: fallback
+
+
+# ---- where an SLO comes from -----------------------------------------------------------------
+
+
+def test_headers_tenant_and_default_layer_in_that_order():
+    asked = requested_slo({"x-slo-ttft-ms": "500"})
+    tenant = Slo(ttft_ms=2000, tpot_ms=150)
+    default = Slo(ttft_ms=3000, tpot_ms=200)
+    assert asked.over(tenant).over(default) == Slo(500, 150)
+    assert requested_slo({}).over(Slo()).over(default) == default
+    assert not requested_slo({}).binds
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "fast", "1e12"])
+def test_a_bad_slo_header_is_a_400_naming_it(value):
+    with pytest.raises(RequestError) as caught:
+        requested_slo({"x-slo-tpot-ms": value})
+    assert caught.value.param == "x-slo-tpot-ms"
+
+
+def test_the_key_file_gives_a_tenant_its_slo_and_weight():
+    keys = KeyRing.from_entries(
+        [
+            {"key": "sk-gold-000001", "tenant": "gold", "slo_ttft_ms": 800, "weight": 3},
+            {"key": "sk-gold-000002", "tenant": "gold"},
+            {"key": "sk-free-000001", "tenant": "free"},
+        ]
+    )
+    gold = keys.lookup("sk-gold-000002")
+    assert gold is not None and gold.slo == Slo(ttft_ms=800)
+    assert keys.weight_of("gold") == 3 and keys.weight_of("free") == 1
+    with pytest.raises(ValueError, match="weight"):
+        KeyRing.from_entries([{"key": "sk-x-00000001", "tenant": "x", "weight": 0}])
+    with pytest.raises(ValueError, match="slo_tpot_ms"):
+        KeyRing.from_entries([{"key": "sk-x-00000001", "tenant": "x", "slo_tpot_ms": "soon"}])

@@ -151,6 +151,7 @@ class AdmissionController:
             return
         ticket.is_released = True
         self.num_rows_in_flight -= ticket.ask.num_sequences
+        self.metrics.rows_in_flight.set(self.num_rows_in_flight)
         if ttft_s is not None:
             self._finished_at.append(time.monotonic())
             self._record(ticket, ttft_s, tpot_s)
@@ -172,6 +173,7 @@ class AdmissionController:
         self, ask: AdmissionAsk, arrived: float, prediction: Prediction | None, queued: bool
     ) -> Ticket:
         self.num_rows_in_flight += ask.num_sequences
+        self.metrics.rows_in_flight.set(self.num_rows_in_flight)
         queued_s = time.monotonic() - arrived
         if prediction is not None:
             prediction = Prediction(prediction.ttft_ms + queued_s * 1000, prediction.tpot_ms)

@@ -3,7 +3,8 @@
 - `splitserve:admission_total{outcome, reason}`: admitted ("now" or "queued") and refused (by
   reason: slo, saturated, queue_full, queue_timeout, slo_deadline);
 - `splitserve:admission_queue_seconds`: time admitted requests waited in the queue;
-- `splitserve:admission_queued_requests`: requests waiting now;
+- `splitserve:admission_queued_requests`: requests waiting now, and
+  `splitserve:admission_rows_in_flight`: sequences admitted and not yet ended;
 - `splitserve:admission_prediction_ratio{metric}`: measured over predicted TTFT and TPOT of
   admitted requests (1 is a perfect prediction; above 1, the prediction was short);
 - `splitserve:slo_requests_total{result}`: finished requests with an SLO, met or missed; the
@@ -35,6 +36,11 @@ class AdmissionMetrics:
         self.queued = Gauge(
             "splitserve:admission_queued_requests",
             "Requests waiting in the gateway's queue now.",
+            registry=registry,
+        )
+        self.rows_in_flight = Gauge(
+            "splitserve:admission_rows_in_flight",
+            "Sequences this gateway admitted that have not ended yet.",
             registry=registry,
         )
         self.prediction_ratio = Histogram(

@@ -93,7 +93,10 @@ async def start_generation(
     """`core.start`, a bad prompt reported as a 400 naming the endpoint's `prompt_param`."""
     try:
         slo = requested_slo(http.headers)
-        return await core.start(request, http.headers.get(REGION_HEADER, ""), slo)
+        starting = core.start(request, http.headers.get(REGION_HEADER, ""), slo)
+        if core.admission is None:
+            return await starting
+        return await _unless_gone(http, starting)  # it may wait in admission's queue
     except PromptError as error:
         raise RequestError(str(error), prompt_param, error.code) from None
 
@@ -156,6 +159,22 @@ async def unless_disconnected(
             generation.cancel()
             work.cancel()
     if not work.done():
+        raise ClientDisconnected()
+    return work.result()
+
+
+async def _unless_gone(http: Request, starting: Awaitable[Generation]) -> Generation:
+    """Awaits a generation's start, given up (ClientDisconnected) if the client goes away
+    first: a request waiting in admission's queue leaves it at once."""
+    work = asyncio.ensure_future(starting)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(http))
+    try:
+        await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+    if not work.done() or work.cancelled():
         raise ClientDisconnected()
     return work.result()
 

@@ -669,3 +669,20 @@ def _container_port(container: dict[str, Any], name_or_number: str | int) -> int
 
 def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(key) == value for key, value in selector.items())
+
+
+def test_admission_values_reach_the_gateway_only_when_enabled():
+    from splitserve.gateway.__main__ import build_parser  # lazy: the gateway's own parser
+    from splitserve.gateway.admission.flags import admission_settings  # lazy: likewise
+
+    def gateway_args(case: str) -> list[str]:
+        objects = case_objects(case)
+        return command_line(deployment_containers(objects, "gateway")[0], objects)
+
+    assert "--admission" not in gateway_args("default")
+    args = gateway_args("autoscaler")
+    parsed = build_parser().parse_args(service_module(args)[1])
+    settings = admission_settings(parsed)
+    assert settings is not None
+    assert (settings.slo.ttft_ms, settings.slo.tpot_ms) == (400, 40)
+    assert settings.queue_timeout_s == 30 and settings.max_queued_per_tenant == 256

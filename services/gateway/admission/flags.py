@@ -82,3 +82,16 @@ def admission_settings(args: argparse.Namespace) -> AdmissionSettings | None:
         queue_timeout_s=args.queue_timeout,
         max_queued_per_tenant=args.max_queued_per_tenant,
     )
+
+
+def admission_argv(args: argparse.Namespace) -> list[str]:
+    """The admission flags as given, for a gateway started by `splitserve up`."""
+    if not args.admission:
+        return []
+    argv = ["--admission", "--batch-priority", str(args.batch_priority)]
+    argv += ["--queue-timeout", str(args.queue_timeout)]
+    argv += ["--max-queued-per-tenant", str(args.max_queued_per_tenant)]
+    for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv

@@ -175,6 +175,8 @@ def test_grpc_refusal_is_resource_exhausted(stack):
             stub.Generate(request, metadata=metadata, timeout=30)
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "SLO" in caught.value.details()
+    trailers = dict(caught.value.trailing_metadata())
+    assert int(trailers["retry-after"]) >= 1
 
 
 # ---- the queue -------------------------------------------------------------------------------

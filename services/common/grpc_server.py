@@ -33,6 +33,11 @@ class StatusError(Exception):
         super().__init__(message)
         self.code = code
 
+    @property
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        """Trailing metadata sent with the status (a refusal's retry-after)."""
+        return ()
+
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """ValueError (bad user input, by house rule) -> INVALID_ARGUMENT with its message;
@@ -67,7 +72,7 @@ def _guard_unary(behavior):
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except StatusError as error:
-            await context.abort(error.code, str(error))
+            await context.abort(error.code, str(error), error.trailers)
 
     return guarded
 
@@ -84,7 +89,7 @@ def _guard_stream(behavior):
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except StatusError as error:
-            await context.abort(error.code, str(error))
+            await context.abort(error.code, str(error), error.trailers)
 
     return guarded
 

@@ -66,6 +66,11 @@ class AdmissionRefused(StatusError):
     def retry_after(self) -> dict[str, str]:
         return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
+    @property
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        """gRPC clients get the same advice as trailing metadata."""
+        return (("retry-after", self.retry_after["Retry-After"]),)
+
 
 @dataclass(frozen=True)
 class AdmissionSettings:

@@ -61,6 +61,11 @@ class EngineStats:
     # Mixture-of-experts models: token-expert assignments per expert, cumulative, summed over
     # the layers (shared/model/moe_layer.py); () for a dense model.
     moe_expert_tokens: tuple[int, ...] = ()
+    # Of num_waiting, the requests queued for blocks or a batch slot (not those whose KV is
+    # arriving from a prefill pod or a lower tier): what a decode pod bounds.
+    num_waiting_for_admission: int = 0
+    # Prompt tokens admitted and not computed yet (Scheduler.num_waiting_prompt_tokens).
+    num_waiting_prompt_tokens: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -466,6 +471,8 @@ class EngineCore:
             prefix_cache_hit_tokens=prefix.num_hit_tokens,
             kv_tiers=tier_stats(self.kv_manager, self.offloader, self.kv_spec.bytes_per_block),
             moe_expert_tokens=expert_token_counts(self._moe_blocks),
+            num_waiting_for_admission=self.scheduler.num_waiting_for_admission,
+            num_waiting_prompt_tokens=self.scheduler.num_waiting_prompt_tokens,
             **self._spec_stats(),
         )
 

@@ -104,6 +104,20 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_waiting_for_admission(self) -> int:
+        """Requests queued for blocks or a batch slot (preempted ones too); not those whose
+        KV a prefill pod or a lower tier is filling: they hold their blocks already."""
+        return len(self._waiting)
+
+    @property
+    def num_waiting_prompt_tokens(self) -> int:
+        """Tokens this pod has taken on to prefill and not computed yet: the queued requests'
+        (a preempted one recomputes its output too) and the running prompts' unfinished
+        chunks. What a prefill pod computes for a request here is not counted."""
+        queued = sum(entry[3].num_tokens - entry[3].num_computed_tokens for entry in self._waiting)
+        return queued + sum(_num_prefill_tokens_left(r) for r in self.running)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -444,6 +458,11 @@ class Scheduler:
 
 
 _LOADING_OR_REMOTE = (RequestStatus.WAITING_FOR_KV_LOAD, RequestStatus.WAITING_FOR_REMOTE_KV)
+
+
+def _num_prefill_tokens_left(request: Request) -> int:
+    """A running request's prompt tokens still to compute (0 once it decodes)."""
+    return 0 if _is_decoding(request) else request.num_tokens - request.num_computed_tokens
 
 
 def _is_decoding(request: Request) -> bool:

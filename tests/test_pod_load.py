@@ -39,6 +39,8 @@ def test_the_registry_hash_keeps_its_field_names():
         "prefill_s_per_token", "host_load_s_per_block", "disk_load_s_per_block",
         # Added with LoRA adapters (comma-separated names; the gateway routes by residency).
         "lora_adapters", "resident_lora_adapters",
+        # Added with admission control: the prefill work queued ahead of a new request.
+        "num_waiting_prompt_tokens",
     }  # fmt: skip
     assert (fields["worker_id"], fields["num_running"], fields["kv_blocks_free"]) == (
         "d-0",

@@ -92,6 +92,26 @@ def test_prefill_cap_while_decoding_must_be_positive():
         SchedulerConfig(max_prefill_tokens_while_decoding=0)
 
 
+def test_queued_prompt_tokens_count_what_is_left_to_prefill_here():
+    """Waiting prompts whole, running prompts' unfinished chunks, no decode; a request whose
+    KV a prefill pod computes is not queued here, though it is waiting."""
+    sched = make_scheduler(budget=16, max_seqs=2)
+    for rid, num_prompt in (("a", 40), ("b", 3), ("c", 10)):
+        sched.add_request(make_request(rid, num_prompt, max_tokens=8))
+    assert (sched.num_waiting_prompt_tokens, sched.num_waiting_for_admission) == (53, 3)
+    assert plan(step(sched)) == [("a", 16)]  # the budget: b and c wait
+    assert (sched.num_waiting_prompt_tokens, sched.num_waiting_for_admission) == (24 + 13, 2)
+    remote = make_request("r", 20)
+    assert sched.reserve_remote_kv(remote) == 0
+    assert sched.num_waiting_for_admission == 2  # b and c, not r
+    assert sched.num_waiting_prompt_tokens == 24 + 13
+    while sched.running[0].num_output_tokens == 0:
+        step(sched)
+    # a decodes (nothing of it is left), b was prefilled beside a's last chunk, c waits for
+    # a batch slot.
+    assert (sched.num_waiting_prompt_tokens, sched.num_waiting_for_admission) == (10, 1)
+
+
 def test_waiting_order_is_priority_then_arrival():
     sched = make_scheduler(budget=4, max_seqs=1)
     sched.add_request(make_request("late-important", 3, priority=-1, t=5))

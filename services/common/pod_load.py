@@ -26,6 +26,9 @@ class PodLoad:
     num_waiting: int = 0  # requests queued for admission
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0  # free or evictable: cached blocks no request holds count as free
+    # Prompt tokens admitted and not computed yet (queued prompts, unfinished prefill chunks):
+    # the prefill work ahead of a new request here.
+    num_waiting_prompt_tokens: int = 0
 
     @property
     def num_queued(self) -> int:
@@ -47,6 +50,7 @@ class PodLoad:
             num_waiting=engine.num_waiting,
             kv_blocks_total=engine.num_kv_blocks_total,
             kv_blocks_free=engine.num_kv_blocks_free,
+            num_waiting_prompt_tokens=engine.num_waiting_prompt_tokens,
         )
 
     @classmethod

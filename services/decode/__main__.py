@@ -11,6 +11,7 @@ import argparse
 import functools
 
 from splitserve.decode.core import DecodePodCore
+from splitserve.decode.overload import add_overload_flags, overload_bound
 from splitserve.decode.remote_prefill import RemotePrefillSettings
 from splitserve.decode.servicer import DecodeWorkerServicer
 from splitserve.pod.addresses import reachable_host
@@ -48,12 +49,19 @@ def add_decode_flags(group: argparse._ArgumentGroup) -> None:
         help="the address prefill pods send KV pages to (default: --host, or this machine's)",
     )
     group.add_argument("--kv-port", type=int, default=0, help="KV receiver port (0 = any free)")
+    add_overload_flags(group)
 
 
 def settings_from_args(args: argparse.Namespace) -> RemotePrefillSettings:
     return RemotePrefillSettings(
         args.local_prefill_threshold, args.prefill_timeout, args.max_remote_prefill_tokens
     )
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Raises ValueError for flags out of range, before the model loads."""
+    settings_from_args(args)
+    overload_bound(args)
 
 
 def build_core(args: argparse.Namespace, parts: EngineParts) -> DecodePodCore:
@@ -65,6 +73,7 @@ def build_core(args: argparse.Namespace, parts: EngineParts) -> DecodePodCore:
         settings_from_args(args),
         kv_host,
         args.kv_port,
+        overload=overload_bound(args),
     )
 
 
@@ -74,7 +83,7 @@ ROLE = PodRole(
     default_port=50061,
     service_name=worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name,
     add_flags=add_decode_flags,
-    check_flags=settings_from_args,
+    check_flags=check_flags,
     build_core=build_core,
     make_servicer=DecodeWorkerServicer,
     add_servicer=worker_pb2_grpc.add_DecodeWorkerServicer_to_server,

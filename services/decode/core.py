@@ -14,7 +14,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import grpc
+
 from splitserve.common import tracing
+from splitserve.common.grpc_server import StatusError
+from splitserve.decode.overload import OverloadBound, PodRoom, refusal
 from splitserve.decode.remote_prefill import (
     PrefillClient,
     PrefillMode,
@@ -78,9 +82,12 @@ class DecodePodCore(EnginePodCore):
         kv_host: str = "127.0.0.1",
         kv_port: int = 0,
         metrics: PodMetrics | None = None,
+        overload: OverloadBound | None = None,
     ) -> None:
+        """`overload`: when to refuse a request rather than queue it (None: never)."""
         super().__init__(llm, identity, metrics)
         self.settings = settings or RemotePrefillSettings()
+        self.overload = overload or OverloadBound()
         self._transport = transport
         self._kv_bind = (kv_host, kv_port)
         self._prefill_client: PrefillClient | None = None
@@ -109,7 +116,9 @@ class DecodePodCore(EnginePodCore):
         `resumed_output`: a migrated sequence's tokens so far (see AsyncLLM.generate).
         `lora_request`: the adapter it runs with, here and on the prefill pod (None: base).
 
-        Raises ValueError before the first output for a request this pod can never serve.
+        Raises ValueError before the first output for a request this pod can never serve,
+        and StatusError(RESOURCE_EXHAUSTED) for one it will not take now (`self.overload`),
+        before anything is reserved for it.
         Closing the iterator early (the caller went away, or was cancelled) aborts the request
         here and on the prefill pod, and frees its blocks on both. `trace_parent`: the
         caller's trace context (the gateway's span).
@@ -118,6 +127,7 @@ class DecodePodCore(EnginePodCore):
         self._check_new_request_id(request_id)
         if params.n != 1:
             raise ValueError(f"n must be 1 on a decode pod (the gateway fans out), got {params.n}")
+        self._check_room(len(prompt_token_ids) + len(resumed_output or []))
         span = tracing.start_span(
             "decode.request",
             trace_parent,
@@ -147,6 +157,23 @@ class DecodePodCore(EnginePodCore):
             del self._in_flight[request_id]
             if not progress.is_reported:
                 self._report(request_id, progress, prefill, span, error)
+
+    def _check_room(self, num_tokens: int) -> None:
+        """Refuses (RESOURCE_EXHAUSTED) a request of `num_tokens` that the overload bound
+        says must not queue here now. Runs before the request is in flight or in the engine,
+        so a refusal leaves nothing behind."""
+        if not self.overload.max_waiting_requests:
+            return
+        stats = self.llm.stats()
+        # Every request in the engine is one of our calls: the rest of them are on their way.
+        num_unseen = len(self._in_flight) - stats.num_running - stats.num_waiting
+        config = self.llm.config
+        room = PodRoom(
+            stats, max(num_unseen, 0), config.cache.block_size, config.scheduler.max_num_seqs
+        )
+        reason = refusal(self.overload, room, num_tokens)
+        if reason is not None:
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, reason)
 
     def _report(
         self,

@@ -3,7 +3,11 @@
 
 A sequence whose decode pod cannot be reached (UNAVAILABLE: connection refused or reset, the pod
 gone or draining) before that pod streamed anything for it is routed again without that pod and
-resent, with the same request id and seed, at most MAX_DECODE_RETRIES times. A stream that
+resent, with the same request id and seed, at most MAX_DECODE_RETRIES times. A pod that
+refused the sequence before streaming anything (RESOURCE_EXHAUSTED: it is overloaded,
+services/decode/overload.py) is left out the same way, but it does not cool down: it answers,
+and takes other work as soon as it has room; with no other pod left the client gets the
+refusal (HTTP 429). A stream that
 breaks after output migrates instead (services/gateway/migration.py): the sequence goes to
 another pod with the tokens the client already has, and continues after them. Every pod a
 sequence left cools down in the pool, whether a move follows or not (the last one's too).
@@ -32,8 +36,9 @@ from splitserve.v1 import generate_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
 
-# Resends of one sequence to other decode pods after its pod was unreachable (3 calls at most):
-# enough to step over a pod or two that went away before the gateway's view caught up.
+# Resends of one sequence to other decode pods after its pod was unreachable or refused it (3
+# calls at most): enough to step over a pod or two that went away before the gateway's view
+# caught up, or that are full.
 MAX_DECODE_RETRIES = 2
 
 
@@ -63,7 +68,8 @@ class SequenceCall:
     num_retries: int = 0
     num_migrations: int = 0
     broke_at: float | None = None  # time.monotonic() of the break a migration is mending
-    failed_addresses: set[str] = field(default_factory=set)  # decode pods that were unreachable
+    # Decode pods that were unreachable or refused it: a resend goes elsewhere.
+    failed_addresses: set[str] = field(default_factory=set)
     # Prefill pods named in those failed attempts: one may still hold the sequence under its
     # request id (until it sees the dead decode pod's connection go) and refuse the resend's
     # remote prefill as a duplicate, so a retry prefers another (services/prefill/core.py).
@@ -189,7 +195,13 @@ class Generation:
         queueing _END or the error it failed with."""
         outcome = await self._stream(child)
         while True:
-            if _is_unreachable_before_output(child, outcome):
+            if _is_refused_before_output(child, outcome):
+                child.failed_addresses.add(child.pod.address)  # no cooldown: it answered
+                moved = self._can_retry(child) and await self._move_elsewhere(child, outcome)
+                self._metrics.pod_refusals.labels("rerouted" if moved else "returned").inc()
+                if not moved:
+                    break
+            elif _is_unreachable_before_output(child, outcome):
                 self._leave_out(child)
                 if not (self._can_retry(child) and await self._move_elsewhere(child, outcome)):
                     break
@@ -319,23 +331,27 @@ class Generation:
         """Points `child` at another pod (same request id and seed); False if none is left."""
         assert self._reroute is not None, "only called when retries are on"
         request_id, failed = child.request.request_id, child.pod.address
+        why = "refused it" if _is_refusal(error) else "is unreachable"
         picked = await self._reroute(child)
         if picked is None:
             logger.warning(
-                "%s: decode pod %s is unreachable (%s) and no other decode pod is left",
+                "%s: decode pod %s %s (%s) and no other decode pod is left",
                 request_id,
                 failed,
+                why,
                 _details(error),
             )
             return False
         child.num_retries += 1
         child.pod, child.decision = picked.decode, picked.decision
         child.request.prefill_address = picked.prefill.address if picked.prefill else ""
-        self._metrics.routing_retries.inc()
+        if not _is_refusal(error):  # refusals have their own series (pod_refusals)
+            self._metrics.routing_retries.inc()
         logger.warning(
-            "%s: decode pod %s is unreachable (%s); retry %d of %d on %s",
+            "%s: decode pod %s %s (%s); retry %d of %d on %s",
             request_id,
             failed,
+            why,
             _details(error),
             child.num_retries,
             MAX_DECODE_RETRIES,
@@ -383,6 +399,19 @@ def _is_unreachable_before_output(child: SequenceCall, outcome: object) -> bool:
         and outcome.code() == grpc.StatusCode.UNAVAILABLE
     )
     return unreachable and not child.has_output
+
+
+def _is_refused_before_output(child: SequenceCall, outcome: object) -> bool:
+    """The pod refused the sequence for want of room before streaming any of it: another pod
+    may take it (the refusing one reserved nothing for it)."""
+    return _is_refusal(outcome) and not child.has_output
+
+
+def _is_refusal(outcome: object) -> bool:
+    return (
+        isinstance(outcome, grpc.aio.AioRpcError)
+        and outcome.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    )
 
 
 def _details(error: object) -> str:

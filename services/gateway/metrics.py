@@ -6,7 +6,9 @@ pod_metrics.py): `splitserve:routing_decisions_total` by reason and policy, and
 `splitserve:routing_cached_prefix_tokens_total` over `splitserve:routing_prompt_tokens_total`,
 the prefix-cache hit rate the router expected when it chose (the pods' own
 `prefix_cache_hits_total` say what they found), and `splitserve:routing_retries_total`, the
-sequences sent to another decode pod because theirs was unreachable before any output.
+sequences sent to another decode pod because theirs was unreachable before any output;
+`splitserve:pod_refusals_total` by outcome, the sequences a decode pod refused because it was
+overloaded (rerouted, or returned to the client as a 429).
 `splitserve:migrations_total` by cause counts sequences moved after output began
 (services/gateway/migration.py), and `splitserve:migration_latency_seconds` the time from the
 break to the new pod's first response.
@@ -104,6 +106,14 @@ class GatewayMetrics:
             "splitserve:routing_retries",
             "Sequences routed again, to another decode pod, because theirs could not be "
             "reached (UNAVAILABLE) before it streamed anything.",
+            registry=self.registry,
+        )
+        self.pod_refusals = Counter(
+            "splitserve:pod_refusals",
+            "Sequences a decode pod refused (RESOURCE_EXHAUSTED: overloaded) before any "
+            "output, by what followed: rerouted to another pod, or returned to the client "
+            "(no other pod left, or retries spent).",
+            ["outcome"],
             registry=self.registry,
         )
         self.migrations = Counter(

@@ -17,6 +17,7 @@ import grpc
 
 from splitserve.common.grpc_server import StatusError
 from splitserve.engine.lora.request import LoRARequest
+from splitserve.engine.step_costs_fit import fit_step_costs
 from splitserve.engine.telemetry import record_engine_steps
 from splitserve.pod.metrics import PodMetrics
 from splitserve.pod.server import (
@@ -51,6 +52,7 @@ class EnginePodCore:
         lora_info = llm.lora_info if llm.engine.lora is not None else None
         self.metrics = metrics or PodMetrics(self.role, identity.model_name, llm.stats, lora_info)
         self._steps = record_engine_steps(llm.engine)  # queue time and chunks, per request
+        self._step_costs = fit_step_costs(llm.engine)  # what a step costs here, for GetStats
         # request id -> what besides the engine an abort must stop (None: nothing), while the
         # request is in flight here
         self._in_flight: dict[str, Abortable | None] = {}
@@ -80,7 +82,7 @@ class EnginePodCore:
         return True
 
     def stats(self) -> PodStats:
-        return pod_stats(self.llm, self.identity, tuple(self.loras))
+        return pod_stats(self.llm, self.identity, tuple(self.loras), self._step_costs.costs())
 
     # ---- LoRA adapters ----------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -26,6 +27,7 @@ from splitserve.common.background import in_daemon_thread, wait_first
 from splitserve.common.channels import use_client_tls
 from splitserve.common.grpc_server import start_server, stop_event_on_signals
 from splitserve.common.pod_load import PodLoad
+from splitserve.common.step_costs import StepCosts
 from splitserve.common.tls import add_tls_flags, tls_from_args
 from splitserve.common.tracing import configure_tracing, shutdown_tracing
 from splitserve.pod.flags import add_engine_flags, add_server_flags
@@ -36,6 +38,7 @@ from splitserve.v1 import worker_pb2
 if TYPE_CHECKING:
     from splitserve.engine.async_llm import AsyncLLM
     from splitserve.engine.core import EngineStats, LoRAInfo
+    from splitserve.engine.step_costs_fit import FittedStepCosts
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,7 @@ class PodStats:
     pipeline_parallel_size: int = 1
     lora_adapters: tuple[str, ...] = ()  # the adapters requests may name here
     lora: LoRAInfo | None = None  # which are in slots now, and how many slots (None: no LoRA)
+    step_costs: StepCosts = StepCosts()  # measured here (zeros until enough steps ran)
 
     @property
     def load(self) -> PodLoad:
@@ -76,8 +80,12 @@ class PodStats:
 
 
 def pod_stats(
-    llm: AsyncLLM, identity: PodIdentity, lora_adapters: tuple[str, ...] = ()
+    llm: AsyncLLM,
+    identity: PodIdentity,
+    lora_adapters: tuple[str, ...] = (),
+    fitted: FittedStepCosts | None = None,
 ) -> PodStats:
+    """`fitted`: the step costs measured on this pod (None: not measured, reported as 0)."""
     return PodStats(
         identity=identity,
         engine=llm.stats(),
@@ -88,11 +96,29 @@ def pod_stats(
         pipeline_parallel_size=llm.config.parallel.pipeline_parallel_size,
         lora_adapters=lora_adapters,
         lora=llm.lora_info() if llm.engine.lora is not None else None,
+        step_costs=_step_costs(llm, fitted),
+    )
+
+
+def _step_costs(llm: AsyncLLM, fitted: FittedStepCosts | None) -> StepCosts:
+    """The fitted line, with the scheduler's limits per step (which hold from the start)."""
+    scheduler = llm.config.scheduler
+    limits = StepCosts(
+        max_num_seqs=scheduler.max_num_seqs,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens,
+    )
+    if fitted is None:
+        return limits
+    return dataclasses.replace(
+        limits,
+        step_base_ms=fitted.base_ms,
+        step_row_ms=fitted.row_ms,
+        step_prefill_token_ms=fitted.prefill_token_ms,
     )
 
 
 def pod_stats_to_proto(stats: PodStats) -> worker_pb2.WorkerStats:
-    identity, engine = stats.identity, stats.engine
+    identity, engine, costs = stats.identity, stats.engine, stats.step_costs
     return worker_pb2.WorkerStats(
         worker_id=identity.pod_id,
         role=identity.role,
@@ -116,6 +142,11 @@ def pod_stats_to_proto(stats: PodStats) -> worker_pb2.WorkerStats:
         lora_adapters=stats.lora_adapters,
         resident_lora_adapters=stats.lora.resident_adapters if stats.lora else (),
         max_loras=stats.lora.max_loras if stats.lora else 0,
+        step_base_ms=costs.step_base_ms,
+        step_row_ms=costs.step_row_ms,
+        step_prefill_token_ms=costs.step_prefill_token_ms,
+        max_num_seqs=costs.max_num_seqs,
+        max_num_batched_tokens=costs.max_num_batched_tokens,
     )
 
 

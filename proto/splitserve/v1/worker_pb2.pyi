@@ -133,7 +133,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "num_preemptions", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "kv_address", "model", "max_model_len", "block_size", "vocab_size", "kv_transport", "spec_proposed_tokens", "spec_accepted_tokens", "spec_verify_steps", "region", "zone", "tensor_parallel_size", "pipeline_parallel_size", "lora_adapters", "resident_lora_adapters", "max_loras")
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "num_preemptions", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "kv_address", "model", "max_model_len", "block_size", "vocab_size", "kv_transport", "spec_proposed_tokens", "spec_accepted_tokens", "spec_verify_steps", "region", "zone", "tensor_parallel_size", "pipeline_parallel_size", "lora_adapters", "resident_lora_adapters", "max_loras", "step_base_ms", "step_row_ms", "step_prefill_token_ms", "max_num_seqs", "max_num_batched_tokens", "num_waiting_prompt_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,12 @@ class WorkerStats(_message.Message):
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    STEP_BASE_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_ROW_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_PREFILL_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_running: int
@@ -184,7 +190,13 @@ class WorkerStats(_message.Message):
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     resident_lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     max_loras: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., kv_address: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_transport: _Optional[str] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_verify_steps: _Optional[int] = ..., region: _Optional[str] = ..., zone: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., resident_lora_adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ...) -> None: ...
+    step_base_ms: float
+    step_row_ms: float
+    step_prefill_token_ms: float
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_waiting_prompt_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., kv_address: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_transport: _Optional[str] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_verify_steps: _Optional[int] = ..., region: _Optional[str] = ..., zone: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., resident_lora_adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., step_base_ms: _Optional[float] = ..., step_row_ms: _Optional[float] = ..., step_prefill_token_ms: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., num_waiting_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadLoRAAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")

@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from email.message import Message
 
 import grpc
 import pytest
@@ -102,8 +103,8 @@ def _decode_once(address: str, request_id: str) -> list[int]:
         return [token for response in responses for token in response.token_ids]
 
 
-def _complete(stack: Stack, model: str) -> tuple[int, dict[str, str], dict]:
-    """A short completion through the gateway: status, headers, body."""
+def _complete(stack: Stack, model: str) -> tuple[int, Message, dict]:
+    """A short completion through the gateway: status, headers (any case), body."""
     body = {"model": model, "prompt": "Hello there", "max_tokens": 4, "ignore_eos": True}
     request = urllib.request.Request(
         f"{stack.base_url}/v1/completions",
@@ -112,9 +113,9 @@ def _complete(stack: Stack, model: str) -> tuple[int, dict[str, str], dict]:
     )
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, dict(response.headers), json.load(response)
+            return response.status, response.headers, json.load(response)
     except urllib.error.HTTPError as error:
-        return error.code, dict(error.headers), json.load(error)
+        return error.code, error.headers, json.load(error)
 
 
 def _refusals(stack: Stack, outcome: str) -> float:
@@ -217,6 +218,7 @@ def test_the_gateway_reroutes_a_refusal_and_answers_429_when_every_pod_refuses(s
         returned_before = _refusals(stack, "returned")
         status, headers, body = _complete(stack, model)
         assert status == 429, body
+        assert headers.get("Retry-After") == "1"
         assert body["error"]["code"] == "resource_exhausted"
         assert "overloaded" in body["error"]["message"]
         assert _refusals(stack, "returned") == returned_before + 1

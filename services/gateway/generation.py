@@ -46,6 +46,21 @@ class PodError(StatusError):
     """A decode pod failed the request (not the client's fault)."""
 
 
+class PodRefused(PodError):
+    """Every decode pod tried refused the sequence as overloaded (RESOURCE_EXHAUSTED): the
+    client should come back shortly (HTTP 429 with Retry-After, gRPC a retry-after trailer)."""
+
+    RETRY_AFTER_S = 1  # a pod's queue moves in steps of milliseconds: soon is soon enough
+
+    @property
+    def retry_after(self) -> dict[str, str]:
+        return {"Retry-After": str(self.RETRY_AFTER_S)}
+
+    @property
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        return (("retry-after", str(self.RETRY_AFTER_S)),)
+
+
 @dataclass
 class SequenceCall:
     """One sequence's decode call, and where it has been: what a resend or a migration needs."""
@@ -425,7 +440,8 @@ def _translate(error: Exception, child: SequenceCall) -> Exception:
         return error
     if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
         return ValueError(error.details())
-    return PodError(
+    error_class = PodRefused if _is_refusal(error) else PodError
+    return error_class(
         error.code(), f"decode pod {child.pod.address}: {error.code().name}: {error.details()}"
     )
 

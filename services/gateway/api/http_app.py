@@ -35,6 +35,7 @@ from splitserve.gateway.auth.http import DEFAULT_MAX_BODY_BYTES, GateMiddleware,
 from splitserve.gateway.auth.limits import LimitExceeded
 from splitserve.gateway.core import GatewayCore
 from splitserve.gateway.errors import error_body, from_validation
+from splitserve.gateway.generation import PodRefused
 from splitserve.gateway.metrics import CONTENT_TYPE
 from splitserve.gateway.routing.pods import PodPool
 
@@ -123,7 +124,8 @@ _REFUSAL_TYPES = {429: "rate_limit_error", 503: "overloaded_error", 408: "timeou
 
 def _add_error_handlers(app: FastAPI) -> None:
     async def known(request: Request, error: Exception) -> JSONResponse:
-        return _error_json(request, *error_response(error))
+        headers = error.retry_after if isinstance(error, PodRefused) else None  # come back
+        return _error_json(request, *error_response(error), headers)
 
     async def validation(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, RequestValidationError), "registered for it alone"

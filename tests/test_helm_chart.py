@@ -341,6 +341,8 @@ def test_settings_reach_the_pods_through_the_engine_config_map():
     assert _flag(decode_args, "--speculative-method") == values["decode"]["speculative"]["method"]
     limit = values["decode"]["maxRemotePrefillTokens"]
     assert _flag(decode_args, "--max-remote-prefill-tokens") == str(limit)
+    bound = values["decode"]["maxWaitingRequests"]
+    assert _flag(decode_args, "--max-waiting-requests") == str(bound)
     model_path = f"{values['model']['pvc']['mountPath']}/{values['model']['path']}"
     for role in ("gateway", "prefill", "decode"):
         args = command_line(deployment_containers(objects, role)[0], objects)

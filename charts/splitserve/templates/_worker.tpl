@@ -140,6 +140,8 @@ labels the pod reads at start (services/pod/topology.py). */}}
 - $(SPLITSERVE_DECODE_LOCAL_PREFILL_THRESHOLD)
 - --max-remote-prefill-tokens
 - $(SPLITSERVE_DECODE_MAX_REMOTE_PREFILL_TOKENS)
+- --max-waiting-requests
+- $(SPLITSERVE_DECODE_MAX_WAITING_REQUESTS)
 {{- if $values.speculative.method }}
 - --speculative-method
 - $(SPLITSERVE_DECODE_SPECULATIVE_METHOD)

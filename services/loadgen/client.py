@@ -35,6 +35,9 @@ class RequestResult:
     num_output_tokens: int = 0
     latency_s: float | None = None  # send to the last token, when it finished
     error: str = ""  # "" when the request finished with all its tokens
+    status: int | None = None  # the HTTP status answered; None when no answer came
+    # Send to the response's status line: for a refusal (429, 503, ...), how fast it came.
+    answered_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -78,6 +81,7 @@ async def stream_one(
     result.sent_s = start - run_start
     try:
         async with session.post(target.completions_url, json=request_body(spec, target.model)) as r:
+            result.status, result.answered_s = r.status, time.perf_counter() - start
             if r.status != 200:
                 result.error = f"HTTP {r.status}: {(await r.text())[:200]}"
                 return result

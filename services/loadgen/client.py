@@ -59,6 +59,11 @@ class RunResult:
 class Target:
     completions_url: str
     model: str
+    api_key: str | None = None  # sent as a Bearer token (a gateway with --api-keys)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
 def request_body(spec: RequestSpec, model: str) -> dict:
@@ -80,7 +85,8 @@ async def stream_one(
     start = time.perf_counter()
     result.sent_s = start - run_start
     try:
-        async with session.post(target.completions_url, json=request_body(spec, target.model)) as r:
+        body = request_body(spec, target.model)
+        async with session.post(target.completions_url, json=body, headers=target.headers) as r:
             result.status, result.answered_s = r.status, time.perf_counter() - start
             if r.status != 200:
                 result.error = f"HTTP {r.status}: {(await r.text())[:200]}"

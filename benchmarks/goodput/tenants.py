@@ -1,0 +1,148 @@
+"""A tenant flooding at 10x its share beside one that keeps to its share: does the quiet one's
+goodput move? (issue 35's target: by no more than 10%.)
+
+    python -m benchmarks.goodput.tenants [--rate R] [--duration S] [--force-avx2]
+
+One `splitserve up --admission` stack with the loose SLO (TTFT <= 3 s, TPOT <= 200 ms) and a
+key file of two tenants of equal weight, so each one's share is half the stack's saturation
+rate R (req/s, 256 in / 64 out; default: the splitserve saturation in docs/goodput.json).
+Our client (services/loadgen) sends Poisson arrivals with each tenant's key:
+
+1. the quiet tenant alone at its share (R / 2);
+2. the quiet tenant at its share again (the same arrivals), beside the flood at 10x its share
+   (5 R).
+
+and prints each phase's goodput, refusals and latencies per tenant, and the quiet tenant's
+goodput ratio between the phases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from benchmarks.goodput.clients import FIXED, our_outcomes, slowest_good_s
+from benchmarks.goodput.figures import LOOSE, LoadFigures, summarize
+from benchmarks.machine import AVX2_ENV, machine_line
+from splitserve.loadgen.client import RunResult, Target, run_open_loop
+from splitserve.loadgen.stacks import RunningStack, SystemSetup
+from splitserve.loadgen.workload import poisson_workload
+
+QUIET_KEY = "sk-bench-quiet-0001"
+FLOOD_KEY = "sk-bench-flood-0001"
+KEYS = [{"key": QUIET_KEY, "tenant": "quiet"}, {"key": FLOOD_KEY, "tenant": "flood"}]
+MODEL = "bench-model"
+FLOOD_FACTOR = 10.0  # the flood's rate over its share
+GOODPUT_RECORD = Path("docs/goodput.json")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--rate", type=float, default=None, help="saturation, req/s")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    parser.add_argument("--force-avx2", action="store_true", help="as benchmarks.goodput")
+    args = parser.parse_args(argv)
+    if args.rate is None:
+        args.rate = _recorded_saturation()
+    if args.rate <= 0 or args.duration <= 0:
+        parser.error("--rate and --duration must be > 0")
+    return args
+
+
+def _recorded_saturation() -> float:
+    """splitserve's 256/64 saturation from the last full goodput run."""
+    try:
+        record = json.loads(GOODPUT_RECORD.read_text())
+        return float(record["saturation"]["splitserve"][FIXED.name])
+    except (OSError, KeyError, ValueError) as error:
+        raise SystemExit(f"no --rate, and none in {GOODPUT_RECORD}: {error}") from None
+
+
+def up_flags(key_file: str) -> list[str]:
+    flags = ["--kv-cache-bytes", "2GiB", "--log-level", "warning", "--model-name", MODEL]
+    flags += ["--admission", "--slo-ttft-ms", str(LOOSE.ttft_ms)]
+    return flags + ["--slo-tpot-ms", str(LOOSE.tpot_ms), "--api-keys", key_file]
+
+
+async def _phase(targets: dict[str, tuple[Target, float]], duration_s: float, seed: str):
+    """Each tenant's open loop at its rate, all at once: tenant -> its run."""
+    drain_s = max(duration_s, slowest_good_s(FIXED))
+
+    async def one(tenant: str, target: Target, rate: float) -> RunResult:
+        specs = poisson_workload(f"{seed}-{tenant}", rate, duration_s, 1_000_000, FIXED.shape)
+        return await run_open_loop(target, specs, drain_s)
+
+    runs = await asyncio.gather(*(one(t, target, rate) for t, (target, rate) in targets.items()))
+    return dict(zip(targets, runs, strict=True))
+
+
+def _figures(run: RunResult, rate: float) -> LoadFigures:
+    return summarize(our_outcomes(run), run.duration_s, rate, (LOOSE,))
+
+
+def _line(phase: str, tenant: str, figures: LoadFigures) -> str:
+    refused = ", ".join(f"{status}: {n}" for status, n in figures.refused.items()) or "none"
+    return (
+        f"{phase:<10} {tenant:<6} {figures.offered_rate:6.2f} {figures.num_sent:5d} "
+        f"{figures.num_completed:5d} {figures.goodput[LOOSE.name]:7.2f} "
+        f"{figures.attainment[LOOSE.name]:6.2f} {figures.ttft.p50 * 1e3:7.0f} "
+        f"{figures.ttft.p99 * 1e3:7.0f} {figures.tpot.p50 * 1e3:6.0f}   {refused}"
+    )
+
+
+def run(rate: float, duration_s: float) -> dict[str, dict[str, LoadFigures]]:
+    share = rate / 2
+    with tempfile.TemporaryDirectory() as folder:
+        key_file = os.path.join(folder, "keys.json")
+        Path(key_file).write_text(json.dumps(KEYS))
+        with RunningStack(SystemSetup("splitserve+adm tenants", up_flags(key_file))) as stack:
+            url = f"{stack.base_url}/v1/completions"
+            quiet, flood = Target(url, MODEL, QUIET_KEY), Target(url, MODEL, FLOOD_KEY)
+            asyncio.run(_phase({"quiet": (quiet, 1.0)}, 5.0, "warm"))
+            stack.wait_idle(120.0)
+            print(f"phase 1: quiet alone at {share:.2f} req/s for {duration_s:.0f} s", flush=True)
+            alone = asyncio.run(_phase({"quiet": (quiet, share)}, duration_s, "tenants"))
+            stack.wait_idle(120.0)
+            flood_rate = FLOOD_FACTOR * share
+            print(f"phase 2: quiet again, flood at {flood_rate:.2f} req/s", flush=True)
+            both = asyncio.run(
+                _phase(
+                    {"quiet": (quiet, share), "flood": (flood, flood_rate)}, duration_s, "tenants"
+                )
+            )
+    return {
+        "alone": {"quiet": _figures(alone["quiet"], share)},
+        "flooded": {
+            "quiet": _figures(both["quiet"], share),
+            "flood": _figures(both["flood"], flood_rate),
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.force_avx2:
+        os.environ.update(AVX2_ENV)
+    print(machine_line(), flush=True)
+    print(f"saturation {args.rate:.2f} req/s; each tenant's share {args.rate / 2:.2f}; {LOOSE}")
+    results = run(args.rate, args.duration)
+    print("\nphase      tenant  req/s  sent  done goodput  att.L TTFT50  TTFT99 TPOT50   refused")
+    for phase, tenants in results.items():
+        for tenant, figures in tenants.items():
+            print(_line(phase, tenant, figures))
+    before = results["alone"]["quiet"].goodput[LOOSE.name]
+    after = results["flooded"]["quiet"].goodput[LOOSE.name]
+    change = (after / before - 1) * 100 if before else float("nan")
+    print(
+        f"\nthe quiet tenant's goodput beside the flood: {after:.2f} vs {before:.2f} req/s "
+        f"alone ({change:+.1f}%; target within 10%)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -13,12 +13,13 @@ states are polled for, and the fillers hold them for as long as the test needs.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from email.message import Message
 
 import grpc
@@ -31,6 +32,12 @@ from splitserve.common.step_costs import StepCosts
 from splitserve.decode.overload import OverloadBound, PodRoom, refusal
 from splitserve.engine.core import EngineStats
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.gateway.api.respond import error_response
+from splitserve.gateway.generation import Generation, PodError, PodRefused, SequenceCall, collect
+from splitserve.gateway.metrics import GatewayMetrics
+from splitserve.gateway.migration import MigrationPolicy
+from splitserve.gateway.routing.router import PickedPods
+from splitserve.gateway.routing.scoring import RoutingDecision
 from splitserve.launcher import plan
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.services_util import Stack, decode_stats, get_json, start_stack, wait_until_idle
@@ -165,6 +172,115 @@ def test_up_passes_the_bound_to_decode_and_colocated_pods_only():
     assert all("--max-waiting-requests" not in spec.argv for spec in default.specs)
     with pytest.raises(ValueError, match="--max-waiting-requests must be >= 0"):
         plan(build_parser().parse_args(["up", "--max-waiting-requests", "-1"]), True)
+
+
+# ---- the gateway's side, in this process: decode pods that answer from a script ----------
+
+
+class _ScriptedCall:
+    """A decode call that streams `responses` and then fails with `error` (None: ends)."""
+
+    def __init__(self, responses: list, error: grpc.StatusCode | None) -> None:
+        self._responses, self._error = responses, error
+
+    def __aiter__(self):
+        return self._stream()
+
+    async def _stream(self):
+        for response in self._responses:
+            yield response
+        if self._error is not None:
+            metadata = grpc.aio.Metadata()
+            raise grpc.aio.AioRpcError(self._error, metadata, metadata, self._error.name)
+
+    def cancel(self) -> bool:
+        return True
+
+
+@dataclass
+class _ScriptedPod:
+    """Duck-types the routing Pod a Generation calls: every call on it follows the script."""
+
+    address: str
+    responses: list
+    error: grpc.StatusCode | None = None
+    requests: list = field(default_factory=list)
+    call_breakers: set = field(default_factory=set)
+
+    @property
+    def decode_stub(self):
+        return self
+
+    def Decode(self, request, metadata=None) -> _ScriptedCall:  # noqa: N802 (the stub's name)
+        self.requests.append(worker_pb2.DecodeRequest(request_id=request.request_id))
+        self.requests[-1].CopyFrom(request)
+        return _ScriptedCall(self.responses, self.error)
+
+
+def _tokens(*token_ids: int, finish: bool = False) -> worker_pb2.DecodeResponse:
+    response = worker_pb2.DecodeResponse(token_ids=token_ids)
+    if finish:
+        response.finish_reason = "length"
+    return response
+
+
+def _run(pods: list[_ScriptedPod]) -> tuple[list[int], GatewayMetrics, list[str], Exception | None]:
+    """One sequence through a Generation that first calls pods[0] and reroutes to the others
+    in order: its tokens, the metrics, the pods marked unreachable, and the error it ended
+    with (None: it finished)."""
+    metrics, unreachable = GatewayMetrics(), []
+    decision = RoutingDecision(pods[0].address, pods[0].address, None, None, "round_robin", {}, 0)
+
+    async def reroute(call: SequenceCall) -> PickedPods | None:
+        left = [pod for pod in pods if pod.address not in call.failed_addresses]
+        return PickedPods(decision, left[0], None) if left else None  # type: ignore[arg-type]
+
+    async def run() -> tuple[list[int], Exception | None]:
+        request = worker_pb2.DecodeRequest(request_id="r", prompt_token_ids=[1, 2, 3])
+        child = SequenceCall(0, 0, request, pods[0], decision)  # type: ignore[arg-type]
+        mark_unreachable = lambda pod: unreachable.append(pod.address)  # noqa: E731
+        generation = Generation([child], 3, metrics, reroute, mark_unreachable, MigrationPolicy())
+        try:
+            sequences = await collect(generation)
+        except PodError as error:
+            return [], error
+        return sequences[0].token_ids, None
+
+    token_ids, error = asyncio.run(run())
+    return token_ids, metrics, unreachable, error
+
+
+def _count(metrics: GatewayMetrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_a_refusal_before_output_is_rerouted_without_a_cooldown():
+    full = _ScriptedPod("full:1", [], grpc.StatusCode.RESOURCE_EXHAUSTED)
+    free = _ScriptedPod("free:1", [_tokens(7), _tokens(8, finish=True)])
+    token_ids, metrics, unreachable, error = _run([full, free])
+    assert (token_ids, error, unreachable) == ([7, 8], None, [])
+    assert _count(metrics, "splitserve:pod_refusals_total", outcome="rerouted") == 1
+    assert _count(metrics, "splitserve:routing_retries_total") == 0  # that counts the gone
+
+
+def test_a_pod_a_broken_stream_migrates_to_may_refuse_and_the_move_goes_on():
+    broken = _ScriptedPod("broken:1", [_tokens(7)], grpc.StatusCode.UNAVAILABLE)
+    full = _ScriptedPod("full:1", [], grpc.StatusCode.RESOURCE_EXHAUSTED)
+    free = _ScriptedPod("free:1", [_tokens(8, finish=True)])
+    token_ids, metrics, unreachable, error = _run([broken, full, free])
+    assert (token_ids, error, unreachable) == ([7, 8], None, ["broken:1"])
+    assert list(free.requests[0].resumed_output_token_ids) == [7]
+    assert _count(metrics, "splitserve:pod_refusals_total", outcome="rerouted") == 1
+
+
+def test_when_every_pod_refuses_the_client_is_told_to_come_back():
+    pods = [_ScriptedPod(f"full:{i}", [], grpc.StatusCode.RESOURCE_EXHAUSTED) for i in range(2)]
+    _, metrics, unreachable, error = _run(pods)
+    assert isinstance(error, PodRefused) and unreachable == []
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error.retry_after == {"Retry-After": "1"}
+    assert error_response(error)[0] == 429
+    assert _count(metrics, "splitserve:pod_refusals_total", outcome="returned") == 1
 
 
 def test_stats_report_fitted_step_costs_and_queued_prompt_tokens(stack: Stack):

@@ -7,7 +7,8 @@ resent, with the same request id and seed, at most MAX_DECODE_RETRIES times. A p
 refused the sequence before streaming anything (RESOURCE_EXHAUSTED: it is overloaded,
 services/decode/overload.py) is left out the same way, but it does not cool down: it answers,
 and takes other work as soon as it has room; with no other pod left the client gets the
-refusal (HTTP 429). A stream that
+refusal (HTTP 429). A pod a broken stream migrated to that refuses it is passed over the same
+way, the migration going on to the next pod. A stream that
 breaks after output migrates instead (services/gateway/migration.py): the sequence goes to
 another pod with the tokens the client already has, and continues after them. Every pod a
 sequence left cools down in the pool, whether a move follows or not (the last one's too).
@@ -210,11 +211,8 @@ class Generation:
         queueing _END or the error it failed with."""
         outcome = await self._stream(child)
         while True:
-            if _is_refused_before_output(child, outcome):
-                child.failed_addresses.add(child.pod.address)  # no cooldown: it answered
-                moved = self._can_retry(child) and await self._move_elsewhere(child, outcome)
-                self._metrics.pod_refusals.labels("rerouted" if moved else "returned").inc()
-                if not moved:
+            if _is_refusal(outcome):
+                if not await self._go_past_refusal(child, outcome):
                     break
             elif _is_unreachable_before_output(child, outcome):
                 self._leave_out(child)
@@ -291,6 +289,19 @@ class Generation:
         if response.finish_reason:
             child.saw_finish = True
         self._queue.put_nowait((child, response))
+
+    async def _go_past_refusal(self, child: SequenceCall, refusal: object) -> bool:
+        """Points `child` at another pod after its pod refused it as overloaded (which it does
+        only before streaming anything): resent as it was, or, if an earlier pod streamed part
+        of it, migrated on with those tokens. The refusing pod is left out for this sequence
+        but does not cool down: it answered. False when no pod is left or the limits say no."""
+        child.failed_addresses.add(child.pod.address)
+        if child.has_output:
+            moved = await self._migrate(child, "refused")
+        else:
+            moved = self._can_retry(child) and await self._move_elsewhere(child, refusal)
+        self._metrics.pod_refusals.labels("rerouted" if moved else "returned").inc()
+        return moved
 
     async def _migrate(self, child: SequenceCall, cause: str) -> bool:
         """Points `child` at another pod with the tokens delivered so far; False when the
@@ -416,13 +427,9 @@ def _is_unreachable_before_output(child: SequenceCall, outcome: object) -> bool:
     return unreachable and not child.has_output
 
 
-def _is_refused_before_output(child: SequenceCall, outcome: object) -> bool:
-    """The pod refused the sequence for want of room before streaming any of it: another pod
-    may take it (the refusing one reserved nothing for it)."""
-    return _is_refusal(outcome) and not child.has_output
-
-
 def _is_refusal(outcome: object) -> bool:
+    """The pod refused the sequence for want of room (before streaming any of it, having
+    reserved nothing for it): another pod may take it."""
     return (
         isinstance(outcome, grpc.aio.AioRpcError)
         and outcome.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -119,7 +119,8 @@ class GatewayMetrics:
         self.migrations = Counter(
             "splitserve:migrations",
             "Sequences moved to another decode pod after output began, by why their stream "
-            "broke (unavailable, reset, aborted, stalled, ended).",
+            "broke (unavailable, reset, aborted, stalled, ended), or refused: the pod it had moved "
+            "to was full.",
             ["cause"],
             registry=self.registry,
         )

@@ -5,9 +5,13 @@ observer (`StepCostsFit`) that a pod reads for its stats.
 
 Decode rows are the step's chunks that compute only a request's newest token (and its drafts);
 prefill tokens are every token of the other chunks (prompt chunks, and a preempted request's
-recomputation). The fit is exponentially weighted least squares: each step adds to nine running
-sums and older steps fade (half-life `half_life_steps`), so the line follows the machine as its
-load and thread count change. The 3x3 normal equations are solved only when the costs are read.
+recomputation). A step's milliseconds are its forward pass plus the time since the previous
+step ended, when the engine went straight on (that gap is no longer than the forward): what a
+running stream waits per step, not only the forward.
+
+The fit is exponentially weighted least squares: each step adds to nine running sums and older
+steps fade (half-life `half_life_steps`), so the line follows the machine as its load and
+thread count change. The 3x3 normal equations are solved only when the costs are read.
 
 A small ridge pulls the two slopes (never the base) toward zero, so a pod that has only ever
 decoded, or always with the same number of rows, still gets a sane line: the prefill slope stays
@@ -69,10 +73,19 @@ class StepCostsFit:
         self._min_steps = min_steps
         self._sums: tuple[float, ...] = (0.0,) * 9
         self._num_steps = 0
+        self._last_end_time = float("-inf")  # the previous step's (engine thread only)
 
     def observe(self, step: StepResult) -> None:
         num_rows, num_prefill_tokens = step_shape(step.sched)
-        self.add(num_rows, num_prefill_tokens, step.seconds * 1000.0)
+        seconds = step.seconds
+        gap = step.start_time - self._last_end_time
+        # Straight on from the previous step: the scheduling, sampling bookkeeping and output
+        # work between two forwards is part of what a step costs a stream. A longer gap is
+        # the engine idling (waiting for requests), which is not.
+        if 0.0 <= gap <= seconds:
+            seconds += gap
+        self._last_end_time = step.end_time
+        self.add(num_rows, num_prefill_tokens, seconds * 1000.0)
 
     def add(self, num_rows: int, num_prefill_tokens: int, step_ms: float) -> None:
         """One step's shape and its measured milliseconds."""

@@ -19,9 +19,11 @@ from splitserve.pod.server import PodIdentity, PodStats, pod_stats_to_proto
 BASE_MS, ROW_MS, TOKEN_MS = 12.0, 0.5, 0.05
 
 
-def _step(num_rows: int, prefill_chunks: list[int], milliseconds: float) -> StepResult:
+def _step(
+    num_rows: int, prefill_chunks: list[int], milliseconds: float, start: float = 100.0
+) -> StepResult:
     """A step of `num_rows` decode chunks and one prompt chunk per entry of `prefill_chunks`
-    (its token count), that took `milliseconds`."""
+    (its token count), that started at `start` (seconds) and took `milliseconds`."""
     chunks = []
     for i in range(num_rows):
         request = Request(f"d{i}", [1, 2, 3], SamplingParams())
@@ -29,7 +31,6 @@ def _step(num_rows: int, prefill_chunks: list[int], milliseconds: float) -> Step
     for i, num_tokens in enumerate(prefill_chunks):
         request = Request(f"p{i}", [1] * num_tokens, SamplingParams())
         chunks.append(ScheduledChunk(request, 0, num_tokens, [0], is_sampled=True))
-    start = 100.0
     return StepResult(SchedulerOutput(chunks), ModelOutput({}), start, start + milliseconds / 1e3)
 
 
@@ -117,3 +118,17 @@ def test_the_pod_reports_every_step_cost_in_its_stats():
     engine = EngineStats(0, 0, 10, 10, 0, 0, 0)
     stats = PodStats(identity, engine, 128, 16, 100, step_costs=costs)
     assert StepCosts.from_proto(pod_stats_to_proto(stats)) == costs
+
+
+def test_the_work_between_steps_counts_and_idle_time_does_not():
+    busy, idle = StepCostsFit(), StepCostsFit()
+    busy_start = idle_start = 0.0
+    for step in range(40):
+        num_rows = 1 + step % 4
+        forward_ms = _line(num_rows, 0)
+        busy.observe(_step(num_rows, [], forward_ms, busy_start))
+        idle.observe(_step(num_rows, [], forward_ms, idle_start))
+        busy_start += (forward_ms + 2.0) / 1e3  # 2 ms of scheduling and output work
+        idle_start += (forward_ms + 500.0) / 1e3  # waiting half a second for requests
+    assert busy.costs().step_ms(2) == pytest.approx(_line(2, 0) + 2.0, rel=0.01)
+    assert idle.costs().step_ms(2) == pytest.approx(_line(2, 0), rel=0.01)

@@ -39,6 +39,7 @@ from splitserve.gateway.migration import MigrationPolicy
 from splitserve.gateway.routing.router import PickedPods
 from splitserve.gateway.routing.scoring import RoutingDecision
 from splitserve.launcher import plan
+from splitserve.pod.metrics import PodMetrics
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.services_util import Stack, decode_stats, get_json, start_stack, wait_until_idle
 
@@ -157,6 +158,16 @@ def test_the_rule_refuses_only_what_would_wait_past_the_bound():
     no_blocks = refusal(bound, _room(3, 0, 7, num_unseen=2), 5 * 16)
     assert no_blocks is not None and "5 KV blocks exceed the 4 free blocks" in no_blocks
     assert refusal(bound, _room(3, 0, 8, num_unseen=2), 5 * 16) is None
+
+
+def test_the_pod_counts_its_refusals_and_shows_its_queued_prompt_tokens():
+    stats = EngineStats(1, 2, 100, 50, 0, 0, 0, num_waiting_prompt_tokens=300)
+    metrics = PodMetrics("decode", "m", lambda: stats)
+    metrics.observe_refused()
+    labels = {"model_name": "m", "role": "decode"}
+    value = metrics.registry.get_sample_value
+    assert value("splitserve:refused_requests_total", labels) == 1
+    assert value("splitserve:num_waiting_prompt_tokens", labels) == 300
 
 
 def test_up_passes_the_bound_to_decode_and_colocated_pods_only():

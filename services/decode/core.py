@@ -173,6 +173,7 @@ class DecodePodCore(EnginePodCore):
         )
         reason = refusal(self.overload, room, num_tokens)
         if reason is not None:
+            self.metrics.observe_refused()
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, reason)
 
     def _report(

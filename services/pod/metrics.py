@@ -130,6 +130,11 @@ class PodMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self._refused = _counter(
+            self.registry,
+            "refused_requests",
+            "Decode requests refused as overloaded (RESOURCE_EXHAUSTED, --max-waiting-requests).",
+        )
         self._prefill_modes = Counter(
             PREFIX + "remote_prefill_requests",
             "Decode pod requests by where their prompt was prefilled "
@@ -180,6 +185,9 @@ class PodMetrics:
 
     def observe_prefill_mode(self, mode: str) -> None:
         self._prefill_modes.labels(*self.labels, mode).inc()
+
+    def observe_refused(self) -> None:
+        self._refused.labels(*self.labels).inc()
 
 
 class _Histograms:
@@ -233,6 +241,10 @@ class _EngineCollector:
         gauges = {
             "num_requests_running": ("Requests in the running batch.", stats.num_running),
             "num_requests_waiting": ("Requests waiting to be scheduled.", stats.num_waiting),
+            "num_waiting_prompt_tokens": (
+                "Prompt tokens taken on and not computed yet (queued, unfinished chunks).",
+                stats.num_waiting_prompt_tokens,
+            ),
             "kv_cache_usage_perc": ("Fraction of KV blocks in use (1 = full).", usage),
             "gpu_cache_usage_perc": ("vLLM's older name of kv_cache_usage_perc.", usage),
             "num_kv_blocks_used": ("KV blocks held by requests.", used),

@@ -40,7 +40,7 @@ from splitserve.gateway.routing.router import PickedPods
 from splitserve.gateway.routing.scoring import RoutingDecision
 from splitserve.launcher import plan
 from splitserve.pod.metrics import PodMetrics
-from splitserve.v1 import worker_pb2, worker_pb2_grpc
+from splitserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.services_util import Stack, decode_stats, get_json, start_stack, wait_until_idle
 
 # Far more tokens than a test lives for (the tiny model takes milliseconds a step).
@@ -351,6 +351,14 @@ def test_the_gateway_reroutes_a_refusal_and_answers_429_when_every_pod_refuses(s
         assert body["error"]["code"] == "resource_exhausted"
         assert "overloaded" in body["error"]["message"]
         assert _refusals(stack, "returned") == returned_before + 1
+        with sync_channel(stack.grpc_address) as channel:  # gRPC clients hear the same
+            request = generate_pb2.GenerateRequest(
+                model=model, text="Hello", sampling=options_from_params(SHORT)
+            )
+            with pytest.raises(grpc.RpcError) as refused:
+                generate_pb2_grpc.GenerationStub(channel).Generate(request, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(refused.value.trailing_metadata())["retry-after"] == "1"
     finally:
         for filled in (first, second):
             if filled is not None:

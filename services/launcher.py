@@ -31,6 +31,11 @@ from splitserve.common.supervisor import (
 from splitserve.common.tls import add_tls_flags, tls_argv, tls_from_args
 from splitserve.engine.config import QUANTIZATION_METHODS
 from splitserve.engine.kv.offload.sizing import auto_host_tier_bytes
+from splitserve.gateway.admission.flags import (
+    add_admission_flags,
+    admission_argv,
+    admission_settings,
+)
 from splitserve.pod.flags import (
     add_kv_cache_dtype_flag,
     add_quantization_flag,
@@ -57,6 +62,7 @@ PREFILL_NICE = 0
 UP_MAX_REMOTE_PREFILL_TOKENS = 256
 # As a kubelet would: back at once after a one-off crash, slower and slower in a crash loop.
 RESTART_POLICY = RestartPolicy(initial_backoff_s=1.0, max_backoff_s=30.0, reset_after_s=60.0)
+
 
 def add_up_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--decode", type=int, default=1, metavar="N", help="decode processes")
@@ -95,6 +101,14 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         help="decode (and colocated) processes: prompt tokens in a step that also decodes, so "
         "prompts arriving cannot stall the running streams (default: no cap)",
+    )
+    sub.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=0,
+        metavar="N",
+        help="decode (and colocated) processes refuse a request that could not start at once "
+        "while N already wait there; the gateway routes it to another (0 = no bound)",
     )
     sub.add_argument(
         "--kv-checksum", action="store_true", help="prefill pods CRC-32 every KV page buffer"
@@ -194,13 +208,14 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
         nargs="+",
         default=[],
         metavar="NAME=PATH",
-        help="PEFT adapters every engine pod serves by name (clients put it in \"model\")",
+        help='PEFT adapters every engine pod serves by name (clients put it in "model")',
     )
     sub.add_argument(
         "--enable-lora", action="store_true", help="pods take adapters loaded at run time"
     )
     sub.add_argument("--max-loras", type=int, default=None, help="active adapter slots per pod")
     add_security_flags(sub)
+    add_admission_flags(sub)  # the gateway's, passed through as given
     sub.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
     sub.add_argument(
         "--exit-on-failure",
@@ -256,10 +271,13 @@ def plan(
     (default: look for it); `redis_url` is passed to every process (None: no registry)."""
     if args.decode < 1 or args.prefill < 0:
         raise ValueError("--decode must be >= 1 and --prefill >= 0")
+    admission_settings(args)  # the gateway's checks, before anything starts
     if args.local_prefill_threshold < 0:
         raise ValueError("--local-prefill-threshold must be >= 0")
     if args.max_remote_prefill_tokens < 0:
         raise ValueError("--max-remote-prefill-tokens must be >= 0")
+    if args.max_waiting_requests < 0:
+        raise ValueError("--max-waiting-requests must be >= 0")
     cap = args.max_prefill_tokens_while_decoding
     if cap is not None and cap < 1:
         raise ValueError(f"--max-prefill-tokens-while-decoding must be >= 1, got {cap}")
@@ -286,6 +304,8 @@ def plan(
     if args.max_prefill_tokens_while_decoding is not None:
         cap = args.max_prefill_tokens_while_decoding
         decode_flags += ["--max-prefill-tokens-while-decoding", str(cap)]
+    if args.max_waiting_requests:
+        decode_flags += ["--max-waiting-requests", str(args.max_waiting_requests)]
     decode_flags += [] if colocated else _decode_flags(args)
     engine_flags += _host_tier_flags(args, num_prefill + args.decode)
     specs = [
@@ -441,6 +461,7 @@ def _gateway(
         argv += ["--api-keys", os.path.abspath(args.api_keys)]
     if args.metrics_public:
         argv += ["--metrics-public"]
+    argv += admission_argv(args)
     for address in decode_addresses:
         argv += ["--decode", address]
     for address in prefill_addresses:

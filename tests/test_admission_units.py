@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.gateway.admission.fair_queue import FairQueue, QueueFull, Waiter
+from splitserve.gateway.admission.feedback import Calibration, RowLimit, TokenGaps
 from splitserve.gateway.admission.predict import best_prediction, row_cap
 from splitserve.gateway.admission.slo import Slo, requested_slo
 from splitserve.gateway.auth.keys import KeyRing
@@ -178,3 +179,44 @@ def test_the_key_file_gives_a_tenant_its_slo_and_weight():
         KeyRing.from_entries([{"key": "sk-x-00000001", "tenant": "x", "weight": 0}])
     with pytest.raises(ValueError, match="slo_tpot_ms"):
         KeyRing.from_entries([{"key": "sk-x-00000001", "tenant": "x", "slo_tpot_ms": "soon"}])
+
+
+# ---- what admission learns from the streams -------------------------------------------------
+
+
+def test_token_gaps_report_a_window_once_it_is_old_and_full_enough():
+    gaps = TokenGaps(started=0.0)
+    gaps.add(0.5, 5)
+    assert gaps.take(now=0.5) is None  # too young
+    assert gaps.take(now=1.0) is None  # old enough, too few tokens: dropped, starts over
+    gaps.add(1.2, 12)
+    assert gaps.take(now=2.0) == pytest.approx(100.0)
+    assert gaps.num_tokens == 0
+
+
+def test_row_limit_shrinks_past_the_target_and_grows_only_when_it_binds():
+    limit = RowLimit(limit=16.0, ceiling=32)
+    limit.update(measured_ms=400.0, target_ms=100.0, rows_in_use=16)
+    assert limit.rows == 8  # halved at most per window
+    limit = RowLimit(limit=8.0, ceiling=32)
+    limit.update(measured_ms=50.0, target_ms=100.0, rows_in_use=3)
+    assert limit.rows == 8  # below target, but the limit does not bind: it stays
+    for _ in range(20):
+        limit.update(measured_ms=50.0, target_ms=100.0, rows_in_use=limit.rows)
+    assert limit.rows == 32  # grows while it binds, never past the pod's own maximum
+    for _ in range(20):
+        limit.update(measured_ms=1000.0, target_ms=100.0, rows_in_use=limit.rows)
+    assert limit.rows == 1  # never below one row
+
+
+def test_calibration_learns_a_steady_bias_and_ignores_nonsense():
+    calibration = Calibration()
+    assert calibration.factor == 1.0
+    for _ in range(30):
+        calibration.observe(measured=300.0, predicted=100.0)
+    assert calibration.factor == pytest.approx(3.0, rel=0.01)
+    calibration.observe(measured=0.0, predicted=100.0)  # no measurement: nothing learnt
+    assert calibration.factor == pytest.approx(3.0, rel=0.01)
+    for _ in range(60):
+        calibration.observe(measured=1e9, predicted=1.0)  # clamped
+    assert calibration.factor == pytest.approx(10.0, rel=0.01)

@@ -187,8 +187,10 @@ class GatewayCore:
         except BaseException:
             self._release(ticket, None)
             raise
-        if ticket is not None:
+        if ticket is not None and self.admission is not None:
             generation.on_end = lambda ended: self._release(ticket, ended)
+            admission = self.admission
+            generation.on_first_token = lambda ttft_s: admission.first_token(ticket, ttft_s)
         return generation
 
     async def _dispatch(self, request: GenerationRequest, client_region: str) -> Generation:

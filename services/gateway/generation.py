@@ -80,6 +80,7 @@ class SequenceCall:
     # as it was, only migrated with the tokens below.
     has_output: bool = False
     delivered_token_ids: list[int] = field(default_factory=list)  # queued for the client
+    last_token_at: float | None = None  # time.monotonic() of its pod's latest tokens
     saw_finish: bool = False  # the pod streamed the sequence's last response
     num_retries: int = 0
     num_migrations: int = 0
@@ -138,6 +139,7 @@ class Generation:
         # Called once when the generation ends, however it ends (its last chunk read, an
         # error, cancel()): admission control (services/gateway/admission/) frees its place.
         self.on_end: Callable[[Generation], None] | None = None
+        self.on_first_token: Callable[[float], None] | None = None  # given the TTFT in s
         self._end_time: float | None = None
         for child in children:
             child.task = asyncio.create_task(self._pump(child), name=child.request.request_id)
@@ -255,11 +257,18 @@ class Generation:
 
         pod = child.pod
         pod.call_breakers.add(break_off)
+        # Its prompt is prefill work ahead of others on the pod until its first response
+        # (admission control's predictions, services/gateway/admission/predict.py).
+        awaiting = 0 if child.has_output else len(child.request.prompt_token_ids)
+        pod.awaiting_prompt_tokens += awaiting
         try:
             # One deadline for the whole call, pushed back by every response once output began:
             # cheaper per token than a timeout around each read.
             async with asyncio.timeout(None) as deadline:
                 async for response in child.call:
+                    if awaiting:
+                        pod.awaiting_prompt_tokens -= awaiting
+                        awaiting = 0
                     self._take(child, response)
                     deadline.reschedule(loop.time() + stall_timeout)
         except TimeoutError:
@@ -278,6 +287,7 @@ class Generation:
             return error
         finally:
             pod.call_breakers.discard(break_off)
+            pod.awaiting_prompt_tokens -= awaiting
         return _END
 
     def _take(self, child: SequenceCall, response: worker_pb2.DecodeResponse) -> None:
@@ -286,6 +296,13 @@ class Generation:
             child.broke_at = None
         child.has_output = True
         child.delivered_token_ids.extend(response.token_ids)
+        if response.token_ids:  # the gap since its previous tokens, for admission control
+            now = time.monotonic()
+            # The gap after the first token counts too (on a disaggregated stack it spans the
+            # pages' hand-over): a request's TPOT, as clients measure it, includes it.
+            if child.last_token_at is not None:
+                child.pod.token_gaps.add(now - child.last_token_at, len(response.token_ids))
+            child.last_token_at = now
         if response.finish_reason:
             child.saw_finish = True
         self._queue.put_nowait((child, response))
@@ -325,6 +342,7 @@ class Generation:
             return False
         child.num_migrations += 1
         child.pod, child.decision = picked.decode, picked.decision
+        child.last_token_at = None  # the new pod's first gap is the move, not its pace
         child.request.prefill_address = ""  # the new pod re-prefills prompt + tokens itself
         del child.request.resumed_output_token_ids[:]
         child.request.resumed_output_token_ids.extend(child.delivered_token_ids)
@@ -388,7 +406,10 @@ class Generation:
     def _chunk(self, child: SequenceCall, response: worker_pb2.DecodeResponse) -> SequenceChunk:
         if self._first_token_time is None and response.token_ids:
             self._first_token_time = time.monotonic()
-            self._metrics.time_to_first_token.observe(self._first_token_time - self._start_time)
+            ttft_s = self._first_token_time - self._start_time
+            self._metrics.time_to_first_token.observe(ttft_s)
+            if self.on_first_token is not None:
+                self.on_first_token(ttft_s)
         chunk = SequenceChunk(
             child.index, response.text, list(response.token_ids), list(response.logprobs)
         )
@@ -421,8 +442,7 @@ def _is_unreachable_before_output(child: SequenceCall, outcome: object) -> bool:
     """The call could not reach the pod (or the pod stopped answering) and nothing of the
     sequence was streamed: safe to resend (a pod that comes back frees the cancelled call)."""
     unreachable = isinstance(outcome, PodDown) or (
-        isinstance(outcome, grpc.aio.AioRpcError)
-        and outcome.code() == grpc.StatusCode.UNAVAILABLE
+        isinstance(outcome, grpc.aio.AioRpcError) and outcome.code() == grpc.StatusCode.UNAVAILABLE
     )
     return unreachable and not child.has_output
 

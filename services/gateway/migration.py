@@ -78,8 +78,7 @@ def add_migration_flags(parser: argparse.ArgumentParser) -> None:
         "--max-migrations",
         type=int,
         default=defaults.max_migrations,
-        help="moves of one sequence to another decode pod after its stream broke mid-way "
-        "(0: off)",
+        help="moves of one sequence to another decode pod after its stream broke mid-way (0: off)",
     )
     group.add_argument(
         "--max-migration-replay-tokens",

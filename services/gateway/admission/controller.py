@@ -31,10 +31,16 @@ import grpc
 
 from splitserve.common.grpc_server import StatusError
 from splitserve.gateway.admission.fair_queue import FairQueue, QueueFull, Waiter
+from splitserve.gateway.admission.feedback import (
+    INITIAL_ROWS,
+    TPOT_TARGET_SHARE,
+    Calibration,
+    RowLimit,
+)
 from splitserve.gateway.admission.metrics import AdmissionMetrics
 from splitserve.gateway.admission.predict import Prediction, best_prediction, row_cap
 from splitserve.gateway.admission.slo import Slo
-from splitserve.gateway.routing.pods import PodPool
+from splitserve.gateway.routing.pods import Pod, PodPool
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +112,8 @@ class Ticket:
     ask: AdmissionAsk
     arrived_at: float
     queued_s: float
-    predicted: Prediction | None  # at admission, the queue's wait included in its TTFT
+    predicted: Prediction | None  # at admission, calibrated, the queue's wait in its TTFT
+    model: Prediction | None = None  # the cost model's own, uncalibrated, without the wait
     is_released: bool = False
 
 
@@ -131,6 +138,9 @@ class AdmissionController:
         self.num_rows_in_flight = 0
         self._finished_at: deque[float] = deque()
         self._ticker: asyncio.Task | None = None
+        self._row_limits: dict[str, RowLimit] = {}  # decode pod address -> its limit
+        self._ttft_calibration = Calibration()
+        self._tpot_calibration = Calibration()
 
     @property
     def num_queued(self) -> int:
@@ -142,12 +152,21 @@ class AdmissionController:
         """A ticket once `ask` may go to the pods; raises AdmissionRefused."""
         arrived = time.monotonic()
         prediction = self._predict(ask)
-        bound = ask.slo.binds and ask.priority < self.settings.batch_priority
+        bound = self._is_bound(ask)
         if bound and prediction is not None:
             self._refuse_if_service_misses(ask, prediction)
         if not self._queue and self._has_room(ask):
-            return self._ticket(ask, arrived, prediction, queued=False)
+            return self._ticket(ask, arrived, queued=False)
         return await self._wait_in_queue(ask, arrived, prediction, bound)
+
+    def first_token(self, ticket: Ticket, ttft_s: float) -> None:
+        """The request's first token came `ttft_s` after its dispatch: the TTFT model learns
+        how far off it was."""
+        if ticket.model is not None:
+            self._ttft_calibration.observe(ttft_s * 1000, ticket.model.ttft_ms)
+
+    def _is_bound(self, ask: AdmissionAsk) -> bool:
+        return ask.slo.binds and ask.priority < self.settings.batch_priority
 
     def release(self, ticket: Ticket, ttft_s: float | None, tpot_s: float | None) -> None:
         """The request's generation ended (`ttft_s`/`tpot_s`: what it measured, None if it
@@ -164,6 +183,8 @@ class AdmissionController:
 
     def _record(self, ticket: Ticket, ttft_s: float, tpot_s: float | None) -> None:
         predicted, slo = ticket.predicted, ticket.ask.slo
+        if ticket.model is not None and tpot_s is not None:
+            self._tpot_calibration.observe(tpot_s * 1000, ticket.model.tpot_ms)
         if predicted is not None:
             ratio = self.metrics.prediction_ratio
             ratio.labels("ttft").observe(ttft_s * 1000 / max(predicted.ttft_ms, 1e-3))
@@ -174,18 +195,20 @@ class AdmissionController:
             met = slo.is_met(ttft_s * 1000, tpot_ms)
             self.metrics.slo_requests.labels("met" if met else "missed").inc()
 
-    def _ticket(
-        self, ask: AdmissionAsk, arrived: float, prediction: Prediction | None, queued: bool
-    ) -> Ticket:
+    def _ticket(self, ask: AdmissionAsk, arrived: float, queued: bool) -> Ticket:
+        """Admits `ask` now, with the predictions of the pods as they stand at dispatch."""
         self.num_rows_in_flight += ask.num_sequences
         self.metrics.rows_in_flight.set(self.num_rows_in_flight)
         queued_s = time.monotonic() - arrived
-        if prediction is not None:
-            prediction = Prediction(prediction.ttft_ms + queued_s * 1000, prediction.tpot_ms)
+        model = self._model_prediction(ask)
+        predicted = None
+        if model is not None:
+            service = self._calibrated(model)
+            predicted = Prediction(service.ttft_ms + queued_s * 1000, service.tpot_ms)
         self.metrics.admitted(queued)
         if queued:
             self.metrics.queue_seconds.observe(queued_s)
-        return Ticket(ask, arrived, queued_s, prediction)
+        return Ticket(ask, arrived, queued_s, predicted, model)
 
     # ---- refusing ---------------------------------------------------------------------------
 
@@ -275,7 +298,7 @@ class AdmissionController:
         in the same instant, its rows given back."""
         self._futures.pop(waiter, None)
         self._asks.pop(waiter, None)
-        if future.done() and not future.cancelled():
+        if future.done() and not future.cancelled() and future.exception() is None:
             self.release(future.result(), None, None)
         else:
             self._queue.remove(waiter)
@@ -283,7 +306,8 @@ class AdmissionController:
         self.metrics.queued.set(len(self._queue))
 
     def _serve_queue(self) -> None:
-        """Admits queued requests, in the queue's order, while there is room."""
+        """Admits queued requests, in the queue's order, while there is room; one that can
+        no longer meet its TTFT is refused instead of taking the room from one that can."""
         while (waiter := self._queue.peek()) is not None:
             ask = self._asks[waiter]
             if not self._has_room(ask):
@@ -291,8 +315,33 @@ class AdmissionController:
             self._queue.pop()
             future = self._futures.pop(waiter)
             del self._asks[waiter]
-            future.set_result(self._ticket(ask, waiter.enqueued_at, self._predict(ask), True))
+            late = self._lateness_ms(ask, waiter)
+            if late is None:
+                future.set_result(self._ticket(ask, waiter.enqueued_at, True))
+            else:
+                self.metrics.refused("slo_deadline")
+                future.set_exception(self._deadline_refusal(waiter, late))
         self.metrics.queued.set(len(self._queue))
+
+    def _lateness_ms(self, ask: AdmissionAsk, waiter: Waiter) -> float | None:
+        """By how much a bound request's TTFT would miss if dispatched now (its wait so far
+        and the predicted service); None when it would not, or nothing binds it."""
+        prediction = self._predict(ask)
+        if not self._is_bound(ask) or ask.slo.ttft_ms is None or prediction is None:
+            return None
+        waited_ms = (time.monotonic() - waiter.enqueued_at) * 1000
+        late = waited_ms + prediction.ttft_ms - ask.slo.ttft_ms
+        return late if late > 0 else None
+
+    def _deadline_refusal(self, waiter: Waiter, late_ms: float) -> AdmissionRefused:
+        waited = time.monotonic() - waiter.enqueued_at
+        return AdmissionRefused(
+            408,
+            "slo_deadline",
+            f"the request waited {waited:.1f} s in the queue and would now miss its time to "
+            f"first token by about {late_ms:.0f} ms",
+            max(waited, 1.0),
+        )
 
     def _ensure_ticking(self) -> None:
         if self._ticker is None or self._ticker.done():
@@ -318,14 +367,42 @@ class AdmissionController:
         return self.num_rows_in_flight + ask.num_sequences <= self.row_capacity()
 
     def row_capacity(self) -> int:
-        tpot = self.settings.slo.tpot_ms
-        fallback = self.settings.fallback_row_cap
-        return sum(row_cap(pod, tpot, fallback) for pod in self.decode_pool.available())
+        return sum(self._pod_rows(pod) for pod in self.decode_pool.available())
 
-    def _predict(self, ask: AdmissionAsk) -> Prediction | None:
+    def _pod_rows(self, pod: Pod) -> int:
+        """The pod's row cap by its fitted costs; with a default TPOT objective, the limit
+        its measured token gaps steer (feedback.py), which starts at that cap."""
+        tpot = self.settings.slo.tpot_ms
+        cap = row_cap(pod, tpot, self.settings.fallback_row_cap)
+        if tpot is None or pod.stats is None:
+            return cap
+        limit = self._row_limits.get(pod.address)
+        if limit is None:
+            ceiling = pod.stats.max_num_seqs or self.settings.fallback_row_cap
+            start = float(min(cap, INITIAL_ROWS))
+            limit = self._row_limits[pod.address] = RowLimit(start, min(cap, ceiling))
+        measured_ms = pod.token_gaps.take(time.monotonic())
+        if measured_ms is not None:
+            rows_in_use = pod.load.num_queued + pod.num_dispatched
+            limit.update(measured_ms, tpot * TPOT_TARGET_SHARE, rows_in_use)
+            self.metrics.row_limit.labels(pod.address).set(limit.rows)
+        return limit.rows
+
+    def _model_prediction(self, ask: AdmissionAsk) -> Prediction | None:
         prefill_pods = self.prefill_pool.available() if self.prefill_pool is not None else []
         return best_prediction(
             self.decode_pool.available(), prefill_pods, ask.num_prompt_tokens, ask.max_tokens
+        )
+
+    def _predict(self, ask: AdmissionAsk) -> Prediction | None:
+        """The cost model's prediction, corrected by how far it was off lately."""
+        model = self._model_prediction(ask)
+        return None if model is None else self._calibrated(model)
+
+    def _calibrated(self, model: Prediction) -> Prediction:
+        return Prediction(
+            model.ttft_ms * self._ttft_calibration.factor,
+            model.tpot_ms * self._tpot_calibration.factor,
         )
 
     def _wait_s(self, waiter: Waiter, ask: AdmissionAsk, prediction: Prediction | None) -> float:

@@ -5,6 +5,8 @@
 - `splitserve:admission_queue_seconds`: time admitted requests waited in the queue;
 - `splitserve:admission_queued_requests`: requests waiting now, and
   `splitserve:admission_rows_in_flight`: sequences admitted and not yet ended;
+- `splitserve:admission_row_limit{pod}`: the rows each decode pod may run, steered by the
+  token gaps its streams measure against the TPOT objective;
 - `splitserve:admission_prediction_ratio{metric}`: measured over predicted TTFT and TPOT of
   admitted requests (1 is a perfect prediction; above 1, the prediction was short);
 - `splitserve:slo_requests_total{result}`: finished requests with an SLO, met or missed; the
@@ -41,6 +43,12 @@ class AdmissionMetrics:
         self.rows_in_flight = Gauge(
             "splitserve:admission_rows_in_flight",
             "Sequences this gateway admitted that have not ended yet.",
+            registry=registry,
+        )
+        self.row_limit = Gauge(
+            "splitserve:admission_row_limit",
+            "Rows admission lets a decode pod run, as its measured token gaps steer it.",
+            ["pod"],
             registry=registry,
         )
         self.prediction_ratio = Histogram(

@@ -7,13 +7,15 @@ The model, per pod (steps of `base + row * rows + prefill_token * prompt tokens`
 - prefill: the prompt tokens queued ahead on the pod plus this prompt's, computed at most
   `max_num_batched_tokens - rows` per step beside the pod's decode rows;
 - time to first token: that prefill on the pod that prefills (a prefill pod, or the decode pod
-  itself when there is none), then one decode step;
+  itself when there is none; with a prefill pod, no sooner than the decode pod's own queue of
+  prompts), then one decode step;
 - time per output token: a decode step with one row more, plus the queued prompt tokens the
   pod will interleave, spread over this request's output.
 The gateway does not know yet how much of the prompt a pod has cached (routing asks the index
 after admission), so every prompt token is counted: a prediction errs long, never short.
 Pods that have not fitted their costs yet (a fresh pod) give no prediction: nothing is refused
-on a guess."""
+on a guess. What the model misses (serving overheads, the machine's noise) the controller
+corrects by how far recent predictions were off (feedback.py's `Calibration`)."""
 
 from __future__ import annotations
 
@@ -51,10 +53,13 @@ def snapshot(pod: Pod) -> PodSnapshot | None:
     if not costs.is_known:
         return None
     load = pod.load
+    reported = load.num_waiting_prompt_tokens + pod.dispatched_prompt_tokens
+    # The stats lag by up to an engine step (a second when prompts are long): this gateway's
+    # own calls still awaiting their first token are the fresher floor.
     return PodSnapshot(
         costs,
         load.num_queued + pod.num_dispatched,
-        load.num_waiting_prompt_tokens + pod.dispatched_prompt_tokens,
+        max(reported, pod.awaiting_prompt_tokens),
     )
 
 
@@ -68,11 +73,14 @@ def prefill_ms(pod: PodSnapshot, num_prompt_tokens: int, num_rows: int) -> float
 
 
 def ttft_ms(prefill: PodSnapshot | None, decode: PodSnapshot, num_prompt_tokens: int) -> float:
-    """Prefill on `prefill` (None: the decode pod prefills), then the first decode step."""
+    """Prefill on `prefill` (None: the decode pod prefills), then the first decode step. With
+    a prefill pod, the prompts the decode pod has queued to prefill itself (conditional
+    disaggregation: it does while its prefill pods are busy) hold up its first step too."""
     if prefill is None:
         prefilled = prefill_ms(decode, num_prompt_tokens, decode.num_rows)
     else:
-        prefilled = prefill_ms(prefill, num_prompt_tokens, 0)
+        remote = prefill_ms(prefill, num_prompt_tokens, 0)
+        prefilled = max(remote, prefill_ms(decode, 0, decode.num_rows))
     return prefilled + decode.costs.step_ms(decode.num_rows + 1)
 
 

@@ -75,9 +75,7 @@ class SamplingFields(ConstraintFields):
     seed: int | None = doc_field(
         "Seed of this request's sampling.", minimum=-(2**63), maximum=2**63 - 1
     )
-    presence_penalty: float | None = doc_field(
-        "OpenAI's presence penalty.", minimum=-2, maximum=2
-    )
+    presence_penalty: float | None = doc_field("OpenAI's presence penalty.", minimum=-2, maximum=2)
     frequency_penalty: float | None = doc_field(
         "OpenAI's frequency penalty.", minimum=-2, maximum=2
     )

@@ -144,9 +144,7 @@ async def respond(
     return EventStream(events, on_close=generation.cancel)
 
 
-async def unless_disconnected(
-    http: Request, awaitable: Awaitable[T], generation: Generation
-) -> T:
+async def unless_disconnected(http: Request, awaitable: Awaitable[T], generation: Generation) -> T:
     """Awaits `awaitable`, cancelling the generation (so the pods abort and free their
     blocks) if the client goes away first."""
     work = asyncio.ensure_future(awaitable)

@@ -256,8 +256,9 @@ class ResponsesFormat:
             text += chunk.text
             finish_reason = chunk.finish_reason or finish_reason
             if chunk.text:
-                yield self._event("response.output_text.delta", **self._part_at(),
-                                  delta=chunk.text, logprobs=[])
+                yield self._event(
+                    "response.output_text.delta", **self._part_at(), delta=chunk.text, logprobs=[]
+                )
             chunk = await anext(generation, None)
         yield self._event("response.output_text.done", **self._part_at(), text=text, logprobs=[])
         yield self._event("response.content_part.done", **self._part_at(), part=_text_part(text))

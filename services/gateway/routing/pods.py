@@ -29,6 +29,7 @@ import grpc
 from splitserve.common.channels import aio_channel
 from splitserve.common.pod_load import PodLoad
 from splitserve.common.registry_schema import PodRecord
+from splitserve.gateway.admission.feedback import TokenGaps
 from splitserve.gateway.routing.scoring import Location, LoRAResidency, PodView
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -72,6 +73,12 @@ class Pod:
     # off each call in flight on it (registered by services/gateway/generation.py).
     failing_since: float | None = None
     call_breakers: set = field(default_factory=set)
+    # Gaps between the tokens its streams delivered here lately (admission control's measure
+    # of its time per output token; services/gateway/admission/feedback.py).
+    token_gaps: TokenGaps = field(default_factory=TokenGaps)
+    # Prompt tokens of this gateway's calls on it that have had no response yet: its prefill
+    # backlog as this gateway knows it, fresher than its stats (taken after each engine step).
+    awaiting_prompt_tokens: int = 0
 
     def break_calls(self) -> None:
         for breaker in list(self.call_breakers):

@@ -151,9 +151,7 @@ def _parameters(value: dict | None, where: str) -> dict:
     return value
 
 
-def _choice(
-    value: str | NamedToolChoice | None, tools: tuple[Tool, ...]
-) -> tuple[str, str | None]:
+def _choice(value: str | NamedToolChoice | None, tools: tuple[Tool, ...]) -> tuple[str, str | None]:
     if value is None:
         return "auto", None
     if isinstance(value, str):

@@ -1,0 +1,109 @@
+"""What admission control learns from the streams it admitted, so that it holds on any machine
+and any mix of work without a model that is right there:
+
+- `TokenGaps`: the gaps between tokens a decode pod's streams delivered to this gateway over the
+  last window (serving overheads and interleaved prefills included: what clients see);
+- `RowLimit`: how many rows a decode pod may run, moved each window toward the number at which
+  its measured gaps sit at the TPOT target (more rows while it is below and the limit binds,
+  fewer at once when above). Prefill work that shares the pod's steps lengthens every gap, so a
+  pod whose steps are taken by prompts ends with fewer rows than its decode cost alone allows;
+- `Calibration`: measured over predicted TTFT and TPOT of recent requests, a factor the next
+  predictions are multiplied by, so a model that is consistently short (or long) on this
+  machine, this topology or this workload is corrected within a few requests.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+# The measured gaps are steered to this share of the TPOT objective: a request's own mean gap
+# varies around the pod's, and the objective binds each request.
+TPOT_TARGET_SHARE = 0.9
+WINDOW_SECONDS = 1.0
+MIN_TOKENS_PER_WINDOW = 8  # fewer: too little to judge the pod by, the limit stays
+# How far one window may move a limit: down at once when over target, up gently, since a row
+# admitted now lengthens the gaps only once its prompt is prefilled.
+MAX_DECREASE = 0.5
+MAX_INCREASE = 1.25
+SMOOTHING = 0.5  # weight of the newest window's mean gap
+CALIBRATION_WEIGHT = 0.2  # of the newest request's log ratio
+CALIBRATION_RANGE = (0.25, 10.0)
+
+
+@dataclass
+class TokenGaps:
+    """Gaps between tokens of a pod's streams, summed over the current window."""
+
+    seconds: float = 0.0
+    num_tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def add(self, gap_s: float, num_tokens: int) -> None:
+        self.seconds += gap_s
+        self.num_tokens += num_tokens
+
+    def take(self, now: float) -> float | None:
+        """The window's mean gap per token in ms once it is WINDOW_SECONDS old and saw enough
+        tokens (None otherwise); a taken window starts over."""
+        if now - self.started < WINDOW_SECONDS:
+            return None
+        mean_ms = self.seconds * 1000 / self.num_tokens if self.num_tokens else None
+        enough = self.num_tokens >= MIN_TOKENS_PER_WINDOW
+        self.seconds, self.num_tokens, self.started = 0.0, 0, now
+        return mean_ms if enough else None
+
+
+# Rows a pod starts with before its gaps say more (a slow start: a burst of prompts admitted at
+# once would stall every stream on the pod before the first window could tell).
+INITIAL_ROWS = 4
+
+
+@dataclass
+class RowLimit:
+    """One decode pod's row limit under a TPOT objective."""
+
+    limit: float
+    ceiling: int  # never above the pod's own maximum
+    smoothed_ms: float | None = None  # the windows' gaps, averaged: one prompt's burst
+    # lengthens one window's gaps, and the limit must not swing with each
+
+    def update(self, measured_ms: float, target_ms: float, rows_in_use: int) -> None:
+        previous = self.smoothed_ms
+        smoothed = (
+            measured_ms if previous is None else previous + SMOOTHING * (measured_ms - previous)
+        )
+        self.smoothed_ms = smoothed
+        ratio = target_ms / max(smoothed, 1e-3)
+        if ratio < 1.0:
+            self.limit *= max(ratio, MAX_DECREASE)
+        elif rows_in_use >= self.limit - 1:  # only a limit that binds may grow
+            self.limit *= min(ratio, MAX_INCREASE)
+        self.limit = min(max(self.limit, 1.0), float(self.ceiling))
+
+    @property
+    def rows(self) -> int:
+        return int(self.limit)
+
+
+@dataclass
+class Calibration:
+    """A running factor, measured over predicted, in log space (a ratio of 2 and one of 0.5
+    cancel out)."""
+
+    log_ratio: float = 0.0
+    num_seen: int = 0
+
+    def observe(self, measured: float, predicted: float) -> None:
+        if measured <= 0 or predicted <= 0:
+            return
+        low, high = CALIBRATION_RANGE
+        ratio = math.log(min(max(measured / predicted, low), high))
+        weight = max(CALIBRATION_WEIGHT, 1.0 / (self.num_seen + 1))  # the first ones count fully
+        self.log_ratio += weight * (ratio - self.log_ratio)
+        self.num_seen += 1
+
+    @property
+    def factor(self) -> float:
+        return math.exp(self.log_ratio)

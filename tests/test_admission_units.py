@@ -58,14 +58,27 @@ def test_weights_set_the_shares():
 
 
 def test_an_idle_tenant_banks_no_credit():
-    """A tenant that was idle while another was served alone comes back at that one's clock:
-    they alternate, it does not get its idle time's worth of turns in a row."""
+    """A tenant that was idle while another was served alone comes back at the clock the last
+    served request started at: served next, then they alternate; it does not get its idle
+    time's worth of turns in a row."""
     queue = FairQueue(max_per_tenant=100)
     _push(queue, "busy", 10)
     for _ in range(5):
         queue.pop()  # "busy" served alone: its clock is ahead of an idle tenant's
     _push(queue, "late", 5)
-    assert _drain(queue)[:6] == ["busy", "late"] * 3
+    assert _drain(queue)[:6] == ["late", "busy"] * 3
+
+
+def test_a_tenant_under_its_share_is_served_next_beside_a_backlog():
+    """One request at a time from a light tenant, a standing backlog from a heavy one: each
+    light request is the next one served, whenever it arrives."""
+    queue = FairQueue(max_per_tenant=100)
+    _push(queue, "heavy", 30)
+    for _ in range(5):
+        queue.pop()
+        queue.pop()
+        _push(queue, "light", 1)
+        assert queue.pop().tenant == "light"
 
 
 def test_the_bound_is_per_tenant_and_priority():
@@ -212,6 +225,9 @@ def test_row_limit_shrinks_past_the_target_and_grows_only_when_it_binds():
 def test_calibration_learns_a_steady_bias_and_ignores_nonsense():
     calibration = Calibration()
     assert calibration.factor == 1.0
+    cold = Calibration()
+    cold.observe(measured=1000.0, predicted=100.0)  # one cold request does not set it alone
+    assert 1.0 < cold.factor < 2.0
     for _ in range(30):
         calibration.observe(measured=300.0, predicted=100.0)
     assert calibration.factor == pytest.approx(3.0, rel=0.01)

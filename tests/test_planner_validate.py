@@ -70,7 +70,10 @@ def test_a_recorded_run_replays_as_it_was_simulated(tmp_path, capsys) -> None:
     ]
     record = tmp_path / "runs.json"
     save_record(str(record), recorded, args)
-    assert json.loads(record.read_text())["comparisons"][0]["itls_s"] == [[0.03, 0.031], [0.05]]
+    body = json.loads(record.read_text())
+    assert body["comparisons"][0]["itls_s"] == [[0.03, 0.031], [0.05]]
+    # The machine the runs were measured on goes with them: its features and kernels' ISA.
+    assert "avx2" in body["machine"]["flags"] and body["machine"]["kernel_isa"]["name"]
 
     # Replayed with the profile on disk (another spread): the measured side is what was
     # recorded, the simulated side is what that profile makes of the same seeded requests.

@@ -57,7 +57,7 @@ def _recorded_saturation() -> float:
     """splitserve's 256/64 saturation from the last full goodput run."""
     try:
         record = json.loads(GOODPUT_RECORD.read_text())
-        return float(record["saturation"]["splitserve"][FIXED.name])
+        return float(record["saturation_req_s"]["splitserve"][FIXED.name])
     except (OSError, KeyError, ValueError) as error:
         raise SystemExit(f"no --rate, and none in {GOODPUT_RECORD}: {error}") from None
 

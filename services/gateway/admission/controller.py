@@ -23,7 +23,7 @@ import asyncio
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -49,6 +49,9 @@ QUEUE_TICK_SECONDS = 0.05
 # The window over which requests finishing per second are counted, for the queue's wait.
 COMPLETION_WINDOW_SECONDS = 10.0
 _MIN_COMPLETIONS = 3  # fewer in the window: the wait comes from the cost model instead
+# A tenant that asked within this long (or has rows in flight) counts as active: a row is
+# kept for it while it is below its share.
+ACTIVE_TENANT_SECONDS = 2.0
 
 
 class AdmissionRefused(StatusError):
@@ -139,6 +142,9 @@ class AdmissionController:
         self._finished_at: deque[float] = deque()
         self._ticker: asyncio.Task | None = None
         self._row_limits: dict[str, RowLimit] = {}  # decode pod address -> its limit
+        self._weight_of = weight_of or (lambda tenant: 1.0)
+        self._tenant_rows: Counter[str] = Counter()  # tenant -> its rows in flight
+        self._last_asked: dict[str, float] = {}  # tenant -> when it last asked
         self._ttft_calibration = Calibration()
         self._tpot_calibration = Calibration()
 
@@ -151,11 +157,12 @@ class AdmissionController:
     async def admit(self, ask: AdmissionAsk) -> Ticket:
         """A ticket once `ask` may go to the pods; raises AdmissionRefused."""
         arrived = time.monotonic()
+        self._last_asked[ask.tenant] = arrived
         prediction = self._predict(ask)
         bound = self._is_bound(ask)
         if bound and prediction is not None:
             self._refuse_if_service_misses(ask, prediction)
-        if not self._queue and self._has_room(ask):
+        if not self._queue and self._has_room(ask) and not self._over_share(ask):
             return self._ticket(ask, arrived, queued=False)
         return await self._wait_in_queue(ask, arrived, prediction, bound)
 
@@ -175,6 +182,7 @@ class AdmissionController:
             return
         ticket.is_released = True
         self.num_rows_in_flight -= ticket.ask.num_sequences
+        self._tenant_rows[ticket.ask.tenant] -= ticket.ask.num_sequences
         self.metrics.rows_in_flight.set(self.num_rows_in_flight)
         if ttft_s is not None:
             self._finished_at.append(time.monotonic())
@@ -198,6 +206,7 @@ class AdmissionController:
     def _ticket(self, ask: AdmissionAsk, arrived: float, queued: bool) -> Ticket:
         """Admits `ask` now, with the predictions of the pods as they stand at dispatch."""
         self.num_rows_in_flight += ask.num_sequences
+        self._tenant_rows[ask.tenant] += ask.num_sequences
         self.metrics.rows_in_flight.set(self.num_rows_in_flight)
         queued_s = time.monotonic() - arrived
         model = self._model_prediction(ask)
@@ -254,6 +263,7 @@ class AdmissionController:
         future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
         self._futures[waiter], self._asks[waiter] = future, ask
         self.metrics.queued.set(len(self._queue))
+        self._serve_queue()  # it may be next at once: a tenant under its share beside a backlog
         self._ensure_ticking()
         try:
             done, _ = await asyncio.wait({future}, timeout=timeout)
@@ -308,11 +318,15 @@ class AdmissionController:
     def _serve_queue(self) -> None:
         """Admits queued requests, in the queue's order, while there is room; one that can
         no longer meet its TTFT is refused instead of taking the room from one that can."""
-        while (waiter := self._queue.peek()) is not None:
+        over_share: set[str] = set()  # tenants passed over this time
+        while (waiter := self._queue.peek(over_share)) is not None:
             ask = self._asks[waiter]
             if not self._has_room(ask):
                 break
-            self._queue.pop()
+            if self._over_share(ask):
+                over_share.add(ask.tenant)
+                continue
+            self._queue.pop(over_share)
             future = self._futures.pop(waiter)
             del self._asks[waiter]
             late = self._lateness_ms(ask, waiter)
@@ -365,6 +379,33 @@ class AdmissionController:
         if self.num_rows_in_flight == 0:
             return bool(self.decode_pool.available())
         return self.num_rows_in_flight + ask.num_sequences <= self.row_capacity()
+
+    def _over_share(self, ask: AdmissionAsk) -> bool:
+        """Whether `ask` would take its tenant past its weighted share of the rows and leave
+        fewer free rows than there are other tenants below their share that asked lately:
+        one row is kept for each of them, so their next request starts at once instead of
+        waiting behind the backlog for a row to free up (a flood cannot take a quiet tenant's
+        latency, at the cost of a row or so idle while they are quiet)."""
+        now = time.monotonic()
+        others = [
+            tenant
+            for tenant, asked in self._last_asked.items()
+            if tenant != ask.tenant
+            and (now - asked < ACTIVE_TENANT_SECONDS or self._tenant_rows[tenant] > 0)
+        ]
+        if not others:
+            return False
+        capacity = self.row_capacity()
+        total = sum(self._weight_of(tenant) for tenant in [ask.tenant, *others])
+
+        def share(tenant: str) -> float:
+            return capacity * self._weight_of(tenant) / total
+
+        if self._tenant_rows[ask.tenant] + ask.num_sequences <= share(ask.tenant):
+            return False
+        kept = sum(self._tenant_rows[tenant] < share(tenant) for tenant in others)
+        free_after = capacity - self.num_rows_in_flight - ask.num_sequences
+        return free_after < kept
 
     def row_capacity(self) -> int:
         return sum(self._pod_rows(pod) for pod in self.decode_pool.available())

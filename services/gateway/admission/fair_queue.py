@@ -5,8 +5,10 @@ tenants of one priority.
 Fair share is start-time fair queueing over virtual time: each tenant has a virtual clock that
 advances by a served request's cost (prompt tokens plus max output tokens) over the tenant's
 weight; the next request comes from the waiting tenant whose clock is furthest behind. A tenant
-that was idle comes back at the clock of the waiting tenants, never behind them, so idling
-banks no credit. A flood from one tenant therefore only lengthens that tenant's own queue.
+that was idle comes back at the virtual time, the clock the last served request started at:
+ahead of a backlogged tenant by at most one request, never further, so idling banks no credit.
+A flood from one tenant therefore only lengthens that tenant's own queue, and a tenant that
+keeps under its share is served next whenever it asks.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 
@@ -38,10 +40,8 @@ class _Level:
 
     queues: dict[str, deque[Waiter]] = field(default_factory=dict)  # only non-empty ones
     clocks: dict[str, float] = field(default_factory=dict)  # tenant -> its virtual clock
-
-    def waiting_clock(self) -> float:
-        """The lowest clock among the waiting tenants (0 with none waiting)."""
-        return min((self.clocks[tenant] for tenant in self.queues), default=0.0)
+    # The clock the last request served started at: where a tenant that was idle comes back.
+    virtual_time: float = 0.0
 
 
 class FairQueue:
@@ -60,8 +60,8 @@ class FairQueue:
         """Queues `waiter` at the back of its tenant's queue; raises QueueFull."""
         level = self._levels.setdefault(waiter.priority, _Level())
         queue = level.queues.get(waiter.tenant)
-        if queue is None:  # the tenant starts waiting: at the waiting tenants' clock at least
-            clock = max(level.clocks.get(waiter.tenant, 0.0), level.waiting_clock())
+        if queue is None:  # the tenant starts waiting: no further back than the last served
+            clock = max(level.clocks.get(waiter.tenant, 0.0), level.virtual_time)
             level.clocks[waiter.tenant] = clock
             queue = level.queues[waiter.tenant] = deque()
         if len(queue) >= self.max_per_tenant:
@@ -69,20 +69,22 @@ class FairQueue:
         queue.append(waiter)
         self._size += 1
 
-    def peek(self) -> Waiter | None:
+    def peek(self, skip: Collection[str] = ()) -> Waiter | None:
         """The request `pop` would return, left in place."""
-        level = self._first_level()
+        level = self._first_level(skip)
         if level is None:
             return None
-        return level.queues[self._next_tenant(level)][0]
+        return level.queues[self._next_tenant(level, skip)][0]
 
-    def pop(self) -> Waiter | None:
-        """The next request to serve, or None if nothing waits."""
-        level = self._first_level()
+    def pop(self, skip: Collection[str] = ()) -> Waiter | None:
+        """The next request to serve, or None if nothing waits; `skip`: tenants passed over
+        this time (over their share of the rows)."""
+        level = self._first_level(skip)
         if level is None:
             return None
-        tenant = self._next_tenant(level)
+        tenant = self._next_tenant(level, skip)
         waiter = level.queues[tenant].popleft()
+        level.virtual_time = level.clocks[tenant]
         level.clocks[tenant] += waiter.cost / self._weight_of(tenant)
         self._drop_if_empty(level, tenant, waiter.priority)
         self._size -= 1
@@ -121,15 +123,18 @@ class FairQueue:
                 ahead += min(len(queue), math.ceil(share))
         return ahead + position
 
-    def _first_level(self) -> _Level | None:
+    def _first_level(self, skip: Collection[str]) -> _Level | None:
         for priority in sorted(self._levels):
-            if self._levels[priority].queues:
+            if any(tenant not in skip for tenant in self._levels[priority].queues):
                 return self._levels[priority]
         return None
 
-    def _next_tenant(self, level: _Level) -> str:
+    def _next_tenant(self, level: _Level, skip: Collection[str]) -> str:
         # Ties go to the tenant whose head waited longest: FIFO between equals.
-        return min(level.queues, key=lambda t: (level.clocks[t], level.queues[t][0].enqueued_at))
+        return min(
+            (tenant for tenant in level.queues if tenant not in skip),
+            key=lambda t: (level.clocks[t], level.queues[t][0].enqueued_at),
+        )
 
     def _drop_if_empty(self, level: _Level, tenant: str, priority: int) -> None:
         if not level.queues[tenant]:

@@ -57,7 +57,7 @@ class TokenGaps:
 
 # Rows a pod starts with before its gaps say more (a slow start: a burst of prompts admitted at
 # once would stall every stream on the pod before the first window could tell).
-INITIAL_ROWS = 4
+INITIAL_ROWS = 8
 
 
 @dataclass
@@ -100,8 +100,9 @@ class Calibration:
             return
         low, high = CALIBRATION_RANGE
         ratio = math.log(min(max(measured / predicted, low), high))
-        weight = max(CALIBRATION_WEIGHT, 1.0 / (self.num_seen + 1))  # the first ones count fully
-        self.log_ratio += weight * (ratio - self.log_ratio)
+        # A steady weight, even for the first requests: a cold first request (a new shape, a
+        # pod's first steps) must not set the factor on its own.
+        self.log_ratio += CALIBRATION_WEIGHT * (ratio - self.log_ratio)
         self.num_seen += 1
 
     @property

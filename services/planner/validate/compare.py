@@ -322,8 +322,12 @@ def print_report(comparisons: list[Comparison]) -> None:
 
 
 def save_record(path: str, comparisons: list[Comparison], args: argparse.Namespace) -> None:
-    """The measured runs (and what they were simulated as), enough to `--replay` them."""
+    """The measured runs (and what they were simulated as), enough to `--replay` them, and the
+    machine they ran on (`splitserve env`'s CPU section: the figures hold for that CPU)."""
+    from splitserve.environment import environment_report  # lazy: torch and the kernels
+
     body = {
+        "machine": environment_report()["cpu"],
         "seed": args.seed,
         "duration_s": args.duration,
         "margin": args.margin,

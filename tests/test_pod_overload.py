@@ -32,6 +32,7 @@ from splitserve.common.step_costs import StepCosts
 from splitserve.decode.overload import OverloadBound, PodRoom, refusal
 from splitserve.engine.core import EngineStats
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.gateway.admission.feedback import TokenGaps
 from splitserve.gateway.api.respond import error_response
 from splitserve.gateway.generation import Generation, PodError, PodRefused, SequenceCall, collect
 from splitserve.gateway.metrics import GatewayMetrics
@@ -217,6 +218,8 @@ class _ScriptedPod:
     error: grpc.StatusCode | None = None
     requests: list = field(default_factory=list)
     call_breakers: set = field(default_factory=set)
+    awaiting_prompt_tokens: int = 0  # what admission control reads of a pod
+    token_gaps: TokenGaps = field(default_factory=TokenGaps)
 
     @property
     def decode_stub(self):

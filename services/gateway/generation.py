@@ -210,7 +210,15 @@ class Generation:
     async def _pump(self, child: SequenceCall) -> None:
         """Streams one sequence into the queue: resent to another pod while its pod is
         unreachable before any output, migrated when its stream breaks after output; ends by
-        queueing _END or the error it failed with."""
+        queueing _END or the error it failed with. A bug in here fails the request instead of
+        leaving its reader waiting for ever."""
+        try:
+            await self._follow(child)
+        except Exception as error:
+            logger.exception("%s: the sequence's stream failed", child.request.request_id)
+            self._queue.put_nowait((child, error))
+
+    async def _follow(self, child: SequenceCall) -> None:
         outcome = await self._stream(child)
         while True:
             if _is_refusal(outcome):

@@ -113,8 +113,6 @@ class Ticket:
     """An admitted request: released once, when its generation ends."""
 
     ask: AdmissionAsk
-    arrived_at: float
-    queued_s: float
     predicted: Prediction | None  # at admission, calibrated, the queue's wait in its TTFT
     model: Prediction | None = None  # the cost model's own, uncalibrated, without the wait
     is_released: bool = False
@@ -158,12 +156,13 @@ class AdmissionController:
         """A ticket once `ask` may go to the pods; raises AdmissionRefused."""
         arrived = time.monotonic()
         self._last_asked[ask.tenant] = arrived
-        prediction = self._predict(ask)
+        model = self._model_prediction(ask)
+        prediction = None if model is None else self._calibrated(model)
         bound = self._is_bound(ask)
         if bound and prediction is not None:
             self._refuse_if_service_misses(ask, prediction)
         if not self._queue and self._has_room(ask) and not self._over_share(ask):
-            return self._ticket(ask, arrived, queued=False)
+            return self._ticket(ask, arrived, False, model)
         return await self._wait_in_queue(ask, arrived, prediction, bound)
 
     def first_token(self, ticket: Ticket, ttft_s: float) -> None:
@@ -203,13 +202,14 @@ class AdmissionController:
             met = slo.is_met(ttft_s * 1000, tpot_ms)
             self.metrics.slo_requests.labels("met" if met else "missed").inc()
 
-    def _ticket(self, ask: AdmissionAsk, arrived: float, queued: bool) -> Ticket:
-        """Admits `ask` now, with the predictions of the pods as they stand at dispatch."""
+    def _ticket(
+        self, ask: AdmissionAsk, arrived: float, queued: bool, model: Prediction | None
+    ) -> Ticket:
+        """Admits `ask` now; `model`: the cost model's prediction for the pods as they stand."""
         self.num_rows_in_flight += ask.num_sequences
         self._tenant_rows[ask.tenant] += ask.num_sequences
         self.metrics.rows_in_flight.set(self.num_rows_in_flight)
         queued_s = time.monotonic() - arrived
-        model = self._model_prediction(ask)
         predicted = None
         if model is not None:
             service = self._calibrated(model)
@@ -217,7 +217,7 @@ class AdmissionController:
         self.metrics.admitted(queued)
         if queued:
             self.metrics.queue_seconds.observe(queued_s)
-        return Ticket(ask, arrived, queued_s, predicted, model)
+        return Ticket(ask, predicted, model)
 
     # ---- refusing ---------------------------------------------------------------------------
 
@@ -329,22 +329,24 @@ class AdmissionController:
             self._queue.pop(over_share)
             future = self._futures.pop(waiter)
             del self._asks[waiter]
-            late = self._lateness_ms(ask, waiter)
+            model = self._model_prediction(ask)
+            late = self._lateness_ms(ask, waiter, model)
             if late is None:
-                future.set_result(self._ticket(ask, waiter.enqueued_at, True))
+                future.set_result(self._ticket(ask, waiter.enqueued_at, True, model))
             else:
                 self.metrics.refused("slo_deadline")
                 future.set_exception(self._deadline_refusal(waiter, late))
         self.metrics.queued.set(len(self._queue))
 
-    def _lateness_ms(self, ask: AdmissionAsk, waiter: Waiter) -> float | None:
+    def _lateness_ms(
+        self, ask: AdmissionAsk, waiter: Waiter, model: Prediction | None
+    ) -> float | None:
         """By how much a bound request's TTFT would miss if dispatched now (its wait so far
         and the predicted service); None when it would not, or nothing binds it."""
-        prediction = self._predict(ask)
-        if not self._is_bound(ask) or ask.slo.ttft_ms is None or prediction is None:
+        if not self._is_bound(ask) or ask.slo.ttft_ms is None or model is None:
             return None
         waited_ms = (time.monotonic() - waiter.enqueued_at) * 1000
-        late = waited_ms + prediction.ttft_ms - ask.slo.ttft_ms
+        late = waited_ms + self._calibrated(model).ttft_ms - ask.slo.ttft_ms
         return late if late > 0 else None
 
     def _deadline_refusal(self, waiter: Waiter, late_ms: float) -> AdmissionRefused:
@@ -424,7 +426,7 @@ class AdmissionController:
             limit = self._row_limits[pod.address] = RowLimit(start, min(cap, ceiling))
         measured_ms = pod.token_gaps.take(time.monotonic())
         if measured_ms is not None:
-            rows_in_use = pod.load.num_queued + pod.num_dispatched
+            rows_in_use = pod.num_queued
             limit.update(measured_ms, tpot * TPOT_TARGET_SHARE, rows_in_use)
             self.metrics.row_limit.labels(pod.address).set(limit.rows)
         return limit.rows
@@ -435,12 +437,8 @@ class AdmissionController:
             self.decode_pool.available(), prefill_pods, ask.num_prompt_tokens, ask.max_tokens
         )
 
-    def _predict(self, ask: AdmissionAsk) -> Prediction | None:
-        """The cost model's prediction, corrected by how far it was off lately."""
-        model = self._model_prediction(ask)
-        return None if model is None else self._calibrated(model)
-
     def _calibrated(self, model: Prediction) -> Prediction:
+        """The cost model's prediction, corrected by how far it was off lately."""
         return Prediction(
             model.ttft_ms * self._ttft_calibration.factor,
             model.tpot_ms * self._tpot_calibration.factor,

@@ -58,7 +58,7 @@ def snapshot(pod: Pod) -> PodSnapshot | None:
     # own calls still awaiting their first token are the fresher floor.
     return PodSnapshot(
         costs,
-        load.num_queued + pod.num_dispatched,
+        pod.num_queued,
         max(reported, pod.awaiting_prompt_tokens),
     )
 

@@ -96,7 +96,8 @@ async def start_generation(
         starting = core.start(request, http.headers.get(REGION_HEADER, ""), slo)
         if core.admission is None:
             return await starting
-        return await _unless_gone(http, starting)  # it may wait in admission's queue
+        # It may wait in admission's queue: a client that goes away leaves it at once.
+        return await unless_disconnected(http, starting)
     except PromptError as error:
         raise RequestError(str(error), prompt_param, error.code) from None
 
@@ -144,9 +145,11 @@ async def respond(
     return EventStream(events, on_close=generation.cancel)
 
 
-async def unless_disconnected(http: Request, awaitable: Awaitable[T], generation: Generation) -> T:
-    """Awaits `awaitable`, cancelling the generation (so the pods abort and free their
-    blocks) if the client goes away first."""
+async def unless_disconnected(
+    http: Request, awaitable: Awaitable[T], generation: Generation | None = None
+) -> T:
+    """Awaits `awaitable`, given up (ClientDisconnected) if the client goes away first; the
+    generation, if any, is then cancelled too (so the pods abort and free their blocks)."""
     work = asyncio.ensure_future(awaitable)
     watcher = asyncio.ensure_future(_wait_for_disconnect(http))
     try:
@@ -154,23 +157,8 @@ async def unless_disconnected(http: Request, awaitable: Awaitable[T], generation
     finally:
         watcher.cancel()
         if not work.done():
-            generation.cancel()
-            work.cancel()
-    if not work.done():
-        raise ClientDisconnected()
-    return work.result()
-
-
-async def _unless_gone(http: Request, starting: Awaitable[Generation]) -> Generation:
-    """Awaits a generation's start, given up (ClientDisconnected) if the client goes away
-    first: a request waiting in admission's queue leaves it at once."""
-    work = asyncio.ensure_future(starting)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(http))
-    try:
-        await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not work.done():
+            if generation is not None:
+                generation.cancel()
             work.cancel()
     if not work.done() or work.cancelled():
         raise ClientDisconnected()

@@ -143,6 +143,11 @@ class Pod:
         return time.monotonic() < self.unreachable_until
 
     @property
+    def num_queued(self) -> int:
+        """Requests it runs or has queued, with those this gateway sent since its stats."""
+        return self.load.num_queued + self.num_dispatched
+
+    @property
     def load(self) -> PodLoad:
         """As the latest poll answered it (`num_dispatched` is what it does not count yet)."""
         assert self.stats is not None, "only a pod that answered a poll has a load"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -158,10 +159,29 @@ def run(streams: int, rounds: int, requests: int) -> None:
         sup.wait_healthy(120)
         time.sleep(1.5)  # the gateways' first poll of the pod
         timings: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
+        cpu_s = {"off": 0.0, "on": 0.0}
         for _ in range(rounds):
             for name, (url, headers) in configs.items():
+                pid = sup.process(f"gateway-{name}").pid
+                before = _cpu_seconds(pid)
                 timings[name] += asyncio.run(_round(url, headers, streams, requests))
+                cpu_s[name] += _cpu_seconds(pid) - before
     _report(timings, streams)
+    _report_cpu(cpu_s, {name: len(values) for name, values in timings.items()})
+
+
+def _cpu_seconds(pid: int) -> float:
+    """The process's user + system CPU time: what a request costs the gateway, whatever else
+    shares the machine (latencies on a busy box move with the others' load; this does not)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _report_cpu(cpu_s: dict[str, float], counts: dict[str, int]) -> None:
+    per_request = {name: 1000 * cpu_s[name] / max(1, counts[name]) for name in cpu_s}
+    added = per_request["on"] - per_request["off"]
+    print(f"{'gateway CPU per request':>24}{per_request['off']:>12.2f}{per_request['on']:>14.2f}"
+          f"{added:>10.2f}")  # fmt: skip
 
 
 def _report(timings: dict[str, list[tuple[float, float]]], streams: int) -> None:

@@ -19,12 +19,20 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+import redis
 from openai import OpenAI, RateLimitError
 
 from splitserve.common.redis_server import RedisServer
 from splitserve.gateway.bounds import MAX_LOGIT_BIAS, MAX_STOP, MAX_TOOLS
 from splitserve.v1 import generate_pb2, generate_pb2_grpc
-from tests.services_util import MODEL_NAME, Stack, free_port, start_gateway, start_stack
+from tests.services_util import (
+    MODEL_NAME,
+    Stack,
+    free_port,
+    start_gateway,
+    start_stack,
+    wait_until_idle,
+)
 
 KEY_A = "sk-team-a-0123456789"
 KEY_B = "sk-team-b-0123456789"  # given to the gateways as its SHA-256 only
@@ -32,6 +40,8 @@ KEY_RPM = "sk-rpm-0123456789"
 KEY_TPM = "sk-tpm-0123456789"
 KEY_CONCURRENT = "sk-concurrent-0123456789"
 KEY_SHARED = "sk-shared-0123456789"
+KEY_ROOMY = "sk-roomy-0123456789"
+ROOMY_RPM = 20
 MAX_REQUEST_BYTES = 1 << 20
 SHARED_RPM = 4
 KEYS = [
@@ -41,6 +51,7 @@ KEYS = [
     {"key": KEY_TPM, "tenant": "tpm", "tokens_per_minute": 400},
     {"key": KEY_CONCURRENT, "tenant": "concurrent", "concurrent_requests": 1},
     {"key": KEY_SHARED, "tenant": "shared", "requests_per_minute": SHARED_RPM},
+    {"key": KEY_ROOMY, "tenant": "roomy", "requests_per_minute": ROOMY_RPM},
 ]
 # Long enough for several full KV blocks (16 tokens each).
 PROMPT = "Here is a list of fruits: apple, banana, cherry, date, elderberry, fig, grape. " * 4
@@ -309,6 +320,46 @@ def test_limits_hold_across_two_gateway_replicas(stack, replica_url):
     # Each replica alone would allow SHARED_RPM; together they allow SHARED_RPM in all.
     assert statuses[:SHARED_RPM] == [200] * SHARED_RPM
     assert set(statuses[SHARED_RPM:]) == {429}
+
+
+def _limit_checks(stack: Stack, tenant: str) -> dict[str, float]:
+    """The gateway's splitserve_tenant_limit_checks_total for `tenant`, by when."""
+    request = urllib.request.Request(f"{stack.base_url}/metrics", headers=_bearer(KEY_A))
+    with urllib.request.urlopen(request, timeout=10) as response:
+        text = response.read().decode()
+    checks = {}
+    for when in ("overlapped", "before_send"):
+        series = f'splitserve_tenant_limit_checks_total{{tenant="{tenant}",when="{when}"}} '
+        line = next((line for line in text.splitlines() if line.startswith(series)), None)
+        checks[when] = float(line.split()[-1]) if line is not None else 0.0
+    return checks
+
+
+def test_a_tenant_with_room_is_refused_in_its_first_outputs_place(stack, redis_server):
+    """A tenant that had room is checked beside its routing and prefill; another replica
+    (here: Redis written directly) used the rest of its minute meanwhile, so the check
+    refuses after the request was sent: 429 all the same, the pod's work aborted, no block
+    kept. Refused once, the tenant is checked before anything is sent."""
+    assert _chat(stack, KEY_ROOMY, "Hello").usage.completion_tokens == 2  # type: ignore[attr-defined]
+    assert _chat(stack, KEY_ROOMY, "Hello").usage.completion_tokens == 2  # type: ignore[attr-defined]
+    index = int(time.time() // 60)
+    client = redis.Redis.from_url(redis_server.url)
+    for window in (index, index - 1, index + 1):  # whichever minute the next check falls in
+        client.set(f"splitserve:limits:{{roomy}}:requests:{window}", ROOMY_RPM, ex=180)
+    before = _limit_checks(stack, "roomy")
+    for stream in (True, False):
+        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": PROMPT}]}
+        body.update(max_tokens=8, stream=stream)
+        url = f"{stack.base_url}/v1/chat/completions"
+        status, error, headers = _request(url, json.dumps(body).encode(), _bearer(KEY_ROOMY))
+        assert status == 429, error
+        assert error["error"]["code"] == "rate_limit_exceeded"
+        assert int(headers["retry-after"]) >= 1
+    after = _limit_checks(stack, "roomy")
+    assert after["overlapped"] - before["overlapped"] == 1
+    assert after["before_send"] - before["before_send"] == 1
+    stats = wait_until_idle(stack.decode_addresses[0])
+    assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
 # ---- request bounds --------------------------------------------------------------------------

@@ -21,10 +21,11 @@ from splitserve.common.redis_server import RedisServer
 from splitserve.engine.kv.block_hash import quota_tenant, tenant_cache_salt
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.gateway.api.http_app import GENERATION_ENDPOINTS
-from splitserve.gateway.auth.gate import Gate, current_caller
+from splitserve.gateway.auth import headroom
+from splitserve.gateway.auth.gate import Caller, Gate, current_caller
 from splitserve.gateway.auth.http import CHARGED_PATHS, GateMiddleware
 from splitserve.gateway.auth.keys import KeyRing, api_key_from_headers
-from splitserve.gateway.auth.limits import WINDOW_S, Ask, RateLimiter, _window_use
+from splitserve.gateway.auth.limits import WINDOW_S, Ask, LimitExceeded, RateLimiter, _window_use
 from splitserve.gateway.core import GenerationRequest
 
 
@@ -219,7 +220,8 @@ async def _generation_route(scope, receive, send) -> None:
     caller = current_caller()
     assert caller is not None, "the gate sets the caller"
     request = GenerationRequest("gen-1", [[1] * 10], SamplingParams(max_tokens=5))
-    await caller.charge(request)
+    _, charge = caller.charge_soon(request)
+    await charge.wait()
     await send({"type": "http.response.start", "status": 200, "headers": []})
     for token in (b"data: a\n\n", b"data: b\n\n"):
         await send({"type": "http.response.body", "body": token, "more_body": True})
@@ -374,3 +376,80 @@ def test_concurrent_admissions_share_pipelines_and_survive_a_script_flush(redis_
     assert refusals.count(None) == 10 and set(refusals) == {None, "requests"}
     calls = _delta(before, _command_calls(client))
     assert calls["evalsha"] == 40 and calls["script|load"] == 1  # all 20 refused, then run
+
+
+# ---- checks beside the routing and prefill (auth/headroom.py) --------------------------------
+
+
+def _caller(gate: Gate) -> Caller:
+    key = gate.authenticate({"authorization": f"Bearer {LIMITED_KEY}"})
+    return gate.defer(key)
+
+
+def _ask(num_prompt_tokens: int, max_tokens: int) -> GenerationRequest:
+    params = SamplingParams(max_tokens=max_tokens)
+    return GenerationRequest("gen", [[1] * num_prompt_tokens], params)
+
+
+async def _charged(gate: Gate, request: GenerationRequest) -> tuple[bool, str | None]:
+    """(whether the charge might overlap the request's work, the limit that refused it)."""
+    _, charge = _caller(gate).charge_soon(request)
+    try:
+        await charge.wait()
+    except LimitExceeded as error:
+        return charge.may_overlap, error.kind
+    return charge.may_overlap, None
+
+
+def test_a_tenant_is_checked_beside_its_work_only_while_it_had_room(redis_server, monkeypatch):
+    async def run() -> list[tuple[bool, str | None]]:
+        gate = _gate(redis_server.url, "headroom-test", requests_per_minute=10)
+        other_replica = _gate(redis_server.url, "headroom-test", requests_per_minute=10)
+        try:
+            seen = [await _charged(gate, _ask(4, 4))]  # never checked: before anything is sent
+            seen.append(await _charged(gate, _ask(4, 4)))  # 8 of 10 left at its last check
+            for _ in range(8):  # another replica takes the rest meanwhile
+                await _charged(other_replica, _ask(4, 4))
+            seen.append(await _charged(gate, _ask(4, 4)))  # its view had room: refused late
+            seen.append(await _charged(gate, _ask(4, 4)))  # refused last: checked first now
+            return seen
+        finally:
+            await gate.close()
+            await other_replica.close()
+
+    assert asyncio.run(run()) == [(False, None), (True, None), (True, "requests"),
+                                  (False, "requests")]  # fmt: skip
+
+
+def test_a_stale_view_or_a_request_past_the_tokens_left_is_checked_first(redis_server, monkeypatch):
+    async def run() -> list[bool]:
+        gate = _gate(redis_server.url, "headroom-tokens-test", tokens_per_minute=1000)
+        try:
+            await _charged(gate, _ask(100, 100))  # 800 left
+            seen = [(await _charged(gate, _ask(100, 100)))[0]]  # 600 left: 500 > 100 after it
+            seen.append((await _charged(gate, _ask(200, 350)))[0])  # 600 - 550 = 50 < 10%
+            await _charged(gate, _ask(10, 10))
+            monkeypatch.setattr(headroom, "FRESH_S", 0.0)
+            seen.append((await _charged(gate, _ask(10, 10)))[0])  # the view is too old
+            return seen
+        finally:
+            await gate.close()
+
+    assert asyncio.run(run()) == [True, False, False]
+
+
+def test_a_slot_taken_after_its_response_ended_is_given_back(redis_server):
+    async def run() -> list[bytes]:
+        gate = _gate(redis_server.url, "late-slot-test", concurrent_requests=5)
+        try:
+            caller = _caller(gate)
+            _, charge = caller.charge_soon(_ask(4, 4))
+            Gate.release(caller)  # the response ended (a client gone) before the check answered
+            await charge.wait()
+            await gate.limiter.drain()
+            client = redis.Redis.from_url(redis_server.url)
+            return client.zrange("splitserve:limits:{late-slot-test}:running", 0, -1)
+        finally:
+            await gate.close()
+
+    assert asyncio.run(run()) == []

@@ -24,7 +24,7 @@ from splitserve.engine.structured_output.grammar import GrammarError
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.gateway.admission.controller import AdmissionAsk, AdmissionController, Ticket
 from splitserve.gateway.admission.slo import TPOT_HEADER, TTFT_HEADER, Slo
-from splitserve.gateway.auth.gate import Caller, current_caller
+from splitserve.gateway.auth.gate import Caller, PendingCharge, current_caller
 from splitserve.gateway.bounds import check_conversation, check_params_bounds
 from splitserve.gateway.errors import RequestError
 from splitserve.gateway.generation import Generation, SequenceCall
@@ -170,7 +170,9 @@ class GatewayCore:
         """Validates every prompt, then sends every sequence to the pods the router picks
         (`client_region`: the client's region, from `x-splitserve-region`, "" if unknown).
         A request of an authenticated caller (auth/gate.py) is charged to its tenant's
-        tokens per minute (LimitExceeded past it) and carries its tenant's cache salt. With
+        limits (LimitExceeded past one: from here, or from the generation before its first
+        output when the tenant had room enough for the check to run beside the routing and
+        prefill, auth/headroom.py) and carries its tenant's cache salt. With
         admission control on, the request may wait for room first, or be refused
         (AdmissionRefused): `slo` is what its headers asked for, over its tenant's and the
         gateway's defaults."""
@@ -179,11 +181,34 @@ class GatewayCore:
         for prompt in request.prompts:
             self.validate(prompt, request.params)
         caller = current_caller()
-        if caller is not None:  # its tenant's tokens per minute, and its cache salt
-            request = await caller.charge(request)
+        charge = None
+        if caller is not None:  # its tenant's limits, and its cache salt
+            request, charge = caller.charge_soon(request)
+            if not charge.may_overlap:  # near its limits: nothing is sent before the check
+                await charge.wait()
+        try:
+            generation = await self._admit_and_dispatch(request, caller, charge, slo, client_region)
+        except BaseException:
+            if charge is not None:  # its slot known before the error answers
+                await charge.settle()
+            raise
+        if charge is not None and charge.may_overlap:
+            generation.wait_before_first_output(charge.wait)
+        return generation
+
+    async def _admit_and_dispatch(
+        self,
+        request: GenerationRequest,
+        caller: Caller | None,
+        charge: PendingCharge | None,
+        slo: Slo | None,
+        region: str,
+    ) -> Generation:
         ticket = await self._admit(request, caller, slo or Slo())
         try:
-            generation = await self._dispatch(request, client_region)
+            if charge is not None and charge.refused:  # refused while it waited for room
+                await charge.wait()
+            generation = await self._dispatch(request, region)
         except BaseException:
             self._release(ticket, None)
             raise

@@ -140,6 +140,9 @@ class Generation:
         # error, cancel()): admission control (services/gateway/admission/) frees its place.
         self.on_end: Callable[[Generation], None] | None = None
         self.on_first_token: Callable[[float], None] | None = None  # given the TTFT in s
+        # A check the first output waits for (the tenant's limits, auth/gate.py): it raises
+        # in that output's place, and the pods' calls are cancelled.
+        self._before_first_output: Callable[[], Awaitable[None]] | None = None
         self._end_time: float | None = None
         for child in children:
             child.task = asyncio.create_task(self._pump(child), name=child.request.request_id)
@@ -157,7 +160,19 @@ class Generation:
     def __aiter__(self) -> Generation:
         return self
 
+    def wait_before_first_output(self, check: Callable[[], Awaitable[None]]) -> None:
+        """Nothing comes out of this generation before `check()` returned; what it raises,
+        the reader gets instead (the sequences cancelled)."""
+        self._before_first_output = check
+
     async def __anext__(self) -> SequenceChunk:
+        if self._before_first_output is not None:
+            check, self._before_first_output = self._before_first_output, None
+            try:
+                await check()
+            except BaseException:
+                self.cancel()
+                raise
         while self._num_open:
             child, item = await self._queue.get()
             if isinstance(item, Exception):

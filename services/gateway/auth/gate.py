@@ -12,12 +12,13 @@ file: the gateway is open) goes through as before.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -55,6 +56,7 @@ class Caller:
     metrics: TenantMetrics
     is_admitted: bool = False  # its limits were checked and charged
     holds_slot: bool = False  # a concurrent slot was taken
+    is_released: bool = False  # its response is done (a slot taken after is given back)
     slot_in_redis: bool = False
     headers: dict[str, str] = field(default_factory=dict)
 
@@ -62,23 +64,33 @@ class Caller:
     def tenant(self) -> str:
         return self.key.tenant
 
-    async def charge(self, request: GenerationRequest) -> GenerationRequest:
-        """`request` with its tenant's cache salt, once its tokens (every prompt's tokens and
-        every sequence's max_tokens) fit the tenant's tokens per minute, and, if the caller
-        was deferred, its requests per minute and concurrent requests too (one round trip);
-        raises LimitExceeded."""
+    def charge_soon(self, request: GenerationRequest) -> tuple[GenerationRequest, PendingCharge]:
+        """`request` with its tenant's cache salt, and the check of its limits, started: its
+        tokens (every prompt's tokens and every sequence's max_tokens) against the tenant's
+        tokens per minute and, if the caller was deferred, its requests per minute and
+        concurrent requests too (one round trip). `PendingCharge.wait` raises LimitExceeded.
+        Whether the request may be sent before the check answers: `PendingCharge.may_overlap`
+        (headroom.py)."""
         params = request.params
         num_prompt_tokens = sum(len(prompt) for prompt in request.prompts)
         num_tokens = num_prompt_tokens + len(request.prompts) * params.n * params.max_tokens
+        may_overlap = self.limiter.headroom.has_room(self.tenant, num_tokens)
+        self.metrics.tenant_checks(self.tenant, may_overlap).inc()
+        pending = PendingCharge(asyncio.ensure_future(self._charge(num_tokens)), may_overlap)
+        salt = tenant_cache_salt(self.tenant, params.cache_salt)
+        salted = dataclasses.replace(request, params=dataclasses.replace(params, cache_salt=salt))
+        return salted, pending
+
+    async def _charge(self, num_tokens: int) -> None:
         limits = self.key.limits
         if not self.is_admitted:
             await self.admit(num_tokens)
         elif limits.tokens_per_minute is not None:  # admitted before its route ran
             ask = Ask(num_tokens=num_tokens, tokens_per_minute=limits.tokens_per_minute)
             self._take(await self.limiter.admit(self.tenant, self.request_id, ask), num_tokens)
+        if self.is_released:  # its response ended while this check was under way
+            Gate.release(self)
         self.metrics.tenant_tokens(self.tenant).inc(num_tokens)
-        salt = tenant_cache_salt(self.tenant, params.cache_salt)
-        return dataclasses.replace(request, params=dataclasses.replace(params, cache_salt=salt))
 
     async def admit(self, num_tokens: int | None = None, takes_slot: bool = True) -> None:
         """Checks and charges the caller's limits (its tokens per minute only with
@@ -120,6 +132,33 @@ class Caller:
         error.rate_headers = dict(self.headers)
         self.metrics.tenant_limited(self.tenant, kind).inc()
         return error
+
+
+class PendingCharge:
+    """A request's limits being checked in the background (`Caller.charge_soon`). The task
+    runs to its end even if whoever waits is cancelled: a slot it takes is then given back
+    by the caller's release."""
+
+    def __init__(self, task: asyncio.Future[None], may_overlap: bool) -> None:
+        self._task = task
+        self.may_overlap = may_overlap  # the request may be sent before the check answers
+
+    @property
+    def refused(self) -> bool:
+        """Answered already, with a refusal."""
+        return (
+            self._task.done() and not self._task.cancelled() and self._task.exception() is not None
+        )
+
+    async def wait(self) -> None:
+        """Raises LimitExceeded if the check refused."""
+        await asyncio.shield(self._task)
+
+    async def settle(self) -> None:
+        """Waits for the check whatever it says (an error on its way out wins over a
+        refusal: the caller is admitted either way, so nothing charges it twice)."""
+        with suppress(LimitExceeded):
+            await asyncio.shield(self._task)
 
 
 _REFUSAL_DETAILS = {
@@ -167,6 +206,13 @@ class TenantMetrics:
             ["tenant", "limit"],
             registry=registry,
         )
+        self.checks = Counter(
+            "splitserve_tenant_limit_checks",
+            "Generation requests' limit checks by tenant and when they ran: beside the "
+            "routing and prefill (overlapped: the tenant had room) or before (before_send).",
+            ["tenant", "when"],
+            registry=registry,
+        )
         self.unauthenticated = Counter(
             "splitserve_unauthenticated_requests",
             "Requests refused for no key or an unknown key.",
@@ -179,6 +225,10 @@ class TenantMetrics:
 
     def tenant_tokens(self, tenant: str) -> Counter:
         return self._get(self.tokens, ("tokens", tenant))
+
+    def tenant_checks(self, tenant: str, overlapped: bool) -> Counter:
+        when = "overlapped" if overlapped else "before_send"
+        return self._get(self.checks, ("checks", tenant, when))
 
     def tenant_limited(self, tenant: str, kind: str) -> Counter:
         return self._get(self.limited, ("limited", tenant, kind))
@@ -264,6 +314,7 @@ class Gate:
     @staticmethod
     def release(caller: Caller) -> None:
         """Gives its concurrent slot back, in the background (no response waits on it)."""
+        caller.is_released = True
         if caller.holds_slot:
             caller.holds_slot = False
             caller.limiter.leave_soon(caller.tenant, caller.request_id, caller.slot_in_redis)

@@ -32,6 +32,7 @@ import redis.exceptions
 
 from splitserve.common.grpc_server import StatusError
 from splitserve.common.redis_auth import redis_password
+from splitserve.gateway.auth.headroom import Headroom
 from splitserve.gateway.auth.script_batch import ScriptBatcher
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ class Admission:
     tokens: WindowUse | None  # None: tokens per minute not checked
     holds_slot: bool  # a concurrent slot was taken: `leave` it
     slot_in_redis: bool  # where the slot is (or the counts were) kept
+    num_running: int = 0  # the tenant's concurrent requests found, before this one
 
 
 _UNCHECKED = Admission(None, 0.0, None, None, holds_slot=False, slot_in_redis=False)
@@ -176,9 +178,10 @@ def _admission(
     counts: tuple[float, float, float, float],
     now: float,
     in_redis: bool,
+    num_running: int,
 ) -> Admission:
     """The headers' view of what the store found (`counts`: each window's current and
-    previous count, before this request)."""
+    previous count, before this request; `num_running`: its concurrent requests)."""
     requests = tokens = None
     if ask.requests_per_minute is not None:
         requests = _window_use(ask.requests_per_minute, counts[0], counts[1], 1, now)
@@ -186,7 +189,7 @@ def _admission(
         tokens = _window_use(ask.tokens_per_minute, counts[2], counts[3], ask.num_tokens, now)
     if refused is None:
         holds_slot = ask.concurrent_requests is not None and ask.takes_slot
-        return Admission(None, 0.0, requests, tokens, holds_slot, in_redis)
+        return Admission(None, 0.0, requests, tokens, holds_slot, in_redis, num_running)
     retry_after_s = 1.0  # concurrent requests: a slot may free at any moment
     if refused in ("requests", "tokens"):
         use = requests if refused == "requests" else tokens
@@ -197,7 +200,7 @@ def _admission(
         requests = replace(requests, used=requests.used - 1)
     if tokens is not None and not tokens.retry_after_s:
         tokens = replace(tokens, used=tokens.used - ask.num_tokens)
-    return Admission(refused, retry_after_s, requests, tokens, False, in_redis)
+    return Admission(refused, retry_after_s, requests, tokens, False, in_redis, num_running)
 
 
 @dataclass
@@ -228,9 +231,10 @@ class _LocalCounters:
             counts[2] + counts[3] * weight + ask.num_tokens > limit
         ):
             refused = "tokens"
+        num_running = len(running)  # before this request's slot
         if refused is None:
             self._charge(tenant, request_id, ask, index, now)
-        return _admission(ask, refused, counts, now, in_redis=False)
+        return _admission(ask, refused, counts, now, False, num_running)
 
     def _charge(self, tenant: str, request_id: str, ask: Ask, index: int, now: float) -> None:
         if ask.requests_per_minute is not None:
@@ -260,6 +264,7 @@ class RateLimiter:
         if self._redis is not None:  # by EVALSHA, pipelined: the script travels once
             self._admit_script = ScriptBatcher(self._redis, _ADMIT_SCRIPT)
         self._local = _LocalCounters()
+        self.headroom = Headroom()  # who may be checked while their request already runs
         self._redis_down_until = 0.0
         self._is_degraded = False
         self._to_leave: list[tuple[str, str]] = []  # (tenant, request id): slots to give back
@@ -279,6 +284,11 @@ class RateLimiter:
         is away. Refused: nothing charged. An unlimited tenant costs no round trip."""
         if ask.checks_nothing:
             return _UNCHECKED
+        admission = await self._admit(tenant, request_id, ask)
+        _note_headroom(self.headroom, tenant, ask, admission)
+        return admission
+
+    async def _admit(self, tenant: str, request_id: str, ask: Ask) -> Admission:
         now = time.time()
         if self._client() is not None:
             try:
@@ -291,7 +301,7 @@ class RateLimiter:
                 self._redis_ok()
                 refused = reply[0].decode() or None
                 counts = (reply[1], reply[2], reply[3], reply[4])
-                return _admission(ask, refused, counts, now, in_redis=True)
+                return _admission(ask, refused, counts, now, True, int(reply[5]))
         return self._local.admit(tenant, request_id, ask, now)
 
     async def add(self, tenant: str, kind: str, amount: int, limit: int) -> WindowUse:
@@ -374,6 +384,19 @@ class RateLimiter:
         if self._is_degraded:
             self._is_degraded = False
             logger.warning("rate limits: Redis is back; limits hold across replicas again")
+
+
+def _note_headroom(headroom: Headroom, tenant: str, ask: Ask, admission: Admission) -> None:
+    fractions = []
+    if admission.requests is not None:
+        fractions.append(admission.requests.remaining / max(1, admission.requests.limit))
+    if ask.concurrent_requests is not None:
+        slots_left = ask.concurrent_requests - admission.num_running - 1
+        fractions.append(slots_left / max(1, ask.concurrent_requests))
+    tokens = admission.tokens
+    tokens_left = None if tokens is None else float(tokens.remaining)
+    tokens_limit = 0 if tokens is None else tokens.limit
+    headroom.note(tenant, admission.refused is not None, fractions, tokens_left, tokens_limit)
 
 
 def _running_key(tenant: str) -> str:

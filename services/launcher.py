@@ -498,7 +498,10 @@ def _redis_url(args: argparse.Namespace, stack: contextlib.ExitStack) -> str | N
     if args.redis_password_file:
         use_redis_password_file(args.redis_password_file)  # checks the file, as a pod would
         password = redis_password()
-    server = stack.enter_context(RedisServer(host=args.host, password=password))
+    # With --tls-cert, Redis speaks TLS too (mutual with --tls-ca): the pods' index and the
+    # gateway's limits travel encrypted, under the same certificate as gRPC.
+    tls = tls_from_args(args)
+    server = stack.enter_context(RedisServer(host=args.host, password=password, tls=tls))
     print(f"[up] started redis-server on {server.url}", flush=True)
     return server.url
 

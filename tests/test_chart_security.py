@@ -156,3 +156,34 @@ def test_schema_rejects_bad_security_values(values, where):
 def test_kv_auth_with_ucx_is_refused():
     with pytest.raises(Exception, match="kvAuth needs engine.kvTransport tcp"):
         render({"engine": {"kvTransport": "ucx", "kvAuth": {"existingSecret": "kv"}}})
+
+
+def test_redis_over_tls_serves_tls_only_and_every_client_has_the_files():
+    values = {**SECURE, "redis": {"auth": {"existingSecret": "redis-password"}, "tls": True}}
+    objects = objects_of(render({**values, "autoscaler": {"enabled": True}}))
+    redis_container = next(c for name, c in containers_of(objects) if name == "redis")
+    args = redis_container["args"]
+    assert args[args.index("--port") + 1] == "0"  # no plaintext port
+    assert args[args.index("--tls-port") + 1] == "6379"
+    assert args[args.index("--tls-auth-clients") + 1] == "yes"  # tls.mutual's default
+    assert "--tls" in redis_container["readinessProbe"]["exec"]["command"]
+    certificate = by_kind(objects, "Certificate")["demo-splitserve-tls"]
+    assert "demo-splitserve-redis" in certificate["spec"]["dnsNames"]
+    clients = 0
+    for component, container in containers_of(objects):
+        env = {v["name"]: v.get("value") for v in container.get("env", [])}
+        if "REDIS_URL" not in env:
+            continue
+        clients += 1
+        url = env["REDIS_URL"]
+        assert url.startswith("rediss://demo-splitserve-redis:6379/0?"), (component, url)
+        mounted = {m["mountPath"] for m in container["volumeMounts"]}
+        for path in ("/etc/splitserve/tls/ca.crt", "/etc/splitserve/tls/tls.crt"):
+            assert path in url
+            assert "/etc/splitserve/tls" in mounted, component
+    assert clients == 4  # gateway, prefill, decode, autoscaler
+
+
+def test_redis_tls_without_the_charts_certificate_is_refused():
+    with pytest.raises(Exception, match="redis.tls needs tls.enabled"):
+        render({"redis": {"tls": True}})

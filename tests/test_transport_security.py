@@ -329,6 +329,46 @@ def test_redis_server_password_is_not_on_its_command_line(redis_with_password) -
 # ---- splitserve up passes it all through -----------------------------------------------------
 
 
+def test_redis_over_tls_refuses_plaintext_and_strangers_and_serves_our_clients(pki) -> None:
+    """A redis-server with TLS on its only port and client certificates asked (mutual TLS):
+    a plaintext client and one whose certificate another CA signed get nothing; the
+    registry's client and the gateway's rate limiter work through its rediss:// URL."""
+    from splitserve.gateway.auth.limits import RateLimiter
+
+    server_files: TlsFiles = pki["server"]
+    with RedisServer(tls=server_files) as server:
+        assert server.url.startswith("rediss://")
+        plaintext = redis.Redis(host=server.host, port=server.port, socket_timeout=2)
+        with pytest.raises(redis.ConnectionError):
+            plaintext.ping()
+        stranger: TlsFiles = pki["stranger"]
+        as_stranger = redis.Redis(
+            host=server.host,
+            port=server.port,
+            ssl=True,
+            ssl_ca_certs=server_files.ca,
+            ssl_certfile=stranger.cert,
+            ssl_keyfile=stranger.key,
+            socket_timeout=2,
+        )
+        with pytest.raises(redis.ConnectionError):
+            as_stranger.ping()
+
+        async def use() -> tuple[bool, float]:
+            async with connect(server.url, timeout_s=2.0) as client:
+                pinged = bool(await client.ping())
+            limiter = RateLimiter(server.url)
+            try:
+                use = await limiter.add("tls-test", "requests", 1, 5)
+            finally:
+                await limiter.close()
+            return pinged, use.used
+
+        assert asyncio.run(use()) == (True, 1.0)
+        counted = redis.Redis.from_url(server.url).keys("splitserve:limits:{tls-test}:*")
+        assert counted, "the limiter counted in the TLS Redis, not in its own process"
+
+
 def _up_args(pki, tmp_path: Path, *extra: str):
     from splitserve.cli import build_parser
 
@@ -370,13 +410,14 @@ def test_up_passes_tls_kv_secret_and_redis_password_files_to_the_processes(pki, 
 @pytest.mark.slow
 def test_up_stack_serves_over_tls_with_kv_secret_and_redis_auth(pki, tmp_path):
     """1 prefill + 1 decode pod and the gateway, as `splitserve up` starts them with every
-    protection on, and a Redis with requirepass: a prompt is prefilled remotely and answered."""
+    protection on, and a Redis with requirepass over mutual TLS (as up starts its own with
+    --tls-cert): a prompt is prefilled remotely and answered."""
     import json
     import urllib.request
 
     from splitserve.launcher import plan
 
-    with RedisServer(password=REDIS_PASSWORD) as redis_server:
+    with RedisServer(password=REDIS_PASSWORD, tls=pki["server"]) as redis_server:
         ports = [str(free_port()) for _ in range(4)]
         args = _up_args(
             pki,

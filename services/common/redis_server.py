@@ -4,6 +4,10 @@ Nothing is persisted (no RDB snapshots, no AOF): the index is rebuilt from the p
 Redis comes back empty, so a restart here behaves like a real Redis that lost its data, which
 is exactly what the routing must survive. `restart()` keeps the port, so clients reconnect.
 
+With `tls` (services/common/tls.py's TlsFiles) the server speaks TLS only on its port, and with
+the files' CA it also asks clients for a certificate signed by it (mutual TLS); `url` is then a
+`rediss://` URL carrying the CA (and the same certificate as the client's) for redis-py.
+
 On Linux the server is started through splitserve.common.die_with_parent (as the supervisor's
 children are), so it gets SIGTERM when the process that started it dies, even by SIGKILL: a
 killed `splitserve up` or test run leaves no redis-server behind. The kernel ties that signal to
@@ -15,10 +19,13 @@ from __future__ import annotations
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
+from urllib.parse import urlencode
 
 from splitserve.common.supervisor import dying_with_us
+from splitserve.common.tls import TlsFiles
 
 STARTUP_TIMEOUT_SECONDS = 10.0
 
@@ -33,17 +40,27 @@ class RedisServer:
     """Owns one redis-server process. Use as a context manager, or `start()` / `stop()`."""
 
     def __init__(
-        self, port: int | None = None, host: str = "127.0.0.1", password: str | None = None
+        self,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        password: str | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.host = host
         self.port = port or free_port(host)
         # requirepass: clients must AUTH. Given on stdin, never on the command line (ps).
         self._password = password
+        self.tls = tls
         self._process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        if self.tls is None:
+            return f"redis://{self.host}:{self.port}/0"
+        query = {"ssl_ca_certs": self.tls.ca or self.tls.cert}
+        if self.tls.ca is not None:  # mutual TLS: our client shows the same certificate
+            query.update(ssl_certfile=self.tls.cert, ssl_keyfile=self.tls.key)
+        return f"rediss://{self.host}:{self.port}/0?{urlencode(query)}"
 
     @property
     def is_running(self) -> bool:
@@ -56,7 +73,7 @@ class RedisServer:
                 "redis-server is not on PATH (scripts/install_deps.sh installs it), or pass "
                 "--redis-url / set REDIS_URL to use a running Redis"
             )
-        argv = [binary, "-", "--port", str(self.port), "--bind", self.host, "--save", ""]
+        argv = [binary, "-", *self._listen_args(), "--bind", self.host, "--save", ""]
         argv += ["--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"]
         self._process = subprocess.Popen(
             dying_with_us(argv),
@@ -72,9 +89,17 @@ class RedisServer:
         self._wait_until_answering()
         return self
 
+    def _listen_args(self) -> list[str]:
+        if self.tls is None:
+            return ["--port", str(self.port)]
+        args = ["--port", "0", "--tls-port", str(self.port)]  # no plaintext port at all
+        args += ["--tls-cert-file", self.tls.cert, "--tls-key-file", self.tls.key]
+        args += ["--tls-ca-cert-file", self.tls.ca or self.tls.cert]
+        return [*args, "--tls-auth-clients", "yes" if self.tls.ca is not None else "no"]
+
     def _wait_until_answering(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
-        while not _answers_ping(self.host, self.port):
+        while not _answers_ping(self.host, self.port, self.tls):
             assert self._process is not None, "start() set the process"
             if self._process.poll() is not None:
                 assert self._process.stderr is not None, "start() pipes stderr"
@@ -115,14 +140,24 @@ class RedisServer:
         self.stop()
 
 
-def _answers_ping(host: str, port: int) -> bool:
+def _answers_ping(host: str, port: int, tls: TlsFiles | None = None) -> bool:
     try:
-        with socket.create_connection((host, port), timeout=0.2) as sock:
+        with socket.create_connection((host, port), timeout=0.2) as raw:
+            sock = (
+                raw if tls is None else _client_context(tls).wrap_socket(raw, server_hostname=host)
+            )
             sock.sendall(b"PING\r\n")
             # -NOAUTH: a server with requirepass answers too, just not before AUTH.
             return sock.recv(16).startswith((b"+PONG", b"-NOAUTH"))
-    except OSError:
+    except OSError:  # ssl.SSLError included
         return False
+
+
+def _client_context(tls: TlsFiles) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=tls.ca or tls.cert)
+    if tls.ca is not None:
+        context.load_cert_chain(tls.cert, tls.key)
+    return context
 
 
 def _quoted(text: str) -> str:

@@ -59,7 +59,16 @@ app.kubernetes.io/part-of: splitserve
 
 {{/* The Redis URL without its password (that comes from REDIS_PASSWORD). */}}
 {{- define "splitserve.redisUrl" -}}
-{{- if .Values.redis.enabled -}}
+{{- if and .Values.redis.enabled .Values.redis.tls -}}
+{{- if not .Values.tls.enabled -}}
+{{- fail "redis.tls needs tls.enabled: the bundled Redis presents the chart's certificate" -}}
+{{- end -}}
+{{- $files := "ssl_ca_certs=/etc/splitserve/tls/ca.crt" -}}
+{{- if .Values.tls.mutual -}}
+{{- $files = printf "%s&ssl_certfile=/etc/splitserve/tls/tls.crt&ssl_keyfile=/etc/splitserve/tls/tls.key" $files -}}
+{{- end -}}
+{{- printf "rediss://%s:%d/0?%s" (include "splitserve.componentName" (dict "root" . "component" "redis")) (int .Values.redis.port) $files -}}
+{{- else if .Values.redis.enabled -}}
 {{- printf "redis://%s:%d/0" (include "splitserve.componentName" (dict "root" . "component" "redis")) (int .Values.redis.port) -}}
 {{- else if .Values.redis.external.url -}}
 {{- .Values.redis.external.url -}}

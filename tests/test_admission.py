@@ -195,6 +195,8 @@ def test_a_saturated_pool_refuses_at_once_what_would_wait_past_its_slo(stack):
     assert elapsed < 1.0
 
 
+# make test stays well under 15 min: ~6 s; test_admission_units checks the fair queue
+@pytest.mark.slow
 def test_a_flooding_tenant_does_not_push_another_to_the_back(stack):
     url = stack.base_url
     finished: list[str] = []
@@ -218,6 +220,7 @@ def test_a_flooding_tenant_does_not_push_another_to_the_back(stack):
     assert max(quiet_places) <= 4, finished
 
 
+@pytest.mark.slow  # make test stays well under 15 min: ~7 s
 def test_a_request_queued_past_the_timeout_gets_408(stack):
     url = _url(stack, "short-queue")
     holder, held = _hold_the_row(url)
@@ -231,6 +234,7 @@ def test_a_request_queued_past_the_timeout_gets_408(stack):
     assert QUEUE_TIMEOUT_S * 0.9 <= waited < QUEUE_TIMEOUT_S + 2.0
 
 
+@pytest.mark.slow  # make test stays well under 15 min: ~9 s
 def test_a_queued_request_whose_client_leaves_frees_its_place_at_once(stack):
     url = stack.base_url
     holder, held = _hold_the_row(url)

@@ -20,6 +20,10 @@ from splitserve.common.registry_schema import PodRecord, RegistryKeys, connect, 
 from splitserve.common.supervisor import HealthCheck, ProcessSpec, Supervisor
 from tests.services_util import MODEL_NAME, STARTUP_TIMEOUT_SECONDS, free_port, get_json
 
+# make test stays well under 15 min: a stack of its own (~11 s); test_cache_aware_routing covers
+# pods found in Redis.
+pytestmark = pytest.mark.slow
+
 REGION = "us-east"
 POD_FLAGS = ["--kv-cache-bytes", "32MiB", "--num-threads", "1", "--kv-transport", "tcp"]
 POD_FLAGS += ["--log-level", "warning", "--region", REGION, "--zone", f"{REGION}-1a"]

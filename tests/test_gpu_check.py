@@ -79,6 +79,7 @@ def test_an_unknown_part_is_refused(tmp_path):
     assert result.returncode != 0 and "unknown part(s) ['kernels']" in result.stderr
 
 
+@pytest.mark.slow  # make test stays well under 15 min: ~5 s of waiting for the limit
 def test_a_command_past_its_limit_is_killed_with_its_children(tmp_path):
     ctx = CheckContext(REPO_ROOT, tmp_path, True, Console(tmp_path / "console.log"))
     ctx.logs.mkdir()

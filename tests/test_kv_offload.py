@@ -145,6 +145,7 @@ def test_a_session_pushed_out_of_the_pool_comes_back_from_host_memory(
     assert counters.load_failures == 0 and _all_blocks_free(llm)
 
 
+@pytest.mark.slow  # make test stays well under 15 min: the contrast run, ~8 s
 def test_without_offload_the_session_is_computed_again(single_thread):
     llm = LLM(kv_cache_bytes=POOL_BYTES)
     session, flood = _session_and_flood(llm)

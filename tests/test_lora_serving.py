@@ -420,6 +420,7 @@ def test_an_adapter_held_by_one_decode_pod_is_routed_only_there(stack, llm, adap
 # ---- last: it restarts a decode pod -------------------------------------------------------
 
 
+@pytest.mark.slow  # make test stays well under 15 min: a pod restart, ~6 s
 def test_a_restarted_pod_gets_the_runtime_adapters_back(stack, adapter_dirs):
     url = stack.base_url
     body = {"lora_name": "delta", "lora_path": adapter_dirs["beta"]}

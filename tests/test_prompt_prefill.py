@@ -24,6 +24,10 @@ from splitserve.decode.remote_prefill import (
 from splitserve.engine.kv.transfer import create_kv_transport
 from tests.services_util import free_port
 
+# make test stays well under 15 min: a stack of its own (~9 s); test_disaggregated_serving covers
+# the fallback to local prefill.
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 SETTINGS = RemotePrefillSettings(local_prefill_threshold=16, timeout_s=5.0)
 PROMPT = (

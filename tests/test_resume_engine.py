@@ -66,6 +66,7 @@ def test_greedy_with_penalties_and_logprobs_resumes_identically(llm):
     _assert_resumes_everywhere(llm, params, "greedy", cuts=[1, 7, 18, 29])
 
 
+@pytest.mark.slow  # make test stays well under 15 min: ~5 s
 def test_a_seeded_sample_continues_its_own_random_stream(llm):
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=30)
     _assert_resumes_everywhere(llm, params, "seeded", cuts=[1, 12, 25])

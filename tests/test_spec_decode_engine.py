@@ -53,6 +53,9 @@ def _assert_speculated(llm: LLM, min_acceptance: float = 0.0) -> None:
     assert stats.spec_acceptance_rate >= min_acceptance
 
 
+# make test stays well under 15 min: ngram under chunking and prefix hits, ~10 s; self-speculation
+# and abort stay in make test
+@pytest.mark.slow
 def test_ngram_greedy_identical_with_chunked_prefill_and_prefix_cache(prompts, reference):
     llm = LLM(
         kv_cache_bytes=128 * 2**20,
@@ -114,6 +117,7 @@ def test_draft_model_greedy_identical_when_the_draft_is_the_target(
     _assert_all_blocks_free(llm)
 
 
+@pytest.mark.slow  # make test stays well under 15 min: a second draft model, ~7 s
 def test_random_draft_model_greedy_identical(prompts, reference, tiny_hf_checkpoint):
     llm = LLM(
         kv_cache_bytes=128 * 2**20,
@@ -248,6 +252,7 @@ def test_homogeneity_test_has_power(plain_samples):
     assert _homogeneity_p_value(shifted, plain_samples[0]) < 1e-6
 
 
+@pytest.mark.slow  # make test stays well under 15 min: ~6 s; the stop-token cut stays in make test
 def test_a_stop_string_inside_an_accepted_run_cuts_tokens_and_text_alike(baseline_llm, prompts):
     """Verification can accept several tokens past the one that completes a stop string:
     text, token ids and logprobs must all end where the stop string ends, as without

@@ -115,6 +115,7 @@ def traced_stack(tmp_path_factory):
         stack.stop()
 
 
+@pytest.mark.slow  # make test stays well under 15 min: a 1P+1D stack of its own, ~9 s
 def test_one_trace_links_gateway_decode_and_prefill(traced_stack):
     stack, span_file = traced_stack
     body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True}

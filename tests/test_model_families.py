@@ -6,8 +6,8 @@ builds from its own config and model classes (docs/models.md):
 - each special part is one the reference depends on (turned off, transformers' logprobs move
   by far more than the tolerance), so the equality above tests it;
 - a one-layer self-speculative draft and preemption (a pool too small) keep Gemma 2's tokens;
-- a Qwen3 disaggregated request (prefill engine exports pages, decode engine takes them) equals
-  the colocated one;
+- a Qwen3 and a Gemma 2 disaggregated request (prefill engine exports pages, decode engine
+  takes them) equal the colocated one;
 - what is not supported is refused with a message that names it.
 
 The configs set every special part: q/k/v biases (random, not zeros), q/k norms with random
@@ -261,8 +261,11 @@ def test_architecture_reads_each_part(make_checkpoint):
     assert "soft-capping" in paths["gemma2"] and "q/k norms" in paths["qwen3"]
 
 
-def test_qwen3_disaggregated_equals_colocated(single_thread, make_checkpoint):
-    assert_disaggregated_equals_colocated(make_checkpoint("qwen3"))
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_disaggregated_equals_colocated(single_thread, make_checkpoint, family):
+    """Qwen3's q/k norms; Gemma 2's window layers (8 tokens, shorter than the prompts) beside
+    global ones and its soft-capping, with pages that hold both kinds of layer."""
+    assert_disaggregated_equals_colocated(make_checkpoint(family))
 
 
 def assert_disaggregated_equals_colocated(directory: str) -> None:

@@ -1,6 +1,8 @@
 """DeepSeek-V2 (`deepseek_v2`): multi-head latent attention over the latent KV page layout,
-grouped top-k routing with shared experts, dense layers first; against transformers on random
-tiny checkpoints built with its own config and model classes (docs/models.md):
+grouped top-k routing with shared experts, dense layers first; DeepSeek-V3 (`deepseek_v3`):
+the same with its biased sigmoid routing ("noaux_tc", a random bias that moves the choice);
+against transformers on random tiny checkpoints built with its own config and model classes
+(docs/models.md):
 
 - greedy 12 tokens and every step's top-5 logprobs equal transformers', with and without
   q_lora_rank, with group-limited and plain greedy routing, with no sparse layer at all, through
@@ -61,6 +63,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "q_lora": {},
     "no_q_lora": {"q_lora_rank": None, "topk_method": "greedy", "n_group": 1, "topk_group": 1},
     "dense": {"first_k_dense_replace": 3, "q_lora_rank": None},
+    # DeepSeek-V3: sigmoid scores plus a per-expert bias choose within groups ranked by their
+    # two best experts; the chosen scores, renormalised, weigh them.
+    "v3": {
+        "model_type": "deepseek_v3",
+        "n_routed_experts": 8,
+        "n_group": 4,
+        "topk_group": 2,
+        "norm_topk_prob": True,
+    },  # fmt: skip
     # DeepSeek-V2's own rope: yarn with mscale (cos/sin and the softmax scale).
     "yarn": {
         "rope_parameters": {
@@ -80,7 +91,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
 def _hf_model(options: dict[str, Any]) -> Any:
     import transformers
 
-    config = transformers.DeepseekV2Config(**{**_COMMON, **_MLA, **options})
+    settings = {**_COMMON, **_MLA, **options}
+    if settings.pop("model_type", "deepseek_v2") == "deepseek_v3":
+        del settings["topk_method"]  # V3's routing has no name in transformers' config
+        config = transformers.DeepseekV3Config(**settings)
+    else:
+        config = transformers.DeepseekV2Config(**settings)
     return transformers.AutoModelForCausalLM.from_config(config).float().eval()
 
 
@@ -95,6 +111,9 @@ def _randomize(model: Any) -> None:
                 param.mul_(8.0)
             elif name.endswith("mlp.gate.weight"):
                 param.mul_(20.0)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # V3: as large as the scores
+                buffer.copy_(torch.randn_like(buffer) * 0.5)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +140,7 @@ def make_checkpoint(
 def test_greedy_and_logprobs_match_transformers(single_thread, make_checkpoint, name):
     directory = make_checkpoint(name)
     llm = LLM(directory, kv_cache_bytes=KV_BYTES, max_num_batched_tokens=CHUNK)
-    assert llm.engine.architecture.name == "deepseek_v2"
+    assert llm.engine.architecture.name == CONFIGS[name].get("model_type", "deepseek_v2")
     prompts = _prompts()
     references = [_reference(directory, prompt) for prompt in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP)
@@ -158,6 +177,8 @@ def test_disaggregated_equals_colocated(single_thread, make_checkpoint):
     [
         ("q_lora", {"routed_scaling_factor": 1.0}),
         ("q_lora", {"topk_method": "greedy"}),
+        ("v3", {"norm_topk_prob": False}),
+        ("v3", {"n_group": 1, "topk_group": 1}),
         ("yarn", {"rope_parameters": {"rope_type": "default"}}),
         ("yarn", {"rope_parameters": {"mscale_all_dim": 0.0}}),
     ],

@@ -289,7 +289,7 @@ def assert_disaggregated_equals_colocated(directory: str) -> None:
 @pytest.mark.parametrize(
     ("model_type", "setting", "message"),
     [
-        ("deepseek_v3", {}, "unsupported model_type 'deepseek_v3'"),
+        ("gpt_oss", {}, "unsupported model_type 'gpt_oss'"),
         ("gemma2", {"hidden_activation": "relu"}, "hidden_activation"),
         ("qwen3", {"attention_bias": True}, "attention_bias"),
         ("phi3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
@@ -297,7 +297,7 @@ def assert_disaggregated_equals_colocated(directory: str) -> None:
     ],
 )
 def test_unsupported_settings_are_refused(make_checkpoint, tmp_path, model_type, setting, message):
-    source = make_checkpoint("qwen3" if model_type == "deepseek_v3" else model_type)
+    source = make_checkpoint("qwen3" if model_type == "gpt_oss" else model_type)
     for name in os.listdir(source):
         os.symlink(os.path.join(source, name), tmp_path / name)
     with open(os.path.join(source, "config.json")) as f:

@@ -43,7 +43,7 @@ class RopeScaling:
 
 
 FAMILIES = ("llama", "mixtral", "qwen2_moe", "deepseek_v2")
-TOPK_METHODS = ("greedy", "group_limited_greedy")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -68,7 +68,10 @@ class MoEConfig:
     shared_expert_gated: bool = True
     # DeepSeek routing: "group_limited_greedy" keeps the experts of the `topk_groups` groups
     # (of `num_groups`) with the highest best-expert score; the chosen weights are multiplied by
-    # `routed_scaling_factor`. None: the softmax top-k of Mixtral and Qwen.
+    # `routed_scaling_factor`. "noaux_tc" (V3): sigmoid scores, the groups and experts chosen on
+    # the scores plus a learned per-expert bias (the router's `e_score_correction_bias`), a
+    # group ranked by its two best experts; the weights are the chosen scores without the bias
+    # (renormalised with norm_topk_prob). None: the softmax top-k of Mixtral and Qwen.
     topk_method: str | None = None
     num_groups: int = 1
     topk_groups: int = 1

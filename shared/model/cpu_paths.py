@@ -98,6 +98,7 @@ _PYTHON_LAYER_PARTS = {
     "qwen2_moe": "mixture-of-experts, q/k/v biases",
     "qwen3_moe": "mixture-of-experts, q/k norms",
     "deepseek_v2": "mixture-of-experts, multi-head latent attention",
+    "deepseek_v3": "mixture-of-experts (biased sigmoid routing), multi-head latent attention",
 }
 
 

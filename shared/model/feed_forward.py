@@ -73,6 +73,8 @@ def hf_feed_forward_shapes(
     names = _EXPERT_NAMES[arch.family]
     moe = arch.moe
     shapes: dict[str, tuple[int, ...]] = {f"{names.prefix}gate.weight": (moe.num_experts, hidden)}
+    if moe.topk_method == "noaux_tc":
+        shapes[f"{names.prefix}gate.e_score_correction_bias"] = (moe.num_experts,)
     for expert in range(moe.num_experts):
         prefix = f"{names.prefix}experts.{expert}."
         inter = moe.expert_intermediate_size
@@ -112,6 +114,8 @@ def internal_feed_forward_weights(
         ),  # fmt: skip
         ours + "experts_down": torch.stack([expert(p + f"{names.down}.weight") for p in experts]),
     }
+    if arch.moe.topk_method == "noaux_tc":  # DeepSeek-V3's bias on the routing choice
+        out[ours + "router_bias"] = weights[f"{hf}{names.prefix}gate.e_score_correction_bias"]
     if arch.moe.shared_expert_intermediate_size:
         shared, prefix = ours + "shared_expert.", hf + _shared_prefix(arch.family)
         out.update(_swiglu(weights, prefix, "gate_proj", "up_proj", "down_proj", shared))

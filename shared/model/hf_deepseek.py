@@ -1,10 +1,14 @@
-"""DeepSeek-V2 (model_type `deepseek_v2`) read from a Hugging Face config.json: multi-head latent
-attention (shared/model/mla.py) and its latent page layout, the sparse block with ungated shared
-experts and grouped top-k routing, the dense layers before `first_k_dense_replace` and off
-`moe_layer_freq`. Its tensors keep their checkpoint names (no renaming).
+"""DeepSeek-V2 and V3 (model_types `deepseek_v2`, `deepseek_v3`) read from a Hugging Face
+config.json: multi-head latent attention (shared/model/mla.py) and its latent page layout, the
+sparse block with ungated shared experts and grouped top-k routing, the dense layers before
+`first_k_dense_replace` and off `moe_layer_freq`. Its tensors keep their checkpoint names (no
+renaming). V3 differs in its routing only ("noaux_tc": sigmoid scores, a bias on the choice,
+groups ranked by their two best experts; shared/model/moe.py); its multi-token-prediction
+layers (`num_nextn_predict_layers`) are not in transformers' checkpoints and are not run.
 
-transformers' DeepSeek-V2 is the reference: its router ignores `norm_topk_prob` (DeepSeek's own
-code renormalises), so a config that sets it is refused rather than computed one way or the other.
+transformers is the reference: its V2 router ignores `norm_topk_prob` (DeepSeek's own code
+renormalises), so a V2 config that sets it is refused rather than computed one way or the
+other; V3's router honours it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 from splitserve.engine.model.architecture import MLAConfig, MoEConfig, RopeScaling
 
 MODEL_TYPE = "deepseek_v2"
+MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
 def family_fields(config: dict[str, Any], rope_scaling: RopeScaling) -> dict[str, Any]:
@@ -84,14 +89,15 @@ def _mscale(factor: float, mscale: float) -> float:
 
 def moe_config(config: dict[str, Any]) -> MoEConfig:
     expert_size = int(config["moe_intermediate_size"])
+    is_v3 = config.get("model_type") == "deepseek_v3"
     return MoEConfig(
         num_experts=int(config.get("n_routed_experts") or 0),
         num_experts_per_tok=int(config.get("num_experts_per_tok") or 0),
         expert_intermediate_size=expert_size,
-        norm_topk_prob=False,
+        norm_topk_prob=is_v3 and bool(config.get("norm_topk_prob", True)),
         shared_expert_intermediate_size=expert_size * int(config.get("n_shared_experts") or 0),
         shared_expert_gated=False,
-        topk_method=str(config.get("topk_method") or "greedy"),
+        topk_method=str(config.get("topk_method") or ("noaux_tc" if is_v3 else "greedy")),
         num_groups=int(config.get("n_group") or 1),
         topk_groups=int(config.get("topk_group") or 1),
         routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
@@ -101,11 +107,22 @@ def moe_config(config: dict[str, Any]) -> MoEConfig:
 
 
 def differences(config: dict[str, Any]) -> dict[str, bool]:
-    """Settings of a deepseek_v2 config that this implementation does not compute, by name."""
-    return {
+    """Settings of a deepseek_v2/v3 config that this implementation does not compute, by name."""
+    common = {
         "attention_bias": bool(config.get("attention_bias", False)),
         "hidden_act": config.get("hidden_act", "silu") != "silu",
+    }
+    if config.get("model_type") == "deepseek_v3":
+        return common | {
+            # transformers' V3 router always scores by sigmoid and ranks by the biased scores.
+            "scoring_func": config.get("scoring_func", "sigmoid") != "sigmoid",
+            "topk_method": config.get("topk_method", "noaux_tc") != "noaux_tc",
+            # The latent attention pairs rotary dimensions as V2 does (interleaved).
+            "rope_interleave": not config.get("rope_interleave", True),
+        }
+    return common | {
         "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        "topk_method": config.get("topk_method") == "noaux_tc",  # V3's routing, not V2's
         # DeepSeek's remote-code configs name the router's scoring; V2 scores by softmax.
         "scoring_func": config.get("scoring_func", "softmax") != "softmax",
     }

@@ -41,6 +41,7 @@ _FAMILY_OF_MODEL_TYPE = {
     "qwen3_moe": "qwen2_moe",
     # Latent attention and its page layout, grouped routing, dense layers first.
     "deepseek_v2": "deepseek_v2",
+    "deepseek_v3": "deepseek_v2",  # V2's parts, V3's routing (hf_deepseek.py)
 }
 # Families whose extra parts shared/model/hf_families.py reads.
 _EXTENDED = ("qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "gemma2", "gemma3_text")
@@ -71,7 +72,7 @@ def architecture_from_config(config: dict[str, Any], tokenizer: Tokenizer) -> Mo
     num_heads = int(config["num_attention_heads"])
     rope_theta, rope_scaling = _rope_settings(config)
     extra = hf_families.family_fields(config) if config["model_type"] in _EXTENDED else {}
-    if config["model_type"] == hf_deepseek.MODEL_TYPE:
+    if config["model_type"] in hf_deepseek.MODEL_TYPES:
         extra = hf_deepseek.family_fields(config, rope_scaling)
     fields: dict[str, Any] = dict(
         name=str(config["model_type"]),
@@ -153,7 +154,7 @@ def _check_supported(config: dict[str, Any]) -> None:
 def _differences(config: dict[str, Any]) -> dict[str, bool]:
     """Settings that would change the computation our decoder performs, by name."""
     common = {"mlp_bias": bool(config.get("mlp_bias", False))}
-    if config["model_type"] == hf_deepseek.MODEL_TYPE:
+    if config["model_type"] in hf_deepseek.MODEL_TYPES:
         return common | hf_deepseek.differences(config)
     if config["model_type"] in _EXTENDED:
         return common | hf_families.differences(config)
@@ -188,7 +189,7 @@ def _rope_scaling(params: dict[str, Any], config: dict[str, Any]) -> RopeScaling
     # Older configs spell the kind "type", newer ones "rope_type".
     rope_type = params.get("rope_type", params.get("type", "default"))
     supported: tuple[str, ...] = _SUPPORTED_ROPE_TYPES
-    if config.get("model_type") == hf_deepseek.MODEL_TYPE:
+    if config.get("model_type") in hf_deepseek.MODEL_TYPES:
         supported = (*supported, "yarn")  # checked against transformers for DeepSeek only
     if rope_type not in supported:
         raise ValueError(

@@ -79,6 +79,36 @@ def route_grouped(
     return Routing(expert_ids, (weights * scaling_factor).to(router_logits.dtype))
 
 
+def route_biased_groups(
+    router_logits: torch.Tensor,
+    choice_bias: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    scaling_factor: float,
+    renormalize: bool,
+) -> Routing:
+    """DeepSeek-V3's "noaux_tc" routing, in float32: sigmoid scores; the choice is made on
+    the scores plus `choice_bias` (its load-balancing bias, learned without an auxiliary loss),
+    within the `topk_groups` groups whose two best experts sum highest; the weights are the
+    chosen experts' plain scores, scaled to sum to 1 with `renormalize`, times
+    `scaling_factor`."""
+    scores = torch.sigmoid(router_logits.float())  # [T, E]
+    for_choice = scores + choice_bias.float()
+    if num_groups > 1:
+        grouped = for_choice.unflatten(-1, (num_groups, -1))  # [T, G, E / G]
+        group_scores = torch.topk(grouped, 2, dim=-1).values.sum(dim=-1)  # [T, G]
+        best_groups = torch.topk(group_scores, topk_groups, dim=-1).indices
+        kept = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=scores.device)
+        kept.scatter_(1, best_groups, True)
+        for_choice = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).flatten(1)
+    expert_ids = torch.topk(for_choice, top_k, dim=-1).indices
+    weights = scores.gather(1, expert_ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return Routing(expert_ids, (weights * scaling_factor).to(router_logits.dtype))
+
+
 def sort_by_expert(routing: Routing, num_experts: int) -> ExpertOrder:
     flat_ids = routing.expert_ids.flatten()  # [T*k], assignment a is token a // k
     order = torch.argsort(flat_ids, stable=True)

@@ -30,6 +30,7 @@ from splitserve.engine.model.moe import (
     ExpertsFn,
     ExpertWeights,
     Routing,
+    route_biased_groups,
     route_grouped,
     route_tokens,
     select_moe_experts,
@@ -90,6 +91,8 @@ class SparseMoeBlock(nn.Module):
         self.moe = moe
         hidden, inter = arch.hidden_size, moe.expert_intermediate_size
         self.gate = Linear(hidden, moe.num_experts)  # the router, over every expert
+        # DeepSeek-V3's per-expert bias on the routing choice (not on the weights).
+        self.router_bias = _parameter(moe.num_experts) if moe.topk_method == "noaux_tc" else None
         # Stacked experts held here, gate and up fused: [E_local, 2*I, H] and [E_local, H, I].
         self.local_experts = moe.local_experts
         num_local = len(self.local_experts)
@@ -127,7 +130,17 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> Routing:
         """Each row's top-k experts and weights (the router holds every expert)."""
         moe = self.moe
-        if moe.topk_method is not None:  # DeepSeek
+        if self.router_bias is not None:  # DeepSeek-V3
+            return route_biased_groups(
+                self.gate(x),
+                self.router_bias,
+                self.top_k,
+                moe.num_groups,
+                moe.topk_groups,
+                moe.routed_scaling_factor,
+                self.renormalize,
+            )
+        if moe.topk_method is not None:  # DeepSeek-V2
             groups = moe.num_groups if moe.topk_method == "group_limited_greedy" else 1
             return route_grouped(
                 self.gate(x), self.top_k, groups, moe.topk_groups, moe.routed_scaling_factor

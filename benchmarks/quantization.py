@@ -1,6 +1,6 @@
 """`python -m benchmarks.quantization`: weight-only quantization side by side, beside llama.cpp.
 
-    python -m benchmarks.quantization [--quick] [--threads N] [--skip-llamacpp]
+    python -m benchmarks.quantization [--quick] [--threads N] [--skip-llamacpp] [--force-avx2]
 
 For quantization none (float32) / int8 / int4 / gguf on the shipped SmolLM2-135M Q4_1 GGUF:
 
@@ -19,6 +19,11 @@ of minutes the first time), one sequence at a time as its `Llama` serves them. T
 engines stay loaded and each measure runs on all of them back to back, so load that comes and
 goes on a shared machine falls on all alike; llama.cpp runs after ours, in a subprocess.
 Ratios against float32 and against llama.cpp come in the same table. Progress on stderr.
+
+`--force-avx2` runs ours on the AVX2 paths (benchmarks/machine.py's AVX2_ENV, set before torch
+loads: the program starts itself again with it) and llama.cpp built for AVX2-only CPUs
+(`python -m benchmarks.peer.llamacpp_venv --avx2`); the machine line and llama.cpp's own
+feature list are printed with the table.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import json
 import os
 import random
 import subprocess
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +48,7 @@ from benchmarks.engine import (
     random_prompt,
 )
 from benchmarks.kv_cache_dtype import load_int8_kv_engine, measure_kv, print_kv_table
+from benchmarks.machine import AVX2_ENV, machine_line
 from splitserve import LLM
 from splitserve.engine.model.quantization import weight_nbytes
 from splitserve.engine.model_paths import default_model_path
@@ -97,11 +104,13 @@ def measure_ours(engines: dict[str, LLM], seed: int, sizes: Sizes) -> dict[str, 
     return figures
 
 
-def measure_llamacpp(threads: int, seed: int, sizes: Sizes) -> dict[str, float] | None:
+def measure_llamacpp(
+    threads: int, seed: int, sizes: Sizes, avx2: bool = False
+) -> dict[str, float] | None:
     from benchmarks.peer.llamacpp_venv import ensure_llamacpp_venv
 
     try:
-        python = ensure_llamacpp_venv()
+        python = ensure_llamacpp_venv(avx2=avx2)
     except (subprocess.CalledProcessError, RuntimeError) as error:
         log(f"llama.cpp: no environment ({error}); its column stays empty")
         return None
@@ -112,6 +121,7 @@ def measure_llamacpp(threads: int, seed: int, sizes: Sizes) -> dict[str, float] 
     line = [text for text in done.stdout.splitlines() if text.startswith('{"batch1"')][-1]
     figures = json.loads(line)
     figures["weight_mib"] = figures.pop("weight_bytes") / 2**20
+    print(f"llama.cpp system info: {figures.pop('system_info', '?')}", flush=True)
     return figures
 
 
@@ -147,7 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-llamacpp", action="store_true")
     parser.add_argument("--skip-kv", action="store_true", help="no KV auto vs int8 table")
     parser.add_argument("--kv-only", action="store_true", help="only the KV auto vs int8 table")
+    parser.add_argument("--force-avx2", action="store_true", help="AVX2 paths, ours and peer's")
     args = parser.parse_args(argv)
+    if args.force_avx2 and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":
+        # torch reads its dispatch at import: start again with the AVX2 settings.
+        argv = sys.argv[1:] if argv is None else argv
+        command = [sys.executable, "-m", "benchmarks.quantization", *argv]
+        os.execve(sys.executable, command, {**os.environ, **AVX2_ENV})
+    print(machine_line(), flush=True)
     sizes = Sizes.chosen(args.quick, args.requests, args.decode_tokens)
     torch.set_num_threads(args.threads)
     if args.kv_only:
@@ -162,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         del kv_engines
     del engines
     gc.collect()  # llama.cpp runs in the memory our engines held
-    peer = None if args.skip_llamacpp else measure_llamacpp(args.threads, args.seed, sizes)
+    peer = None
+    if not args.skip_llamacpp:
+        peer = measure_llamacpp(args.threads, args.seed, sizes, args.force_avx2)
     print(f"torch {torch.__version__}, {args.threads} threads, {default_model_path()}")
     print_table(ours, peer, sizes.num_requests)
     if kv is not None:

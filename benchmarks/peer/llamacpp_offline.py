@@ -17,7 +17,7 @@ import time
 
 
 def main(model_path: str, threads: int, seed: int, num_requests: int, decode_tokens: int) -> None:
-    from llama_cpp import Llama, llama_model_size
+    from llama_cpp import Llama, llama_model_size, llama_print_system_info
 
     from benchmarks.engine import make_workload, random_prompt
 
@@ -51,7 +51,10 @@ def main(model_path: str, threads: int, seed: int, num_requests: int, decode_tok
     ttft = run(random_prompt(random.Random(seed + 1), 1024), 1)
     weights = llama_model_size(llm.model)
     figures = {"batch1": batch1, "continuous": sequential, "ttft_1024": ttft}
-    print(json.dumps({**figures, "weight_bytes": weights}))
+    # The CPU features this llama.cpp was built to use ("AVX2 = 1 | AVX512 = 0 | ..."),
+    # printed beside the figures.
+    system_info = llama_print_system_info().decode(errors="replace").strip()
+    print(json.dumps({**figures, "weight_bytes": weights, "system_info": system_info}))
 
 
 if __name__ == "__main__":

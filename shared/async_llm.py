@@ -228,6 +228,7 @@ class AsyncLLM:
         request_id: str,
         export_kv_from_block: int,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> ExportedPrefill | None:
         """Prefill pods: computes the prompt (batched with everything else in flight), samples
         its first token under `params` (which should stop there: max_tokens=1) and packs the
@@ -239,7 +240,7 @@ class AsyncLLM:
                 prompt_token_ids,
                 params,
                 request_id,
-                0,
+                priority,
                 export_kv_from_block,
                 lora_request=lora_request,
             )

@@ -272,6 +272,7 @@ class EngineCore:
             self.pages.shape(len(block_ids)),
             self.runner.kv_cache.dtype,
             request.lora_name,
+            priority,
         )
 
     def complete_remote_prefill(

@@ -236,3 +236,74 @@ def test_calibration_learns_a_steady_bias_and_ignores_nonsense():
     for _ in range(60):
         calibration.observe(measured=1e9, predicted=1.0)  # clamped
     assert calibration.factor == pytest.approx(10.0, rel=0.01)
+
+
+# ---- favoured requests: a tenant within its share goes first on the pods ---------------------
+
+
+def test_pod_priority_keeps_the_clients_order_and_puts_favoured_first_within_it():
+    from splitserve.gateway.admission.controller import pod_priority
+
+    order = sorted(
+        ((p, f) for p in (-1, 0, 3) for f in (False, True)), key=lambda pf: pod_priority(*pf)
+    )
+    assert order == [(-1, True), (-1, False), (0, True), (0, False), (3, True), (3, False)]
+
+
+def test_a_favoured_prediction_waits_behind_favoured_prompts_only():
+    pod = _pod("d:1", **COSTS, num_running=3, num_waiting_prompt_tokens=2000)
+    pod.awaiting_favoured_prompt_tokens = 100
+    plain = best_prediction([pod], [], 100, 10)
+    favoured = best_prediction([pod], [], 100, 10, favoured=True)
+    assert plain is not None and favoured is not None
+    # Its prefill: 200 tokens in one step beside 3 rows (20 + 6 + 100), then a step of 4 rows.
+    assert favoured.ttft_ms == pytest.approx(126 + 28)
+    assert plain.ttft_ms > favoured.ttft_ms + 900  # 2100 tokens ahead of it otherwise
+    assert favoured.tpot_ms == plain.tpot_ms  # its steps still interleave every prompt
+
+
+def _controller(max_rows: int):
+    from prometheus_client import CollectorRegistry
+
+    from splitserve.gateway.admission.controller import AdmissionController, AdmissionSettings
+    from splitserve.gateway.admission.metrics import AdmissionMetrics
+    from splitserve.gateway.routing.pods import PodPool
+
+    pool = PodPool("decode", [], "m")
+    pod = _pod("d:1", **COSTS, max_num_seqs=max_rows)
+    pod.is_serving_model = True
+    pool.pods.append(pod)
+    metrics = AdmissionMetrics(CollectorRegistry())
+    return AdmissionController(AdmissionSettings(), pool, None, metrics)
+
+
+def _ask(tenant: str, ttft_ms: float | None = None):
+    from splitserve.gateway.admission.controller import AdmissionAsk
+
+    return AdmissionAsk(f"{tenant}-req", tenant, 0, Slo(ttft_ms=ttft_ms), 1, 100, 10)
+
+
+def test_a_quiet_tenant_takes_its_kept_row_at_once_beside_a_flood_and_is_favoured():
+    """Four rows, two tenants: the flood gets its share (favoured) and a row past it, the last
+    row is kept for the quiet tenant, the rest of the flood queues. A quiet request with a TTFT
+    objective tighter than any queue wait is admitted at once into the kept row (it is served
+    before its wait is predicted), favoured on the pods; the flood's row past its share is not."""
+    import asyncio
+
+    async def run() -> tuple[list[bool], bool, int]:
+        controller = _controller(max_rows=4)
+        controller.release(await controller.admit(_ask("quiet")), None, None)  # it asked
+        flood = [await controller.admit(_ask("flood")) for _ in range(3)]
+        queued = [asyncio.create_task(controller.admit(_ask("flood"))) for _ in range(2)]
+        await asyncio.sleep(0)
+        quiet = await asyncio.wait_for(controller.admit(_ask("quiet", ttft_ms=150.0)), 1.0)
+        waiting = controller.num_queued
+        for task in queued:
+            task.cancel()
+        await controller.close()
+        return [ticket.favoured for ticket in flood], quiet.favoured, waiting
+
+    flood_favoured, quiet_favoured, waiting = asyncio.run(run())
+    assert flood_favoured == [True, True, False]
+    assert quiet_favoured
+    assert waiting == 2  # the flood's two still queue

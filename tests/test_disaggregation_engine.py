@@ -105,3 +105,20 @@ def test_fallback_and_abort_leave_no_block_behind(engines):
     assert [d.finish_reason for d in deltas] == ["abort"]
     assert decode.engine.complete_remote_prefill("gone", None) == []  # late pages: ignored
     assert decode.stats().num_kv_blocks_free == decode.stats().num_kv_blocks_total
+
+
+def test_the_plan_carries_the_requests_priority_to_the_prefill_pods_request(engines):
+    """The prefill pod queues a prompt by its request's priority (admission control sends
+    favoured requests with a lower one): the plan carries it into the PrefillRequest."""
+    from splitserve.decode.remote_prefill import PrefillClient
+
+    reference, _, decode = engines
+    prompt = reference.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    plan = decode.engine.reserve_remote_prefill("prio", prompt, params, priority=-3)
+    assert plan is not None and plan.priority == -3
+    receiver = type("Receiver", (), {"address": "tcp://127.0.0.1:1"})()
+    client = PrefillClient(receiver, "tcp", timeout_s=1.0)  # type: ignore[arg-type]
+    assert client._request("prio", prompt, params, plan).priority == -3
+    decode.engine.abort_requests(["prio"])
+    assert decode.stats().num_kv_blocks_free == decode.stats().num_kv_blocks_total

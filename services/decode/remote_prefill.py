@@ -224,6 +224,7 @@ class PrefillClient:
             sampling=options_from_params(params),
             destination=destination,
             lora_name=plan.lora_name or "",  # the adapter the pages must be computed with
+            priority=plan.priority,
         )
 
     def _stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:

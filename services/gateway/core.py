@@ -10,7 +10,7 @@ would. What happens to the calls once sent (merged streams, resends, migration) 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -22,7 +22,12 @@ from splitserve.engine.prompts import check_prompt, child_sequences
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.structured_output.grammar import GrammarError
 from splitserve.engine.tokenizer import Tokenizer
-from splitserve.gateway.admission.controller import AdmissionAsk, AdmissionController, Ticket
+from splitserve.gateway.admission.controller import (
+    AdmissionAsk,
+    AdmissionController,
+    Ticket,
+    pod_priority,
+)
 from splitserve.gateway.admission.slo import TPOT_HEADER, TTFT_HEADER, Slo
 from splitserve.gateway.auth.gate import Caller, PendingCharge, current_caller
 from splitserve.gateway.bounds import check_conversation, check_params_bounds
@@ -205,10 +210,14 @@ class GatewayCore:
         region: str,
     ) -> Generation:
         ticket = await self._admit(request, caller, slo or Slo())
+        favoured = ticket is not None and ticket.favoured
         try:
             if charge is not None and charge.refused:  # refused while it waited for room
                 await charge.wait()
-            generation = await self._dispatch(request, region)
+            if ticket is not None:  # the pods order their queues by it (controller.py)
+                priority = pod_priority(request.priority, favoured)
+                request = replace(request, priority=priority)
+            generation = await self._dispatch(request, region, favoured)
         except BaseException:
             self._release(ticket, None)
             raise
@@ -218,12 +227,21 @@ class GatewayCore:
             generation.on_first_token = lambda ttft_s: admission.first_token(ticket, ttft_s)
         return generation
 
-    async def _dispatch(self, request: GenerationRequest, client_region: str) -> Generation:
-        """Routes and sends every sequence of `request`."""
+    async def _dispatch(
+        self, request: GenerationRequest, client_region: str, favoured: bool = False
+    ) -> Generation:
+        """Routes and sends every sequence of `request` (`favoured`: admission control sends
+        it ahead of other tenants' work)."""
         with route_span(self.metrics) as observe:
             calls = [
                 await self._call(
-                    request, prompt_index, sequence_index, child_id, child_params, client_region
+                    request,
+                    prompt_index,
+                    sequence_index,
+                    child_id,
+                    child_params,
+                    client_region,
+                    favoured,
                 )
                 for prompt_index, prompt_id in enumerate(_prompt_ids(request))
                 for sequence_index, (child_id, child_params) in enumerate(
@@ -283,6 +301,7 @@ class GatewayCore:
         child_id: str,
         child_params: SamplingParams,
         client_region: str,
+        favoured: bool = False,
     ) -> SequenceCall:
         picked = await self.router.pick(
             request.prompts[prompt_index],
@@ -310,6 +329,8 @@ class GatewayCore:
             picked.decision,
             client_region=client_region,
             cache_salt=child_params.cache_salt,
+            favoured=favoured,
+            prefill_pod=picked.prefill,
         )
 
     async def _reroute(self, call: SequenceCall) -> PickedPods | None:

@@ -71,6 +71,10 @@ class SequenceCall:
     request: worker_pb2.DecodeRequest
     pod: Pod  # the decode pod
     decision: RoutingDecision  # which pods and why (for logs, spans and metrics)
+    # Admission control sent it ahead of other tenants' work (a tenant under its fair share);
+    # then its prompt counts in the favoured backlog of its pods (and of this prefill pod).
+    favoured: bool = False
+    prefill_pod: Pod | None = None
     call: grpc.aio.UnaryStreamCall | None = None
     task: asyncio.Task | None = None
     finished: bool = False
@@ -94,6 +98,17 @@ class SequenceCall:
 
 
 _END = object()  # a child's stream ended
+
+
+def _favoured_pods(child: SequenceCall) -> tuple[Pod, ...]:
+    """Where a favoured call's prompt waits as favoured work: its decode pod, and the prefill
+    pod it names (a migrated one names none: its new decode pod re-prefills)."""
+    if not child.favoured:
+        return ()
+    if child.prefill_pod is None or child.prefill_pod is child.pod:
+        return (child.pod,)
+    return (child.pod, child.prefill_pod)
+
 
 # Routes a sequence again after its decode pod was unreachable (None: no other pod is left).
 Reroute = Callable[[SequenceCall], Awaitable[PickedPods | None]]
@@ -284,6 +299,9 @@ class Generation:
         # (admission control's predictions, services/gateway/admission/predict.py).
         awaiting = 0 if child.has_output else len(child.request.prompt_token_ids)
         pod.awaiting_prompt_tokens += awaiting
+        favoured_on = _favoured_pods(child) if awaiting else ()
+        for favoured_pod in favoured_on:
+            favoured_pod.awaiting_favoured_prompt_tokens += awaiting
         try:
             # One deadline for the whole call, pushed back by every response once output began:
             # cheaper per token than a timeout around each read.
@@ -291,6 +309,8 @@ class Generation:
                 async for response in child.call:
                     if awaiting:
                         pod.awaiting_prompt_tokens -= awaiting
+                        for favoured_pod in favoured_on:
+                            favoured_pod.awaiting_favoured_prompt_tokens -= awaiting
                         awaiting = 0
                     self._take(child, response)
                     deadline.reschedule(loop.time() + stall_timeout)
@@ -311,6 +331,8 @@ class Generation:
         finally:
             pod.call_breakers.discard(break_off)
             pod.awaiting_prompt_tokens -= awaiting
+            for favoured_pod in favoured_on:
+                favoured_pod.awaiting_favoured_prompt_tokens -= awaiting
         return _END
 
     def _take(self, child: SequenceCall, response: worker_pb2.DecodeResponse) -> None:
@@ -367,6 +389,7 @@ class Generation:
         child.pod, child.decision = picked.decode, picked.decision
         child.last_token_at = None  # the new pod's first gap is the move, not its pace
         child.request.prefill_address = ""  # the new pod re-prefills prompt + tokens itself
+        child.prefill_pod = None
         del child.request.resumed_output_token_ids[:]
         child.request.resumed_output_token_ids.extend(child.delivered_token_ids)
         self._metrics.migrations.labels(cause).inc()
@@ -412,6 +435,7 @@ class Generation:
         child.num_retries += 1
         child.pod, child.decision = picked.decode, picked.decision
         child.request.prefill_address = picked.prefill.address if picked.prefill else ""
+        child.prefill_pod = picked.prefill
         if not _is_refusal(error):  # refusals have their own series (pod_refusals)
             self._metrics.routing_retries.inc()
         logger.warning(

@@ -117,6 +117,7 @@ class PrefillPodCore(EnginePodCore):
         destination: KVDestination,
         trace_parent: Context | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> PrefillOutcome:
         """Computes the prompt, sends the destination blocks' pages and returns the first
         token once the decode pod has acknowledged them.
@@ -124,7 +125,8 @@ class PrefillPodCore(EnginePodCore):
         Raises ValueError for a request or destination that cannot work, StatusError when the
         request was aborted or the transfer failed. Cancelling it aborts the request here.
         `trace_parent`: the caller's trace context (the decode pod's span). `lora_request`:
-        the adapter to compute the prompt with (None: the base model)."""
+        the adapter to compute the prompt with (None: the base model). `priority`: the
+        request's, which this pod's queue orders by (a lower value first)."""
         received_time = time.monotonic()
         self._check_new_request_id(request_id)
         self._check_destination(destination)
@@ -141,7 +143,7 @@ class PrefillPodCore(EnginePodCore):
         with tracing.span_scope(span):
             try:
                 exported = await self._compute(
-                    request_id, prompt_token_ids, params, destination, lora_request
+                    request_id, prompt_token_ids, params, destination, lora_request, priority
                 )
                 self._in_flight.pop(request_id, None)
                 return await self._send_pages(request_id, exported, destination, span)
@@ -194,6 +196,7 @@ class PrefillPodCore(EnginePodCore):
         params: SamplingParams,
         destination: KVDestination,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> ExportedPrefill:
         exported = await self.llm.prefill_and_export(
             prompt_token_ids,
@@ -201,6 +204,7 @@ class PrefillPodCore(EnginePodCore):
             request_id,
             destination.first_block_index,
             lora_request,
+            priority,
         )
         if exported is None:
             raise StatusError(grpc.StatusCode.ABORTED, f"request {request_id} was aborted")

@@ -29,6 +29,7 @@ class PrefillWorkerServicer(
             destination_from_proto(request.destination),
             trace_parent=tracing.context_from_grpc(context),
             lora_request=core.lora_request(request.lora_name),
+            priority=request.priority,
         )
         response = worker_pb2.PrefillResponse(
             lora_name=outcome.lora_name or "",

@@ -59,6 +59,7 @@ class RemotePrefillPlan:
     dtype: torch.dtype
     # The LoRA adapter the pages must be computed with (None: the base model).
     lora_name: str | None = None
+    priority: int = 0  # the request's: the prefill pod queues the prompt by it
 
 
 @dataclass

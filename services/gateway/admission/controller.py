@@ -116,6 +116,16 @@ class Ticket:
     predicted: Prediction | None  # at admission, calibrated, the queue's wait in its TTFT
     model: Prediction | None = None  # the cost model's own, uncalibrated, without the wait
     is_released: bool = False
+    # Its tenant was under its fair share of the rows when it was admitted, beside others that
+    # asked lately: the pods compute it ahead of the other tenants' work (`pod_priority`).
+    favoured: bool = False
+
+
+def pod_priority(priority: int, favoured: bool) -> int:
+    """The priority the pods queue a request by (a lower value first, as vLLM orders them):
+    the client's priority first, then, within one, a favoured request ahead of the others.
+    Order-preserving, so the client's priorities keep their meaning on the pods."""
+    return 2 * priority + (0 if favoured else 1)
 
 
 class AdmissionController:
@@ -156,7 +166,7 @@ class AdmissionController:
         """A ticket once `ask` may go to the pods; raises AdmissionRefused."""
         arrived = time.monotonic()
         self._last_asked[ask.tenant] = arrived
-        model = self._model_prediction(ask)
+        model = self._model_prediction(ask, self._is_favoured(ask))
         prediction = None if model is None else self._calibrated(model)
         bound = self._is_bound(ask)
         if bound and prediction is not None:
@@ -206,6 +216,7 @@ class AdmissionController:
         self, ask: AdmissionAsk, arrived: float, queued: bool, model: Prediction | None
     ) -> Ticket:
         """Admits `ask` now; `model`: the cost model's prediction for the pods as they stand."""
+        favoured = self._is_favoured(ask)
         self.num_rows_in_flight += ask.num_sequences
         self._tenant_rows[ask.tenant] += ask.num_sequences
         self.metrics.rows_in_flight.set(self.num_rows_in_flight)
@@ -217,7 +228,7 @@ class AdmissionController:
         self.metrics.admitted(queued)
         if queued:
             self.metrics.queue_seconds.observe(queued_s)
-        return Ticket(ask, predicted, model)
+        return Ticket(ask, predicted, model, favoured=favoured)
 
     # ---- refusing ---------------------------------------------------------------------------
 
@@ -259,11 +270,18 @@ class AdmissionController:
                 f"queued at priority {ask.priority} already",
                 self._wait_s(waiter, ask, prediction),
             )
-        timeout = self._timeout_s(waiter, ask, prediction, bound)
         future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
         self._futures[waiter], self._asks[waiter] = future, ask
         self.metrics.queued.set(len(self._queue))
         self._serve_queue()  # it may be next at once: a tenant under its share beside a backlog
+        if future.done():  # served (or refused) now: no wait to predict
+            return future.result()
+        try:
+            timeout = self._timeout_s(waiter, ask, prediction, bound)
+        except AdmissionRefused:
+            self._futures.pop(waiter, None)
+            self._asks.pop(waiter, None)
+            raise
         self._ensure_ticking()
         try:
             done, _ = await asyncio.wait({future}, timeout=timeout)
@@ -329,7 +347,7 @@ class AdmissionController:
             self._queue.pop(over_share)
             future = self._futures.pop(waiter)
             del self._asks[waiter]
-            model = self._model_prediction(ask)
+            model = self._model_prediction(ask, self._is_favoured(ask))
             late = self._lateness_ms(ask, waiter, model)
             if late is None:
                 future.set_result(self._ticket(ask, waiter.enqueued_at, True, model))
@@ -388,26 +406,38 @@ class AdmissionController:
         one row is kept for each of them, so their next request starts at once instead of
         waiting behind the backlog for a row to free up (a flood cannot take a quiet tenant's
         latency, at the cost of a row or so idle while they are quiet)."""
-        now = time.monotonic()
-        others = [
-            tenant
-            for tenant, asked in self._last_asked.items()
-            if tenant != ask.tenant
-            and (now - asked < ACTIVE_TENANT_SECONDS or self._tenant_rows[tenant] > 0)
-        ]
-        if not others:
+        others = self._other_active_tenants(ask.tenant)
+        if not others or self._within_share(ask, others):
             return False
         capacity = self.row_capacity()
-        total = sum(self._weight_of(tenant) for tenant in [ask.tenant, *others])
-
-        def share(tenant: str) -> float:
-            return capacity * self._weight_of(tenant) / total
-
-        if self._tenant_rows[ask.tenant] + ask.num_sequences <= share(ask.tenant):
-            return False
-        kept = sum(self._tenant_rows[tenant] < share(tenant) for tenant in others)
+        kept = sum(self._tenant_rows[t] < self._share(t, ask.tenant, others) for t in others)
         free_after = capacity - self.num_rows_in_flight - ask.num_sequences
         return free_after < kept
+
+    def _is_favoured(self, ask: AdmissionAsk) -> bool:
+        """Whether `ask` keeps its tenant within its weighted share of the rows while other
+        tenants asked lately: the pods then compute it ahead of their work (`pod_priority`),
+        so a flood's prompts queued on the pods do not stand before a quiet tenant's."""
+        others = self._other_active_tenants(ask.tenant)
+        return bool(others) and self._within_share(ask, others)
+
+    def _other_active_tenants(self, tenant: str) -> list[str]:
+        now = time.monotonic()
+        return [
+            other
+            for other, asked in self._last_asked.items()
+            if other != tenant
+            and (now - asked < ACTIVE_TENANT_SECONDS or self._tenant_rows[other] > 0)
+        ]
+
+    def _within_share(self, ask: AdmissionAsk, others: list[str]) -> bool:
+        rows = self._tenant_rows[ask.tenant] + ask.num_sequences
+        return rows <= self._share(ask.tenant, ask.tenant, others)
+
+    def _share(self, tenant: str, asking: str, others: list[str]) -> float:
+        """`tenant`'s weighted share of the rows among `asking` and `others`."""
+        total = sum(self._weight_of(t) for t in [asking, *others])
+        return self.row_capacity() * self._weight_of(tenant) / total
 
     def row_capacity(self) -> int:
         return sum(self._pod_rows(pod) for pod in self.decode_pool.available())
@@ -431,10 +461,15 @@ class AdmissionController:
             self.metrics.row_limit.labels(pod.address).set(limit.rows)
         return limit.rows
 
-    def _model_prediction(self, ask: AdmissionAsk) -> Prediction | None:
+    def _model_prediction(self, ask: AdmissionAsk, favoured: bool) -> Prediction | None:
+        """`favoured`: only the favoured prompts queued on the pods stand before it."""
         prefill_pods = self.prefill_pool.available() if self.prefill_pool is not None else []
         return best_prediction(
-            self.decode_pool.available(), prefill_pods, ask.num_prompt_tokens, ask.max_tokens
+            self.decode_pool.available(),
+            prefill_pods,
+            ask.num_prompt_tokens,
+            ask.max_tokens,
+            favoured,
         )
 
     def _calibrated(self, model: Prediction) -> Prediction:

@@ -5,7 +5,8 @@ outgrow a TPOT objective.
 
 The model, per pod (steps of `base + row * rows + prefill_token * prompt tokens` ms):
 - prefill: the prompt tokens queued ahead on the pod plus this prompt's, computed at most
-  `max_num_batched_tokens - rows` per step beside the pod's decode rows;
+  `max_num_batched_tokens - rows` per step beside the pod's decode rows (for a favoured
+  request, which the pods compute before other tenants' work, only the favoured ones);
 - time to first token: that prefill on the pod that prefills (a prefill pod, or the decode pod
   itself when there is none; with a prefill pod, no sooner than the decode pod's own queue of
   prompts), then one decode step;
@@ -37,6 +38,9 @@ class PodSnapshot:
     costs: StepCosts
     num_rows: int  # requests it runs or has queued, with those sent since its last stats
     num_queued_prompt_tokens: int  # prompt tokens it has yet to compute, likewise
+    # Of those, the ones it computes before the request predicted for (all, unless the
+    # request is favoured: then this gateway's favoured ones).
+    num_ahead_prompt_tokens: int
 
 
 @dataclass(frozen=True)
@@ -45,28 +49,27 @@ class Prediction:
     tpot_ms: float
 
 
-def snapshot(pod: Pod) -> PodSnapshot | None:
-    """None for a pod without stats or without fitted costs."""
+def snapshot(pod: Pod, favoured: bool = False) -> PodSnapshot | None:
+    """None for a pod without stats or without fitted costs. `favoured`: for a request the
+    pods compute ahead of others (admission/controller.py's pod_priority), whose prefill
+    waits only behind this gateway's favoured prompts on the pod."""
     if pod.stats is None:
         return None
     costs = StepCosts.from_proto(pod.stats)
     if not costs.is_known:
         return None
-    load = pod.load
-    reported = load.num_waiting_prompt_tokens + pod.dispatched_prompt_tokens
+    reported = pod.load.num_waiting_prompt_tokens + pod.dispatched_prompt_tokens
     # The stats lag by up to an engine step (a second when prompts are long): this gateway's
     # own calls still awaiting their first token are the fresher floor.
-    return PodSnapshot(
-        costs,
-        pod.num_queued,
-        max(reported, pod.awaiting_prompt_tokens),
-    )
+    queued = max(reported, pod.awaiting_prompt_tokens)
+    ahead = pod.awaiting_favoured_prompt_tokens if favoured else queued
+    return PodSnapshot(costs, pod.num_queued, queued, ahead)
 
 
 def prefill_ms(pod: PodSnapshot, num_prompt_tokens: int, num_rows: int) -> float:
-    """Until `num_prompt_tokens` more are computed behind the pod's queue, with `num_rows`
-    decode rows in every step."""
-    tokens = pod.num_queued_prompt_tokens + num_prompt_tokens
+    """Until `num_prompt_tokens` more are computed behind what the pod computes first, with
+    `num_rows` decode rows in every step."""
+    tokens = pod.num_ahead_prompt_tokens + num_prompt_tokens
     budget = pod.costs.max_num_batched_tokens - num_rows
     steps = math.ceil(tokens / budget) if budget > 0 else 1
     return steps * pod.costs.step_ms(num_rows) + tokens * pod.costs.step_prefill_token_ms
@@ -93,15 +96,21 @@ def tpot_ms(decode: PodSnapshot, num_prompt_tokens: int, max_tokens: int, prefil
 
 
 def best_prediction(
-    decode_pods: list[Pod], prefill_pods: list[Pod], num_prompt_tokens: int, max_tokens: int
+    decode_pods: list[Pod],
+    prefill_pods: list[Pod],
+    num_prompt_tokens: int,
+    max_tokens: int,
+    favoured: bool = False,
 ) -> Prediction | None:
     """The best time to first token and the best time per output token any pod offers (each
     taken on its own best pod: admission refuses only what no placement could serve); None
-    when no decode pod has fitted costs."""
-    decodes = [s for s in map(snapshot, decode_pods) if s is not None]
+    when no decode pod has fitted costs. `favoured`: as `snapshot` says."""
+    decodes = [s for pod in decode_pods if (s := snapshot(pod, favoured)) is not None]
     if not decodes:
         return None
-    prefills: list[PodSnapshot | None] = [s for s in map(snapshot, prefill_pods) if s is not None]
+    prefills: list[PodSnapshot | None] = [
+        s for pod in prefill_pods if (s := snapshot(pod, favoured)) is not None
+    ]
     if not prefill_pods:
         prefills = [None]  # colocated: the decode pod prefills
     elif not prefills:

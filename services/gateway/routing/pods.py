@@ -79,6 +79,10 @@ class Pod:
     # Prompt tokens of this gateway's calls on it that have had no response yet: its prefill
     # backlog as this gateway knows it, fresher than its stats (taken after each engine step).
     awaiting_prompt_tokens: int = 0
+    # The part of it from tenants under their fair share (admission control's favoured
+    # requests, which the pods prefill first: services/gateway/admission/controller.py), also
+    # counted on the prefill pod a call names.
+    awaiting_favoured_prompt_tokens: int = 0
 
     def break_calls(self) -> None:
         for breaker in list(self.call_breakers):

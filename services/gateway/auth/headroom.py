@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 ROOM_FRACTION = 0.1
-FRESH_S = 1.0
+FRESH_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -383,6 +383,7 @@ OVER_BOUNDS = {
     "tools": _chat_body(tools=[TOOL] * (MAX_TOOLS + 1)),
     "messages": _chat_body(messages=[{"role": "user", "content": "a"}] * 4097),
     "messages[0].role": _chat_body(messages=[{"role": "wizard", "content": "Hi"}]),
+    "priority": _chat_body(priority=2**31),
     "messages[1].role": _chat_body(messages=[{"role": "user", "content": "a"}, {"role": "x"}]),
 }
 

@@ -14,6 +14,9 @@ MAX_MESSAGES = 4096
 MAX_TOOLS = 128  # OpenAI's own limit
 MAX_STOP = 16
 MAX_LOGIT_BIAS = 1024
+# |priority| at most this: the pods take an int32, and admission control sends them twice the
+# client's priority plus one (admission/controller.py's pod_priority).
+MAX_PRIORITY = 2**29
 # OpenAI's roles ("developer" is the newer "system"; "function" the deprecated "tool").
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -30,6 +33,14 @@ def check_count(name: str, items: object, maximum: int) -> None:
 def check_params_bounds(params: SamplingParams) -> None:
     check_count("stop", params.stop, MAX_STOP)
     check_count("logit_bias", params.logit_bias, MAX_LOGIT_BIAS)
+
+
+def check_priority(priority: int) -> None:
+    if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise RequestError(
+            f"priority must be between {-MAX_PRIORITY} and {MAX_PRIORITY}, got {priority}",
+            "priority",
+        )
 
 
 def check_conversation(messages: Sequence[dict[str, str]]) -> None:

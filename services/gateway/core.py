@@ -30,7 +30,7 @@ from splitserve.gateway.admission.controller import (
 )
 from splitserve.gateway.admission.slo import TPOT_HEADER, TTFT_HEADER, Slo
 from splitserve.gateway.auth.gate import Caller, PendingCharge, current_caller
-from splitserve.gateway.bounds import check_conversation, check_params_bounds
+from splitserve.gateway.bounds import check_conversation, check_params_bounds, check_priority
 from splitserve.gateway.errors import RequestError
 from splitserve.gateway.generation import Generation, SequenceCall
 from splitserve.gateway.metrics import GatewayMetrics, route_span
@@ -160,6 +160,7 @@ class GatewayCore:
         one place the gateway compiles a request's grammar: a 400 names the field it came
         from."""
         check_params_bounds(request.params)
+        check_priority(request.priority)
         try:
             check_params(request.params, self.tokenizer.vocab_size)
         except GrammarError as error:

@@ -101,7 +101,9 @@ class SamplingFields(ConstraintFields):
     return_token_ids: bool | None = doc_field(
         "vLLM's extension: each choice carries its token ids."
     )
-    priority: int | None = doc_field("vLLM's extension: lower is scheduled first.")
+    priority: int | None = doc_field(
+        "vLLM's extension: lower is scheduled first.", minimum=-(2**29), maximum=2**29
+    )
 
     user: str | None = bookkeeping_field("An end-user id.")
     metadata: dict[str, str] | None = bookkeeping_field("Tags for the request.")

@@ -3,7 +3,10 @@ redis-server over simulated decode pods (benchmarks/scale/sim_pod.py), one size 
 on a fresh Redis. Per size it prints:
 
 - routing decision p50/p99: `Router.pick` from the prompt's tokens to the chosen pod (hashing,
-  the index lookup, scoring), timed in this process under a Poisson load;
+  the index lookup, scoring), timed in this process under a Poisson load. `--lookup index`
+  (the default, as the gateway runs): the gateway's in-memory prefix index fed by the block-
+  event stream (services/gateway/routing/prefix_index.py), synced before routing starts;
+  `--lookup script`: the per-request Redis script over every pod that it replaced;
 - Redis bytes per pod (INFO memory, registered with empty caches: record, registry entry,
   sentinel SET, the pod's connection) and per indexed block (MEMORY USAGE of the block SETs
   after seeding the caches, over the blocks they hold);
@@ -11,7 +14,7 @@ on a fresh Redis. Per size it prints:
   idle window of equal length that counts the pods' heartbeats and the gateway's registry
   reads; commands run inside Lua scripts count one each);
 - block events ingested per second (stored + removed, by the churn the pods publish) and
-  whether the index matched every pod's cache once the churn stopped;
+  whether the Redis index, and the gateway's, matched every pod's cache once the churn stopped;
 - prefix hit rate: cached blocks on the chosen pod over prompt blocks, against an oracle that
   reads every pod's cache and takes the best;
 - router req/s: closed-loop `pick` calls on this process's one core for a second (an upper
@@ -50,6 +53,7 @@ class RunSettings:
     request_rate: float  # Poisson arrivals per second
     churn_blocks_per_s: float  # fresh blocks stored across the cluster per second
     stats_poll_s: float = 2.0  # the gateway's GetStats interval per pod (its default: 0.5)
+    lookup: str = "index"  # "index": the gateway's event-fed index; "script": Redis per request
     max_tokens: int = 4
     seed: int = 0
 
@@ -64,6 +68,7 @@ class SizeResult:
     ops_per_request: dict[str, float] = field(default_factory=dict)
     events_per_s: float = 0.0
     is_index_consistent: bool = False
+    is_gateway_index_consistent: bool | None = None  # None: --lookup script
     hit_blocks: int = 0
     oracle_blocks: int = 0
     prompt_blocks: int = 0
@@ -254,11 +259,14 @@ async def measure_size(
 
 async def _route_phase(client, keys, host, workload, run, pod_settings, result: SizeResult):
     pool = PodPool("decode", [], pod_settings.model, poll_interval_s=run.stats_poll_s)
-    router = Router(pool, None, RouterSettings(redis_url=_url(client)), keys)
+    settings = RouterSettings(redis_url=_url(client), use_local_index=run.lookup == "index")
+    router = Router(pool, None, settings, keys)
     await pool.start()
     await router.start()
     try:
         await wait_all_available(pool, result.num_pods, 60)
+        if run.lookup == "index" and not await wait_gateway_index(router, host, 120):
+            raise RuntimeError("the gateway's prefix index did not sync with the pods")
         idle_start, idle_t0 = await command_calls(client), time.perf_counter()
         await asyncio.sleep(1.0)
         idle = ops_delta(idle_start, await command_calls(client))
@@ -273,11 +281,30 @@ async def _route_phase(client, keys, host, workload, run, pod_settings, result: 
         result.events_per_s = (await host.num_events() - events0) / busy_s
         result.ops_per_request = _per_request(busy, busy_s, idle, idle_s, run.num_requests)
         result.is_index_consistent = await wait_index_matches(client, keys, host, 10)
+        if run.lookup == "index":
+            result.is_gateway_index_consistent = await wait_gateway_index(router, host, 10)
         result.picks_per_s = await closed_loop_picks(router, workload, 1.0)
         result.lookups = await compare_lookups(client, keys, host, workload)
     finally:
         await router.close()
         await pool.close()
+
+
+async def wait_gateway_index(router: Router, host: PodHost, timeout_s: float) -> bool:
+    """True once the router's index is synced and holds every pod's cache (by count)."""
+    follower = router.index_follower
+    assert follower is not None, "only with --lookup index"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pods = await host.info()
+        if follower.is_synced and all(
+            follower.index.generation(pod.pod_id) == pod.generation
+            and follower.index.num_pod_blocks(pod.pod_id) == pod.num_blocks
+            for pod in pods
+        ):
+            return True
+        await asyncio.sleep(0.2)
+    return False
 
 
 async def wait_all_available(pool: PodPool, num_pods: int, timeout_s: float) -> None:
@@ -305,12 +332,12 @@ def _url(client) -> str:
     return f"redis://{kwargs['host']}:{kwargs['port']}/0"
 
 
-def report(result: SizeResult) -> None:
+def report(result: SizeResult, lookup: str) -> None:
     ops = result.ops_per_request
     top = sorted(((v, k) for k, v in ops.items() if k != "total" and v >= 0.05), reverse=True)
     hit = result.hit_blocks / max(result.prompt_blocks, 1)
     oracle = result.oracle_blocks / max(result.prompt_blocks, 1)
-    print(f"== {result.num_pods} pods, {result.num_blocks} indexed blocks")
+    print(f"== {result.num_pods} pods, {result.num_blocks} indexed blocks, lookup: {lookup}")
     print(
         f"  routing decision: p50 {result.percentile(0.5):.2f} ms, "
         f"p99 {result.percentile(0.99):.2f} ms ({len(result.routing_ms)} requests, "
@@ -325,9 +352,14 @@ def report(result: SizeResult) -> None:
         + ", ".join(f"{name} {value:.1f}" for value, name in top[:4])
         + ")"
     )
+    gateway_index = (
+        ""
+        if result.is_gateway_index_consistent is None
+        else f", gateway's index too: {result.is_gateway_index_consistent}"
+    )
     print(
         f"  block events ingested: {result.events_per_s:.0f}/s; index matches every cache "
-        f"after: {result.is_index_consistent}"
+        f"after: {result.is_index_consistent}{gateway_index}"
     )
     print(
         f"  prefix hit rate: router {hit:.1%}, oracle {oracle:.1%} "
@@ -394,6 +426,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--stats-poll-s", type=float, default=2.0, help="the router's GetStats interval per pod"
     )
+    parser.add_argument(
+        "--lookup",
+        choices=("index", "script"),
+        default="index",
+        help="index: the gateway's event-fed prefix index (default); script: the per-request "
+        "Redis script it replaced",
+    )
     parser.add_argument("--plot", default="build/scale.png")
     return parser.parse_args(argv)
 
@@ -406,6 +445,7 @@ def run_settings(args: argparse.Namespace) -> RunSettings:
         request_rate=args.rate or (100.0 if quick else 200.0),
         churn_blocks_per_s=args.churn or (400.0 if quick else 4000.0),
         stats_poll_s=args.stats_poll_s,
+        lookup=args.lookup,
         seed=args.seed,
     )
 
@@ -421,7 +461,7 @@ async def main(argv: list[str] | None = None) -> None:
     results = []
     for num_pods in sizes:
         results.append(await measure_size(num_pods, run, pod_settings, workload_settings))
-        report(results[-1])
+        report(results[-1], run.lookup)
     for r in results:
         print(
             f"pods {r.num_pods}: routing p99 {r.percentile(0.99):.2f} ms, "

@@ -10,6 +10,9 @@ Key layout (every key under one prefix, so a Redis can be shared):
     {prefix}:blocks:{pod_id}:{gen}:host, ...:disk
                                      SET   hashes the pod's offload tiers hold (no sentinel:
                                            the device SET's stands for all three)
+    {prefix}:block_events            STREAM every pod's SET changes, in order (`BlockEvent`),
+                                           capped: gateways follow it into their in-memory
+                                           index (services/gateway/routing/prefix_index.py)
 
 Why one block SET per pod and generation, not one SET of pods per block hash:
 - a pod's entries expire with it (one PEXPIRE per heartbeat), never one by one;
@@ -97,9 +100,56 @@ class RegistryKeys:
         device = f"{self.prefix}:blocks:{pod_id}:{generation}"
         return device if tier == Tier.DEVICE else f"{device}:{tier.label}"
 
+    @property
+    def block_events(self) -> str:
+        return f"{self.prefix}:block_events"
+
     def tier_blocks(self, pod_id: str, generation: int) -> tuple[str, ...]:
         """The block SETs of every tier, fastest first (Tier order)."""
         return tuple(self.blocks(pod_id, generation, tier) for tier in Tier)
+
+
+# The block-event stream keeps about this many entries (XADD MAXLEN ~): a gateway that falls
+# further behind finds a gap in a pod's sequence numbers and re-reads that pod's SETs.
+BLOCK_EVENTS_MAXLEN = 100_000
+EVENT_STORE, EVENT_REMOVE, EVENT_RESYNC = "sadd", "srem", "resync"
+
+
+@dataclass(frozen=True)
+class BlockEvent:
+    """One entry of the block-event stream: what a pod's publisher just did to one tier's SET.
+    `seq` counts a publisher's entries from 1 per generation, so a reader that sees a gap knows
+    it missed some (trimmed, or written while it was away). RESYNC: the pod replaced all its
+    SETs from a snapshot; readers re-read them (`hashes` empty)."""
+
+    pod_id: str
+    generation: int
+    seq: int
+    op: str  # EVENT_STORE, EVENT_REMOVE or EVENT_RESYNC
+    tier: Tier
+    hashes: tuple[bytes, ...]  # 16 bytes each
+
+    def to_fields(self) -> dict[str, bytes | str | int]:
+        return {
+            "pod": self.pod_id,
+            "gen": self.generation,
+            "seq": self.seq,
+            "op": self.op,
+            "tier": int(self.tier),
+            "hashes": b"".join(self.hashes),
+        }
+
+    @classmethod
+    def from_fields(cls, fields: dict[bytes, bytes]) -> BlockEvent:
+        blob, size = fields[b"hashes"], BLOCK_HASH_NUM_BYTES
+        return cls(
+            pod_id=fields[b"pod"].decode(),
+            generation=int(fields[b"gen"]),
+            seq=int(fields[b"seq"]),
+            op=fields[b"op"].decode(),
+            tier=Tier(int(fields[b"tier"])),
+            hashes=tuple(blob[i : i + size] for i in range(0, len(blob), size)),
+        )
 
 
 @dataclass(frozen=True)

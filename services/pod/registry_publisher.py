@@ -2,9 +2,11 @@
 heartbeats its `PodRecord` and publishes its prefix-cache events into its block SETs, one per
 tier (the layout is services/common/registry_schema.py's).
 
-    every publish_interval:   take_kv_events() ─▶ one pipeline: SADD / SREM runs, PEXPIRE
+    every publish_interval:   take_kv_events() ─▶ one pipeline: SADD / SREM runs, PEXPIRE,
+                              and each run XADDed to the block-event stream (gateways' index)
     every heartbeat_interval: HEARTBEAT_SCRIPT (fence, record, registry, TTLs)
-                              ─▶ RESYNC: snapshot_cached_blocks() ─▶ MULTI: DEL, SADD all, EXEC
+                              ─▶ RESYNC: snapshot_cached_blocks() ─▶ MULTI: DEL, SADD all,
+                                 XADD resync, EXEC
 
 Redis trouble never reaches serving: a failed write is logged (once per outage), the events
 taken meanwhile are dropped, and the next heartbeat that gets through resyncs from a snapshot,
@@ -32,11 +34,14 @@ from redis.exceptions import RedisError
 
 from splitserve.common.redis_auth import add_redis_password_flag
 from splitserve.common.registry_schema import (
+    BLOCK_EVENTS_MAXLEN,
     DEREGISTER_SCRIPT,
+    EVENT_RESYNC,
     HEARTBEAT_FENCED,
     HEARTBEAT_RESYNC,
     HEARTBEAT_SCRIPT,
     SENTINEL,
+    BlockEvent,
     PodRecord,
     RegistryKeys,
     connect,
@@ -123,6 +128,7 @@ class RegistryPublisher:
         self._is_redis_down = False
         self._is_closing = False
         self._task: asyncio.Task | None = None
+        self._num_events = 0  # entries this generation XADDed to the block-event stream
 
     async def start(self) -> None:
         self.llm.take_kv_events()  # starts the keeping; the first resync covers what came before
@@ -199,6 +205,7 @@ class RegistryPublisher:
                 pipe.sadd(key, *hashes[start : start + SNAPSHOT_CHUNK])
             pipe.pexpire(key, int(self.settings.ttl_s * 1000))
         pipe.pexpire(self.blocks_key, int(self.settings.ttl_s * 1000))
+        self._add_event(pipe, EVENT_RESYNC, Tier.DEVICE, [])
         await pipe.execute()
         self._is_synced = True
         logger.info(
@@ -217,10 +224,23 @@ class RegistryPublisher:
         pipe = self.client.pipeline(transaction=False)
         for name, tier, hashes in commands:
             getattr(pipe, name)(self.tier_keys[tier], *hashes)
+            self._add_event(pipe, name, tier, hashes)
         # A SET that Redis lost is re-created here without a TTL: give it one.
         for tier in {tier for _, tier, _ in commands}:
             pipe.pexpire(self.tier_keys[tier], int(self.settings.ttl_s * 1000))
         await pipe.execute()
+
+    def _add_event(self, pipe, op: str, tier: Tier, hashes: list[bytes]) -> None:
+        """Queues one block-event stream entry on `pipe`, after the SET change it mirrors.
+        A pipeline that fails leaves a gap in the sequence numbers, which readers notice."""
+        self._num_events += 1
+        event = BlockEvent(self.pod_id, self.generation, self._num_events, op, tier, tuple(hashes))
+        pipe.xadd(
+            self.keys.block_events,
+            event.to_fields(),
+            maxlen=BLOCK_EVENTS_MAXLEN,
+            approximate=True,
+        )
 
     def _redis_failed(self, error: Exception) -> None:
         self._is_synced = False  # events taken during the outage are gone: resync after it

@@ -2,7 +2,9 @@
 a prompt each pod holds, and hands the rest to services/gateway/routing/scoring.py.
 
     pick(prompt) ─▶ hash the prompt's full blocks (per block size and namespace the pods use)
-                 ─▶ one round trip (LOOKUP_SCRIPT over every pod) ─▶ cached tokens per pod
+                 ─▶ the gateway's prefix index (prefix_index.py, fed by the pods' block-event
+                    stream: index_follower.py), no Redis round trip; until the index is
+                    synced, one round trip (LOOKUP_SCRIPT over every pod) ─▶ cached tokens
                  ─▶ routing.decide(prefill views, decode views)   ─▶ RoutingDecision
 
 Without --redis-url the pods are the static addresses and no index exists (load and proximity
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from redis.exceptions import RedisError
 
 from splitserve.common.registry_schema import (
+    CachedPrefix,
     PodRecord,
     RegistryKeys,
     cached_prefixes,
@@ -34,6 +37,7 @@ from splitserve.common.registry_schema import (
 )
 from splitserve.engine.kv.block_hash import BlockHash, cache_salt_keys, hash_full_blocks
 from splitserve.engine.lora.request import lora_hash_keys
+from splitserve.gateway.routing.index_follower import IndexFollower
 from splitserve.gateway.routing.pods import Pod, PodPool
 from splitserve.gateway.routing.scoring import (
     LatencyMatrix,
@@ -59,6 +63,8 @@ class RouterSettings:
     latency: LatencyMatrix = field(default_factory=LatencyMatrix)
     place: Location = field(default_factory=Location)  # the gateway's region and zone
     redis_url: str | None = None
+    # Look prefixes up in the gateway's event-fed index (else always by the Redis script).
+    use_local_index: bool = True
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,12 @@ class Router:
         self.is_redis_up = False
         self._turns = itertools.count()
         self._refresher: asyncio.Task | None = None
+        self.index_follower = (
+            IndexFollower(connect(self.settings.redis_url), self.keys)
+            if self.settings.redis_url and self.settings.use_local_index
+            else None
+        )
+        self._follower_task: asyncio.Task | None = None
         self._cache_key_pods: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     async def start(self) -> None:
@@ -93,12 +105,23 @@ class Router:
             return
         await self.refresh_registry()
         self._refresher = asyncio.create_task(self._refresh_forever(), name="registry")
+        if self.index_follower is not None:
+            self._follower_task = asyncio.create_task(
+                self.index_follower.run_forever(), name="prefix-index"
+            )
 
     async def close(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
+        for task in (self._refresher, self._follower_task):
+            if task is not None:
+                task.cancel()
+        if self.index_follower is not None:
+            await self.index_follower.client.aclose()
         if self.redis is not None:
             await self.redis.aclose()
+
+    @property
+    def is_index_synced(self) -> bool:
+        return self.index_follower is not None and self.index_follower.is_synced
 
     # ---- registry ---------------------------------------------------------------------------
 
@@ -115,6 +138,12 @@ class Router:
         for pool in (self.decode_pool, self.prefill_pool):
             if pool is not None:
                 await pool.apply_records(records)
+        if self.index_follower is not None:
+            try:
+                await self.index_follower.sync_pods(records)
+            except (RedisError, OSError) as error:
+                self.index_follower.is_synced = False
+                logger.warning("prefix index could not read new pods (%s): resyncing", error)
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -231,6 +260,12 @@ class Router:
         if self.redis is None or not uses_index or not indexed:
             return {}
         hashes = _prompt_hashes(prompt, [record for _, record in indexed], extra_hash_keys)
+        if self.index_follower is not None and self.index_follower.is_synced:
+            prefixes = self._local_prefixes(indexed, hashes)
+            return {
+                pod_id: credited_tokens(record, prefix)
+                for (pod_id, record), prefix in zip(indexed, prefixes, strict=True)
+            }
         queries = [
             (
                 record.tier_blocks_keys(self.keys),
@@ -247,6 +282,29 @@ class Router:
             pod_id: credited_tokens(record, prefix)
             for (pod_id, record), prefix in zip(indexed, prefixes, strict=True)
         }
+
+    def _local_prefixes(
+        self,
+        indexed: list[tuple[str, PodRecord]],
+        hashes: dict[tuple[int, str], list[BlockHash]],
+    ) -> list[CachedPrefix]:
+        """Each pod's cached prefix from the gateway's index: one walk per (block size,
+        namespace) group, touching only the pods that hold the prompt's first block."""
+        assert self.index_follower is not None, "only with the local index"
+        index = self.index_follower.index
+        found: dict[str, CachedPrefix] = {}
+        for group, group_hashes in hashes.items():
+            # Only this group's pods: another's could share a hash only by collision.
+            generations = {
+                pod_id: record.generation
+                for pod_id, record in indexed
+                if (record.block_size, record.hash_namespace) == group
+            }
+            found.update(index.lookup(group_hashes, generations))
+        return [found.get(pod_id, _NOTHING) for pod_id, _ in indexed]
+
+
+_NOTHING = CachedPrefix()
 
 
 def _holds(pod: Pod, lora_name: str | None) -> bool:

@@ -1,0 +1,152 @@
+"""Keeps a gateway's `PrefixIndex` current: Redis stays the durable source, the index a copy.
+
+    resync():  stream position X (XINFO STREAM, before reading anything else) ─▶ the registry
+               ─▶ every pod's tier SETs (pipelined SMEMBERS) ─▶ index.replace_pod per pod
+    follow():  XREAD BLOCK from X ─▶ entries trimmed unread (XINFO: the stream's oldest
+               entry is past the one after X) ─▶ resync(); else index.apply(event) per
+               entry; one it cannot apply (a gap in a pod's seq, a resync, an unknown pod)
+               ─▶ re-read that pod's SETs
+
+Replaying entries from X that the snapshot already reflects is harmless: each is a set add
+or remove, and each hash ends as its last event says (or as the snapshot, with none after).
+Any Redis error (an outage, a restart that lost the stream) marks the index unsynced; the
+router then falls back to the per-request lookup script until `resync()` succeeds again.
+`sync_pods(records)` follows the registry: new or restarted pods are read, gone ones dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+
+from redis.exceptions import RedisError, ResponseError
+
+from splitserve.common.registry_schema import (
+    SENTINEL,
+    BlockEvent,
+    PodRecord,
+    RegistryKeys,
+    read_pods,
+)
+from splitserve.engine.kv.tiers import Tier
+from splitserve.gateway.routing.prefix_index import PrefixIndex
+
+logger = logging.getLogger(__name__)
+
+# XREAD BLOCK: below the client's socket timeout (registry_schema.connect), or it times out.
+BLOCK_MS = 200
+READ_COUNT = 1024  # stream entries per XREAD
+RETRY_SECONDS = 0.5  # after a Redis error, before resyncing
+
+
+class IndexFollower:
+    """Runs on the gateway's event loop: `run_forever()` as a task; `index` is read by the
+    router only while `is_synced`."""
+
+    def __init__(self, client, keys: RegistryKeys, index: PrefixIndex | None = None) -> None:
+        self.client = client
+        self.keys = keys
+        self.index = index or PrefixIndex()
+        self.is_synced = False
+        self._last_id: bytes = b"0-0"  # the stream entry the index reflects up to
+        # That entry's ordinal among every entry ever added (XINFO's entries-added counts).
+        self._num_entries_seen = 0
+
+    async def run_forever(self) -> None:
+        while True:
+            try:
+                if not self.is_synced:
+                    await self.resync()
+                await self.follow()
+            except (RedisError, OSError) as error:
+                if self.is_synced:
+                    logger.warning("prefix index lost Redis (%s): resyncing when back", error)
+                self.is_synced = False
+                await asyncio.sleep(RETRY_SECONDS)
+
+    async def resync(self) -> None:
+        """Rebuilds the index from the registry and every pod's SETs. Raises redis errors."""
+        last_id, num_added, _ = await self._stream_position()
+        records = await read_pods(self.client, self.keys)
+        for pod_id in self.index.pod_ids() - {r.pod_id for r in records}:
+            self.index.drop_pod(pod_id)
+        await self._read_pods(records)
+        self._last_id, self._num_entries_seen = last_id, num_added
+        self.is_synced = True
+        logger.info(
+            "prefix index synced: %d pod(s), %d block(s)", len(records), self.index.num_blocks
+        )
+
+    async def follow(self, block_ms: int = BLOCK_MS) -> int:
+        """Applies the stream's next entries (waits up to `block_ms` for some); how many."""
+        answer = await self.client.xread(
+            {self.keys.block_events: self._last_id}, count=READ_COUNT, block=block_ms
+        )
+        if not answer:
+            return 0
+        if await self._missed_entries():
+            logger.warning("prefix index fell behind the capped event stream: resyncing")
+            await self.resync()
+            return 0
+        entries = answer[0][1]
+        stale: set[str] = set()
+        for entry_id, fields in entries:
+            event = BlockEvent.from_fields(fields)
+            if event.pod_id not in stale and not self.index.apply(event):
+                stale.add(event.pod_id)
+            self._last_id = entry_id
+        self._num_entries_seen += len(entries)
+        if stale:
+            await self._reread(stale)
+        return len(entries)
+
+    async def _missed_entries(self) -> bool:
+        """Whether the capped stream trimmed an entry the index has not read: its oldest entry
+        is past the one after ours. Trimming takes the head only, and the head only moves on,
+        so asking after the XREAD errs only toward a needless resync."""
+        _, num_added, length = await self._stream_position()
+        return num_added - length > self._num_entries_seen
+
+    async def _stream_position(self) -> tuple[bytes, int, int]:
+        """The stream's last id, how many entries were ever added to it, how many it holds
+        (b"0-0", 0, 0 before the first). Redis 7's XINFO fields."""
+        try:
+            info = await self.client.xinfo_stream(self.keys.block_events)
+        except ResponseError:  # no stream yet: no pod has published
+            return b"0-0", 0, 0
+        return info["last-generated-id"], int(info["entries-added"]), int(info["length"])
+
+    async def sync_pods(self, records: list[PodRecord]) -> None:
+        """Follows the registry: reads pods the index lacks (or holds of an older process),
+        drops pods that left. Raises redis errors."""
+        if not self.is_synced:
+            return
+        live = {record.pod_id for record in records}
+        for pod_id in self.index.pod_ids() - live:
+            self.index.drop_pod(pod_id)
+        await self._read_pods(
+            [r for r in records if self.index.generation(r.pod_id) != r.generation]
+        )
+
+    async def _reread(self, pod_ids: Iterable[str]) -> None:
+        records = [r for r in await read_pods(self.client, self.keys) if r.pod_id in pod_ids]
+        for pod_id in set(pod_ids) - {r.pod_id for r in records}:
+            self.index.drop_pod(pod_id)
+        await self._read_pods(records)
+
+    async def _read_pods(self, records: list[PodRecord]) -> None:
+        """Replaces these pods' blocks in the index by their SETs, in one round trip."""
+        if not records:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for record in records:
+            for key in record.tier_blocks_keys(self.keys):
+                pipe.smembers(key)
+        sets = await pipe.execute()
+        for i, record in enumerate(records):
+            by_tier = {
+                tier: [h for h in sets[i * len(Tier) + t] if h != SENTINEL]
+                for t, tier in enumerate(Tier)
+            }
+            self.index.replace_pod(record.pod_id, record.generation, by_tier)

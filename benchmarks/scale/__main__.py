@@ -42,6 +42,7 @@ from benchmarks.scale.workload import Workload, WorkloadSettings
 from splitserve.common.redis_server import RedisServer
 from splitserve.common.registry_schema import RegistryKeys, cached_prefixes, connect
 from splitserve.gateway.routing.pods import PodPool
+from splitserve.gateway.routing.prefix_index import PrefixIndex
 from splitserve.gateway.routing.router import Router, RouterSettings
 from splitserve.v1 import generate_pb2, worker_pb2
 
@@ -65,6 +66,7 @@ class SizeResult:
     routing_ms: list[float] = field(default_factory=list)
     bytes_per_pod: float = 0.0
     bytes_per_block: float = 0.0
+    stream_bytes: int = 0  # the block-event stream's MEMORY USAGE after seeding (capped)
     ops_per_request: dict[str, float] = field(default_factory=dict)
     events_per_s: float = 0.0
     is_index_consistent: bool = False
@@ -188,11 +190,17 @@ LOOKUPS = {
 
 
 async def compare_lookups(
-    client, keys: RegistryKeys, host: PodHost, workload: Workload, num_prompts: int = 40
+    client,
+    keys: RegistryKeys,
+    host: PodHost,
+    workload: Workload,
+    index: PrefixIndex | None = None,
+    num_prompts: int = 40,
 ) -> dict[str, tuple[float, float, int]]:
     """Each lookup over every pod for the same prompts, churn stopped. Commands: one pass per
     lookup (the pods' heartbeats meanwhile count too, a few per second). Times: the lookups
-    alternate prompt by prompt, so a busy machine slows both alike."""
+    alternate prompt by prompt, so a busy machine slows both alike. With the gateway's
+    `index`, its lookup too (no Redis command), checked against the script's answers."""
     prompts = [workload.next_prompt()[1] for _ in range(num_prompts)]
     pods = await host.info()
     queries = [
@@ -213,10 +221,34 @@ async def compare_lookups(
             start = time.perf_counter()
             await lookup(client, query)
             times[name].append((time.perf_counter() - start) * 1000)
-    return {
+    result = {
         name: (statistics.median(times[name]), calls[name], _argument_bytes(name, queries[0]))
         for name in LOOKUPS
     }
+    if index is not None:
+        local = _index_lookup(index, pods)
+        assert [local(q) for q in queries] == [
+            [prefix.num_blocks for prefix in answer] for answer in second
+        ], "the gateway's index answers as the script"
+        local_ms = []
+        for query in queries:
+            start = time.perf_counter()
+            local(query)
+            local_ms.append((time.perf_counter() - start) * 1000)
+        result["gateway index (prefix_index.py)"] = (statistics.median(local_ms), 0.0, 0)
+    return result
+
+
+def _index_lookup(index: PrefixIndex, pods: list):
+    """A lookup query (per pod: its SET keys, the prompt's hashes) on the gateway's index:
+    blocks per pod, in the query's pod order."""
+    generations = {pod.pod_id: pod.generation for pod in pods}
+
+    def lookup(query) -> list[int]:
+        found = index.lookup(query[0][1], generations)
+        return [found[p.pod_id].num_blocks if p.pod_id in found else 0 for p in pods]
+
+    return lookup
 
 
 def _argument_bytes(name: str, query) -> int:
@@ -250,6 +282,7 @@ async def measure_size(
             result.num_blocks = await host.seed(seed_chains(num_pods, workload, run.blocks_per_pod))
             await wait_index_matches(client, keys, host, 120)
             result.bytes_per_block = await index_bytes(client, keys, host) / result.num_blocks
+            result.stream_bytes = await client.memory_usage(keys.block_events, samples=0) or 0
             await _route_phase(client, keys, host, workload, run, pod_settings, result)
         finally:
             await host.close()
@@ -284,7 +317,9 @@ async def _route_phase(client, keys, host, workload, run, pod_settings, result: 
         if run.lookup == "index":
             result.is_gateway_index_consistent = await wait_gateway_index(router, host, 10)
         result.picks_per_s = await closed_loop_picks(router, workload, 1.0)
-        result.lookups = await compare_lookups(client, keys, host, workload)
+        follower = router.index_follower
+        index = follower.index if follower is not None and follower.is_synced else None
+        result.lookups = await compare_lookups(client, keys, host, workload, index)
     finally:
         await router.close()
         await pool.close()
@@ -345,7 +380,8 @@ def report(result: SizeResult, lookup: str) -> None:
     )
     print(
         f"  redis memory: {result.bytes_per_pod:.0f} B per pod (empty cache), "
-        f"{result.bytes_per_block:.1f} B per indexed block"
+        f"{result.bytes_per_block:.1f} B per indexed block, block-event stream "
+        f"{result.stream_bytes / 2**20:.1f} MiB (capped: BLOCK_EVENTS_MAXLEN entries)"
     )
     print(
         f"  redis commands per routed request: {ops.get('total', 0):.1f} ("

@@ -14,6 +14,7 @@ works where Triton is not installed; `has_triton()` says whether they can be use
 | rotary_embedding                         | splitserve.kernels.rotary            |
 | grouped_gemm                             | splitserve.kernels.moe_gemm          |
 | int8_matmul, int4_group_matmul           | splitserve.kernels.dequant_matmul    |
+| add_lora_sgmv, make_segments             | splitserve.kernels.lora_sgmv         |
 
 The engine uses the attention, KV, grouped-GEMM (MoE) and dequantizing-matmul (quantized
 weights) wrappers on CUDA; `kernels/README.md` says which module serves whom, and why RMSNorm
@@ -38,6 +39,8 @@ _TRITON_WRAPPERS = {
     "grouped_gemm": "splitserve.kernels.moe_gemm",
     "int8_matmul": "splitserve.kernels.dequant_matmul",
     "int4_group_matmul": "splitserve.kernels.dequant_matmul",
+    "add_lora_sgmv": "splitserve.kernels.lora_sgmv",
+    "make_segments": "splitserve.kernels.lora_sgmv",
 }
 
 __all__ = ["has_triton", *_TRITON_WRAPPERS]

@@ -336,3 +336,48 @@ def test_pod_lora_flags_become_engine_options_and_adapters():
     assert engine_options(parser.parse_args([]))["enable_lora"] is False
     with pytest.raises(SystemExit):
         parser.parse_args(["--lora-modules", "no-path"])
+
+
+def test_the_fused_decode_serves_adapter_steps_as_the_python_layers_do(
+    lora_llm, adapter_dirs
+):
+    """Steps with adapter rows stay in the C++ layer loop (kernels/cpu/decode_layers.cpp adds
+    each row's delta), and give the hooked Python layers' tokens and logprobs."""
+    model = lora_llm.engine.runner.model
+    fused = model.fused_decode
+    if fused is None:
+        pytest.skip("no C++ kernels here: the Python layers serve every step")
+    assert fused.has_lora, "build_lora hands the fused decode the slots"
+    served = []
+    real_run = fused.run
+
+    def counting_run(*args, **kwargs):
+        served.append(args[-1] if len(args) > 5 else kwargs.get("lora"))
+        return real_run(*args, **kwargs)
+
+    prompts = _prompts(lora_llm)
+    alpha, beta = _request(adapter_dirs, "alpha"), _request(adapter_dirs, "beta")
+    loras = [alpha, None, beta]
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3)
+
+    def run() -> list:
+        results = lora_llm.generate(prompts, params, lora_request=loras)
+        return [(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in results]
+
+    fused.run = counting_run  # type: ignore[method-assign]
+    try:
+        with_fused = run()
+    finally:
+        del fused.run
+    assert any(batch is not None for batch in served), "adapter steps took the fused layers"
+    model.fused_decode = None
+    try:
+        python = run()
+    finally:
+        model.fused_decode = fused
+    for (fused_ids, fused_logprobs), (python_ids, python_logprobs) in zip(with_fused, python):
+        assert fused_ids == python_ids
+        for got, want in zip(fused_logprobs, python_logprobs, strict=True):
+            for (got_id, got_lp), (want_id, want_lp) in zip(got.top, want.top, strict=True):
+                assert got_id == want_id
+                assert got_lp == pytest.approx(want_lp, abs=1e-4)

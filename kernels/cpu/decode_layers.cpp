@@ -16,6 +16,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,10 +37,49 @@ struct Weight {
   int64_t in_padded = 0, out_features = 0;
 };
 
+// One projection's LoRA slots, the Python hook's own tensors (shared/lora/layers.py): the
+// engine writes an adapter into a slot in place, so holding them here keeps the two in step.
+//   a [max_loras, slices, rank, in]; b per slice [max_loras, rank, out_s], at column offset_s
+struct LoraSlots {
+  torch::Tensor a;
+  std::vector<torch::Tensor> b;
+  std::vector<int64_t> offsets;
+};
+
+// The projections of a layer, in decode order; LoRA slots are set per projection.
+enum Projection : int64_t { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3, kNumProjections = 4 };
+
 struct Layer {
   torch::Tensor input_norm, post_norm;
   Weight qkv, o, gate_up, down;
+  std::optional<LoraSlots> lora[kNumProjections];
 };
+
+// The step's row -> slot map (shared/lora/batched.py's LoRABatch); mask empty: no adapter rows.
+struct LoraStep {
+  torch::Tensor mask;  // [rows, k, 1, 1] float32: 1 at the row's slot
+  int64_t num_slots = 0;  // k
+};
+
+// out[:, slice s] += ((x @ A[:k]^T) * mask)[:, :, s] @ B_s[:k], as batched.py's add_lora_delta
+// computes it (every row against every slot in use at once, the mask keeping its own).
+void add_lora_delta(torch::Tensor& out, const torch::Tensor& x,
+                    const std::optional<LoraSlots>& slots, const LoraStep& step) {
+  if (!slots.has_value() || !step.mask.defined() || step.mask.numel() == 0) return;
+  const int64_t k = step.num_slots, rows = x.size(0);
+  const auto& a = slots->a;
+  const int64_t num_slices = a.size(1), rank = a.size(2);
+  auto xa = at::mm(x, a.narrow(0, 0, k).reshape({k * num_slices * rank, a.size(3)}).t())
+                .view({rows, k, num_slices, rank});
+  xa.mul_(step.mask);
+  for (int64_t s = 0; s < num_slices; ++s) {
+    const auto& b = slots->b[s];
+    const int64_t width = b.size(2);
+    auto delta = at::mm(xa.select(2, s).reshape({rows, k * rank}),
+                        b.narrow(0, 0, k).reshape({k * rank, width}));
+    out.narrow(1, slots->offsets[s], width).add_(delta);
+  }
+}
 
 torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& weight) {
   // Called boxed: the schema's C++ argument types have changed between torch releases, its
@@ -104,6 +144,33 @@ class DecodeLayers {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // The LoRA slots of one projection (Projection order) of one layer: a [max_loras, slices,
+  // rank, in] float32 and per slice b [max_loras, rank, out_s] at column offsets[s].
+  void set_lora(int64_t layer, int64_t projection, torch::Tensor a, std::vector<torch::Tensor> b,
+                std::vector<int64_t> offsets) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "layer ", layer, " not added");
+    TORCH_CHECK(projection >= 0 && projection < kNumProjections, "projection ", projection,
+                " is not 0 to 3");
+    TORCH_CHECK(a.dim() == 4 && static_cast<int64_t>(b.size()) == a.size(1) &&
+                    offsets.size() == b.size(),
+                "LoRA slots: a [max_loras, slices, rank, in] with one b and offset per slice");
+    TORCH_CHECK(a.scalar_type() == torch::kFloat32, "LoRA slots must be float32");
+    layers_[layer].lora[projection] = LoraSlots{a, std::move(b), std::move(offsets)};
+  }
+
+  // run() with each row's adapter delta added to every projection that has LoRA slots:
+  // lora_mask [rows, k, 1, 1] float32 (1 at the row's slot, 0 elsewhere), k = lora_num_slots.
+  torch::Tensor run_lora(torch::Tensor hidden, torch::Tensor kv_cache, torch::Tensor slot_mapping,
+                         torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor cos,
+                         torch::Tensor sin, int64_t num_layers, torch::Tensor lora_mask,
+                         int64_t lora_num_slots) const {
+    TORCH_CHECK(lora_mask.dim() == 4 && lora_mask.size(0) == hidden.size(0) &&
+                    lora_mask.size(1) == lora_num_slots,
+                "lora_mask must be [rows, num_slots, 1, 1]");
+    return run_layers(hidden, kv_cache, slot_mapping, block_tables, seq_lens, cos, sin,
+                      num_layers, LoraStep{lora_mask, lora_num_slots});
+  }
+
   // hidden [rows, hidden] float32 -> the hidden states after the first num_layers layers.
   // kv_cache [layers, 2, blocks, block_size, kv_heads, row] (float32, or int8 rows with their
   // scales); slot_mapping [rows] int64; block_tables [rows, max_blocks] and seq_lens [rows]
@@ -111,6 +178,16 @@ class DecodeLayers {
   torch::Tensor run(torch::Tensor hidden, torch::Tensor kv_cache, torch::Tensor slot_mapping,
                     torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor cos,
                     torch::Tensor sin, int64_t num_layers) const {
+    return run_layers(hidden, kv_cache, slot_mapping, block_tables, seq_lens, cos, sin,
+                      num_layers, LoraStep{});
+  }
+
+ private:
+  torch::Tensor run_layers(const torch::Tensor& hidden, const torch::Tensor& kv_cache,
+                           const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                           const torch::Tensor& seq_lens, const torch::Tensor& cos,
+                           const torch::Tensor& sin, int64_t num_layers,
+                           const LoraStep& lora) const {
     TORCH_CHECK(num_layers >= 0 && num_layers <= this->num_layers(), "num_layers ", num_layers,
                 " outside [0, ", this->num_layers(), "]");
     TORCH_CHECK(kv_cache.size(0) >= num_layers, "the cache has ", kv_cache.size(0),
@@ -121,7 +198,9 @@ class DecodeLayers {
     for (int64_t l = 0; l < num_layers; ++l) {
       const Layer& layer = layers_[l];
       const auto layer_cache = kv_cache.select(0, l);
-      auto qkv = linear(rms_norm(x, layer.input_norm, eps_), layer.qkv, format_);
+      const auto attention_in = rms_norm(x, layer.input_norm, eps_);
+      auto qkv = linear(attention_in, layer.qkv, format_);
+      add_lora_delta(qkv, attention_in, layer.lora[kQkv], lora);
       torch::Tensor q;
       if (int8_cache) {
         auto split = rotary_split_qkv(qkv, cos, sin, num_heads_, num_kv_heads_);
@@ -134,16 +213,20 @@ class DecodeLayers {
       auto attention = paged_decode_attention(q, layer_cache.select(0, 0),
                                               layer_cache.select(0, 1), block_tables, seq_lens,
                                               scale_);
-      auto o = linear(attention.view({rows, -1}), layer.o, format_);
+      const auto attention_out = attention.view({rows, -1});
+      auto o = linear(attention_out, layer.o, format_);
+      add_lora_delta(o, attention_out, layer.lora[kO], lora);
       auto normed = add_rms_norm(o, x, layer.post_norm, eps_);  // {normed, o + x}
-      auto down = linear(silu_and_mul(linear(normed[0], layer.gate_up, format_)), layer.down,
-                         format_);
+      auto gate_up = linear(normed[0], layer.gate_up, format_);
+      add_lora_delta(gate_up, normed[0], layer.lora[kGateUp], lora);
+      const auto activated = silu_and_mul(gate_up);
+      auto down = linear(activated, layer.down, format_);
+      add_lora_delta(down, activated, layer.lora[kDown], lora);
       x = normed[1] + down;
     }
     return x;
   }
 
- private:
   WeightFormat format_;
   int64_t num_heads_, num_kv_heads_;
   double eps_, scale_;
@@ -158,5 +241,8 @@ void bind_decode_layers(pybind11::module& m) {
       .def_property_readonly("num_layers", &DecodeLayers::num_layers)
       // Without the GIL, as torch's own ops run: a step takes milliseconds, and the pod's
       // event loop (streaming the last step's tokens, taking new requests) runs meanwhile.
-      .def("run", &DecodeLayers::run, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("set_lora", &DecodeLayers::set_lora)
+      .def("run", &DecodeLayers::run, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("run_lora", &DecodeLayers::run_lora,
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }

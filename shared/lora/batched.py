@@ -14,15 +14,21 @@ output slice applies the B of all slots:
 The wasted work is rows x (k - 1) x rank multiply-adds per input feature, small beside the
 base product when rank << out; in exchange a step costs the same few calls whatever the mix.
 The segmented form (one product per run) is `lora_delta_segmented`, the reference the batched
-form and the Triton kernel (kernels/lora_sgmv.py) are tested against.
+form and the Triton kernel (kernels/lora_sgmv.py) are tested against. On CUDA a launch per
+segment is what the GPU is good at, so there the SGMV kernels take the products
+(`add_lora_delta_sgmv`); the fused C++ decode applies the CPU form inside its layer loop
+(kernels/cpu/decode_layers.cpp).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from splitserve import kernels
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,9 @@ class LoRABatch:
     slot_ids: torch.Tensor  # [rows] int64, -1 for a row of the base model
     mask: torch.Tensor  # [rows, k, 1, 1] in the model's dtype: 1 at the row's slot
     num_slots: int  # k: the highest slot any row uses, plus one
+    # On CUDA with Triton: the rows' runs of equal slots (kernels/lora_sgmv.py's Segments),
+    # which the SGMV kernels take instead of the mask; None on the CPU.
+    segments: Any = None
 
 
 def make_batch(row_slots: Sequence[int], dtype: torch.dtype, device: torch.device) -> LoRABatch:
@@ -42,7 +51,35 @@ def make_batch(row_slots: Sequence[int], dtype: torch.dtype, device: torch.devic
     assert num_slots > 0, "a batch needs at least one row with an adapter"
     columns = torch.arange(num_slots, device=device)
     mask = (slot_ids[:, None] == columns[None, :]).to(dtype)
-    return LoRABatch(slot_ids, mask[:, :, None, None], num_slots)
+    segments = _segments(row_slots, device) if uses_sgmv(device) else None
+    return LoRABatch(slot_ids, mask[:, :, None, None], num_slots, segments)
+
+
+def uses_sgmv(device: torch.device) -> bool:
+    """Whether LoRA products on `device` take the Triton SGMV kernels: on CUDA, where one
+    launch per product beats the masked every-slot product; the CPU keeps PyTorch/C++."""
+    return device.type == "cuda" and kernels.has_triton()
+
+
+def _segments(row_slots: Sequence[int], device: torch.device) -> Any:
+    from splitserve.kernels.lora_sgmv import make_segments  # lazy: imports Triton
+
+    return make_segments(row_slots, device)
+
+
+def add_lora_delta_sgmv(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: Sequence[torch.Tensor],
+    offsets: Sequence[int],
+    batch: LoRABatch,
+) -> None:
+    """add_lora_delta on the Triton SGMV kernels (batch.segments set: make_batch on CUDA)."""
+    from splitserve.kernels.lora_sgmv import add_lora_sgmv  # lazy: imports Triton
+
+    assert batch.segments is not None, "make_batch builds segments where uses_sgmv"
+    add_lora_sgmv(out, x, a, b, offsets, batch.segments)
 
 
 def add_lora_delta(

@@ -31,6 +31,8 @@ def build_lora(config: EngineConfig, model: LlamaForCausalLM) -> LoRASlots | Non
         model.decoder_layers(), sizes, lora.max_loras, lora.max_lora_rank, dtype, device
     )
     model.lora = hooks.state
+    if model.fused_decode is not None and dtype == torch.float32:
+        model.fused_decode.set_lora(hooks.hooks)
     return LoRASlots(
         hooks,
         lora.max_loras,

@@ -1,8 +1,9 @@
 """LoRA on the model's projections: a forward hook on each fused projection adds the step's
 per-row deltas to its output (shared/lora/batched.py). Hooks leave the layers as they are, so
 dense, quantized and biased projections all take one, and a step without adapter rows runs
-exactly the base model (the fused C++ decode included: LlamaForCausalLM skips it only while a
-batch is set).
+exactly the base model. The fused C++ decode holds the same slot tensors (build_lora hands
+them over) and adds the same deltas inside its layer loop, so decode steps with adapter rows
+stay there; on CUDA the hooks run the Triton SGMV kernels (batched.py's uses_sgmv).
 
 Our projections fuse PEFT's: qkv_proj holds q/k/v_proj's rows, gate_up_proj gate/up_proj's.
 Each hook keeps, per slot, the A of every slice stacked ([max_loras, slices, rank, in]) and one
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from splitserve.engine.lora.batched import LoRABatch, add_lora_delta
+from splitserve.engine.lora.batched import LoRABatch, add_lora_delta, add_lora_delta_sgmv
 from splitserve.engine.lora.peft_format import LoRAWeights
 
 
@@ -67,7 +68,8 @@ class LoRAHook:
         batch = self.state.batch
         if batch is not None:
             (x,) = inputs
-            add_lora_delta(out, x.reshape(-1, x.shape[-1]), self.a, self.b, self.offsets, batch)
+            add = add_lora_delta if batch.segments is None else add_lora_delta_sgmv
+            add(out, x.reshape(-1, x.shape[-1]), self.a, self.b, self.offsets, batch)
         return out
 
     def check(self, weights: LoRAWeights, source: str) -> None:

@@ -5,7 +5,9 @@ weights: 7.7 ms a step through the Python layers, 5.9 through this loop). The lo
 same operations on the same kernels in the same order, so its output is the Python layers'
 output (tests/test_fused_decode.py holds it to that). It serves the steps it can: every row a
 decode token, float32 activations, dense Llama-family layers without biases whose products are
-all oneDNN, all int8 or all int4 in our layout, in one process. Everything else (prefill
+all oneDNN, all int8 or all int4 in our layout, in one process; rows with LoRA adapters
+too, once `set_lora` gave it the slots (each projection's output gets its rows' deltas, as
+shared/lora/batched.py's add_lora_delta computes them). Everything else (prefill
 chunks, mixed steps, tensor parallel, mixture-of-experts, bfloat16 models, CUDA, int4 in
 torch's layout, and the other families' parts: `fused_decode_problem`) keeps the Python layers.
 SPLITSERVE_FUSED_DECODE=0 turns it off (to compare the two).
@@ -14,11 +16,14 @@ SPLITSERVE_FUSED_DECODE=0 turns it off (to compare the two).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from splitserve.engine.lora.batched import LoRABatch
+from splitserve.engine.lora.layers import LoRAHook
 from splitserve.engine.model.architecture import ModelArchitecture
 from splitserve.engine.model.attention_metadata import AttentionMetadata
 from splitserve.engine.model.linear import Linear
@@ -43,6 +48,8 @@ _ONEDNN, _INT8, _INT4 = 0, 1, 2  # decode_layers.cpp's WeightFormat
 # from there the Python layers take it (int8: the int8 x int8 products win by more than the
 # loop saves). int4 (our layout) takes int4_gemm at every row count, as the Python layers do.
 _MAX_ROWS = {_ONEDNN: None, _INT8: INT8_ACTIVATION_QUANT_FROM_ROWS, _INT4: None}
+# decode_layers.cpp's Projection order, by the projection's attribute name.
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class FusedDecode:
@@ -51,6 +58,17 @@ class FusedDecode:
     def __init__(self, layers: Any, weight_format: int) -> None:
         self._layers = layers
         self._max_rows = _MAX_ROWS[weight_format]
+        self.has_lora = False  # set_lora done: steps with adapter rows may come here too
+
+    def set_lora(self, hooks: Sequence[LoRAHook]) -> None:
+        """Hands the C++ layers each LoRA hook's slot tensors (the same storage: adapters the
+        slots load later are seen at once), so a step with adapter rows stays in the loop.
+        float32 slots only, as the loop's activations are."""
+        for hook in hooks:
+            assert hook.a.dtype == torch.float32, "the fused decode runs float32 activations"
+            projection = _PROJECTIONS.index(hook.layout.attribute)
+            self._layers.set_lora(hook.layer, projection, hook.a, hook.b, hook.offsets)
+        self.has_lora = True
 
     def serves(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         rows = hidden.shape[0]
@@ -69,9 +87,12 @@ class FusedDecode:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         num_layers: int | None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
+        """The step through the layers; `lora`: its rows' slots (set_lora done), None when no
+        row has an adapter."""
         count = self._layers.num_layers if num_layers is None else num_layers
-        return self._layers.run(
+        args = (
             hidden,
             kv_cache,
             meta.slot_mapping,
@@ -81,6 +102,10 @@ class FusedDecode:
             angles.sin,
             count,
         )
+        if lora is None:
+            return self._layers.run(*args)
+        assert self.has_lora, "a LoRA step needs set_lora first"
+        return self._layers.run_lora(*args, lora.mask, lora.num_slots)
 
 
 def build_fused_decode(model: LlamaForCausalLM) -> FusedDecode | None:

@@ -269,8 +269,9 @@ class LlamaForCausalLM(nn.Module):
         # Decode-only steps through all layers in one C++ call, once the weights are loaded
         # (shared/model/fused_decode.py); None: the Python layers serve every step.
         self.fused_decode: FusedDecode | None = None
-        # Multi-LoRA (shared/lora/layers.py): while its batch is set, a step has adapter rows,
-        # which the fused decode does not apply, so the Python layers (hooked) take it.
+        # Multi-LoRA (shared/lora/layers.py): while its batch is set, a step has adapter rows;
+        # the fused decode applies them once given the slots (build_lora), else the Python
+        # layers (hooked) take the step.
         self.lora: LoRAState | None = None
 
     def use_layer_ops(self, ops: TorchLayerOps) -> None:
@@ -373,9 +374,10 @@ class LlamaForCausalLM(nn.Module):
         local = self.local_rotary
         local_angles = None if local is None else local.lookup(positions, hidden.dtype)
         fused = self.fused_decode
-        lora_in_step = self.lora is not None and self.lora.batch is not None
-        if fused is not None and not lora_in_step and fused.serves(hidden, meta):
-            return fused.run(hidden, angles, kv_cache, meta, num_layers)
+        lora_batch = None if self.lora is None else self.lora.batch
+        lora_served = lora_batch is None or (fused is not None and fused.has_lora)
+        if fused is not None and lora_served and fused.serves(hidden, meta):
+            return fused.run(hidden, angles, kv_cache, meta, num_layers, lora_batch)
         # Iterated, not sliced: a slice of a ModuleList builds a new one every step.
         for layer_id, layer in enumerate(self.layers):
             if layer_id == num_layers:

@@ -122,17 +122,21 @@ def test_the_index_follows_a_publishers_stores_and_evictions(redis_server):
         task = asyncio.create_task(follower.run_forever())
         try:
             await _eventually(lambda: follower.is_synced)
-            await follower.sync_pods([pod.publisher._record()])
+            follower.sync_pods([pod.publisher._record()])
             first, second = _chain(10, 6), _chain(20, 6)
             pod.cache.store(first)
             await _eventually(lambda: _held(follower, pod, first) == 6)
+            await follower.client.xadd(keys.block_events, {"not": "ours"})  # skipped
             pod.cache.store(second)  # capacity 8: the first chain's tail is evicted
             await _eventually(lambda: _held(follower, pod, second) == 6)
             await _eventually(lambda: _held(follower, pod, first) == 2)
+            assert follower.is_synced
         finally:
             task.cancel()
             await pod.publisher.close()
             await follower.client.aclose()
+        await asyncio.gather(task, return_exceptions=True)
+        assert not follower.is_synced  # stopped: the router must not read it
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
 

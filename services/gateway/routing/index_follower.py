@@ -11,7 +11,9 @@ Replaying entries from X that the snapshot already reflects is harmless: each is
 or remove, and each hash ends as its last event says (or as the snapshot, with none after).
 Any Redis error (an outage, a restart that lost the stream) marks the index unsynced; the
 router then falls back to the per-request lookup script until `resync()` succeeds again.
-`sync_pods(records)` follows the registry: new or restarted pods are read, gone ones dropped.
+`sync_pods(records)` follows the registry: gone pods are dropped, and new or restarted ones are
+read by `follow()` between two reads of the stream (never beside it: a snapshot installed while
+events are being applied could undo one).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ logger = logging.getLogger(__name__)
 BLOCK_MS = 200
 READ_COUNT = 1024  # stream entries per XREAD
 RETRY_SECONDS = 0.5  # after a Redis error, before resyncing
+PODS_PER_READ = 32  # pods whose SETs one snapshot round trip reads
 
 
 class IndexFollower:
@@ -52,18 +55,24 @@ class IndexFollower:
         self._last_id: bytes = b"0-0"  # the stream entry the index reflects up to
         # That entry's ordinal among every entry ever added (XINFO's entries-added counts).
         self._num_entries_seen = 0
+        self._to_read: set[str] = set()  # pods `follow()` reads next (sync_pods asked)
 
     async def run_forever(self) -> None:
-        while True:
-            try:
-                if not self.is_synced:
-                    await self.resync()
-                await self.follow()
-            except (RedisError, OSError) as error:
-                if self.is_synced:
-                    logger.warning("prefix index lost Redis (%s): resyncing when back", error)
-                self.is_synced = False
-                await asyncio.sleep(RETRY_SECONDS)
+        try:
+            while True:
+                try:
+                    if not self.is_synced:
+                        await self.resync()
+                    await self.follow()
+                except (RedisError, OSError) as error:
+                    if self.is_synced:
+                        logger.warning("prefix index lost Redis (%s): resyncing when back", error)
+                    self.is_synced = False
+                    await asyncio.sleep(RETRY_SECONDS)
+        finally:
+            # Ended (cancelled, or by a bug): nobody keeps the index current any more, so the
+            # router must not read it.
+            self.is_synced = False
 
     async def resync(self) -> None:
         """Rebuilds the index from the registry and every pod's SETs. Raises redis errors."""
@@ -83,6 +92,9 @@ class IndexFollower:
         answer = await self.client.xread(
             {self.keys.block_events: self._last_id}, count=READ_COUNT, block=block_ms
         )
+        if self._to_read:
+            to_read, self._to_read = self._to_read, set()
+            await self._reread(to_read)
         if not answer:
             return 0
         if await self._missed_entries():
@@ -92,10 +104,16 @@ class IndexFollower:
         entries = answer[0][1]
         stale: set[str] = set()
         for entry_id, fields in entries:
-            event = BlockEvent.from_fields(fields)
+            self._last_id = entry_id
+            try:
+                event = BlockEvent.from_fields(fields)
+            except (KeyError, ValueError, UnicodeDecodeError):
+                # Not ours to read (another version's writer?): whose blocks it changed is
+                # unknown, so the index may be off until a pod's next gap or resync.
+                logger.warning("skipping a malformed block-event entry %r", entry_id)
+                continue
             if event.pod_id not in stale and not self.index.apply(event):
                 stale.add(event.pod_id)
-            self._last_id = entry_id
         self._num_entries_seen += len(entries)
         if stale:
             await self._reread(stale)
@@ -115,38 +133,51 @@ class IndexFollower:
             info = await self.client.xinfo_stream(self.keys.block_events)
         except ResponseError:  # no stream yet: no pod has published
             return b"0-0", 0, 0
-        return info["last-generated-id"], int(info["entries-added"]), int(info["length"])
+        # Before Redis 7 XINFO has no entries-added: a trimmed range then goes unseen here
+        # (a pod's sequence gap still shows it).
+        num_added = int(info.get("entries-added", info["length"]))
+        return info["last-generated-id"], num_added, int(info["length"])
 
-    async def sync_pods(self, records: list[PodRecord]) -> None:
-        """Follows the registry: reads pods the index lacks (or holds of an older process),
-        drops pods that left. Raises redis errors."""
+    def sync_pods(self, records: list[PodRecord]) -> None:
+        """Follows the registry: drops pods that left, and has `follow()` read the pods the
+        index lacks (or holds of an older process). Only `follow()` reads SETs while synced:
+        a snapshot installed beside it could undo an event it applied meanwhile."""
         if not self.is_synced:
             return
-        live = {record.pod_id for record in records}
-        for pod_id in self.index.pod_ids() - live:
+        for pod_id in self.index.pod_ids() - {record.pod_id for record in records}:
             self.index.drop_pod(pod_id)
-        await self._read_pods(
-            [r for r in records if self.index.generation(r.pod_id) != r.generation]
+        self._to_read.update(
+            r.pod_id for r in records if self.index.generation(r.pod_id) != r.generation
         )
 
     async def _reread(self, pod_ids: Iterable[str]) -> None:
-        records = [r for r in await read_pods(self.client, self.keys) if r.pod_id in pod_ids]
+        """These pods' records (not the whole registry's) and SETs; a pod without a record
+        left: dropped."""
+        pod_ids = list(pod_ids)
+        pipe = self.client.pipeline(transaction=False)
+        for pod_id in pod_ids:
+            pipe.hgetall(self.keys.pod(pod_id))
+        found = [PodRecord.from_fields(fields) for fields in await pipe.execute()]
+        records = [r for r in found if r is not None and r.pod_id in pod_ids]
         for pod_id in set(pod_ids) - {r.pod_id for r in records}:
             self.index.drop_pod(pod_id)
         await self._read_pods(records)
 
     async def _read_pods(self, records: list[PodRecord]) -> None:
-        """Replaces these pods' blocks in the index by their SETs, in one round trip."""
-        if not records:
-            return
-        pipe = self.client.pipeline(transaction=False)
-        for record in records:
-            for key in record.tier_blocks_keys(self.keys):
-                pipe.smembers(key)
-        sets = await pipe.execute()
-        for i, record in enumerate(records):
-            by_tier = {
-                tier: [h for h in sets[i * len(Tier) + t] if h != SENTINEL]
-                for t, tier in enumerate(Tier)
-            }
-            self.index.replace_pod(record.pod_id, record.generation, by_tier)
+        """Replaces these pods' blocks in the index by their SETs, a round trip per
+        PODS_PER_READ pods, yielding the event loop between them: a thousand pods' million
+        hashes read at once would stall routing for seconds. Each pod is replaced whole."""
+        for start in range(0, len(records), PODS_PER_READ):
+            chunk = records[start : start + PODS_PER_READ]
+            pipe = self.client.pipeline(transaction=False)
+            for record in chunk:
+                for key in record.tier_blocks_keys(self.keys):
+                    pipe.smembers(key)
+            sets = await pipe.execute()
+            for i, record in enumerate(chunk):
+                by_tier = {
+                    tier: [h for h in sets[i * len(Tier) + t] if h != SENTINEL]
+                    for t, tier in enumerate(Tier)
+                }
+                self.index.replace_pod(record.pod_id, record.generation, by_tier)
+            await asyncio.sleep(0)

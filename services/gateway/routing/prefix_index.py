@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 from splitserve.common.registry_schema import (
     EVENT_REMOVE,
@@ -22,14 +23,6 @@ from splitserve.common.registry_schema import (
 )
 from splitserve.engine.kv.tiers import Tier
 
-# Tier -> its bit in a holder's mask; mask -> the fastest tier in it (the one a lookup credits).
-_TIER_BIT = {tier: 1 << int(tier) for tier in Tier}
-_FASTEST = {
-    mask: next(tier for tier in Tier if mask & _TIER_BIT[tier])
-    for mask in range(1, 1 << (max(Tier) + 1))
-    if any(mask & bit for bit in _TIER_BIT.values())
-}
-
 
 @dataclass
 class _PodBlocks:
@@ -38,10 +31,25 @@ class _PodBlocks:
     last_seq: int | None
     hashes: dict[Tier, set[bytes]] = field(default_factory=dict)
 
+    def fastest_tier(self, block_hash: bytes) -> Tier | None:
+        for tier in Tier:
+            held = self.hashes.get(tier)
+            if held is not None and block_hash in held:
+                return tier
+        return None
+
+
+# hash -> the pods holding it in any tier: one pod id (most blocks: a session's own) or, when
+# several pods hold it (a shared system prompt's), their set. The pod's own sets say in which
+# tier, so a block costs one entry here and one in its pod's set of that tier: about 135 bytes
+# for a block one pod holds, its hash object included (tracemalloc over 100,000 blocks), where
+# a dict of pod -> tiers per hash would add a dict object per block.
+_Holders: TypeAlias = str | set[str]
+
 
 class PrefixIndex:
     def __init__(self) -> None:
-        self._holders: dict[bytes, dict[str, int]] = {}  # hash -> pod_id -> tier mask
+        self._holders: dict[bytes, _Holders] = {}
         self._pods: dict[str, _PodBlocks] = {}
 
     @property
@@ -72,8 +80,8 @@ class PrefixIndex:
     def drop_pod(self, pod_id: str) -> None:
         pod = self._pods.pop(pod_id, None)
         if pod is not None:
-            for tier, hashes in pod.hashes.items():
-                self._remove(pod_id, pod, tier, list(hashes))
+            for block_hash in set().union(*pod.hashes.values()):
+                self._unhold(block_hash, pod_id)
 
     def apply(self, event: BlockEvent) -> bool:
         """Applies a store or remove. False when the index cannot: the pod is unknown or of
@@ -106,16 +114,18 @@ class PrefixIndex:
         alive: list[str] | None = None  # pods holding every hash so far
         for block_hash in hashes:
             holders = self._holders.get(block_hash)
-            if not holders:
+            if holders is None:
                 break
+            members = (holders,) if isinstance(holders, str) else holders
             if alive is None:
-                alive = [p for p in holders if self._is_current(p, generations)]
-            alive = [p for p in alive if p in holders]
+                alive = [p for p in members if self._is_current(p, generations)]
+            alive = [p for p in alive if p in members]
             if not alive:
                 break
             for pod_id in alive:
+                tier = self._pods[pod_id].fastest_tier(block_hash)
+                assert tier is not None, "a holder holds the hash in some tier"
                 by_tier = counts.setdefault(pod_id, {})
-                tier = _FASTEST[holders[pod_id]]
                 by_tier[tier] = by_tier.get(tier, 0) + 1
         return {pod_id: CachedPrefix(by_tier) for pod_id, by_tier in counts.items()}
 
@@ -124,25 +134,36 @@ class PrefixIndex:
         return pod is not None and generations.get(pod_id) == pod.generation
 
     def _store(self, pod_id: str, pod: _PodBlocks, tier: Tier, hashes: Iterable[bytes]) -> None:
-        bit = _TIER_BIT[tier]
         held = pod.hashes.setdefault(tier, set())
         for block_hash in hashes:
             held.add(block_hash)
-            holders = self._holders.setdefault(block_hash, {})
-            holders[pod_id] = holders.get(pod_id, 0) | bit
+            holders = self._holders.get(block_hash)
+            if holders is None:
+                self._holders[block_hash] = pod_id
+            elif isinstance(holders, set):
+                holders.add(pod_id)
+            elif holders != pod_id:
+                self._holders[block_hash] = {holders, pod_id}
 
     def _remove(self, pod_id: str, pod: _PodBlocks, tier: Tier, hashes: Iterable[bytes]) -> None:
-        bit = _TIER_BIT[tier]
-        held = pod.hashes.get(tier, set())
+        held = pod.hashes.get(tier)
+        if held is None:
+            return
         for block_hash in hashes:
-            held.discard(block_hash)
-            holders = self._holders.get(block_hash)
-            if holders is None or pod_id not in holders:
+            if block_hash not in held:
                 continue
-            mask = holders[pod_id] & ~bit
-            if mask:
-                holders[pod_id] = mask
-            else:
-                del holders[pod_id]
-                if not holders:
-                    del self._holders[block_hash]
+            held.discard(block_hash)
+            if pod.fastest_tier(block_hash) is None:  # in no other tier of the pod either
+                self._unhold(block_hash, pod_id)
+
+    def _unhold(self, block_hash: bytes, pod_id: str) -> None:
+        holders = self._holders.get(block_hash)
+        if holders is None:
+            return
+        if isinstance(holders, str):
+            if holders == pod_id:
+                del self._holders[block_hash]
+            return
+        holders.discard(pod_id)
+        if len(holders) == 1:
+            self._holders[block_hash] = next(iter(holders))

@@ -139,11 +139,7 @@ class Router:
             if pool is not None:
                 await pool.apply_records(records)
         if self.index_follower is not None:
-            try:
-                await self.index_follower.sync_pods(records)
-            except (RedisError, OSError) as error:
-                self.index_follower.is_synced = False
-                logger.warning("prefix index could not read new pods (%s): resyncing", error)
+            self.index_follower.sync_pods(records)
 
     async def _refresh_forever(self) -> None:
         while True:

@@ -21,9 +21,11 @@ from splitserve.common.registry_schema import (
     BlockEvent,
     PodRecord,
     RegistryKeys,
+    cached_prefixes,
     connect,
 )
 from splitserve.engine.kv.block_hash import cache_salt_keys, hash_full_blocks
+from splitserve.engine.kv.events import BlockRemoved, BlockStored, KVCacheEvent
 from splitserve.engine.kv.tiers import Tier
 from splitserve.engine.lora.request import lora_hash_keys
 from splitserve.gateway.routing.index_follower import IndexFollower
@@ -192,6 +194,69 @@ def test_the_index_resyncs_after_redis_restarts_empty():
                 await follower.client.aclose()
 
         asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+class _TieredCache:
+    """What the publisher reads of an engine with offload tiers: events it is handed, in order,
+    and a snapshot of what they left (the two `AsyncLLM` methods it calls)."""
+
+    def __init__(self) -> None:
+        self.events: list[KVCacheEvent] = []
+        self.held: dict[Tier, set[bytes]] = {tier: set() for tier in Tier}
+
+    def add(self, event: KVCacheEvent) -> None:
+        self.events.append(event)
+        change = set.update if isinstance(event, BlockStored) else set.difference_update
+        change(self.held[event.tier], event.block_hashes)
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        events, self.events = self.events, []
+        return events
+
+    async def snapshot_cached_blocks(self) -> dict[Tier, list[bytes]]:
+        self.events = []
+        return {tier: list(hashes) for tier, hashes in self.held.items()}
+
+
+def test_the_index_answers_tiered_prefixes_as_the_redis_script_does(redis_server):
+    keys = RegistryKeys("pi-tiers")
+    chain = _chain(80, 6)
+
+    async def scenario() -> tuple[dict, dict]:
+        cache = _TieredCache()
+        record = PodRecord("pod-t", "decode", "pod-t:1", new_generation())
+        publisher = RegistryPublisher(connect(redis_server.url), cache, lambda: record, keys, FAST)
+        await publisher.start()
+        follower = IndexFollower(connect(redis_server.url), keys)
+        task = asyncio.create_task(follower.run_forever())
+        generations = {"pod-t": record.generation}
+        try:
+            await _eventually(lambda: follower.is_synced)
+            follower.sync_pods([record])
+            cache.add(BlockStored(chain[:4], None, [], BLOCK_SIZE))
+            cache.add(BlockStored(chain[1:5], None, [], BLOCK_SIZE, Tier.HOST))
+            cache.add(BlockStored(chain[5:], None, [], BLOCK_SIZE, Tier.DISK))
+            cache.add(BlockRemoved(chain[2:4]))  # written down to host, freed from the pool
+            await _eventually(lambda: "pod-t" in follower.index.lookup(chain, generations))
+            await _eventually(
+                lambda: follower.index.lookup(chain, generations)["pod-t"].num_blocks == 6
+            )
+            script = await cached_prefixes(
+                follower.client, [(record.tier_blocks_keys(keys), chain)]
+            )
+            local = follower.index.lookup(chain, generations)["pod-t"]
+            return script[0].num_blocks_by_tier, local.num_blocks_by_tier
+        finally:
+            task.cancel()
+            await publisher.close()
+            await follower.client.aclose()
+
+    script, local = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert (
+        {tier: n for tier, n in script.items() if n}
+        == local
+        == {Tier.DEVICE: 2, Tier.HOST: 3, Tier.DISK: 1}
+    )
 
 
 # ---- routing by it -----------------------------------------------------------------------------

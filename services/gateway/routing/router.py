@@ -250,17 +250,20 @@ class Router:
         self, prompt: list[int], pods: list[Pod], extra_hash_keys: tuple[str, ...] = ()
     ) -> dict[str, int]:
         """pod id -> tokens of `prompt` cached there, per the index ({} without one), blocks in
-        a pod's offload tiers counted by their measured credit (`tier_credit.py`)."""
+        a pod's offload tiers counted by their measured credit (`tier_credit.py`). A pod
+        absent holds none (the gateway's index names only the pods holding some)."""
         indexed = [(p.pod_id, p.record) for p in pods if p.record is not None]
         uses_index = self.settings.policy == "cache_aware" and self.is_redis_up
         if self.redis is None or not uses_index or not indexed:
             return {}
         hashes = _prompt_hashes(prompt, [record for _, record in indexed], extra_hash_keys)
         if self.index_follower is not None and self.index_follower.is_synced:
-            prefixes = self._local_prefixes(indexed, hashes)
+            # Only the pods holding some of the prompt: crediting a thousand empty prefixes
+            # was O(pods) work the index exists to avoid. Absent means 0, as for callers.
+            records = dict(indexed)
             return {
-                pod_id: credited_tokens(record, prefix)
-                for (pod_id, record), prefix in zip(indexed, prefixes, strict=True)
+                pod_id: credited_tokens(records[pod_id], prefix)
+                for pod_id, prefix in self._local_prefixes(indexed, hashes).items()
             }
         queries = [
             (
@@ -283,9 +286,9 @@ class Router:
         self,
         indexed: list[tuple[str, PodRecord]],
         hashes: dict[tuple[int, str], list[BlockHash]],
-    ) -> list[CachedPrefix]:
-        """Each pod's cached prefix from the gateway's index: one walk per (block size,
-        namespace) group, touching only the pods that hold the prompt's first block."""
+    ) -> dict[str, CachedPrefix]:
+        """pod id -> its cached prefix, from the gateway's index, for the pods holding the
+        prompt's first block: one walk per (block size, namespace) group."""
         assert self.index_follower is not None, "only with the local index"
         index = self.index_follower.index
         found: dict[str, CachedPrefix] = {}
@@ -297,10 +300,7 @@ class Router:
                 if (record.block_size, record.hash_namespace) == group
             }
             found.update(index.lookup(group_hashes, generations))
-        return [found.get(pod_id, _NOTHING) for pod_id, _ in indexed]
-
-
-_NOTHING = CachedPrefix()
+        return found
 
 
 def _holds(pod: Pod, lora_name: str | None) -> bool:

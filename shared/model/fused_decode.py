@@ -6,9 +6,9 @@ same operations on the same kernels in the same order, so its output is the Pyth
 output (tests/test_fused_decode.py holds it to that). It serves the steps it can: every row a
 decode token, float32 activations, dense Llama-family layers without biases whose products are
 all oneDNN, all int8 or all int4 in our layout, in one process; rows with LoRA adapters
-too, once `set_lora` gave it the slots (each projection's output gets its rows' deltas, as
-shared/lora/batched.py's add_lora_delta computes them). Everything else (prefill
-chunks, mixed steps, tensor parallel, mixture-of-experts, bfloat16 models, CUDA, int4 in
+too, once `set_lora` gave it the slots (each projection's output gets its rows' deltas, row by
+row from each row's own adapter: decode_layers.cpp's add_lora_delta says why). Everything
+else (prefill chunks, mixed steps, tensor parallel, mixture-of-experts, bfloat16 models, CUDA, int4 in
 torch's layout, and the other families' parts: `fused_decode_problem`) keeps the Python layers.
 SPLITSERVE_FUSED_DECODE=0 turns it off (to compare the two).
 """
@@ -105,7 +105,7 @@ class FusedDecode:
         if lora is None:
             return self._layers.run(*args)
         assert self.has_lora, "a LoRA step needs set_lora first"
-        return self._layers.run_lora(*args, lora.mask, lora.num_slots)
+        return self._layers.run_lora(*args, lora.slot_ids)
 
 
 def build_fused_decode(model: LlamaForCausalLM) -> FusedDecode | None:

@@ -8,8 +8,9 @@ decode token, float32 activations, dense Llama-family layers without biases whos
 all oneDNN, all int8 or all int4 in our layout, in one process; rows with LoRA adapters
 too, once `set_lora` gave it the slots (each projection's output gets its rows' deltas, row by
 row from each row's own adapter: decode_layers.cpp's add_lora_delta says why). Everything
-else (prefill chunks, mixed steps, tensor parallel, mixture-of-experts, bfloat16 models, CUDA, int4 in
-torch's layout, and the other families' parts: `fused_decode_problem`) keeps the Python layers.
+else (prefill chunks, mixed steps, tensor parallel, mixture-of-experts, bfloat16 models, CUDA,
+int4 in torch's layout, and the other families' parts: `fused_decode_problem`) keeps the
+Python layers.
 SPLITSERVE_FUSED_DECODE=0 turns it off (to compare the two).
 """
 

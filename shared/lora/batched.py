@@ -16,8 +16,8 @@ base product when rank << out; in exchange a step costs the same few calls whate
 The segmented form (one product per run) is `lora_delta_segmented`, the reference the batched
 form and the Triton kernel (kernels/lora_sgmv.py) are tested against. On CUDA a launch per
 segment is what the GPU is good at, so there the SGMV kernels take the products
-(`add_lora_delta_sgmv`); the fused C++ decode applies the CPU form inside its layer loop
-(kernels/cpu/decode_layers.cpp).
+(`add_lora_delta_sgmv`); the fused C++ decode adds the deltas inside its layer loop, row by
+row from each row's own adapter (kernels/cpu/decode_layers.cpp says why there).
 """
 
 from __future__ import annotations

@@ -311,6 +311,8 @@ async def _a_retry_keeps_the_only_prefill_pod(
     assert gateway.num_retries == 1
 
 
+# make test stays well under 15 min: ~10 s; test_migration kills pods mid-stream too
+@pytest.mark.slow
 def test_a_stream_that_produced_tokens_migrates_instead_of_being_resent(
     pods, tokenizer, tiny_hf_checkpoint
 ):

@@ -196,6 +196,8 @@ def test_a_failed_disk_load_falls_back_to_computing_the_prefix(single_thread, tm
     llm.engine.close()
 
 
+# make test stays well under 15 min: an abort mid-load, ~10 s
+@pytest.mark.slow
 def test_aborting_a_request_while_its_blocks_load_frees_them(single_thread):
     llm = LLM(kv_cache_bytes=POOL_BYTES, offload_host_bytes=256 * 2**20)
     session, flood = _session_and_flood(llm)

@@ -27,6 +27,10 @@ import pytest
 
 from tests.test_dockerfile import DOCKERFILE, parse_dockerfile
 
+# make test stays well under 15 min: builds the wheel with its C++ kernels into a clean venv (~50 s
+# in CI); test_wheel_kernels is slow too.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parent.parent
 CACHE_DIR = REPO / "build"
 COMPLETE_MARKER = ".dependencies-installed"
@@ -188,9 +192,6 @@ def test_entry_point_answers_help(venv, outside, command) -> None:
 IMPORT_EVERY_MODULE = """
 import importlib, json, pkgutil
 
-# make test stays well under 15 min: builds the wheel with its C++ kernels into a clean venv (~50 s
-# in CI); test_wheel_kernels is slow too.
-pytestmark = pytest.mark.slow
 failures = {}
 package = importlib.import_module("splitserve")
 for module in pkgutil.walk_packages(package.__path__, "splitserve."):

@@ -36,11 +36,12 @@ from splitserve.gateway.routing.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
-# XREAD BLOCK: below the client's socket timeout (registry_schema.connect), or it times out.
+# XREAD BLOCK: below the client's socket timeout (router.py's FOLLOWER_TIMEOUT_S), or it
+# times out.
 BLOCK_MS = 200
 READ_COUNT = 1024  # stream entries per XREAD
 RETRY_SECONDS = 0.5  # after a Redis error, before resyncing
-PODS_PER_READ = 32  # pods whose SETs one snapshot round trip reads
+PODS_PER_READ = 8  # pods whose SETs one snapshot round trip reads (a few thousand hashes)
 
 
 class IndexFollower:

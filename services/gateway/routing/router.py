@@ -52,6 +52,10 @@ from splitserve.gateway.routing.tier_credit import credited_tokens
 logger = logging.getLogger(__name__)
 
 REGISTRY_REFRESH_SECONDS = 0.5
+# The index follower's own client waits this long for a reply: it runs beside the requests,
+# never in their way, and a snapshot's SETs at a thousand pods (a busy Redis, tens of thousands
+# of hashes per reply) took longer than the requests' 0.5 s, so it resynced again and again.
+FOLLOWER_TIMEOUT_S = 5.0
 # prompt_cache_key -> the decode pod that served it last; the oldest keys are forgotten.
 MAX_CACHE_KEYS = 65536
 
@@ -93,7 +97,7 @@ class Router:
         self._turns = itertools.count()
         self._refresher: asyncio.Task | None = None
         self.index_follower = (
-            IndexFollower(connect(self.settings.redis_url), self.keys)
+            IndexFollower(connect(self.settings.redis_url, FOLLOWER_TIMEOUT_S), self.keys)
             if self.settings.redis_url and self.settings.use_local_index
             else None
         )

@@ -381,3 +381,35 @@ def test_the_fused_decode_serves_adapter_steps_as_the_python_layers_do(
             for (got_id, got_lp), (want_id, want_lp) in zip(got.top, want.top, strict=True):
                 assert got_id == want_id
                 assert got_lp == pytest.approx(want_lp, abs=1e-4)
+
+
+def test_speculation_and_a_grammar_keep_each_adapters_output(
+    single_thread, lora_llm, base_dir, adapter_dirs
+):
+    """n-gram speculation with adapter rows: the drafts are verified through each row's
+    adapter, so the greedy tokens equal the plain engine's for every adapter (and the base);
+    a grammar under an adapter still holds: the answer is one of its choices."""
+    from splitserve.engine.structured_output.spec import StructuredOutput
+
+    speculating = LLM(
+        base_dir,
+        kv_cache_bytes=KV_BYTES,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        speculative_method="ngram",
+    )
+    prompt = lora_llm.tokenizer.encode(_STORY + " " + _STORY)  # repeats: the n-grams draft
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    loras = [_request(adapter_dirs, "alpha"), None, _request(adapter_dirs, "beta")]
+    expected = lora_llm.generate([prompt] * 3, params, lora_request=loras)
+    got = speculating.generate([prompt] * 3, params, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert speculating.stats().num_spec_verify_steps > 0
+    choices = ["lighthouse", "island", "water"]
+    constrained = SamplingParams(
+        temperature=0.0, max_tokens=16, structured_output=StructuredOutput.choice(choices)
+    )
+    for lora in loras:
+        answer = speculating.generate([prompt], constrained, lora_request=lora)[0].outputs[0]
+        assert answer.text in choices, (lora, answer.text)

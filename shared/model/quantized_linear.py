@@ -16,8 +16,9 @@ So int8 decode rows (few) go through torch's kernel, activations cast to bfloat1
 product only. From 32 rows an int8 product quantizes its activations per row and multiplies
 int8 by int8 (oneDNN through torch._int_mm): 1.4x float32 at 64 rows with qkv and down in two
 passes, which their accuracy needs (`_int8_activation_product` has the figures). Without VNNI
-(AVX2 CPUs) oneDNN's int8 product saturates full-range codes, so there the activations take 7
-bits and always two passes (`int8_product_problem`).
+(AVX2 CPUs) oneDNN's int8 product saturates full-range codes (`int8_product_problem`), and its
+7-bit two-pass remedy was the slowest path there: from 32 rows the weight is dequantized to
+float32 for the product instead (`_dequantized_product`).
 
 int4 (and GGUF's Q4_0/Q4_1, `int4_from_codes`) is packed in our own layout
 (kernels/cpu/int4_gemm.h) and multiplied at every row count by kernels/cpu/int4_gemm.cpp, which

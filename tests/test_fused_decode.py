@@ -58,9 +58,15 @@ def compare_fused_with_python(
     assert counting.steps >= 2 * (PARAMS.max_tokens - 1)
     model.fused_decode = None
     python = outputs(llm, prompts) + outputs(llm, prompts[:1])
-    for (fused_ids, fused_logprobs), (python_ids, python_logprobs) in zip(fused, python):
-        assert fused_ids == python_ids
-        for got, want in zip(fused_logprobs, python_logprobs, strict=True):
+    assert_same_tokens_and_logprobs(fused, python)
+
+
+def assert_same_tokens_and_logprobs(got_outputs: list, want_outputs: list) -> None:
+    """Each (token ids, logprobs) pair: the same tokens, the same top ids, logprobs within
+    1e-4 (the fused loop and the Python layers differ only in float rounding)."""
+    for (got_ids, got_logprobs), (want_ids, want_logprobs) in zip(got_outputs, want_outputs):
+        assert got_ids == want_ids
+        for got, want in zip(got_logprobs, want_logprobs, strict=True):
             for (got_id, got_lp), (want_id, want_lp) in zip(got.top, want.top, strict=True):
                 assert got_id == want_id
                 assert got_lp == pytest.approx(want_lp, abs=1e-4)

@@ -20,6 +20,7 @@ from splitserve.engine.lora.batched import (
 )
 from splitserve.engine.request import RequestStatus
 from tests.hf_reference import transformers_greedy
+from tests.test_fused_decode import assert_same_tokens_and_logprobs
 
 peft = pytest.importorskip("peft")
 
@@ -375,12 +376,7 @@ def test_the_fused_decode_serves_adapter_steps_as_the_python_layers_do(
         python = run()
     finally:
         model.fused_decode = fused
-    for (fused_ids, fused_logprobs), (python_ids, python_logprobs) in zip(with_fused, python):
-        assert fused_ids == python_ids
-        for got, want in zip(fused_logprobs, python_logprobs, strict=True):
-            for (got_id, got_lp), (want_id, want_lp) in zip(got.top, want.top, strict=True):
-                assert got_id == want_id
-                assert got_lp == pytest.approx(want_lp, abs=1e-4)
+    assert_same_tokens_and_logprobs(with_fused, python)
 
 
 def test_speculation_and_a_grammar_keep_each_adapters_output(

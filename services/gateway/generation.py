@@ -110,6 +110,14 @@ def _favoured_pods(child: SequenceCall) -> tuple[Pod, ...]:
     return (child.pod, child.prefill_pod)
 
 
+def _count_awaiting(pod: Pod, favoured_on: tuple[Pod, ...], num_tokens: int) -> None:
+    """Adds `num_tokens` (negative: takes them back) to the prompt tokens awaiting a first
+    response on `pod`, and on `favoured_on` to their favoured part."""
+    pod.awaiting_prompt_tokens += num_tokens
+    for favoured_pod in favoured_on:
+        favoured_pod.awaiting_favoured_prompt_tokens += num_tokens
+
+
 # Routes a sequence again after its decode pod was unreachable (None: no other pod is left).
 Reroute = Callable[[SequenceCall], Awaitable[PickedPods | None]]
 # Takes a decode pod a call could not reach out of routing for a while, for every request.
@@ -298,19 +306,15 @@ class Generation:
         # Its prompt is prefill work ahead of others on the pod until its first response
         # (admission control's predictions, services/gateway/admission/predict.py).
         awaiting = 0 if child.has_output else len(child.request.prompt_token_ids)
-        pod.awaiting_prompt_tokens += awaiting
         favoured_on = _favoured_pods(child) if awaiting else ()
-        for favoured_pod in favoured_on:
-            favoured_pod.awaiting_favoured_prompt_tokens += awaiting
+        _count_awaiting(pod, favoured_on, awaiting)
         try:
             # One deadline for the whole call, pushed back by every response once output began:
             # cheaper per token than a timeout around each read.
             async with asyncio.timeout(None) as deadline:
                 async for response in child.call:
                     if awaiting:
-                        pod.awaiting_prompt_tokens -= awaiting
-                        for favoured_pod in favoured_on:
-                            favoured_pod.awaiting_favoured_prompt_tokens -= awaiting
+                        _count_awaiting(pod, favoured_on, -awaiting)
                         awaiting = 0
                     self._take(child, response)
                     deadline.reschedule(loop.time() + stall_timeout)
@@ -330,9 +334,7 @@ class Generation:
             return error
         finally:
             pod.call_breakers.discard(break_off)
-            pod.awaiting_prompt_tokens -= awaiting
-            for favoured_pod in favoured_on:
-                favoured_pod.awaiting_favoured_prompt_tokens -= awaiting
+            _count_awaiting(pod, favoured_on, -awaiting)
         return _END
 
     def _take(self, child: SequenceCall, response: worker_pb2.DecodeResponse) -> None:

@@ -26,6 +26,8 @@ setup(
     ],
     package_data={
         "splitserve.kernels.cpu": ["*.cpp", "*.h"],
+        # Launch configurations tuned per GPU model (kernels/launch_configs.py).
+        "splitserve.kernels": ["configs/*.json"],
         "splitserve.v1": ["*.proto", "*.pyi"],
     },
 )

@@ -17,9 +17,13 @@ import triton.language as tl
 
 from splitserve.kernels import _checks as checks
 from splitserve.kernels._paged_tile import dot_meta, load_kv_tile, online_softmax_step, scale_args
+from splitserve.kernels.launch_configs import launch_config
 
 LOG2E = 1.4426950408889634
 DEFAULT_PARTITION_SIZE = 512
+# What a GPU without a tuned table (kernels/launch_configs.py) runs: Triton's own defaults of
+# warps and stages, 64-token tiles, 512-token partitions.
+DEFAULT_LAUNCH = dict(PARTITION_SIZE=DEFAULT_PARTITION_SIZE, TILE_N=64, num_warps=4, num_stages=3)
 # tl.dot needs at least 16 rows; padding the query-head group costs compute only, and decode
 # is bound by reading K and V.
 MIN_GROUP_ROWS = 16
@@ -178,7 +182,8 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     *,
-    partition_size: int = DEFAULT_PARTITION_SIZE,
+    partition_size: int | None = None,
+    launch: dict[str, object] | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its whole paged context.
 
@@ -193,12 +198,17 @@ def paged_decode_attention(
     max_blocks_per_seq * block_size` and the first `ceil(seq_lens[s] / block_size)` block ids
     of each row are valid blocks. A sequence of length 0 gets zeros.
 
-    The context is cut into `partition_size`-token partitions (a power of two >= 16) when
-    `max_blocks_per_seq * block_size` exceeds it: that bound, not the true lengths, sizes the
-    launch, so the call never syncs; slice block_tables to the batch's longest row.
+    The context is cut into `partition_size`-token partitions (a power of two >= 16; None: the
+    device's tuned size, else 512) when `max_blocks_per_seq * block_size` exceeds it: that
+    bound, not the true lengths, sizes the launch, so the call never syncs; slice block_tables
+    to the batch's longest row. `launch`: TILE_N, num_warps and num_stages instead of the
+    tuned table's (benchmarks.triton_tune tries candidates through it).
     """
     shape = _check_decode_args(query, key_cache, value_cache, block_tables, seq_lens)
     scale = checks.check_scale(scale)
+    launch = {**decode_launch(query, key_cache, shape), **(launch or {})}
+    if partition_size is None:
+        partition_size = int(launch["PARTITION_SIZE"])
     if not checks.is_power_of_two(partition_size) or partition_size < 16:
         raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
     out = checks.prepare_out(out, tuple(query.shape), query)
@@ -214,10 +224,12 @@ def paged_decode_attention(
         GROUP=group,
         GROUP_PAD=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
         BLOCK_SIZE=shape.block_size,
-        TILE_N=min(64, partition_size),
+        TILE_N=min(int(launch["TILE_N"]), partition_size),
         PARTITION_SIZE=partition_size,
         IS_SINGLE_PARTITION=num_partitions == 1,
         KV_INT8=key_cache.dtype == torch.int8,
+        num_warps=int(launch["num_warps"]),
+        num_stages=int(launch["num_stages"]),
         **dot_meta(query.dtype),
     )
     if num_partitions == 1:
@@ -242,6 +254,23 @@ def paged_decode_attention(
             PART_TILE=min(16, triton.next_power_of_2(num_partitions)),
         )
     return out
+
+
+def decode_launch_key(
+    dtype: torch.dtype, head_dim: int, group: int, block_size: int, kv_int8: bool
+) -> str:
+    """The tuned table's key for a decode shape (kernels/launch_configs.py)."""
+    cache = "int8" if kv_int8 else "kv"
+    return f"{str(dtype).removeprefix('torch.')}/d{head_dim}/g{group}/b{block_size}/{cache}"
+
+
+def decode_launch(
+    query: torch.Tensor, key_cache: torch.Tensor, shape: checks.CacheShape
+) -> dict[str, object]:
+    group = query.shape[1] // shape.num_kv_heads
+    key = decode_launch_key(query.dtype, query.shape[2], group, shape.block_size,
+                            key_cache.dtype == torch.int8)
+    return launch_config("decode_attention", key, query.device, DEFAULT_LAUNCH)
 
 
 def _check_decode_args(

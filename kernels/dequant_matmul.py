@@ -20,7 +20,11 @@ The weight is dequantized in float32 and rounded once to x's dtype before the do
 whose minimum is far from it, see shared/model/quantized_linear.py); products accumulate in
 float32. x's K may be shorter than the layout's padded K_pad: columns past K are never read.
 
-Tile sizes are a first guess, not tuned: no GPU has run these kernels (kernels/README.md).
+Tile sizes, split-K and the int4 scale loads come from the GPU's tuned table
+(kernels/launch_configs.py, written by benchmarks.triton_tune); a GPU without one, and the
+interpreter, run `DEFAULT_LAUNCH`. Split-K: with few rows and few output columns there are too
+few tiles to keep every multiprocessor reading, so SPLIT_K programs share each tile's K range,
+each writes its float32 partial sums, and one reduction adds them.
 """
 
 from __future__ import annotations
@@ -31,11 +35,17 @@ import triton.language as tl
 
 from splitserve.kernels import _checks as checks
 from splitserve.kernels._paged_tile import dot, dot_meta
+from splitserve.kernels.launch_configs import launch_config
 
 GROUP_SIZE = 32  # int4 columns sharing one scale and minimum (one GGUF block)
-_BLOCK_N = 64
-_BLOCK_K = 64  # int4: two groups (32 bytes of codes) per row and step
 SCALE_DTYPES = checks.FLOAT_DTYPES
+# BLOCK_M None: 16 rows (tl.dot's least) for decode steps, up to 64 for prefill chunks.
+# BLOCK_K 64: int4 then reads two groups (32 bytes of codes) per row and step.
+DEFAULT_LAUNCH: dict[str, object] = dict(
+    BLOCK_M=None, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, SCALE_BROADCAST=0, num_warps=4, num_stages=3
+)
+# Row counts tuned apart: a decode step of one, a small batch, a full batch, a prefill chunk.
+ROW_BUCKETS = (1, 16, 64, 256)
 
 
 @triton.jit
@@ -43,7 +53,7 @@ def _int8_matmul_kernel(
     x_ptr,
     codes_ptr,
     scales_ptr,
-    out_ptr,
+    out_ptr,  # [M, N] in x's dtype; with SPLIT_K > 1, [SPLIT_K, M, N] float32 partial sums
     M,
     N,
     K,
@@ -55,13 +65,15 @@ def _int8_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
+    k_begin, k_end = _split_range(K, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(
@@ -79,8 +91,27 @@ def _int8_matmul_kernel(
         # bits (NaNs); on a GPU the extra convert is free beside the load.
         acc += dot(a, codes.to(tl.float32).to(a.dtype), DOT_PRECISION, UPCAST_DOT)
     acc *= tl.load(scales_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    _store_tile(out_ptr, acc, rows, cols, row_ok, col_ok, M, stride_om, SPLIT_K)
+
+
+@triton.jit
+def _split_range(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """This program's [begin, end) of K: whole BLOCK_K tiles, shared out among SPLIT_K."""
+    tiles_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    k_begin = tl.program_id(2) * tiles_per_split * BLOCK_K
+    return k_begin, tl.minimum(k_begin + tiles_per_split * BLOCK_K, K)
+
+
+@triton.jit
+def _store_tile(out_ptr, acc, rows, cols, row_ok, col_ok, M, stride_om, SPLIT_K: tl.constexpr):
+    """The finished tile into out, or this split's float32 partial sums into its slice."""
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        base = tl.program_id(2).to(tl.int64) * M * stride_om
+        tl.store(out_ptr + base + rows[:, None] * stride_om + cols[None, :], acc, mask=mask)
 
 
 @triton.jit
@@ -103,17 +134,20 @@ def _int4_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    SCALE_BROADCAST: tl.constexpr,  # load a tile's scales once per group, not once per byte
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
+    k_begin, k_end = _split_range(K_PAD, BLOCK_K, SPLIT_K)
     byte_in_tile = tl.arange(0, BLOCK_K // 2)
     # The column each byte's low nibble holds, relative to the tile's first column: bytes
     # 16g..16g+15 hold columns 32g..32g+15 (low) and 32g+16..32g+31 (high).
     low_col_in_tile = (byte_in_tile // 16) * 32 + byte_in_tile % 16
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K_PAD, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         byte = k0 // 2 + byte_in_tile
         byte_ok = byte < K_PAD // 2
         w_mask = byte_ok[:, None] & col_ok[None, :]
@@ -122,9 +156,8 @@ def _int4_matmul_kernel(
             mask=w_mask,
             other=0,
         )  # [BLOCK_K / 2, BLOCK_N] uint8
-        group_offsets = cols[None, :].to(tl.int64) * stride_sn + (byte // 16)[:, None]
-        scale = tl.load(scales_ptr + group_offsets, mask=w_mask, other=0.0).to(tl.float32)
-        minimum = tl.load(minimums_ptr + group_offsets, mask=w_mask, other=0.0).to(tl.float32)
+        scale, minimum = _group_params(scales_ptr, minimums_ptr, k0, byte, w_mask, cols, col_ok,
+                                       K_PAD, stride_sn, BLOCK_K, BLOCK_N, SCALE_BROADCAST)
         low_cols = k0 + low_col_in_tile
         a_low = tl.load(
             x_ptr + rows[:, None] * stride_xm + low_cols[None, :],
@@ -140,8 +173,31 @@ def _int4_matmul_kernel(
         w_high = ((packed >> 4).to(tl.float32) * scale + minimum).to(a_low.dtype)
         acc += dot(a_low, w_low, DOT_PRECISION, UPCAST_DOT)
         acc += dot(a_high, w_high, DOT_PRECISION, UPCAST_DOT)
-    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    _store_tile(out_ptr, acc, rows, cols, row_ok, col_ok, M, stride_om, SPLIT_K)
+
+
+@triton.jit
+def _group_params(scales_ptr, minimums_ptr, k0, byte, w_mask, cols, col_ok, K_PAD, stride_sn,
+                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_BROADCAST: tl.constexpr):
+    """The float32 scale and minimum of each byte of a [BLOCK_K / 2, BLOCK_N] code tile: loaded
+    per byte (each group's 16 bytes read the same address, served from cache), or once per
+    group and repeated over its 16 bytes in registers."""
+    if SCALE_BROADCAST:
+        # 32 = GROUP_SIZE columns per group = 16 bytes.
+        groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        offsets = cols[None, :].to(tl.int64) * stride_sn + groups[:, None]
+        mask = (groups < K_PAD // 32)[:, None] & col_ok[None, :]
+        scale = tl.load(scales_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        minimum = tl.load(minimums_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 16, BLOCK_N)),
+                           (BLOCK_K // 2, BLOCK_N))
+        minimum = tl.reshape(tl.broadcast_to(minimum[:, None, :], (BLOCK_K // 32, 16, BLOCK_N)),
+                             (BLOCK_K // 2, BLOCK_N))
+    else:
+        offsets = cols[None, :].to(tl.int64) * stride_sn + (byte // 16)[:, None]
+        scale = tl.load(scales_ptr + offsets, mask=w_mask, other=0.0).to(tl.float32)
+        minimum = tl.load(minimums_ptr + offsets, mask=w_mask, other=0.0).to(tl.float32)
+    return scale, minimum
 
 
 def _block_m(num_rows: int) -> int:
@@ -149,11 +205,68 @@ def _block_m(num_rows: int) -> int:
     return min(64, max(16, triton.next_power_of_2(num_rows)))
 
 
-def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def row_bucket(num_rows: int) -> int:
+    """The smallest of ROW_BUCKETS holding num_rows (the largest past it)."""
+    return next((bucket for bucket in ROW_BUCKETS if num_rows <= bucket), ROW_BUCKETS[-1])
+
+
+def matmul_launch_key(kind: str, dtype: torch.dtype, num_rows: int, n: int = 0, k: int = 0) -> str:
+    """The tuned table's key: per row bucket, and per weight shape when n and k are given."""
+    key = f"{kind}/{str(dtype).removeprefix('torch.')}/m{row_bucket(num_rows)}"
+    return f"{key}/n{n}/k{k}" if n else key
+
+
+def matmul_launch(kind: str, x: torch.Tensor, n: int, k: int) -> dict[str, object]:
+    """The weight shape's own entry over its row bucket's over the defaults."""
+    num_rows = x.shape[0]
+    bucket = launch_config(f"{kind}_matmul", matmul_launch_key(kind, x.dtype, num_rows),
+                           x.device, DEFAULT_LAUNCH)
+    launch = launch_config(f"{kind}_matmul", matmul_launch_key(kind, x.dtype, num_rows, n, k),
+                           x.device, bucket)
+    if launch["BLOCK_M"] is None:
+        launch["BLOCK_M"] = _block_m(num_rows)
+    return launch
+
+
+def _target(launch: dict[str, object], x: torch.Tensor, n: int) -> torch.Tensor:
+    """What the kernel writes: out [M, n] in x's dtype, or split-K's [SPLIT_K, M, n] float32."""
+    split_k = int(launch["SPLIT_K"])
+    if split_k == 1:
+        return torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    return torch.empty(split_k, x.shape[0], n, dtype=torch.float32, device=x.device)
+
+
+def _grid_and_meta(
+    kernel, launch: dict[str, object], x: torch.Tensor, n: int
+) -> tuple[tuple[int, int, int], dict[str, object]]:
+    """The launch grid and the kernel's keyword arguments (its meta-parameters, warps, stages,
+    dot settings) from `launch`."""
+    grid = (
+        triton.cdiv(x.shape[0], int(launch["BLOCK_M"])),
+        triton.cdiv(n, int(launch["BLOCK_N"])),
+        int(launch["SPLIT_K"]),
+    )
+    meta = {name: value for name, value in launch.items() if name in kernel.arg_names}
+    meta.update(num_warps=launch["num_warps"], num_stages=launch["num_stages"])
+    return grid, {**meta, **dot_meta(x.dtype)}
+
+
+def _finish(target: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """out from what the kernel wrote: split-K's partial sums added."""
+    return target if target.dim() == 2 else target.sum(0).to(x.dtype)
+
+
+def int8_matmul(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    launch: dict[str, object] | None = None,
+) -> torch.Tensor:
     """`x @ (codes * scales[:, None])[:, :K].T` -> [M, N] in x's dtype, float32 inside.
 
     x: [M, K] float, last dim contiguous; codes: [N, K_pad] int8 contiguous, K <= K_pad (the
     padding columns are not read); scales: [N] any float dtype, contiguous. Mutates nothing.
+    `launch`: meta-parameters over the tuned table's (benchmarks.triton_tune tries them).
     """
     checks.check_tensor("x", x, 2, checks.FLOAT_DTYPES)
     checks.check_last_dim_contiguous("x", x)
@@ -165,27 +278,31 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> t
     checks.check_contiguous("scales", scales)
     checks.check_same_device(dict(x=x, codes=codes, scales=scales))
     num_rows, num_cols = x.shape[0], codes.shape[0]
-    out = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
     if num_rows == 0:
-        return out
-    block_m = _block_m(num_rows)
-    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, _BLOCK_N))
+        return torch.empty(0, num_cols, dtype=x.dtype, device=x.device)
+    launch = {**matmul_launch("int8", x, num_cols, codes.shape[1]), **(launch or {})}
+    target = _target(launch, x, num_cols)
+    grid, meta = _grid_and_meta(_int8_matmul_kernel, launch, x, num_cols)
     _int8_matmul_kernel[grid](
-        x, codes, scales, out, num_rows, num_cols, x.shape[1], x.stride(0), codes.stride(0),
-        out.stride(0), BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, **dot_meta(x.dtype),
+        x, codes, scales, target, num_rows, num_cols, x.shape[1], x.stride(0), codes.stride(0),
+        target.stride(-2), **meta,
     )  # fmt: skip
-    return out
+    return _finish(target, x)
 
 
 def int4_group_matmul(
-    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    minimums: torch.Tensor,
+    launch: dict[str, object] | None = None,
 ) -> torch.Tensor:
     """`x @ dequant(W)[:, :K].T` -> [M, N] in x's dtype, float32 inside (the module docstring
     gives the layout).
 
     x: [M, K] float, last dim contiguous; packed: [N, K_pad / 2] uint8 contiguous, K_pad a
     multiple of 32 and K <= K_pad; scales, minimums: [N, K_pad / 32], one float dtype,
-    contiguous. Mutates nothing.
+    contiguous. Mutates nothing. `launch` as int8_matmul's.
     """
     checks.check_tensor("x", x, 2, checks.FLOAT_DTYPES)
     checks.check_last_dim_contiguous("x", x)
@@ -206,17 +323,18 @@ def int4_group_matmul(
     checks.check_same_dtype("minimums", minimums, "scales", scales)
     checks.check_same_device(dict(x=x, packed=packed, scales=scales, minimums=minimums))
     num_rows, num_cols = x.shape[0], packed.shape[0]
-    out = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
     if num_rows == 0:
-        return out
-    block_m = _block_m(num_rows)
-    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, _BLOCK_N))
+        return torch.empty(0, num_cols, dtype=x.dtype, device=x.device)
+    launch = {**matmul_launch("int4", x, num_cols, padded), **(launch or {})}
+    if int(launch["BLOCK_K"]) % GROUP_SIZE:
+        raise ValueError(f"int4 BLOCK_K must be a multiple of {GROUP_SIZE}, got {launch}")
+    target = _target(launch, x, num_cols)
+    grid, meta = _grid_and_meta(_int4_matmul_kernel, launch, x, num_cols)
     _int4_matmul_kernel[grid](
-        x, packed, scales, minimums, out, num_rows, num_cols, x.shape[1], padded, x.stride(0),
-        packed.stride(0), scales.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
-        BLOCK_K=_BLOCK_K, **dot_meta(x.dtype),
+        x, packed, scales, minimums, target, num_rows, num_cols, x.shape[1], padded, x.stride(0),
+        packed.stride(0), scales.stride(0), target.stride(-2), **meta,
     )  # fmt: skip
-    return out
+    return _finish(target, x)
 
 
 def _check_inner_size(x: torch.Tensor, padded: int) -> None:

@@ -90,6 +90,52 @@ def test_int4_group_matmul_matches_reference(out_features, in_features, dtype):
         assert _error(got, want) < TOLERANCE[dtype], f"{rows} rows"
 
 
+# Launch configurations a GPU's tuned table may hold (kernels/launch_configs.py): K split over
+# 2 and 3 programs (3 does not divide the K tiles: the last split is short or empty), scales
+# read once per group, tiles narrower and deeper than the default.
+LAUNCH_VARIANTS = (
+    dict(SPLIT_K=2),
+    dict(SPLIT_K=3, BLOCK_K=128, SCALE_BROADCAST=1),
+    dict(BLOCK_N=32, BLOCK_K=256, SCALE_BROADCAST=1),
+    dict(BLOCK_M=32, BLOCK_N=16, SPLIT_K=4),
+)
+
+
+@pytest.mark.parametrize("launch", LAUNCH_VARIANTS, ids=lambda launch: str(sorted(launch.items())))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_launch_variants_match_reference(launch, dtype):
+    out_features, in_features = 100, 300  # K of 10 int4 groups: splits of uneven length
+    packed, scales, minimums = _int4_weight(out_features, in_features, seed=21)
+    codes, int8_scales = _int8_weight(out_features, in_features, seed=22)
+    for rows in (1, 17):
+        x = _activations(rows, in_features, dtype, seed=rows)
+        got = int4_group_matmul(x, packed, scales, minimums, launch=launch)
+        assert got.shape == (rows, out_features) and got.dtype == dtype
+        want = reference.int4_group_matmul(x.float(), packed, scales, minimums)
+        assert _error(got, want) < TOLERANCE[dtype], f"int4, {rows} rows"
+        got = int8_matmul(x, codes, int8_scales, launch=launch)
+        assert got.dtype == dtype
+        want = reference.int8_matmul(x.float(), codes, int8_scales)
+        assert _error(got, want) < TOLERANCE[dtype], f"int8, {rows} rows"
+
+
+def test_a_tuned_table_is_read_for_its_gpu_only(tmp_path, monkeypatch):
+    """A table names its device's kernels' launches; CPU tensors and the interpreter keep the
+    defaults whatever the table says."""
+    from splitserve.kernels import launch_configs
+
+    path = tmp_path / "table.json"
+    launch_configs.write_table(path, "Some GPU", {"int8_matmul": {"k": {"SPLIT_K": 4}}})
+    monkeypatch.setenv(launch_configs.CONFIG_FILE_VARIABLE, str(path))
+    assert launch_configs.device_table("Some GPU", str(path)) == {
+        "int8_matmul": {"k": {"SPLIT_K": 4}}
+    }
+    default = {"SPLIT_K": 1}
+    assert launch_configs.launch_config("int8_matmul", "k", torch.device("cpu"), default) == default
+    name = "NVIDIA H100 80GB HBM3"
+    assert launch_configs.table_path(name).name == "nvidia_h100_80gb_hbm3.json"
+
+
 def test_float16_activations_and_bfloat16_scales():
     packed, scales, minimums = _int4_weight(64, 96, seed=3)
     x = _activations(5, 96, torch.float16, seed=4)

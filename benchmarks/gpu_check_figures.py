@@ -148,6 +148,22 @@ def dequant_summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def tune_figures(logs: Path) -> dict[str, Any]:
+    """Each tuned shape's default and best time, and the table the later parts ran with."""
+    outcomes = _read_json(logs / "triton_tune.json") or []
+    shapes = {
+        f"{o['kernel']} {o['key']}": {
+            "default_us": 1e3 * o["default_ms"],
+            "best_us": 1e3 * o["best_ms"],
+            "speedup": o["default_ms"] / o["best_ms"],
+            "wrong": len(o["wrong"]),
+            "failed": len(o["failed"]),
+        }
+        for o in outcomes  # type: ignore[union-attr]
+    }
+    return {"shapes": shapes, "table": _read_json(logs / "triton_configs.json")}
+
+
 def _record_figures(name: str) -> Callable[[Path], dict[str, Any]]:
     def figures(logs: Path) -> dict[str, Any]:
         return {"record": _read_json(logs / f"{name}.json")}
@@ -157,6 +173,7 @@ def _record_figures(name: str) -> Callable[[Path], dict[str, Any]]:
 
 FIGURES_OF_PART: dict[str, Callable[[Path], dict[str, Any]]] = {
     "setup": setup_figures,
+    "tune": tune_figures,
     "kernel_tests": _tests_figures("kernel_tests"),
     "model_tests": _tests_figures("model_tests"),
     "kernel_bench": kernel_bench_figures,

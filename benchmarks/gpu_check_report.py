@@ -76,11 +76,17 @@ def _figure_lines(name: str, figures: dict[str, Any]) -> list[str]:
         return _test_lines(figures)
     if name == "kernel_bench":
         return [line for dtype, bench in figures.items() for line in _bench_lines(dtype, bench)]
+    if name == "tune":
+        return [
+            f"{shape}: {f['default_us']:.1f} -> {f['best_us']:.1f} us ({f['speedup']:.2f}x)"
+            + (f", {f['wrong']} WRONG" if f["wrong"] else "")
+            for shape, f in figures.get("shapes", {}).items()
+        ]
     if name == "setup" and figures.get("verify"):
         verify = figures["verify"]
         return [f"gpu {verify.get('gpu')}, torch {verify.get('torch')}, model {verify['model']}"]
     record = figures.get("record")
-    return [json.dumps(record.get("summary", record))[:600]] if record else []
+    return [json.dumps(record.get("summary", record))[:1500]] if record else []
 
 
 def _test_lines(figures: dict[str, Any]) -> list[str]:

@@ -10,7 +10,11 @@ dequantized as the engine's `quantization="none"` does):
   output tokens per second of wall time;
 - for the engine, the share of a decode step at `batch` spent outside GPU kernels: the union
   of the kernels' busy intervals (torch.profiler, CUDA activity only, so the host side is not
-  slowed by the profiler's own bookkeeping) against the steps' wall time.
+  slowed by the profiler's own bookkeeping) against the steps' wall time;
+- for the engine, where the host's part of such a step goes (no profiler: each part's entry
+  point wrapped in a timer, as benchmarks.step_breakdown does): scheduling, input preparation,
+  the forward's launches (a graph's input copies and replay), the wait for the device (a
+  synchronize before sampling), sampling, the scheduler's update, output processing.
 Each configuration runs once untimed first (Triton compiles, graphs are captured).
 
 `--smoke` runs every line on the CPU in float32 with tiny sizes (no kernel share there: the
@@ -60,6 +64,7 @@ class EngineFigures:
     step_ms: float  # a decode step at `batch`, under the profiler
     kernel_busy_ms: float | None  # None where no device kernel is seen (the CPU)
     outside_kernels_share: float | None
+    host_parts_ms: dict[str, float]  # a decode step at `batch`, part -> ms (HOST_PARTS)
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,7 @@ def time_engine(plan: TimingPlan, **options: object) -> EngineFigures:
     seconds = time.perf_counter() - start
     gaps = [gap for r in results for gap in r.outputs[0].timings.inter_token_latencies]
     step_ms, busy_ms = profile_decode_steps(llm, prompts, plan)
+    host_parts = time_host_parts(llm, prompts, plan)
     return EngineFigures(
         itl_ms=1e3 * statistics.median(single.outputs[0].timings.inter_token_latencies),
         throughput_tokens_per_s=plan.batch * plan.batch_tokens / seconds,
@@ -103,7 +109,63 @@ def time_engine(plan: TimingPlan, **options: object) -> EngineFigures:
         step_ms=step_ms,
         kernel_busy_ms=busy_ms,
         outside_kernels_share=None if busy_ms is None else 1.0 - busy_ms / step_ms,
+        host_parts_ms=host_parts,
     )
+
+
+HOST_PARTS = ("schedule", "prepare", "forward", "device_wait", "sampling", "update", "output")
+
+
+def time_host_parts(llm: LLM, prompts: list[list[int]], plan: TimingPlan) -> dict[str, float]:
+    """Mean ms per decode-only step at `batch` of each of HOST_PARTS, `other` (the rest of the
+    step) and `step`. The engine's methods are wrapped on its instances for the measurement
+    and unwrapped after."""
+    from benchmarks.step_breakdown import StageClock
+
+    engine, clock = llm.engine, StageClock()
+    runner = engine.runner
+    is_cuda = plan.device.startswith("cuda")
+
+    def wait_for_device() -> None:
+        if is_cuda:
+            torch.cuda.synchronize()
+
+    targets = [
+        (engine.scheduler, "schedule", "schedule"),
+        (runner, "prepare_inputs", "prepare"),
+        (runner, "forward", "forward"),
+        (runner.sampler, "sample", "sampling"),
+        (engine.scheduler, "update", "update"),
+        (engine.output_processor, "process", "output"),
+        (engine, "step", "step"),
+    ]
+    for owner, method, part in targets:
+        setattr(owner, method, clock.wrap(part, getattr(owner, method)))
+    sample = runner.sampler.sample
+    timed_wait = clock.wrap("device_wait", wait_for_device)
+
+    def sample_after_the_device(*args: Any, **kwargs: Any) -> Any:
+        timed_wait()
+        return sample(*args, **kwargs)
+
+    runner.sampler.sample = sample_after_the_device
+    request_ids = [f"host-{i}" for i in range(len(prompts))]
+    try:
+        for request_id, prompt in zip(request_ids, prompts):
+            engine.add_request(request_id, prompt, _fixed_length(plan.profile_steps + 8))
+        _step_until_every_request_decodes(llm, set(request_ids))
+        clock.reset()
+        for _ in range(plan.profile_steps):
+            engine.step()
+    finally:
+        engine.abort_requests(request_ids)
+        for owner, method, _ in targets:
+            vars(owner).pop(method, None)
+        vars(runner.sampler).pop("sample", None)
+    parts = {part: 1e3 * clock.seconds[part] / plan.profile_steps for part in HOST_PARTS}
+    parts["step"] = 1e3 * clock.seconds["step"] / plan.profile_steps
+    parts["other"] = parts["step"] - sum(parts[part] for part in HOST_PARTS)
+    return parts
 
 
 def profile_decode_steps(

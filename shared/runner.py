@@ -114,7 +114,10 @@ class ModelRunner(Generic[ModelT]):
                 plain_rows.append(row)
                 plain_requests.append(chunk.request)
             row += chunk.num_logits
-        out = self._sample_plain(logits[plain_rows], plain_requests, masks)
+        # Every row plain (no verification chunk, every chunk sampled) is the common decode
+        # step: its logits as they are, not a gathered copy of the whole [rows, vocab].
+        plain_logits = logits if len(plain_rows) == logits.shape[0] else logits[plain_rows]
+        out = self._sample_plain(plain_logits, plain_requests, masks)
         out.verification_logits = verification_logits
         return out
 
@@ -188,12 +191,21 @@ class ModelRunner(Generic[ModelT]):
         """Flattens the chunks (single-token chunks first, as the scheduler orders them)."""
         num_decodes = sum(1 for chunk in chunks if chunk.num_tokens == 1)
         assert all(c.num_tokens == 1 for c in chunks[:num_decodes]), "decodes must come first"
-        token_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        logits_rows: list[int] = []
+        # Decode rows in plain Python: a few integer operations each, where tensor ops would
+        # cost microseconds apiece, times the batch, on every step.
+        decodes = chunks[:num_decodes]
+        token_ids = [chunk.token_ids[0] for chunk in decodes]
+        decode_positions = [chunk.start_position for chunk in decodes]
+        block_size = self.block_size
+        decode_slots = [
+            chunk.block_ids[p // block_size] * block_size + p % block_size
+            for chunk, p in zip(decodes, decode_positions)
+        ]
+        positions = [torch.tensor(decode_positions, dtype=torch.int64)]
+        slots = [torch.tensor(decode_slots, dtype=torch.int64)]
+        logits_rows = [row for row, chunk in enumerate(decodes) if chunk.num_logits]
         prefills: list[PrefillChunk] = []
-        for chunk in chunks:
+        for chunk in chunks[num_decodes:]:
             row = len(token_ids)
             token_ids.extend(chunk.token_ids)
             chunk_positions = torch.arange(
@@ -203,10 +215,9 @@ class ModelRunner(Generic[ModelT]):
             slots.append(self._slots(chunk.block_ids, chunk_positions))
             end = row + chunk.num_tokens
             logits_rows.extend(range(end - chunk.num_logits, end))
-            if chunk.num_tokens > 1:
-                seq_len = chunk.start_position + chunk.num_tokens
-                used = torch.tensor(chunk.block_ids[: -(-seq_len // self.block_size)])
-                prefills.append(PrefillChunk(row, chunk.num_tokens, seq_len, used.to(self.device)))
+            seq_len = chunk.start_position + chunk.num_tokens
+            used = torch.tensor(chunk.block_ids[: -(-seq_len // self.block_size)])
+            prefills.append(PrefillChunk(row, chunk.num_tokens, seq_len, used.to(self.device)))
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots).to(self.device),
             num_decodes=num_decodes,
@@ -215,11 +226,10 @@ class ModelRunner(Generic[ModelT]):
         if self.backend.uses_block_tables:
             self._add_block_tables(meta, chunks)
         elif self.backend.reads_decodes_in_place:
-            self._add_decode_block_tables(meta, chunks[:num_decodes])
+            self._add_decode_block_tables(meta, decodes)
         else:
             # Only the PyTorch path reads groups; building them for the GPU path would add
             # host-to-device copies to every step.
-            decodes = chunks[:num_decodes]
             meta.decode_groups = group_decodes(
                 [chunk.start_position + 1 for chunk in decodes],
                 [chunk.block_ids for chunk in decodes],
@@ -239,12 +249,12 @@ class ModelRunner(Generic[ModelT]):
         """The same positions as block tables, for kernels that walk the blocks themselves."""
         seq_lens = [chunk.start_position + chunk.num_tokens for chunk in chunks]
         max_blocks = -(-max(seq_lens) // self.block_size)
-        tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)
-        for i, (chunk, seq_len) in enumerate(zip(chunks, seq_lens)):
+        rows = []
+        for chunk, seq_len in zip(chunks, seq_lens):
             used = chunk.block_ids[: -(-seq_len // self.block_size)]
-            tables[i, : len(used)] = torch.tensor(used, dtype=torch.int32)
+            rows.append(used + [0] * (max_blocks - len(used)))
         query_lens = torch.tensor([0] + [chunk.num_tokens for chunk in chunks])
-        meta.block_tables = tables.to(self.device)
+        meta.block_tables = torch.tensor(rows, dtype=torch.int32).to(self.device)
         meta.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
         meta.query_start_loc = query_lens.cumsum(0).to(torch.int32).to(self.device)
 

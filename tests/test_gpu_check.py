@@ -16,7 +16,13 @@ from pathlib import Path
 import pytest
 
 from benchmarks import gpu_check_figures as figures
-from benchmarks.gpu_check_parts import PARTS_OF_CALL, CheckContext, Command, run_command
+from benchmarks.gpu_check_parts import (
+    KERNEL_BENCH_DTYPES,
+    PARTS_OF_CALL,
+    CheckContext,
+    Command,
+    run_command,
+)
 from benchmarks.gpu_check_prepare import ModelManifest, _assemble_model
 from benchmarks.gpu_check_report import Console
 
@@ -45,9 +51,17 @@ def test_dry_run_writes_a_status_and_figures_for_every_part(tmp_path):
     parts = record["parts"]
     assert parts["kernel_tests"]["figures"]["failed"] == 0
     assert parts["kernel_tests"]["figures"]["passed"] > 0
-    for dtype in ("bfloat16", "float32"):
+    for dtype in KERNEL_BENCH_DTYPES:
         bench = parts["kernel_bench"]["figures"][dtype]
         assert bench["failed_checks"] == [] and bench["summary"]["decode"]
+    # The tuner's smoke run: every kernel's shape searched, nothing wrong, its table written
+    # and handed to the parts after it.
+    tune = parts["tune"]["figures"]
+    assert {shape.split()[0] for shape in tune["shapes"]} == {
+        "decode_attention", "int4_matmul", "int8_matmul"
+    }  # fmt: skip
+    assert all(shape["wrong"] == 0 for shape in tune["shapes"].values())
+    assert set(tune["table"]["kernels"]) == {"decode_attention", "int4_matmul", "int8_matmul"}
     assert parts["engine_check"]["figures"]["record"]["all_equal"] is True
     variants = parts["engine_timings"]["figures"]["record"]["variants"]
     assert variants["engine"]["itl_ms"] > 0 and variants["transformers"]["itl_ms"] > 0

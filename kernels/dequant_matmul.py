@@ -221,11 +221,8 @@ def matmul_launch(kind: str, x: torch.Tensor, n: int, k: int) -> dict[str, objec
     num_rows = x.shape[0]
     bucket = launch_config(f"{kind}_matmul", matmul_launch_key(kind, x.dtype, num_rows),
                            x.device, DEFAULT_LAUNCH)
-    launch = launch_config(f"{kind}_matmul", matmul_launch_key(kind, x.dtype, num_rows, n, k),
-                           x.device, bucket)
-    if launch["BLOCK_M"] is None:
-        launch["BLOCK_M"] = _block_m(num_rows)
-    return launch
+    return launch_config(f"{kind}_matmul", matmul_launch_key(kind, x.dtype, num_rows, n, k),
+                         x.device, bucket)
 
 
 def _target(launch: dict[str, object], x: torch.Tensor, n: int) -> torch.Tensor:
@@ -241,6 +238,8 @@ def _grid_and_meta(
 ) -> tuple[tuple[int, int, int], dict[str, object]]:
     """The launch grid and the kernel's keyword arguments (its meta-parameters, warps, stages,
     dot settings) from `launch`."""
+    if launch["BLOCK_M"] is None:  # the default: by the row count
+        launch = {**launch, "BLOCK_M": _block_m(x.shape[0])}
     grid = (
         triton.cdiv(x.shape[0], int(launch["BLOCK_M"])),
         triton.cdiv(n, int(launch["BLOCK_N"])),

@@ -37,8 +37,15 @@ def launch_config(
     """`default` with what the device's table holds for (kernel, key) laid over it."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return default
-    table = device_table(torch.cuda.get_device_name(device), os.environ.get(CONFIG_FILE_VARIABLE))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    table = device_table(_device_name(index), os.environ.get(CONFIG_FILE_VARIABLE))
     return {**default, **table.get(kernel, {}).get(key, {})}
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    # Once per device: every kernel call asks, and a decode step makes hundreds of them.
+    return torch.cuda.get_device_name(index)
 
 
 def table_path(device_name: str) -> Path:

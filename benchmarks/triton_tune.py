@@ -237,16 +237,20 @@ def all_shapes(plan: Plan) -> Iterator[Shape]:
 
 
 class Timer:
-    """Milliseconds per call: Triton's do_bench on CUDA (median), wall clock elsewhere."""
+    """Milliseconds per call: GPU time from CUDA-graph replays on CUDA, wall clock elsewhere.
+
+    Not `do_bench`: its events around each eager call measured the Python wrapper and the
+    launcher (50-110 us on the H100) rather than kernels of 3-40 us, and the first tuned table
+    kept some winners of that noise (docs/benchmarks.md, "GPU (issue 41)")."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
     def __call__(self, fn: Callable[[], object]) -> float:
         if self.device.type == "cuda":
-            import triton.testing
+            from benchmarks.gpu_graph_timings import graph_us
 
-            return float(triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median"))
+            return graph_us(fn) / 1e3
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3

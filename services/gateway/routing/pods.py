@@ -89,6 +89,10 @@ class Pod:
     # requests, which the pods prefill first: services/gateway/admission/controller.py), also
     # counted on the prefill pod a call names.
     awaiting_favoured_prompt_tokens: int = 0
+    # (stats, its PodLoad): parsed once per poll, not on every look at the pod.
+    _parsed_load: tuple[worker_pb2.WorkerStats, PodLoad] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     def break_calls(self) -> None:
         for breaker in list(self.call_breakers):
@@ -160,8 +164,12 @@ class Pod:
     @property
     def load(self) -> PodLoad:
         """As the latest poll answered it (`num_dispatched` is what it does not count yet)."""
-        assert self.stats is not None, "only a pod that answered a poll has a load"
-        return PodLoad.from_proto(self.stats)
+        stats = self.stats
+        assert stats is not None, "only a pod that answered a poll has a load"
+        parsed = self._parsed_load
+        if parsed is None or parsed[0] is not stats:
+            parsed = self._parsed_load = (stats, PodLoad.from_proto(stats))
+        return parsed[1]
 
 
 class PodPool:

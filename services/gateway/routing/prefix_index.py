@@ -110,24 +110,37 @@ class PrefixIndex:
         """pod id -> the leading run of `hashes` it holds in any tier, counted by the fastest
         tier holding each; only pods in `generations` (pod id -> the generation the registry
         names) whose indexed blocks are of that generation. Pods holding none are absent."""
-        counts: dict[str, dict[Tier, int]] = {}
-        alive: list[str] | None = None  # pods holding every hash so far
-        for block_hash in hashes:
+        runs: dict[str, int] = {}  # pod id -> how many leading hashes it holds
+        alive: list[str] = []  # pods holding every hash so far
+        for position, block_hash in enumerate(hashes):
             holders = self._holders.get(block_hash)
-            if holders is None:
-                break
-            members = (holders,) if isinstance(holders, str) else holders
-            if alive is None:
+            members = () if holders is None else (holders,) if isinstance(holders, str) else holders
+            if position == 0:
                 alive = [p for p in members if self._is_current(p, generations)]
-            alive = [p for p in alive if p in members]
+            else:
+                for pod_id in alive:
+                    if pod_id not in members:
+                        runs[pod_id] = position
+                alive = [p for p in alive if p in members]
             if not alive:
                 break
-            for pod_id in alive:
-                tier = self._pods[pod_id].fastest_tier(block_hash)
-                assert tier is not None, "a holder holds the hash in some tier"
-                by_tier = counts.setdefault(pod_id, {})
-                by_tier[tier] = by_tier.get(tier, 0) + 1
-        return {pod_id: CachedPrefix(by_tier) for pod_id, by_tier in counts.items()}
+        else:
+            runs.update((pod_id, len(hashes)) for pod_id in alive)
+        return {pod_id: self._prefix(pod_id, hashes[:run]) for pod_id, run in runs.items()}
+
+    def _prefix(self, pod_id: str, run: Sequence[bytes]) -> CachedPrefix:
+        """The run's blocks by the fastest tier holding each. A pod with one tier (most: no
+        offload) holds all of them there, which costs no per-block tier lookups."""
+        pod = self._pods[pod_id]
+        if len(pod.hashes) == 1:
+            (tier,) = pod.hashes
+            return CachedPrefix({tier: len(run)})
+        by_tier: dict[Tier, int] = {}
+        for block_hash in run:
+            tier = pod.fastest_tier(block_hash)
+            assert tier is not None, "a holder holds the hash in some tier"
+            by_tier[tier] = by_tier.get(tier, 0) + 1
+        return CachedPrefix(by_tier)
 
     def _is_current(self, pod_id: str, generations: Mapping[str, int]) -> bool:
         pod = self._pods.get(pod_id)

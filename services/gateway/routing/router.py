@@ -47,6 +47,7 @@ from splitserve.gateway.routing.scoring import (
     RoutingWeights,
     decide,
 )
+from splitserve.gateway.routing.shortlist import shortlist
 from splitserve.gateway.routing.tier_credit import credited_tokens
 
 logger = logging.getLogger(__name__)
@@ -189,14 +190,17 @@ class Router:
         cached = await self.cached_tokens(
             prompt_token_ids, [*prefill_pods, *decode_pods], hash_keys
         )
+        self._credit_cache_key(cached, cache_key, len(prompt_token_ids))
+        place = self.settings.place
+        if self.settings.policy != "round_robin":  # a rotation must see every pod
+            decode_pods = shortlist(decode_pods, cached, client_region or place.region)
+            prefill_pods = shortlist(prefill_pods, cached, client_region or place.region)
         # A stats poll that failed while the index answered leaves its pod without a load to
         # score (and unavailable): it drops out now (seen at 1,000 pods: benchmarks/scale).
         decode_pods = [p for p in decode_pods if p.is_available]
         prefill_pods = [p for p in prefill_pods if p.is_available]
         if not decode_pods:
             return None
-        self._credit_cache_key(cached, cache_key, len(prompt_token_ids))
-        place = self.settings.place
         ctx = RoutingContext(
             num_prompt_tokens=len(prompt_token_ids),
             client=Location(client_region) if client_region else Location(place.region, place.zone),

@@ -1,0 +1,81 @@
+"""The router's shortlist at scale (services/gateway/routing/shortlist.py): past
+MAX_SCORED_PODS it scores the best-cached, least-loaded and in-region pods only, and the pick
+is the one scoring every pod would make when a listed signal decides it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from splitserve.common.pod_load import PodLoad
+from splitserve.common.registry_schema import PodRecord
+from splitserve.gateway.routing import shortlist as shortlist_module
+from splitserve.gateway.routing.pods import Pod, PodPool
+from splitserve.gateway.routing.router import Router, RouterSettings
+from splitserve.gateway.routing.shortlist import MAX_SCORED_PODS, shortlist
+from splitserve.v1 import worker_pb2
+
+
+def _pod(index: int, running: int, region: str = "r1") -> Pod:
+    load = PodLoad(num_running=running, kv_blocks_total=1000, kv_blocks_free=900)
+    stats = worker_pb2.WorkerStats(
+        worker_id=f"d-{index}", role="decode", model="m", region=region, **load.as_fields()
+    )
+    record = PodRecord(f"d-{index}", "decode", f"h{index}:1", 1, model="m", region=region)
+    return Pod(f"h{index}:1", stub=None, stats=stats, is_serving_model=True, record=record)
+
+
+def _pool(num_pods: int, seed: int = 0) -> list[Pod]:
+    rng = random.Random(seed)
+    return [_pod(i, rng.randrange(5, 40), region=f"r{i % 4}") for i in range(num_pods)]
+
+
+def test_a_small_pool_is_scored_whole():
+    pods = _pool(MAX_SCORED_PODS)
+    assert shortlist(pods, {}) is pods
+
+
+def test_the_shortlist_holds_the_best_cached_the_least_loaded_and_the_local_pods():
+    pods = _pool(500)
+    cached = {f"d-{i}": 16 * i for i in range(0, 500, 7)}  # 72 holders
+    listed = shortlist(pods, cached, region="r3")
+    ids = {p.pod_id for p in listed}
+    best_cached = sorted(cached, key=cached.get, reverse=True)[: shortlist_module.MOST_CACHED]
+    assert set(best_cached) <= ids
+    least = sorted(pods, key=lambda p: (p.num_queued, pods.index(p)))
+    assert {p.pod_id for p in least[: shortlist_module.LEAST_LOADED]} <= ids
+    local = [p for p in least if p.location.region == "r3"]
+    assert {p.pod_id for p in local[: shortlist_module.LEAST_LOADED_IN_REGION]} <= ids
+    bound = (shortlist_module.MOST_CACHED + shortlist_module.LEAST_LOADED
+             + shortlist_module.LEAST_LOADED_IN_REGION)  # fmt: skip
+    assert len(listed) <= bound
+    assert listed == [p for p in pods if p.pod_id in ids]  # the pool's order kept
+    # This gateway's own dispatches count as load.
+    pods[1].num_dispatched = 1000
+    assert pods[1] not in shortlist(pods, {}, "")
+
+
+def test_a_large_pool_picks_as_scoring_every_pod_would():
+    """With no prefix cached anywhere the least-loaded pod wins, and with one pod holding the
+    prompt it wins: the same as the whole pool scored."""
+
+    async def pick(num_pods: int, cached_pod: str | None) -> str:
+        pool = PodPool("decode", [], "m")
+        pool.pods = _pool(num_pods, seed=3)
+        router = Router(pool, None, RouterSettings())
+        if cached_pod is not None:
+            router._cache_key_pods["session"] = cached_pod  # holds the whole prompt
+        picked = await router.pick(list(range(200)), cache_key="session")
+        assert picked is not None
+        return picked.decision.decode_pod_id
+
+    for cached_pod in (None, "d-377"):
+        whole = shortlist_module.MAX_SCORED_PODS
+        try:
+            shortlist_module.MAX_SCORED_PODS = 10**6  # score every pod
+            expected = asyncio.run(pick(600, cached_pod))
+        finally:
+            shortlist_module.MAX_SCORED_PODS = whole
+        assert asyncio.run(pick(600, cached_pod)) == expected
+        if cached_pod is not None:
+            assert expected == cached_pod

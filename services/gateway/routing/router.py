@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from redis.exceptions import RedisError
 
 from splitserve.common.registry_schema import (
-    CachedPrefix,
     PodRecord,
     RegistryKeys,
     cached_prefixes,
@@ -260,19 +259,15 @@ class Router:
         """pod id -> tokens of `prompt` cached there, per the index ({} without one), blocks in
         a pod's offload tiers counted by their measured credit (`tier_credit.py`). A pod
         absent holds none (the gateway's index names only the pods holding some)."""
-        indexed = [(p.pod_id, p.record) for p in pods if p.record is not None]
         uses_index = self.settings.policy == "cache_aware" and self.is_redis_up
-        if self.redis is None or not uses_index or not indexed:
+        if self.redis is None or not uses_index:
+            return {}
+        if self.index_follower is not None and self.index_follower.is_synced:
+            return self._local_cached_tokens(prompt, pods, extra_hash_keys)
+        indexed = [(p.pod_id, p.record) for p in pods if p.record is not None]
+        if not indexed:
             return {}
         hashes = _prompt_hashes(prompt, [record for _, record in indexed], extra_hash_keys)
-        if self.index_follower is not None and self.index_follower.is_synced:
-            # Only the pods holding some of the prompt: crediting a thousand empty prefixes
-            # was O(pods) work the index exists to avoid. Absent means 0, as for callers.
-            records = dict(indexed)
-            return {
-                pod_id: credited_tokens(records[pod_id], prefix)
-                for pod_id, prefix in self._local_prefixes(indexed, hashes).items()
-            }
         queries = [
             (
                 record.tier_blocks_keys(self.keys),
@@ -290,25 +285,37 @@ class Router:
             for (pod_id, record), prefix in zip(indexed, prefixes, strict=True)
         }
 
-    def _local_prefixes(
-        self,
-        indexed: list[tuple[str, PodRecord]],
-        hashes: dict[tuple[int, str], list[BlockHash]],
-    ) -> dict[str, CachedPrefix]:
-        """pod id -> its cached prefix, from the gateway's index, for the pods holding the
-        prompt's first block: one walk per (block size, namespace) group."""
-        assert self.index_follower is not None, "only with the local index"
-        index = self.index_follower.index
-        found: dict[str, CachedPrefix] = {}
-        for group, group_hashes in hashes.items():
+    def _local_cached_tokens(
+        self, prompt: list[int], pods: list[Pod], extra_hash_keys: tuple[str, ...]
+    ) -> dict[str, int]:
+        """cached_tokens from the gateway's index, for the pods holding the prompt's first
+        block only: crediting a thousand empty prefixes was O(pods) work the index exists to
+        avoid (absent means 0, as for callers). One walk per (block size, namespace) group."""
+        groups = self._index_groups(pods)
+        index = self.index_follower.index  # type: ignore[union-attr]
+        found: dict[str, int] = {}
+        for (block_size, namespace), (generations, records) in groups.items():
             # Only this group's pods: another's could share a hash only by collision.
-            generations = {
-                pod_id: record.generation
-                for pod_id, record in indexed
-                if (record.block_size, record.hash_namespace) == group
-            }
-            found.update(index.lookup(group_hashes, generations))
+            hashes = hash_full_blocks(prompt[:-1], block_size, namespace, extra_hash_keys)
+            for pod_id, prefix in index.lookup(hashes, generations).items():
+                found[pod_id] = credited_tokens(records[pod_id], prefix)
         return found
+
+    def _index_groups(
+        self, pods: list[Pod]
+    ) -> dict[tuple[int, str], tuple[dict[str, int], dict[str, PodRecord]]]:
+        """(block size, namespace) -> the pods' generations and records: one pass over them."""
+        groups: dict[tuple[int, str], tuple[dict[str, int], dict[str, PodRecord]]] = {}
+        for pod in pods:
+            record = pod.record
+            if record is None:
+                continue
+            group = groups.get((record.block_size, record.hash_namespace))
+            if group is None:
+                group = groups[(record.block_size, record.hash_namespace)] = ({}, {})
+            group[0][record.pod_id] = record.generation
+            group[1][record.pod_id] = record
+        return groups
 
 
 def _holds(pod: Pod, lora_name: str | None) -> bool:

@@ -75,6 +75,16 @@ def test_a_lookup_counts_each_pods_leading_run_by_its_fastest_tier():
         "a": {Tier.DEVICE: 4},
         "b": {Tier.DEVICE: 2, Tier.HOST: 3},
     }
+    # A snapshot names every tier, most empty (the fast path counts the run in its one
+    # non-empty tier); a pod whose blocks went down a tier after the snapshot counts by tier.
+    index.replace_pod("d", 1, {Tier.DEVICE: chain[:3], Tier.HOST: [], Tier.DISK: []})
+    index.replace_pod("e", 1, {Tier.DEVICE: [], Tier.HOST: chain[:5], Tier.DISK: []})
+    assert index.apply(_event("e", 1, EVENT_STORE, chain[:2], Tier.DISK))
+    found = index.lookup(chain, {"d": 1, "e": 1})
+    assert {pod: prefix.num_blocks_by_tier for pod, prefix in found.items()} == {
+        "d": {Tier.DEVICE: 3},
+        "e": {Tier.HOST: 5},  # the fastest tier holding each: host before disk
+    }
 
 
 def test_events_apply_in_sequence_and_a_gap_or_resync_asks_for_a_reread():

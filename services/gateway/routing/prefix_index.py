@@ -132,9 +132,10 @@ class PrefixIndex:
         """The run's blocks by the fastest tier holding each. A pod with one tier (most: no
         offload) holds all of them there, which costs no per-block tier lookups."""
         pod = self._pods[pod_id]
-        if len(pod.hashes) == 1:
-            (tier,) = pod.hashes
-            return CachedPrefix({tier: len(run)})
+        # A snapshot gives every tier a set, most of them empty.
+        tiers = [tier for tier, held in pod.hashes.items() if held]
+        if len(tiers) == 1:
+            return CachedPrefix({tiers[0]: len(run)})
         by_tier: dict[Tier, int] = {}
         for block_hash in run:
             tier = pod.fastest_tier(block_hash)

@@ -89,8 +89,9 @@ class Pod:
     # requests, which the pods prefill first: services/gateway/admission/controller.py), also
     # counted on the prefill pod a call names.
     awaiting_favoured_prompt_tokens: int = 0
-    # (stats, its PodLoad): parsed once per poll, not on every look at the pod.
-    _parsed_load: tuple[worker_pb2.WorkerStats, PodLoad] | None = field(
+    # (stats, its PodLoad, the load's num_queued): parsed once per poll, not on every look
+    # at the pod (the router ranks a thousand pods by load on every pick).
+    _parsed_load: tuple[worker_pb2.WorkerStats, PodLoad, int] | None = field(
         default=None, repr=False, compare=False
     )
 
@@ -159,7 +160,10 @@ class Pod:
     @property
     def num_queued(self) -> int:
         """Requests it runs or has queued, with those this gateway sent since its stats."""
-        return self.load.num_queued + self.num_dispatched
+        parsed = self._parsed_load
+        if parsed is None or parsed[0] is not self.stats:
+            return self.load.num_queued + self.num_dispatched  # parses the new stats
+        return parsed[2] + self.num_dispatched
 
     @property
     def load(self) -> PodLoad:
@@ -168,7 +172,8 @@ class Pod:
         assert stats is not None, "only a pod that answered a poll has a load"
         parsed = self._parsed_load
         if parsed is None or parsed[0] is not stats:
-            parsed = self._parsed_load = (stats, PodLoad.from_proto(stats))
+            load = PodLoad.from_proto(stats)
+            parsed = self._parsed_load = (stats, load, load.num_queued)
         return parsed[1]
 
 

@@ -177,14 +177,16 @@ class Router:
         request's LoRA adapter: only pods holding it are candidates (without a prefill pod that
         does, the decode pod prefills), scored by its residency, and its blocks are hashed
         with it."""
-        decode_pods = [
-            p
-            for p in self.decode_pool.available()
-            if p.address not in exclude and _holds(p, lora_name)
-        ]
+        decode_pods = self.decode_pool.available()
+        if exclude or lora_name is not None:  # most picks filter nothing: no second pass
+            decode_pods = [
+                p for p in decode_pods if p.address not in exclude and _holds(p, lora_name)
+            ]
         if not decode_pods:
             return None
-        prefill_pods = [p for p in self._prefill_candidates(avoid_prefill) if _holds(p, lora_name)]
+        prefill_pods = self._prefill_candidates(avoid_prefill)
+        if lora_name is not None:
+            prefill_pods = [p for p in prefill_pods if _holds(p, lora_name)]
         hash_keys = cache_salt_keys(cache_salt) + lora_hash_keys(lora_name)
         cached = await self.cached_tokens(
             prompt_token_ids, [*prefill_pods, *decode_pods], hash_keys
@@ -233,6 +235,8 @@ class Router:
 
     def _prefill_candidates(self, avoid: Collection[str]) -> list[Pod]:
         available = self.prefill_pool.available() if self.prefill_pool else []
+        if not avoid:
+            return available
         preferred = [p for p in available if p.address not in avoid]
         return preferred or available
 

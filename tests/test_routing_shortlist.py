@@ -12,7 +12,8 @@ from splitserve.common.registry_schema import PodRecord
 from splitserve.gateway.routing import shortlist as shortlist_module
 from splitserve.gateway.routing.pods import Pod, PodPool
 from splitserve.gateway.routing.router import Router, RouterSettings
-from splitserve.gateway.routing.shortlist import MAX_SCORED_PODS, shortlist
+from splitserve.gateway.routing.scoring import RoutingWeights, load_term
+from splitserve.gateway.routing.shortlist import MAX_SCORED_PODS, shortlist, shortlist_positions
 from splitserve.v1 import worker_pb2
 
 
@@ -32,13 +33,13 @@ def _pool(num_pods: int, seed: int = 0) -> list[Pod]:
 
 def test_a_small_pool_is_scored_whole():
     pods = _pool(MAX_SCORED_PODS)
-    assert shortlist(pods, {}) is pods
+    assert shortlist(pods, {}, RoutingWeights()) is pods
 
 
 def test_the_shortlist_holds_the_best_cached_the_least_loaded_and_the_local_pods():
     pods = _pool(500)
     cached = {f"d-{i}": 16 * i for i in range(0, 500, 7)}  # 72 holders
-    listed = shortlist(pods, cached, region="r3")
+    listed = shortlist(pods, cached, RoutingWeights(), region="r3")
     ids = {p.pod_id for p in listed}
     best_cached = sorted(cached, key=cached.get, reverse=True)[: shortlist_module.MOST_CACHED]
     assert set(best_cached) <= ids
@@ -52,7 +53,7 @@ def test_the_shortlist_holds_the_best_cached_the_least_loaded_and_the_local_pods
     assert listed == [p for p in pods if p.pod_id in ids]  # the pool's order kept
     # This gateway's own dispatches count as load.
     pods[1].num_dispatched = 1000
-    assert pods[1] not in shortlist(pods, {}, "")
+    assert pods[1] not in shortlist(pods, {}, RoutingWeights())
 
 
 def test_a_large_pool_picks_as_scoring_every_pod_would():
@@ -79,3 +80,15 @@ def test_a_large_pool_picks_as_scoring_every_pod_would():
         assert asyncio.run(pick(600, cached_pod)) == expected
         if cached_pod is not None:
             assert expected == cached_pod
+
+
+def test_among_equal_queues_the_pods_with_most_kv_free_are_listed():
+    """The shortlist ranks by the score's own load term: with every queue equal, the pods
+    scoring prefers (most KV free) are the ones listed, as the planner's simulated gateway
+    relies on."""
+    weights = RoutingWeights()
+    kv_usage = [((i * 37) % 100) / 100 for i in range(300)]
+    loads = [load_term(3, usage, weights) for usage in kv_usage]
+    listed = shortlist_positions([0] * 300, loads)
+    freest = sorted(range(300), key=lambda i: kv_usage[i])[: shortlist_module.LEAST_LOADED]
+    assert set(freest) <= set(listed) and len(listed) == shortlist_module.LEAST_LOADED

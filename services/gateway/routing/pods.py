@@ -89,9 +89,9 @@ class Pod:
     # requests, which the pods prefill first: services/gateway/admission/controller.py), also
     # counted on the prefill pod a call names.
     awaiting_favoured_prompt_tokens: int = 0
-    # (stats, its PodLoad, the load's num_queued): parsed once per poll, not on every look
-    # at the pod (the router ranks a thousand pods by load on every pick).
-    _parsed_load: tuple[worker_pb2.WorkerStats, PodLoad, int] | None = field(
+    # (stats, its PodLoad, the load's num_queued and kv_usage): parsed once per poll, not on
+    # every look at the pod (the router ranks a thousand pods by load on every pick).
+    _parsed_load: tuple[worker_pb2.WorkerStats, PodLoad, int, float] | None = field(
         default=None, repr=False, compare=False
     )
 
@@ -166,6 +166,14 @@ class Pod:
         return parsed[2] + self.num_dispatched
 
     @property
+    def kv_usage(self) -> float:
+        """The share of its KV blocks in use, as the latest poll answered."""
+        parsed = self._parsed_load
+        if parsed is None or parsed[0] is not self.stats:
+            return self.load.kv_usage  # parses the new stats
+        return parsed[3]
+
+    @property
     def load(self) -> PodLoad:
         """As the latest poll answered it (`num_dispatched` is what it does not count yet)."""
         stats = self.stats
@@ -173,7 +181,7 @@ class Pod:
         parsed = self._parsed_load
         if parsed is None or parsed[0] is not stats:
             load = PodLoad.from_proto(stats)
-            parsed = self._parsed_load = (stats, load, load.num_queued)
+            parsed = self._parsed_load = (stats, load, load.num_queued, load.kv_usage)
         return parsed[1]
 
 

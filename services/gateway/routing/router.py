@@ -194,8 +194,10 @@ class Router:
         self._credit_cache_key(cached, cache_key, len(prompt_token_ids))
         place = self.settings.place
         if self.settings.policy != "round_robin":  # a rotation must see every pod
-            decode_pods = shortlist(decode_pods, cached, client_region or place.region)
-            prefill_pods = shortlist(prefill_pods, cached, client_region or place.region)
+            region = client_region or place.region
+            weights = self.settings.weights.for_policy(self.settings.policy)
+            decode_pods = shortlist(decode_pods, cached, weights, region)
+            prefill_pods = shortlist(prefill_pods, cached, weights, region)
         # A stats poll that failed while the index answered leaves its pod without a load to
         # score (and unavailable): it drops out now (seen at 1,000 pods: benchmarks/scale).
         decode_pods = [p for p in decode_pods if p.is_available]

@@ -206,6 +206,12 @@ def is_saturated(pod: PodView, weights: RoutingWeights) -> bool:
     return pod.num_queued >= weights.max_queue or pod.kv_usage >= weights.saturation_kv_usage
 
 
+def load_term(num_queued: int, kv_usage: float, weights: RoutingWeights) -> float:
+    """The score's load term: fewer requests queued, more KV free. The router's shortlist
+    ranks pods by it too (services/gateway/routing/shortlist.py)."""
+    return weights.load / (1 + num_queued) + weights.kv * (1.0 - kv_usage)
+
+
 def score_terms(
     pod: PodView, ctx: RoutingContext, prefill: PodView | None = None
 ) -> dict[str, float]:
@@ -218,7 +224,7 @@ def score_terms(
     )
     terms = {
         "prefix_cache": w.prefix * cached_fraction,
-        "load": w.load / (1 + pod.num_queued) + w.kv * (1.0 - pod.kv_usage),
+        "load": load_term(pod.num_queued, pod.kv_usage, w),
         "proximity": w.proximity * near_client + w.pair * near_prefill,
     }
     if pod.lora_residency is not None:

@@ -6,21 +6,24 @@ router scores a shortlist drawn from cheap signals instead, each list small and 
 
 - the pods holding the longest cached prefixes of the prompt (the prefix index names only pods
   holding some, so this costs the holders, not the pool);
-- the least loaded pods (fewest requests queued or running, this gateway's own dispatches
-  included), which win on load when nobody holds the prompt;
+- the least loaded pods by the score's own load term (requests queued or running, this
+  gateway's own dispatches included, and KV in use), which win when nobody holds the prompt;
 - the least loaded pods in the client's region, which scoring keeps to when it has any;
 - the pod a `prompt_cache_key` sent earlier requests to (credited in `cached`).
 
 A pod outside all of them could still have won only by a margin in the terms not ranked here
-(KV headroom, proximity within a region, round-trip time) over every listed pod; the listed
-least-loaded pods bound how much load such a pod can carry.
+(proximity within a region, round-trip time) over every listed pod. Ranking by the queue alone
+left out the idle pods with the most KV free that scoring prefers among equal queues: the
+planner's simulation at 200 pods put TTFT p99 15% higher than scoring every pod.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 
 from splitserve.gateway.routing.pods import Pod
+from splitserve.gateway.routing.scoring import RoutingWeights, load_term
 
 # Up to this many pods, every one is scored as before.
 MAX_SCORED_PODS = 48
@@ -29,24 +32,45 @@ LEAST_LOADED = 16
 LEAST_LOADED_IN_REGION = 8
 
 
-def shortlist(pods: list[Pod], cached: dict[str, int], region: str = "") -> list[Pod]:
+def shortlist(
+    pods: list[Pod],
+    cached: dict[str, int],
+    weights: RoutingWeights,
+    region: str = "",
+) -> list[Pod]:
     """`pods` when there are at most MAX_SCORED_PODS, else the union of the lists above (in
     `pods`' order, each pod once)."""
     if len(pods) <= MAX_SCORED_PODS:
         return pods
-    chosen: set[int] = set()
-    holders = [p for p in pods if cached.get(p.pod_id, 0) > 0] if cached else []
-    if len(holders) > MOST_CACHED:
-        holders = heapq.nlargest(MOST_CACHED, holders, key=lambda p: cached[p.pod_id])
-    chosen.update(id(p) for p in holders)
-    queued = [pod.num_queued for pod in pods]
-    chosen.update(id(pods[i]) for i in _least(LEAST_LOADED, range(len(pods)), queued))
-    if region:
-        local = [i for i, pod in enumerate(pods) if pod.location.region == region]
-        chosen.update(id(pods[i]) for i in _least(LEAST_LOADED_IN_REGION, local, queued))
-    return [p for p in pods if id(p) in chosen]
+    tokens = [cached.get(p.pod_id, 0) for p in pods] if cached else [0] * len(pods)
+    loads = [load_term(p.num_queued, p.kv_usage, weights) for p in pods]
+    local = [p.location.region == region for p in pods] if region else None
+    return [pods[i] for i in shortlist_positions(tokens, loads, local)]
 
 
-def _least(count: int, indices, queued: list[int]) -> list[int]:
-    """The `count` indices of least `queued` (ties: the earlier pod)."""
-    return heapq.nsmallest(count, indices, key=queued.__getitem__)
+def shortlist_positions(
+    cached_tokens: list[int],
+    load_terms: list[float],
+    is_local: list[bool] | None = None,
+) -> list[int]:
+    """The shortlist as positions among n pods (ascending), from each pod's cached tokens of
+    the prompt, its load term (`scoring.load_term`: higher is less loaded) and whether it is
+    in the client's region (None: no region).
+    The planner's simulated gateway (services/planner/simulate/gateway.py) shortlists the same
+    way from its own view of the pods. Ties go to the earlier pod."""
+    count = len(load_terms)
+    if count <= MAX_SCORED_PODS:
+        return list(range(count))
+    chosen = {i for i in range(count) if cached_tokens[i] > 0}
+    if len(chosen) > MOST_CACHED:
+        chosen = set(heapq.nlargest(MOST_CACHED, chosen, key=cached_tokens.__getitem__))
+    chosen.update(_least_loaded(LEAST_LOADED, range(count), load_terms))
+    if is_local is not None:
+        local = [i for i in range(count) if is_local[i]]
+        chosen.update(_least_loaded(LEAST_LOADED_IN_REGION, local, load_terms))
+    return sorted(chosen)
+
+
+def _least_loaded(count: int, positions: Iterable[int], load_terms: list[float]) -> list[int]:
+    """The `count` positions of highest load term (ties: the one met first)."""
+    return heapq.nlargest(count, positions, key=load_terms.__getitem__)

@@ -6,7 +6,9 @@ a pod's exact load at an arrival. Routing on exact loads would send long prompts
 already prefilling less often than the real gateway does (its ITL tail would come out too low),
 so this keeps a per-pod snapshot, refreshed by the simulation's POLL events, plus dispatch counts,
 and scores them with the real policy (services/gateway/routing/scoring.py `decide`, cache_aware:
-prefix, then 1 / (1 + queued) and KV headroom, ties by pod name).
+prefix, then 1 / (1 + queued) and KV headroom, ties by pod name). Past the real router's
+MAX_SCORED_PODS it scores the same shortlist (services/gateway/routing/shortlist.py): the
+best-cached and least-loaded pods.
 """
 
 from __future__ import annotations
@@ -14,9 +16,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.common.pod_load import PodLoad
-from splitserve.gateway.routing.scoring import Location, PodView, RoutingContext, decide
+from splitserve.gateway.routing.scoring import (
+    Location,
+    PodView,
+    RoutingContext,
+    RoutingWeights,
+    decide,
+    load_term,
+)
+from splitserve.gateway.routing.shortlist import MAX_SCORED_PODS, shortlist_positions
 from splitserve.loadgen.workload import SimRequest
 from splitserve.planner.simulate.pod import SimPod
+
+DEFAULT_WEIGHTS = RoutingWeights()  # what RoutingContext scores with here
 
 
 @dataclass
@@ -43,9 +55,7 @@ class SimGateway:
         # No regions or nodes: every pod is equally near the client and each other.
         ctx = RoutingContext(num_prompt_tokens=request.input_len, client=Location())
         decision = decide(
-            [self._view(pod, request) for pod in self.prefill_pods],
-            [self._view(pod, request) for pod in self.decode_pods],
-            ctx,
+            self._views(self.prefill_pods, request), self._views(self.decode_pods, request), ctx
         )
         decode_pod = self._dispatch(self.decode_pods, decision.decode_pod_id)
         prefill_pod = None
@@ -53,11 +63,23 @@ class SimGateway:
             prefill_pod = self._dispatch(self.prefill_pods, decision.prefill_pod_id)
         return prefill_pod, decode_pod
 
-    def _view(self, pod: SimPod, request: SimRequest) -> PodView:
+    def _views(self, pods: list[SimPod], request: SimRequest) -> list[PodView]:
+        """The views the real router would score: every pod's, or its shortlist's."""
         # The prefix index is written as pods compute blocks: close to exact, so no staleness.
-        cached = pod.num_cached_tokens(request)
+        cached = [pod.num_cached_tokens(request) for pod in pods]
+        if len(pods) <= MAX_SCORED_PODS:
+            return [self._view(pod, tokens) for pod, tokens in zip(pods, cached)]
+        loads = [self._load_term(pod) for pod in pods]
+        return [self._view(pods[i], cached[i]) for i in shortlist_positions(cached, loads)]
+
+    def _load_term(self, pod: SimPod) -> float:
+        snapshot = self._snapshots[pod.name]
+        queued = snapshot.num_queued + self._num_dispatched[pod.name]
+        return load_term(queued, snapshot.kv_usage, DEFAULT_WEIGHTS)
+
+    def _view(self, pod: SimPod, cached_tokens: int) -> PodView:
         load, num_dispatched = self._snapshots[pod.name], self._num_dispatched[pod.name]
-        return PodView(pod.name, pod.name, Location(), load, num_dispatched, cached)
+        return PodView(pod.name, pod.name, Location(), load, num_dispatched, cached_tokens)
 
     def _dispatch(self, pods: list[SimPod], name: str) -> SimPod:
         self._num_dispatched[name] += 1

@@ -56,6 +56,10 @@ REGISTRY_REFRESH_SECONDS = 0.5
 # never in their way, and a snapshot's SETs at a thousand pods (a busy Redis, tens of thousands
 # of hashes per reply) took longer than the requests' 0.5 s, so it resynced again and again.
 FOLLOWER_TIMEOUT_S = 5.0
+# The registry refresh (in the background too) reads every pod's record: at a thousand pods on
+# a Redis busy with their heartbeats it passed 0.5 s now and then, and the router took Redis
+# for down and routed by load alone until the next refresh (benchmarks/scale).
+REGISTRY_TIMEOUT_S = 5.0
 # prompt_cache_key -> the decode pod that served it last; the oldest keys are forgotten.
 MAX_CACHE_KEYS = 65536
 
@@ -92,7 +96,9 @@ class Router:
         self.prefill_pool = prefill_pool
         self.settings = settings or RouterSettings()
         self.keys = keys or RegistryKeys()
-        self.redis = connect(self.settings.redis_url) if self.settings.redis_url else None
+        url = self.settings.redis_url
+        self.redis = connect(url) if url else None
+        self._registry_redis = connect(url, REGISTRY_TIMEOUT_S) if url else None
         self.is_redis_up = False
         self._turns = itertools.count()
         self._refresher: asyncio.Task | None = None
@@ -120,8 +126,9 @@ class Router:
                 task.cancel()
         if self.index_follower is not None:
             await self.index_follower.client.aclose()
-        if self.redis is not None:
-            await self.redis.aclose()
+        for client in (self.redis, self._registry_redis):
+            if client is not None:
+                await client.aclose()
 
     @property
     def is_index_synced(self) -> bool:
@@ -130,9 +137,9 @@ class Router:
     # ---- registry ---------------------------------------------------------------------------
 
     async def refresh_registry(self) -> None:
-        assert self.redis is not None, "only with --redis-url"
+        assert self._registry_redis is not None, "only with --redis-url"
         try:
-            records = await read_pods(self.redis, self.keys)
+            records = await read_pods(self._registry_redis, self.keys)
         except (RedisError, OSError) as error:
             self._redis_failed(error)
             return

@@ -383,3 +383,29 @@ def test_the_router_over_250_simulated_pods_picks_by_the_index_without_a_redis_l
             await close_pods(pods)
 
     assert asyncio.run(asyncio.wait_for(scenario(), 120)) == ("sim-decode-201", 0)
+
+
+def test_a_slow_registry_read_is_waited_for_not_taken_for_redis_down(redis_server):
+    """The registry refresh runs in the background: a Redis that answers in 1.5 s (paused, as
+    one busy with a thousand pods' heartbeats was) is still up, where the request path's
+    0.5 s timeout took it for down (benchmarks/scale at 1,000 pods)."""
+
+    async def scenario() -> tuple[bool, bool]:
+        keys = RegistryKeys(prefix="slow-registry")
+        writer = connect(redis_server.url)
+        record = PodRecord("pod-s", "decode", "pod-s:1", 1)
+        await writer.hset(keys.pod("pod-s"), mapping=record.to_fields())
+        await writer.zadd(keys.pods, {"pod-s": time.time() + 60})
+        settings = RouterSettings(redis_url=redis_server.url)
+        router = Router(PodPool("decode", [], "m"), None, settings, keys)
+        try:
+            await router.refresh_registry()
+            was_up = router.is_redis_up
+            await writer.execute_command("CLIENT", "PAUSE", 1500, "ALL")
+            await router.refresh_registry()
+            return was_up, router.is_redis_up
+        finally:
+            await router.close()
+            await writer.aclose()
+
+    assert asyncio.run(scenario()) == (True, True)

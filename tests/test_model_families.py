@@ -345,3 +345,75 @@ def assert_speculation_and_preemption_keep_the_tokens(directory: str) -> None:
     )
     assert [r.outputs[0].token_ids for r in cramped.generate(prompts, params)] == expected
     assert cramped.stats().num_preemptions > 0
+
+
+def _dense_gguf(directory: str, path: str, arch: str) -> str:
+    """The HF checkpoint in `directory` as llama.cpp's converter writes a qwen2 or qwen3 file:
+    Hugging Face's tensor order (no Q/K row permutation: llama.cpp's rotary for these is
+    rotate-half too), float32, a tiny tokenizer whose EOS is the checkpoint's."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from tests.test_loaders import _TINY_TOKENS
+
+    with open(os.path.join(directory, "config.json")) as f:
+        config = json.load(f)
+    hf = load_file(os.path.join(directory, "model.safetensors"))
+    writer = gguf.GGUFWriter(path, arch=arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    # As many tokens as the checkpoint's vocabulary: prompts use ids up to 500.
+    tokens = _TINY_TOKENS + [chr(0x200 + i) for i in range(config["vocab_size"] - 256)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(EOS_TOKEN_ID)
+    names = {"embed_tokens": "token_embd", "norm": "output_norm"}
+    layer_names = {
+        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }  # fmt: skip
+    for name, tensor in hf.items():
+        parts = name.split(".")
+        if parts[0] == "lm_head":
+            gguf_name = f"output.{parts[-1]}"
+        elif parts[1] == "layers":
+            gguf_name = f"blk.{parts[2]}.{layer_names['.'.join(parts[3:-1])]}.{parts[-1]}"
+        else:
+            gguf_name = f"{names[parts[1]]}.{parts[-1]}"
+        writer.add_tensor(gguf_name, tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_a_qwen_gguf_file_serves_as_its_hf_directory(single_thread, make_checkpoint, tmp_path,
+                                                     family):  # fmt: skip
+    """llama.cpp's qwen2 and qwen3 architectures from GGUF: the biases and q/k norms read,
+    greedy tokens and top logprobs equal transformers' on the same weights."""
+    directory = make_checkpoint(family)
+    path = _dense_gguf(directory, str(tmp_path / f"{family}.gguf"), family)
+    llm = LLM(path, kv_cache_bytes=KV_BYTES, max_num_batched_tokens=CHUNK)
+    arch = llm.engine.architecture
+    assert (arch.attention_bias, arch.qk_norm) == (family == "qwen2", family == "qwen3")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP)
+    for prompt in _prompts()[:2]:
+        tokens, logprobs = _reference(directory, prompt)
+        _assert_matches(llm.generate([prompt], params)[0].outputs[0], tokens, logprobs)

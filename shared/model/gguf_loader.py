@@ -1,5 +1,6 @@
 """Loads a llama-architecture GGUF file into Hugging Face-named float32 tensors (Mixtral,
-a llama with experts, and qwen2moe too: shared/model/gguf_moe.py splits their stacked experts).
+a llama with experts, and qwen2moe too: shared/model/gguf_moe.py splits their stacked experts;
+qwen2 and qwen3, Llama's decoder with q/k/v biases or q/k norms, as their HF directories load).
 
 Three translations happen here:
 - names: llama.cpp's `blk.N.attn_q.weight` becomes `model.layers.N.self_attn.q_proj.weight`;
@@ -28,7 +29,7 @@ from splitserve.engine.model.gguf_moe import UNSUPPORTED_MOE_ARCHITECTURES, moe_
 from splitserve.engine.progress import ProgressFn
 from splitserve.engine.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe")
 
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -45,6 +46,8 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3: RMSNorm of each head's q and k
+    "attn_k_norm": "self_attn.k_norm",
 }
 
 
@@ -96,6 +99,7 @@ def read_architecture(reader: gguf.GGUFReader, tokenizer: Tokenizer) -> ModelArc
         family=family,
         moe=moe,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
     )
 
 
@@ -131,7 +135,8 @@ def _read_weights(
     progress: ProgressFn | None,
     keep_quantized: bool,
 ) -> dict[str, torch.Tensor | BlockQuantized]:
-    # Only llama's converter permutes Q/K rows; qwen2moe is stored in Hugging Face's order.
+    # Only llama's converter permutes Q/K rows; the qwen architectures (rotate-half rotary in
+    # llama.cpp too) are stored in Hugging Face's order.
     heads_of = {"attn_q": architecture.num_heads, "attn_k": architecture.num_kv_heads}
     if architecture.name != "llama":
         heads_of = {}

@@ -155,6 +155,19 @@ def test_interleaved_rope_on_gguf_rows_is_rotate_half_on_hf_rows():
 _TINY_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [
     chr(0x100 + i) for i in range(253)
 ]
+def write_decoder_metadata(writer, config: dict) -> None:
+    """The decoder's sizes, rotary base and norm epsilon of a Hugging Face config.json as
+    llama.cpp's converter writes them (gguf.GGUFWriter `writer`), for the tests' GGUF files."""
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+
+
 _HF_TO_GGUF_BLOCK = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",

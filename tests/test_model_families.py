@@ -354,23 +354,16 @@ def _dense_gguf(directory: str, path: str, arch: str) -> str:
     import gguf
     from safetensors.torch import load_file
 
-    from tests.test_loaders import _TINY_TOKENS
+    from tests.test_loaders import _TINY_TOKENS, write_decoder_metadata
 
     with open(os.path.join(directory, "config.json")) as f:
         config = json.load(f)
     hf = load_file(os.path.join(directory, "model.safetensors"))
     writer = gguf.GGUFWriter(path, arch=arch)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
+    write_decoder_metadata(writer, config)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     # As many tokens as the checkpoint's vocabulary: prompts use ids up to 500.
     tokens = _TINY_TOKENS + [chr(0x200 + i) for i in range(config["vocab_size"] - 256)]
     writer.add_tokenizer_model("gpt2")

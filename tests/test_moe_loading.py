@@ -17,7 +17,12 @@ import torch
 
 from splitserve.engine.model.architecture import ModelArchitecture, MoEConfig
 from splitserve.engine.model.loader import expected_weight_shapes, load_checkpoint
-from tests.test_loaders import _TINY_TOKENS, _variant, llama_cpp_permute
+from tests.test_loaders import (
+    _TINY_TOKENS,
+    _variant,
+    llama_cpp_permute,
+    write_decoder_metadata,
+)
 
 
 @pytest.fixture(scope="module")
@@ -138,14 +143,7 @@ def _gguf_from_hf(directory: str, path, family: str) -> str:
 
 
 def _write_metadata(writer: gguf.GGUFWriter, config: dict, family: str) -> None:
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    write_decoder_metadata(writer, config)
     writer.add_expert_used_count(config["num_experts_per_tok"])
     if family == "mixtral":
         writer.add_expert_count(config["num_local_experts"])

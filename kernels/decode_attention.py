@@ -10,6 +10,7 @@ batch whose contexts fit one partition skips the merge and writes the output dir
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -183,7 +184,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     *,
     partition_size: int | None = None,
-    launch: dict[str, object] | None = None,
+    launch: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its whole paged context.
 
@@ -266,7 +267,7 @@ def decode_launch_key(
 
 def decode_launch(
     query: torch.Tensor, key_cache: torch.Tensor, shape: checks.CacheShape
-) -> dict[str, object]:
+) -> dict[str, Any]:
     group = query.shape[1] // shape.num_kv_heads
     key = decode_launch_key(query.dtype, query.shape[2], group, shape.block_size,
                             key_cache.dtype == torch.int8)

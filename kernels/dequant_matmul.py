@@ -29,6 +29,8 @@ each writes its float32 partial sums, and one reduction adds them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -41,7 +43,7 @@ GROUP_SIZE = 32  # int4 columns sharing one scale and minimum (one GGUF block)
 SCALE_DTYPES = checks.FLOAT_DTYPES
 # BLOCK_M None: 16 rows (tl.dot's least) for decode steps, up to 64 for prefill chunks.
 # BLOCK_K 64: int4 then reads two groups (32 bytes of codes) per row and step.
-DEFAULT_LAUNCH: dict[str, object] = dict(
+DEFAULT_LAUNCH: dict[str, Any] = dict(
     BLOCK_M=None, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, SCALE_BROADCAST=0, num_warps=4, num_stages=3
 )
 # Row counts tuned apart: a decode step of one, a small batch, a full batch, a prefill chunk.
@@ -216,7 +218,7 @@ def matmul_launch_key(kind: str, dtype: torch.dtype, num_rows: int, n: int = 0, 
     return f"{key}/n{n}/k{k}" if n else key
 
 
-def matmul_launch(kind: str, x: torch.Tensor, n: int, k: int) -> dict[str, object]:
+def matmul_launch(kind: str, x: torch.Tensor, n: int, k: int) -> dict[str, Any]:
     """The weight shape's own entry over its row bucket's over the defaults."""
     num_rows = x.shape[0]
     bucket = launch_config(f"{kind}_matmul", matmul_launch_key(kind, x.dtype, num_rows),
@@ -225,7 +227,7 @@ def matmul_launch(kind: str, x: torch.Tensor, n: int, k: int) -> dict[str, objec
                          x.device, bucket)
 
 
-def _target(launch: dict[str, object], x: torch.Tensor, n: int) -> torch.Tensor:
+def _target(launch: dict[str, Any], x: torch.Tensor, n: int) -> torch.Tensor:
     """What the kernel writes: out [M, n] in x's dtype, or split-K's [SPLIT_K, M, n] float32."""
     split_k = int(launch["SPLIT_K"])
     if split_k == 1:
@@ -234,8 +236,8 @@ def _target(launch: dict[str, object], x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _grid_and_meta(
-    kernel, launch: dict[str, object], x: torch.Tensor, n: int
-) -> tuple[tuple[int, int, int], dict[str, object]]:
+    kernel, launch: dict[str, Any], x: torch.Tensor, n: int
+) -> tuple[tuple[int, int, int], dict[str, Any]]:
     """The launch grid and the kernel's keyword arguments (its meta-parameters, warps, stages,
     dot settings) from `launch`."""
     if launch["BLOCK_M"] is None:  # the default: by the row count
@@ -259,7 +261,7 @@ def int8_matmul(
     x: torch.Tensor,
     codes: torch.Tensor,
     scales: torch.Tensor,
-    launch: dict[str, object] | None = None,
+    launch: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """`x @ (codes * scales[:, None])[:, :K].T` -> [M, N] in x's dtype, float32 inside.
 
@@ -294,7 +296,7 @@ def int4_group_matmul(
     packed: torch.Tensor,
     scales: torch.Tensor,
     minimums: torch.Tensor,
-    launch: dict[str, object] | None = None,
+    launch: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """`x @ dequant(W)[:, :K].T` -> [M, N] in x's dtype, float32 inside (the module docstring
     gives the layout).

@@ -92,6 +92,10 @@ def test_the_wheel_holds_one_name_and_the_kernel_sources(wheel) -> None:
     sources = {p.name for p in (REPO / "kernels" / "cpu").iterdir() if p.suffix in (".cpp", ".h")}
     shipped = {Path(n).name for n in names if n.startswith("splitserve/kernels/cpu/")}
     assert sources and sources <= shipped, f"not in the wheel: {sorted(sources - shipped)}"
+    # The GPUs' tuned Triton launch tables (kernels/launch_configs.py) travel with it.
+    tables = {p.name for p in (REPO / "kernels" / "configs").glob("*.json")}
+    shipped = {Path(n).name for n in names if n.startswith("splitserve/kernels/configs/")}
+    assert tables and tables <= shipped, f"not in the wheel: {sorted(tables - shipped)}"
 
 
 @pytest.mark.slow

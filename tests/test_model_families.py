@@ -348,7 +348,8 @@ def assert_speculation_and_preemption_keep_the_tokens(directory: str) -> None:
 
 
 def _dense_gguf(directory: str, path: str, arch: str) -> str:
-    """The HF checkpoint in `directory` as llama.cpp's converter writes a qwen2 or qwen3 file:
+    """The HF checkpoint in `directory` as llama.cpp's converter writes a qwen2, qwen3 or
+    qwen3moe file (experts stacked):
     Hugging Face's tensor order (no Q/K row permutation: llama.cpp's rotary for these is
     rotate-half too), float32, a tiny tokenizer whose EOS is the checkpoint's."""
     import gguf
@@ -372,13 +373,21 @@ def _dense_gguf(directory: str, path: str, arch: str) -> str:
     writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(EOS_TOKEN_ID)
+    num_experts = config.get("num_experts") or config.get("num_local_experts")
+    if num_experts:  # qwen3moe (transformers 5 saves num_experts as num_local_experts)
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        hf = _stack_experts(hf, num_experts)
     names = {"embed_tokens": "token_embd", "norm": "output_norm"}
     layer_names = {
         "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
         "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
         "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
+        "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+        "mlp.gate_exps": "ffn_gate_exps", "mlp.up_exps": "ffn_up_exps",
+        "mlp.down_exps": "ffn_down_exps",
     }  # fmt: skip
     for name, tensor in hf.items():
         parts = name.split(".")
@@ -396,16 +405,51 @@ def _dense_gguf(directory: str, path: str, arch: str) -> str:
     return path
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_a_qwen_gguf_file_serves_as_its_hf_directory(single_thread, make_checkpoint, tmp_path,
-                                                     family):  # fmt: skip
-    """llama.cpp's qwen2 and qwen3 architectures from GGUF: the biases and q/k norms read,
-    greedy tokens and top logprobs equal transformers' on the same weights."""
-    directory = make_checkpoint(family)
-    path = _dense_gguf(directory, str(tmp_path / f"{family}.gguf"), family)
+def _stack_experts(hf: dict, num_experts: int) -> dict:
+    """Each layer's experts in one tensor per matrix, as llama.cpp stores them:
+    mlp.{gate,up,down}_exps.weight [E, out, in]."""
+    out = {}
+    for name, tensor in hf.items():
+        if ".mlp.experts." not in name:
+            out[name] = tensor
+            continue
+        prefix, rest = name.split(".mlp.experts.")
+        expert, proj = rest.split(".")[:2]
+        if expert == "0":
+            part = proj.removesuffix("_proj")
+            experts = [hf[f"{prefix}.mlp.experts.{e}.{proj}.weight"] for e in range(num_experts)]
+            out[f"{prefix}.mlp.{part}_exps.weight"] = torch.stack(experts)
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_renormalised(tmp_path_factory: pytest.TempPathFactory, hf_reference_tokenizer):
+    """A Qwen3-MoE checkpoint that renormalises its top-k weights, as llama.cpp's qwen3moe
+    graph always does (transformers' GGUF reader sets the same for it)."""
+    config_class, options, _ = FAMILIES["qwen3_moe"]
+    torch.manual_seed(0)
+    model = _hf_model(config_class, {**options, "norm_topk_prob": True})
+    _randomize(model)
+    directory = str(tmp_path_factory.mktemp("qwen3_moe_norm"))
+    model.save_pretrained(directory)
+    hf_reference_tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize(("family", "arch"), [("qwen2", "qwen2"), ("qwen3", "qwen3"),
+                                              ("qwen3_moe", "qwen3moe")])  # fmt: skip
+def test_a_qwen_gguf_file_serves_as_its_hf_directory(
+    single_thread, make_checkpoint, qwen3_moe_renormalised, tmp_path, family, arch
+):
+    """llama.cpp's qwen2, qwen3 and qwen3moe architectures from GGUF: the biases, q/k norms
+    and stacked experts read, greedy tokens and top logprobs equal transformers' on the same
+    weights."""
+    directory = qwen3_moe_renormalised if family == "qwen3_moe" else make_checkpoint(family)
+    path = _dense_gguf(directory, str(tmp_path / f"{family}.gguf"), arch)
     llm = LLM(path, kv_cache_bytes=KV_BYTES, max_num_batched_tokens=CHUNK)
     arch = llm.engine.architecture
-    assert (arch.attention_bias, arch.qk_norm) == (family == "qwen2", family == "qwen3")
+    assert (arch.attention_bias, arch.qk_norm) == (family == "qwen2", family != "qwen2")
+    assert (arch.moe is not None) == (family == "qwen3_moe")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP)
     for prompt in _prompts()[:2]:
         tokens, logprobs = _reference(directory, prompt)

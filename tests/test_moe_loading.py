@@ -213,15 +213,15 @@ def test_gguf_moe_loads_the_same_model_as_the_hf_directory(
 
 
 def test_gguf_moe_architecture_not_supported_is_named(tmp_path):
-    path = tmp_path / "qwen3moe.gguf"
-    writer = gguf.GGUFWriter(str(path), arch="qwen3moe")
+    path = tmp_path / "olmoe.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="olmoe")
     writer.add_expert_count(8)
     writer.add_tensor("token_embd.weight", np.ones((4, 8), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="'qwen3moe' mixture-of-experts model, which is not"):
+    with pytest.raises(ValueError, match="'olmoe' mixture-of-experts model, which is not"):
         load_checkpoint(str(path))
 
 

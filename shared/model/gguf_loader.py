@@ -29,7 +29,7 @@ from splitserve.engine.model.gguf_moe import UNSUPPORTED_MOE_ARCHITECTURES, moe_
 from splitserve.engine.progress import ProgressFn
 from splitserve.engine.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -198,7 +198,8 @@ def _check_architecture(arch: str, path: str) -> None:
     if arch in UNSUPPORTED_MOE_ARCHITECTURES:
         raise ValueError(
             f"{os.fspath(path)!r} holds a {arch!r} mixture-of-experts model, which is not "
-            "supported; supported MoE GGUF files: Mixtral (llama with experts), qwen2moe"
+            "supported; supported MoE GGUF files: Mixtral (llama with experts), qwen2moe, "
+            "qwen3moe"
         )
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(

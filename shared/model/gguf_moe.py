@@ -1,8 +1,9 @@
 """Mixture-of-experts GGUF files: their architecture numbers and their stacked expert tensors,
 in the Hugging Face terms the rest of the loader speaks (shared/model/gguf_loader.py).
 
-llama.cpp writes Mixtral as a `llama` model with `llama.expert_count` set, and Qwen2-MoE as
-`qwen2moe`. Each layer's experts are stacked in one tensor per matrix:
+llama.cpp writes Mixtral as a `llama` model with `llama.expert_count` set, Qwen2-MoE as
+`qwen2moe` and Qwen3-MoE as `qwen3moe` (no shared expert; q/k norms, which the dense loader
+reads). Each layer's experts are stacked in one tensor per matrix:
 
     blk.N.ffn_gate_inp.weight   [E, H]     the router          -> block_sparse_moe.gate / mlp.gate
     blk.N.ffn_{gate,up}_exps    [E, I, H]  (numpy order)        -> experts.{e}.w1|w3 / gate|up_proj
@@ -23,7 +24,7 @@ from splitserve.engine.model.architecture import MoEConfig
 from splitserve.engine.model.feed_forward import hf_expert_names, hf_router_name
 
 # GGUF architectures refused with a message that names them as MoE.
-UNSUPPORTED_MOE_ARCHITECTURES = ("qwen3moe", "deepseek2", "dbrx", "grok", "olmoe", "arctic")
+UNSUPPORTED_MOE_ARCHITECTURES = ("deepseek2", "dbrx", "grok", "olmoe", "arctic")
 _STACKED = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 _SHARED = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
@@ -35,15 +36,16 @@ _SHARED = {
 def moe_fields(get: Callable[[str, Any], Any], arch: str) -> tuple[str, MoEConfig | None]:
     """(family, moe) from the metadata; `get(key, default)` reads one key."""
     num_experts = int(get(f"{arch}.expert_count", 0) or 0)
-    if arch == "qwen2moe":
+    if arch in ("qwen2moe", "qwen3moe"):
         if num_experts < 1:
-            raise ValueError("qwen2moe GGUF file has no qwen2moe.expert_count")
+            raise ValueError(f"{arch} GGUF file has no {arch}.expert_count")
         return "qwen2_moe", MoEConfig(
             num_experts=num_experts,
             num_experts_per_tok=int(get(f"{arch}.expert_used_count", 0)),
             expert_intermediate_size=int(get(f"{arch}.expert_feed_forward_length", 0)),
-            # llama.cpp's qwen2moe graph renormalises only when the file says so.
-            norm_topk_prob=bool(get(f"{arch}.expert_weights_norm", False)),
+            # llama.cpp's qwen2moe graph renormalises only when the file says so; its qwen3moe
+            # graph always does (transformers' GGUF reader sets norm_topk_prob for it too).
+            norm_topk_prob=bool(get(f"{arch}.expert_weights_norm", arch == "qwen3moe")),
             shared_expert_intermediate_size=int(
                 get(f"{arch}.expert_shared_feed_forward_length", 0)
             ),

@@ -14,7 +14,9 @@ from typing import Any
 
 # Issue 41's bars, reported beside the figures (a benchmark never fails on a speed).
 TARGET_PERCENT_OF_COPY = 70.0
-BENCH_DTYPES = ("bfloat16", "float32")
+# The kernel benchmark's runs (gpu_check_parts runs each): bfloat16 only since 2026-11-27, as
+# float32's figures from the first run stand and the tuner times float32 decode attention.
+BENCH_DTYPES = ("bfloat16",)
 # Test ids may hold spaces (parameters such as "[(1, 32, 16, 4, 2)]"), so the id runs up to the
 # last outcome word on the line.
 VERBOSE_OUTCOME = re.compile(

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu_check_figures import FIGURES_OF_PART
+from benchmarks.gpu_check_figures import BENCH_DTYPES, FIGURES_OF_PART
 
 # The kernel tests that need no model file; their DEVICE is "cuda" under TRITON_INTERPRET=0.
 # The kernels whose code or launch changed since the first GPU run (2026-11-26), where every
@@ -48,9 +48,6 @@ TUNE_BUDGET_S = 170  # the tuner stops starting shapes then; one shape's search 
 TUNE_LIMIT_S = 190
 KERNEL_TESTS_LIMIT_S = 160
 KERNEL_BENCH_LIMIT_S = 85  # per dtype
-# bfloat16 only: float32's figures from the first run stand, and the tuner times float32
-# decode attention.
-KERNEL_BENCH_DTYPES = ("bfloat16",)
 # What the tuner writes; every later part (this call's and the next, on a warm machine) runs
 # with it as SPLITSERVE_TRITON_CONFIGS (kernels/launch_configs.py).
 TUNED_TABLE = "triton_configs.json"
@@ -263,7 +260,7 @@ def _kernel_bench(ctx: CheckContext) -> list[Command]:
             KERNEL_BENCH_LIMIT_S,
             env,
         )  # fmt: skip
-        for dtype in KERNEL_BENCH_DTYPES
+        for dtype in BENCH_DTYPES
     ]
 
 

@@ -7,8 +7,8 @@ SmolLM2's 9/3x64 heads and a Llama-3-8B-like 32/8x128, in bfloat16 and float32; 
 int4 dequantizing matmuls of 1, 16 and 256 rows on SmolLM2's and Llama-3-8B's weight shapes,
 in bfloat16), a coordinate search from the kernel's default: each meta-parameter in turn takes
 each of its values, the candidate is checked against the PyTorch reference (a wrong result
-disqualifies it and is printed: a kernel bug at that configuration) and timed with Triton's
-`do_bench`; the fastest correct one stays, and a second pass starts from it. The table
+disqualifies it and is printed: a kernel bug at that configuration) and timed from CUDA-graph
+replays (`Timer`); the fastest correct one stays, and a second pass starts from it. The table
 (`--out`, default kernels/configs/<gpu>.json, read by kernels/launch_configs.py) gets each
 shape's winner, and each matmul row bucket the winner of its largest weight, for weights not
 tuned here. The shapes go in order of what serving needs most, and the run stops at
@@ -158,6 +158,7 @@ def matmul_shapes(plan: Plan, kind: str, rows: int, dtype: torch.dtype) -> Itera
     from splitserve.kernels import reference
     from splitserve.kernels.dequant_matmul import (
         DEFAULT_LAUNCH,
+        default_block_m,
         int4_group_matmul,
         int8_matmul,
         matmul_launch_key,
@@ -201,8 +202,9 @@ def matmul_shapes(plan: Plan, kind: str, rows: int, dtype: torch.dtype) -> Itera
             space["SCALE_BROADCAST"] = [0, 1]
         if rows > 16:
             space["BLOCK_M"] = [16, 32, 64, 128]
-        default = dict(DEFAULT_LAUNCH)
-        default["BLOCK_M"] = 16 if rows <= 16 else min(64, 1 << (rows - 1).bit_length())
+        # The kernel's own row tile made explicit: an entry then means the same if that
+        # choice changes later.
+        default = {**DEFAULT_LAUNCH, "BLOCK_M": default_block_m(rows)}
         yield Shape(
             kernel=f"{kind}_matmul",
             key=matmul_launch_key(kind, dtype, rows, out, inner),
@@ -302,12 +304,6 @@ def _measure_one(shape: Shape, launch: Launch, timer: Timer, outcome: Outcome) -
     return timer(lambda: shape.run(launch))
 
 
-def table_entry(shape: Shape, outcome: Outcome) -> Launch:
-    """What the table keeps: the winner's whole launch (a BLOCK_M left to the kernel's own
-    choice dropped), so the entry means the same if a default changes later."""
-    return {name: value for name, value in outcome.best.items() if value is not None}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="", help="the table (default kernels/configs/<gpu>.json)")
@@ -351,11 +347,11 @@ def run_search(
               f"[{outcome.tried} tried, {len(outcome.wrong)} wrong, {len(outcome.failed)} "
               "failed]", flush=True)  # fmt: skip
         entries = table.setdefault(shape.kernel, {})
-        entries[shape.key] = table_entry(shape, outcome)
+        entries[shape.key] = dict(outcome.best)
         bucket = (shape.kernel, shape.bucket_key)
         if shape.bucket_key and shape.weight_size >= bucket_sizes.get(bucket, 0):
             bucket_sizes[bucket] = shape.weight_size
-            entries[shape.bucket_key] = table_entry(shape, outcome)
+            entries[shape.bucket_key] = dict(outcome.best)
         launch_configs.write_table(out, device_name, table)
         if record is not None:
             record.write_text(json.dumps([asdict(o) for o in outcomes], indent=1, default=str))

@@ -9,6 +9,7 @@ batch whose contexts fit one partition skips the merge and writes the output dir
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -18,7 +19,7 @@ import triton.language as tl
 
 from splitserve.kernels import _checks as checks
 from splitserve.kernels._paged_tile import dot_meta, load_kv_tile, online_softmax_step, scale_args
-from splitserve.kernels.launch_configs import launch_config
+from splitserve.kernels.launch_configs import launch_config, lookup_environment
 
 LOG2E = 1.4426950408889634
 DEFAULT_PARTITION_SIZE = 512
@@ -268,10 +269,19 @@ def decode_launch_key(
 def decode_launch(
     query: torch.Tensor, key_cache: torch.Tensor, shape: checks.CacheShape
 ) -> dict[str, Any]:
+    """The shape's launch (shared between calls: not to be changed)."""
     group = query.shape[1] // shape.num_kv_heads
-    key = decode_launch_key(query.dtype, query.shape[2], group, shape.block_size,
-                            key_cache.dtype == torch.int8)
-    return launch_config("decode_attention", key, query.device, DEFAULT_LAUNCH)
+    return _decode_launch(query.dtype, query.shape[2], group, shape.block_size,
+                          key_cache.dtype == torch.int8, query.device, lookup_environment())
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_launch(
+    dtype: torch.dtype, head_dim: int, group: int, block_size: int, kv_int8: bool,
+    device: torch.device, environment: tuple[str | None, str | None],
+) -> dict[str, Any]:  # fmt: skip
+    key = decode_launch_key(dtype, head_dim, group, block_size, kv_int8)
+    return launch_config("decode_attention", key, device, DEFAULT_LAUNCH)
 
 
 def _check_decode_args(

@@ -29,6 +29,7 @@ each writes its float32 partial sums, and one reduction adds them.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ import triton.language as tl
 
 from splitserve.kernels import _checks as checks
 from splitserve.kernels._paged_tile import dot, dot_meta
-from splitserve.kernels.launch_configs import launch_config
+from splitserve.kernels.launch_configs import launch_config, lookup_environment
 
 GROUP_SIZE = 32  # int4 columns sharing one scale and minimum (one GGUF block)
 SCALE_DTYPES = checks.FLOAT_DTYPES
@@ -202,7 +203,7 @@ def _group_params(scales_ptr, minimums_ptr, k0, byte, w_mask, cols, col_ok, K_PA
     return scale, minimum
 
 
-def _block_m(num_rows: int) -> int:
+def default_block_m(num_rows: int) -> int:
     """16 rows (tl.dot's least) for decode steps, up to 64 for prefill chunks."""
     return min(64, max(16, triton.next_power_of_2(num_rows)))
 
@@ -219,12 +220,21 @@ def matmul_launch_key(kind: str, dtype: torch.dtype, num_rows: int, n: int = 0, 
 
 
 def matmul_launch(kind: str, x: torch.Tensor, n: int, k: int) -> dict[str, Any]:
-    """The weight shape's own entry over its row bucket's over the defaults."""
-    num_rows = x.shape[0]
-    bucket = launch_config(f"{kind}_matmul", matmul_launch_key(kind, x.dtype, num_rows),
-                           x.device, DEFAULT_LAUNCH)
-    return launch_config(f"{kind}_matmul", matmul_launch_key(kind, x.dtype, num_rows, n, k),
-                         x.device, bucket)
+    """The weight shape's own entry over its row bucket's over the defaults (shared between
+    calls: not to be changed)."""
+    bucket = row_bucket(x.shape[0])
+    return _matmul_launch(kind, x.dtype, bucket, n, k, x.device, lookup_environment())
+
+
+@functools.lru_cache(maxsize=1024)
+def _matmul_launch(
+    kind: str, dtype: torch.dtype, bucket: int, n: int, k: int, device: torch.device,
+    environment: tuple[str | None, str | None],
+) -> dict[str, Any]:  # fmt: skip
+    kernel = f"{kind}_matmul"
+    of_bucket = launch_config(kernel, matmul_launch_key(kind, dtype, bucket), device,
+                              DEFAULT_LAUNCH)  # fmt: skip
+    return launch_config(kernel, matmul_launch_key(kind, dtype, bucket, n, k), device, of_bucket)
 
 
 def _target(launch: dict[str, Any], x: torch.Tensor, n: int) -> torch.Tensor:
@@ -241,7 +251,7 @@ def _grid_and_meta(
     """The launch grid and the kernel's keyword arguments (its meta-parameters, warps, stages,
     dot settings) from `launch`."""
     if launch["BLOCK_M"] is None:  # the default: by the row count
-        launch = {**launch, "BLOCK_M": _block_m(x.shape[0])}
+        launch = {**launch, "BLOCK_M": default_block_m(x.shape[0])}
     grid = (
         triton.cdiv(x.shape[0], int(launch["BLOCK_M"])),
         triton.cdiv(n, int(launch["BLOCK_N"])),

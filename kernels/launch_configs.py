@@ -31,10 +31,18 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 CONFIG_FILE_VARIABLE = "SPLITSERVE_TRITON_CONFIGS"
 
 
+def lookup_environment() -> tuple[str | None, str | None]:
+    """What a lookup depends on besides its arguments (TRITON_INTERPRET, the table file named
+    by CONFIG_FILE_VARIABLE): the kernels' per-shape caches of their launches key on it."""
+    return os.environ.get("TRITON_INTERPRET"), os.environ.get(CONFIG_FILE_VARIABLE)
+
+
 def launch_config(
     kernel: str, key: str, device: torch.device, default: dict[str, Any]
 ) -> dict[str, Any]:
-    """`default` with what the device's table holds for (kernel, key) laid over it."""
+    """`default` with what the device's table holds for (kernel, key) laid over it. The
+    kernels cache the answer per shape (`lookup_environment`), as every call would otherwise
+    build the key and look it up again on the step's hot path."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return default
     index = device.index if device.index is not None else torch.cuda.current_device()

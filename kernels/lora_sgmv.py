@@ -52,16 +52,24 @@ def make_segments(row_slots: Sequence[int], device: torch.device) -> Segments:
 
 
 @triton.jit
+def _segment_rows(starts_ptr, slots_ptr, BLOCK_M: tl.constexpr):
+    """(slot, first row, end row) of this program's BLOCK_M rows: program (segment, row block,
+    ...). Nothing to do where the slot is -1 (no adapter) or the block is past the segment."""
+    segment = tl.program_id(0)
+    slot = tl.load(slots_ptr + segment)
+    start = tl.load(starts_ptr + segment) + tl.program_id(1) * BLOCK_M
+    return slot, start, tl.load(starts_ptr + segment + 1)
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, xa_ptr, starts_ptr, slots_ptr,
     stride_x, stride_a_slot, stride_a_slice, stride_a_rank, stride_xa_row, stride_xa_slice,
     in_features, rank,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    segment, row_block, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    slot = tl.load(slots_ptr + segment)
-    start = tl.load(starts_ptr + segment) + row_block * BLOCK_M
-    end = tl.load(starts_ptr + segment + 1)
+    s = tl.program_id(2)
+    slot, start, end = _segment_rows(starts_ptr, slots_ptr, BLOCK_M)
     if slot >= 0 and start < end:
         rows = start + tl.arange(0, BLOCK_M)
         ranks = tl.arange(0, BLOCK_R)
@@ -93,10 +101,8 @@ def _expand_kernel(
     out_features, rank,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    segment, row_block, n_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    slot = tl.load(slots_ptr + segment)
-    start = tl.load(starts_ptr + segment) + row_block * BLOCK_M
-    end = tl.load(starts_ptr + segment + 1)
+    n_block = tl.program_id(2)
+    slot, start, end = _segment_rows(starts_ptr, slots_ptr, BLOCK_M)
     if slot >= 0 and start < end:
         rows = start + tl.arange(0, BLOCK_M)
         ranks = tl.arange(0, BLOCK_R)

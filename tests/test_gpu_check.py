@@ -16,13 +16,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import gpu_check_figures as figures
-from benchmarks.gpu_check_parts import (
-    KERNEL_BENCH_DTYPES,
-    PARTS_OF_CALL,
-    CheckContext,
-    Command,
-    run_command,
-)
+from benchmarks.gpu_check_parts import PARTS_OF_CALL, CheckContext, Command, run_command
 from benchmarks.gpu_check_prepare import ModelManifest, _assemble_model
 from benchmarks.gpu_check_report import Console
 
@@ -51,7 +45,7 @@ def test_dry_run_writes_a_status_and_figures_for_every_part(tmp_path):
     parts = record["parts"]
     assert parts["kernel_tests"]["figures"]["failed"] == 0
     assert parts["kernel_tests"]["figures"]["passed"] > 0
-    for dtype in KERNEL_BENCH_DTYPES:
+    for dtype in figures.BENCH_DTYPES:
         bench = parts["kernel_bench"]["figures"][dtype]
         assert bench["failed_checks"] == [] and bench["summary"]["decode"]
     # The tuner's smoke run: every kernel's shape searched, nothing wrong, its table written

@@ -89,11 +89,9 @@ class Pod:
     # requests, which the pods prefill first: services/gateway/admission/controller.py), also
     # counted on the prefill pod a call names.
     awaiting_favoured_prompt_tokens: int = 0
-    # (stats, its PodLoad, the load's num_queued and kv_usage): parsed once per poll, not on
-    # every look at the pod (the router ranks a thousand pods by load on every pick).
-    _parsed_load: tuple[worker_pb2.WorkerStats, PodLoad, int, float] | None = field(
-        default=None, repr=False, compare=False
-    )
+    # The latest stats parsed once per poll, not on every look at the pod (the router ranks a
+    # thousand pods by load on every pick).
+    _parsed_load: _ParsedLoad | None = field(default=None, repr=False, compare=False)
 
     def break_calls(self) -> None:
         for breaker in list(self.call_breakers):
@@ -150,7 +148,11 @@ class Pod:
 
     @property
     def is_available(self) -> bool:
-        return self.stats is not None and self.is_serving_model and not self.is_cooling_down
+        return self.is_available_at(time.monotonic())
+
+    def is_available_at(self, now: float) -> bool:
+        """`is_available` at time.monotonic() `now` (a pool's scan reads the clock once)."""
+        return self.stats is not None and self.is_serving_model and now >= self.unreachable_until
 
     @property
     def is_cooling_down(self) -> bool:
@@ -161,28 +163,39 @@ class Pod:
     def num_queued(self) -> int:
         """Requests it runs or has queued, with those this gateway sent since its stats."""
         parsed = self._parsed_load
-        if parsed is None or parsed[0] is not self.stats:
-            return self.load.num_queued + self.num_dispatched  # parses the new stats
-        return parsed[2] + self.num_dispatched
+        if parsed is None or parsed.stats is not self.stats:  # inline: read pod by pod
+            parsed = self._parsed()
+        return parsed.num_queued + self.num_dispatched
 
     @property
     def kv_usage(self) -> float:
         """The share of its KV blocks in use, as the latest poll answered."""
         parsed = self._parsed_load
-        if parsed is None or parsed[0] is not self.stats:
-            return self.load.kv_usage  # parses the new stats
-        return parsed[3]
+        if parsed is None or parsed.stats is not self.stats:
+            parsed = self._parsed()
+        return parsed.kv_usage
 
     @property
     def load(self) -> PodLoad:
         """As the latest poll answered it (`num_dispatched` is what it does not count yet)."""
+        return self._parsed().load
+
+    def _parsed(self) -> _ParsedLoad:
         stats = self.stats
         assert stats is not None, "only a pod that answered a poll has a load"
         parsed = self._parsed_load
-        if parsed is None or parsed[0] is not stats:
+        if parsed is None or parsed.stats is not stats:
             load = PodLoad.from_proto(stats)
-            parsed = self._parsed_load = (stats, load, load.num_queued, load.kv_usage)
-        return parsed[1]
+            parsed = self._parsed_load = _ParsedLoad(stats, load, load.num_queued, load.kv_usage)
+        return parsed
+
+
+@dataclass(frozen=True, slots=True)
+class _ParsedLoad:
+    stats: worker_pb2.WorkerStats  # the answer parsed (a new poll's is another object)
+    load: PodLoad
+    num_queued: int  # the load's, kept: the router's ranking reads them pod by pod
+    kv_usage: float
 
 
 class PodPool:
@@ -267,14 +280,10 @@ class PodPool:
             await channel.close()
 
     def available(self) -> list[Pod]:
-        # Pod.is_available spelled out with one clock read: the router calls this for every
-        # pick, over a thousand pods at scale (benchmarks/scale).
+        # One clock read for the pool: the router calls this for every pick, over a thousand
+        # pods at scale (benchmarks/scale).
         now = time.monotonic()
-        return [
-            pod
-            for pod in self.pods
-            if pod.stats is not None and pod.is_serving_model and now >= pod.unreachable_until
-        ]
+        return [pod for pod in self.pods if pod.is_available_at(now)]
 
     def lora_adapters(self) -> set[str]:
         """Every LoRA adapter some available pod holds."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -141,3 +142,51 @@ def test_the_margin_makes_the_planner_ask_for_more() -> None:
     plain = recommend(_prefill_bound_profile(), spec).best
     pessimistic = recommend(_prefill_bound_profile().with_margin(0.25), spec).best
     assert (plain.cluster.num_prefill, pessimistic.cluster.num_prefill) == (3, 4)
+
+
+def test_the_layout_sweep_tries_each_setup_and_limit_and_names_what_binds() -> None:
+    from splitserve.planner.profile.parts import EngineSetup
+    from splitserve.planner.recommend import Profiles, format_table
+
+    # The same prefill-bound model, and a variant whose prefill takes half as long (as int8
+    # weights might): the variant's best layout serves more per device, and prefill binds it.
+    plain = _prefill_bound_profile()
+    faster = replace(
+        synthetic_profile(0.5, decode_step_s=0.02, max_num_batched_tokens=64),
+        engine=EngineSetup(quantization="int8"),
+    )
+    workload = WorkloadSpec(1.0, 100, LengthDistribution(64, 64), LengthDistribution(32, 32))
+    spec = SearchSpec(
+        workload,
+        Slo(ttft_s=8.0, itl_s=0.1),
+        max_pods=1,
+        ratio_max_pods=2,
+        num_seeds=2,
+        remote_prefill_limits=(256,),
+    )
+    recommendation = recommend(plain, spec, variants=(Profiles(faster),))
+    layouts = {
+        (p.setup, p.cluster.label, p.cluster.max_remote_prefill_tokens)
+        for p in recommendation.ratios
+    }
+    # Per setup: 1 and 2 colocated, 1P+1D sending every prompt and 1P+1D past 256 tokens.
+    assert len(layouts) == len(recommendation.ratios) == 8
+    assert ("weights int8, KV auto, TP=1 PP=1", "1P+1D", 256) in layouts
+    best = recommendation.best_ratio
+    assert best is not None and best.setup.startswith("weights int8")
+    plain_best = max(
+        (p for p in recommendation.ratios if p.setup.startswith("weights none")),
+        key=lambda p: p.goodput_per_pod,
+    )
+    assert best.goodput_per_pod > 1.5 * plain_best.goodput_per_pod
+    assert (best.cluster.label, best.binding) == ("1P+1D", "prefill compute")
+    # With the slow prefill, letting the decode pod take prompts while 256 tokens wait at the
+    # prefill pod serves more than sending it every prompt.
+    plain_best_label = (plain_best.cluster.label, plain_best.cluster.max_remote_prefill_tokens)
+    assert plain_best_label == ("1P+1D", 256)
+    # Colocated, a 0.5-1 s prefill step between decode steps breaks the 100 ms mean ITL.
+    colocated = [p for p in recommendation.ratios if p.cluster.num_prefill == 0]
+    assert {p.binding for p in colocated} == {"decode step"}
+    table = format_table(recommendation, spec)
+    assert "<== best layout" in table and "1P+1D (prefill locally past 256 tokens)" in table
+    assert f"bound by {best.binding}" in table

@@ -10,13 +10,12 @@ from splitserve.planner.measure.local_stacks import (
     running_stack,
     warm_up,
 )
-from splitserve.planner.measure.serving import measure_costs
+from splitserve.planner.measure.serving import fit_nonnegative_line, measure_costs
 from splitserve.planner.profile import synthetic_profile
 from splitserve.planner.profile.parts import SPREAD_QUANTILES
 
-pytestmark = pytest.mark.slow  # a whole stack: about a minute
 
-
+@pytest.mark.slow  # a whole stack: about a minute
 def test_serving_costs_fill_the_gap_to_a_running_stack() -> None:
     # A bare profile far cheaper than any real step (1 ms prefill, 1 ms decode): whatever the
     # machine's speed, the running stack is slower, so every cost must come out positive, and
@@ -37,3 +36,17 @@ def test_serving_costs_fill_the_gap_to_a_running_stack() -> None:
     spread = costs.itl_spread_s
     assert len(spread) == SPREAD_QUANTILES and list(spread) == sorted(spread)
     assert spread[0] <= 0 <= spread[-1] and spread[-1] - spread[0] > 1e-4
+
+
+def test_the_serving_cost_line_passes_between_its_points() -> None:
+    # Both gaps on a line with non-negative intercept and slope: the line through them.
+    step_s, row_s = fit_nonnegative_line([(1, 0.003), (4, 0.006)])
+    assert (step_s, row_s) == pytest.approx((0.002, 0.001))
+    # The bare engine measured 1 ms slow at one row, 8 ms fast at four. The line through both
+    # points has a negative intercept; clipping it to 0 kept the slope (3 ms a row) and put
+    # the costs 4 ms above both points. The fit keeps the intercept at 0 and lands between.
+    points = [(1, -0.001), (4, 0.008)]
+    step_s, row_s = fit_nonnegative_line(points)
+    assert step_s == 0.0 and 0 < row_s < 0.003
+    residuals = [step_s + row_s * rows - gap for rows, gap in points]
+    assert min(residuals) < 0 < max(residuals)

@@ -142,3 +142,39 @@ def test_the_ranking_check_tells_a_miss_from_a_tie_within_noise() -> None:
     assert "NO (colocated-2 behind colocated-1; no per-request timings" in format_ranking(
         [fast, untimed], WORKLOADS
     )
+
+
+def test_goodput_counts_requests_within_both_slos_per_pod_and_checks_the_pick() -> None:
+    from splitserve.loadgen.stats import Slo
+    from splitserve.planner.validate.compare import WORKLOADS
+    from splitserve.planner.validate.goodput import (
+        format_goodput,
+        measured_attainment,
+        pick_shortfall,
+        workload_slo,
+    )
+
+    slo = Slo(ttft_s=0.25, itl_s=0.04)
+    # 30 requests offered, 2 recorded finished: one within both SLOs (TTFT 0.2 s, mean gap
+    # 30.5 ms), one past the TTFT SLO; the other 28 failed, and a failed request misses.
+    one_of_two = replace(_measured("colocated-1", "chat"), goodput_slo=(0.25, 0.04))
+    assert measured_attainment(one_of_two, slo) == pytest.approx(1 / 30)
+    # All 30 finished within both, on one pod and on two: per pod, one pod does twice as much.
+    good = replace(one_of_two, ttfts_s=[0.1] * 30, itls_s=[[0.03]] * 30, simulated_attainment=1.0)
+    two_pods = replace(good, config="colocated-2", simulated_attainment=1.0)
+    pick, best, shortfall = pick_shortfall([good, two_pods])
+    assert (pick.config, best.config, shortfall) == ("colocated-1", "colocated-1", 0.0)
+    # The simulator picks a layout whose requests measure as missing their ITL SLO: a miss.
+    slow = replace(two_pods, itls_s=[[0.05]] * 30)
+    wrong = [replace(good, simulated_attainment=0.3), slow]
+    pick, best, shortfall = pick_shortfall(wrong)
+    assert (pick.config, best.config, shortfall) == ("colocated-2", "colocated-1", 1.0)
+    report = format_goodput(wrong, WORKLOADS)
+    assert "the simulator's pick, colocated-2, measures 100% below the best" in report
+    assert "within 10%: NO" in report
+    # The SLOs scale with the machine: a profile twice as slow gives SLOs twice as long.
+    shape = WORKLOADS[0].shape
+    fast_slo = workload_slo(synthetic_profile(0.05, decode_step_s=0.02), shape)
+    slow_slo = workload_slo(synthetic_profile(0.1, decode_step_s=0.04), shape)
+    assert slow_slo.ttft_s == pytest.approx(2 * fast_slo.ttft_s)
+    assert slow_slo.itl_s == pytest.approx(2 * fast_slo.itl_s)

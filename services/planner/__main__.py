@@ -21,7 +21,13 @@ from splitserve.planner.autoscale.loop import add_autoscale_flags, run_autoscale
 from splitserve.planner.measure.settings import QUICK_GRID, Grid, ProfileSettings
 from splitserve.planner.plot import plot_goodput_vs_ratio
 from splitserve.planner.profile import DEFAULT_MARGIN, load_profile
-from splitserve.planner.recommend import SearchSpec, format_table, helm_values, recommend
+from splitserve.planner.recommend import (
+    Profiles,
+    SearchSpec,
+    format_table,
+    helm_values,
+    recommend,
+)
 from splitserve.planner.simulate.cluster import ClusterConfig, simulate
 from splitserve.planner.simulate.failures import PodFailure
 from splitserve.planner.simulate.prefix_cache import TierSizes
@@ -166,6 +172,19 @@ def _add_recommend_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--max-pods", type=int, default=8)
     sub.add_argument("--ratio-max-pods", type=int, default=4, help="pods in the ratio sweep")
     sub.add_argument("--no-colocated", action="store_true", help="leave out P = 0")
+    sub.add_argument(
+        "--variant-profile",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="another setup of the model (say int8 weights) for the layout sweep; repeatable",
+    )
+    sub.add_argument(
+        "--remote-prefill-limits",
+        default="",
+        metavar="N,N,...",
+        help="conditional-disaggregation limits the layout sweep tries for P > 0 layouts",
+    )
     sub.add_argument("--plot", default=DEFAULT_PLOT, metavar="PATH", help="'' for none")
 
 
@@ -355,8 +374,12 @@ def run_recommend(args: argparse.Namespace) -> int:
         pods_per_host=args.pods_per_host,
         speculation=_speculation(args),
         tier_sizes=_tier_sizes(args),
+        remote_prefill_limits=_token_counts(args.remote_prefill_limits, "--remote-prefill-limits"),
     )
-    recommendation = recommend(profile, spec, _progress, prefill_profile)
+    variants = tuple(
+        Profiles(load_profile(path).with_margin(args.margin)) for path in args.variant_profile
+    )
+    recommendation = recommend(profile, spec, _progress, prefill_profile, variants)
     print(format_table(recommendation, spec))
     if args.plot:
         plot_goodput_vs_ratio(recommendation, spec, args.plot)
@@ -367,6 +390,13 @@ def run_recommend(args: argparse.Namespace) -> int:
         return 1
     print("\nHelm values:\n" + helm_values(recommendation.best))
     return 0
+
+
+def _token_counts(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"{flag} must be token counts separated by commas, got {text!r}") from None
 
 
 def _print_binding(recommendation) -> None:

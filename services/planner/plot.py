@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from splitserve.planner.recommend import Recommendation, SearchSpec
+from splitserve.planner.recommend import RatioPoint, Recommendation, SearchSpec
 
 
 def plot_goodput_vs_ratio(recommendation: Recommendation, spec: SearchSpec, path: str) -> None:
@@ -15,14 +15,20 @@ def plot_goodput_vs_ratio(recommendation: Recommendation, spec: SearchSpec, path
         recommendation.ratios,
         key=lambda p: (p.cluster.num_prefill / p.cluster.num_decode, p.cluster.num_decode),
     )
-    labels = [_ratio_label(p.cluster.num_prefill, p.cluster.num_decode) for p in points]
+    setups = sorted({p.setup for p in points})
+    labels = [_layout_label(p, setups) for p in points]
     values = [p.goodput_per_pod for p in points]
     best = recommendation.best_ratio
     colors = ["tab:orange" if p is best else "tab:blue" for p in points]
     figure, axis = plt.subplots(figsize=(max(6.0, 0.6 * len(points)), 4.0))
     axis.bar(range(len(points)), values, color=colors)
     axis.set_xticks(range(len(points)), labels, rotation=45, ha="right")
-    axis.set_xlabel("prefill pods : decode pods (0:D = colocated)")
+    axis.set_xlabel(
+        "prefill pods : decode pods (0:D = colocated; <=N: decode pods prefill past N tokens "
+        "in flight)"
+        + "".join(f"\n#{i}: {setup}" for i, setup in enumerate(setups, 1) if len(setups) > 1),
+        fontsize=8,
+    )
     axis.set_ylabel("goodput per device (req/s)")
     axis.set_title(
         f"Highest rate with >= {spec.attainment:.0%} of requests meeting\n{spec.slo} "
@@ -35,8 +41,15 @@ def plot_goodput_vs_ratio(recommendation: Recommendation, spec: SearchSpec, path
     plt.close(figure)
 
 
-def _ratio_label(num_prefill: int, num_decode: int) -> str:
-    return f"{num_prefill}:{num_decode}"
+def _layout_label(point: RatioPoint, setups: list[str]) -> str:
+    """P:D, the remote-prefill limit where one is set, and the setup's number when several
+    setups were swept (the title lists them)."""
+    label = f"{point.cluster.num_prefill}:{point.cluster.num_decode}"
+    if point.cluster.num_prefill and point.cluster.max_remote_prefill_tokens:
+        label += f" <={point.cluster.max_remote_prefill_tokens}"
+    if len(setups) > 1:
+        label += f" #{setups.index(point.setup) + 1}"
+    return label
 
 
 def plot_validation(comparisons: list, path: str) -> None:

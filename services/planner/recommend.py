@@ -8,9 +8,12 @@ confidence, the resource that binds, and the prefill:decode ratio with the best 
    fewer pods, then the higher median goodput. P = 0 is the colocated baseline (decode pods
    prefill for themselves). Each candidate's TTFT and ITL come with their band over the seeds,
    and its binding resource.
-2. Best ratio: for each (P, D) with P + D <= ratio_max_pods, a bisection on the arrival rate
-   finds the highest rate still meeting the target the same way (DistServe's per-GPU goodput);
-   divided by the devices it says which ratio uses the hardware best, whatever the target.
+2. Best layout: for each (P, D) with P + D <= ratio_max_pods, each engine setup given (the
+   profile, and `variants`: profiles of the same model run another way, such as int8 weights
+   or an int8 KV cache) and, for P > 0, each conditional-disaggregation limit in
+   `remote_prefill_limits`, a bisection on the arrival rate finds the highest rate still
+   meeting the target the same way (DistServe's goodput); divided by the devices it says which
+   layout uses the hardware best, whatever the target, and what binds it at that rate.
 
 Every simulation of one search sees the same seeded requests (common random numbers), so
 differences between configurations are not sampling noise.
@@ -48,6 +51,9 @@ class SearchSpec:
     local_prefill_threshold: int = 32
     max_remote_prefill_tokens: int = 0
     pods_per_host: int = 1  # ClusterConfig.pods_per_host
+    # More conditional-disaggregation limits for the layout sweep's P > 0 layouts, beside
+    # max_remote_prefill_tokens (0 = every prompt to a prefill pod).
+    remote_prefill_limits: tuple[int, ...] = ()
     speculation: SpeculationModel | None = None
     tier_sizes: TierSizes = field(default_factory=TierSizes)
 
@@ -56,6 +62,8 @@ class SearchSpec:
             raise ValueError(f"attainment must be in (0, 1], got {self.attainment}")
         if self.max_pods < 1 or self.ratio_max_pods < 1:
             raise ValueError("max_pods and ratio_max_pods must be >= 1")
+        if min(self.remote_prefill_limits, default=0) < 0:
+            raise ValueError("remote prefill limits must be >= 0 tokens")
         _ = self.target  # Target checks confidence and num_seeds
 
     @property
@@ -69,6 +77,14 @@ class Profiles:
 
     decode: Profile
     prefill: Profile | None = None
+
+    @property
+    def setup(self) -> str:
+        """The engine setup, for tables: the decode pods', and the prefill pods' if other."""
+        decode = self.decode.engine.describe()
+        if self.prefill is None or self.prefill.engine == self.decode.engine:
+            return decode
+        return f"prefill {self.prefill.engine.describe()}; decode {decode}"
 
     def devices(self, cluster: ClusterConfig) -> int:
         prefill = self.prefill or self.decode
@@ -105,6 +121,15 @@ class RatioPoint:
     cluster: ClusterConfig
     max_rate: float  # highest rate found meeting the target (0 if none)
     num_devices: int
+    setup: str = ""  # `Profiles.setup` of the engine setup it ran
+    binding: str = ""  # what binds first at max_rate (at the lowest rate tried if none met)
+
+    @property
+    def label(self) -> str:
+        label = self.cluster.label
+        if self.cluster.num_prefill and self.cluster.max_remote_prefill_tokens:
+            label += f" (prefill locally past {self.cluster.max_remote_prefill_tokens} tokens)"
+        return label
 
     @property
     def goodput_per_pod(self) -> float:
@@ -149,7 +174,10 @@ def recommend(
     spec: SearchSpec,
     progress: Progress | None = None,
     prefill_profile: Profile | None = None,
+    variants: tuple[Profiles, ...] = (),
 ) -> Recommendation:
+    """`variants`: other engine setups of the same model for the layout sweep (the fewest-
+    devices search runs the given profiles alone)."""
     profiles = Profiles(profile, prefill_profile)
     candidates = []
     configs = clusters(spec, spec.max_pods)
@@ -164,41 +192,58 @@ def recommend(
         if meeting
         else None
     )
-    ratios = ratio_sweep(profiles, spec, progress)
+    ratios = ratio_sweep((profiles, *variants), spec, progress)
     return Recommendation(candidates, best, ratios)
 
 
-def ratio_sweep(profiles: Profiles, spec: SearchSpec, progress: Progress | None = None):
-    configs = clusters(spec, spec.ratio_max_pods)
+def layouts(spec: SearchSpec) -> list[ClusterConfig]:
+    """The (P, D) clusters of the layout sweep, each P > 0 one at every remote-prefill limit."""
+    limits = sorted({spec.max_remote_prefill_tokens, *spec.remote_prefill_limits})
+    return [
+        replace(cluster, max_remote_prefill_tokens=limit)
+        for cluster in clusters(spec, spec.ratio_max_pods)
+        for limit in (limits if cluster.num_prefill else [spec.max_remote_prefill_tokens])
+    ]
+
+
+def ratio_sweep(
+    setups: tuple[Profiles, ...], spec: SearchSpec, progress: Progress | None = None
+) -> list[RatioPoint]:
+    configs = [(profiles, cluster) for profiles in setups for cluster in layouts(spec)]
     points = []
-    for i, cluster in enumerate(configs, 1):
-        rate = max_good_rate(profiles, cluster, spec)
-        points.append(RatioPoint(cluster, rate, profiles.devices(cluster)))
+    for i, (profiles, cluster) in enumerate(configs, 1):
+        rate, binding = max_good_rate(profiles, cluster, spec)
+        point = RatioPoint(cluster, rate, profiles.devices(cluster), profiles.setup, binding)
+        points.append(point)
         if progress is not None:
-            progress(f"rate search {i}/{len(configs)}: {cluster.label}")
+            progress(f"rate search {i}/{len(configs)}: {point.label}, {point.setup}")
     return points
 
 
-def max_good_rate(profiles: Profiles, cluster: ClusterConfig, spec: SearchSpec) -> float:
+def max_good_rate(
+    profiles: Profiles, cluster: ClusterConfig, spec: SearchSpec
+) -> tuple[float, str]:
     """The highest Poisson rate at which `cluster` still meets the target (bisection between
-    0 and a rate that fails; 0 when even a trickle fails)."""
+    0 and a rate that fails; 0 when even a trickle fails), and the resource that binds there
+    (at the lowest rate tried, when none met the target)."""
+    verdicts: dict[float, Verdict] = {}
 
     def meets(rate: float) -> bool:
         workload = replace(spec.workload, rate=rate)
-        verdict = judge(
+        verdicts[rate] = judge(
             profiles.decode, cluster, workload, spec.target, spec.seed, profiles.prefill
         )
-        return verdict.meets
+        return verdicts[rate].meets
 
     low, high = 0.0, spec.workload.rate
     while meets(high):
         low, high = high, high * 2
         if high > 1e6:
-            return high  # no bound in sight: the SLOs do not bind
+            return high, verdicts[low].binding  # no bound in sight: the SLOs do not bind
     for _ in range(RATE_SEARCH_STEPS):
         middle = (low + high) / 2
         low, high = (middle, high) if meets(middle) else (low, middle)
-    return low
+    return low, verdicts[low if low > 0 else min(verdicts)].binding
 
 
 # ---- output ---------------------------------------------------------------------------------
@@ -236,13 +281,22 @@ def format_table(recommendation: Recommendation, spec: SearchSpec) -> str:
         )
         lines.append(f"the pick's pressures (share of what the target allows): {pressures}")
     lines.append("")
-    lines.append("goodput per device (highest rate meeting the target / devices):")
+    lines.append(
+        "goodput per device (highest rate meeting the target / devices), and what binds there:"
+    )
+    setups = {point.setup for point in recommendation.ratios}
+    best_ratio = recommendation.best_ratio
     for point in recommendation.ratios:
-        best_ratio = recommendation.best_ratio
-        mark = "  <== best ratio" if point is best_ratio else ""
+        mark = "  <== best layout" if point is best_ratio else ""
+        setup = f"  [{point.setup}]" if len(setups) > 1 else ""
         lines.append(
-            f"{point.cluster.label:>12}  {point.max_rate:7.2f} req/s  "
-            f"{point.goodput_per_pod:6.2f} req/s/device{mark}"
+            f"  {point.label:<40} {point.max_rate:7.2f} req/s  "
+            f"{point.goodput_per_pod:6.2f} req/s/device  {point.binding:<16}{setup}{mark}"
+        )
+    if best_ratio is not None:
+        lines.append(
+            f"best layout: {best_ratio.label}, {best_ratio.setup}: "
+            f"{best_ratio.goodput_per_pod:.2f} req/s per device, bound by {best_ratio.binding}"
         )
     return "\n".join(lines)
 

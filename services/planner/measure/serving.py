@@ -29,6 +29,8 @@ import statistics
 from collections.abc import Callable
 from dataclasses import replace
 
+import numpy as np
+
 from splitserve.loadgen.client import RunResult, run_open_loop, run_sequential
 from splitserve.loadgen.stats import summarize
 from splitserve.loadgen.workload import (
@@ -49,7 +51,7 @@ from splitserve.planner.measure.local_stacks import (
     warm_up,
 )
 from splitserve.planner.profile import Profile, ServingCosts
-from splitserve.planner.profile.parts import spread_quantiles
+from splitserve.planner.profile.parts import nonnegative_least_squares, spread_quantiles
 from splitserve.planner.simulate.cluster import simulate
 
 NUM_REQUESTS = 8  # one at a time; then in batches of BATCH sent together
@@ -70,13 +72,15 @@ def measure_serving(profile: Profile, log: Log, seed: int = 0) -> Profile:
         with running_stack(config) as stack:
             target = completions_target(stack)
             warm_up(target, seed)
-            serving[topology] = measure_costs(target, config, profile, seed)
+            serving[topology] = measure_costs(target, config, profile, seed, log)
         costs = serving[topology]
         log(f"serving costs ({topology}): {costs.describe()}")
     return replace(profile, serving=serving)
 
 
-def measure_costs(target, config: LocalConfig, profile: Profile, seed: int) -> ServingCosts:
+def measure_costs(
+    target, config: LocalConfig, profile: Profile, seed: int, log: Log = print
+) -> ServingCosts:
     specs = sequential_workload(f"{seed}/serving", NUM_REQUESTS, SHAPE)
     alone = asyncio.run(run_sequential(target, specs))
     batches = [specs[i : i + BATCH] for i in range(0, len(specs), BATCH)]
@@ -91,8 +95,7 @@ def measure_costs(target, config: LocalConfig, profile: Profile, seed: int) -> S
     gap_1 = _itl_p50(alone) - _simulated_itl_p50(bare, config, alone_requests)
     together_requests = as_sim_requests(_batches_far_apart(batches))
     gap_n = _itl_p50(together) - _simulated_itl_p50(bare, config, together_requests)
-    row_s = max((gap_n - gap_1) / (BATCH - 1), 0.0)
-    step_s = max(gap_1 - row_s, 0.0)
+    step_s, row_s = fit_nonnegative_line([(1, gap_1), (BATCH, gap_n)])
     with_steps = _with_costs(bare, config, ServingCosts(step_s, row_s, 0.0))
     short_gap = _ttft_gap(alone, with_steps, config, alone_requests)
     long_specs = sequential_workload(f"{seed}/serving-long", NUM_LONG, LONG_SHAPE)
@@ -100,9 +103,28 @@ def measure_costs(target, config: LocalConfig, profile: Profile, seed: int) -> S
     _check_ok(long_run, config=config)
     long_gap = _ttft_gap(long_run, with_steps, config, _far_apart(long_specs))
     short_len, long_len = _median_prompt(specs), _median_prompt(long_specs)
-    token_s = max((long_gap - short_gap) / max(long_len - short_len, 1), 0.0)
-    request_s = max(short_gap - token_s * short_len, 0.0)
+    request_s, token_s = fit_nonnegative_line([(short_len, short_gap), (long_len, long_gap)])
+    log(
+        f"serving costs ({config.name}): the stack's median token gap beyond the bare "
+        f"engine's {gap_1 * 1e3:+.1f} ms at 1 row, {gap_n * 1e3:+.1f} ms at {BATCH} rows; "
+        f"TTFT beyond it (step costs applied) {short_gap * 1e3:+.0f} ms at {short_len:.0f} "
+        f"prompt tokens, {long_gap * 1e3:+.0f} ms at {long_len:.0f}"
+    )
     return ServingCosts(step_s, row_s, request_s, token_s, itl_spread([alone, together]))
+
+
+def fit_nonnegative_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope), both >= 0, the least-squares line through `points` (x, y).
+
+    Not the line through two points with a negative intercept then clipped to 0: that keeps
+    the slope of the unclipped line and so lies above both points, and a stack whose bare
+    engine was measured a little slow at one row (a negative gap there) came out with a
+    per-row cost three times what its gaps showed. The least-squares line on the non-negative
+    support passes between its points."""
+    matrix = np.array([[1.0, x] for x, _ in points])
+    target = np.array([y for _, y in points])
+    intercept, slope = nonnegative_least_squares(matrix, target)
+    return float(intercept), float(slope)
 
 
 def itl_spread(runs) -> tuple[float, ...]:

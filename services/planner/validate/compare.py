@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from splitserve.loadgen.client import print_progress, run_open_loop
 from splitserve.loadgen.cpu import ForeignLoad
 from splitserve.loadgen.stacks import usable_cores
-from splitserve.loadgen.stats import Percentiles, summarize
+from splitserve.loadgen.stats import Percentiles, Slo, summarize
 from splitserve.loadgen.workload import (
     LengthDistribution,
     SimRequest,
@@ -55,6 +55,7 @@ from splitserve.planner.measure.settings import QUICK_GRID, ProfileSettings
 from splitserve.planner.plot import plot_validation
 from splitserve.planner.profile import Profile, ServingCosts, load_profile
 from splitserve.planner.simulate.cluster import simulate
+from splitserve.planner.validate.goodput import format_goodput, workload_slo
 from splitserve.planner.validate.ranking import format_ranking
 
 TOLERANCE = 0.20
@@ -104,6 +105,15 @@ class Comparison:
     # distributions behind the percentiles).
     ttfts_s: list[float] = field(default_factory=list)
     itls_s: list[list[float]] = field(default_factory=list)
+    # The workload's goodput SLOs (TTFT, mean ITL; `goodput.workload_slo`) and the share of
+    # the requests the simulation (as the planner uses the profile) has meeting them.
+    goodput_slo: tuple[float, ...] = ()
+    simulated_attainment: float = math.nan
+
+    @property
+    def num_pods(self) -> int:
+        config = next(c for c in CONFIGS if c.name == self.config)
+        return config.num_prefill + config.num_decode
 
     def errors(self, with_overheads: bool = True) -> dict[str, float]:
         """Relative error of each simulated figure against the measured one."""
@@ -199,11 +209,16 @@ def simulated_beside(
     )
     requests = as_sim_requests(specs)
     planned = profile.with_margin(margin)
+    slo = workload_slo(profile, workload.shape)
+    bare_latencies, _ = _simulate_requests(replace(profile, serving={}), config, requests, slo)
+    planned_latencies, attainment = _simulate_requests(planned, config, requests, slo)
     return replace(
         measured,
-        simulated=_simulate_requests(replace(profile, serving={}), config, requests),
+        simulated=bare_latencies,
         overheads=_serving_costs(planned, config),
-        simulated_with_overheads=_simulate_requests(planned, config, requests),
+        simulated_with_overheads=planned_latencies,
+        goodput_slo=(slo.ttft_s, slo.itl_s),
+        simulated_attainment=attainment,
     )
 
 
@@ -213,10 +228,11 @@ def _no_simulation() -> tuple[Latencies, ServingCosts, Latencies]:
 
 
 def _simulate_requests(
-    profile: Profile, config: LocalConfig, requests: list[SimRequest]
-) -> Latencies:
-    result = simulate(profile, simulated_cluster(config), requests, LOOSE_SLO)
-    return Latencies.of(result.ttft, result.itl)
+    profile: Profile, config: LocalConfig, requests: list[SimRequest], slo: Slo
+) -> tuple[Latencies, float]:
+    """The simulated latencies, and the share of the requests meeting `slo`."""
+    result = simulate(profile, simulated_cluster(config), requests, slo)
+    return Latencies.of(result.ttft, result.itl), result.attainment
 
 
 # ---- the report -----------------------------------------------------------------------------
@@ -316,6 +332,8 @@ def print_report(comparisons: list[Comparison]) -> None:
         print(f"  {config_name}: {costs.describe()}")
     print()
     print(format_ranking(comparisons, WORKLOADS), flush=True)
+    print()
+    print(format_goodput(comparisons, WORKLOADS), flush=True)
 
 
 # ---- recorded runs --------------------------------------------------------------------------
@@ -370,6 +388,7 @@ def _comparison(body: dict) -> Comparison:
         for name in ("measured", "simulated", "simulated_with_overheads"):
             fields[name] = Latencies(**body[name])
         fields["overheads"] = ServingCosts(**body["overheads"])
+        fields["goodput_slo"] = tuple(body.get("goodput_slo", ()))
         comparison = Comparison(**fields)
     except (KeyError, TypeError) as error:
         raise ValueError(f"--replay: not a recorded run: {error}") from None

@@ -190,3 +190,24 @@ def test_the_layout_sweep_tries_each_setup_and_limit_and_names_what_binds() -> N
     table = format_table(recommendation, spec)
     assert "<== best layout" in table and "1P+1D (prefill locally past 256 tokens)" in table
     assert f"bound by {best.binding}" in table
+
+
+def test_the_layout_sweep_tries_admission_and_it_raises_an_overloaded_layouts_goodput() -> None:
+    # Prompts of 64-512 tokens at 1 ms a token, a 1 s TTFT: without admission a burst queues
+    # everyone behind it; with it the gateway refuses what would be late, and a layout holds
+    # its 90% at a higher rate only if few are refused, so the sweep reports both.
+    profile = synthetic_profile(0.05, prefill_per_token_s=1e-3, decode_step_s=0.02)
+    workload = WorkloadSpec(0.5, 200, LengthDistribution(64, 512), LengthDistribution(16, 16))
+    spec = SearchSpec(
+        workload,
+        Slo(ttft_s=1.0, itl_s=0.2),
+        attainment=0.8,
+        max_pods=1,
+        ratio_max_pods=1,
+        num_seeds=2,
+        try_admission=True,
+    )
+    points = recommend(profile, spec).ratios
+    assert [p.label for p in points] == ["1 colocated", "1 colocated, admission"]
+    without, with_admission = points
+    assert with_admission.max_rate > without.max_rate > 0

@@ -511,3 +511,41 @@ def test_a_simulated_pod_caps_prompt_tokens_beside_decodes_as_the_engine_does() 
     assert [(seq.request.request_id, n) for seq, n in step.chunks] == [(0, 1), (1, 8)]
     with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
         ClusterConfig(0, 1, max_prefill_tokens_while_decoding=0)
+
+
+def test_admission_refuses_what_would_miss_its_ttft_and_keeps_the_rest_on_time() -> None:
+    # One colocated pod at 4 req/s of 64-512-token prompts at 1 ms a token: about twice what
+    # it can prefill. Let everyone in and the queue grows without end, so nobody meets a 1 s
+    # TTFT; refuse on arrival what the queue ahead would make late, and the admitted ones do.
+    profile = synthetic_profile(0.05, prefill_per_token_s=1e-3, decode_step_s=0.02)
+    requests = _poisson(4.0, 300, "64-512", "16-32")
+    slo = Slo(ttft_s=1.0, itl_s=0.2)
+    everyone = simulate(profile, ClusterConfig(0, 1), requests, slo)
+    admitted = simulate(profile, ClusterConfig(0, 1, admission_ttft_s=1.0), requests, slo)
+    assert everyone.num_refused == 0 and everyone.goodput < 0.1
+    assert 0 < admitted.num_refused < len(requests)
+    assert admitted.num_finished == len(requests) - admitted.num_refused
+    assert admitted.goodput > 2.0
+    # The prediction counts every queued prompt token: what it admits starts within the SLO
+    # but for the decode step of the rows it joins.
+    assert admitted.ttft.p90 <= 1.0 + 0.02 * 5
+    # At a trickle, with room for a prompt queued ahead, nothing is refused: the same run.
+    trickle = _poisson(0.2, 50, "64-512", "16-32")
+    relaxed = simulate(profile, ClusterConfig(0, 1, admission_ttft_s=2.0), trickle, slo)
+    plain = simulate(profile, ClusterConfig(0, 1), trickle, slo)
+    assert relaxed.num_refused == 0 and relaxed.ttft == plain.ttft
+    with pytest.raises(ValueError, match="admission_ttft_s must be > 0"):
+        ClusterConfig(0, 1, admission_ttft_s=0.0)
+
+
+def test_admission_predicts_an_idle_pods_ttft_from_the_profile() -> None:
+    from splitserve.planner.simulate.admission import predicted_ttft_s
+    from splitserve.planner.simulate.pod import PodLimits, SimPod, SimSeq
+
+    profile = synthetic_profile(0.05, prefill_per_token_s=1e-3, decode_step_s=0.02)
+    pod = SimPod("decode-0", PodLimits(512, 64, 1000, 16), profile)
+    assert predicted_ttft_s(pod, pod, 100) == pytest.approx(0.05 + 0.1 + 0.02)
+    # 1,100 tokens ahead in a 512-token budget: two full steps and one of 76 (+ 100 own).
+    pod.add(SimSeq(SimRequest(0, 0.0, 1100, 8), num_tokens=1100))
+    expected = 2 * (0.05 + 0.512) + (0.05 + 0.176) + 0.02
+    assert predicted_ttft_s(pod, pod, 100) == pytest.approx(expected)

@@ -185,6 +185,12 @@ def _add_recommend_flags(sub: argparse.ArgumentParser) -> None:
         metavar="N,N,...",
         help="conditional-disaggregation limits the layout sweep tries for P > 0 layouts",
     )
+    sub.add_argument(
+        "--try-admission",
+        action="store_true",
+        help="the layout sweep also tries each layout with the gateway's SLO-aware admission "
+        "(--admission --slo-ttft-ms at --ttft-slo)",
+    )
     sub.add_argument("--plot", default=DEFAULT_PLOT, metavar="PATH", help="'' for none")
 
 
@@ -375,6 +381,7 @@ def run_recommend(args: argparse.Namespace) -> int:
         speculation=_speculation(args),
         tier_sizes=_tier_sizes(args),
         remote_prefill_limits=_token_counts(args.remote_prefill_limits, "--remote-prefill-limits"),
+        try_admission=args.try_admission,
     )
     variants = tuple(
         Profiles(load_profile(path).with_margin(args.margin)) for path in args.variant_profile

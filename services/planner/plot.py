@@ -25,7 +25,7 @@ def plot_goodput_vs_ratio(recommendation: Recommendation, spec: SearchSpec, path
     axis.set_xticks(range(len(points)), labels, rotation=45, ha="right")
     axis.set_xlabel(
         "prefill pods : decode pods (0:D = colocated; <=N: decode pods prefill past N tokens "
-        "in flight)"
+        "in flight; adm: SLO-aware admission)"
         + "".join(f"\n#{i}: {setup}" for i, setup in enumerate(setups, 1) if len(setups) > 1),
         fontsize=8,
     )
@@ -47,6 +47,8 @@ def _layout_label(point: RatioPoint, setups: list[str]) -> str:
     label = f"{point.cluster.num_prefill}:{point.cluster.num_decode}"
     if point.cluster.num_prefill and point.cluster.max_remote_prefill_tokens:
         label += f" <={point.cluster.max_remote_prefill_tokens}"
+    if point.cluster.admission_ttft_s is not None:
+        label += " adm"
     if len(setups) > 1:
         label += f" #{setups.index(point.setup) + 1}"
     return label

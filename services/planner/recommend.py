@@ -54,6 +54,9 @@ class SearchSpec:
     # More conditional-disaggregation limits for the layout sweep's P > 0 layouts, beside
     # max_remote_prefill_tokens (0 = every prompt to a prefill pod).
     remote_prefill_limits: tuple[int, ...] = ()
+    # Also try each layout of the sweep with the gateway's SLO-aware admission at the TTFT
+    # SLO (`--admission --slo-ttft-ms`): refused requests count as misses.
+    try_admission: bool = False
     speculation: SpeculationModel | None = None
     tier_sizes: TierSizes = field(default_factory=TierSizes)
 
@@ -129,6 +132,8 @@ class RatioPoint:
         label = self.cluster.label
         if self.cluster.num_prefill and self.cluster.max_remote_prefill_tokens:
             label += f" (prefill locally past {self.cluster.max_remote_prefill_tokens} tokens)"
+        if self.cluster.admission_ttft_s is not None:
+            label += ", admission"
         return label
 
     @property
@@ -197,12 +202,15 @@ def recommend(
 
 
 def layouts(spec: SearchSpec) -> list[ClusterConfig]:
-    """The (P, D) clusters of the layout sweep, each P > 0 one at every remote-prefill limit."""
+    """The (P, D) clusters of the layout sweep, each P > 0 one at every remote-prefill limit,
+    and each of those with admission too when the spec asks."""
     limits = sorted({spec.max_remote_prefill_tokens, *spec.remote_prefill_limits})
+    admissions = (None, spec.slo.ttft_s) if spec.try_admission else (None,)
     return [
-        replace(cluster, max_remote_prefill_tokens=limit)
+        replace(cluster, max_remote_prefill_tokens=limit, admission_ttft_s=admission)
         for cluster in clusters(spec, spec.ratio_max_pods)
         for limit in (limits if cluster.num_prefill else [spec.max_remote_prefill_tokens])
+        for admission in admissions
     ]
 
 

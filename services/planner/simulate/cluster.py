@@ -35,6 +35,7 @@ from splitserve.gateway.routing.pods import POLL_INTERVAL_SECONDS
 from splitserve.loadgen.stats import Slo
 from splitserve.loadgen.workload import SimRequest
 from splitserve.planner.profile import Profile
+from splitserve.planner.simulate.admission import predicted_ttft_s
 from splitserve.planner.simulate.failures import PodFailure
 from splitserve.planner.simulate.gateway import SimGateway
 from splitserve.planner.simulate.pod import PodLimits, ScheduledStep, SimPod, SimSeq
@@ -72,8 +73,13 @@ class ClusterConfig:
     # many): with the profile's `neighbor` slowdowns, a step takes longer while other pods of
     # its machine run steps. 1: every pod on its own (GPU pods on their own devices).
     pods_per_host: int = 1
+    # The gateway's SLO-aware admission (`--admission --slo-ttft-ms`, admission.py): a request
+    # predicted to miss this TTFT is refused on arrival. None: every request is let through.
+    admission_ttft_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.admission_ttft_s is not None and not self.admission_ttft_s > 0:
+            raise ValueError(f"admission_ttft_s must be > 0 seconds, got {self.admission_ttft_s}")
         if self.pods_per_host < 1:
             raise ValueError(f"pods_per_host must be >= 1, got {self.pods_per_host}")
         if any(f.decode_pod >= self.num_decode for f in self.failures):
@@ -259,6 +265,10 @@ class Simulation:
         flight = _Flight(RequestRecord(request), decode_pod, seq)
         self._flights[request.request_id] = flight
         uncached = request.input_len - decode_pod.num_cached_tokens(request)
+        if self._refuses(prefill_pod or decode_pod, decode_pod, uncached):
+            flight.record.is_refused = True
+            self.gateway.undo(prefill_pod, decode_pod)
+            return
         if prefill_pod is None or uncached < self.cluster.local_prefill_threshold:
             self._enqueue(decode_pod, seq, now)
         elif decode_pod.is_busy:
@@ -267,6 +277,12 @@ class Simulation:
             self._reserve_mid_step.setdefault(decode_pod.name, []).append((flight, prefill_pod))
         else:
             self._reserve(flight, prefill_pod, now)
+
+    def _refuses(self, prefilling: SimPod, decode_pod: SimPod, prompt_tokens: int) -> bool:
+        limit = self.cluster.admission_ttft_s
+        if limit is None:
+            return False
+        return predicted_ttft_s(prefilling, decode_pod, prompt_tokens) > limit
 
     def _reserve(self, flight: _Flight, prefill_pod: SimPod, now: float) -> None:
         """Blocks on the decode pod for a remote prefill, or a local prefill without them."""
@@ -475,6 +491,7 @@ class Simulation:
             if flight.decode_pod.name == failure.pod_name
             and flight.record.finish_s is None
             and not flight.record.is_dropped
+            and not flight.record.is_refused
             and not flight.decode_seq.is_waiting_for_kv  # those move when their pages land
         ]
         # Pages that landed there mid-step, waiting for a step end that never came.

@@ -63,6 +63,12 @@ class SimGateway:
             prefill_pod = self._dispatch(self.prefill_pods, decision.prefill_pod_id)
         return prefill_pod, decode_pod
 
+    def undo(self, prefill_pod: SimPod | None, decode_pod: SimPod) -> None:
+        """A pick that admission refused: the real gateway refuses before it dispatches."""
+        self._num_dispatched[decode_pod.name] -= 1
+        if prefill_pod is not None:
+            self._num_dispatched[prefill_pod.name] -= 1
+
     def _views(self, pods: list[SimPod], request: SimRequest) -> list[PodView]:
         """The views the real router would score: every pod's, or its shortlist's."""
         # The prefix index is written as pods compute blocks: close to exact, so no staleness.

@@ -112,6 +112,17 @@ class SimPod:
             kv_blocks_free=self.num_free_blocks,
         )
 
+    @property
+    def num_queued_prompt_tokens(self) -> int:
+        """Prompt tokens still to compute here, of waiting requests and of running ones mid-
+        prefill (what a pod reports to the gateway's admission); cached prefixes of requests
+        not yet scheduled are counted too, as the gateway cannot know them."""
+        waiting = sum(seq.num_tokens - seq.num_computed for _, _, seq in self._waiting)
+        running = sum(
+            seq.num_tokens - seq.num_computed for seq in self.running if not seq.is_decode
+        )
+        return waiting + running
+
     def has_work(self) -> bool:
         return bool(self.running or self._waiting)
 

@@ -23,6 +23,7 @@ class RequestRecord:
     is_dropped: bool = False  # ended for capacity before all its tokens
     transfer_s: float = 0.0  # its KV pages' time between a prefill pod and its decode pod
     num_moves: int = 0  # to another decode pod after its own died
+    is_refused: bool = False  # by the gateway's admission, on arrival
 
     @property
     def is_finished(self) -> bool:
@@ -56,6 +57,7 @@ class SimResult:
     num_moved: int = 0  # requests moved off a dead decode pod
     # Prompt tokens served from each cache tier ("device", "host", "disk"), all pods.
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    num_refused: int = 0  # by the gateway's admission (they count as missing the SLOs)
 
 
 def summarize(records: list[RequestRecord], slo: Slo, pods: list[SimPod]) -> SimResult:
@@ -83,6 +85,7 @@ def summarize(records: list[RequestRecord], slo: Slo, pods: list[SimPod]) -> Sim
         peak_kv_usage=max((pod.peak_kv_usage for pod in pods), default=0.0),
         num_moved=sum(record.num_moves > 0 for record in records),
         cached_tokens_by_tier=_cached_tokens_by_tier(pods),
+        num_refused=sum(record.is_refused for record in records),
     )
 
 

@@ -271,3 +271,24 @@ def test_a_second_engine_runs_beside_the_profiled_one_on_command(single_thread) 
     assert not multiprocessing.active_children()  # the neighbor engine was stopped
     with pytest.raises(ValueError, match="--neighbor-core"):
         ProfileSettings(neighbor_core=4096)
+
+
+def test_a_stack_faster_than_its_profile_scales_that_topologys_steps(tmp_path) -> None:
+    # The colocated stack ran its lone requests' steps 10% faster than the profile measured:
+    # colocated steps are taken 10% shorter; the disaggregated topology keeps its own (none).
+    base = synthetic_profile(0.1, prefill_per_token_s=1e-3, decode_step_s=0.05)
+    faster = replace(base, serving={"colocated": ServingCosts(engine_scale=0.9)})
+    colocated, disaggregated = faster.for_topology(0), faster.for_topology(1)
+    assert colocated.decode.step_s(1, 64) == pytest.approx(0.045)
+    assert colocated.prefill_s(100) == pytest.approx(0.9 * base.prefill_s(100))
+    assert disaggregated.decode.step_s(1, 64) == pytest.approx(0.05)
+    # The margin takes times slower; the scale is a ratio of times and stays what it is.
+    planned = faster.with_margin(0.1)
+    assert planned.serving["colocated"].engine_scale == 0.9
+    assert planned.for_topology(0).decode.step_s(1, 64) == pytest.approx(0.05 * 1.1 * 0.9)
+    path = tmp_path / "profile.json"
+    faster.save(str(path))
+    assert load_profile(str(path)).serving["colocated"].engine_scale == 0.9
+    # A stack far faster than its profile is a profile of another machine state: refused.
+    with pytest.raises(ValueError, match="engine_scale must be in"):
+        ServingCosts(engine_scale=0.5)

@@ -51,7 +51,11 @@ from splitserve.planner.measure.local_stacks import (
     warm_up,
 )
 from splitserve.planner.profile import Profile, ServingCosts
-from splitserve.planner.profile.parts import nonnegative_least_squares, spread_quantiles
+from splitserve.planner.profile.parts import (
+    MIN_ENGINE_SCALE,
+    nonnegative_least_squares,
+    spread_quantiles,
+)
 from splitserve.planner.simulate.cluster import simulate
 
 NUM_REQUESTS = 8  # one at a time; then in batches of BATCH sent together
@@ -90,13 +94,14 @@ def measure_costs(
     ]
     together = RunResult([r for run in together_runs for r in run.results], 0.0)
     _check_ok(alone, together, config=config)
-    bare = replace(profile, serving={})
     alone_requests = _far_apart(specs)
+    engine_scale = _engine_scale(alone, profile, config, alone_requests)
+    bare = _with_costs(profile, config, ServingCosts(engine_scale=engine_scale))
     gap_1 = _itl_p50(alone) - _simulated_itl_p50(bare, config, alone_requests)
     together_requests = as_sim_requests(_batches_far_apart(batches))
     gap_n = _itl_p50(together) - _simulated_itl_p50(bare, config, together_requests)
     step_s, row_s = fit_nonnegative_line([(1, gap_1), (BATCH, gap_n)])
-    with_steps = _with_costs(bare, config, ServingCosts(step_s, row_s, 0.0))
+    with_steps = _with_costs(bare, config, ServingCosts(step_s, row_s, engine_scale=engine_scale))
     short_gap = _ttft_gap(alone, with_steps, config, alone_requests)
     long_specs = sequential_workload(f"{seed}/serving-long", NUM_LONG, LONG_SHAPE)
     long_run = asyncio.run(run_sequential(target, long_specs))
@@ -105,12 +110,22 @@ def measure_costs(
     short_len, long_len = _median_prompt(specs), _median_prompt(long_specs)
     request_s, token_s = fit_nonnegative_line([(short_len, short_gap), (long_len, long_gap)])
     log(
-        f"serving costs ({config.name}): the stack's median token gap beyond the bare "
-        f"engine's {gap_1 * 1e3:+.1f} ms at 1 row, {gap_n * 1e3:+.1f} ms at {BATCH} rows; "
-        f"TTFT beyond it (step costs applied) {short_gap * 1e3:+.0f} ms at {short_len:.0f} "
-        f"prompt tokens, {long_gap * 1e3:+.0f} ms at {long_len:.0f}"
+        f"serving costs ({config.name}): engine steps x{engine_scale:.3f}; the stack's median "
+        f"token gap beyond that engine's {gap_1 * 1e3:+.1f} ms at 1 row, {gap_n * 1e3:+.1f} ms "
+        f"at {BATCH} rows; TTFT beyond it (step costs applied) {short_gap * 1e3:+.0f} ms at "
+        f"{short_len:.0f} prompt tokens, {long_gap * 1e3:+.0f} ms at {long_len:.0f}"
     )
-    return ServingCosts(step_s, row_s, request_s, token_s, itl_spread([alone, together]))
+    spread = itl_spread([alone, together])
+    return ServingCosts(step_s, row_s, request_s, token_s, spread, engine_scale)
+
+
+def _engine_scale(alone: RunResult, profile: Profile, config: LocalConfig, requests) -> float:
+    """The lone requests' median token gap on the stack over the bare profile's, when the
+    stack's is the shorter (else 1: the serving costs take up a longer gap), no lower than
+    MIN_ENGINE_SCALE. One row a step, nothing else running: the gap is an engine step and
+    a streamed token, the cleanest look at how fast the machine runs the engine now."""
+    simulated = _simulated_itl_p50(replace(profile, serving={}), config, requests)
+    return min(max(_itl_p50(alone) / simulated, MIN_ENGINE_SCALE), 1.0)
 
 
 def fit_nonnegative_line(points: list[tuple[float, float]]) -> tuple[float, float]:

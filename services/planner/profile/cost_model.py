@@ -193,18 +193,7 @@ class Profile:
             return self
         factor = 1.0 + margin
         return replace(
-            self,
-            prefill=[PrefillSample(s.num_tokens, s.seconds * factor) for s in self.prefill],
-            decode=replace(self.decode, seconds=_scaled(self.decode.seconds, factor)),
-            mixed=(
-                replace(self.mixed, seconds=_scaled(self.mixed.seconds, factor))
-                if self.mixed is not None
-                else None
-            ),
-            kv_transfer=KVTransferModel(
-                self.kv_transfer.bandwidth_bytes_per_s / factor,
-                self.kv_transfer.latency_s * factor,
-            ),
+            self._with_engine_scale(factor),
             tier_loads=(
                 TierLoadModel(
                     self.tier_loads.host_bytes_per_s / factor,
@@ -221,14 +210,34 @@ class Profile:
             itl_spread_s=tuple(deviation * factor for deviation in self.itl_spread_s),
         )
 
+    def _with_engine_scale(self, factor: float) -> Profile:
+        """The engine's measured times (steps, KV transfers) multiplied by `factor`."""
+        if factor == 1:
+            return self
+        return replace(
+            self,
+            prefill=[PrefillSample(s.num_tokens, s.seconds * factor) for s in self.prefill],
+            decode=replace(self.decode, seconds=_scaled(self.decode.seconds, factor)),
+            mixed=(
+                replace(self.mixed, seconds=_scaled(self.mixed.seconds, factor))
+                if self.mixed is not None
+                else None
+            ),
+            kv_transfer=KVTransferModel(
+                self.kv_transfer.bandwidth_bytes_per_s / factor,
+                self.kv_transfer.latency_s * factor,
+            ),
+        )
+
     def for_topology(self, num_prefill: int) -> Profile:
         """This profile with the serving costs measured for a topology like the cluster's
-        (P = 0 colocated, else disaggregated) as its overheads; unchanged without them."""
+        (P = 0 colocated, else disaggregated) as its overheads, and its engine times by their
+        `engine_scale`; unchanged without them."""
         costs = self.serving.get("colocated" if num_prefill == 0 else "disaggregated")
         if costs is None:
             return self
         return replace(
-            self,
+            self._with_engine_scale(costs.engine_scale),
             step_overhead_s=costs.step_s,
             row_overhead_s=costs.row_s,
             request_overhead_s=costs.request_s,

@@ -101,20 +101,31 @@ class ServingCosts:
     # them every simulated gap of a steady decode is the same and the simulated ITL p90 sits
     # on the p50, where the measured one is 15-40% above it. Empty: none measured.
     itl_spread_s: tuple[float, ...] = ()
+    # The running stack's engine steps against the profile's (<= 1): below 1 when the stack
+    # ran a lone request's steps faster than the profile measured them minutes before (the
+    # machine drifts; the costs above can only add time, so without this a profile taken in a
+    # slow half minute would stay slow). The topology's steps are taken this much shorter.
+    engine_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if min(self.step_s, self.row_s, self.request_s, self.token_s) < 0:
             raise ValueError("serving costs must be >= 0 seconds")
+        if not MIN_ENGINE_SCALE <= self.engine_scale <= 1:
+            raise ValueError(
+                f"engine_scale must be in [{MIN_ENGINE_SCALE}, 1], got {self.engine_scale}"
+            )
         object.__setattr__(self, "itl_spread_s", tuple(float(s) for s in self.itl_spread_s))
 
     def scaled(self, factor: float) -> ServingCosts:
-        """Every time in these costs multiplied by `factor` (the planner's margin)."""
+        """Every time in these costs multiplied by `factor` (the planner's margin); the engine
+        scale is a ratio of times and stays."""
         return ServingCosts(
             self.step_s * factor,
             self.row_s * factor,
             self.request_s * factor,
             self.token_s * factor,
             tuple(deviation * factor for deviation in self.itl_spread_s),
+            self.engine_scale,
         )
 
     def describe(self) -> str:
@@ -126,9 +137,14 @@ class ServingCosts:
         if self.itl_spread_s:
             low, high = self.itl_spread_s[0], self.itl_spread_s[-1]
             line += f"; token gaps {low * 1e3:+.1f} to {high * 1e3:+.1f} ms around the step"
+        if self.engine_scale < 1:
+            line += f"; engine steps x{self.engine_scale:.3f}"
         return line
 
 
+# The most a running stack's steps may correct a profile downwards: past it, the profile is
+# not of this machine as it runs (measure again rather than trust a correction).
+MIN_ENGINE_SCALE = 0.8
 SPREAD_QUANTILES = 20  # equally likely deviations kept of a measured gap spread
 
 

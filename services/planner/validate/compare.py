@@ -148,14 +148,8 @@ def run_config(config: LocalConfig, profile: Profile, args: argparse.Namespace) 
 
 
 def _serving_costs(profile: Profile, config: LocalConfig) -> ServingCosts:
-    applied = profile.for_topology(config.num_prefill)
-    return ServingCosts(
-        applied.step_overhead_s,
-        applied.row_overhead_s,
-        applied.request_overhead_s,
-        applied.token_overhead_s,
-        applied.itl_spread_s,
-    )
+    topology = "colocated" if config.num_prefill == 0 else "disaggregated"
+    return profile.serving.get(topology, ServingCosts())
 
 
 def _measured(run) -> Latencies:

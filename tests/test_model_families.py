@@ -22,6 +22,7 @@ torch runs single-threaded (see tests/test_engine_api.py for why).
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -373,6 +374,12 @@ def _dense_gguf(directory: str, path: str, arch: str) -> str:
     writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(EOS_TOKEN_ID)
+    if arch == "phi3":
+        _write_phi3_metadata(writer, config)
+    if arch == "gemma2":
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     num_experts = config.get("num_experts") or config.get("num_local_experts")
     if num_experts:  # qwen3moe (transformers 5 saves num_experts as num_local_experts)
         writer.add_expert_count(num_experts)
@@ -387,9 +394,18 @@ def _dense_gguf(directory: str, path: str, arch: str) -> str:
         "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
         "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
         "mlp.gate_exps": "ffn_gate_exps", "mlp.up_exps": "ffn_up_exps",
-        "mlp.down_exps": "ffn_down_exps",
+        "mlp.down_exps": "ffn_down_exps", "self_attn.qkv_proj": "attn_qkv",
+        "mlp.gate_up_proj": "ffn_up",
     }  # fmt: skip
+    if arch == "gemma2":  # its own names for the four norms of a layer
+        layer_names |= {
+            "post_attention_layernorm": "post_attention_norm",
+            "pre_feedforward_layernorm": "ffn_norm",
+            "post_feedforward_layernorm": "post_ffw_norm",
+        }
     for name, tensor in hf.items():
+        if arch == "gemma2" and name.endswith("norm.weight"):
+            tensor = tensor + 1.0  # the converter stores Gemma's (1 + w) norms as w + 1
         parts = name.split(".")
         if parts[0] == "lm_head":
             gguf_name = f"output.{parts[-1]}"
@@ -403,6 +419,25 @@ def _dense_gguf(directory: str, path: str, arch: str) -> str:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _write_phi3_metadata(writer, config: dict) -> None:
+    """What llama.cpp's converter adds for Phi-3: the window, and for longrope the original
+    context length, the attention factor and the two factor lists as tensors."""
+    import numpy as np
+
+    writer.add_sliding_window(config["sliding_window"])
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type") != "longrope":
+        return
+    original = (
+        config.get("original_max_position_embeddings") or rope["original_max_position_embeddings"]
+    )
+    scale = config["max_position_embeddings"] / original
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+    writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
 
 
 def _stack_experts(hf: dict, num_experts: int) -> dict:
@@ -450,6 +485,69 @@ def test_a_qwen_gguf_file_serves_as_its_hf_directory(
     arch = llm.engine.architecture
     assert (arch.attention_bias, arch.qk_norm) == (family == "qwen2", family != "qwen2")
     assert (arch.moe is not None) == (family == "qwen3_moe")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP)
+    for prompt in _prompts()[:2]:
+        tokens, logprobs = _reference(directory, prompt)
+        _assert_matches(llm.generate([prompt], params)[0].outputs[0], tokens, logprobs)
+
+
+def test_a_phi3_gguf_file_serves_as_its_hf_directory(single_thread, make_checkpoint, tmp_path):
+    """llama.cpp's phi3 architecture: fused q/k/v and gate/up split, the window and longrope
+    read from the file's metadata and factor tensors; the architecture is the HF directory's,
+    and greedy tokens and top logprobs (prompts longer than the 20-token window) equal
+    transformers' on the same weights."""
+    directory = make_checkpoint("phi3")
+    path = _dense_gguf(directory, str(tmp_path / "phi3.gguf"), "phi3")
+    llm = LLM(path, kv_cache_bytes=KV_BYTES, max_num_batched_tokens=CHUNK)
+    from_gguf = llm.engine.architecture
+    from_hf = LLM(directory, kv_cache_bytes=KV_BYTES).engine.architecture
+    assert from_gguf.layer_windows == from_hf.layer_windows == (20, 20)
+    gguf_rope, hf_rope = from_gguf.rope_scaling, from_hf.rope_scaling
+    assert gguf_rope.rope_type == hf_rope.rope_type == "longrope"
+    assert gguf_rope.factor == hf_rope.factor
+    assert gguf_rope.original_max_position_embeddings == hf_rope.original_max_position_embeddings
+    # The file holds the factors and the attention factor in float32.
+    for field in ("short_factor", "long_factor", "attention_factor"):
+        assert getattr(gguf_rope, field) == pytest.approx(getattr(hf_rope, field), rel=1e-6)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP)
+    for prompt in _prompts()[:2]:
+        tokens, logprobs = _reference(directory, prompt)
+        _assert_matches(llm.generate([prompt], params)[0].outputs[0], tokens, logprobs)
+    with pytest.raises(ValueError, match="phi3 file's q/k/v"):
+        LLM(path, kv_cache_bytes=KV_BYTES, quantization="gguf")
+
+
+@pytest.fixture(scope="module")
+def gemma2_head_dim_scaled(tmp_path_factory: pytest.TempPathFactory, hf_reference_tokenizer):
+    """A Gemma 2 checkpoint whose queries are scaled by 1 / sqrt(head_dim), as llama.cpp scales
+    every gemma2 model but the 27B (a GGUF file has no query_pre_attn_scalar)."""
+    config_class, options, _ = FAMILIES["gemma2"]
+    torch.manual_seed(0)
+    model = _hf_model(config_class, {**options, "query_pre_attn_scalar": options["head_dim"]})
+    _randomize(model)
+    directory = str(tmp_path_factory.mktemp("gemma2_gguf"))
+    model.save_pretrained(directory)
+    hf_reference_tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_a_gemma2_gguf_file_serves_as_its_hf_directory(
+    single_thread, gemma2_head_dim_scaled, tmp_path
+):
+    """llama.cpp's gemma2 architecture: the four norms of a layer under their own names (w + 1
+    as stored), the window on even layers and both soft-caps from the metadata, the embedding
+    scale, GeGLU and the attention scale as llama.cpp sets them: the architecture is the HF
+    directory's, and greedy tokens and top logprobs equal transformers'."""
+    directory = gemma2_head_dim_scaled
+    path = _dense_gguf(directory, str(tmp_path / "gemma2.gguf"), "gemma2")
+    llm = LLM(path, kv_cache_bytes=KV_BYTES, max_num_batched_tokens=CHUNK)
+    from_gguf = llm.engine.architecture
+    from_hf = LLM(directory, kv_cache_bytes=KV_BYTES).engine.architecture
+    for field in ("layer_windows", "attn_logit_softcap", "final_logit_softcap",
+                  "embedding_multiplier", "sandwich_norms", "hidden_act"):  # fmt: skip
+        assert getattr(from_gguf, field) == getattr(from_hf, field), field
+    assert from_gguf.attention_scale == pytest.approx(from_hf.attention_scale)
+    assert from_gguf.layer_windows == (8, 0)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP)
     for prompt in _prompts()[:2]:
         tokens, logprobs = _reference(directory, prompt)

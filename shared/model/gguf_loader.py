@@ -1,6 +1,8 @@
 """Loads a llama-architecture GGUF file into Hugging Face-named float32 tensors (Mixtral,
 a llama with experts, and qwen2moe too: shared/model/gguf_moe.py splits their stacked experts;
-qwen2 and qwen3, Llama's decoder with q/k/v biases or q/k norms, as their HF directories load).
+qwen2 and qwen3, Llama's decoder with q/k/v biases or q/k norms, as their HF directories load;
+phi3, its fused matrices split by shared/model/gguf_phi3.py; gemma2, by
+shared/model/gguf_gemma2.py).
 
 Three translations happen here:
 - names: llama.cpp's `blk.N.attn_q.weight` becomes `model.layers.N.self_attn.q_proj.weight`;
@@ -25,11 +27,15 @@ from gguf.quants import dequantize
 from splitserve.engine.gguf_metadata import GGUFMetadata
 from splitserve.engine.model.architecture import LoadedCheckpoint, ModelArchitecture, RopeScaling
 from splitserve.engine.model.gguf_blocks import PACKED_TYPES, BlockQuantized, read_blocks
+from splitserve.engine.model.gguf_gemma2 import ARCH as GEMMA2
+from splitserve.engine.model.gguf_gemma2 import gemma2_fields, gemma2_name
 from splitserve.engine.model.gguf_moe import UNSUPPORTED_MOE_ARCHITECTURES, moe_fields, moe_tensors
+from splitserve.engine.model.gguf_phi3 import ARCH as PHI3
+from splitserve.engine.model.gguf_phi3 import ROPE_FACTOR_TENSORS, phi3_fields, split_fused
 from splitserve.engine.progress import ProgressFn
 from splitserve.engine.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "gemma2")
 
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -80,12 +86,18 @@ def read_architecture(reader: gguf.GGUFReader, tokenizer: Tokenizer) -> ModelArc
     vocab_size = _vocab_size(reader, tokenizer)
     family, moe = moe_fields(meta.get, arch)
     dense_size = meta.get(f"{arch}.feed_forward_length") if moe else None
+    num_layers = int(meta.require(f"{arch}.block_count"))
+    extra: dict[str, Any] = {}
+    if arch == PHI3:
+        extra = phi3_fields(reader, num_layers, head_dim)
+    elif arch == GEMMA2:
+        extra = gemma2_fields(meta, num_layers, head_dim)
     return ModelArchitecture(
         name=arch,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=int(dense_size or meta.require(f"{arch}.feed_forward_length")),
-        num_layers=int(meta.require(f"{arch}.block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -95,11 +107,12 @@ def read_architecture(reader: gguf.GGUFReader, tokenizer: Tokenizer) -> ModelArc
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
-        rope_scaling=_rope_scaling(meta, arch),
+        rope_scaling=extra.pop("rope_scaling", None) or _rope_scaling(meta, arch),
         family=family,
         moe=moe,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        **extra,
     )
 
 
@@ -140,8 +153,15 @@ def _read_weights(
     heads_of = {"attn_q": architecture.num_heads, "attn_k": architecture.num_kv_heads}
     if architecture.name != "llama":
         heads_of = {}
+    if keep_quantized and architecture.name == PHI3:
+        raise ValueError(
+            "quantization='gguf' keeps a file's Q4 blocks as they are, and a phi3 file's q/k/v "
+            "and gate/up matrices are fused; load it without (its weights become float32)"
+        )
     weights: dict[str, torch.Tensor | BlockQuantized] = {}
     for done, tensor in enumerate(reader.tensors, start=1):
+        if tensor.name in ROPE_FACTOR_TENSORS.values():
+            continue  # longrope's factors: read into the architecture
         kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
         if keep_quantized and kind and tensor.tensor_type in PACKED_TYPES:
             weights[gguf_to_hf_name(tensor.name)] = _read_packed(tensor, heads_of.get(kind))
@@ -149,14 +169,27 @@ def _read_weights(
         values = _dequantize(tensor)
         if kind in heads_of:
             values = unpermute_rope_rows(values, heads_of[kind])
-        named = moe_tensors(tensor.name, values, architecture.family)
-        if named is None:
-            named = {gguf_to_hf_name(tensor.name): values}
+        named = _split_tensor(tensor.name, values, architecture)
         for name, array in named.items():
             weights[name] = torch.from_numpy(np.ascontiguousarray(array))
         if progress is not None:
             progress(done, len(reader.tensors), next(iter(named)))
     return weights
+
+
+def _split_tensor(
+    name: str, values: np.ndarray, architecture: ModelArchitecture
+) -> dict[str, np.ndarray]:
+    """One GGUF tensor as the Hugging Face Llama tensors it holds: stacked experts and
+    Phi-3's fused matrices are split, any other is renamed."""
+    named = moe_tensors(name, values, architecture.family)
+    if named is None and architecture.name == PHI3:
+        a = architecture
+        named = split_fused(name, values, a.num_heads, a.num_kv_heads, a.head_dim)
+    if named is None and architecture.name == GEMMA2:
+        gemma_name = gemma2_name(name)
+        named = {gemma_name: values} if gemma_name else None
+    return named if named is not None else {gguf_to_hf_name(name): values}
 
 
 def _read_packed(tensor: gguf.ReaderTensor, num_heads: int | None) -> BlockQuantized:

@@ -35,8 +35,10 @@ class DecodeGrid:
 
     def step_s(self, batch_size: float, context_len: float) -> float:
         """Bilinear in (batch, context), linear extrapolation outside the grid."""
-        per_batch = [interpolate(self.context_lens, row, context_len) for row in self.seconds]
-        return max(interpolate(self.batch_sizes, per_batch, batch_size), 1e-9)
+        return max(
+            bilinear(self.batch_sizes, self.context_lens, self.seconds, batch_size, context_len),
+            1e-9,
+        )
 
 
 @dataclass(frozen=True)
@@ -213,19 +215,31 @@ class EngineSetup:
 
 def interpolate(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
     """Piecewise linear through (xs, ys); flat below xs[0], linear past xs[-1]."""
+    i, weight = _segment(xs, x)
+    if weight == 0.0:
+        return ys[i]
+    return ys[i] + (ys[i + 1] - ys[i]) * weight
+
+
+def _segment(xs: Sequence[int], x: float) -> tuple[int, float]:
+    """(i, w): `interpolate` at x is ys[i] + (ys[i + 1] - ys[i]) * w (w = 0: ys[i] alone)."""
     if len(xs) == 1 or x <= xs[0]:
-        return ys[0]
+        return 0, 0.0
     i = min(max(bisect_right(xs, x) - 1, 0), len(xs) - 2)
-    x0, x1 = xs[i], xs[i + 1]
-    return ys[i] + (ys[i + 1] - ys[i]) * (x - x0) / (x1 - x0)
+    return i, (x - xs[i]) / (xs[i + 1] - xs[i])
 
 
 def bilinear(
     xs: Sequence[int], ys: Sequence[int], values: Sequence[Sequence[float]], x: float, y: float
 ) -> float:
-    """`values[i][j]` at (xs[i], ys[j]), interpolated as `interpolate` does on each axis."""
-    per_x = [interpolate(ys, row, y) for row in values]
-    return interpolate(xs, per_x, x)
+    """`values[i][j]` at (xs[i], ys[j]), interpolated as `interpolate` does on each axis:
+    along y on the (at most two) rows the x segment uses, then along x. The simulator asks
+    this for every step it runs, so the other rows are left alone."""
+    i, weight = _segment(xs, x)
+    low = interpolate(ys, values[i], y)
+    if weight == 0.0:
+        return low
+    return low + (interpolate(ys, values[i + 1], y) - low) * weight
 
 
 def nonnegative_least_squares(matrix: np.ndarray, target: np.ndarray) -> np.ndarray:

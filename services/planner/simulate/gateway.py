@@ -39,12 +39,16 @@ class SimGateway:
     poll_interval_s: float
     _snapshots: dict[str, PodLoad] = field(default_factory=dict)  # pod name -> last poll
     _num_dispatched: dict[str, int] = field(default_factory=dict)  # pod name -> since the poll
+    # Pod name -> its load term from the snapshot and the dispatch count: the shortlist ranks
+    # every pod by it at each arrival, so it is kept up to date rather than computed there.
+    _load_terms: dict[str, float] = field(default_factory=dict)
 
     def poll(self) -> None:
         """Every pod's stats now; the dispatch counts restart, as the poll answers count them."""
         for pod in (*self.prefill_pods, *self.decode_pods):
             self._snapshots[pod.name] = pod.load
             self._num_dispatched[pod.name] = 0
+            self._load_terms[pod.name] = self._load_term(pod.name)
 
     def pick(self, request: SimRequest) -> tuple[SimPod | None, SimPod]:
         """(prefill pod or None without prefill pods, decode pod) for one arrival, both counted
@@ -65,22 +69,26 @@ class SimGateway:
 
     def undo(self, prefill_pod: SimPod | None, decode_pod: SimPod) -> None:
         """A pick that admission refused: the real gateway refuses before it dispatches."""
-        self._num_dispatched[decode_pod.name] -= 1
-        if prefill_pod is not None:
-            self._num_dispatched[prefill_pod.name] -= 1
+        for pod in (decode_pod, prefill_pod):
+            if pod is not None:
+                self._num_dispatched[pod.name] -= 1
+                self._load_terms[pod.name] = self._load_term(pod.name)
 
     def _views(self, pods: list[SimPod], request: SimRequest) -> list[PodView]:
         """The views the real router would score: every pod's, or its shortlist's."""
         # The prefix index is written as pods compute blocks: close to exact, so no staleness.
-        cached = [pod.num_cached_tokens(request) for pod in pods]
+        if request.prefix_group is None:
+            cached = [0] * len(pods)  # no pod caches a prompt that shares no prefix
+        else:
+            cached = [pod.num_cached_tokens(request) for pod in pods]
         if len(pods) <= MAX_SCORED_PODS:
             return [self._view(pod, tokens) for pod, tokens in zip(pods, cached)]
-        loads = [self._load_term(pod) for pod in pods]
+        loads = [self._load_terms[pod.name] for pod in pods]
         return [self._view(pods[i], cached[i]) for i in shortlist_positions(cached, loads)]
 
-    def _load_term(self, pod: SimPod) -> float:
-        snapshot = self._snapshots[pod.name]
-        queued = snapshot.num_queued + self._num_dispatched[pod.name]
+    def _load_term(self, name: str) -> float:
+        snapshot = self._snapshots[name]
+        queued = snapshot.num_queued + self._num_dispatched[name]
         return load_term(queued, snapshot.kv_usage, DEFAULT_WEIGHTS)
 
     def _view(self, pod: SimPod, cached_tokens: int) -> PodView:
@@ -89,4 +97,5 @@ class SimGateway:
 
     def _dispatch(self, pods: list[SimPod], name: str) -> SimPod:
         self._num_dispatched[name] += 1
+        self._load_terms[name] = self._load_term(name)
         return next(pod for pod in pods if pod.name == name)

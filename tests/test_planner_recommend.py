@@ -144,6 +144,14 @@ def test_the_margin_makes_the_planner_ask_for_more() -> None:
     assert (plain.cluster.num_prefill, pessimistic.cluster.num_prefill) == (3, 4)
 
 
+def _sweep_spec(workload: WorkloadSpec, slo: Slo, **options) -> SearchSpec:
+    """A small search for the layout sweep's tests: one pod for the fewest-devices part, up to
+    two in the sweep, two seeds."""
+    return SearchSpec(
+        workload, slo, **{"max_pods": 1, "ratio_max_pods": 2, "num_seeds": 2, **options}
+    )
+
+
 def test_the_layout_sweep_tries_each_setup_and_limit_and_names_what_binds() -> None:
     from splitserve.planner.profile.parts import EngineSetup
     from splitserve.planner.recommend import Profiles, format_table
@@ -156,14 +164,7 @@ def test_the_layout_sweep_tries_each_setup_and_limit_and_names_what_binds() -> N
         engine=EngineSetup(quantization="int8"),
     )
     workload = WorkloadSpec(1.0, 100, LengthDistribution(64, 64), LengthDistribution(32, 32))
-    spec = SearchSpec(
-        workload,
-        Slo(ttft_s=8.0, itl_s=0.1),
-        max_pods=1,
-        ratio_max_pods=2,
-        num_seeds=2,
-        remote_prefill_limits=(256,),
-    )
+    spec = _sweep_spec(workload, Slo(ttft_s=8.0, itl_s=0.1), remote_prefill_limits=(256,))
     recommendation = recommend(plain, spec, variants=(Profiles(faster),))
     layouts = {
         (p.setup, p.cluster.label, p.cluster.max_remote_prefill_tokens)
@@ -195,18 +196,11 @@ def test_the_layout_sweep_tries_each_setup_and_limit_and_names_what_binds() -> N
 def test_the_layout_sweep_tries_admission_and_it_raises_an_overloaded_layouts_goodput() -> None:
     # Prompts of 64-512 tokens at 1 ms a token, a 1 s TTFT: without admission a burst queues
     # everyone behind it; with it the gateway refuses what would be late, and a layout holds
-    # its 90% at a higher rate only if few are refused, so the sweep reports both.
+    # its 80% at a higher rate only if few are refused, so the sweep reports both.
     profile = synthetic_profile(0.05, prefill_per_token_s=1e-3, decode_step_s=0.02)
     workload = WorkloadSpec(0.5, 200, LengthDistribution(64, 512), LengthDistribution(16, 16))
-    spec = SearchSpec(
-        workload,
-        Slo(ttft_s=1.0, itl_s=0.2),
-        attainment=0.8,
-        max_pods=1,
-        ratio_max_pods=1,
-        num_seeds=2,
-        try_admission=True,
-    )
+    slo = Slo(ttft_s=1.0, itl_s=0.2)
+    spec = _sweep_spec(workload, slo, attainment=0.8, ratio_max_pods=1, try_admission=True)
     points = recommend(profile, spec).ratios
     assert [p.label for p in points] == ["1 colocated", "1 colocated, admission"]
     without, with_admission = points

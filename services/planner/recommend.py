@@ -298,7 +298,7 @@ def format_table(recommendation: Recommendation, spec: SearchSpec) -> str:
         mark = "  <== best layout" if point is best_ratio else ""
         setup = f"  [{point.setup}]" if len(setups) > 1 else ""
         lines.append(
-            f"  {point.label:<40} {point.max_rate:7.2f} req/s  "
+            f"  {point.label:<52} {point.max_rate:7.2f} req/s  "
             f"{point.goodput_per_pod:6.2f} req/s/device  {point.binding:<16}{setup}{mark}"
         )
     if best_ratio is not None:

@@ -55,6 +55,7 @@ from splitserve.planner.profile.parts import (
     MIN_ENGINE_SCALE,
     nonnegative_least_squares,
     spread_quantiles,
+    topology_of,
 )
 from splitserve.planner.simulate.cluster import simulate
 
@@ -194,8 +195,7 @@ def _far_apart(specs: list[RequestSpec]) -> list[SimRequest]:
 
 
 def _with_costs(profile: Profile, config: LocalConfig, costs: ServingCosts) -> Profile:
-    topology = "colocated" if config.num_prefill == 0 else "disaggregated"
-    return replace(profile, serving={topology: costs})
+    return replace(profile, serving={topology_of(config.num_prefill): costs})
 
 
 def _simulated_itl_p50(profile: Profile, config: LocalConfig, requests) -> float:

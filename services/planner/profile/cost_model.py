@@ -42,6 +42,7 @@ from splitserve.planner.profile.parts import (
     TierLoadModel,
     bilinear,
     nonnegative_least_squares,
+    topology_of,
 )
 
 PROFILE_VERSION = 2
@@ -233,7 +234,7 @@ class Profile:
         """This profile with the serving costs measured for a topology like the cluster's
         (P = 0 colocated, else disaggregated) as its overheads, and its engine times by their
         `engine_scale`; unchanged without them."""
-        costs = self.serving.get("colocated" if num_prefill == 0 else "disaggregated")
+        costs = self.serving.get(topology_of(num_prefill))
         if costs is None:
             return self
         return replace(

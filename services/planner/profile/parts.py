@@ -16,6 +16,11 @@ import numpy as np
 TOPOLOGIES = ("colocated", "disaggregated")
 
 
+def topology_of(num_prefill: int) -> str:
+    """The topology whose serving costs a cluster of `num_prefill` prefill pods runs with."""
+    return TOPOLOGIES[0] if num_prefill == 0 else TOPOLOGIES[1]
+
+
 @dataclass(frozen=True)
 class PrefillSample:
     num_tokens: int  # prompt tokens computed in the step (one prompt, from position 0)

@@ -54,6 +54,7 @@ from splitserve.planner.measure.serving import measure_serving
 from splitserve.planner.measure.settings import QUICK_GRID, ProfileSettings
 from splitserve.planner.plot import plot_validation
 from splitserve.planner.profile import Profile, ServingCosts, load_profile
+from splitserve.planner.profile.parts import topology_of
 from splitserve.planner.simulate.cluster import simulate
 from splitserve.planner.validate.goodput import format_goodput, workload_slo
 from splitserve.planner.validate.ranking import format_ranking
@@ -148,8 +149,7 @@ def run_config(config: LocalConfig, profile: Profile, args: argparse.Namespace) 
 
 
 def _serving_costs(profile: Profile, config: LocalConfig) -> ServingCosts:
-    topology = "colocated" if config.num_prefill == 0 else "disaggregated"
-    return profile.serving.get(topology, ServingCosts())
+    return profile.serving.get(topology_of(config.num_prefill), ServingCosts())
 
 
 def _measured(run) -> Latencies:

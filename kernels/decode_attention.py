@@ -5,6 +5,9 @@ of that kv head at once, so each key and value is read from memory exactly once 
 query heads share it (GQA). When the context is longer than one partition, each partition
 writes its normalised output and log-sum-exp, and a second kernel merges the partitions. A
 batch whose contexts fit one partition skips the merge and writes the output directly.
+Two variants, chosen by the launch's KV_HEADS and FUSED_MERGE keys (the tuned table's), attend
+several kv heads per program and merge the partitions without a second kernel
+(kernels/_decode_variants.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import triton
 import triton.language as tl
 
 from splitserve.kernels import _checks as checks
+from splitserve.kernels._decode_variants import decode_heads_partition_kernel, finish_partition
 from splitserve.kernels._paged_tile import dot_meta, load_kv_tile, online_softmax_step, scale_args
 from splitserve.kernels.launch_configs import launch_config, lookup_environment
 
@@ -25,10 +29,17 @@ LOG2E = 1.4426950408889634
 DEFAULT_PARTITION_SIZE = 512
 # What a GPU without a tuned table (kernels/launch_configs.py) runs: Triton's own defaults of
 # warps and stages, 64-token tiles, 512-token partitions.
-DEFAULT_LAUNCH = dict(PARTITION_SIZE=DEFAULT_PARTITION_SIZE, TILE_N=64, num_warps=4, num_stages=3)
+# KV_HEADS=1 and FUSED_MERGE=0: the one-kv-head kernel and the merge kernel, not the
+# variants of kernels/_decode_variants.py.
+DEFAULT_LAUNCH = dict(PARTITION_SIZE=DEFAULT_PARTITION_SIZE, TILE_N=64, num_warps=4, num_stages=3,
+                      KV_HEADS=1, FUSED_MERGE=0)
 # tl.dot needs at least 16 rows; padding the query-head group costs compute only, and decode
 # is bound by reading K and V.
 MIN_GROUP_ROWS = 16
+MAX_KV_HEADS = 16
+# The fused merge's counters are made once for this many (sequence, head block) pairs, so that a
+# batch growing past its first size rarely makes new ones.
+MIN_MERGE_COUNTERS = 4096
 
 
 @triton.jit
@@ -43,6 +54,7 @@ def _decode_partition_kernel(
     out_ptr,  # [num_seqs, num_heads, head_dim], written when IS_SINGLE_PARTITION
     part_out_ptr,  # [num_seqs, num_heads, num_partitions, HEAD_DIM] float32
     part_lse_ptr,  # [num_seqs, num_heads, num_partitions] float32, log2 units
+    counter_ptr,  # [num_seqs, num_kv_heads] int32, zero between calls (FUSED_MERGE)
     scale_log2,
     stride_q_seq,
     stride_q_head,
@@ -65,6 +77,7 @@ def _decode_partition_kernel(
     TILE_N: tl.constexpr,
     PARTITION_SIZE: tl.constexpr,
     IS_SINGLE_PARTITION: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     KV_INT8: tl.constexpr,
@@ -109,21 +122,11 @@ def _decode_partition_kernel(
         acc, l_i, m_i = online_softmax_step(q, k, v, tok_ok[None, :], acc, l_i, m_i,
                                             scale_log2, True, DOT_PRECISION, UPCAST_DOT)
 
-    # A sequence of length 0 (batch padding) has l_i == 0 and acc == 0: its output is 0.
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    result = acc / l_safe[:, None]
-    if IS_SINGLE_PARTITION:
-        out_ptrs = out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + dims[None, :]
-        tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & dim_ok[None, :])
-    else:
-        # The merge kernel reads only partitions that hold tokens, so empty ones store nothing.
-        part_row = ((seq * num_heads + heads) * num_partitions + part).to(tl.int64)
-        # A vector, not a scalar: Triton's interpreter mis-types scalar & block masks.
-        store_ok = row_ok & (part_start + tl.zeros_like(rows) < seq_len)
-        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], result,
-                 mask=store_ok[:, None] & dim_ok[None, :])
-        tl.store(part_lse_ptr + part_row, m_i + tl.log2(l_safe), mask=store_ok)
+    finish_partition(acc, l_i, m_i, heads, row_ok, dims, dim_ok, seq, seq_len, part, part_start,
+                     out_ptr, part_out_ptr, part_lse_ptr,
+                     counter_ptr + seq * tl.num_programs(1) + kv_head, stride_o_seq,
+                     stride_o_head, num_heads, num_partitions, HEAD_DIM, PARTITION_SIZE,
+                     IS_SINGLE_PARTITION, FUSED_MERGE)  # fmt: skip
 
 
 @triton.jit
@@ -203,8 +206,9 @@ def paged_decode_attention(
     The context is cut into `partition_size`-token partitions (a power of two >= 16; None: the
     device's tuned size, else 512) when `max_blocks_per_seq * block_size` exceeds it: that
     bound, not the true lengths, sizes the launch, so the call never syncs; slice block_tables
-    to the batch's longest row. `launch`: TILE_N, num_warps and num_stages instead of the
-    tuned table's (benchmarks.triton_tune tries candidates through it).
+    to the batch's longest row. `launch`: TILE_N, num_warps, num_stages and the variants'
+    keys KV_HEADS and FUSED_MERGE (kernels/_decode_variants.py) instead of the tuned table's
+    (benchmarks.triton_tune tries candidates through it).
     """
     shape = _check_decode_args(query, key_cache, value_cache, block_tables, seq_lens)
     scale = checks.check_scale(scale)
@@ -213,27 +217,19 @@ def paged_decode_attention(
         partition_size = int(launch["PARTITION_SIZE"])
     if not checks.is_power_of_two(partition_size) or partition_size < 16:
         raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
+    kv_heads = _kv_heads_per_program(launch, shape.num_kv_heads)
     out = checks.prepare_out(out, tuple(query.shape), query)
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
         return out
     max_context = block_tables.shape[1] * shape.block_size
     num_partitions = max(1, math.ceil(max_context / partition_size))
-    group = num_heads // shape.num_kv_heads
-    meta = dict(
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        GROUP=group,
-        GROUP_PAD=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
-        BLOCK_SIZE=shape.block_size,
-        TILE_N=min(int(launch["TILE_N"]), partition_size),
-        PARTITION_SIZE=partition_size,
-        IS_SINGLE_PARTITION=num_partitions == 1,
-        KV_INT8=key_cache.dtype == torch.int8,
-        num_warps=int(launch["num_warps"]),
-        num_stages=int(launch["num_stages"]),
-        **dot_meta(query.dtype),
-    )
+    grid = (num_seqs, -(-shape.num_kv_heads // kv_heads), num_partitions)
+    counters = None
+    if num_partitions > 1 and launch.get("FUSED_MERGE"):
+        counters = _merge_counters(query.device, num_seqs * grid[1])
+    meta = _partition_meta(query, key_cache, shape, kv_heads, partition_size, launch)
+    meta.update(IS_SINGLE_PARTITION=num_partitions == 1, FUSED_MERGE=counters is not None)
     if num_partitions == 1:
         part_out = part_lse = out  # unused by the single-partition variant
     else:
@@ -242,13 +238,18 @@ def paged_decode_attention(
         part_lse = torch.empty((num_seqs, num_heads, num_partitions),
                                dtype=torch.float32, device=query.device)
     key_scales, value_scales, *scale_strides = scale_args(key_cache, value_cache)
-    _decode_partition_kernel[(num_seqs, shape.num_kv_heads, num_partitions)](
+    args = [
         query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens, out,
-        part_out, part_lse, scale * LOG2E, query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), *scale_strides,
-        block_tables.stride(0), out.stride(0), out.stride(1), num_heads, num_partitions, **meta,
-    )
-    if num_partitions > 1:
+        part_out, part_lse, out if counters is None else counters, scale * LOG2E,
+        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1),
+        key_cache.stride(2), *scale_strides, block_tables.stride(0), out.stride(0),
+        out.stride(1), num_heads,
+    ]  # fmt: skip
+    if kv_heads == 1:
+        _decode_partition_kernel[grid](*args, num_partitions, **meta)
+    else:
+        decode_heads_partition_kernel[grid](*args, shape.num_kv_heads, num_partitions, **meta)
+    if num_partitions > 1 and counters is None:
         _decode_merge_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, seq_lens, out.stride(0), out.stride(1), num_heads,
             num_partitions, HEAD_DIM=head_dim, HEAD_DIM_PAD=meta["HEAD_DIM_PAD"],
@@ -256,6 +257,71 @@ def paged_decode_attention(
             PART_TILE=min(16, triton.next_power_of_2(num_partitions)),
         )
     return out
+
+
+def _kv_heads_per_program(launch: dict[str, Any], num_kv_heads: int) -> int:
+    """The launch's KV_HEADS (1: the one-kv-head kernel); more than the cache holds means all
+    of them, rounded up to a power of two."""
+    kv_heads = int(launch.get("KV_HEADS", 1))
+    if not checks.is_power_of_two(kv_heads) or kv_heads > MAX_KV_HEADS:
+        raise ValueError(f"KV_HEADS must be a power of two <= {MAX_KV_HEADS}, got {kv_heads}")
+    return min(kv_heads, triton.next_power_of_2(num_kv_heads))
+
+
+def _partition_meta(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    shape: checks.CacheShape,
+    kv_heads: int,
+    partition_size: int,
+    launch: dict[str, Any],
+) -> dict[str, Any]:
+    """The partition kernel's constexprs and launch options, but for the number of partitions.
+    TILE_N counts score columns, (token, kv head) pairs: with KV_HEADS kv heads a step reads
+    TILE_N / KV_HEADS tokens, the same bytes as the one-kv-head kernel's TILE_N tokens."""
+    head_dim = query.shape[2]
+    group = query.shape[1] // shape.num_kv_heads
+    meta: dict[str, Any] = dict(
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        GROUP=group,
+        BLOCK_SIZE=shape.block_size,
+        PARTITION_SIZE=partition_size,
+        KV_INT8=key_cache.dtype == torch.int8,
+        num_warps=int(launch["num_warps"]),
+        num_stages=int(launch["num_stages"]),
+        **dot_meta(query.dtype),
+    )
+    tile_n = int(launch["TILE_N"])
+    if kv_heads == 1:
+        meta.update(GROUP_PAD=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
+                    TILE_N=min(tile_n, partition_size))  # fmt: skip
+    else:
+        # At least 16 columns: tl.dot's smallest inner dimension for the P @ V product.
+        tile_tokens = min(max(tile_n, MIN_GROUP_ROWS) // kv_heads, partition_size)
+        meta.update(KV_HEADS=kv_heads, TILE_TOKENS=tile_tokens,
+                    ROWS_PAD=max(MIN_GROUP_ROWS, triton.next_power_of_2(kv_heads * group)))
+    return meta
+
+
+# device -> every counter buffer made there, newest last. Older ones stay alive: a CUDA graph
+# captured with one keeps writing to it.
+_MERGE_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _merge_counters(device: torch.device, count: int) -> torch.Tensor | None:
+    """`count` int32 counters at zero for FUSED_MERGE, which leaves them at zero after each
+    call. None (the caller then launches the merge kernel) where new ones would have to be
+    made during a CUDA-graph capture: those would hold no zeros until the graph's first
+    replay, and an eager call could come first. The counters are the device's, shared by
+    every call: calls on one device must run one after another (one stream), as layers do."""
+    buffers = _MERGE_COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buffers.append(torch.zeros(max(count, MIN_MERGE_COUNTERS), dtype=torch.int32,
+                                   device=device))  # fmt: skip
+    return buffers[-1][:count]
 
 
 def decode_launch_key(

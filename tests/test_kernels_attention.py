@@ -22,7 +22,7 @@ from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 
-from splitserve.kernels import reference  # noqa: E402
+from splitserve.kernels import decode_attention, kv_int8, reference  # noqa: E402
 from splitserve.kernels.decode_attention import paged_decode_attention  # noqa: E402
 from splitserve.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 
@@ -87,12 +87,25 @@ DECODE_CASES = [
 ]
 
 
+# The launch keys of decode attention's variants (kernels/_decode_variants.py); {} is the
+# default kernel. TILE_N 16 with 4 kv heads: 4 tokens a step, several steps a partition;
+# KV_HEADS 2 over 3 kv heads: a last head block of one real kv head.
+DECODE_VARIANTS = [
+    {},
+    {"KV_HEADS": 2},
+    {"KV_HEADS": 4, "TILE_N": 16},
+    {"FUSED_MERGE": 1},
+    {"KV_HEADS": 8, "FUSED_MERGE": 1, "TILE_N": 32},
+]
+
+
+@pytest.mark.parametrize("launch", DECODE_VARIANTS, ids=str)
 @pytest.mark.parametrize(
     ("dtype", "block_size", "head_dim", "num_kv_heads", "group", "seq_lens", "partition_size"),
     DECODE_CASES,
 )
 def test_decode_matches_reference(
-    dtype, block_size, head_dim, num_kv_heads, group, seq_lens, partition_size
+    dtype, block_size, head_dim, num_kv_heads, group, seq_lens, partition_size, launch
 ):
     gen = torch.Generator().manual_seed(len(seq_lens) * 1000 + head_dim + group)
     kv = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen)
@@ -102,7 +115,8 @@ def test_decode_matches_reference(
     scale = head_dim**-0.5
 
     result = paged_decode_attention(query, kv.key_cache, kv.value_cache, kv.block_tables,
-                                    kv.seq_lens, scale, out, partition_size=partition_size)
+                                    kv.seq_lens, scale, out, partition_size=partition_size,
+                                    launch=launch)  # fmt: skip
 
     assert result is out
     expected = reference.paged_decode_attention(query.float(), *as_float(kv), kv.block_tables,
@@ -123,6 +137,59 @@ def test_decode_strided_query_and_empty_sequence():
                                                 kv.block_tables, kv.seq_lens, 0.125)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert relative_error(out, expected) < 1e-4
+
+
+@pytest.mark.parametrize("launch", DECODE_VARIANTS, ids=str)
+def test_decode_of_cuda_graph_padding_rows(launch):
+    """The rows a CUDA-graph replay pads its batch with (shared/cuda_graphs.py): length 1 over
+    block 0, in a block table as wide as the model's context, so most partitions are empty."""
+    gen = torch.Generator().manual_seed(5)
+    kv = make_paged_kv([70, 23], 16, 3, 64, torch.float32, gen)
+    for cache in (kv.key_cache, kv.value_cache):  # block 0 is read: it must hold numbers
+        cache[0] = torch.randn(cache.shape[1:], generator=gen).to(DEVICE)
+    num_real, num_padding, width = 2, 3, 12
+    tables = torch.zeros((num_real + num_padding, width), dtype=torch.int32, device=DEVICE)
+    tables[:num_real, : kv.block_tables.shape[1]] = kv.block_tables
+    seq_lens = torch.ones(num_real + num_padding, dtype=torch.int32, device=DEVICE)
+    seq_lens[:num_real] = kv.seq_lens
+    query = torch.randn(num_real + num_padding, 9, 64, generator=gen).to(DEVICE)
+    out = torch.full_like(query, float("nan"))
+    paged_decode_attention(query, kv.key_cache, kv.value_cache, tables, seq_lens, 0.125, out,
+                           partition_size=32, launch=launch)  # fmt: skip
+    expected = reference.paged_decode_attention(query, kv.key_cache, kv.value_cache, tables,
+                                                seq_lens, 0.125)  # fmt: skip
+    assert relative_error(out, expected) < 1e-4
+
+
+@pytest.mark.parametrize("launch", DECODE_VARIANTS[1:], ids=str)
+def test_decode_variants_over_int8_rows(launch):
+    """The variants read an int8 cache's rows and scales as the default kernel does."""
+    gen = torch.Generator().manual_seed(6)
+    kv = make_paged_kv([90, 7, 33], 16, 3, 64, torch.float32, gen)
+    key_cache, value_cache = (kv_int8.quantize_rows(c) for c in (kv.key_cache, kv.value_cache))
+    query = torch.randn(3, 9, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    args = (key_cache, value_cache, kv.block_tables, kv.seq_lens, 0.125)
+    out = paged_decode_attention(query, *args, partition_size=32, launch=launch)
+    expected = reference.paged_decode_attention(query.float(), *args)
+    assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
+
+
+def test_fused_merge_leaves_its_counters_at_zero():
+    """The next call (the next layer's) counts from zero again."""
+    gen = torch.Generator().manual_seed(8)
+    kv = make_paged_kv([100, 40], 16, 2, 64, torch.float32, gen)
+    query = torch.randn(2, 6, 64, generator=gen).to(DEVICE)
+    for kv_heads in (1, 2):
+        paged_decode_attention(query, kv.key_cache, kv.value_cache, kv.block_tables,
+                               kv.seq_lens, 0.125, partition_size=32,
+                               launch={"FUSED_MERGE": 1, "KV_HEADS": kv_heads})  # fmt: skip
+    counters = decode_attention._MERGE_COUNTERS[query.device]
+    assert counters and not any(c.any() for c in counters)
+
+
+def test_decode_rejects_a_kv_heads_not_a_power_of_two(small_decode_args):
+    with pytest.raises(ValueError, match="KV_HEADS"):
+        paged_decode_attention(**small_decode_args, launch={"KV_HEADS": 3})
 
 
 def make_query_layout(query_lens: list[int]) -> torch.Tensor:

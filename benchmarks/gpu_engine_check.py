@@ -5,9 +5,10 @@
 Runs SmolLM2-135M-Instruct in float32 on the parity prompts (benchmarks/parity_prompts.py:
 eight prompts, one over 600 tokens): first on the CPU with PyTorch attention, the reference
 that tests/test_engine_parity.py holds against transformers, then on CUDA, where
-`select_attention_backend` picks the Triton kernels, under three schedules: one batch, a second
-pass served from the prefix cache, and 32-token prefill chunks. Greedy tokens must be equal,
-token for token.
+`select_attention_backend` picks the Triton kernels, under five schedules: one batch, a second
+pass served from the prefix cache, 32-token prefill chunks, and async scheduling (the next step
+launched before the last one's tokens are read) with CUDA graphs and with prefill chunks. Greedy
+tokens must be equal, token for token.
 
 `--smoke` runs every line on the CPU instead (the "device" engine is a second CPU engine, two
 short prompts, four tokens each), so a wrong call fails here and not in a scarce GPU session.
@@ -90,6 +91,25 @@ def run_check(plan: CheckPlan) -> list[RunResult]:
     del engine
     chunked = _engine(plan, enable_prefix_caching=False, **CHUNKED)
     results.append(_check("32-token prefill chunks", chunked, prompts, greedy, expected))
+    del chunked
+    results += _check_async_scheduling(plan, prompts, greedy, expected)
+    return results
+
+
+def _check_async_scheduling(
+    plan: CheckPlan, prompts: list[list[int]], greedy: SamplingParams, expected: list[list[int]]
+) -> list[RunResult]:
+    """The same tokens with the next step launched before the last one's are read: with CUDA
+    graphs where there is CUDA, and with prefill chunks beside decodes."""
+    graphs = {"cuda_graphs": True} if plan.device.startswith("cuda") else {}
+    overlapped = _engine(plan, async_scheduling=True, **graphs)
+    label = "async scheduling" + (" with CUDA graphs" if graphs else "") + ", one batch"
+    results = [_check(label, overlapped, prompts, greedy, expected)]
+    del overlapped
+    chunked = _engine(plan, async_scheduling=True, enable_prefix_caching=False, **CHUNKED)
+    results.append(
+        _check("async scheduling, 32-token prefill chunks", chunked, prompts, greedy, expected)
+    )
     return results
 
 

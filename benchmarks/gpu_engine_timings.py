@@ -3,8 +3,10 @@
     python -m benchmarks.gpu_engine_timings [--json PATH] [--smoke]
 
 SmolLM2-135M-Instruct in bfloat16 on CUDA, for the engine without and with CUDA graphs
-(`cuda_graphs=True`) and for transformers (`AutoModelForCausalLM` loaded from the same GGUF,
-dequantized as the engine's `quantization="none"` does):
+(`cuda_graphs=True`), with graphs and async scheduling (`async_scheduling=True`: the next step
+launched while the device runs this one; `--smoke` runs it without graphs) and for
+transformers (`AutoModelForCausalLM` loaded from the same GGUF, dequantized as the engine's
+`quantization="none"` does):
 - batch-1 ITL: the median gap between tokens of one request decoding `itl_tokens` tokens;
 - throughput: `batch` requests of `batch_tokens` new tokens each (EOS ignored), all at once,
   output tokens per second of wall time;
@@ -14,7 +16,10 @@ dequantized as the engine's `quantization="none"` does):
 - for the engine, where the host's part of such a step goes (no profiler: each part's entry
   point wrapped in a timer, as benchmarks.step_breakdown does): scheduling, input preparation,
   the forward's launches (a graph's input copies and replay), the wait for the device (a
-  synchronize before sampling), sampling, the scheduler's update, output processing.
+  synchronize before sampling; with async scheduling the wait for the step before's tokens),
+  sampling, the scheduler's update, output processing;
+- for the engine, what made the host wait for the device during those steps (torch's sync
+  debug mode), by the line that called it.
 Each configuration runs once untimed first (Triton compiles, graphs are captured).
 
 `--smoke` runs every line on the CPU in float32 with tiny sizes (no kernel share there: the
@@ -29,6 +34,7 @@ import json
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -36,6 +42,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from splitserve import LLM, SamplingParams
+from splitserve.engine.launched_step import LaunchedStep
 from splitserve.engine.model_paths import default_model_path
 from splitserve.engine.tokenizer import Tokenizer
 
@@ -65,6 +72,9 @@ class EngineFigures:
     kernel_busy_ms: float | None  # None where no device kernel is seen (the CPU)
     outside_kernels_share: float | None
     host_parts_ms: dict[str, float]  # a decode step at `batch`, part -> ms (HOST_PARTS)
+    # Operations that made the host wait for the device in `profile_steps` decode steps
+    # (torch.cuda.set_sync_debug_mode): "file:line message" -> count; {} off CUDA.
+    host_syncs: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,7 @@ def time_engine(plan: TimingPlan, **options: object) -> EngineFigures:
     gaps = [gap for r in results for gap in r.outputs[0].timings.inter_token_latencies]
     step_ms, busy_ms = profile_decode_steps(llm, prompts, plan)
     host_parts = time_host_parts(llm, prompts, plan)
+    syncs = count_host_syncs(llm, prompts, plan)
     return EngineFigures(
         itl_ms=1e3 * statistics.median(single.outputs[0].timings.inter_token_latencies),
         throughput_tokens_per_s=plan.batch * plan.batch_tokens / seconds,
@@ -110,10 +121,14 @@ def time_engine(plan: TimingPlan, **options: object) -> EngineFigures:
         kernel_busy_ms=busy_ms,
         outside_kernels_share=None if busy_ms is None else 1.0 - busy_ms / step_ms,
         host_parts_ms=host_parts,
+        host_syncs=syncs,
     )
 
 
 HOST_PARTS = ("schedule", "prepare", "forward", "device_wait", "sampling", "update", "output")
+# With async_scheduling: the wait is for the step before (LaunchedStep.token_ids), `update`
+# resolves its tokens and `advance` moves the launched step's counts on.
+ASYNC_HOST_PARTS = (*HOST_PARTS, "advance")
 
 
 def time_host_parts(llm: LLM, prompts: list[list[int]], plan: TimingPlan) -> dict[str, float]:
@@ -130,25 +145,32 @@ def time_host_parts(llm: LLM, prompts: list[list[int]], plan: TimingPlan) -> dic
         if is_cuda:
             torch.cuda.synchronize()
 
+    is_async = engine.overlap is not None
     targets = [
         (engine.scheduler, "schedule", "schedule"),
         (runner, "prepare_inputs", "prepare"),
         (runner, "forward", "forward"),
-        (runner.sampler, "sample", "sampling"),
-        (engine.scheduler, "update", "update"),
+        (runner.sampler, "sample_on_device" if is_async else "sample", "sampling"),
+        (engine.scheduler, "resolve_launched" if is_async else "update", "update"),
         (engine.output_processor, "process", "output"),
         (engine, "step", "step"),
     ]
+    if is_async:
+        targets.append((engine.scheduler, "advance_launched", "advance"))
     for owner, method, part in targets:
         setattr(owner, method, clock.wrap(part, getattr(owner, method)))
-    sample = runner.sampler.sample
-    timed_wait = clock.wrap("device_wait", wait_for_device)
+    if is_async:  # the event wait inside LaunchedStep.token_ids is the device wait
+        token_ids = LaunchedStep.token_ids
+        LaunchedStep.token_ids = clock.wrap("device_wait", token_ids)  # type: ignore[method-assign]
+    else:
+        sample = runner.sampler.sample
+        timed_wait = clock.wrap("device_wait", wait_for_device)
 
-    def sample_after_the_device(*args: Any, **kwargs: Any) -> Any:
-        timed_wait()
-        return sample(*args, **kwargs)
+        def sample_after_the_device(*args: Any, **kwargs: Any) -> Any:
+            timed_wait()
+            return sample(*args, **kwargs)
 
-    runner.sampler.sample = sample_after_the_device
+        runner.sampler.sample = sample_after_the_device
     request_ids = [f"host-{i}" for i in range(len(prompts))]
     try:
         for request_id, prompt in zip(request_ids, prompts):
@@ -161,11 +183,42 @@ def time_host_parts(llm: LLM, prompts: list[list[int]], plan: TimingPlan) -> dic
         engine.abort_requests(request_ids)
         for owner, method, _ in targets:
             vars(owner).pop(method, None)
-        vars(runner.sampler).pop("sample", None)
-    parts = {part: 1e3 * clock.seconds[part] / plan.profile_steps for part in HOST_PARTS}
+        if is_async:
+            LaunchedStep.token_ids = token_ids  # type: ignore[method-assign]
+        else:
+            vars(runner.sampler).pop("sample", None)
+    names = ASYNC_HOST_PARTS if is_async else HOST_PARTS
+    parts = {part: 1e3 * clock.seconds[part] / plan.profile_steps for part in names}
     parts["step"] = 1e3 * clock.seconds["step"] / plan.profile_steps
-    parts["other"] = parts["step"] - sum(parts[part] for part in HOST_PARTS)
+    parts["other"] = parts["step"] - sum(parts[part] for part in names)
     return parts
+
+
+def count_host_syncs(llm: LLM, prompts: list[list[int]], plan: TimingPlan) -> dict[str, int]:
+    """What made the host wait for the device in `profile_steps` decode steps at `batch`:
+    torch's sync debug mode warns at each synchronizing call (a blocking copy, .item(),
+    .tolist() of a device tensor); counted by the engine's line that called it."""
+    if not plan.device.startswith("cuda"):
+        return {}
+    engine = llm.engine
+    request_ids = [f"sync-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(request_ids, prompts):
+        engine.add_request(request_id, prompt, _fixed_length(plan.profile_steps + 8))
+    _step_until_every_request_decodes(llm, set(request_ids))
+    counts: dict[str, int] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(plan.profile_steps):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    engine.abort_requests(request_ids)
+    for warning in caught:
+        key = f"{warning.filename}:{warning.lineno} {str(warning.message)[:60]}"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def profile_decode_steps(
@@ -271,6 +324,13 @@ def run(plan: TimingPlan) -> dict[str, Any]:
     else:
         graphs = {"skipped": "CUDA graphs run on CUDA only"}
     variants["engine_cuda_graphs"] = graphs
+    if plan.device.startswith("cuda"):
+        overlapped = _figures_or_error(
+            lambda: time_engine(plan, cuda_graphs=True, async_scheduling=True)
+        )
+    else:
+        overlapped = _figures_or_error(lambda: time_engine(plan, async_scheduling=True))
+    variants["engine_cuda_graphs_async"] = overlapped
     prompts = prompt_ids(Tokenizer.from_gguf(default_model_path()), plan.batch)
     variants["transformers"] = _figures_or_error(lambda: time_transformers(plan, prompts))
     return {"plan": asdict(plan), "device": _device_name(plan), "variants": variants}

@@ -190,8 +190,15 @@ class SchedulerConfig:
     # burst of prompts cannot stretch every running stream's next token past what this many
     # tokens cost. Steps with nothing decoding still take the whole budget. None = no cap.
     max_prefill_tokens_while_decoding: int | None = None
+    # Schedule and launch the next step while the device runs this one (shared/overlap.py):
+    # a GPU's decode steps stop waiting on the host. Nothing to gain on the CPU, where the
+    # forward itself runs on the host.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.async_scheduling, bool):
+            value = self.async_scheduling
+            raise ValueError(f"async_scheduling must be true or false, got {value!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
@@ -351,6 +358,13 @@ class EngineConfig:
                 "speculative_method 'self' does not support tensor_parallel_size "
                 f"{self.parallel.tensor_parallel_size} / pipeline_parallel_size "
                 f"{self.parallel.pipeline_parallel_size} (use 'ngram' or 'draft')"
+            )
+        if self.scheduler.async_scheduling and self.parallel.world_size > 1:
+            # The other ranks rebuild each step's inputs from token ids the host has not read.
+            raise ValueError(
+                "async_scheduling does not support tensor_parallel_size "
+                f"{self.parallel.tensor_parallel_size} / pipeline_parallel_size "
+                f"{self.parallel.pipeline_parallel_size} yet"
             )
         explicit_tier = self.cache.offload_host_bytes not in (0, "auto") or self.cache.has_disk_tier
         if self.parallel.world_size > 1 and explicit_tier:

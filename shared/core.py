@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -31,12 +31,13 @@ from splitserve.engine.kv.tiers import Tier
 from splitserve.engine.lora.request import LoRARequest, lora_hash_keys
 from splitserve.engine.model.moe_layer import expert_token_counts
 from splitserve.engine.outputs import StreamDelta
+from splitserve.engine.overlap import OverlappedSteps
 from splitserve.engine.params_check import check_params
 from splitserve.engine.parts import build_parts
 from splitserve.engine.prompts import check_prompt
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.step import ModelOutput, SchedulerOutput, StepResult
+from splitserve.engine.step import ModelOutput, RequestUpdate, SchedulerOutput, StepResult
 from splitserve.engine.structured_output.matcher import StepMasks
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,8 @@ class EngineCore:
         self._num_threads = torch.get_num_threads()
         self._moe_blocks = parts.moe_blocks
         self.lora = parts.lora
+        # Async scheduling: one step in flight while the host prepares the next.
+        self.overlap = OverlappedSteps(self) if config.scheduler.async_scheduling else None
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -403,8 +406,16 @@ class EngineCore:
         return self.kv_exporter.take(request_id)
 
     def step(self) -> list[StreamDelta]:
+        """One step; with async_scheduling, the next step's launch and the last one's output
+        (shared/overlap.py)."""
+        if self.overlap is not None:
+            return self.overlap.step()
+        return self.step_in_order()
+
+    def step_in_order(self) -> list[StreamDelta]:
+        """Schedule, run, read the tokens, update: the host waits for the device."""
         sched = self.scheduler.schedule()
-        deltas = self._close_dropped_requests()
+        deltas = self.close_dropped_requests()
         if sched.is_empty:
             return deltas
         if self.speculator is not None:
@@ -415,16 +426,24 @@ class EngineCore:
         step = StepResult(sched, model_out, start_time, time.monotonic())
         if self.thread_tuner is not None:
             self.thread_tuner.observe(step, num_threads)
+        return deltas + self.finish_step(step, lambda: self.scheduler.update(sched, model_out))
+
+    def finish_step(
+        self, step: StepResult, update: Callable[[], list[RequestUpdate]]
+    ) -> list[StreamDelta]:
+        """The observers see the step, then `update` applies its tokens to the requests (so a
+        request that finishes in it still holds its blocks while they look), then the
+        output processor streams them and stop strings end requests."""
         for observer in self.step_observers:
             observer.observe(step)
-        updates = self.scheduler.update(sched, model_out)
+        updates = update()
         processed = self.output_processor.process(updates)
         stopped = self.scheduler.finish_requests(
             processed.stopped_request_ids, RequestStatus.FINISHED_STOPPED
         )
         finished_ids = [u.request.request_id for u in updates if u.finished]
         self.runner.release(finished_ids + [request.request_id for request in stopped])
-        return deltas + processed.deltas
+        return processed.deltas
 
     def _choose_threads(self, sched: SchedulerOutput) -> int:
         if self.thread_tuner is not None:
@@ -443,7 +462,7 @@ class EngineCore:
         masks.wait()  # the mask thread reads the requests that the update is about to change
         return model_out
 
-    def _close_dropped_requests(self) -> list[StreamDelta]:
+    def close_dropped_requests(self) -> list[StreamDelta]:
         """Requests the scheduler ended on its own (context outgrew the whole cache)."""
         dropped = self.scheduler.take_dropped()
         self.runner.release([request.request_id for request in dropped])

@@ -23,6 +23,11 @@ from splitserve.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from splitserve.engine.structured_output.matcher import SequenceGrammar
 
+# Async scheduling (shared/overlap.py): the output token of a step still running on the device,
+# appended so the scheduler can schedule the next step; the runner feeds the next step that
+# row's token from the device, and the step's resolution writes the real id over it.
+PENDING_TOKEN = -1
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered so `status > PREEMPTED` is the whole `is_finished` test."""
@@ -128,3 +133,29 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    # ---- async scheduling: at most one pending token, always the newest ----------------------
+
+    @property
+    def has_pending_token(self) -> bool:
+        return bool(self.output_token_ids) and self.output_token_ids[-1] == PENDING_TOKEN
+
+    @property
+    def num_known_tokens(self) -> int:
+        """num_tokens without a pending one: what block hashes may cover."""
+        return self.num_tokens - self.has_pending_token
+
+    def append_pending_token(self) -> None:
+        assert not self.has_pending_token, "one step in flight at a time"
+        self.append_output_token(PENDING_TOKEN)
+
+    def resolve_pending_token(self, token_id: int) -> None:
+        assert self.has_pending_token, f"request {self.request_id} has no pending token"
+        self.output_token_ids[-1] = token_id
+        self.all_token_ids[-1] = token_id
+
+    def drop_pending_token(self) -> None:
+        """Forgets a token that will never be resolved (the request ended meanwhile)."""
+        if self.has_pending_token:
+            self.output_token_ids.pop()
+            self.all_token_ids.pop()

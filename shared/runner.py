@@ -13,6 +13,7 @@ from splitserve.engine.cuda_graphs import (
     DecodeGraphs,
     DecodeGraphsOptions,
 )
+from splitserve.engine.launched_step import LaunchedStep
 from splitserve.engine.model.architecture import ModelArchitecture
 from splitserve.engine.model.attention_backend import select_attention_backend
 from splitserve.engine.model.attention_metadata import (
@@ -24,7 +25,7 @@ from splitserve.engine.model.decode_groups import group_decodes
 from splitserve.engine.parallel.step_tensors import ChunkInputs
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler, SamplingRow, advance_generator
-from splitserve.engine.step import ModelOutput, SchedulerOutput
+from splitserve.engine.step import ModelOutput, ScheduledChunk, SchedulerOutput
 from splitserve.engine.structured_output.matcher import NO_MASKS, StepMasks
 
 if TYPE_CHECKING:
@@ -120,6 +121,35 @@ class ModelRunner(Generic[ModelT]):
         out = self._sample_plain(plain_logits, plain_requests, masks)
         out.verification_logits = verification_logits
         return out
+
+    def launch(self, sched: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
+        """Async scheduling: `execute` without reading the tokens back. Every sampled chunk
+        is plain (`can_run_ahead`). A decode row whose input is still pending (the newest
+        token of a request in `previous`) reads it from `previous`'s tokens on the device."""
+        inputs = self.prepare_inputs(sched.chunks)
+        self._feed_pending_tokens(inputs, sched.chunks, previous)
+        logits = self._forward_with_adapters(inputs, sched)
+        requests = [chunk.request for chunk in sched.chunks if chunk.num_logits]
+        assert len(requests) == logits.shape[0], "async steps sample one row per chunk"
+        rows = [self.sampling_row(request) for request in requests]
+        token_ids = self.sampler.sample_on_device(logits, rows)
+        return LaunchedStep.queue(sched, [r.request_id for r in requests], token_ids)
+
+    def _feed_pending_tokens(
+        self, inputs: ModelInputs, chunks: Sequence[ScheduledChunk], previous: LaunchedStep | None
+    ) -> None:
+        """Copies, on the device, each pending input token from the step that samples it."""
+        pending = [row for row, chunk in enumerate(chunks) if chunk.request.has_pending_token]
+        if not pending:
+            return
+        # Only a decode's newest token can be pending, and decodes lead the rows (one each).
+        assert all(chunks[row].is_decode for row in pending), "a pending token in a prompt chunk"
+        assert previous is not None, "a pending token with no step in flight"
+        row_of = previous.row_of()
+        sources = [row_of[chunks[row].request.request_id] for row in pending]
+        rows = self._to_device(torch.tensor(pending, dtype=torch.int64))
+        src = self._to_device(torch.tensor(sources, dtype=torch.int64))
+        inputs.input_ids[rows] = previous.device_token_ids[src]
 
     def _forward_with_adapters(self, inputs: ModelInputs, sched: SchedulerOutput) -> torch.Tensor:
         """`forward`, with the step's LoRA batch set on the model's hooks for its duration."""
@@ -217,9 +247,9 @@ class ModelRunner(Generic[ModelT]):
             logits_rows.extend(range(end - chunk.num_logits, end))
             seq_len = chunk.start_position + chunk.num_tokens
             used = torch.tensor(chunk.block_ids[: -(-seq_len // self.block_size)])
-            prefills.append(PrefillChunk(row, chunk.num_tokens, seq_len, used.to(self.device)))
+            prefills.append(PrefillChunk(row, chunk.num_tokens, seq_len, self._to_device(used)))
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(self.device),
+            slot_mapping=self._to_device(torch.cat(slots)),
             num_decodes=num_decodes,
             prefills=prefills,
         )
@@ -238,10 +268,10 @@ class ModelRunner(Generic[ModelT]):
                 self.device,
             )
         return ModelInputs(
-            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
-            positions=torch.cat(positions).to(self.device),
+            input_ids=self._to_device(torch.tensor(token_ids, dtype=torch.int64)),
+            positions=self._to_device(torch.cat(positions)),
             meta=meta,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
+            logits_indices=self._to_device(torch.tensor(logits_rows, dtype=torch.int64)),
             chunks=chunks,
         )
 
@@ -254,9 +284,9 @@ class ModelRunner(Generic[ModelT]):
             used = chunk.block_ids[: -(-seq_len // self.block_size)]
             rows.append(used + [0] * (max_blocks - len(used)))
         query_lens = torch.tensor([0] + [chunk.num_tokens for chunk in chunks])
-        meta.block_tables = torch.tensor(rows, dtype=torch.int32).to(self.device)
-        meta.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
-        meta.query_start_loc = query_lens.cumsum(0).to(torch.int32).to(self.device)
+        meta.block_tables = self._to_device(torch.tensor(rows, dtype=torch.int32))
+        meta.seq_lens = self._to_device(torch.tensor(seq_lens, dtype=torch.int32))
+        meta.query_start_loc = self._to_device(query_lens.cumsum(0).to(torch.int32))
 
     def _add_decode_block_tables(
         self, meta: AttentionMetadata, decodes: Sequence[ChunkInputs]
@@ -272,6 +302,14 @@ class ModelRunner(Generic[ModelT]):
         ]
         meta.decode_block_tables = torch.tensor(rows, dtype=torch.int32)
         meta.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A step input onto the device without waiting for it: a blocking copy to a GPU waits
+        for every kernel queued before it, the step in flight included (async scheduling), so
+        the copy goes from pinned memory, queued on the stream like the kernels."""
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _slots(self, block_ids: list[int], positions: torch.Tensor) -> torch.Tensor:
         table = torch.tensor(block_ids, dtype=torch.int64)

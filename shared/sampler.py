@@ -89,17 +89,29 @@ class Sampler:
         if not rows:
             return SamplerOutput([], [])
         logits = logits.float()
-        if _is_plain_greedy(rows):
-            return _greedy_fast_path(logits, rows)
+        sampled = self._token_ids(logits, rows).tolist()
+        if _is_plain_greedy(rows):  # no row asks for logprobs
+            return SamplerOutput(sampled, [None] * len(rows))
+        return SamplerOutput(sampled, _compute_logprobs(logits, rows, sampled))
 
-        raw_logits = logits
+    def sample_on_device(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """[num_rows] int64 on the logits' device: the tokens `sample` would return, left
+        there unread so the host need not wait for them (async scheduling). No logprobs."""
+        assert all(row.params.logprobs is None for row in rows), "logprobs need the host"
+        return self._token_ids(logits.float(), rows)
+
+    @staticmethod
+    def _token_ids(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        if _is_plain_greedy(rows):
+            if any(r.is_constrained for r in rows):
+                logits = _constrain(logits.clone(), rows)
+            return argmax_rows(logits)
         logits = apply_penalties(logits, rows)
         token_ids = argmax_rows(logits)  # greedy rows keep this
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if random_rows:
             token_ids[random_rows] = _sample_random(logits, rows, random_rows)
-        sampled = token_ids.tolist()
-        return SamplerOutput(sampled, _compute_logprobs(raw_logits, rows, sampled))
+        return token_ids
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -154,12 +166,6 @@ def _has_penalty(params: SamplingParams) -> bool:
         or params.frequency_penalty != 0.0
         or params.presence_penalty != 0.0
     )
-
-
-def _greedy_fast_path(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-    if any(r.is_constrained for r in rows):
-        logits = _constrain(logits.clone(), rows)
-    return SamplerOutput(argmax_rows(logits).tolist(), [None] * len(rows))
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,7 @@ class Scheduler:
             else:
                 self._remove_waiting(request)
             self.kv.free(request)
+            request.drop_pending_token()  # ended while a step ran: that token never comes
             request.status = status
             finished.append(request)
         return finished
@@ -168,6 +169,8 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if request.has_pending_token and self._reaches_length(request):
+                continue  # async scheduling: its last token is on the device; nothing follows
             is_prefill = not _is_decoding(request)
             num_new = self._chunk_size(
                 request, min(budget, self._prefill_budget) if is_prefill else budget
@@ -323,16 +326,59 @@ class Scheduler:
                 continue
             token_id = model_out.sampled_token_ids[request.request_id]
             request.append_output_token(token_id)
-            status = self._stop_status(request, token_id)
-            if status is not None:
-                self.finish_requests([request.request_id], status)
-            logprobs = model_out.logprobs.get(request.request_id)
-            updates.append(
-                RequestUpdate(
-                    request, [token_id], [logprobs] if logprobs else [], status is not None
-                )
-            )
+            updates.append(self._after_sampled_token(request, token_id, model_out))
         return updates
+
+    def _after_sampled_token(
+        self, request: Request, token_id: int, model_out: ModelOutput
+    ) -> RequestUpdate:
+        """The stop rules on the token just appended, and the update the output processor gets."""
+        status = self._stop_status(request, token_id)
+        if status is not None:
+            self.finish_requests([request.request_id], status)
+        logprobs = model_out.logprobs.get(request.request_id)
+        finished = status is not None
+        return RequestUpdate(request, [token_id], [logprobs] if logprobs else [], finished)
+
+    # ---- async scheduling (shared/overlap.py): the update in two halves ----------------------
+
+    def advance_launched(self, sched: SchedulerOutput) -> None:
+        """What `update` does before the step's tokens are known: computed-token counts and the
+        prefix cache advance, and each sampled chunk gets a pending token the next step can be
+        scheduled with. Called once the step is on the device and the step before it resolved,
+        so every token below the new counts is known."""
+        for chunk in sched.chunks:
+            request = chunk.request
+            if request.is_finished:
+                continue  # stopped by the step before, or aborted: its row here is wasted
+            assert not chunk.is_verification, "speculation runs in order"
+            request.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            if chunk.is_sampled:
+                request.append_pending_token()
+
+    def resolve_launched(
+        self, sched: SchedulerOutput, model_out: ModelOutput
+    ) -> list[RequestUpdate]:
+        """The other half, once the step's tokens reached the host: each pending token gets
+        its id and the stop rules run, as in `update`. A request preempted meanwhile keeps the
+        token (its recompute includes it)."""
+        updates = []
+        for chunk in sched.chunks:
+            request = chunk.request
+            if not chunk.is_sampled or request.is_finished:
+                continue
+            token_id = model_out.sampled_token_ids[request.request_id]
+            request.resolve_pending_token(token_id)
+            updates.append(self._after_sampled_token(request, token_id, model_out))
+        return updates
+
+    def _reaches_length(self, request: Request) -> bool:
+        """max_tokens or the context length reached: no token may follow its newest one."""
+        return (
+            request.num_output_tokens >= request.sampling_params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        )
 
     def _update_verified(self, chunk: ScheduledChunk, model_out: ModelOutput) -> RequestUpdate:
         """Appends the accepted drafts and the target's next token, stopping at the first that
@@ -371,9 +417,7 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
+        if self._reaches_length(request):
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -46,6 +46,9 @@ class Request(Protocol):
     @property
     def num_tokens(self) -> int: ...
 
+    @property
+    def num_known_tokens(self) -> int: ...
+
 
 class LowerTiers(Protocol):
     """Where blocks evicted from the pool go and may still be found
@@ -315,11 +318,16 @@ class KVCacheManager:
             )
 
     def _update_block_hashes(self, request: Request) -> None:
-        """Extends request.block_hashes to every full block of its tokens."""
-        if len(request.block_hashes) < request.num_tokens // self.block_size:
+        """Extends request.block_hashes to every full block of its known tokens (a pending
+        token of a step still running is not hashed)."""
+        num_known = request.num_known_tokens
+        if len(request.block_hashes) < num_known // self.block_size:
+            known = request.all_token_ids
+            if num_known < len(known):
+                known = known[:num_known]
             request.block_hashes.extend(
                 hash_full_blocks(
-                    request.all_token_ids,
+                    known,
                     self.block_size,
                     self.hash_namespace,
                     request.extra_hash_keys,

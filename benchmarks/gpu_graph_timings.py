@@ -1,6 +1,7 @@
 """The Triton kernels' GPU time without the host's launch cost, beside that cost.
 
-    python -m benchmarks.gpu_graph_timings [--json PATH]
+    python -m benchmarks.gpu_graph_timings [--json PATH] [--decode-only]
+        [--decode-launch '{"KV_HEADS": 4, "TILE_N": 256}' ...]
 
 `triton.testing.do_bench` (benchmarks.kernels_bench, benchmarks.triton_tune) times each call
 between two events; a kernel shorter than its Python wrapper and Triton's launcher then
@@ -10,11 +11,13 @@ alone, as the engine's decode steps run it with `cuda_graphs=True`. The host's t
 call (perf_counter over 200 calls) is printed beside it: what an eager step pays.
 
 Shapes: decode attention at batch 64 over 4096-token contexts (SmolLM2's 9/3x64 heads, a
-Llama-3-8B-like 32/8x128), bfloat16, with the GPU's tuned launch and with the default, beside
-SDPA on contiguous K/V; the int8 and int4 matmuls of 1 and 16 rows on SmolLM2's gate_up and
+Llama-3-8B-like 32/8x128), bfloat16, with the GPU's tuned launch, the default, the kernel's
+variants (kernels/_decode_variants.py) and each `--decode-launch` (laid over the tuned launch),
+each checked against float32 SDPA before it is timed, beside SDPA on contiguous K/V and each
+one's speed against it; the int8 and int4 matmuls of 1 and 16 rows on SmolLM2's gate_up and
 down and Llama-3-8B-like 4096 x 4096 and 14336 x 4096 weights, tuned and default, beside the
-dense bfloat16 product. Weights small enough for the 50 MB L2 stay there between the replays'
-calls, for the dense product and the kernels alike.
+dense bfloat16 product (`--decode-only` skips them). Weights small enough for the 50 MB L2 stay
+there between the replays' calls, for the dense product and the kernels alike.
 """
 
 # The timed lambdas read their loop's tensors, and each is timed within its own iteration.
@@ -69,7 +72,26 @@ def host_us(fn: Callable[[], object]) -> float:
     return 1e6 * seconds / HOST_CALLS
 
 
-def decode_rows() -> list[dict[str, object]]:
+def decode_variant_launches(num_kv_heads: int, head_dim: int) -> dict[str, dict[str, object]]:
+    """The decode kernel's variants (kernels/_decode_variants.py) over the default launch:
+    all kv heads in one program, the fused merge, and both. TILE_N counts (token, kv head)
+    columns there: 16 KB of bfloat16 keys a step (128 columns of 64, 64 of 128), twice the
+    default's 64 tokens of one kv head at 64 wide, as much at 128, where more would not fit
+    three stages of K and V in shared memory."""
+    from splitserve.kernels.decode_attention import DEFAULT_LAUNCH
+
+    kv_heads = min(8, 1 << (num_kv_heads - 1).bit_length())
+    heads = {**DEFAULT_LAUNCH, "KV_HEADS": kv_heads, "TILE_N": 8192 // head_dim}
+    return {
+        f"kv_heads={kv_heads}": heads,
+        "fused_merge": {**DEFAULT_LAUNCH, "FUSED_MERGE": 1},
+        f"kv_heads={kv_heads}+fused_merge": {**heads, "FUSED_MERGE": 1},
+    }
+
+
+def decode_rows(extra_launches: list[dict[str, object]] | None = None) -> list[dict[str, object]]:
+    """Per layout: the tuned launch, the default, each variant, each of `extra_launches`
+    (--decode-launch), SDPA; then each one's speed against SDPA (issue 41's bar: >= 1.0)."""
     from splitserve.kernels.decode_attention import DEFAULT_LAUNCH, paged_decode_attention
 
     rows: list[dict[str, object]] = []
@@ -87,16 +109,48 @@ def decode_rows() -> list[dict[str, object]]:
         keys, values = (pages[i].transpose(1, 2).contiguous() for i in range(2))
         name = f"decode {num_heads}/{num_kv_heads}x{head_dim} b{batch} ctx{context}"
         moved = 2 * kv.numel() * kv.element_size()
+        expected = F.scaled_dot_product_attention(query[:, :, None].float(), keys.float(),
+                                                   values.float(), scale=scale,
+                                                   enable_gqa=True)[:, :, 0]  # fmt: skip
+        launches: dict[str, dict[str, object] | None] = {"tuned": None,
+                                                        "default": dict(DEFAULT_LAUNCH)}
+        launches.update(decode_variant_launches(num_kv_heads, head_dim))
+        launches.update({json.dumps(extra): extra for extra in extra_launches or []})
         calls = {
-            "tuned": lambda: paged_decode_attention(query, kv[0], kv[1], tables, lens, scale,
-                                                    out),
-            "default": lambda: paged_decode_attention(query, kv[0], kv[1], tables, lens, scale,
-                                                      out, launch=dict(DEFAULT_LAUNCH)),
-            "sdpa": lambda: F.scaled_dot_product_attention(
-                query[:, :, None], keys, values, scale=scale, enable_gqa=True),
+            label: lambda launch=launch: paged_decode_attention(query, kv[0], kv[1], tables,
+                                                                lens, scale, out, launch=launch)
+            for label, launch in launches.items()
         }  # fmt: skip
-        rows += [_row(f"{name} {label}", fn, moved // 2) for label, fn in calls.items()]
+        calls["sdpa"] = lambda: F.scaled_dot_product_attention(
+            query[:, :, None], keys, values, scale=scale, enable_gqa=True)  # fmt: skip
+        layout_rows = []
+        for label, fn in calls.items():
+            if label != "sdpa" and not _agrees(fn, expected, f"{name} {label}"):
+                continue
+            layout_rows.append(_row(f"{name} {label}", fn, moved // 2))
+        _print_against_sdpa(layout_rows)
+        rows += layout_rows
     return rows
+
+
+def _agrees(fn: Callable[[], torch.Tensor], expected: torch.Tensor, name: str) -> bool:
+    """A launch that gives a wrong answer (or fails to compile) is reported, never timed."""
+    try:
+        error = float((fn().float() - expected).abs().max() / expected.abs().max())
+    except Exception as failure:  # a launch the compiler or the device refuses
+        print(f"{name:45s} FAILED {type(failure).__name__}: {str(failure)[:200]}", flush=True)
+        return False
+    if not error <= 2e-2:  # bfloat16's bound in benchmarks.triton_tune; NaN included
+        print(f"{name:45s} WRONG: relative error {error:.3g}", flush=True)
+        return False
+    return True
+
+
+def _print_against_sdpa(layout_rows: list[dict[str, object]]) -> None:
+    sdpa = next(float(row["gpu_us"]) for row in layout_rows if str(row["name"]).endswith("sdpa"))
+    for row in layout_rows:
+        row["vs_sdpa"] = sdpa / float(row["gpu_us"])
+        print(f"  {row['name']:60s} {row['vs_sdpa']:.3f}x SDPA's speed", flush=True)
 
 
 def matmul_rows() -> list[dict[str, object]]:
@@ -143,12 +197,15 @@ def _row(name: str, fn: Callable[[], object], weight_bytes: int) -> dict[str, ob
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", default="")
+    parser.add_argument("--decode-launch", action="append", type=json.loads, default=[],
+                        help="also time decode attention with this launch (JSON), repeatable")
+    parser.add_argument("--decode-only", action="store_true", help="skip the matmuls")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_graph_timings needs a CUDA device", file=sys.stderr)
         return 2
     print(f"device: {torch.cuda.get_device_name()}", flush=True)
-    rows = decode_rows() + matmul_rows()
+    rows = decode_rows(args.decode_launch) + ([] if args.decode_only else matmul_rows())
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

@@ -5,7 +5,8 @@
 For each shape that serving runs (decode attention at batch 64 over 4096-token contexts for
 SmolLM2's 9/3x64 heads and a Llama-3-8B-like 32/8x128, in bfloat16 and float32; the int8 and
 int4 dequantizing matmuls of 1, 16 and 256 rows on SmolLM2's and Llama-3-8B's weight shapes,
-in bfloat16), a coordinate search from the kernel's default: each meta-parameter in turn takes
+in bfloat16), a coordinate search from the kernel's default (for bfloat16 attention it also
+tries the kernel's variants, `decode_space`): each meta-parameter in turn takes
 each of its values, the candidate is checked against the PyTorch reference (a wrong result
 disqualifies it and is printed: a kernel bug at that configuration) and timed from CUDA-graph
 replays (`Timer`); the fastest correct one stays, and a second pass starts from it. The table
@@ -74,6 +75,7 @@ class Plan:
     decode_batch: int
     decode_context: int
     attention_dtypes: tuple[torch.dtype, ...]
+    variant_dtypes: tuple[torch.dtype, ...]  # whose decode shapes also search KV_HEADS, FUSED_MERGE
     matmul_shapes: tuple[tuple[int, int], ...]  # (out, in)
     matmul_rows: tuple[int, ...]
     passes: int
@@ -86,6 +88,7 @@ FULL = Plan(
     decode_batch=64,
     decode_context=4096,
     attention_dtypes=(torch.bfloat16, torch.float32),
+    variant_dtypes=(torch.bfloat16,),  # issue 41's bar; float32 keeps its budget as it was
     # SmolLM2-135M: qkv, o, gate_up, down; a Llama-3-8B-like q/o and gate.
     matmul_shapes=((960, 576), (576, 576), (3072, 576), (576, 1536), (4096, 4096), (14336, 4096)),
     matmul_rows=(1, 16, 256),
@@ -98,6 +101,7 @@ SMOKE = Plan(
     decode_batch=2,
     decode_context=40,
     attention_dtypes=(torch.float32,),
+    variant_dtypes=(torch.float32,),
     matmul_shapes=((40, 64),),
     matmul_rows=(1,),
     passes=1,
@@ -143,15 +147,30 @@ def decode_shapes(plan: Plan, dtype: torch.dtype) -> Iterator[Shape]:
             key=decode_launch_key(dtype, head_dim, group, block_size, kv_int8=False),
             run=run,
             expected=expected,
-            space=dict(
-                TILE_N=[32, 64, 128],
-                num_warps=[2, 4, 8],
-                num_stages=[1, 2, 3, 4],
-                PARTITION_SIZE=[256, 512, 1024],
-            ),
+            space=decode_space(plan, dtype, num_kv_heads),
             default=dict(DEFAULT_LAUNCH),
             tolerance=TOLERANCE[dtype],
         )
+
+
+def decode_space(plan: Plan, dtype: torch.dtype, num_kv_heads: int) -> dict[str, list[Any]]:
+    """Decode attention's coordinates, in search order. For `plan.variant_dtypes` the variants'
+    keys too (kernels/_decode_variants.py): KV_HEADS first, so that the tiles, warps and
+    partitions after it are searched for the kernel it picked; TILE_N 256, which only a
+    several-kv-head program needs for a step as long as the one-kv-head kernel's 64 tokens
+    (TILE_N counts (token, kv head) columns); FUSED_MERGE after the partition size that sets
+    how much there is to merge. One coordinate each, not a product. num_stages=1 gave up its
+    place: it won no decode shape on the H100 (docs/benchmarks.md), as one stage keeps no load
+    in flight during the math of a loop bound by its loads."""
+    variants = dtype in plan.variant_dtypes
+    space: dict[str, list[Any]] = {}
+    if variants:
+        space["KV_HEADS"] = [n for n in (1, 2, 4, 8) if n < 2 * num_kv_heads]
+    space.update(TILE_N=[32, 64, 128, 256] if variants else [32, 64, 128], num_warps=[2, 4, 8],
+                 num_stages=[2, 3, 4], PARTITION_SIZE=[256, 512, 1024])  # fmt: skip
+    if variants:
+        space["FUSED_MERGE"] = [0, 1]
+    return space
 
 
 def matmul_shapes(plan: Plan, kind: str, rows: int, dtype: torch.dtype) -> Iterator[Shape]:

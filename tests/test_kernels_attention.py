@@ -305,3 +305,18 @@ def test_cpu_tensors_without_the_interpreter_are_refused(small_decode_args, monk
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="splitserve.kernels.reference"):
         paged_decode_attention(**small_decode_args)
+
+
+@pytest.mark.parametrize(("num_kv_heads", "head_dim"), [(3, 64), (8, 128)])
+def test_the_launches_gpu_graph_timings_compares_match_reference(num_kv_heads, head_dim):
+    """What the GPU run times beside SDPA (benchmarks.gpu_graph_timings) is a correct kernel."""
+    from benchmarks.gpu_graph_timings import decode_variant_launches
+
+    gen = torch.Generator().manual_seed(num_kv_heads)
+    kv = make_paged_kv([300, 41], 16, num_kv_heads, head_dim, torch.bfloat16, gen)
+    query = torch.randn(2, 3 * num_kv_heads, head_dim, generator=gen).to(DEVICE, torch.bfloat16)
+    args = (kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.125)
+    expected = reference.paged_decode_attention(query.float(), *as_float(kv), *args[2:])
+    for launch in decode_variant_launches(num_kv_heads, head_dim).values():
+        out = paged_decode_attention(query, *args, partition_size=128, launch=launch)
+        assert relative_error(out, expected) < TOLERANCE[torch.bfloat16], launch

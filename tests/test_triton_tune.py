@@ -83,3 +83,17 @@ def test_smoke_run_writes_the_keys_the_kernels_read(tmp_path):
         }
     record = json.loads(record_path.read_text())
     assert len(record) == 3 and all(outcome["wrong"] == [] for outcome in record)
+
+
+def test_decode_variants_are_one_coordinate_each_for_half_precision_only():
+    """The variants' keys (kernels/_decode_variants.py) come first and last in bfloat16's
+    search, each as one coordinate; float32's search is the one-kv-head kernel's alone."""
+    plan = triton_tune.FULL
+    bf16 = triton_tune.decode_space(plan, torch.bfloat16, num_kv_heads=3)
+    assert list(bf16)[0] == "KV_HEADS" and list(bf16)[-1] == "FUSED_MERGE"
+    assert bf16["KV_HEADS"] == [1, 2, 4]
+    assert triton_tune.decode_space(plan, torch.bfloat16, num_kv_heads=8)["KV_HEADS"] == [
+        1, 2, 4, 8,
+    ]  # fmt: skip
+    float32 = triton_tune.decode_space(plan, torch.float32, num_kv_heads=3)
+    assert "KV_HEADS" not in float32 and "FUSED_MERGE" not in float32

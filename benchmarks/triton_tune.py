@@ -1,6 +1,7 @@
 """Tunes the Triton kernels' launch configurations on this GPU and writes its table.
 
     python -m benchmarks.triton_tune [--out FILE] [--record FILE] [--budget-s 150] [--smoke]
+        [--only decode_attention ...]
 
 For each shape that serving runs (decode attention at batch 64 over 4096-token contexts for
 SmolLM2's 9/3x64 heads and a Llama-3-8B-like 32/8x128, in bfloat16 and float32; the int8 and
@@ -329,7 +330,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--record", default="", help="every shape's outcome, as JSON")
     parser.add_argument("--budget-s", type=float, default=150.0)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--only", action="append", default=[], metavar="KERNEL",
+                        help="tune this kernel's shapes only (decode_attention, int8_matmul, "
+                        "int4_matmul), repeatable; needs --out: a partial table must not "
+                        "replace the shipped one")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.only and not args.out:
+        parser.error("--only needs --out")
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
     plan = SMOKE if args.smoke else FULL
@@ -343,11 +350,16 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.budget_s
     print(f"tuning the Triton kernels on {device_name} for {args.budget_s:.0f} s", flush=True)
     return run_search(plan, device_name, out, Path(args.record) if args.record else None,
-                      deadline)  # fmt: skip
+                      deadline, tuple(args.only))  # fmt: skip
 
 
 def run_search(
-    plan: Plan, device_name: str, out: Path, record: Path | None, deadline: float
+    plan: Plan,
+    device_name: str,
+    out: Path,
+    record: Path | None,
+    deadline: float,
+    only: tuple[str, ...] = (),  # kernels to tune; () all
 ) -> int:
     from splitserve.kernels import launch_configs
 
@@ -356,6 +368,8 @@ def run_search(
     outcomes: list[Outcome] = []
     bucket_sizes: dict[tuple[str, str], int] = {}
     for shape in all_shapes(plan):
+        if only and shape.kernel not in only:
+            continue
         if time.monotonic() > deadline:
             print(f"budget spent: {shape.kernel} {shape.key} and after not tuned", flush=True)
             break

@@ -97,3 +97,12 @@ def test_decode_variants_are_one_coordinate_each_for_half_precision_only():
     ]  # fmt: skip
     float32 = triton_tune.decode_space(plan, torch.float32, num_kv_heads=3)
     assert "KV_HEADS" not in float32 and "FUSED_MERGE" not in float32
+
+
+def test_only_tunes_the_named_kernel_into_its_own_file(tmp_path):
+    table_path = tmp_path / "decode.json"
+    argv = ["--smoke", "--only", "decode_attention", "--out", str(table_path)]
+    assert triton_tune.main(argv) == 0
+    assert set(launch_configs.device_table("cpu", str(table_path))) == {"decode_attention"}
+    with pytest.raises(SystemExit):  # never a partial table over the shipped one
+        triton_tune.main(["--smoke", "--only", "decode_attention"])

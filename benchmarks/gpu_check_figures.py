@@ -178,6 +178,8 @@ FIGURES_OF_PART: dict[str, Callable[[Path], dict[str, Any]]] = {
     "tune": tune_figures,
     "kernel_tests": _tests_figures("kernel_tests"),
     "model_tests": _tests_figures("model_tests"),
+    "changed_kernel_tests": _tests_figures("changed_kernel_tests"),
+    "graph_timings": _record_figures("graph_timings"),
     "kernel_bench": kernel_bench_figures,
     "engine_check": _record_figures("engine_check"),
     "engine_timings": _record_figures("engine_timings"),

@@ -177,9 +177,9 @@ class Tokenizer:
     def _checked_ids(self, ids: Sequence[int]) -> list[int]:
         # The engine's own lists (plain ints, in range) pass in C-level min/max: the
         # detokenizer decodes twice per streamed token, so per-id checks added up at 64 streams.
-        if type(ids) is list and ids and all(type(token_id) is int for token_id in ids):
-            if 0 <= min(ids) and max(ids) < self._vocab_size:
-                return ids
+        is_plain = type(ids) is list and ids and all(type(t) is int for t in ids)
+        if is_plain and min(ids) >= 0 and max(ids) < self._vocab_size:
+            return ids  # type: ignore[return-value]
         return [self._checked_id(token_id) for token_id in ids]
 
     def _checked_id(self, token_id: object) -> int:

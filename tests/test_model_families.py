@@ -380,6 +380,12 @@ def _dense_gguf(directory: str, path: str, arch: str) -> str:
         writer.add_sliding_window(config["sliding_window"])
         writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if arch == "gemma3":
+        writer.add_sliding_window(config["sliding_window"])
+        global_rope = config["rope_parameters"]["full_attention"]
+        if global_rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(global_rope["factor"])
     num_experts = config.get("num_experts") or config.get("num_local_experts")
     if num_experts:  # qwen3moe (transformers 5 saves num_experts as num_local_experts)
         writer.add_expert_count(num_experts)
@@ -397,14 +403,14 @@ def _dense_gguf(directory: str, path: str, arch: str) -> str:
         "mlp.down_exps": "ffn_down_exps", "self_attn.qkv_proj": "attn_qkv",
         "mlp.gate_up_proj": "ffn_up",
     }  # fmt: skip
-    if arch == "gemma2":  # its own names for the four norms of a layer
+    if arch in ("gemma2", "gemma3"):  # their own names for the four norms of a layer
         layer_names |= {
             "post_attention_layernorm": "post_attention_norm",
             "pre_feedforward_layernorm": "ffn_norm",
             "post_feedforward_layernorm": "post_ffw_norm",
         }
     for name, tensor in hf.items():
-        if arch == "gemma2" and name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             tensor = tensor + 1.0  # the converter stores Gemma's (1 + w) norms as w + 1
         parts = name.split(".")
         if parts[0] == "lm_head":
@@ -518,6 +524,55 @@ def test_a_phi3_gguf_file_serves_as_its_hf_directory(single_thread, make_checkpo
 
 
 @pytest.fixture(scope="module")
+def gemma3_as_llama_cpp_runs_it(tmp_path_factory: pytest.TempPathFactory, hf_reference_tokenizer):
+    """A Gemma 3 checkpoint with the choices llama.cpp's gemma3 graph fixes: six layers with
+    Hugging Face's default pattern (the sixth global), the window layers' rotary base 10,000,
+    queries scaled by 1 / sqrt(head_dim); the global layers' rotary linearly scaled, as the
+    4B-27B models' are."""
+    config_class, options, _ = FAMILIES["gemma3_text"]
+    options = {k: v for k, v in options.items() if k not in ("layer_types", "rope_local_base_freq")}
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+    }
+    torch.manual_seed(0)
+    model = _hf_model(
+        config_class,
+        {**options, "num_hidden_layers": 6, "query_pre_attn_scalar": 16, "rope_parameters": rope},
+    )
+    _randomize(model)
+    directory = str(tmp_path_factory.mktemp("gemma3_gguf"))
+    model.save_pretrained(directory)
+    hf_reference_tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_a_gemma3_gguf_file_serves_as_its_hf_directory(
+    single_thread, gemma3_as_llama_cpp_runs_it, tmp_path
+):
+    """llama.cpp's gemma3 architecture: q/k norms and the four norms of a layer (w + 1 as
+    stored), a window on five layers of six, the window layers' own rotary base and the global
+    layers' linear scaling, no soft-caps: the architecture is the HF directory's, and greedy
+    tokens and top logprobs equal transformers'."""
+    directory = gemma3_as_llama_cpp_runs_it
+    path = _dense_gguf(directory, str(tmp_path / "gemma3.gguf"), "gemma3")
+    llm = LLM(path, kv_cache_bytes=KV_BYTES, max_num_batched_tokens=CHUNK)
+    from_gguf = llm.engine.architecture
+    from_hf = LLM(directory, kv_cache_bytes=KV_BYTES).engine.architecture
+    for field in ("layer_windows", "attn_logit_softcap", "final_logit_softcap", "qk_norm",
+                  "embedding_multiplier", "sandwich_norms", "hidden_act", "local_rope_theta",
+                  "rope_theta", "rope_scaling"):  # fmt: skip
+        assert getattr(from_gguf, field) == getattr(from_hf, field), field
+    assert from_gguf.attention_scale == pytest.approx(from_hf.attention_scale)
+    assert from_gguf.layer_windows == (12, 12, 12, 12, 12, 0)
+    assert from_gguf.rope_scaling.rope_type == "linear"
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP)
+    for prompt in _prompts()[:2]:
+        tokens, logprobs = _reference(directory, prompt)
+        _assert_matches(llm.generate([prompt], params)[0].outputs[0], tokens, logprobs)
+
+
+@pytest.fixture(scope="module")
 def gemma2_head_dim_scaled(tmp_path_factory: pytest.TempPathFactory, hf_reference_tokenizer):
     """A Gemma 2 checkpoint whose queries are scaled by 1 / sqrt(head_dim), as llama.cpp scales
     every gemma2 model but the 27B (a GGUF file has no query_pre_attn_scalar)."""
@@ -552,3 +607,42 @@ def test_a_gemma2_gguf_file_serves_as_its_hf_directory(
     for prompt in _prompts()[:2]:
         tokens, logprobs = _reference(directory, prompt)
         _assert_matches(llm.generate([prompt], params)[0].outputs[0], tokens, logprobs)
+
+
+class _Meta:
+    """The two GGUFMetadata calls gemma_fields makes, over a plain dict."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.values.get(key, default)
+
+    def require(self, key: str) -> Any:
+        return self.values[key]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "windows"),
+    [
+        (None, (8, 8, 8, 8, 8, 0, 8)),  # llama.cpp's six
+        (3, (8, 8, 0, 8, 8, 0, 8)),
+        ([True, False, True, True, False, True, True], (8, 0, 8, 8, 0, 8, 8)),
+    ],
+)
+def test_gemma3_window_layers_follow_the_files_pattern(pattern, windows):
+    from splitserve.engine.model.gguf_gemma import gemma_fields
+
+    values = {
+        "gemma3.embedding_length": 64,
+        "gemma3.attention.head_count": 4,
+        "gemma3.attention.sliding_window": 8,
+    }
+    if pattern is not None:
+        values["gemma3.attention.sliding_window_pattern"] = pattern
+    fields = gemma_fields(_Meta(values), "gemma3", num_layers=7, head_dim=16)  # type: ignore[arg-type]
+    assert fields["layer_windows"] == windows
+    assert fields["local_rope_theta"] == 10000.0 and "attn_logit_softcap" not in fields
+    values["gemma3.attention.sliding_window_pattern"] = [True, False]
+    with pytest.raises(ValueError, match="lists 2 layers, the model has 7"):
+        gemma_fields(_Meta(values), "gemma3", num_layers=7, head_dim=16)  # type: ignore[arg-type]

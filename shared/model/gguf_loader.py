@@ -1,8 +1,8 @@
 """Loads a llama-architecture GGUF file into Hugging Face-named float32 tensors (Mixtral,
 a llama with experts, and qwen2moe too: shared/model/gguf_moe.py splits their stacked experts;
 qwen2 and qwen3, Llama's decoder with q/k/v biases or q/k norms, as their HF directories load;
-phi3, its fused matrices split by shared/model/gguf_phi3.py; gemma2, by
-shared/model/gguf_gemma2.py).
+phi3, its fused matrices split by shared/model/gguf_phi3.py; gemma2 and gemma3, by
+shared/model/gguf_gemma.py).
 
 Three translations happen here:
 - names: llama.cpp's `blk.N.attn_q.weight` becomes `model.layers.N.self_attn.q_proj.weight`;
@@ -27,15 +27,17 @@ from gguf.quants import dequantize
 from splitserve.engine.gguf_metadata import GGUFMetadata
 from splitserve.engine.model.architecture import LoadedCheckpoint, ModelArchitecture, RopeScaling
 from splitserve.engine.model.gguf_blocks import PACKED_TYPES, BlockQuantized, read_blocks
-from splitserve.engine.model.gguf_gemma2 import ARCH as GEMMA2
-from splitserve.engine.model.gguf_gemma2 import gemma2_fields, gemma2_name
+from splitserve.engine.model.gguf_gemma import ARCHITECTURES as GEMMA_ARCHITECTURES
+from splitserve.engine.model.gguf_gemma import gemma_fields, gemma_name
 from splitserve.engine.model.gguf_moe import UNSUPPORTED_MOE_ARCHITECTURES, moe_fields, moe_tensors
 from splitserve.engine.model.gguf_phi3 import ARCH as PHI3
 from splitserve.engine.model.gguf_phi3 import ROPE_FACTOR_TENSORS, phi3_fields, split_fused
 from splitserve.engine.progress import ProgressFn
 from splitserve.engine.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "gemma2")
+SUPPORTED_ARCHITECTURES = (
+    "llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "gemma2", "gemma3",
+)  # fmt: skip
 
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -90,8 +92,8 @@ def read_architecture(reader: gguf.GGUFReader, tokenizer: Tokenizer) -> ModelArc
     extra: dict[str, Any] = {}
     if arch == PHI3:
         extra = phi3_fields(reader, num_layers, head_dim)
-    elif arch == GEMMA2:
-        extra = gemma2_fields(meta, num_layers, head_dim)
+    elif arch in GEMMA_ARCHITECTURES:
+        extra = gemma_fields(meta, arch, num_layers, head_dim)
     return ModelArchitecture(
         name=arch,
         vocab_size=vocab_size,
@@ -186,9 +188,9 @@ def _split_tensor(
     if named is None and architecture.name == PHI3:
         a = architecture
         named = split_fused(name, values, a.num_heads, a.num_kv_heads, a.head_dim)
-    if named is None and architecture.name == GEMMA2:
-        gemma_name = gemma2_name(name)
-        named = {gemma_name: values} if gemma_name else None
+    if named is None and architecture.name in GEMMA_ARCHITECTURES:
+        hf_name = gemma_name(name)
+        named = {hf_name: values} if hf_name else None
     return named if named is not None else {gguf_to_hf_name(name): values}
 
 

@@ -316,23 +316,29 @@ def _hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, plan: Ti
     out.cpu()  # waits for the device
 
 
-def run(plan: TimingPlan) -> dict[str, Any]:
-    """Every configuration's figures, or the error that stopped it (the others still run)."""
-    variants: dict[str, Any] = {"engine": _figures_or_error(lambda: time_engine(plan))}
-    if plan.device.startswith("cuda"):
-        graphs = _figures_or_error(lambda: time_engine(plan, cuda_graphs=True))
-    else:
-        graphs = {"skipped": "CUDA graphs run on CUDA only"}
-    variants["engine_cuda_graphs"] = graphs
-    if plan.device.startswith("cuda"):
-        overlapped = _figures_or_error(
-            lambda: time_engine(plan, cuda_graphs=True, async_scheduling=True)
-        )
-    else:
-        overlapped = _figures_or_error(lambda: time_engine(plan, async_scheduling=True))
-    variants["engine_cuda_graphs_async"] = overlapped
-    prompts = prompt_ids(Tokenizer.from_gguf(default_model_path()), plan.batch)
-    variants["transformers"] = _figures_or_error(lambda: time_transformers(plan, prompts))
+VARIANTS = ("engine", "engine_cuda_graphs", "engine_cuda_graphs_async", "transformers")
+
+
+def run(plan: TimingPlan, names: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
+    """Each named configuration's figures, or the error that stopped it (the others still
+    run)."""
+    is_cuda = plan.device.startswith("cuda")
+    # --smoke: no graphs on the CPU, so the async variant runs without them there.
+    graphs: dict[str, object] = {"cuda_graphs": True} if is_cuda else {}
+    measures: dict[str, Any] = {
+        "engine": lambda: time_engine(plan),
+        "engine_cuda_graphs": lambda: time_engine(plan, **graphs),
+        "engine_cuda_graphs_async": lambda: time_engine(plan, async_scheduling=True, **graphs),
+        "transformers": lambda: time_transformers(
+            plan, prompt_ids(Tokenizer.from_gguf(default_model_path()), plan.batch)
+        ),
+    }
+    variants: dict[str, Any] = {}
+    for name in names:
+        if name == "engine_cuda_graphs" and not is_cuda:
+            variants[name] = {"skipped": "CUDA graphs run on CUDA only"}
+        else:
+            variants[name] = _figures_or_error(measures[name])
     return {"plan": asdict(plan), "device": _device_name(plan), "variants": variants}
 
 
@@ -353,12 +359,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_engine_timings")
     parser.add_argument("--json", default="", help="also write the figures here")
     parser.add_argument("--smoke", action="store_true", help="every line on the CPU, tiny")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}"
+    )
     args = parser.parse_args(argv)
+    names = tuple(name for name in args.variants.split(",") if name)
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     plan = SMOKE if args.smoke else FULL
     if not args.smoke and not torch.cuda.is_available():
         print("gpu_engine_timings: no CUDA device; on the CPU, pass --smoke", file=sys.stderr)
         return 2
-    record = run(plan)
+    record = run(plan, names)
     print(json.dumps(record, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -20,6 +20,18 @@ The weight is dequantized in float32 and rounded once to x's dtype before the do
 whose minimum is far from it, see shared/model/quantized_linear.py); products accumulate in
 float32. x's K may be shorter than the layout's padded K_pad: columns past K are never read.
 
+int4's inner loop is a launch key, `INT4_LOOP` (issue 41: the per-element loop above ran at
+260-350 GB/s on an H100, bound by unpacking and scaling each weight, not by memory):
+- "dequant" (the default): each weight dequantized as above, then one dot per tile half.
+- "group_dot": the dot takes the raw codes, and each group's scale and minimum apply once per
+  output instead of once per weight: sum_k x_k (s c_k + m) = s (x . c) + m sum(x), so a group
+  costs two 16-deep dots, a row sum of x shared by every column, and one multiply-add on the
+  [BLOCK_M, BLOCK_N] sums. Codes are exact in every float dtype, so nothing is rounded before
+  the output: at least as exact as "dequant".
+- "gemv": no tl.dot (whose least is 16 rows): each program broadcasts its rows of x over a
+  tile of codes, multiplies in float32 and sums over k, with the same per-group scale and
+  minimum. For 1 to a few rows; BLOCK_M is then capped at the rows there are.
+
 Tile sizes, split-K and the int4 scale loads come from the GPU's tuned table
 (kernels/launch_configs.py, written by benchmarks.triton_tune); a GPU without one, and the
 interpreter, run `DEFAULT_LAUNCH`. Split-K: with few rows and few output columns there are too
@@ -44,9 +56,12 @@ GROUP_SIZE = 32  # int4 columns sharing one scale and minimum (one GGUF block)
 SCALE_DTYPES = checks.FLOAT_DTYPES
 # BLOCK_M None: 16 rows (tl.dot's least) for decode steps, up to 64 for prefill chunks.
 # BLOCK_K 64: int4 then reads two groups (32 bytes of codes) per row and step.
+# INT4_LOOP: the int4 kernel's inner loop (module docstring); SCALE_BROADCAST is "dequant"'s.
 DEFAULT_LAUNCH: dict[str, Any] = dict(
-    BLOCK_M=None, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, SCALE_BROADCAST=0, num_warps=4, num_stages=3
-)
+    BLOCK_M=None, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, SCALE_BROADCAST=0, INT4_LOOP="dequant",
+    num_warps=4, num_stages=3,
+)  # fmt: skip
+INT4_LOOPS = ("dequant", "group_dot", "gemv")
 # Row counts tuned apart: a decode step of one, a small batch, a full batch, a prefill chunk.
 ROW_BUCKETS = (1, 16, 64, 256)
 
@@ -203,6 +218,178 @@ def _group_params(scales_ptr, minimums_ptr, k0, byte, w_mask, cols, col_ok, K_PA
     return scale, minimum
 
 
+@triton.jit
+def _int4_group_dot_kernel(
+    x_ptr,
+    packed_ptr,
+    scales_ptr,
+    minimums_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    K_PAD,
+    stride_xm,
+    stride_pn,
+    stride_sn,
+    stride_om,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    """INT4_LOOP "group_dot" (module docstring): the arguments are _int4_matmul_kernel's."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    k_begin, k_end = _split_range(K_PAD, BLOCK_K, SPLIT_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        for group_in_tile in tl.static_range(BLOCK_K // 32):
+            acc += _group_dot(x_ptr, packed_ptr, scales_ptr, minimums_ptr,
+                              k0 // 32 + group_in_tile, rows, row_ok, cols, col_ok, K, K_PAD,
+                              stride_xm, stride_pn, stride_sn, DOT_PRECISION, UPCAST_DOT)
+    _store_tile(out_ptr, acc, rows, cols, row_ok, col_ok, M, stride_om, SPLIT_K)
+
+
+@triton.jit
+def _group_dot(x_ptr, packed_ptr, scales_ptr, minimums_ptr, group, rows, row_ok, cols, col_ok,
+               K, K_PAD, stride_xm, stride_pn, stride_sn,
+               DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """One group's float32 share of a [BLOCK_M, BLOCK_N] tile: scale (x . codes) + minimum
+    sum(x), the 32 columns as two 16-deep dots (low nibbles, high nibbles)."""
+    byte = group * 16 + tl.arange(0, 16)
+    # A group past K_PAD (the last tile's tail) would read the next row's bytes and scales.
+    byte_ok = byte < K_PAD // 2
+    packed = tl.load(
+        packed_ptr + cols[None, :].to(tl.int64) * stride_pn + byte[:, None],
+        mask=byte_ok[:, None] & col_ok[None, :],
+        other=0,
+    )  # [16, BLOCK_N] uint8
+    low_cols = group * 32 + tl.arange(0, 16)
+    x_low = _load_x(x_ptr, rows, row_ok, low_cols, K, stride_xm)  # [BLOCK_M, 16]
+    x_high = _load_x(x_ptr, rows, row_ok, low_cols + 16, K, stride_xm)
+    codes_low, bias = _biased_codes(packed & 15, x_low.dtype)
+    codes_high, bias = _biased_codes(packed >> 4, x_low.dtype)
+    dots = dot(x_low, codes_low, DOT_PRECISION, UPCAST_DOT)
+    dots += dot(x_high, codes_high, DOT_PRECISION, UPCAST_DOT)
+    x_sum = tl.sum(x_low.to(tl.float32), 1) + tl.sum(x_high.to(tl.float32), 1)  # [BLOCK_M]
+    offsets = cols.to(tl.int64) * stride_sn + group
+    # The group test as a vector: the interpreter refuses a mask of a vector & a scalar.
+    params_ok = col_ok & (tl.full(cols.shape, group, tl.int32) < K_PAD // 32)
+    scale = tl.load(scales_ptr + offsets, mask=params_ok, other=0.0).to(tl.float32)
+    minimum = tl.load(minimums_ptr + offsets, mask=params_ok, other=0.0).to(tl.float32)
+    # The dots summed x (bias + code): the bias's share, bias scale sum(x), comes off here.
+    return dots * scale[None, :] + x_sum[:, None] * (minimum - bias * scale)[None, :]
+
+
+@triton.jit
+def _load_x(x_ptr, rows, row_ok, x_cols, K, stride_xm):
+    """x[rows, x_cols] -> [BLOCK_M, len(x_cols)], 0 past K."""
+    return tl.load(
+        x_ptr + rows[:, None] * stride_xm + x_cols[None, :],
+        mask=row_ok[:, None] & (x_cols < K)[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _load_x_groups(x_ptr, rows, row_ok, x_cols, K, stride_xm):
+    """x[rows, x_cols] for x_cols [groups, 16] -> [BLOCK_M, groups, 16] float32, 0 past K."""
+    return tl.load(
+        x_ptr + rows[:, None, None] * stride_xm + x_cols[None, :, :],
+        mask=row_ok[:, None, None] & (x_cols < K)[None, :, :],
+        other=0.0,
+    ).to(tl.float32)
+
+
+@triton.jit
+def _biased_codes(nibbles, dtype: tl.constexpr):
+    """Codes 0..15 as `dtype` plus a bias, by setting the bits of `bias + code` rather than
+    converting: int-to-float conversion runs at a quarter of the GPU's float rate, and a loop
+    bound by two conversions per byte is what "dequant" was. bfloat16's 128 and float16's 1024
+    have a unit last mantissa bit, so the code is their last 4 bits. Returns (codes, bias)."""
+    if dtype == tl.bfloat16:
+        codes = (nibbles.to(tl.int16) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        bias = 128.0
+    elif dtype == tl.float16:
+        codes = (nibbles.to(tl.int16) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        bias = 1024.0
+    else:
+        codes = _codes_as_float32(nibbles)
+        bias = 0.0
+    return codes, bias
+
+
+@triton.jit
+def _codes_as_float32(nibbles):
+    """Codes 0..15 as exact float32 without a conversion instruction: 2^23 + code has the code
+    in its mantissa's last bits, and subtracting 2^23 is exact."""
+    return (nibbles.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    x_ptr,
+    packed_ptr,
+    scales_ptr,
+    minimums_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    K_PAD,
+    stride_xm,
+    stride_pn,
+    stride_sn,
+    stride_om,
+    BLOCK_M: tl.constexpr,  # any power of two: no tl.dot here
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    """INT4_LOOP "gemv" (module docstring): the arguments are _int4_matmul_kernel's. A tile is
+    [BLOCK_N, groups, 16] bytes, each column's BLOCK_K / 2 bytes contiguous."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    k_begin, k_end = _split_range(K_PAD, BLOCK_K, SPLIT_K)
+    byte_in_group = tl.arange(0, 16)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        group_ok = groups < K_PAD // 32
+        byte = groups[:, None] * 16 + byte_in_group[None, :]  # [groups, 16]
+        packed = tl.load(
+            packed_ptr + cols[:, None, None].to(tl.int64) * stride_pn + byte[None, :, :],
+            mask=col_ok[:, None, None] & group_ok[None, :, None],
+            other=0,
+        )  # [BLOCK_N, groups, 16] uint8
+        low_cols = byte + groups[:, None] * 16  # 32g + j: byte 16g + j's low nibble's column
+        x_low = _load_x_groups(x_ptr, rows, row_ok, low_cols, K, stride_xm)
+        x_high = _load_x_groups(x_ptr, rows, row_ok, low_cols + 16, K, stride_xm)
+        dots = _nibble_dot(x_low, packed & 15) + _nibble_dot(x_high, packed >> 4)
+        x_sum = tl.sum(x_low, 2) + tl.sum(x_high, 2)  # [BLOCK_M, groups]
+        offsets = cols[:, None].to(tl.int64) * stride_sn + groups[None, :]
+        mask = col_ok[:, None] & group_ok[None, :]
+        scale = tl.load(scales_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        minimum = tl.load(minimums_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        # [BLOCK_M, BLOCK_N, groups] -> [BLOCK_M, BLOCK_N]
+        acc += tl.sum(dots * scale[None, :, :] + x_sum[:, None, :] * minimum[None, :, :], 2)
+    _store_tile(out_ptr, acc, rows, cols, row_ok, col_ok, M, stride_om, SPLIT_K)
+
+
+@triton.jit
+def _nibble_dot(x, nibbles):
+    """x [BLOCK_M, groups, 16] float32 . codes [BLOCK_N, groups, 16] per group, in float32:
+    [BLOCK_M, BLOCK_N, groups]."""
+    return tl.sum(x[:, None, :, :] * _codes_as_float32(nibbles)[None, :, :, :], 3)
+
+
 def default_block_m(num_rows: int) -> int:
     """16 rows (tl.dot's least) for decode steps, up to 64 for prefill chunks."""
     return min(64, max(16, triton.next_power_of_2(num_rows)))
@@ -257,9 +444,12 @@ def _grid_and_meta(
         triton.cdiv(n, int(launch["BLOCK_N"])),
         int(launch["SPLIT_K"]),
     )
-    meta = {name: value for name, value in launch.items() if name in kernel.arg_names}
+    # Only what this kernel takes: launch keys of the other loops, and dot settings of a kernel
+    # without tl.dot, are left out.
+    given = {**launch, **dot_meta(x.dtype)}
+    meta = {name: value for name, value in given.items() if name in kernel.arg_names}
     meta.update(num_warps=launch["num_warps"], num_stages=launch["num_stages"])
-    return grid, {**meta, **dot_meta(x.dtype)}
+    return grid, meta
 
 
 def _finish(target: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -339,13 +529,28 @@ def int4_group_matmul(
     launch = {**matmul_launch("int4", x, num_cols, padded), **(launch or {})}
     if int(launch["BLOCK_K"]) % GROUP_SIZE:
         raise ValueError(f"int4 BLOCK_K must be a multiple of {GROUP_SIZE}, got {launch}")
+    kernel, launch = _int4_loop(launch, num_rows)
     target = _target(launch, x, num_cols)
-    grid, meta = _grid_and_meta(_int4_matmul_kernel, launch, x, num_cols)
-    _int4_matmul_kernel[grid](
+    grid, meta = _grid_and_meta(kernel, launch, x, num_cols)
+    kernel[grid](
         x, packed, scales, minimums, target, num_rows, num_cols, x.shape[1], padded, x.stride(0),
         packed.stride(0), scales.stride(0), target.stride(-2), **meta,
     )  # fmt: skip
     return _finish(target, x)
+
+
+def _int4_loop(launch: dict[str, Any], num_rows: int) -> tuple[Any, dict[str, Any]]:
+    """The kernel of launch's INT4_LOOP, and the launch it runs: "gemv" has no tl.dot and so
+    no 16-row least, and takes no more rows per program than there are."""
+    loop = launch["INT4_LOOP"]
+    if loop == "gemv":
+        block_m = min(launch["BLOCK_M"] or 16, triton.next_power_of_2(num_rows))
+        return _int4_gemv_kernel, {**launch, "BLOCK_M": block_m}
+    if loop == "group_dot":
+        return _int4_group_dot_kernel, launch
+    if loop != "dequant":
+        raise ValueError(f"INT4_LOOP must be one of {INT4_LOOPS}, got {loop!r}")
+    return _int4_matmul_kernel, launch
 
 
 def _check_inner_size(x: torch.Tensor, padded: int) -> None:

@@ -7,6 +7,10 @@ difference over the largest output: float32 differs from the float32 reference o
 summation order; bfloat16 rounds the dequantized weight and the output once each, and the
 interpreter rounds float32 -> bfloat16 toward zero (a GPU rounds to nearest), up to 2^-7 of a
 value, hence 2e-2 - far below what a wrong nibble, group or scale gives (tens of percent).
+int4's other inner loops (INT4_LOOP "group_dot", "gemv") round nothing before the output (the
+codes are exact in every dtype; scales and minimums apply in float32), so the same bounds hold
+with room; "group_dot" in half precision dots x with 128 + code (bfloat16) or 1024 + code
+(float16) and takes the bias back per group, which costs float32 sums a few of their 24 bits.
 `TRITON_INTERPRET=0 pytest tests/test_kernels_dequant.py` runs the same checks on a GPU.
 """
 
@@ -23,7 +27,11 @@ pytest.importorskip("triton")  # Triton wheels exist for Linux only
 import torch  # noqa: E402
 
 from splitserve.kernels import reference  # noqa: E402
-from splitserve.kernels.dequant_matmul import int4_group_matmul, int8_matmul  # noqa: E402
+from splitserve.kernels.dequant_matmul import (  # noqa: E402
+    INT4_LOOPS,
+    int4_group_matmul,
+    int8_matmul,
+)
 
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] == "0" else "cpu"
 ROWS = (1, 3, 16, 64)
@@ -78,13 +86,14 @@ def test_int8_matmul_matches_reference(out_features, in_features, dtype):
         assert _error(got, want) < TOLERANCE[dtype], f"{rows} rows"
 
 
+@pytest.mark.parametrize("loop", INT4_LOOPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
-def test_int4_group_matmul_matches_reference(out_features, in_features, dtype):
+def test_int4_group_matmul_matches_reference(out_features, in_features, dtype, loop):
     packed, scales, minimums = _int4_weight(out_features, in_features, seed=out_features)
     for rows in ROWS:
         x = _activations(rows, in_features, dtype, seed=rows)
-        got = int4_group_matmul(x, packed, scales, minimums)
+        got = int4_group_matmul(x, packed, scales, minimums, launch=dict(INT4_LOOP=loop))
         assert got.shape == (rows, out_features) and got.dtype == dtype
         want = reference.int4_group_matmul(x.float(), packed, scales, minimums)
         assert _error(got, want) < TOLERANCE[dtype], f"{rows} rows"
@@ -92,12 +101,19 @@ def test_int4_group_matmul_matches_reference(out_features, in_features, dtype):
 
 # Launch configurations a GPU's tuned table may hold (kernels/launch_configs.py): K split over
 # 2 and 3 programs (3 does not divide the K tiles: the last split is short or empty), scales
-# read once per group, tiles narrower and deeper than the default.
+# read once per group, tiles narrower and deeper than the default; the same for int4's other
+# loops, "gemv" with 2 rows per program (17 rows: a last tile of one) and with more rows per
+# program than there are (capped). int8 ignores INT4_LOOP.
 LAUNCH_VARIANTS = (
     dict(SPLIT_K=2),
     dict(SPLIT_K=3, BLOCK_K=128, SCALE_BROADCAST=1),
     dict(BLOCK_N=32, BLOCK_K=256, SCALE_BROADCAST=1),
     dict(BLOCK_M=32, BLOCK_N=16, SPLIT_K=4),
+    dict(INT4_LOOP="group_dot", SPLIT_K=3, BLOCK_K=128),
+    dict(INT4_LOOP="group_dot", BLOCK_M=32, BLOCK_N=16, BLOCK_K=256, SPLIT_K=2),
+    dict(INT4_LOOP="gemv", SPLIT_K=3, BLOCK_N=32, BLOCK_K=128),
+    dict(INT4_LOOP="gemv", BLOCK_M=2, BLOCK_N=16, BLOCK_K=256, SPLIT_K=4),
+    dict(INT4_LOOP="gemv", BLOCK_M=64, BLOCK_N=128, BLOCK_K=32),
 )
 
 
@@ -140,8 +156,9 @@ def test_float16_activations_and_bfloat16_scales():
     packed, scales, minimums = _int4_weight(64, 96, seed=3)
     x = _activations(5, 96, torch.float16, seed=4)
     want = reference.int4_group_matmul(x.float(), packed, scales.float(), minimums.float())
-    got = int4_group_matmul(x, packed, scales, minimums)
-    assert got.dtype == torch.float16 and _error(got, want) < TOLERANCE[torch.float16]
+    for loop in INT4_LOOPS:  # "group_dot" makes float16 codes its own way (1024 + code)
+        got = int4_group_matmul(x, packed, scales, minimums, launch=dict(INT4_LOOP=loop))
+        assert got.dtype == torch.float16 and _error(got, want) < TOLERANCE[torch.float16], loop
     codes, int8_scales = _int8_weight(64, 96, seed=5)
     want = reference.int8_matmul(x.float(), codes, int8_scales)
     assert _error(int8_matmul(x, codes, int8_scales), want) < TOLERANCE[torch.float16]
@@ -153,7 +170,9 @@ def test_strided_rows_and_no_rows():
     wide = _activations(3, 100, torch.float32, seed=7)
     x = wide[:, 10:74]
     want = reference.int4_group_matmul(x.contiguous(), packed, scales, minimums)
-    assert _error(int4_group_matmul(x, packed, scales, minimums), want) < 1e-5
+    for loop in INT4_LOOPS:
+        got = int4_group_matmul(x, packed, scales, minimums, launch=dict(INT4_LOOP=loop))
+        assert _error(got, want) < 1e-5, loop
     codes, int8_scales = _int8_weight(70, 64, seed=8)
     want = reference.int8_matmul(x.contiguous(), codes, int8_scales)
     assert _error(int8_matmul(x, codes, int8_scales), want) < 1e-5
@@ -187,3 +206,5 @@ def test_wrappers_reject_bad_arguments():
         int4_group_matmul(x, packed, scales[:, :1], minimums)
     with pytest.raises(ValueError, match="x must be contiguous in its last dim"):
         int4_group_matmul(x.t(), packed, scales, minimums)
+    with pytest.raises(ValueError, match="INT4_LOOP must be one of"):
+        int4_group_matmul(x, packed, scales, minimums, launch=dict(INT4_LOOP="marlin"))

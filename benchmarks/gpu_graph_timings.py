@@ -175,6 +175,11 @@ def matmul_rows() -> list[dict[str, object]]:
                 "int4 tuned": lambda: int4_group_matmul(x, packed, group_scales, minimums),
                 "int4 default": lambda: int4_group_matmul(x, packed, group_scales, minimums,
                                                           launch=default),
+                # int4's other inner loops (kernels/dequant_matmul.py) over the tuned tiles.
+                "int4 group_dot": lambda: int4_group_matmul(x, packed, group_scales, minimums,
+                                                            launch={"INT4_LOOP": "group_dot"}),
+                "int4 gemv": lambda: int4_group_matmul(x, packed, group_scales, minimums,
+                                                       launch={"INT4_LOOP": "gemv"}),
                 "dense bf16": lambda: F.linear(x, dense),
             }  # fmt: skip
             # Bytes of weight each reads: int4's codes plus a scale and minimum per 16 bytes.

@@ -1,6 +1,6 @@
 """The Triton kernels' GPU time without the host's launch cost, beside that cost.
 
-    python -m benchmarks.gpu_graph_timings [--json PATH] [--decode-only]
+    python -m benchmarks.gpu_graph_timings [--json PATH] [--decode-only | --matmul-only]
         [--decode-launch '{"KV_HEADS": 4, "TILE_N": 256}' ...]
 
 `triton.testing.do_bench` (benchmarks.kernels_bench, benchmarks.triton_tune) times each call
@@ -205,12 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-launch", action="append", type=json.loads, default=[],
                         help="also time decode attention with this launch (JSON), repeatable")
     parser.add_argument("--decode-only", action="store_true", help="skip the matmuls")
+    parser.add_argument("--matmul-only", action="store_true", help="skip decode attention")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_graph_timings needs a CUDA device", file=sys.stderr)
         return 2
     print(f"device: {torch.cuda.get_device_name()}", flush=True)
-    rows = decode_rows(args.decode_launch) + ([] if args.decode_only else matmul_rows())
+    rows = [] if args.matmul_only else decode_rows(args.decode_launch)
+    rows += [] if args.decode_only else matmul_rows()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

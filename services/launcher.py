@@ -307,6 +307,10 @@ def plan(
     if args.max_waiting_requests:
         decode_flags += ["--max-waiting-requests", str(args.max_waiting_requests)]
     decode_flags += [] if colocated else _decode_flags(args)
+    if not colocated and not args.num_threads:
+        # Every pod of `up` shares this machine's cores: a decode pod leaves a prefill pod
+        # its threads while it computes (the decode pod's thread count is tuned, not fixed).
+        decode_flags += ["--neighbor-prefill-threads", str(threads.prefill)]
     engine_flags += _host_tier_flags(args, num_prefill + args.decode)
     specs = [
         _pod("prefill", i, address, PREFILL_SERVICE, engine_flags + prefill_flags, args)

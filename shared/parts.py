@@ -40,6 +40,7 @@ from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.spec_decode.adaptive import SpeculationPolicy
 from splitserve.engine.spec_decode.speculator import Speculator, build_policy, build_speculator
 from splitserve.engine.step import StepObserver
+from splitserve.engine.step_log import StepLog
 from splitserve.engine.structured_output.matcher import GrammarCompiler
 from splitserve.engine.thread_tuner import ThreadTuner
 from splitserve.engine.tokenizer import Tokenizer
@@ -253,6 +254,9 @@ def _step_observers(
         observers.append(speculator)
     if offloader is not None:  # measures what recomputing a prefix costs
         observers.append(offloader.costs)
+    step_log = StepLog.from_environment()  # SPLITSERVE_STEP_LOG: one JSON line per step
+    if step_log is not None:
+        observers.append(step_log)
     return observers
 
 

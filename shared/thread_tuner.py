@@ -26,13 +26,23 @@ disaggregated, each step's threads and duration logged). Where the slow steps ar
 (the 16-stream phase, prefills back to back) the median picks one thread too, as it should;
 what it no longer does is stay there after one unlucky step.
 
-Used from the engine thread only.
+A neighbor that says when it computes (`neighbor_threads`: a decode pod sharing its machine
+with a prefill pod counts the prompts it has sent there and not got back) gives up its cores
+without measuring: while it computes, each step takes the threads the neighbor leaves, and
+those steps are not recorded (they would teach the tuner a load that is gone once the
+neighbor is done). Measured on 2 cores, 1P+1D at 4 streams (AVX2): a decode step took 45-48 ms
+on 2 threads with the prefill pod idle, 114-131 ms on 2 threads while it prefilled, 68-77 ms on
+1; the tuner only found out a step late each time, and those steps were the ITL tail.
+
+Used from the engine thread only (`neighbor_threads` is called there too, so it must be safe
+to call from another thread than the one that updates what it reads).
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitserve.engine.step import SchedulerOutput, StepResult
@@ -63,9 +73,17 @@ class ThreadTuner:
             raise ValueError(f"max_threads must be >= 2 to choose a count, got {max_threads}")
         self.candidates = (max_threads, 1)  # all threads first: the quiet machine's choice
         self._shapes: dict[tuple[bool, int], _ShapeStats] = {}
+        # Threads a neighbor on these cores computes with right now (0 = none); None: no
+        # neighbor tells.
+        self.neighbor_threads: Callable[[], int] | None = None
+        self._yielded = False  # the step in flight took what the neighbor left
 
     def choose(self, sched: SchedulerOutput) -> int:
         """The thread count for the step about to compute `sched`."""
+        taken = self.neighbor_threads() if self.neighbor_threads is not None else 0
+        self._yielded = taken > 0
+        if self._yielded:
+            return max(1, self.candidates[0] - taken)
         stats = self._shapes.setdefault(_shape(sched), _ShapeStats())
         stats.num_steps += 1
         untried = [n for n in self.candidates if n not in stats.seconds]
@@ -77,7 +95,10 @@ class ThreadTuner:
         return best
 
     def observe(self, step: StepResult, num_threads: int) -> None:
-        """Records how long a step of this shape took with `num_threads` threads."""
+        """Records how long a step of this shape took with `num_threads` threads (not a step
+        that yielded cores to a neighbor)."""
+        if self._yielded:
+            return
         stats = self._shapes.setdefault(_shape(step.sched), _ShapeStats())
         tried_all = all(n in stats.seconds for n in self.candidates)
         best_before = self._best(stats) if tried_all else None

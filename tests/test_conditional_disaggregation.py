@@ -114,3 +114,16 @@ def test_the_limit_is_a_decode_pod_flag_and_refuses_negative_values():
     assert RemotePrefillSettings().max_remote_tokens == 0  # default: always send
     with pytest.raises(ValueError, match="max_remote_tokens"):
         RemotePrefillSettings(max_remote_tokens=-1)
+
+
+def test_the_limit_grows_with_the_streams_a_local_prefill_would_stall():
+    """max_remote_tokens per running stream plus one: a pod running nothing prefills itself
+    past one limit's worth in flight, one running three streams past four."""
+    from splitserve.common.conditional_prefill import prefill_pod_is_full
+
+    assert not prefill_pod_is_full(256, 0, 4096, num_running=0)  # an idle prefill pod
+    assert prefill_pod_is_full(256, 256, 256, num_running=0)
+    assert not prefill_pod_is_full(256, 256, 256, num_running=1)
+    assert not prefill_pod_is_full(256, 768, 256, num_running=3)
+    assert prefill_pod_is_full(256, 769, 256, num_running=3)
+    assert not prefill_pod_is_full(0, 10_000, 256, num_running=0)  # 0: no limit

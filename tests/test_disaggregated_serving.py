@@ -407,6 +407,10 @@ def test_up_runs_one_prefill_and_one_decode_pod_by_default():
     assert _flag(default.specs[0].argv, "--num-threads") == str(max(1, cores // 2))
     assert _flag(default.specs[1].argv, "--num-threads") == str(cores)
     assert _flag(default.specs[1].argv, "--local-prefill-threshold") == str(THRESHOLD)
+    # The decode pod leaves the prefill pod its threads while it computes a prompt of ours.
+    assert _flag(default.specs[1].argv, "--neighbor-prefill-threads") == str(max(1, cores // 2))
+    fixed = plan(build_parser().parse_args(["up", "--num-threads", "1"]), prefill_available=True)
+    assert "--neighbor-prefill-threads" not in fixed.specs[1].argv  # no tuner to tell
     # Conditional disaggregation on by default here: the processes share this machine's cores.
     assert _flag(default.specs[1].argv, "--max-remote-prefill-tokens") == "256"
     always = plan(build_parser().parse_args(["up", "--max-remote-prefill-tokens", "0"]), True)

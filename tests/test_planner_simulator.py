@@ -110,6 +110,19 @@ def test_a_busy_prefill_pod_leaves_further_prompts_to_the_decode_pod() -> None:
     assert result.transfer.mean * 8 == pytest.approx(2 * 0.5)
 
 
+def test_the_decode_pods_running_streams_raise_the_remote_limit() -> None:
+    """The same rule as the decode pod's (services/common/conditional_prefill.py): with one
+    stream running there, a second prompt in flight is still sent (limit 2 x 100), a third is
+    prefilled locally."""
+    profile = synthetic_profile(0.2, transfer_latency_s=0.5, max_num_batched_tokens=512)
+    running = [SimRequest(0, 0.0, 10, 400)]  # short: prefilled on the decode pod, then decodes
+    burst = [SimRequest(1 + i, 1.0, 100, 1) for i in range(3)]
+    limited = ClusterConfig(1, 1, max_remote_prefill_tokens=100, gateway_poll_interval_s=0)
+    result = simulate(profile, limited, running + burst, LOOSE)
+    assert result.num_finished == 4
+    assert result.transfer.mean * 4 == pytest.approx(2 * 0.5)  # two of the three travelled
+
+
 def test_a_small_kv_cache_preempts_and_still_finishes_everything() -> None:
     profile = synthetic_profile(0.05, decode_step_s=0.01)
     requests = [SimRequest(i, 0.0, 32, 60) for i in range(8)]  # 6 blocks each at the end

@@ -94,3 +94,40 @@ def test_shapes_are_measured_apart():
 def test_needs_two_counts_to_choose_from():
     with pytest.raises(ValueError, match="max_threads"):
         ThreadTuner(1)
+
+
+def test_a_computing_neighbor_gets_its_threads_and_those_steps_teach_nothing():
+    """While a neighbor says it computes with one thread, steps take what it leaves (one of
+    two) whatever the tuner had learned, and are not recorded: once it stops, the tuner picks
+    as it did before, not from steps measured under its load."""
+    tuner = ThreadTuner(2)
+    sched = decode_step(4)
+    quiet = {2: 0.020, 1: 0.030}
+    for _ in range(3):
+        run(tuner, sched, quiet)
+    busy_neighbor = [0]
+    tuner.neighbor_threads = lambda: busy_neighbor[0]
+    busy_neighbor[0] = 1
+    # Under the neighbor, one thread is slow as measured here; it must not be learned.
+    assert [run(tuner, sched, {2: 0.120, 1: 0.090}) for _ in range(20)] == [1] * 20
+    busy_neighbor[0] = 0
+    assert run(tuner, sched, quiet) == 2
+    busy_neighbor[0] = 5  # more than there are: at least one thread stays
+    assert run(tuner, sched, quiet) == 1
+
+
+def test_a_decode_pod_counts_the_prefill_pods_computing_its_prompts():
+    """The neighbor signal of a decode pod: prefill pods with prompt tokens of ours in flight."""
+    from splitserve.decode.remote_prefill import PrefillClient, RemotePrefillSettings
+
+    client = PrefillClient(receiver=None, transport="tcp", timeout_s=1.0)  # type: ignore[arg-type]
+    assert client.num_busy_prefill_pods() == 0
+    with client.counted_in_flight("p0:1", 256), client.counted_in_flight("p1:1", 64):
+        assert client.num_busy_prefill_pods() == 2
+        with client.counted_in_flight("p0:1", 100):
+            assert client.num_busy_prefill_pods() == 2
+    with client.counted_in_flight("p1:1", 10):
+        assert client.num_busy_prefill_pods() == 1
+    assert client.num_busy_prefill_pods() == 0
+    with pytest.raises(ValueError, match="neighbor_prefill_threads must be >= 0"):
+        RemotePrefillSettings(neighbor_prefill_threads=-1)

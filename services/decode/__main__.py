@@ -44,6 +44,14 @@ def add_decode_flags(group: argparse._ArgumentGroup) -> None:
         "request's prefill pod (conditional disaggregation; 0 = no limit)",
     )
     group.add_argument(
+        "--neighbor-prefill-threads",
+        type=int,
+        default=defaults.neighbor_prefill_threads,
+        metavar="THREADS",
+        help="threads each prefill pod computes with when it shares this pod's cores: while one "
+        "prefills a prompt of ours, steps here leave it that many (0 = cores of their own)",
+    )
+    group.add_argument(
         "--kv-host",
         default=None,
         help="the address prefill pods send KV pages to (default: --host, or this machine's)",
@@ -54,7 +62,10 @@ def add_decode_flags(group: argparse._ArgumentGroup) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> RemotePrefillSettings:
     return RemotePrefillSettings(
-        args.local_prefill_threshold, args.prefill_timeout, args.max_remote_prefill_tokens
+        args.local_prefill_threshold,
+        args.prefill_timeout,
+        args.max_remote_prefill_tokens,
+        args.neighbor_prefill_threads,
     )
 
 

@@ -100,6 +100,19 @@ class DecodePodCore(EnginePodCore):
         )
         self.identity = dataclasses.replace(self.identity, kv_address=receiver.address)
         logger.info("receiving KV pages at %s", receiver.address)
+        self._yield_cores_to_prefill(self._prefill_client)
+
+    def _yield_cores_to_prefill(self, client: PrefillClient) -> None:
+        """With prefill pods on this pod's cores, steps leave them their threads while they
+        compute a prompt of ours (shared/thread_tuner.py)."""
+        per_pod = self.settings.neighbor_prefill_threads
+        if not per_pod:
+            return
+        tuner = self.llm.engine.thread_tuner
+        if tuner is None:
+            logger.info("--neighbor-prefill-threads: this engine's thread count is fixed; ignored")
+            return
+        tuner.neighbor_threads = lambda: per_pod * client.num_busy_prefill_pods()
 
     async def generate(
         self,

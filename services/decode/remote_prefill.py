@@ -35,6 +35,7 @@ import grpc
 
 from splitserve.common import tracing
 from splitserve.common.channels import aio_channel
+from splitserve.common.conditional_prefill import prefill_pod_is_full
 from splitserve.common.convert import logprob_from_proto, options_from_params
 from splitserve.engine.async_llm import AsyncLLM, RemotePrefillReservation
 from splitserve.engine.kv.disaggregation import (
@@ -70,12 +71,17 @@ class RemotePrefillSettings:
     local_prefill_threshold: int = 32
     # The whole remote prefill (queueing on the prefill pod, compute, transfer) must fit.
     timeout_s: float = 30.0
-    # Conditional disaggregation: while this many uncached prompt tokens of ours are in flight
-    # at a prefill pod (sent, pages not back), further prompts are prefilled here instead of
-    # queueing behind them; a pod with nothing in flight always gets the prompt. 0: no limit.
+    # Conditional disaggregation: while this many uncached prompt tokens of ours per running
+    # stream here, plus one, are in flight at a prefill pod (sent, pages not back), further
+    # prompts are prefilled here instead of queueing behind them; a pod with nothing in flight
+    # always gets the prompt (services/common/conditional_prefill.py). 0: no limit.
     # A backed-up prefill pod otherwise holds streams out of the decode batch while this pod's
     # steps run short of rows (docs/benchmarks.md, issue 15).
     max_remote_tokens: int = 0
+    # Threads each prefill pod computes with when it shares this pod's cores (`splitserve up`
+    # on one machine); while one computes a prompt of ours, this pod's steps leave it them
+    # (shared/thread_tuner.py). 0: the prefill pods have cores of their own.
+    neighbor_prefill_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.local_prefill_threshold < 0:
@@ -86,6 +92,10 @@ class RemotePrefillSettings:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.max_remote_tokens < 0:
             raise ValueError(f"max_remote_tokens must be >= 0, got {self.max_remote_tokens}")
+        if self.neighbor_prefill_threads < 0:
+            raise ValueError(
+                f"neighbor_prefill_threads must be >= 0, got {self.neighbor_prefill_threads}"
+            )
 
 
 class PrefillClient:
@@ -109,6 +119,11 @@ class PrefillClient:
 
     def tokens_in_flight(self, address: str) -> int:
         return self._tokens_in_flight.get(address, 0)
+
+    def num_busy_prefill_pods(self) -> int:
+        """Prefill pods computing (or queueing, or sending) a prompt of ours now. Read by the
+        engine thread: one pass over a small dict the event loop updates in place."""
+        return sum(1 for tokens in list(self._tokens_in_flight.values()) if tokens > 0)
 
     @contextlib.contextmanager
     def counted_in_flight(self, address: str, num_tokens: int) -> Iterator[None]:
@@ -340,12 +355,15 @@ class PromptPrefill:
             reservation.complete(result)
 
     def _prefill_pod_is_full(self, num_uncached: int) -> bool:
-        """Whether sending `num_uncached` more tokens would pass max_remote_tokens (an idle
-        prefill pod takes any prompt)."""
+        """Whether sending `num_uncached` more tokens would pass the limit, which grows with
+        the streams a local prefill would stall (services/common/conditional_prefill.py)."""
         assert self._client is not None, "checked by the caller"
-        limit = self._settings.max_remote_tokens
-        in_flight = self._client.tokens_in_flight(self._address)
-        return limit > 0 and in_flight > 0 and in_flight + num_uncached > limit
+        return prefill_pod_is_full(
+            self._settings.max_remote_tokens,
+            self._client.tokens_in_flight(self._address),
+            num_uncached,
+            self._llm.stats().num_running,
+        )
 
     async def _prefill_remotely(
         self, plan: RemotePrefillPlan, prompt_token_ids: list[int], params: SamplingParams

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from splitserve.common.conditional_prefill import prefill_pod_is_full
 from splitserve.gateway.routing.pods import POLL_INTERVAL_SECONDS
 from splitserve.loadgen.stats import Slo
 from splitserve.loadgen.workload import SimRequest
@@ -289,7 +290,7 @@ class Simulation:
         decode_pod, seq, request = flight.decode_pod, flight.decode_seq, flight.record.request
         uncached = request.input_len - decode_pod.num_cached_tokens(request)
         link = (decode_pod.name, prefill_pod.name)
-        if self._prefill_pod_is_full(link, uncached) or not decode_pod.try_reserve(seq):
+        if self._prefill_pod_is_full(link, uncached, decode_pod) or not decode_pod.try_reserve(seq):
             self._enqueue(decode_pod, seq, now)
             return
         self._remote_tokens[link] = self._remote_tokens.get(link, 0) + uncached
@@ -303,13 +304,18 @@ class Simulation:
         prefill_seq = SimSeq(request, num_tokens=request.input_len, is_prefill_only=True)
         self._enqueue(prefill_pod, prefill_seq, now)
 
-    def _prefill_pod_is_full(self, link: tuple[str, str], uncached: int) -> bool:
-        """The decode pod's conditional-disaggregation rule (services/decode/remote_prefill.py):
-        past the limit of its tokens in flight there, it prefills the prompt itself; an idle
-        prefill pod takes any prompt."""
-        limit = self.cluster.max_remote_prefill_tokens
-        in_flight = self._remote_tokens.get(link, 0)
-        return limit > 0 and in_flight > 0 and in_flight + uncached > limit
+    def _prefill_pod_is_full(
+        self, link: tuple[str, str], uncached: int, decode_pod: SimPod
+    ) -> bool:
+        """The decode pod's conditional-disaggregation rule (services/common/
+        conditional_prefill.py): past the limit of its tokens in flight there, which grows with
+        the streams it runs, it prefills the prompt itself."""
+        return prefill_pod_is_full(
+            self.cluster.max_remote_prefill_tokens,
+            self._remote_tokens.get(link, 0),
+            uncached,
+            len(decode_pod.running),
+        )
 
     def _enqueue(self, pod: SimPod, seq: SimSeq, now: float) -> None:
         """Into the pod's queue; a prefix its offload tiers hold is loaded back first."""

@@ -85,10 +85,7 @@ def _int8_matmul_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
+    rows, cols, row_ok, col_ok = _tile_coords(M, N, BLOCK_M, BLOCK_N)
     k_begin, k_end = _split_range(K, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
@@ -110,6 +107,14 @@ def _int8_matmul_kernel(
         acc += dot(a, codes.to(tl.float32).to(a.dtype), DOT_PRECISION, UPCAST_DOT)
     acc *= tl.load(scales_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     _store_tile(out_ptr, acc, rows, cols, row_ok, col_ok, M, stride_om, SPLIT_K)
+
+
+@triton.jit
+def _tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's output rows and columns, and which of them are inside [M, N]."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, cols, rows < M, cols < N
 
 
 @triton.jit
@@ -155,10 +160,7 @@ def _int4_matmul_kernel(
     SPLIT_K: tl.constexpr,
     SCALE_BROADCAST: tl.constexpr,  # load a tile's scales once per group, not once per byte
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
+    rows, cols, row_ok, col_ok = _tile_coords(M, N, BLOCK_M, BLOCK_N)
     k_begin, k_end = _split_range(K_PAD, BLOCK_K, SPLIT_K)
     byte_in_tile = tl.arange(0, BLOCK_K // 2)
     # The column each byte's low nibble holds, relative to the tile's first column: bytes
@@ -241,10 +243,7 @@ def _int4_group_dot_kernel(
     SPLIT_K: tl.constexpr,
 ):
     """INT4_LOOP "group_dot" (module docstring): the arguments are _int4_matmul_kernel's."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
+    rows, cols, row_ok, col_ok = _tile_coords(M, N, BLOCK_M, BLOCK_N)
     k_begin, k_end = _split_range(K_PAD, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
@@ -353,10 +352,7 @@ def _int4_gemv_kernel(
 ):
     """INT4_LOOP "gemv" (module docstring): the arguments are _int4_matmul_kernel's. A tile is
     [BLOCK_N, groups, 16] bytes, each column's BLOCK_K / 2 bytes contiguous."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
+    rows, cols, row_ok, col_ok = _tile_coords(M, N, BLOCK_M, BLOCK_N)
     k_begin, k_end = _split_range(K_PAD, BLOCK_K, SPLIT_K)
     byte_in_group = tl.arange(0, 16)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -16,6 +16,7 @@ from splitserve import LLM, SamplingParams
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.overlap import can_run_ahead
 from splitserve.engine.request import PENDING_TOKEN, Request
+from tests.test_engine_tiny_models import seeded_runs_roomy_and_cramped
 
 KV_BYTES = 16 * 2**20
 _STORY = (
@@ -124,21 +125,9 @@ def test_requests_needing_host_tokens_run_in_order_beside_async_ones(engines):
 def test_preemption_with_a_token_in_flight(single_thread, tiny_hf_checkpoint):
     """A pool too small for the batch preempts requests whose newest token is still on the
     device; their recompute waits for it, and the seeded tokens equal the roomy run's."""
-    prompts = [[17 + i] * (30 + i) for i in range(4)]
-    params = [
-        SamplingParams(temperature=1.0, seed=10 + i, max_tokens=40, ignore_eos=True)
-        for i in range(4)
-    ]
-    roomy = LLM(tiny_hf_checkpoint, kv_cache_bytes=KV_BYTES, enable_prefix_caching=False)
-    cramped = LLM(
-        tiny_hf_checkpoint,
-        kv_cache_bytes=KV_BYTES,
-        num_blocks_override=12,
-        enable_prefix_caching=False,
-        async_scheduling=True,
+    expected, results, cramped = seeded_runs_roomy_and_cramped(
+        tiny_hf_checkpoint, async_scheduling=True
     )
-    expected = roomy.generate(prompts, params)
-    results = cramped.generate(prompts, params)
     assert cramped.stats().num_preemptions > 0, "the pool was meant to be too small"
     assert _outputs(results) == _outputs(expected)
     stats = cramped.stats()

@@ -157,23 +157,33 @@ def test_bfloat16_first_step_logits_are_close_to_float32(single_thread, tiny_hf_
             assert gap == pytest.approx(top_expected[token_id] - top_expected[best], abs=2e-2)
 
 
-def test_seeded_sampling_survives_preemption(single_thread, tiny_hf_checkpoint):
-    """A preempted request is recomputed, not resampled: its seeded draws continue where they
-    stopped, so a pool too small for the batch changes nothing but the schedule."""
+def seeded_runs_roomy_and_cramped(
+    checkpoint: str, logprobs: int | None = None, **cramped_options: object
+) -> tuple[list, list, LLM]:
+    """Four seeded requests (40 tokens each) on a roomy pool and on a 12-block pool that must
+    preempt: (roomy results, cramped results, the cramped engine)."""
     prompts = [[17 + i] * (30 + i) for i in range(4)]
     params = [
-        SamplingParams(temperature=1.0, seed=10 + i, max_tokens=40, ignore_eos=True, logprobs=1)
+        SamplingParams(
+            temperature=1.0, seed=10 + i, max_tokens=40, ignore_eos=True, logprobs=logprobs
+        )
         for i in range(4)
     ]
-    roomy = LLM(tiny_hf_checkpoint, kv_cache_bytes=KV_BYTES, enable_prefix_caching=False)
+    roomy = LLM(checkpoint, kv_cache_bytes=KV_BYTES, enable_prefix_caching=False)
     cramped = LLM(
-        tiny_hf_checkpoint,
+        checkpoint,
         kv_cache_bytes=KV_BYTES,
         num_blocks_override=12,
         enable_prefix_caching=False,
+        **cramped_options,
     )
-    expected = roomy.generate(prompts, params)
-    results = cramped.generate(prompts, params)
+    return roomy.generate(prompts, params), cramped.generate(prompts, params), cramped
+
+
+def test_seeded_sampling_survives_preemption(single_thread, tiny_hf_checkpoint):
+    """A preempted request is recomputed, not resampled: its seeded draws continue where they
+    stopped, so a pool too small for the batch changes nothing but the schedule."""
+    expected, results, cramped = seeded_runs_roomy_and_cramped(tiny_hf_checkpoint, logprobs=1)
     assert cramped.stats().num_preemptions > 0, "the pool was meant to be too small"
     assert sum(result.outputs[0].num_preemptions for result in results) > 0
     for result, reference in zip(results, expected):

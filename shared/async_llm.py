@@ -186,6 +186,11 @@ class AsyncLLM:
         self._kv_events_lock = threading.Lock()
         self._is_keeping_kv_events = False
         self._stopped = threading.Event()
+        # after_current_step(): whether the engine thread is inside a step, and the event-loop
+        # futures to settle when it leaves it.
+        self._step_lock = threading.Lock()
+        self._is_stepping = False
+        self._step_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         # Set when a step failed in a way no later step recovers from (a parallel engine lost
         # a rank): a pod then stops serving, so its streams move elsewhere.
         self.engine_lost = threading.Event()
@@ -426,7 +431,34 @@ class AsyncLLM:
             if self._is_keeping_kv_events:
                 self._kv_events.extend(events)
 
+    async def after_current_step(self) -> None:
+        """Returns once the step the engine thread is running now has ended (at once when it
+        runs none): work started then meets the next step's choices (a decode pod leaving a
+        prefill pod its threads, shared/thread_tuner.py), not one made before it existed."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        with self._step_lock:
+            if not self._is_stepping:
+                return
+            self._step_waiters.append((loop, future))
+        await future
+
+    def _end_step_wait(self) -> None:
+        with self._step_lock:
+            self._is_stepping = False
+            waiters, self._step_waiters = self._step_waiters, []
+        for loop, future in waiters:
+            loop.call_soon_threadsafe(_settle_if_pending, future)
+
     def _step(self) -> None:
+        with self._step_lock:
+            self._is_stepping = True
+        try:
+            self._step_and_route()
+        finally:
+            self._end_step_wait()
+
+    def _step_and_route(self) -> None:
         try:
             deltas = self.engine.step()
         except Exception as error:
@@ -575,6 +607,11 @@ class AsyncLLM:
             if delta.finished:
                 del self._sinks[delta.request_id]
             sink.put(delta)
+
+
+def _settle_if_pending(future: asyncio.Future[None]) -> None:
+    if not future.done():  # its waiter may have been cancelled meanwhile
+        future.set_result(None)
 
 
 def _settle(

@@ -292,3 +292,40 @@ def test_a_reader_that_falls_behind_gets_the_queued_tokens_as_one_delta(engine, 
     assert [lp.token_id for delta in deltas for lp in delta.logprobs] == final.token_ids
     assert "".join(delta.text for delta in deltas) == final.text
     _run(_wait_idle(engine))
+
+
+def test_after_current_step_waits_for_the_step_running_now(engine, offline):
+    """At once on an idle engine; during a generation, it returns only once every step that
+    had started when it was called has ended."""
+    prompts, _ = offline
+    counts = {"started": 0, "ended": 0}
+    step = engine.engine.step
+
+    def counted_step():
+        counts["started"] += 1
+        try:
+            return step()
+        finally:
+            counts["ended"] += 1
+
+    async def scenario() -> None:
+        await asyncio.wait_for(engine.after_current_step(), 1.0)  # idle: nothing to wait for
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        stream = engine.generate(prompts[0], params, request_id="steps")
+        await stream.__anext__()  # running now
+        waited_for_a_step = 0
+        for _ in range(8):
+            started = counts["started"]
+            running = started > counts["ended"]
+            await engine.after_current_step()
+            assert counts["ended"] >= started
+            waited_for_a_step += running
+        assert waited_for_a_step > 0, "no call came while a step ran"
+        async for _ in stream:
+            pass
+
+    engine.engine.step = counted_step
+    try:
+        _run(scenario())
+    finally:
+        del engine.engine.step

@@ -343,6 +343,13 @@ class PromptPrefill:
             return
         try:
             with self._client.counted_in_flight(self._address, num_uncached):
+                if self._settings.neighbor_prefill_threads:
+                    # The step running now chose its threads before this prompt counted: the
+                    # prefill pod starts once it ends, beside a step that leaves it its threads.
+                    await self._llm.after_current_step()
+                    if self._is_aborted:
+                        self._llm.abort(reservation.request_id)
+                        return
                 result = await self._prefill_remotely(plan, prompt_token_ids, params)
         except REMOTE_PREFILL_ERRORS as error:
             logger.warning(

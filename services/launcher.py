@@ -53,13 +53,16 @@ GENERATION_SERVICE = "splitserve.v1.Generation"
 # 47.5 ms at 0, back to back (python -m benchmarks.vs_vllm --parts streams --systems
 # disaggregated [--up-flags '--prefill-nice 0']): no gain beyond noise, so no change by default.
 PREFILL_NICE = 0
-# Conditional disaggregation for the decode processes `up` starts: on one machine the pods share
-# its cores, so a prompt queued behind others at the prefill process is time the decode process
-# could spend prefilling it itself, batched into its steps. On 2 cores, 1 prefill + 1 decode, 16
-# streams of 128-token prompts: ITL median 0.92x vLLM's with no limit (21:03 run), 0.71x with
-# 256 (23:39 run; docs/benchmarks.md, issue 15). The pods' own default stays 0 (the chart's
-# too): in a cluster a decode pod's cores are its own and prefilling there stalls its batch.
-UP_MAX_REMOTE_PREFILL_TOKENS = 256
+# Conditional disaggregation for the decode processes `up` starts: off (0, always send). On
+# one machine the pods share its cores, so a decode process prefilling a prompt itself adds no
+# compute while the prefill process works, and stalls every stream it runs. It was 256 while
+# decode steps took both cores beside a computing prefill process (ITL median at 16 streams of
+# 128-token prompts 0.71x vLLM's with 256 against 0.92x without, issue 15); since decode pods
+# leave a computing prefill pod its threads (--neighbor-prefill-threads), on 2 cores, forced
+# AVX2, 256 in / 64 out, our client: 16 streams ITL p50 118 against 81 ms with 256 (vLLM ~138),
+# p99 235 against 1,203 (vLLM ~740), TTFT p50 2.2 against 3.7 s, same tokens/s; 4 streams p99 85
+# against 86 (docs/benchmarks.md, issue 33). The pods' own default is 0 too (the chart's too).
+UP_MAX_REMOTE_PREFILL_TOKENS = 0
 # As a kubelet would: back at once after a one-off crash, slower and slower in a crash loop.
 RESTART_POLICY = RestartPolicy(initial_backoff_s=1.0, max_backoff_s=30.0, reset_after_s=60.0)
 
@@ -91,8 +94,9 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
         default=UP_MAX_REMOTE_PREFILL_TOKENS,
         metavar="TOKENS",
         help="decode processes prefill prompts themselves while this many of their uncached "
-        "prompt tokens are in flight at the prefill process (conditional disaggregation; 0 = "
-        f"always send; default {UP_MAX_REMOTE_PREFILL_TOKENS}: the processes share this machine)",
+        "prompt tokens (per stream a decode process runs, plus one) are in flight at the prefill "
+        "process (conditional disaggregation; default 0 = always send: the processes share this "
+        "machine's cores, so prefilling in a decode process adds no compute and stalls streams)",
     )
     sub.add_argument(
         "--max-prefill-tokens-while-decoding",

@@ -411,10 +411,11 @@ def test_up_runs_one_prefill_and_one_decode_pod_by_default():
     assert _flag(default.specs[1].argv, "--neighbor-prefill-threads") == str(max(1, cores // 2))
     fixed = plan(build_parser().parse_args(["up", "--num-threads", "1"]), prefill_available=True)
     assert "--neighbor-prefill-threads" not in fixed.specs[1].argv  # no tuner to tell
-    # Conditional disaggregation on by default here: the processes share this machine's cores.
-    assert _flag(default.specs[1].argv, "--max-remote-prefill-tokens") == "256"
-    always = plan(build_parser().parse_args(["up", "--max-remote-prefill-tokens", "0"]), True)
-    assert _flag(always.specs[1].argv, "--max-remote-prefill-tokens") == "0"
+    # Conditional disaggregation off by default here: on shared cores a decode process
+    # prefilling itself adds no compute and stalls its streams; the flag turns it on.
+    assert _flag(default.specs[1].argv, "--max-remote-prefill-tokens") == "0"
+    limited = plan(build_parser().parse_args(["up", "--max-remote-prefill-tokens", "256"]), True)
+    assert _flag(limited.specs[1].argv, "--max-remote-prefill-tokens") == "256"
     with pytest.raises(ValueError, match="--max-remote-prefill-tokens must be >= 0"):
         plan(build_parser().parse_args(["up", "--max-remote-prefill-tokens", "-1"]), True)
     # Prefill runs at the decode pods' priority unless told to yield the shared cores.

@@ -89,8 +89,9 @@ class Sampler:
         if not rows:
             return SamplerOutput([], [])
         logits = logits.float()
-        sampled = self._token_ids(logits, rows).tolist()
-        if _is_plain_greedy(rows):  # no row asks for logprobs
+        is_plain = _is_plain_greedy(rows)
+        sampled = self._token_ids(logits, rows, is_plain).tolist()
+        if is_plain:  # no row asks for logprobs
             return SamplerOutput(sampled, [None] * len(rows))
         return SamplerOutput(sampled, _compute_logprobs(logits, rows, sampled))
 
@@ -98,11 +99,13 @@ class Sampler:
         """[num_rows] int64 on the logits' device: the tokens `sample` would return, left
         there unread so the host need not wait for them (async scheduling). No logprobs."""
         assert all(row.params.logprobs is None for row in rows), "logprobs need the host"
-        return self._token_ids(logits.float(), rows)
+        return self._token_ids(logits.float(), rows, _is_plain_greedy(rows))
 
     @staticmethod
-    def _token_ids(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        if _is_plain_greedy(rows):
+    def _token_ids(
+        logits: torch.Tensor, rows: list[SamplingRow], is_plain_greedy: bool
+    ) -> torch.Tensor:
+        if is_plain_greedy:
             if any(r.is_constrained for r in rows):
                 logits = _constrain(logits.clone(), rows)
             return argmax_rows(logits)

@@ -14,6 +14,8 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.kv.block_hash import hash_full_blocks
+from splitserve.engine.kv.manager import KVCacheManager
 from splitserve.engine.overlap import can_run_ahead
 from splitserve.engine.request import PENDING_TOKEN, Request
 from tests.test_engine_tiny_models import seeded_runs_roomy_and_cramped
@@ -158,14 +160,19 @@ def test_abort_with_a_token_in_flight(engines):
     _assert_idle(overlapped)
 
 
-def test_block_hashes_skip_a_pending_token(tiny_hf_checkpoint):
+def test_block_hashes_skip_a_pending_token():
     """A pending token never enters a block hash: the prefix cache must not match a block
     whose last token is a placeholder."""
+    manager = KVCacheManager(num_blocks=4, block_size=16, enable_caching=True, hash_namespace="t")
     request = Request("r", [5] * 15, SamplingParams(max_tokens=4))
     request.append_pending_token()
     assert (request.num_tokens, request.num_known_tokens) == (16, 15)
+    manager.get_computed_blocks(request)  # hashes every full block of the known tokens
+    assert request.block_hashes == []  # the only full block ends in the placeholder
     request.resolve_pending_token(9)
     assert request.all_token_ids[-1] == 9 and not request.has_pending_token
+    manager.get_computed_blocks(request)
+    assert request.block_hashes == hash_full_blocks([5] * 15 + [9], 16, "t")
     request.append_pending_token()
     request.drop_pending_token()
     assert request.num_tokens == 16 and request.output_token_ids == [9]

@@ -74,7 +74,9 @@ def host_us(fn: Callable[[], object]) -> float:
 
 def decode_variant_launches(num_kv_heads: int, head_dim: int) -> dict[str, dict[str, object]]:
     """The decode kernel's variants (kernels/_decode_variants.py) over the default launch:
-    all kv heads in one program, the fused merge, and both. TILE_N counts (token, kv head)
+    all kv heads in one program, the fused merge, and both; the head blocks first in the grid,
+    alone and with all kv heads in one program; partitions sized to fill whole waves of 2, 4
+    or 8 programs per SM (kernels/_decode_waves.py). TILE_N counts (token, kv head)
     columns there: 16 KB of bfloat16 keys a step (128 columns of 64, 64 of 128), twice the
     default's 64 tokens of one kv head at 64 wide, as much at 128, where more would not fit
     three stages of K and V in shared memory."""
@@ -86,6 +88,9 @@ def decode_variant_launches(num_kv_heads: int, head_dim: int) -> dict[str, dict[
         f"kv_heads={kv_heads}": heads,
         "fused_merge": {**DEFAULT_LAUNCH, "FUSED_MERGE": 1},
         f"kv_heads={kv_heads}+fused_merge": {**heads, "FUSED_MERGE": 1},
+        "heads_first": {**DEFAULT_LAUNCH, "HEADS_FIRST": 1},
+        **{f"waves={slots}": {**DEFAULT_LAUNCH, "WAVE_SLOTS": slots} for slots in (2, 4, 8)},
+        f"kv_heads={kv_heads}+heads_first": {**heads, "HEADS_FIRST": 1},
     }
 
 

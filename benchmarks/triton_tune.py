@@ -138,9 +138,8 @@ def decode_shapes(plan: Plan, dtype: torch.dtype) -> Iterator[Shape]:
         )
 
         def run(launch: Launch, q=query, kv=kv, tables=tables, lens=seq_lens, s=scale):
-            partition = int(launch["PARTITION_SIZE"])
-            return paged_decode_attention(q, kv[0], kv[1], tables, lens, s,
-                                          partition_size=partition, launch=launch)  # fmt: skip
+            # The partition size from the launch: PARTITION_SIZE, or WAVE_SLOTS's choice.
+            return paged_decode_attention(q, kv[0], kv[1], tables, lens, s, launch=launch)
 
         group = num_heads // num_kv_heads
         yield Shape(
@@ -156,20 +155,25 @@ def decode_shapes(plan: Plan, dtype: torch.dtype) -> Iterator[Shape]:
 
 def decode_space(plan: Plan, dtype: torch.dtype, num_kv_heads: int) -> dict[str, list[Any]]:
     """Decode attention's coordinates, in search order. For `plan.variant_dtypes` the variants'
-    keys too (kernels/_decode_variants.py): KV_HEADS first, so that the tiles, warps and
-    partitions after it are searched for the kernel it picked; TILE_N 256, which only a
+    keys too (kernels/_decode_variants.py): KV_HEADS and HEADS_FIRST first, so that the tiles,
+    warps and partitions after them are searched for the kernel picked; TILE_N 256, which only a
     several-kv-head program needs for a step as long as the one-kv-head kernel's 64 tokens
-    (TILE_N counts (token, kv head) columns); FUSED_MERGE after the partition size that sets
-    how much there is to merge. One coordinate each, not a product. num_stages=1 gave up its
+    (TILE_N counts (token, kv head) columns); WAVE_SLOTS after PARTITION_SIZE, which it
+    replaces when not 0; FUSED_MERGE after the partition size that sets how much there is to
+    merge. One coordinate each, not a product. num_stages=1 gave up its
     place: it won no decode shape on the H100 (docs/benchmarks.md), as one stage keeps no load
     in flight during the math of a loop bound by its loads."""
     variants = dtype in plan.variant_dtypes
     space: dict[str, list[Any]] = {}
     if variants:
         space["KV_HEADS"] = [n for n in (1, 2, 4, 8) if n < 2 * num_kv_heads]
+        space["HEADS_FIRST"] = [0, 1]
     space.update(TILE_N=[32, 64, 128, 256] if variants else [32, 64, 128], num_warps=[2, 4, 8],
                  num_stages=[2, 3, 4], PARTITION_SIZE=[256, 512, 1024])  # fmt: skip
     if variants:
+        # 0: PARTITION_SIZE as searched; else partitions sized to fill whole waves of
+        # WAVE_SLOTS programs per SM (kernels/_decode_waves.py).
+        space["WAVE_SLOTS"] = [0, 2, 3, 4, 6, 8]
         space["FUSED_MERGE"] = [0, 1]
     return space
 

@@ -12,6 +12,9 @@ other kv heads: a block-diagonal score tile. The wasted products cost tensor-cor
 `FUSED_MERGE`: the last partition program of each (sequence, head block) to finish merges the
 partitions itself, found through a counter per (sequence, head block), instead of a second
 kernel launch over every (sequence, head) reading back what the first just wrote.
+
+`HEADS_FIRST`: the grid's first (fastest-started) axis is the head block rather than the
+sequence (`program_coordinates`), for either kernel.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def decode_heads_partition_kernel(
     num_heads,
     num_kv_heads,
     num_partitions,
+    partition_size,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     GROUP: tl.constexpr,
@@ -57,21 +61,21 @@ def decode_heads_partition_kernel(
     ROWS_PAD: tl.constexpr,  # KV_HEADS * GROUP query rows, padded for tl.dot
     BLOCK_SIZE: tl.constexpr,
     TILE_TOKENS: tl.constexpr,  # tokens per step: the score tile has TILE_TOKENS * KV_HEADS columns
-    PARTITION_SIZE: tl.constexpr,
     IS_SINGLE_PARTITION: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     KV_INT8: tl.constexpr,
 ):
     """The partition kernel of decode_attention.py for KV_HEADS kv heads per program (grid:
-    sequence, head block, partition); same outputs, same partition layout."""
-    seq = tl.program_id(0)
-    head_block = tl.program_id(1)
+    sequence, head block, partition, or head block first with HEADS_FIRST); same outputs, same
+    partition layout."""
+    seq, head_block, num_head_programs = program_coordinates(HEADS_FIRST)
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    part_start = part * PARTITION_SIZE
-    part_end = tl.minimum(part_start + PARTITION_SIZE, seq_len)
+    part_start = part * partition_size
+    part_end = tl.minimum(part_start + partition_size, seq_len)
     kv_first = head_block * KV_HEADS
 
     rows = tl.arange(0, ROWS_PAD)
@@ -116,9 +120,27 @@ def decode_heads_partition_kernel(
 
     finish_partition(acc, l_i, m_i, heads, row_ok, dims, dim_ok, seq, seq_len, part, part_start,
                      out_ptr, part_out_ptr, part_lse_ptr,
-                     counter_ptr + seq * tl.num_programs(1) + head_block, stride_o_seq,
-                     stride_o_head, num_heads, num_partitions, HEAD_DIM, PARTITION_SIZE,
+                     counter_ptr + seq * num_head_programs + head_block, stride_o_seq,
+                     stride_o_head, num_heads, num_partitions, partition_size, HEAD_DIM,
                      IS_SINGLE_PARTITION, FUSED_MERGE)  # fmt: skip
+
+
+@triton.jit
+def program_coordinates(HEADS_FIRST: tl.constexpr):
+    """(sequence, head block, number of head blocks) of this program. The GPU starts programs
+    in order of the grid's first axis: with HEADS_FIRST the head blocks of one (sequence,
+    partition) run side by side, and their reads interleave in the same pages (a token's kv
+    heads are adjacent in memory) instead of each page being read three or eight times,
+    far apart in time, by one head's programs."""
+    if HEADS_FIRST:
+        head_block = tl.program_id(0)
+        seq = tl.program_id(1)
+        num_head_programs = tl.num_programs(0)
+    else:
+        seq = tl.program_id(0)
+        head_block = tl.program_id(1)
+        num_head_programs = tl.num_programs(1)
+    return seq, head_block, num_head_programs
 
 
 @triton.jit
@@ -142,8 +164,8 @@ def finish_partition(
     stride_o_head,
     num_heads,
     num_partitions,
+    partition_size,
     HEAD_DIM: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr,
     IS_SINGLE_PARTITION: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
 ):
@@ -168,7 +190,7 @@ def finish_partition(
         if FUSED_MERGE:
             _merge_if_last(out_ptr, part_out_ptr, part_lse_ptr, counter, heads, row_ok, dims,
                            dim_ok, seq, seq_len, stride_o_seq, stride_o_head, num_heads,
-                           num_partitions, HEAD_DIM, PARTITION_SIZE)  # fmt: skip
+                           num_partitions, partition_size, HEAD_DIM)  # fmt: skip
 
 
 @triton.jit
@@ -187,8 +209,8 @@ def _merge_if_last(
     stride_o_head,
     num_heads,
     num_partitions,
+    partition_size,
     HEAD_DIM: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr,
 ):
     """Counts this program in; the last of its head block's `num_partitions` programs (empty
     ones count too) merges the rows' partitions and sets the counter back to 0 for the next
@@ -198,7 +220,7 @@ def _merge_if_last(
     tl.debug_barrier()
     num_before = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if num_before == num_partitions - 1:
-        num_used = tl.cdiv(seq_len, PARTITION_SIZE)
+        num_used = tl.cdiv(seq_len, partition_size)
         base = ((seq * num_heads + heads) * num_partitions).to(tl.int64)
         m = tl.full(heads.shape, float("-inf"), dtype=tl.float32)
         denom = tl.zeros(heads.shape, dtype=tl.float32)

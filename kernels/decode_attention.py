@@ -21,7 +21,12 @@ import triton
 import triton.language as tl
 
 from splitserve.kernels import _checks as checks
-from splitserve.kernels._decode_variants import decode_heads_partition_kernel, finish_partition
+from splitserve.kernels._decode_variants import (
+    decode_heads_partition_kernel,
+    finish_partition,
+    program_coordinates,
+)
+from splitserve.kernels._decode_waves import balanced_partition_size, program_slots
 from splitserve.kernels._paged_tile import dot_meta, load_kv_tile, online_softmax_step, scale_args
 from splitserve.kernels.launch_configs import launch_config, lookup_environment
 
@@ -30,9 +35,10 @@ DEFAULT_PARTITION_SIZE = 512
 # What a GPU without a tuned table (kernels/launch_configs.py) runs: Triton's own defaults of
 # warps and stages, 64-token tiles, 512-token partitions.
 # KV_HEADS=1 and FUSED_MERGE=0: the one-kv-head kernel and the merge kernel, not the
-# variants of kernels/_decode_variants.py.
+# variants of kernels/_decode_variants.py. HEADS_FIRST=0: the grid's fastest axis is the
+# sequence (HEADS_FIRST=1 puts the head blocks first, see program_coordinates).
 DEFAULT_LAUNCH = dict(PARTITION_SIZE=DEFAULT_PARTITION_SIZE, TILE_N=64, num_warps=4, num_stages=3,
-                      KV_HEADS=1, FUSED_MERGE=0)
+                      KV_HEADS=1, FUSED_MERGE=0, HEADS_FIRST=0, WAVE_SLOTS=0)
 # tl.dot needs at least 16 rows; padding the query-head group costs compute only, and decode
 # is bound by reading K and V.
 MIN_GROUP_ROWS = 16
@@ -69,25 +75,25 @@ def _decode_partition_kernel(
     stride_o_head,
     num_heads,
     num_partitions,
+    partition_size,  # a multiple of 16; not a constexpr, as _decode_waves.py varies it
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr,
     IS_SINGLE_PARTITION: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     KV_INT8: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    seq, kv_head, num_head_programs = program_coordinates(HEADS_FIRST)
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    part_start = part * PARTITION_SIZE
-    part_end = tl.minimum(part_start + PARTITION_SIZE, seq_len)
+    part_start = part * partition_size
+    part_end = tl.minimum(part_start + partition_size, seq_len)
 
     rows = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + rows
@@ -124,8 +130,8 @@ def _decode_partition_kernel(
 
     finish_partition(acc, l_i, m_i, heads, row_ok, dims, dim_ok, seq, seq_len, part, part_start,
                      out_ptr, part_out_ptr, part_lse_ptr,
-                     counter_ptr + seq * tl.num_programs(1) + kv_head, stride_o_seq,
-                     stride_o_head, num_heads, num_partitions, HEAD_DIM, PARTITION_SIZE,
+                     counter_ptr + seq * num_head_programs + kv_head, stride_o_seq,
+                     stride_o_head, num_heads, num_partitions, partition_size, HEAD_DIM,
                      IS_SINGLE_PARTITION, FUSED_MERGE)  # fmt: skip
 
 
@@ -139,16 +145,16 @@ def _decode_merge_kernel(
     stride_o_head,
     num_heads,
     num_partitions,
+    partition_size,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr,
     PART_TILE: tl.constexpr,
 ):
     """out = sum_p w_p * out_p / sum_p w_p with w_p = 2^(lse_p - max lse)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_used = tl.cdiv(seq_len, PARTITION_SIZE)
+    num_used = tl.cdiv(seq_len, partition_size)
     base = ((seq * num_heads + head) * num_partitions).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM
@@ -203,33 +209,40 @@ def paged_decode_attention(
     max_blocks_per_seq * block_size` and the first `ceil(seq_lens[s] / block_size)` block ids
     of each row are valid blocks. A sequence of length 0 gets zeros.
 
-    The context is cut into `partition_size`-token partitions (a power of two >= 16; None: the
-    device's tuned size, else 512) when `max_blocks_per_seq * block_size` exceeds it: that
-    bound, not the true lengths, sizes the launch, so the call never syncs; slice block_tables
-    to the batch's longest row. `launch`: TILE_N, num_warps, num_stages and the variants'
-    keys KV_HEADS and FUSED_MERGE (kernels/_decode_variants.py) instead of the tuned table's
+    The context is cut into `partition_size`-token partitions (a multiple of 16; None: the
+    device's tuned size, or with the launch's WAVE_SLOTS the size that fills whole waves of
+    the device, kernels/_decode_waves.py; else 512) when `max_blocks_per_seq * block_size`
+    exceeds it: that bound, not the true lengths, sizes the launch, so the call never syncs;
+    slice block_tables to the batch's longest row. `launch`: TILE_N, num_warps, num_stages,
+    the variants' keys KV_HEADS, FUSED_MERGE and HEADS_FIRST (kernels/_decode_variants.py)
+    and WAVE_SLOTS instead of the tuned table's
     (benchmarks.triton_tune tries candidates through it).
     """
     shape = _check_decode_args(query, key_cache, value_cache, block_tables, seq_lens)
     scale = checks.check_scale(scale)
     launch = {**decode_launch(query, key_cache, shape), **(launch or {})}
-    if partition_size is None:
-        partition_size = int(launch["PARTITION_SIZE"])
-    if not checks.is_power_of_two(partition_size) or partition_size < 16:
-        raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
     kv_heads = _kv_heads_per_program(launch, shape.num_kv_heads)
     out = checks.prepare_out(out, tuple(query.shape), query)
     num_seqs, num_heads, head_dim = query.shape
+    max_context = block_tables.shape[1] * shape.block_size
+    head_programs = -(-shape.num_kv_heads // kv_heads)
+    if partition_size is None:
+        partition_size = _launch_partition_size(launch, max_context, num_seqs * head_programs,
+                                                query.device)  # fmt: skip
+    if partition_size % 16 or partition_size < 16:
+        raise ValueError(f"partition_size must be a multiple of 16, got {partition_size}")
     if num_seqs == 0:
         return out
-    max_context = block_tables.shape[1] * shape.block_size
     num_partitions = max(1, math.ceil(max_context / partition_size))
-    grid = (num_seqs, -(-shape.num_kv_heads // kv_heads), num_partitions)
+    heads_first = bool(launch.get("HEADS_FIRST"))
+    grid = ((head_programs, num_seqs) if heads_first else (num_seqs, head_programs)) + (
+        num_partitions,)
     counters = None
     if num_partitions > 1 and launch.get("FUSED_MERGE"):
-        counters = _merge_counters(query.device, num_seqs * grid[1])
-    meta = _partition_meta(query, key_cache, shape, kv_heads, partition_size, launch)
-    meta.update(IS_SINGLE_PARTITION=num_partitions == 1, FUSED_MERGE=counters is not None)
+        counters = _merge_counters(query.device, num_seqs * head_programs)
+    meta = _partition_meta(query, key_cache, shape, kv_heads, _tile_limit(partition_size), launch)
+    meta.update(IS_SINGLE_PARTITION=num_partitions == 1, FUSED_MERGE=counters is not None,
+                HEADS_FIRST=heads_first)
     if num_partitions == 1:
         part_out = part_lse = out  # unused by the single-partition variant
     else:
@@ -246,17 +259,35 @@ def paged_decode_attention(
         out.stride(1), num_heads,
     ]  # fmt: skip
     if kv_heads == 1:
-        _decode_partition_kernel[grid](*args, num_partitions, **meta)
+        _decode_partition_kernel[grid](*args, num_partitions, partition_size, **meta)
     else:
-        decode_heads_partition_kernel[grid](*args, shape.num_kv_heads, num_partitions, **meta)
+        decode_heads_partition_kernel[grid](*args, shape.num_kv_heads, num_partitions,
+                                            partition_size, **meta)  # fmt: skip
     if num_partitions > 1 and counters is None:
         _decode_merge_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, seq_lens, out.stride(0), out.stride(1), num_heads,
-            num_partitions, HEAD_DIM=head_dim, HEAD_DIM_PAD=meta["HEAD_DIM_PAD"],
-            PARTITION_SIZE=partition_size,
+            num_partitions, partition_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=meta["HEAD_DIM_PAD"],
             PART_TILE=min(16, triton.next_power_of_2(num_partitions)),
         )
     return out
+
+
+def _launch_partition_size(
+    launch: dict[str, Any], max_context: int, row_programs: int, device: torch.device
+) -> int:
+    """The launch's PARTITION_SIZE, or with WAVE_SLOTS the size that fills whole waves of
+    the device (kernels/_decode_waves.py), in whole tiles."""
+    slots_per_sm = int(launch.get("WAVE_SLOTS", 0))
+    if slots_per_sm <= 0:
+        return int(launch["PARTITION_SIZE"])
+    tile = max(MIN_GROUP_ROWS, int(launch["TILE_N"]) // int(launch.get("KV_HEADS", 1)))
+    return balanced_partition_size(max_context, row_programs,
+                                   program_slots(device, slots_per_sm), tile)  # fmt: skip
+
+
+def _tile_limit(partition_size: int) -> int:
+    """The longest tile a partition takes: tl.arange needs a power of two."""
+    return 1 << (partition_size.bit_length() - 1)
 
 
 def _kv_heads_per_program(launch: dict[str, Any], num_kv_heads: int) -> int:
@@ -273,10 +304,11 @@ def _partition_meta(
     key_cache: torch.Tensor,
     shape: checks.CacheShape,
     kv_heads: int,
-    partition_size: int,
+    max_tile: int,
     launch: dict[str, Any],
 ) -> dict[str, Any]:
-    """The partition kernel's constexprs and launch options, but for the number of partitions.
+    """The partition kernel's constexprs and launch options, for tiles of at most `max_tile`
+    tokens (a power of two no longer than a partition).
     TILE_N counts score columns, (token, kv head) pairs: with KV_HEADS kv heads a step reads
     TILE_N / KV_HEADS tokens, the same bytes as the one-kv-head kernel's TILE_N tokens."""
     head_dim = query.shape[2]
@@ -286,7 +318,6 @@ def _partition_meta(
         HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         GROUP=group,
         BLOCK_SIZE=shape.block_size,
-        PARTITION_SIZE=partition_size,
         KV_INT8=key_cache.dtype == torch.int8,
         num_warps=int(launch["num_warps"]),
         num_stages=int(launch["num_stages"]),
@@ -295,10 +326,10 @@ def _partition_meta(
     tile_n = int(launch["TILE_N"])
     if kv_heads == 1:
         meta.update(GROUP_PAD=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
-                    TILE_N=min(tile_n, partition_size))  # fmt: skip
+                    TILE_N=min(tile_n, max_tile))  # fmt: skip
     else:
         # At least 16 columns: tl.dot's smallest inner dimension for the P @ V product.
-        tile_tokens = min(max(tile_n, MIN_GROUP_ROWS) // kv_heads, partition_size)
+        tile_tokens = min(max(tile_n, MIN_GROUP_ROWS) // kv_heads, max_tile)
         meta.update(KV_HEADS=kv_heads, TILE_TOKENS=tile_tokens,
                     ROWS_PAD=max(MIN_GROUP_ROWS, triton.next_power_of_2(kv_heads * group)))
     return meta

@@ -18,11 +18,14 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")  # Triton wheels exist for Linux only
 
+import json  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
 from splitserve.kernels import decode_attention, kv_int8, reference  # noqa: E402
+from splitserve.kernels._decode_waves import balanced_partition_size, program_slots  # noqa: E402
 from splitserve.kernels.decode_attention import paged_decode_attention  # noqa: E402
 from splitserve.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 
@@ -89,13 +92,16 @@ DECODE_CASES = [
 
 # The launch keys of decode attention's variants (kernels/_decode_variants.py); {} is the
 # default kernel. TILE_N 16 with 4 kv heads: 4 tokens a step, several steps a partition;
-# KV_HEADS 2 over 3 kv heads: a last head block of one real kv head.
+# KV_HEADS 2 over 3 kv heads: a last head block of one real kv head. HEADS_FIRST with the
+# fused merge: its counters are indexed by the head-first grid's axes.
 DECODE_VARIANTS = [
     {},
     {"KV_HEADS": 2},
     {"KV_HEADS": 4, "TILE_N": 16},
     {"FUSED_MERGE": 1},
     {"KV_HEADS": 8, "FUSED_MERGE": 1, "TILE_N": 32},
+    {"HEADS_FIRST": 1},
+    {"KV_HEADS": 2, "HEADS_FIRST": 1, "FUSED_MERGE": 1},
 ]
 
 
@@ -185,6 +191,71 @@ def test_fused_merge_leaves_its_counters_at_zero():
                                launch={"FUSED_MERGE": 1, "KV_HEADS": kv_heads})  # fmt: skip
     counters = decode_attention._MERGE_COUNTERS[query.device]
     assert counters and not any(c.any() for c in counters)
+
+
+@pytest.mark.parametrize("launch", [{}, {"KV_HEADS": 2}, {"FUSED_MERGE": 1}], ids=str)
+def test_decode_with_wave_balanced_partitions_matches_reference(launch):
+    """WAVE_SLOTS: partitions sized by the device's program slots (the interpreter's 4): 96
+    tokens for 6 programs a partition, 48 for 3 (not powers of two: tiles of 16 tokens)."""
+    gen = torch.Generator().manual_seed(11)
+    seq_lens = [1, 45, 160]
+    kv = make_paged_kv(seq_lens, 16, 2, 64, torch.float32, gen)
+    query = torch.randn(len(seq_lens), 6, 64, generator=gen).to(DEVICE)
+    launch = {"WAVE_SLOTS": 1, "TILE_N": 16, **launch}
+    kv_heads_per_program = launch.get("KV_HEADS", 1)
+    tile = max(16, 16 // kv_heads_per_program)
+    row_programs = len(seq_lens) * (2 // kv_heads_per_program)
+    max_context = kv.block_tables.shape[1] * 16
+    size = balanced_partition_size(max_context, row_programs, program_slots(query.device, 1),
+                                   tile)  # fmt: skip
+    assert size == (48 if kv_heads_per_program == 2 else 96)
+
+    out = paged_decode_attention(query, kv.key_cache, kv.value_cache, kv.block_tables,
+                                 kv.seq_lens, 0.125, launch=launch)  # fmt: skip
+
+    expected = reference.paged_decode_attention(query, *as_float(kv), kv.block_tables,
+                                                kv.seq_lens, 0.125)  # fmt: skip
+    assert relative_error(out, expected) < TOLERANCE[torch.float32]
+
+
+def test_balanced_partitions_fill_the_waves_with_the_fewest_partitions():
+    """192 programs a partition on 528 slots (batch 64 x 3 kv heads, 132 SMs x 4): 5
+    partitions fill 91% of their two waves, the first count within 85% of the best (11
+    partitions: exactly 4 waves); 8 or 11 would merge more for little."""
+    assert balanced_partition_size(4096, 192, 528, 64) == 832
+    assert balanced_partition_size(4096, 528, 528, 64) == 4096  # one full wave unsplit
+    assert balanced_partition_size(4096, 264, 528, 64) == 2048  # two halves fill one wave
+    assert balanced_partition_size(40, 8, 528, 64) == 64  # shorter than a tile
+    assert balanced_partition_size(4096, 192, 0, 64) == 4096  # no slots known: no split
+
+
+def shipped_decode_launches() -> list[tuple[str, str, dict]]:
+    tables = sorted((Path(decode_attention.__file__).parent / "configs").glob("*.json"))
+    return [(path.stem, key, launch) for path in tables
+            for key, launch in json.loads(path.read_text())["kernels"]
+            .get("decode_attention", {}).items()]  # fmt: skip
+
+
+@pytest.mark.parametrize(("table", "key", "launch"), shipped_decode_launches(),
+                         ids=lambda v: v if isinstance(v, str) else "")  # fmt: skip
+def test_every_shipped_decode_launch_matches_reference(table, key, launch):
+    """A GPU's tuned table (kernels/configs) holds launches no CPU run has tried: each one
+    on a small batch of several partitions, in its key's dtype and head size."""
+    dtype = getattr(torch, key.split("/")[0])
+    head_dim, group = int(key.split("/")[1][1:]), int(key.split("/")[2][1:])
+    gen = torch.Generator().manual_seed(head_dim + group)
+    seq_lens = [3, 150, 40]
+    kv = make_paged_kv(seq_lens, 16, 2, head_dim, dtype, gen)
+    query = torch.randn(len(seq_lens), 2 * group, head_dim, generator=gen).to(DEVICE, dtype)
+    # Several partitions where the table's size would make one (WAVE_SLOTS sizes its own).
+    launch = {**launch, "PARTITION_SIZE": 64}
+
+    out = paged_decode_attention(query, kv.key_cache, kv.value_cache, kv.block_tables,
+                                 kv.seq_lens, 0.125, launch=launch)  # fmt: skip
+
+    expected = reference.paged_decode_attention(query.float(), *as_float(kv), kv.block_tables,
+                                                kv.seq_lens, 0.125)  # fmt: skip
+    assert relative_error(out, expected) < TOLERANCE[dtype]
 
 
 def test_decode_rejects_a_kv_heads_not_a_power_of_two(small_decode_args):
@@ -281,7 +352,7 @@ def small_decode_args():
         (lambda a: a.update(seq_lens=a["seq_lens"][:1]), "seq_lens must have shape"),
         (lambda a: a.update(scale=0.0), "scale"),
         (lambda a: a.update(out=torch.empty(2, 4, 32, device=DEVICE)), "out must have shape"),
-        (lambda a: a.update(partition_size=48), "partition_size"),
+        (lambda a: a.update(partition_size=40), "partition_size"),
     ],
 )
 def test_decode_rejects_bad_arguments(small_decode_args, change, message):

@@ -90,13 +90,13 @@ def test_decode_variants_are_one_coordinate_each_for_half_precision_only():
     search, each as one coordinate; float32's search is the one-kv-head kernel's alone."""
     plan = triton_tune.FULL
     bf16 = triton_tune.decode_space(plan, torch.bfloat16, num_kv_heads=3)
-    assert list(bf16)[0] == "KV_HEADS" and list(bf16)[-1] == "FUSED_MERGE"
+    assert list(bf16)[:2] == ["KV_HEADS", "HEADS_FIRST"] and list(bf16)[-1] == "FUSED_MERGE"
     assert bf16["KV_HEADS"] == [1, 2, 4]
     assert triton_tune.decode_space(plan, torch.bfloat16, num_kv_heads=8)["KV_HEADS"] == [
         1, 2, 4, 8,
     ]  # fmt: skip
     float32 = triton_tune.decode_space(plan, torch.float32, num_kv_heads=3)
-    assert "KV_HEADS" not in float32 and "FUSED_MERGE" not in float32
+    assert not {"KV_HEADS", "HEADS_FIRST", "FUSED_MERGE"} & set(float32)
 
 
 def test_only_tunes_the_named_kernel_into_its_own_file(tmp_path):

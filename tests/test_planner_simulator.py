@@ -562,3 +562,77 @@ def test_admission_predicts_an_idle_pods_ttft_from_the_profile() -> None:
     pod.add(SimSeq(SimRequest(0, 0.0, 1100, 8), num_tokens=1100))
     expected = 2 * (0.05 + 0.512) + (0.05 + 0.176) + 0.02
     assert predicted_ttft_s(pod, pod, 100) == pytest.approx(expected)
+
+
+def _runs_and_steps(profile, cluster: ClusterConfig, requests: list[SimRequest]):
+    """The same simulation with decode runs (decode_runs.py) and with every step an event."""
+    outcomes = []
+    for decode_runs in (True, False):
+        simulation = Simulation(profile, replace(cluster, decode_runs=decode_runs))
+        result = simulation.run(requests, LOOSE)
+        records = sorted((f.record for f in simulation._flights.values()),
+                         key=lambda r: r.request.request_id)  # fmt: skip
+        outcomes.append((simulation, result, records))
+    return outcomes
+
+
+def _spread_profile(**kwargs):
+    from splitserve.planner.profile import ServingCosts
+
+    spread = (-0.002, 0.0, 0.0, 0.001, 0.004)
+    costs = ServingCosts(itl_spread_s=spread)
+    return replace(synthetic_profile(0.02, **kwargs),
+                   serving={"colocated": costs, "disaggregated": costs})  # fmt: skip
+
+
+def _shared_prefix_requests(rate: float, n: int, seed: int) -> list[SimRequest]:
+    spec = WorkloadSpec(rate, n, LengthDistribution(300, 700), LengthDistribution(5, 90),
+                        num_prefix_groups=6, prefix_len=256)  # fmt: skip
+    return poisson_requests(spec, seed)
+
+
+@pytest.mark.parametrize(
+    ("cluster", "kv_blocks", "event_share"),
+    [
+        (ClusterConfig(2, 5), 4096, 0.5),
+        (ClusterConfig(0, 3), 4096, 0.5),  # colocated: arrivals land on pods mid-run
+        # A small cache: runs cut short by blocks, preemptions, evicted prefixes.
+        (ClusterConfig(0, 2), 120, 1.0),
+        (ClusterConfig(1, 4, gateway_poll_interval_s=0), 4096, 0.5),  # exact loads per arrival
+        (ClusterConfig(1, 3, admission_ttft_s=0.4), 4096, 0.5),
+    ],
+    ids=["disaggregated", "colocated", "small-cache", "exact-polls", "admission"],
+)
+def test_decode_runs_change_nothing_a_step_by_step_simulation_gives(
+    cluster, kv_blocks, event_share
+) -> None:
+    """Every request's first token, token gaps (their measured spread drawn too) and end,
+    and every pod's busy time and blocks, exactly as when each step is an event of its own,
+    in fewer events (under `event_share` of them)."""
+    profile = _spread_profile(prefill_per_token_s=0.0004, decode_step_s=0.01,
+                              num_kv_blocks=kv_blocks)  # fmt: skip
+    requests = _shared_prefix_requests(6.0, 150, seed=5)
+    (runs, run_result, run_records), (steps, step_result, step_records) = _runs_and_steps(
+        profile, cluster, requests)  # fmt: skip
+
+    assert [(r.ttft_s, r.itls_s, r.finish_s, r.is_dropped, r.is_refused) for r in run_records] \
+        == [(r.ttft_s, r.itls_s, r.finish_s, r.is_dropped, r.is_refused) for r in step_records]
+    assert run_result.num_finished == step_result.num_finished > 0
+    for run_pod, step_pod in zip(runs.decode_pods, steps.decode_pods, strict=True):
+        assert run_pod.busy_s == pytest.approx(step_pod.busy_s, rel=1e-9)
+        assert (run_pod.min_free_blocks, run_pod.num_preemptions) == (
+            step_pod.min_free_blocks, step_pod.num_preemptions)  # fmt: skip
+    assert runs.num_events < steps.num_events * event_share
+
+
+def test_a_decode_pod_that_dies_mid_run_gives_the_tokens_of_its_steps_until_then() -> None:
+    from splitserve.planner.simulate.failures import PodFailure
+
+    profile = _spread_profile(prefill_per_token_s=0.0004, decode_step_s=0.01)
+    cluster = ClusterConfig(1, 3, failures=(PodFailure(at_s=4.0, decode_pod=1),))
+    requests = _shared_prefix_requests(4.0, 60, seed=8)
+    (runs, _, run_records), (steps, _, step_records) = _runs_and_steps(profile, cluster, requests)
+    assert [(r.ttft_s, r.itls_s, r.finish_s, r.num_moves) for r in run_records] == [
+        (r.ttft_s, r.itls_s, r.finish_s, r.num_moves) for r in step_records
+    ]
+    assert sum(r.num_moves for r in run_records) > 0  # streams were mid-run on the dead pod

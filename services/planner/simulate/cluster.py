@@ -23,6 +23,7 @@ arrive together are scheduled together.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -37,6 +38,7 @@ from splitserve.loadgen.stats import Slo
 from splitserve.loadgen.workload import SimRequest
 from splitserve.planner.profile import Profile
 from splitserve.planner.simulate.admission import predicted_ttft_s
+from splitserve.planner.simulate.decode_runs import DecodeRun, is_plain_decode, plan_run
 from splitserve.planner.simulate.failures import PodFailure
 from splitserve.planner.simulate.gateway import SimGateway
 from splitserve.planner.simulate.pod import PodLimits, ScheduledStep, SimPod, SimSeq
@@ -44,7 +46,7 @@ from splitserve.planner.simulate.prefix_cache import TierSizes
 from splitserve.planner.simulate.results import RequestRecord, SimResult, summarize
 from splitserve.planner.simulate.speculation import SpeculationModel
 
-ARRIVAL, STEP_DONE, KV_LANDED, KICK, POLL, POD_DIES, STREAMS_BROKEN, LOADED = range(8)
+ARRIVAL, STEP_DONE, KV_LANDED, KICK, POLL, POD_DIES, STREAMS_BROKEN, LOADED, RUN_DONE = range(9)
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,9 @@ class ClusterConfig:
     # The gateway's SLO-aware admission (`--admission --slo-ttft-ms`, admission.py): a request
     # predicted to miss this TTFT is refused on arrival. None: every request is let through.
     admission_ttft_s: float | None = None
+    # Repeated decode steps as one event where that changes nothing (decode_runs.py); False
+    # simulates every step as its own event (the tests compare the two).
+    decode_runs: bool = True
 
     def __post_init__(self) -> None:
         if self.admission_ttft_s is not None and not self.admission_ttft_s > 0:
@@ -142,6 +147,9 @@ class _Flight:
     num_emitted: int = 0
     # (prefill pod name, uncached tokens) while a prefill pod computes this prompt.
     remote: tuple[str, int] | None = None
+    # Draws the measured gap deviations of this request's tokens (`_client_gap_s`): one stream
+    # per request, so the draws do not depend on the order the pods' steps are simulated in.
+    spread_rng: random.Random | None = None
 
 
 @dataclass
@@ -161,8 +169,6 @@ class Simulation:
     gateway: SimGateway = field(init=False)
     _num_pending_arrivals: int = 0  # polls go on while requests are still to come
     _rng: random.Random = field(default_factory=lambda: random.Random(0))  # draft acceptance
-    # Its own stream, so that a profile with a measured gap spread draws the same acceptances.
-    _spread_rng: random.Random = field(default_factory=lambda: random.Random(1))
     _dead: set[str] = field(default_factory=set)  # names of pods that died
     # Pod name -> flights whose pages landed while a step ran there (joined at its end).
     _landed_mid_step: dict[str, list[_Flight]] = field(default_factory=dict)
@@ -172,6 +178,10 @@ class Simulation:
     _remote_tokens: dict[tuple[str, str], int] = field(default_factory=dict)
     # Pod name -> the other pods of its machine (`ClusterConfig.pods_per_host`).
     _host_mates: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Pod name -> the decode run it is in (decode_runs.py).
+    _runs: dict[str, DecodeRun] = field(default_factory=dict)
+    _event_id: int = -1  # the id of the event being handled
+    num_events: int = 0  # handled by `run`, stale ones included
 
     def __post_init__(self) -> None:
         # The serving path's measured costs of this topology (none in a bare profile).
@@ -227,9 +237,11 @@ class Simulation:
             POD_DIES: self._on_pod_dies,
             STREAMS_BROKEN: self._on_streams_broken,
             LOADED: self._on_loaded,
+            RUN_DONE: self._on_run_done,
         }
         while self._events:
-            now, _, _, kind, payload = heapq.heappop(self._events)
+            now, _, self._event_id, kind, payload = heapq.heappop(self._events)
+            self.num_events += 1
             handlers[kind](now, payload)
         records = [flight.record for flight in self._flights.values()]
         pods = self.prefill_pods + self.decode_pods
@@ -248,19 +260,25 @@ class Simulation:
                     f"more KV blocks than a pod holds ({limits.num_kv_blocks})"
                 )
 
-    def _push(self, time_s: float, kind: int, payload: object) -> None:
+    def _push(self, time_s: float, kind: int, payload: object) -> int:
+        """Queues an event; returns its id (`_event_id` while it is handled)."""
         phase = 1 if kind == KICK else 0
-        heapq.heappush(self._events, (time_s, phase, next(self._order), kind, payload))
+        event_id = next(self._order)
+        heapq.heappush(self._events, (time_s, phase, event_id, kind, payload))
+        return event_id
 
     # ---- the gateway and the decode pod's choice --------------------------------------------
 
     def _on_poll(self, now: float, _: object) -> None:
+        self._settle_all(now)  # the polls read every pod's load as it stands
         self.gateway.poll()
         if self._num_pending_arrivals > 0:
             self._push(now + self.cluster.gateway_poll_interval_s, POLL, None)
 
     def _on_arrival(self, now: float, request: SimRequest) -> None:
         self._num_pending_arrivals -= 1
+        if self.cluster.gateway_poll_interval_s == 0:
+            self._settle_all(now)  # the gateway reads every pod's load at each arrival
         prefill_pod, decode_pod = self.gateway.pick(request)
         seq = SimSeq(request, num_tokens=request.input_len)
         flight = _Flight(RequestRecord(request), decode_pod, seq)
@@ -275,6 +293,7 @@ class Simulation:
         elif decode_pod.is_busy:
             # The reservation is a command the pod's engine thread takes between steps
             # (shared/async_llm.py): the prefill pod is asked only once this step ends.
+            self._interrupt(decode_pod, now)
             self._reserve_mid_step.setdefault(decode_pod.name, []).append((flight, prefill_pod))
         else:
             self._reserve(flight, prefill_pod, now)
@@ -344,7 +363,9 @@ class Simulation:
     # ---- engine steps -----------------------------------------------------------------------
 
     def _kick(self, pod: SimPod, now: float) -> None:
-        """Starts a step on an idle pod, once this instant's other events are in."""
+        """Starts a step on an idle pod, once this instant's other events are in; new work
+        for a pod in a decode run joins after the step in flight."""
+        self._interrupt(pod, now)
         if not pod.is_busy and pod.name not in self._kick_pending:
             self._kick_pending.add(pod.name)
             self._push(now, KICK, pod)
@@ -359,9 +380,73 @@ class Simulation:
             return  # everything waits for blocks that only a finishing request frees
         step = self._beside_neighbors(pod, step)
         pod.is_busy = True
-        pod.busy_s += step.duration_s
         self._in_flight_step[pod.name] = step
-        self._push(now + step.duration_s, STEP_DONE, pod)
+        run = self._plan_run(pod, step, now)
+        if run is None:
+            pod.busy_s += step.duration_s
+            self._push(now + step.duration_s, STEP_DONE, pod)
+            return
+        pod.busy_s += sum(run.durations)
+        self._runs[pod.name] = run
+        run.event_id = self._push(run.ends[run.last], RUN_DONE, run)
+
+    # ---- decode runs (decode_runs.py) -------------------------------------------------------
+
+    def _plan_run(self, pod: SimPod, step: ScheduledStep, now: float) -> DecodeRun | None:
+        if (
+            not self.cluster.decode_runs
+            or self.cluster.speculation is not None
+            or (pod.profile.neighbor is not None and self._host_mates[pod.name])
+            or not is_plain_decode(pod, step)
+        ):
+            return None
+        tokens_left = [
+            seq.request.output_len - self._flights[seq.request.request_id].num_emitted
+            for seq, _ in step.chunks
+        ]
+        return plan_run(pod, step, now, tokens_left)
+
+    def _on_run_done(self, now: float, run: DecodeRun) -> None:
+        if self._runs.get(run.pod.name) is not run or run.event_id != self._event_id:
+            return  # the run was cut short: a newer event ends it
+        self._settle(run.pod, now)
+        del self._runs[run.pod.name]
+        self._on_step_done(now, run.pod)  # the last step ends as any step does
+
+    def _settle(self, pod: SimPod, now: float) -> None:
+        """The steps of the pod's run that ended before `now` give their tokens, and the step
+        after them takes its blocks, as step-by-step simulation does at each step end (no row
+        finishes before the run's last step, and no block taken evicts a cached prefix, so
+        each row's tokens and blocks can go at once)."""
+        run = self._runs.get(pod.name)
+        if run is None:
+            return
+        first = run.num_applied
+        stop = min(bisect.bisect_left(run.ends, now, first), run.last)
+        if stop == first:
+            return
+        ends = run.ends[first:stop]
+        for seq in run.seqs:
+            self._emit_run_tokens(seq, ends)
+            pod.allocate_decode_block(seq)
+        run.num_applied = stop
+
+    def _settle_all(self, now: float) -> None:
+        for name in list(self._runs):
+            self._settle(self._runs[name].pod, now)
+
+    def _interrupt(self, pod: SimPod, now: float) -> None:
+        """Ends the pod's run with the step in flight now: what reaches the pod joins the
+        step after it, as it would between steps simulated one by one."""
+        run = self._runs.get(pod.name)
+        if run is None:
+            return
+        self._settle(pod, now)
+        if run.num_applied == run.last:
+            return
+        pod.busy_s -= sum(run.durations[run.num_applied + 1 : run.last + 1])
+        run.last = run.num_applied
+        run.event_id = self._push(run.ends[run.last], RUN_DONE, run)
 
     def _beside_neighbors(self, pod: SimPod, step: ScheduledStep) -> ScheduledStep:
         """`step` slowed by the steps other pods of its machine are running as it starts. Only
@@ -431,6 +516,7 @@ class Simulation:
         if pod.is_busy:
             # The pod's engine thread takes the pages (and releases the first token) between
             # steps: a command queued while a step runs waits for its end (shared/async_llm.py).
+            self._interrupt(pod, now)
             self._landed_mid_step.setdefault(pod.name, []).append(flight)
             return
         self._complete(flight, now)
@@ -463,7 +549,7 @@ class Simulation:
             num_gaps = count
             gap = now - flight.last_token_s
         share = gap / max(num_gaps, 1)
-        record.itls_s += [self._client_gap_s(share) for _ in range(num_gaps)]
+        record.itls_s += self._client_gaps_s(flight, [share] * num_gaps)
         flight.num_emitted += count
         flight.last_token_s = now
         if flight.num_emitted >= seq.request.output_len:
@@ -473,18 +559,37 @@ class Simulation:
             seq.num_tokens += count
             seq.num_computed = seq.num_tokens - 1  # the accepted drafts' KV stays
 
-    def _client_gap_s(self, step_gap_s: float) -> float:
-        """A token gap as the client times it: the steps' gap plus one of the serving path's
-        measured deviations (none for a bare profile)."""
+    def _emit_run_tokens(self, seq: SimSeq, ends: list[float]) -> None:
+        """`_emit_tokens` of one token at each of `ends`, for a row that is past its first
+        token and does not finish by them (a decode run's row)."""
+        flight = self._flights[seq.request.request_id]
+        gaps, previous = [], flight.last_token_s
+        for end in ends:
+            gaps.append(end - previous)
+            previous = end
+        flight.record.itls_s += self._client_gaps_s(flight, gaps)
+        flight.num_emitted += len(ends)
+        flight.last_token_s = previous
+        seq.num_tokens += len(ends)
+        seq.num_computed = seq.num_tokens - 1
+
+    def _client_gaps_s(self, flight: _Flight, step_gaps_s: list[float]) -> list[float]:
+        """Token gaps as the client times them: the steps' gaps plus one of the serving path's
+        measured deviations each (none for a bare profile), drawn in token order from the
+        request's own stream."""
         spread = self.profile.itl_spread_s
-        if not spread:
-            return step_gap_s
-        return max(step_gap_s + spread[self._spread_rng.randrange(len(spread))], 0.0)
+        if not spread or not step_gaps_s:
+            return step_gaps_s
+        if flight.spread_rng is None:
+            flight.spread_rng = random.Random(flight.record.request.request_id)
+        deviations = flight.spread_rng.choices(spread, k=len(step_gaps_s))
+        return [max(gap + deviation, 0.0) for gap, deviation in zip(step_gaps_s, deviations)]
 
     # ---- pods that die ----------------------------------------------------------------------
 
     def _on_pod_dies(self, now: float, failure: PodFailure) -> None:
         pod = next(p for p in self.decode_pods if p.name == failure.pod_name)
+        self._interrupt(pod, now)  # the steps that ended reached the clients; not the rest
         self._dead.add(pod.name)
         if pod in self.gateway.decode_pods:
             self.gateway.decode_pods.remove(pod)  # the registry drops it: no new arrivals

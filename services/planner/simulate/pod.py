@@ -126,6 +126,9 @@ class SimPod:
     def has_work(self) -> bool:
         return bool(self.running or self._waiting)
 
+    def has_waiting(self) -> bool:
+        return bool(self._waiting)
+
     def num_cached_tokens(self, request: SimRequest) -> int:
         """Prompt tokens this pod's prefix cache holds: whole blocks, and never the last
         prompt token (the engine always computes one, to sample from)."""
@@ -241,6 +244,11 @@ class SimPod:
             self.running.append(seq)
             chunks.append((seq, num_new))
             budget -= num_new
+
+    def allocate_decode_block(self, seq: SimSeq) -> None:
+        """Blocks for the next decode token of a row in a decode run, which planned them."""
+        if not self._allocate(seq, 1):
+            raise AssertionError(f"a decode run ran out of blocks on {self.name}")
 
     def _allocate(self, seq: SimSeq, num_new: int) -> bool:
         needed = self._blocks_for(seq.num_computed + num_new) - seq.num_blocks

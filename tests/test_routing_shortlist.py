@@ -92,3 +92,11 @@ def test_among_equal_queues_the_pods_with_most_kv_free_are_listed():
     listed = shortlist_positions([0] * 300, loads)
     freest = sorted(range(300), key=lambda i: kv_usage[i])[: shortlist_module.LEAST_LOADED]
     assert set(freest) <= set(listed) and len(listed) == shortlist_module.LEAST_LOADED
+
+
+def test_no_cached_tokens_given_lists_what_all_zeros_lists():
+    """None (no pod holds any of the prompt, the simulated gateway's shortcut) shortlists the
+    pods a list of zeros does, ties to the earlier pod included."""
+    loads = [float((i * 7) % 5) for i in range(200)]
+    assert shortlist_positions(None, loads) == shortlist_positions([0] * 200, loads)
+    assert len(shortlist_positions(None, loads)) == shortlist_module.LEAST_LOADED

@@ -49,20 +49,20 @@ def shortlist(
 
 
 def shortlist_positions(
-    cached_tokens: list[int],
+    cached_tokens: list[int] | None,
     load_terms: list[float],
     is_local: list[bool] | None = None,
 ) -> list[int]:
     """The shortlist as positions among n pods (ascending), from each pod's cached tokens of
-    the prompt, its load term (`scoring.load_term`: higher is less loaded) and whether it is
-    in the client's region (None: no region).
+    the prompt (None: no pod holds any), its load term (`scoring.load_term`: higher is less
+    loaded) and whether it is in the client's region (None: no region).
     The planner's simulated gateway (services/planner/simulate/gateway.py) shortlists the same
     way from its own view of the pods. Ties go to the earlier pod."""
     count = len(load_terms)
     if count <= MAX_SCORED_PODS:
         return list(range(count))
-    chosen = {i for i in range(count) if cached_tokens[i] > 0}
-    if len(chosen) > MOST_CACHED:
+    chosen = set() if cached_tokens is None else {i for i in range(count) if cached_tokens[i] > 0}
+    if cached_tokens is not None and len(chosen) > MOST_CACHED:
         chosen = set(heapq.nlargest(MOST_CACHED, chosen, key=cached_tokens.__getitem__))
     chosen.update(_least_loaded(LEAST_LOADED, range(count), load_terms))
     if is_local is not None:

@@ -592,7 +592,7 @@ class Simulation:
         self._interrupt(pod, now)  # the steps that ended reached the clients; not the rest
         self._dead.add(pod.name)
         if pod in self.gateway.decode_pods:
-            self.gateway.decode_pods.remove(pod)  # the registry drops it: no new arrivals
+            self.gateway.remove_decode_pod(pod)
         self._push(now + failure.detect_s, STREAMS_BROKEN, failure)
 
     def _on_streams_broken(self, now: float, failure: PodFailure) -> None:

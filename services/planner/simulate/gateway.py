@@ -39,16 +39,38 @@ class SimGateway:
     poll_interval_s: float
     _snapshots: dict[str, PodLoad] = field(default_factory=dict)  # pod name -> last poll
     _num_dispatched: dict[str, int] = field(default_factory=dict)  # pod name -> since the poll
-    # Pod name -> its load term from the snapshot and the dispatch count: the shortlist ranks
-    # every pod by it at each arrival, so it is kept up to date rather than computed there.
-    _load_terms: dict[str, float] = field(default_factory=dict)
+    # Each pool's load terms (from the snapshot and the dispatch count), in the pool's order:
+    # the shortlist ranks every pod by them at each arrival, so they are kept up to date (at a
+    # poll, and for the pod a dispatch changes) rather than computed there.
+    _load_terms: dict[str, list[float]] = field(default_factory=dict)  # pool -> terms
+    _positions: dict[str, tuple[str, int]] = field(default_factory=dict)  # pod -> (pool, index)
+
+    def __post_init__(self) -> None:
+        self._index_pools()
+
+    def remove_decode_pod(self, pod: SimPod) -> None:
+        """The registry drops a dead pod: no new arrivals go there."""
+        self.decode_pods.remove(pod)
+        self._index_pools()
 
     def poll(self) -> None:
         """Every pod's stats now; the dispatch counts restart, as the poll answers count them."""
         for pod in (*self.prefill_pods, *self.decode_pods):
             self._snapshots[pod.name] = pod.load
             self._num_dispatched[pod.name] = 0
-            self._load_terms[pod.name] = self._load_term(pod.name)
+            self._update_load_term(pod.name)
+
+    def _index_pools(self) -> None:
+        for pool, pods in (("prefill", self.prefill_pods), ("decode", self.decode_pods)):
+            self._load_terms[pool] = [0.0] * len(pods)
+            for index, pod in enumerate(pods):
+                self._positions[pod.name] = (pool, index)
+                if pod.name in self._snapshots:
+                    self._update_load_term(pod.name)
+
+    def _update_load_term(self, name: str) -> None:
+        pool, index = self._positions[name]
+        self._load_terms[pool][index] = self._load_term(name)
 
     def pick(self, request: SimRequest) -> tuple[SimPod | None, SimPod]:
         """(prefill pod or None without prefill pods, decode pod) for one arrival, both counted
@@ -59,7 +81,9 @@ class SimGateway:
         # No regions or nodes: every pod is equally near the client and each other.
         ctx = RoutingContext(num_prompt_tokens=request.input_len, client=Location())
         decision = decide(
-            self._views(self.prefill_pods, request), self._views(self.decode_pods, request), ctx
+            self._views("prefill", self.prefill_pods, request),
+            self._views("decode", self.decode_pods, request),
+            ctx,
         )
         decode_pod = self._dispatch(self.decode_pods, decision.decode_pod_id)
         prefill_pod = None
@@ -72,19 +96,19 @@ class SimGateway:
         for pod in (decode_pod, prefill_pod):
             if pod is not None:
                 self._num_dispatched[pod.name] -= 1
-                self._load_terms[pod.name] = self._load_term(pod.name)
+                self._update_load_term(pod.name)
 
-    def _views(self, pods: list[SimPod], request: SimRequest) -> list[PodView]:
+    def _views(self, pool: str, pods: list[SimPod], request: SimRequest) -> list[PodView]:
         """The views the real router would score: every pod's, or its shortlist's."""
         # The prefix index is written as pods compute blocks: close to exact, so no staleness.
-        if request.prefix_group is None:
-            cached = [0] * len(pods)  # no pod caches a prompt that shares no prefix
-        else:
+        # No pod caches a prompt that shares no prefix.
+        cached = None
+        if request.prefix_group is not None:
             cached = [pod.num_cached_tokens(request) for pod in pods]
         if len(pods) <= MAX_SCORED_PODS:
-            return [self._view(pod, tokens) for pod, tokens in zip(pods, cached)]
-        loads = [self._load_terms[pod.name] for pod in pods]
-        return [self._view(pods[i], cached[i]) for i in shortlist_positions(cached, loads)]
+            return [self._view(pod, cached[i] if cached else 0) for i, pod in enumerate(pods)]
+        positions = shortlist_positions(cached, self._load_terms[pool])
+        return [self._view(pods[i], cached[i] if cached else 0) for i in positions]
 
     def _load_term(self, name: str) -> float:
         snapshot = self._snapshots[name]
@@ -97,5 +121,5 @@ class SimGateway:
 
     def _dispatch(self, pods: list[SimPod], name: str) -> SimPod:
         self._num_dispatched[name] += 1
-        self._load_terms[name] = self._load_term(name)
-        return next(pod for pod in pods if pod.name == name)
+        self._update_load_term(name)
+        return pods[self._positions[name][1]]

@@ -38,7 +38,12 @@ from splitserve.loadgen.stats import Slo
 from splitserve.loadgen.workload import SimRequest
 from splitserve.planner.profile import Profile
 from splitserve.planner.simulate.admission import predicted_ttft_s
-from splitserve.planner.simulate.decode_runs import DecodeRun, is_plain_decode, plan_run
+from splitserve.planner.simulate.decode_runs import (
+    DecodeRun,
+    DecodeStepCosts,
+    is_plain_decode,
+    plan_run,
+)
 from splitserve.planner.simulate.failures import PodFailure
 from splitserve.planner.simulate.gateway import SimGateway
 from splitserve.planner.simulate.pod import PodLimits, ScheduledStep, SimPod, SimSeq
@@ -180,6 +185,7 @@ class Simulation:
     _host_mates: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # Pod name -> the decode run it is in (decode_runs.py).
     _runs: dict[str, DecodeRun] = field(default_factory=dict)
+    _run_step_costs: DecodeStepCosts = field(default_factory=DecodeStepCosts)
     _event_id: int = -1  # the id of the event being handled
     num_events: int = 0  # handled by `run`, stale ones included
 
@@ -404,7 +410,7 @@ class Simulation:
             seq.request.output_len - self._flights[seq.request.request_id].num_emitted
             for seq, _ in step.chunks
         ]
-        return plan_run(pod, step, now, tokens_left)
+        return plan_run(pod, step, now, tokens_left, self._run_step_costs)
 
     def _on_run_done(self, now: float, run: DecodeRun) -> None:
         if self._runs.get(run.pod.name) is not run or run.event_id != self._event_id:

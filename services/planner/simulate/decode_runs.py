@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitserve.planner.profile import Profile
 from splitserve.planner.simulate.pod import ScheduledStep, SimPod, SimSeq
 
 # Steps planned at most per run: a run interrupted early wastes the durations planned past it.
@@ -42,8 +43,24 @@ class DecodeRun:
         return [seq for seq, _ in self.step.chunks]
 
 
+class DecodeStepCosts:
+    """A profile's decode-only step seconds by (rows, context sum), remembered: runs ask for
+    the same pairs over and over (a row's context spans only its prompt plus its output), and
+    each answer is two interpolations in the profile's grid."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[tuple[int, int, int], float] = {}
+
+    def step_s(self, profile: Profile, num_rows: int, context_sum: int) -> float:
+        key = (id(profile), num_rows, context_sum)
+        seconds = self._seconds.get(key)
+        if seconds is None:
+            seconds = self._seconds[key] = profile.step_s([], num_rows, context_sum)
+        return seconds
+
+
 def plan_run(
-    pod: SimPod, step: ScheduledStep, now: float, tokens_left: list[int]
+    pod: SimPod, step: ScheduledStep, now: float, tokens_left: list[int], costs: DecodeStepCosts
 ) -> DecodeRun | None:
     """The run that `step` (scheduled now, its blocks taken) starts, or None when it would be
     one step. `tokens_left`: each row's tokens still to emit, in the step's order."""
@@ -56,7 +73,7 @@ def plan_run(
     durations, ends = [step.duration_s], [now + step.duration_s]
     for _ in range(length - 1):
         context_sum += num_rows  # every row's context is a token longer each step
-        seconds = pod.profile.step_s([], num_rows, context_sum)
+        seconds = costs.step_s(pod.profile, num_rows, context_sum)
         durations.append(seconds)
         ends.append(ends[-1] + seconds)
     return DecodeRun(pod, step, ends, durations, last=length - 1)

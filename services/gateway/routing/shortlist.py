@@ -52,19 +52,23 @@ def shortlist_positions(
     cached_tokens: list[int] | None,
     load_terms: list[float],
     is_local: list[bool] | None = None,
+    least_loaded: list[int] | None = None,
 ) -> list[int]:
     """The shortlist as positions among n pods (ascending), from each pod's cached tokens of
     the prompt (None: no pod holds any), its load term (`scoring.load_term`: higher is less
     loaded) and whether it is in the client's region (None: no region).
     The planner's simulated gateway (services/planner/simulate/gateway.py) shortlists the same
-    way from its own view of the pods. Ties go to the earlier pod."""
+    way from its own view of the pods, passing `least_loaded`: the LEAST_LOADED positions of
+    highest load term, which it keeps ranked as terms change. Ties go to the earlier pod."""
     count = len(load_terms)
     if count <= MAX_SCORED_PODS:
         return list(range(count))
     chosen = set() if cached_tokens is None else {i for i in range(count) if cached_tokens[i] > 0}
     if cached_tokens is not None and len(chosen) > MOST_CACHED:
         chosen = set(heapq.nlargest(MOST_CACHED, chosen, key=cached_tokens.__getitem__))
-    chosen.update(_least_loaded(LEAST_LOADED, range(count), load_terms))
+    if least_loaded is None:
+        least_loaded = _least_loaded(LEAST_LOADED, range(count), load_terms)
+    chosen.update(least_loaded)
     if is_local is not None:
         local = [i for i in range(count) if is_local[i]]
         chosen.update(_least_loaded(LEAST_LOADED_IN_REGION, local, load_terms))

@@ -24,8 +24,13 @@ from splitserve.gateway.routing.scoring import (
     decide,
     load_term,
 )
-from splitserve.gateway.routing.shortlist import MAX_SCORED_PODS, shortlist_positions
+from splitserve.gateway.routing.shortlist import (
+    LEAST_LOADED,
+    MAX_SCORED_PODS,
+    shortlist_positions,
+)
 from splitserve.loadgen.workload import SimRequest
+from splitserve.planner.simulate.load_ranking import LoadRanking
 from splitserve.planner.simulate.pod import SimPod
 
 DEFAULT_WEIGHTS = RoutingWeights()  # what RoutingContext scores with here
@@ -42,7 +47,7 @@ class SimGateway:
     # Each pool's load terms (from the snapshot and the dispatch count), in the pool's order:
     # the shortlist ranks every pod by them at each arrival, so they are kept up to date (at a
     # poll, and for the pod a dispatch changes) rather than computed there.
-    _load_terms: dict[str, list[float]] = field(default_factory=dict)  # pool -> terms
+    _rankings: dict[str, LoadRanking] = field(default_factory=dict)  # pool -> its terms
     _positions: dict[str, tuple[str, int]] = field(default_factory=dict)  # pod -> (pool, index)
 
     def __post_init__(self) -> None:
@@ -58,19 +63,20 @@ class SimGateway:
         for pod in (*self.prefill_pods, *self.decode_pods):
             self._snapshots[pod.name] = pod.load
             self._num_dispatched[pod.name] = 0
-            self._update_load_term(pod.name)
+        for pool, pods in (("prefill", self.prefill_pods), ("decode", self.decode_pods)):
+            self._rankings[pool].set_all([self._load_term(pod.name) for pod in pods])
 
     def _index_pools(self) -> None:
         for pool, pods in (("prefill", self.prefill_pods), ("decode", self.decode_pods)):
-            self._load_terms[pool] = [0.0] * len(pods)
             for index, pod in enumerate(pods):
                 self._positions[pod.name] = (pool, index)
-                if pod.name in self._snapshots:
-                    self._update_load_term(pod.name)
+            self._rankings[pool] = LoadRanking(len(pods))
+            if self._snapshots:
+                self._rankings[pool].set_all([self._load_term(pod.name) for pod in pods])
 
     def _update_load_term(self, name: str) -> None:
         pool, index = self._positions[name]
-        self._load_terms[pool][index] = self._load_term(name)
+        self._rankings[pool].update(index, self._load_term(name))
 
     def pick(self, request: SimRequest) -> tuple[SimPod | None, SimPod]:
         """(prefill pod or None without prefill pods, decode pod) for one arrival, both counted
@@ -107,7 +113,9 @@ class SimGateway:
             cached = [pod.num_cached_tokens(request) for pod in pods]
         if len(pods) <= MAX_SCORED_PODS:
             return [self._view(pod, cached[i] if cached else 0) for i, pod in enumerate(pods)]
-        positions = shortlist_positions(cached, self._load_terms[pool])
+        ranking = self._rankings[pool]
+        least_loaded = ranking.least_loaded(LEAST_LOADED)
+        positions = shortlist_positions(cached, ranking.terms, least_loaded=least_loaded)
         return [self._view(pods[i], cached[i] if cached else 0) for i in positions]
 
     def _load_term(self, name: str) -> float:

@@ -43,11 +43,20 @@ def gather_kv(
 
 
 def _attend(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, context_len: int
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    context_len: int,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of `query` rows at positions `context_len + i` over `keys`, in float32.
 
     query: [q_len, num_heads, head_dim]; keys, values: [seq_len, num_kv_heads, head_dim].
+    window: a query sees only the `window` positions up to its own (0: all, Mistral's and
+    Gemma's sliding windows); softcap: scores become softcap * tanh(scores / softcap) (0: not
+    capped, Gemma 2's attention soft-capping).
     """
     q_len, num_heads, head_dim = query.shape
     seq_len, num_kv_heads, _ = keys.shape
@@ -55,8 +64,13 @@ def _attend(
     # Query head h reads kv head h // group, as Hugging Face's repeat_kv arranges them.
     q = query.float().reshape(q_len, num_kv_heads, group, head_dim)
     scores = torch.einsum("qhgd,khd->hgqk", q, keys.float()) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     positions = context_len + torch.arange(q_len, device=query.device)
-    visible = torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None]
+    key_positions = torch.arange(seq_len, device=query.device)[None, :]
+    visible = key_positions <= positions[:, None]
+    if window:
+        visible &= key_positions > positions[:, None] - window
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("hgqk,khd->qhgd", probs, values.float())
@@ -71,8 +85,11 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """One query token per sequence, at position `seq_lens[s] - 1`, over all its keys.
+    """One query token per sequence, at position `seq_lens[s] - 1`, over all its keys (the
+    last `window` of them with a window; `softcap` as `_attend`).
 
     query: [num_seqs, num_heads, head_dim]; returns the same shape. A sequence of length 0
     gets zeros (padding rows of a fixed-size batch).
@@ -83,7 +100,8 @@ def paged_decode_attention(
             continue
         keys = gather_kv(key_cache, block_tables[s], seq_len)
         values = gather_kv(value_cache, block_tables[s], seq_len)
-        result[s] = _attend(query[s : s + 1], keys, values, scale, seq_len - 1)[0]
+        result[s] = _attend(query[s : s + 1], keys, values, scale, seq_len - 1, window,
+                            softcap)[0]  # fmt: skip
     return _into(out, result)
 
 
@@ -96,8 +114,11 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its cached prefix and themselves.
+    """Causal attention of each sequence's new tokens over its cached prefix and themselves
+    (`window`, `softcap` as `_attend`).
 
     Sequence s owns query rows `query_start_loc[s]:query_start_loc[s + 1]`:
 
@@ -114,7 +135,8 @@ def paged_prefill_attention(
         keys = gather_kv(key_cache, block_tables[s], seq_len)
         values = gather_kv(value_cache, block_tables[s], seq_len)
         context_len = seq_len - (end - begin)
-        result[begin:end] = _attend(query[begin:end], keys, values, scale, context_len)
+        result[begin:end] = _attend(query[begin:end], keys, values, scale, context_len, window,
+                                    softcap)  # fmt: skip
     return _into(out, result)
 
 

@@ -45,6 +45,33 @@ def test_paged_decode_attention_matches_the_reference(shape):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
+# window, softcap: a window shorter than most rows (one position; several blocks, not a
+# multiple of the block size), one longer than every row, and Gemma 2's cap with and without
+# a window.
+VISIBILITY = [(1, 0.0), (37, 0.0), (1000, 0.0), (0, 3.0), (20, 2.5)]
+
+
+@pytest.mark.parametrize(("window", "softcap"), VISIBILITY)
+@pytest.mark.parametrize("shape", SHAPES[:3])
+def test_windows_and_soft_caps_match_the_reference(shape, window, softcap):
+    """Mistral's and Gemma's sliding windows (only the last `window` positions are read) and
+    Gemma 2's soft-capped scores, on float32 and int8 rows."""
+    from splitserve.kernels.kv_int8 import quantize_rows
+
+    for seed in range(2):
+        query, keys, values, tables, lens, scale = random_case(shape, seed + 20)
+        query = query * 4  # scores large enough for the cap to bend them
+        for cache in ((keys, values), (quantize_rows(keys), quantize_rows(values))):
+            case = (query, *cache, tables, lens, scale)
+            got = paged_decode_attention(*case, window=window, softcap=softcap)
+            expected = reference.paged_decode_attention(*case, window=window, softcap=softcap)
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+            everything = reference.paged_decode_attention(*case)
+            window_cuts = bool(window) and bool((lens > window).any())
+            if window_cuts or softcap:  # what the window or the cap leaves out matters
+                assert not torch.allclose(expected, everything, rtol=1e-3, atol=1e-3)
+
+
 def test_bad_inputs_are_refused_before_the_kernel_runs():
     query, keys, values, tables, lens, scale = random_case(SHAPES[0], 0)
     with pytest.raises(ValueError, match="float32"):
@@ -57,6 +84,10 @@ def test_bad_inputs_are_refused_before_the_kernel_runs():
         paged_decode_attention(query, keys, values, tables + 1000, lens, scale)
     with pytest.raises(ValueError, match="multiple"):
         paged_decode_attention(query[:, :8], keys, values, tables, lens, scale)
+    with pytest.raises(ValueError, match="window"):
+        paged_decode_attention(query, keys, values, tables, lens, scale, window=-1)
+    with pytest.raises(ValueError, match="softcap"):
+        paged_decode_attention(query, keys, values, tables, lens, scale, softcap=-1.0)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -32,6 +32,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.model.cpu_paths import cpu_report
+from splitserve.kernels.cpu import load as load_cpu_kernels
 from tests.test_disaggregation_engine import disaggregated
 
 MAX_TOKENS = 12
@@ -226,6 +227,10 @@ def test_greedy_and_logprobs_match_transformers(single_thread, make_checkpoint, 
         _assert_matches(result.outputs[0], tokens, logprobs)
 
 
+def cpu_kernels_loaded() -> bool:
+    return load_cpu_kernels() is not None
+
+
 SPECIAL_PARTS = [(family, part) for family, spec in FAMILIES.items() for part in spec[2]]
 
 
@@ -255,11 +260,14 @@ def test_architecture_reads_each_part(make_checkpoint):
     assert arch["gemma3_text"].layer_windows == (12, 0)
     assert arch["gemma3_text"].local_rope_theta == 50.0
     assert arch["qwen3_moe"].moe is not None and arch["qwen3_moe"].qk_norm
-    # Their parts are not in the C++ decode layers: the Python layers serve every step.
-    assert all(llm.engine.runner.model.fused_decode is None for llm in archs.values())
+    # Windows are in the C++ decode layers (float32 Mistral and Phi-3 decode through them);
+    # the other families' parts are not: the Python layers serve every step.
+    fused = {family for family, llm in archs.items() if llm.engine.runner.model.fused_decode}
+    assert fused == ({"mistral", "phi3"} if cpu_kernels_loaded() else set())
     paths = cpu_report()["model_families"]
     assert set(FAMILIES) <= set(paths)
-    assert "soft-capping" in paths["gemma2"] and "q/k norms" in paths["qwen3"]
+    assert "extra norms" in paths["gemma2"] and "q/k norms" in paths["qwen3"]
+    assert paths["mistral"].startswith("fused") == cpu_kernels_loaded()
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma2"])

@@ -138,8 +138,11 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """`splitserve.kernels.reference.paged_decode_attention`, reading the cache in place (CPU).
+    """`splitserve.kernels.reference.paged_decode_attention`, reading the cache in place (CPU);
+    `window` and `softcap` as there (a window's earlier blocks are never read).
 
     query [num_seqs, num_heads, head_dim] float32; key_cache, value_cache [num_blocks,
     block_size, num_kv_heads, head_dim] float32, or int8 rows of head_dim + 2 (codes and their
@@ -149,8 +152,11 @@ def paged_decode_attention(
     if module is None:
         raise RuntimeError("the CPU kernels are not available on this machine")
     _check(query, key_cache, value_cache, block_tables, seq_lens)
+    if window < 0 or softcap < 0:
+        raise ValueError(f"window and softcap must be >= 0, got {window} and {softcap}")
     return module.paged_decode_attention(
-        query, key_cache, value_cache, block_tables, seq_lens, float(scale)
+        query, key_cache, value_cache, block_tables, seq_lens, float(scale), int(window),
+        float(softcap),
     )
 
 

@@ -54,6 +54,7 @@ enum Projection : int64_t { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3, kNumProjec
 struct Layer {
   torch::Tensor input_norm, post_norm;
   Weight qkv, o, gate_up, down;
+  int64_t window = 0;  // a sliding window's positions (0 = the whole context)
   std::optional<LoraSlots> lora[kNumProjections];
 };
 
@@ -155,19 +156,25 @@ torch::Tensor linear(const torch::Tensor& x, const Weight& w, WeightFormat forma
 // The layers of one model, built once after its weights are loaded.
 class DecodeLayers {
  public:
+  // softcap: attention soft-capping for every layer (0 = none).
   DecodeLayers(int64_t format, int64_t num_heads, int64_t num_kv_heads, double eps,
-               double scale)
+               double scale, double softcap)
       : format_(static_cast<WeightFormat>(format)),
         num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         eps_(eps),
-        scale_(scale) {
+        scale_(scale),
+        softcap_(softcap) {
     TORCH_CHECK(format >= 0 && format <= 2, "weight format ", format, " is not 0 to 2");
+    TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0, got ", softcap);
   }
 
   // tensors: input_norm, post_norm, then (first, second) of qkv, o, gate_up, down (second
-  // may be an empty tensor); sizes: (in_padded, out_features) of qkv, o, gate_up, down.
-  void add_layer(std::vector<torch::Tensor> tensors, std::vector<int64_t> sizes) {
+  // may be an empty tensor); sizes: (in_padded, out_features) of qkv, o, gate_up, down;
+  // window: the layer's sliding window (0 = none).
+  void add_layer(std::vector<torch::Tensor> tensors, std::vector<int64_t> sizes,
+                 int64_t window) {
+    TORCH_CHECK(window >= 0, "window must be >= 0, got ", window);
     TORCH_CHECK(tensors.size() == 10 && sizes.size() == 8,
                 "a layer takes 10 tensors and 8 sizes, got ", tensors.size(), " and ",
                 sizes.size());
@@ -178,6 +185,7 @@ class DecodeLayers {
     for (int i = 0; i < 4; ++i) {
       *weights[i] = Weight{tensors[2 + 2 * i], tensors[3 + 2 * i], sizes[2 * i], sizes[2 * i + 1]};
     }
+    layer.window = window;
     layers_.push_back(std::move(layer));
   }
 
@@ -257,7 +265,7 @@ class DecodeLayers {
       }
       auto attention = paged_decode_attention(q, layer_cache.select(0, 0),
                                               layer_cache.select(0, 1), block_tables, seq_lens,
-                                              scale_);
+                                              scale_, layer.window, softcap_);
       const auto attention_out = attention.view({rows, -1});
       auto o = linear(attention_out, layer.o, format_);
       add_lora_delta(o, attention_out, layer.lora[kO], lora);
@@ -274,15 +282,18 @@ class DecodeLayers {
 
   WeightFormat format_;
   int64_t num_heads_, num_kv_heads_;
-  double eps_, scale_;
+  double eps_, scale_, softcap_;
   std::vector<Layer> layers_;
 };
 
 void bind_decode_layers(pybind11::module& m) {
   pybind11::class_<DecodeLayers>(m, "DecodeLayers",
                                  "every decoder layer of a decode-only step in one call (CPU)")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double>())
-      .def("add_layer", &DecodeLayers::add_layer)
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, double>(),
+           pybind11::arg("format"), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"),
+           pybind11::arg("eps"), pybind11::arg("scale"), pybind11::arg("softcap") = 0.0)
+      .def("add_layer", &DecodeLayers::add_layer, pybind11::arg("tensors"),
+           pybind11::arg("sizes"), pybind11::arg("window") = 0)
       .def_property_readonly("num_layers", &DecodeLayers::num_layers)
       // Without the GIL, as torch's own ops run: a step takes milliseconds, and the pod's
       // event loop (streaming the last step's tokens, taking new requests) runs meanwhile.

@@ -10,9 +10,12 @@
 #include <vector>
 
 // paged_decode_attention.cpp
+// window: keys of the last `window` positions only (0 = all); softcap: scores capped by
+// softcap * tanh(score / softcap) (0 = none).
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
                                      torch::Tensor value_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale);
+                                     torch::Tensor seq_lens, double scale, int64_t window,
+                                     double softcap);
 // write_kv_int8.cpp
 void write_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor layer_cache,
                    torch::Tensor slot_mapping);

@@ -9,6 +9,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL, as torch's ops: long contexts take milliseconds.
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache, read in place (float32 or int8 rows, CPU)",
+        pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
+        pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
+        pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.attr("INT4_ONE_PASS_FROM_ROWS") = kInt4OnePassFromRows;
   m.def("int4_isas", &int4_isas, "int4_gemm's variants this CPU runs, best first");

@@ -9,6 +9,10 @@
 //   p[g][t] = exp(scores[g][t] - max_t) / sum      (softmax in float32)
 //   out[g] = sum_t p[g][t] * v[t]                  (second pass, over the values)
 //
+// With a sliding window (Mistral, Phi-3, Gemma's local layers) t runs over the last `window`
+// positions only, the blocks before them never read; with soft-capping (Gemma 2) each score
+// becomes softcap * tanh(score / softcap) before the softmax.
+//
 // Layouts (what the engine's cache holds):
 //   query        [num_seqs, num_heads, head_dim] float32
 //   key_cache    [num_blocks, block_size, num_kv_heads, head_dim] float32  (value_cache the same)
@@ -73,48 +77,66 @@ struct Geometry {
 // One sequence, every head: `seq_len` keys, read block by block. A slot's keys for all kv
 // heads are one contiguous run (num_kv_heads * head_dim floats), so each cache line fetched
 // is used whole; query head h reads kv head h / group (GQA).
+// What a query sees besides its causal prefix: the window (0 = every position) and the cap
+// (0 = none).
+struct Visibility {
+  int64_t window;
+  float softcap;
+};
+
 template <typename T>  // float (float32 cache) or int8_t (int8 rows with scales)
 void attend_sequence(const Geometry& g, const float* q, const T* k_cache, const T* v_cache,
-                     const int32_t* table, int64_t seq_len, float scale, float* out,
-                     std::vector<float>& scores) {
-  scores.resize(g.num_heads * seq_len);
+                     const int32_t* table, int64_t seq_len, float scale, Visibility visibility,
+                     float* out, std::vector<float>& scores) {
+  // Positions [start, seq_len): the query (at seq_len - 1) sees the last `window` of them.
+  const int64_t start =
+      visibility.window > 0 ? std::max<int64_t>(0, seq_len - visibility.window) : 0;
+  const int64_t num_keys = seq_len - start;
+  scores.resize(g.num_heads * num_keys);
+  const int64_t first_block = start / g.block_size;
   const int64_t num_blocks = (seq_len + g.block_size - 1) / g.block_size;
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = first_block; b < num_blocks; ++b) {
     const T* block = k_cache + table[b] * g.block_stride;
-    const int64_t first = b * g.block_size;
-    const int64_t count = std::min(g.block_size, seq_len - first);
-    for (int64_t slot = 0; slot < count; ++slot) {
-      const T* keys = block + slot * g.token_stride;  // [num_kv_heads, row]
+    const int64_t begin = std::max(b * g.block_size, start);
+    const int64_t end = std::min((b + 1) * g.block_size, seq_len);
+    for (int64_t position = begin; position < end; ++position) {
+      const T* keys = block + (position - b * g.block_size) * g.token_stride;
       for (int64_t h = 0; h < g.num_heads; ++h) {
         const T* key = keys + (h / g.group) * g.row;
-        scores[h * seq_len + first + slot] = scale * dot(q + h * g.head_dim, key, g.head_dim);
+        scores[h * num_keys + position - start] =
+            scale * dot(q + h * g.head_dim, key, g.head_dim);
       }
     }
   }
   for (int64_t h = 0; h < g.num_heads; ++h) {
-    float* row = scores.data() + h * seq_len;
+    float* row = scores.data() + h * num_keys;
+    if (visibility.softcap > 0.0f) {
+      const float cap = visibility.softcap, inverse_cap = 1.0f / visibility.softcap;
+      for (int64_t t = 0; t < num_keys; ++t) row[t] = cap * std::tanh(row[t] * inverse_cap);
+    }
     float top = row[0];
-    for (int64_t t = 1; t < seq_len; ++t) top = std::max(top, row[t]);
+    for (int64_t t = 1; t < num_keys; ++t) top = std::max(top, row[t]);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < seq_len; ++t) {
+    for (int64_t t = 0; t < num_keys; ++t) {
       row[t] = std::exp(row[t] - top);  // vectorized through glibc's libmvec (-ffast-math)
       sum += row[t];
     }
     const float inverse = 1.0f / sum;
 #pragma omp simd
-    for (int64_t t = 0; t < seq_len; ++t) row[t] *= inverse;
+    for (int64_t t = 0; t < num_keys; ++t) row[t] *= inverse;
   }
   std::fill(out, out + g.num_heads * g.head_dim, 0.0f);
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = first_block; b < num_blocks; ++b) {
     const T* block = v_cache + table[b] * g.block_stride;
-    const int64_t first = b * g.block_size;
-    const int64_t count = std::min(g.block_size, seq_len - first);
-    for (int64_t slot = 0; slot < count; ++slot) {
-      const T* values = block + slot * g.token_stride;
+    const int64_t begin = std::max(b * g.block_size, start);
+    const int64_t end = std::min((b + 1) * g.block_size, seq_len);
+    for (int64_t position = begin; position < end; ++position) {
+      const T* values = block + (position - b * g.block_size) * g.token_stride;
       for (int64_t h = 0; h < g.num_heads; ++h) {
         const T* value = values + (h / g.group) * g.row;
-        add_scaled(out + h * g.head_dim, value, scores[h * seq_len + first + slot], g.head_dim);
+        add_scaled(out + h * g.head_dim, value, scores[h * num_keys + position - start],
+                   g.head_dim);
       }
     }
   }
@@ -122,7 +144,8 @@ void attend_sequence(const Geometry& g, const float* q, const T* k_cache, const 
 
 template <typename T>
 void attend_all(const Geometry& g, int64_t num_seqs, const float* q, const T* k, const T* v,
-                const int32_t* tables, const int32_t* lens, float scale, float* o) {
+                const int32_t* tables, const int32_t* lens, float scale, Visibility visibility,
+                float* o) {
   // One sequence (batch-1 decode) runs on the calling thread: a team would only wait for it.
 #pragma omp parallel if (num_seqs > 1)
   {
@@ -132,8 +155,8 @@ void attend_all(const Geometry& g, int64_t num_seqs, const float* q, const T* k,
       const int64_t seq_len = lens[seq];
       if (seq_len == 0) continue;  // a padding row: zeros, as the reference gives
       const int64_t row = seq * g.num_heads * g.head_dim;
-      attend_sequence(g, q + row, k, v, tables + seq * g.max_blocks, seq_len, scale, o + row,
-                      scores);
+      attend_sequence(g, q + row, k, v, tables + seq * g.max_blocks, seq_len, scale, visibility,
+                      o + row, scores);
     }
   }
 }
@@ -142,7 +165,11 @@ void attend_all(const Geometry& g, int64_t num_seqs, const float* q, const T* k,
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
                                      torch::Tensor value_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale) {
+                                     torch::Tensor seq_lens, double scale, int64_t window,
+                                     double softcap) {
+  TORCH_CHECK(window >= 0, "window must be >= 0, got ", window);
+  TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0, got ", softcap);
+  const Visibility visibility{window, static_cast<float>(softcap)};
   Geometry g;
   const int64_t num_seqs = query.size(0);
   g.num_heads = query.size(1);
@@ -180,10 +207,10 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   const float s = static_cast<float>(scale);
   if (is_int8) {
     attend_all(g, num_seqs, q, key_cache.data_ptr<int8_t>(), value_cache.data_ptr<int8_t>(),
-               tables, lens, s, o);
+               tables, lens, s, visibility, o);
   } else {
     attend_all(g, num_seqs, q, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
-               tables, lens, s, o);
+               tables, lens, s, visibility, o);
   }
   return out;
 }

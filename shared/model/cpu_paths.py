@@ -92,8 +92,8 @@ def kernel_paths() -> dict[str, str]:
 _PYTHON_LAYER_PARTS = {
     "qwen2": "q/k/v biases",
     "qwen3": "q/k norms",
-    "gemma2": "sliding windows, attention soft-capping, Gemma's extra norms, GeGLU",
-    "gemma3_text": "sliding windows, q/k norms, Gemma's extra norms, GeGLU, two rotary bases",
+    "gemma2": "Gemma's extra norms, GeGLU",
+    "gemma3_text": "q/k norms, Gemma's extra norms, GeGLU, two rotary bases",
     "mixtral": "mixture-of-experts",
     "qwen2_moe": "mixture-of-experts, q/k/v biases",
     "qwen3_moe": "mixture-of-experts, q/k norms",
@@ -106,8 +106,7 @@ def model_family_paths() -> dict[str, str]:
     """Model type -> "fused C++ decode" where its dense float32 decode steps may take the C++
     layers (kernels/cpu/decode_layers.cpp), else the Python layers and why (docs/models.md)."""
     fused = "fused C++ decode (float32, no LoRA rows)" if _loaded_module() else "python layers"
-    windowed = f"{fused}; python layers when sliding_window is set (windows)"
-    paths = {"llama": fused, "mistral": windowed, "phi3": windowed}
+    paths = {"llama": fused, "mistral": fused, "phi3": fused}
     for model_type, parts in _PYTHON_LAYER_PARTS.items():
         paths[model_type] = f"python layers (the C++ decode layers lack {parts})"
     return paths

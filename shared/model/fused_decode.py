@@ -134,6 +134,7 @@ def build_fused_decode(model: LlamaForCausalLM) -> FusedDecode | None:
         attention.num_kv_heads,
         first.input_layernorm.eps,
         attention.scale,
+        float(attention.softcap or 0.0),
     )
     for layer, linears in zip(decoder_layers, products, strict=True):
         tensors: list[torch.Tensor] = [
@@ -145,7 +146,7 @@ def build_fused_decode(model: LlamaForCausalLM) -> FusedDecode | None:
             first_tensor, second_tensor, in_padded, out_features = _weight_parts(linear)
             tensors += [first_tensor, second_tensor]
             sizes += [in_padded, out_features]
-        layers.add_layer(tensors, sizes)
+        layers.add_layer(tensors, sizes, int(layer.self_attn.window))
     return FusedDecode(layers, weight_format)
 
 
@@ -156,8 +157,6 @@ def fused_decode_problem(arch: ModelArchitecture) -> str | None:
         "mixture-of-experts": arch.moe is not None,
         "q/k/v biases": arch.attention_bias,
         "q/k norms": arch.qk_norm,
-        "sliding windows": any(arch.layer_windows),
-        "attention soft-capping": bool(arch.attn_logit_softcap),
         "Gemma's extra norms": arch.sandwich_norms,
         f"{arch.hidden_act} MLP": arch.hidden_act != "silu",
         "per-layer rotary bases": arch.local_rope_theta is not None,

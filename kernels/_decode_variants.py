@@ -54,6 +54,8 @@ def decode_heads_partition_kernel(
     num_kv_heads,
     num_partitions,
     partition_size,
+    window,
+    softcap_log2,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     GROUP: tl.constexpr,
@@ -64,6 +66,8 @@ def decode_heads_partition_kernel(
     IS_SINGLE_PARTITION: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     KV_INT8: tl.constexpr,
@@ -76,6 +80,9 @@ def decode_heads_partition_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     part_start = part * partition_size
     part_end = tl.minimum(part_start + partition_size, seq_len)
+    first_key = part_start
+    if HAS_WINDOW:
+        first_key = tl.maximum(part_start, seq_len - window)
     kv_first = head_block * KV_HEADS
 
     rows = tl.arange(0, ROWS_PAD)
@@ -104,7 +111,7 @@ def decode_heads_partition_kernel(
     l_i = tl.zeros([ROWS_PAD], dtype=tl.float32)
     m_i = tl.full([ROWS_PAD], float("-inf"), dtype=tl.float32)
     table_ptr = block_tables_ptr + seq * stride_bt_seq
-    for tile_start in range(part_start, part_end, TILE_TOKENS):
+    for tile_start in range(first_key, part_end, TILE_TOKENS):
         toks = tile_start + cols // KV_HEADS
         tok_ok = toks < part_end
         read_ok = tok_ok & col_head_ok
@@ -116,7 +123,8 @@ def decode_heads_partition_kernel(
                          stride_s_block, stride_s_tok, stride_s_head, BLOCK_SIZE,
                          KV_INT8).to(q.dtype)
         acc, l_i, m_i = online_softmax_step(q, k, v, own_head & tok_ok[None, :], acc, l_i, m_i,
-                                            scale_log2, True, DOT_PRECISION, UPCAST_DOT)
+                                            scale_log2, True, DOT_PRECISION, UPCAST_DOT,
+                                            softcap_log2, HAS_SOFTCAP)  # fmt: skip
 
     finish_partition(acc, l_i, m_i, heads, row_ok, dims, dim_ok, seq, seq_len, part, part_start,
                      out_ptr, part_out_ptr, part_lse_ptr,
@@ -233,8 +241,11 @@ def _merge_if_last(
                               mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
                               cache_modifier=".cg")  # fmt: skip
             m_new = tl.maximum(m, lse)
-            alpha = tl.exp2(m - m_new)
-            weight = tl.exp2(lse - m_new)
+            # A partition a sliding window left empty has lse -inf: while every one so far
+            # is, the running max stays -inf and the weights 0 (never -inf - -inf).
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)
+            weight = tl.exp2(lse - m_safe)
             acc = acc * alpha[:, None] + weight[:, None] * partial
             denom = denom * alpha + weight
             m = m_new

@@ -73,18 +73,36 @@ def online_softmax_step(
     APPLY_MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    softcap_log2=0.0,  # Gemma 2's cap * log2(e), used when HAS_SOFTCAP
+    HAS_SOFTCAP: tl.constexpr = False,
+    MAY_SEE_NONE: tl.constexpr = False,
 ):
-    """One flash-attention step. Every row must see at least one key in its first step, so
-    that `m_i` is finite from then on and no `-inf - -inf` ever happens."""
+    """One flash-attention step. Unless MAY_SEE_NONE, every row must see at least one key in
+    its first step, so that `m_i` is finite from then on and no `-inf - -inf` ever happens;
+    with it (a sliding window can hide a whole tile from a row) a row that has seen nothing
+    yet keeps zeros. HAS_SOFTCAP: scores become cap * tanh(score / cap) first (in log2 units
+    the same with cap * log2(e))."""
     scores = dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2
+    if HAS_SOFTCAP:
+        scores = softcap_log2 * tanh(scores / softcap_log2)
     if APPLY_MASK:
         scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    m_new_safe = m_new
+    if MAY_SEE_NONE:  # a statement, not a ternary: Triton's constexpr branch
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_new_safe)
+    p = tl.exp2(scores - m_new_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
     return acc, l_i, m_new
+
+
+@triton.jit
+def tanh(x):
+    """tanh from exp2, which every backend and the interpreter have: 1 - 2 / (e^2x + 1), 1 and
+    -1 in the limits (exp2 overflowing to inf gives 1)."""
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2x * log2(e)
 
 
 @triton.jit

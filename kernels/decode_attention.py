@@ -76,6 +76,8 @@ def _decode_partition_kernel(
     num_heads,
     num_partitions,
     partition_size,  # a multiple of 16; not a constexpr, as _decode_waves.py varies it
+    window,  # a sliding window's positions, read when HAS_WINDOW
+    softcap_log2,  # Gemma 2's cap * log2(e), read when HAS_SOFTCAP
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     GROUP: tl.constexpr,
@@ -85,6 +87,8 @@ def _decode_partition_kernel(
     IS_SINGLE_PARTITION: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     KV_INT8: tl.constexpr,
@@ -94,6 +98,11 @@ def _decode_partition_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     part_start = part * partition_size
     part_end = tl.minimum(part_start + partition_size, seq_len)
+    # A window's query (at seq_len - 1) sees the last `window` positions: a partition before
+    # them reads nothing and leaves an empty partial (log-sum-exp -inf) to the merge.
+    first_key = part_start
+    if HAS_WINDOW:
+        first_key = tl.maximum(part_start, seq_len - window)
 
     rows = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + rows
@@ -115,7 +124,7 @@ def _decode_partition_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     table_ptr = block_tables_ptr + seq * stride_bt_seq
     # An empty partition (past the end of this sequence) runs no iteration.
-    for tile_start in range(part_start, part_end, TILE_N):
+    for tile_start in range(first_key, part_end, TILE_N):
         toks = tile_start + tl.arange(0, TILE_N)
         tok_ok = toks < part_end
         k = load_kv_tile(key_cache_ptr, key_scale_ptr, table_ptr, toks, tok_ok, kv_head, dims,
@@ -126,7 +135,8 @@ def _decode_partition_kernel(
                          stride_s_block, stride_s_tok, stride_s_head, BLOCK_SIZE,
                          KV_INT8).to(q.dtype)
         acc, l_i, m_i = online_softmax_step(q, k, v, tok_ok[None, :], acc, l_i, m_i,
-                                            scale_log2, True, DOT_PRECISION, UPCAST_DOT)
+                                            scale_log2, True, DOT_PRECISION, UPCAST_DOT,
+                                            softcap_log2, HAS_SOFTCAP)  # fmt: skip
 
     finish_partition(acc, l_i, m_i, heads, row_ok, dims, dim_ok, seq, seq_len, part, part_start,
                      out_ptr, part_out_ptr, part_lse_ptr,
@@ -195,8 +205,12 @@ def paged_decode_attention(
     *,
     partition_size: int | None = None,
     launch: dict[str, Any] | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Attention of one new token per sequence over its whole paged context.
+    """Attention of one new token per sequence over its whole paged context (or the last
+    `window` positions of it, Mistral's and Gemma's sliding windows; 0: all), its scores
+    capped by softcap * tanh(score / softcap) where softcap > 0 (Gemma 2).
 
     query: [num_seqs, num_heads, head_dim], the token at position `seq_lens[s] - 1`, whose own
     key and value are already in the cache. key_cache, value_cache: [num_blocks, block_size,
@@ -231,6 +245,8 @@ def paged_decode_attention(
                                                 query.device)  # fmt: skip
     if partition_size % 16 or partition_size < 16:
         raise ValueError(f"partition_size must be a multiple of 16, got {partition_size}")
+    if window < 0 or softcap < 0:
+        raise ValueError(f"window and softcap must be >= 0, got {window} and {softcap}")
     if num_seqs == 0:
         return out
     num_partitions = max(1, math.ceil(max_context / partition_size))
@@ -242,7 +258,8 @@ def paged_decode_attention(
         counters = _merge_counters(query.device, num_seqs * head_programs)
     meta = _partition_meta(query, key_cache, shape, kv_heads, _tile_limit(partition_size), launch)
     meta.update(IS_SINGLE_PARTITION=num_partitions == 1, FUSED_MERGE=counters is not None,
-                HEADS_FIRST=heads_first)
+                HEADS_FIRST=heads_first, HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0)
+    visibility = (int(window), float(softcap) * LOG2E)
     if num_partitions == 1:
         part_out = part_lse = out  # unused by the single-partition variant
     else:
@@ -259,10 +276,11 @@ def paged_decode_attention(
         out.stride(1), num_heads,
     ]  # fmt: skip
     if kv_heads == 1:
-        _decode_partition_kernel[grid](*args, num_partitions, partition_size, **meta)
+        _decode_partition_kernel[grid](*args, num_partitions, partition_size, *visibility,
+                                       **meta)  # fmt: skip
     else:
         decode_heads_partition_kernel[grid](*args, shape.num_kv_heads, num_partitions,
-                                            partition_size, **meta)  # fmt: skip
+                                            partition_size, *visibility, **meta)  # fmt: skip
     if num_partitions > 1 and counters is None:
         _decode_merge_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, seq_lens, out.stride(0), out.stride(1), num_heads,

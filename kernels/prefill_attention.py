@@ -48,6 +48,8 @@ def _prefill_kernel(
     stride_bt_seq,
     stride_o_tok,
     stride_o_head,
+    window,  # a sliding window's positions, read when HAS_WINDOW
+    softcap_log2,  # Gemma 2's cap * log2(e), read when HAS_SOFTCAP
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     GROUP: tl.constexpr,
@@ -55,6 +57,8 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     KV_INT8: tl.constexpr,
@@ -89,6 +93,11 @@ def _prefill_kernel(
     is_empty = tile_start >= q_len  # the grid is sized for the longest sequence
     unmasked_end = tl.where(is_empty, 0, (first_pos + 1) // BLOCK_N * BLOCK_N)
     kv_end = tl.where(is_empty, 0, last_pos + 1)
+    masked_start = unmasked_end
+    if HAS_WINDOW:
+        # | before every row's window: not read | the rows' windows: masked per row |
+        masked_start = tl.minimum(tl.maximum(first_pos - window + 1, 0), kv_end)
+        unmasked_end = 0
 
     if KV_INT8:
         # int8 tiles dequantize to float32: the query comes up to them rather than rounding
@@ -109,8 +118,9 @@ def _prefill_kernel(
                          stride_s_block, stride_s_tok, stride_s_head, BLOCK_SIZE,
                          KV_INT8).to(q.dtype)
         acc, l_i, m_i = online_softmax_step(q, k, v, key_ok[None, :], acc, l_i, m_i,
-                                            scale_log2, False, DOT_PRECISION, UPCAST_DOT)
-    for start_n in range(unmasked_end, kv_end, BLOCK_N):
+                                            scale_log2, False, DOT_PRECISION, UPCAST_DOT,
+                                            softcap_log2, HAS_SOFTCAP)  # fmt: skip
+    for start_n in range(masked_start, kv_end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         key_ok = keys < kv_end
         k = load_kv_tile(key_cache_ptr, key_scale_ptr, table_ptr, keys, key_ok, kv_head, dims,
@@ -121,8 +131,12 @@ def _prefill_kernel(
                          stride_s_block, stride_s_tok, stride_s_head, BLOCK_SIZE,
                          KV_INT8).to(q.dtype)
         visible = (keys[None, :] <= positions[:, None]) & key_ok[None, :]
+        if HAS_WINDOW:
+            visible = visible & (keys[None, :] > positions[:, None] - window)
+        # A window can hide a whole key tile from the tile's later rows (MAY_SEE_NONE).
         acc, l_i, m_i = online_softmax_step(q, k, v, visible, acc, l_i, m_i,
-                                            scale_log2, True, DOT_PRECISION, UPCAST_DOT)
+                                            scale_log2, True, DOT_PRECISION, UPCAST_DOT,
+                                            softcap_log2, HAS_SOFTCAP, HAS_WINDOW)  # fmt: skip
 
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_ptrs = (out_ptr + (q_begin + tok)[:, None] * stride_o_tok
@@ -142,8 +156,12 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     *,
     max_query_len: int | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its cached prefix and themselves.
+    """Causal attention of each sequence's new tokens over its cached prefix and themselves
+    (each token over the last `window` positions up to its own where window > 0; scores
+    capped by softcap * tanh(score / softcap) where softcap > 0).
 
     query: [num_tokens, num_heads, head_dim]; sequence s owns rows
     `query_start_loc[s]:query_start_loc[s + 1]` (query_start_loc: [num_seqs + 1] int32,
@@ -167,6 +185,8 @@ def paged_prefill_attention(
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_seqs else 0
     if isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 0:
         raise ValueError(f"max_query_len must be an int >= 0, got {max_query_len!r}")
+    if window < 0 or softcap < 0:
+        raise ValueError(f"window and softcap must be >= 0, got {window} and {softcap}")
     if num_seqs == 0 or max_query_len == 0:
         return out
     head_dim = query.shape[2]
@@ -179,10 +199,10 @@ def paged_prefill_attention(
         query, key_cache, value_cache, key_scales, value_scales, block_tables, query_start_loc,
         seq_lens, out, scale * LOG2E, query.stride(0), query.stride(1), key_cache.stride(0),
         key_cache.stride(1), key_cache.stride(2), *scale_strides, block_tables.stride(0),
-        out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+        out.stride(0), out.stride(1), int(window), float(softcap) * LOG2E, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), GROUP=group, GROUP_PAD=group_pad,
-        BLOCK_SIZE=shape.block_size, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        KV_INT8=key_cache.dtype == torch.int8, **dot_meta(query.dtype),
+        BLOCK_SIZE=shape.block_size, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HAS_WINDOW=window > 0,
+        HAS_SOFTCAP=softcap > 0, KV_INT8=key_cache.dtype == torch.int8, **dot_meta(query.dtype),
     )
     return out
 

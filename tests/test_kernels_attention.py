@@ -304,6 +304,63 @@ def test_prefill_matches_reference(
     assert relative_error(out, expected) < TOLERANCE[dtype]
 
 
+# A window of one position, shorter than a partition (leading partitions left empty), longer
+# than every row; Gemma 2's cap with and without a window.
+WINDOWS_AND_CAPS = [(1, 0.0), (23, 0.0), (70, 3.0), (500, 0.0), (0, 2.0)]
+
+
+@pytest.mark.parametrize("launch", [{}, {"KV_HEADS": 2}, {"FUSED_MERGE": 1},
+                                    {"KV_HEADS": 2, "HEADS_FIRST": 1, "FUSED_MERGE": 1}],
+                         ids=str)  # fmt: skip
+@pytest.mark.parametrize(("window", "softcap"), WINDOWS_AND_CAPS)
+def test_decode_with_a_window_and_a_cap_matches_reference(launch, window, softcap):
+    """Mistral's and Gemma's sliding windows (the query sees the last `window` positions; the
+    partitions before them stay empty, and the merge, fused or not, weighs them zero) and
+    Gemma 2's soft-capped scores."""
+    gen = torch.Generator().manual_seed(window + int(softcap))
+    seq_lens = [1, 45, 160, 97]
+    kv = make_paged_kv(seq_lens, 16, 2, 64, torch.float32, gen)
+    query = 4 * torch.randn(len(seq_lens), 6, 64, generator=gen).to(DEVICE)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.125)
+
+    out = paged_decode_attention(*args, partition_size=32, launch=launch, window=window,
+                                 softcap=softcap)  # fmt: skip
+
+    expected = reference.paged_decode_attention(*args, window=window, softcap=softcap)
+    assert relative_error(out, expected) < TOLERANCE[torch.float32]
+    if window < 160 or softcap:  # the window or the cap changed the answer
+        assert relative_error(reference.paged_decode_attention(*args), expected) > 1e-2
+
+
+def test_bfloat16_decode_with_a_window_and_a_cap_matches_reference():
+    gen = torch.Generator().manual_seed(31)
+    kv = make_paged_kv([33, 150], 16, 2, 64, torch.bfloat16, gen)
+    query = (4 * torch.randn(2, 6, 64, generator=gen)).to(DEVICE, torch.bfloat16)
+    args = (kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.125)
+    out = paged_decode_attention(query, *args, partition_size=64, window=40, softcap=3.0)
+    expected = reference.paged_decode_attention(query.float(), *as_float(kv), kv.block_tables,
+                                                kv.seq_lens, 0.125, window=40, softcap=3.0)
+    assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(1, 0.0), (7, 0.0), (40, 2.0), (0, 3.0)])
+def test_prefill_with_a_window_and_a_cap_matches_reference(window, softcap):
+    """A window shorter than a tile of rows (its later rows see none of the first key tile)
+    and than the cached prefix (whose early blocks are not read)."""
+    gen = torch.Generator().manual_seed(40 + window)
+    seq_lens, query_lens = [70, 9, 130], [70, 5, 60]
+    kv = make_paged_kv(seq_lens, 16, 3, 64, torch.float32, gen)
+    query = 4 * torch.randn(sum(query_lens), 9, 64, generator=gen).to(DEVICE)
+    layout = make_query_layout(query_lens)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, layout, kv.seq_lens, 0.125)
+
+    out = paged_prefill_attention(*args, window=window, softcap=softcap)
+
+    expected = reference.paged_prefill_attention(*args, window=window, softcap=softcap)
+    assert relative_error(out, expected) < TOLERANCE[torch.float32]
+    assert relative_error(reference.paged_prefill_attention(*args), expected) > 1e-2
+
+
 def test_prefill_of_one_token_per_sequence_equals_decode():
     gen = torch.Generator().manual_seed(11)
     kv = make_paged_kv([1, 29, 80], 16, 3, 64, torch.float32, gen)
@@ -353,6 +410,8 @@ def small_decode_args():
         (lambda a: a.update(scale=0.0), "scale"),
         (lambda a: a.update(out=torch.empty(2, 4, 32, device=DEVICE)), "out must have shape"),
         (lambda a: a.update(partition_size=40), "partition_size"),
+        (lambda a: a.update(window=-1), "window"),
+        (lambda a: a.update(softcap=-1.0), "softcap"),
     ],
 )
 def test_decode_rejects_bad_arguments(small_decode_args, change, message):

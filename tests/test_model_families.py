@@ -231,6 +231,33 @@ def cpu_kernels_loaded() -> bool:
     return load_cpu_kernels() is not None
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton path runs in Triton's interpreter on the CPU")  # fmt: skip
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_the_triton_path_serves_window_and_capped_layers(
+    single_thread, make_checkpoint, monkeypatch, family
+):
+    """The Triton kernels take the windows (8 tokens, shorter than the prompts and chunks)
+    and Gemma 2's soft-capping themselves: greedy tokens and logprobs equal transformers with
+    no layer falling back to masked_attention.py."""
+    from splitserve.engine.model import llama
+    from splitserve.engine.model.triton_attention import TritonPagedAttention
+
+    def no_fallback(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a window or capped layer fell back to masked_attention")
+
+    monkeypatch.setenv("SPLITSERVE_ATTENTION_BACKEND", "triton")
+    monkeypatch.setenv("SPLITSERVE_FUSED_DECODE", "0")  # decode steps through the kernels too
+    monkeypatch.setattr(llama, "masked_attention", no_fallback)
+    directory = make_checkpoint(family)
+    llm = LLM(directory, kv_cache_bytes=KV_BYTES, max_num_batched_tokens=CHUNK)
+    assert isinstance(llm.engine.runner.backend, TritonPagedAttention)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP)
+    for prompt in _prompts()[:2]:
+        tokens, logprobs = _reference(directory, prompt)
+        _assert_matches(llm.generate([prompt], params)[0].outputs[0], tokens, logprobs)
+
+
 SPECIAL_PARTS = [(family, part) for family, spec in FAMILIES.items() for part in spec[2]]
 
 

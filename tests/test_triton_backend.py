@@ -177,6 +177,31 @@ def test_attend_matches_torch_backend_on_a_mixed_step(triton_llm):
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize(("window", "softcap"), [(4, 0.0), (13, 2.0), (0, 1.5)])
+def test_attend_with_a_window_and_a_cap_matches_masked_attention(triton_llm, window, softcap):
+    """Window and soft-capped layers (Mistral, Gemma) on the Triton path: the kernels take
+    them, against shared/model/masked_attention.py, which the PyTorch path runs for them and
+    the family tests hold to transformers. Windows shorter than the chunks and the cached
+    prefixes."""
+    from splitserve.engine.model.masked_attention import masked_attention
+
+    runner = triton_llm.engine.runner
+    meta = runner.prepare_inputs(_mixed_chunks()).meta
+    num_tokens = sum(num_new for _, num_new, _ in MIXED_BATCH)
+    gen = torch.Generator().manual_seed(window)
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, 2, 16, generator=gen).to(DEVICE)
+    query = (3 * torch.randn(num_tokens, 4, 16, generator=gen)).to(DEVICE)
+    backend = TritonPagedAttention()
+    assert backend.takes_window_and_softcap and not TorchPagedAttention.takes_window_and_softcap
+
+    out = backend.attend(query, cache, meta, 0.25, window=window, softcap=softcap)
+
+    expected = masked_attention(query, cache, meta, 0.25, window, softcap)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    plain = backend.attend(query, cache, meta, 0.25)
+    assert not torch.allclose(out, plain, rtol=1e-3, atol=1e-3)
+
+
 def test_attend_over_an_int8_cache_matches_torch_backend_on_a_mixed_step(triton_llm):
     """kv_cache_dtype int8: both backends write the same codes and scales, and attend alike."""
     from splitserve.kernels.kv_int8 import quantize_rows

@@ -39,6 +39,7 @@ class TorchPagedAttention:
     """
 
     uses_block_tables = False
+    takes_window_and_softcap = False  # SDPA takes neither: masked_attention.py serves them
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self._buffer = torch.empty(0)
@@ -76,8 +77,12 @@ class TorchPagedAttention:
         layer_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         # query: [num_tokens, num_heads, head_dim] -> same shape out
+        if window or softcap:  # takes_window_and_softcap is False: callers go elsewhere
+            raise ValueError("the PyTorch attention path takes no window or soft-cap")
         out = torch.empty_like(query)
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(

@@ -49,6 +49,9 @@ class AttentionBackend(Protocol):
     # True when decodes are attended through meta.decode_block_tables / decode_seq_lens
     # (otherwise, with uses_block_tables False, through meta.decode_groups).
     reads_decodes_in_place: bool
+    # True when `attend` takes a sliding window and a soft-cap (keywords window, softcap);
+    # otherwise such layers attend in shared/model/masked_attention.py.
+    takes_window_and_softcap: bool
 
     def write_kv(
         self,
@@ -64,4 +67,6 @@ class AttentionBackend(Protocol):
         layer_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor: ...

@@ -134,7 +134,7 @@ def build_fused_decode(model: LlamaForCausalLM) -> FusedDecode | None:
         attention.num_kv_heads,
         first.input_layernorm.eps,
         attention.scale,
-        float(attention.softcap or 0.0),
+        float(arch.attn_logit_softcap or 0.0),
     )
     for layer, linears in zip(decoder_layers, products, strict=True):
         tensors: list[torch.Tensor] = [

@@ -122,10 +122,13 @@ class LlamaAttention(nn.Module):
         q = self.ops.rotary_qkv_into_cache(
             qkv, rotary, self.num_heads, self.num_kv_heads, layer_cache, meta, backend
         )
-        if self.window or self.softcap:  # what the backends' kernels do not take
-            out = masked_attention(q, layer_cache, meta, self.scale, self.window, self.softcap)
-        else:
+        if not (self.window or self.softcap):
             out = backend.attend(q, layer_cache, meta, self.scale)  # [tokens, heads, head_dim]
+        elif backend.takes_window_and_softcap:  # the Triton kernels
+            out = backend.attend(q, layer_cache, meta, self.scale, window=self.window,
+                                 softcap=self.softcap)  # fmt: skip
+        else:  # what the PyTorch path's SDPA does not take
+            out = masked_attention(q, layer_cache, meta, self.scale, self.window, self.softcap)
         out = self.o_proj(out.reshape(num_tokens, -1))
         if self.tensor_parallel is not None:
             self.tensor_parallel.all_reduce(out)

@@ -29,6 +29,7 @@ class TritonPagedAttention:
 
     uses_block_tables = True
     reads_decodes_in_place = False  # the block tables cover the decodes too
+    takes_window_and_softcap = True  # both kernels take them
 
     def write_kv(
         self,
@@ -47,10 +48,17 @@ class TritonPagedAttention:
         write_kv(key, value, layer_cache[0], layer_cache[1], meta.slot_mapping)
 
     def attend(
-        self, query: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        layer_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """query: [num_tokens, num_heads, head_dim] -> a new tensor of the same shape. Every
-        row's own key and value must already be in layer_cache (`write_kv` came first)."""
+        row's own key and value must already be in layer_cache (`write_kv` came first).
+        window: a sliding window's positions (0: all); softcap: Gemma 2's score cap (0: none)."""
         tables = _check_metadata(meta)
         out = torch.empty_like(query)
         key_cache, value_cache = layer_cache[0], layer_cache[1]
@@ -64,6 +72,8 @@ class TritonPagedAttention:
                 tables.seq_lens[:num_decodes],
                 scale,
                 out=out[:num_decodes],
+                window=window,
+                softcap=softcap,
             )
         if meta.prefills:
             paged_prefill_attention(
@@ -77,6 +87,8 @@ class TritonPagedAttention:
                 scale,
                 out=out[num_decodes:],
                 max_query_len=max(chunk.query_len for chunk in meta.prefills),
+                window=window,
+                softcap=softcap,
             )
         return out
 

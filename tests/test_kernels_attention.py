@@ -196,7 +196,8 @@ def test_fused_merge_leaves_its_counters_at_zero():
 @pytest.mark.parametrize("launch", [{}, {"KV_HEADS": 2}, {"FUSED_MERGE": 1}], ids=str)
 def test_decode_with_wave_balanced_partitions_matches_reference(launch):
     """WAVE_SLOTS: partitions sized by the device's program slots (the interpreter's 4): 96
-    tokens for 6 programs a partition, 48 for 3 (not powers of two: tiles of 16 tokens)."""
+    tokens for 6 programs a partition, 48 for 3 (not powers of two: tiles of 16 tokens). On a
+    GPU (TRITON_INTERPRET=0) the sizes follow its SMs; the result is checked alike."""
     gen = torch.Generator().manual_seed(11)
     seq_lens = [1, 45, 160]
     kv = make_paged_kv(seq_lens, 16, 2, 64, torch.float32, gen)
@@ -208,7 +209,8 @@ def test_decode_with_wave_balanced_partitions_matches_reference(launch):
     max_context = kv.block_tables.shape[1] * 16
     size = balanced_partition_size(max_context, row_programs, program_slots(query.device, 1),
                                    tile)  # fmt: skip
-    assert size == (48 if kv_heads_per_program == 2 else 96)
+    if DEVICE == "cpu":  # a GPU has its own SM count, so its own sizes
+        assert size == (48 if kv_heads_per_program == 2 else 96)
 
     out = paged_decode_attention(query, kv.key_cache, kv.value_cache, kv.block_tables,
                                  kv.seq_lens, 0.125, launch=launch)  # fmt: skip

@@ -79,6 +79,86 @@ def test_network_policies_let_only_the_right_parts_in():
     assert _allowed(policies["gateway"], 8000, objects, "decode")  # the public API: anyone
 
 
+def _egress_allowed(policy: dict[str, Any], port: int, objects, component: str | None) -> bool:
+    """Whether `policy`'s pods may reach `port` on `component`'s pods (None: an address that
+    is no pod of ours, such as an external Redis) under its egress rules."""
+    if component is None:
+        labels: dict[str, str] = {}
+    elif component == "redis":
+        labels = {
+            "app.kubernetes.io/component": "redis",
+            "app.kubernetes.io/instance": "demo",
+            "app.kubernetes.io/name": "splitserve",
+        }
+    else:
+        labels = _component_labels(objects, component)
+    for rule in policy["spec"].get("egress", []):
+        if port not in [p["port"] for p in rule.get("ports", [])]:
+            continue
+        peers = rule.get("to")
+        if peers is None:
+            return True
+        if component is not None and any(
+            _selects(p.get("podSelector", {}).get("matchLabels", {}), labels) for p in peers
+        ):
+            return True
+    return False
+
+
+def _policies(values: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    objects = objects_of(render(values))
+    policies = {
+        name.removeprefix("demo-splitserve-"): policy
+        for name, policy in by_kind(objects, "NetworkPolicy").items()
+    }
+    return policies, objects
+
+
+def test_egress_policies_let_each_part_reach_only_its_peers_dns_and_redis():
+    extra = {"to": [{"ipBlock": {"cidr": "10.9.0.0/16"}}], "ports": [{"port": 4317}]}
+    policies, objects = _policies({"networkPolicy": {"egress": {"enabled": True,
+                                                                "extraTo": [extra]}}})
+    gateway, prefill, decode = (policies[c] for c in ("gateway", "prefill", "decode"))
+    for policy in (gateway, prefill, decode):
+        assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+        assert _egress_allowed(policy, 53, objects, None)  # DNS, wherever the resolver is
+        assert _egress_allowed(policy, 6379, objects, "redis")
+        assert not _egress_allowed(policy, 6379, objects, None)  # the bundled Redis only
+        assert extra in policy["spec"]["egress"]
+    parts = ("gateway", "prefill", "decode")
+    # gRPC: the gateway to both pools, decode pods to prefill's (remote prefill).
+    assert [p for p in parts if _egress_allowed(gateway, 50071, objects, p)] == ["prefill"]
+    assert [p for p in parts if _egress_allowed(gateway, 50061, objects, p)] == ["decode"]
+    assert [p for p in parts if _egress_allowed(decode, 50071, objects, p)] == ["prefill"]
+    assert not any(_egress_allowed(decode, 50061, objects, p) for p in parts)
+    # KV pages: prefill pods to decode's KV port, nobody else; prefill reaches no gRPC.
+    assert [p for p in parts if _egress_allowed(prefill, 50062, objects, p)] == ["decode"]
+    assert not _egress_allowed(gateway, 50062, objects, "decode")
+    assert not any(_egress_allowed(prefill, port, objects, p)
+                   for port in (50061, 50071) for p in parts)  # fmt: skip
+    assert not _egress_allowed(gateway, 443, objects, None)  # nothing else leaves
+    for policy in policies.values():  # Kubernetes' own schema, strictly
+        kubernetes_validate.validate(policy, KUBE_VERSIONS[-1], strict=True)
+
+
+@pytest.mark.parametrize(("url", "port"), [("redis://cache.example:6380/0", 6380),
+                                           ("rediss://user@cache.example", 6379),
+                                           ("redis://10.0.0.5:7000", 7000)])  # fmt: skip
+def test_egress_reaches_an_external_redis_on_its_urls_port(url, port):
+    values = {"redis": {"enabled": False, "external": {"url": url}},
+              "networkPolicy": {"egress": {"enabled": True}}}  # fmt: skip
+    policies, objects = _policies(values)
+    assert "redis" not in policies
+    for component in ("gateway", "prefill", "decode"):
+        assert _egress_allowed(policies[component], port, objects, None)
+
+
+def test_egress_policies_are_off_by_default():
+    policies, _ = _policies({})
+    assert all(policy["spec"]["policyTypes"] == ["Ingress"] for policy in policies.values())
+    assert all("egress" not in policy["spec"] for policy in policies.values())
+
+
 def test_network_policies_can_be_turned_off():
     objects = objects_of(render({"networkPolicy": {"enabled": False}}))
     assert not by_kind(objects, "NetworkPolicy")

@@ -82,3 +82,42 @@ flags default to (SPLITSERVE_TLS_*, SPLITSERVE_KV_SECRET_FILE). */}}
 {{- $values := index .root.Values .component -}}
 {{- if .root.Values.tls.enabled }}{{ .root.Values.tls.healthPort }}{{ else }}{{ $values.grpcPort }}{{ end -}}
 {{- end -}}
+
+{{/*
+Egress every part of the release needs (networkPolicy.egress.enabled): DNS on port 53 to any
+resolver, Redis (the bundled pod, or the external URL's port anywhere: its address is not a
+pod of ours), and networkPolicy.egress.extraTo (an OpenTelemetry collector, say).
+*/}}
+{{- define "splitserve.commonEgress" -}}
+- ports:
+    - port: 53
+      protocol: UDP
+    - port: 53
+      protocol: TCP
+{{- if .Values.redis.enabled }}
+- ports:
+    - port: {{ .Values.redis.port }}
+      protocol: TCP
+  to:
+    - podSelector:
+        matchLabels:
+          {{- include "splitserve.selectorLabels" (dict "root" . "component" "redis") | nindent 10 }}
+{{- else }}
+- ports:
+    - port: {{ include "splitserve.externalRedisPort" . }}
+      protocol: TCP
+{{- end }}
+{{- with .Values.networkPolicy.egress.extraTo }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+The port of redis.external.url (redis://[user@]host[:port][/db]); 6379 when it names none.
+*/}}
+{{- define "splitserve.externalRedisPort" -}}
+{{- $rest := regexReplaceAll "^[a-z]+://" .Values.redis.external.url "" -}}
+{{- $hostPort := regexReplaceAll "/.*$" (regexReplaceAll "^.*@" $rest "") "" -}}
+{{- $port := regexFind ":[0-9]+$" $hostPort | trimPrefix ":" -}}
+{{- default "6379" $port -}}
+{{- end }}

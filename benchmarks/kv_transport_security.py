@@ -1,5 +1,6 @@
 """What protecting the TCP KV transport costs: plain vs per-deployment secret (HMAC challenge
-on connect, shared/kv/transfer/peer_auth.py), side by side, between two processes.
+on connect and a Poly1305 MAC of every transfer, shared/kv/transfer/peer_auth.py), side by
+side, between two processes.
 
     python -m benchmarks.kv_transport_security [--quick] [--size-mib 64] [--seconds 3]
         [--rounds 3]
@@ -32,7 +33,7 @@ from splitserve.engine.kv.transfer import (
 )
 
 SECRET = b"benchmark-secret-0123456789abcdef"
-CONFIGS = {"plain": None, "secret (HMAC on connect)": SECRET}
+CONFIGS = {"plain": None, "secret (handshake, MAC per transfer)": SECRET}
 TIMEOUT_S = 60.0
 SMALL = torch.zeros((1, 1024), dtype=torch.uint8)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -253,6 +254,124 @@ def test_kv_receiver_closes_on_a_raw_peer_that_sends_junk() -> None:
 
     answer = asyncio.run(run())
     assert len(answer) == NONCE_BYTES  # the nonce, then nothing: closed without an answer
+
+
+def _flip_first_byte_in_transit(monkeypatch) -> None:
+    """An attacker on the pod network rewriting one byte of every payload a sender puts on the
+    wire (the sender's own tensor stays intact)."""
+    from splitserve.engine.kv.transfer.tcp import TcpChannel
+
+    original = TcpChannel.send_payload
+
+    async def tampered(self, data: memoryview) -> None:
+        altered = bytearray(data)
+        altered[0] ^= 0xFF
+        await original(self, memoryview(altered))
+
+    monkeypatch.setattr(TcpChannel, "send_payload", tampered)
+
+
+async def _unchecked_transfers(secret: bytes | None, request_ids: list[str]) -> list[object]:
+    """Transfers without a checksum on one connection; each outcome (the landed pages, or the
+    receiver's error). A request id starting with "unposted" gets no receive: refused."""
+    receiver = await create_kv_transport(_config(secret)).start_receiver()
+    sender = create_kv_transport(_config(secret)).create_sender()
+    outcomes: list[object] = []
+    try:
+        for seed, request_id in enumerate(request_ids):
+            pages = _pages(seed)
+            destination = torch.zeros_like(pages)
+            descriptor = KVTransferDescriptor.for_buffer(request_id, [0, 1, 2], pages)
+            receiving = None
+            if not request_id.startswith("unposted"):
+                receiving = asyncio.ensure_future(
+                    receiver.receive(request_id, destination, timeout=3.0))  # fmt: skip
+            await asyncio.sleep(0)
+            try:
+                await sender.send(receiver.address, descriptor, pages, timeout=3.0)
+                assert receiving is not None
+                await receiving
+                outcomes.append(destination)
+            except KVTransferError as error:
+                if receiving is not None:
+                    with contextlib.suppress(KVTransferError):
+                        await receiving
+                outcomes.append(error)
+        return outcomes
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
+def test_pages_altered_in_transit_are_refused_on_a_secret_connection(monkeypatch) -> None:
+    """Every transfer on a connection whose ends proved the secret is MACed under that
+    connection's key: a rewritten byte fails the transfer (no checksum was asked for)."""
+    _flip_first_byte_in_transit(monkeypatch)
+    [outcome] = asyncio.run(_unchecked_transfers(SECRET, ["r1"]))
+    assert isinstance(outcome, KVTransferError) and "MAC" in str(outcome)
+
+
+def test_without_a_secret_the_same_alteration_lands_unnoticed(monkeypatch) -> None:
+    """The control: what the MAC catches above, nothing else catches here."""
+    _flip_first_byte_in_transit(monkeypatch)
+    [landed] = asyncio.run(_unchecked_transfers(None, ["r1"]))
+    assert isinstance(landed, torch.Tensor) and not torch.equal(landed, _pages(0))
+
+
+def test_maced_transfers_stay_in_step_across_a_refused_offer() -> None:
+    """Both ends number the offers on a connection (the MAC covers the number, so a transfer
+    cannot be replayed or reordered): a refused offer counts on both sides, and the
+    transfers after it still verify."""
+    outcomes = asyncio.run(_unchecked_transfers(SECRET, ["r1", "unposted", "r2", "r3"]))
+    assert isinstance(outcomes[1], KVTransferError)
+    for seed in (0, 2, 3):
+        assert torch.equal(outcomes[seed], _pages(seed))  # type: ignore[arg-type]
+
+
+def test_a_transfer_whose_mac_is_wrong_is_failed_not_stored() -> None:
+    """A peer that passed the handshake (it holds the secret) but sends a MAC that is not the
+    pages' under this connection's key: the receiver answers done with an error, and the
+    waiting receive fails instead of handing the pages on."""
+    from splitserve.engine.kv.transfer.peer_auth import prove_to_server
+
+    async def frame(send, message: dict[str, object]) -> None:
+        data = json.dumps(message).encode()
+        await send(len(data).to_bytes(4, "big") + data)
+
+    async def run() -> tuple[dict[str, object], BaseException | None]:
+        receiver = await create_kv_transport(_config(SECRET)).start_receiver()
+        host, port = receiver.address.removeprefix("tcp://").rsplit(":", 1)
+        pages = _pages(0)
+        receiving = asyncio.ensure_future(
+            receiver.receive("r1", torch.zeros_like(pages), timeout=3.0))  # fmt: skip
+        try:
+            reader, writer = await asyncio.open_connection(host, int(port))
+
+            async def send(data: bytes) -> None:
+                writer.write(data)
+                await writer.drain()
+
+            async def reply() -> dict[str, object]:
+                length = int.from_bytes(await reader.readexactly(4), "big")
+                return json.loads(await reader.readexactly(length))
+
+            await prove_to_server(SECRET, send, reader.readexactly)
+            descriptor = KVTransferDescriptor.for_buffer("r1", [0, 1, 2], pages)
+            await frame(send, {"type": "offer", "descriptor": descriptor.to_json()})
+            assert (await reply())["type"] == "ready"
+            await send(pages.numpy().tobytes())
+            await frame(send, {"type": "mac", "mac": "00" * 16})
+            done = await reply()
+            writer.close()
+            outcome = await asyncio.gather(receiving, return_exceptions=True)
+            return done, outcome[0] if isinstance(outcome[0], BaseException) else None
+        finally:
+            receiving.cancel()
+            await receiver.close()
+
+    done, error = asyncio.run(run())
+    assert done["type"] == "done" and not done["ok"] and "MAC" in str(done["error"])
+    assert isinstance(error, KVTransferError)
 
 
 def test_kv_secret_is_not_in_the_config_repr() -> None:

@@ -11,9 +11,10 @@ size raw bytes, so nothing from an unproven peer is parsed:
 
 A peer without the secret never gets a payload in or out: the receiver proves itself too, so a
 sender does not push pages to an impostor. Fresh nonces on both sides make a recorded exchange
-useless for another connection. This authenticates the connection, it does not encrypt or
-MAC the bytes that follow: an attacker who can rewrite packets on the pod network can still
-tamper (docs/security.md says what is open).
+useless for another connection. Both ends then derive the connection's own key,
+HMAC(secret, "session" | nonce_s | nonce_c), with which every transfer on it is MACed
+(`transfer_mac`, protocol.py): pages rewritten on the pod network are refused, not stored.
+The bytes are not encrypted (docs/security.md says what is open).
 """
 
 from __future__ import annotations
@@ -24,10 +25,15 @@ import secrets
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from cryptography.hazmat.primitives.poly1305 import Poly1305
+
 NONCE_BYTES = 32
 _DIGEST_BYTES = hashlib.sha256().digest_size
 _CLIENT = b"splitserve-kv/1 client"
 _SERVER = b"splitserve-kv/1 server"
+_SESSION = b"splitserve-kv/1 session"
+_TRANSFER = b"splitserve-kv/1 transfer"
+_MAC_SLICE_BYTES = 1 << 20
 MIN_SECRET_BYTES = 16
 
 Send = Callable[[bytes], Awaitable[None]]
@@ -53,19 +59,51 @@ def _proof(secret: bytes, role: bytes, nonce_s: bytes, nonce_c: bytes) -> bytes:
     return hmac.digest(secret, role + nonce_s + nonce_c, "sha256")
 
 
-async def prove_to_server(secret: bytes, send: Send, recv_exactly: RecvExactly) -> None:
-    """The connecting side. Raises PeerAuthError when the server's proof is wrong."""
+def transfer_mac(
+    session_key: bytes, sequence: int, header: bytes, payload: memoryview | bytes
+) -> str:
+    """The MAC of one transfer on a connection (hex): Poly1305 over its descriptor and its
+    payload, under a one-time key HMAC(session key, "transfer" | sequence) that only this
+    transfer on this connection uses (Poly1305 is secure for one message per key, and the
+    sequence also stops a transfer from being replayed or reordered on the connection).
+    Poly1305 rather than HMAC-SHA256 over the pages: 4-6 GB/s against 1.0 on the development
+    machine over a buffer in cache (64 MiB, `cryptography`'s OpenSSL; about 2 GB/s over pages
+    just received), and it runs twice per transfer, once per end."""
+    one_time_key = hmac.digest(session_key, _TRANSFER + sequence.to_bytes(8, "big"), "sha256")
+    mac = Poly1305(one_time_key)
+    mac.update(header)
+    view = memoryview(payload).cast("B")
+    # In slices: Poly1305 holds the GIL while it runs, and the event loop (sending or
+    # receiving this very payload, streaming tokens) gets a turn between slices.
+    for start in range(0, view.nbytes, _MAC_SLICE_BYTES):
+        mac.update(view[start : start + _MAC_SLICE_BYTES])
+    return mac.finalize().hex()
+
+
+def macs_equal(expected: str, received: object) -> bool:
+    return isinstance(received, str) and hmac.compare_digest(expected, received)
+
+
+def _session_key(secret: bytes, nonce_s: bytes, nonce_c: bytes) -> bytes:
+    return _proof(secret, _SESSION, nonce_s, nonce_c)
+
+
+async def prove_to_server(secret: bytes, send: Send, recv_exactly: RecvExactly) -> bytes:
+    """The connecting side; returns the connection's session key. Raises PeerAuthError when
+    the server's proof is wrong."""
     nonce_s = await recv_exactly(NONCE_BYTES)
     nonce_c = secrets.token_bytes(NONCE_BYTES)
     await send(nonce_c + _proof(secret, _CLIENT, nonce_s, nonce_c))
     answer = await recv_exactly(_DIGEST_BYTES)
     if not hmac.compare_digest(answer, _proof(secret, _SERVER, nonce_s, nonce_c)):
         raise PeerAuthError("the receiver does not hold this deployment's KV secret")
+    return _session_key(secret, nonce_s, nonce_c)
 
 
-async def check_client(secret: bytes, send: Send, recv_exactly: RecvExactly) -> None:
-    """The accepting side. Raises PeerAuthError when the client's proof is wrong; the caller
-    closes the connection then, having answered nothing."""
+async def check_client(secret: bytes, send: Send, recv_exactly: RecvExactly) -> bytes:
+    """The accepting side; returns the connection's session key. Raises PeerAuthError when
+    the client's proof is wrong; the caller closes the connection then, having answered
+    nothing."""
     nonce_s = secrets.token_bytes(NONCE_BYTES)
     await send(nonce_s)
     reply = await recv_exactly(NONCE_BYTES + _DIGEST_BYTES)
@@ -73,3 +111,4 @@ async def check_client(secret: bytes, send: Send, recv_exactly: RecvExactly) -> 
     if not hmac.compare_digest(proof, _proof(secret, _CLIENT, nonce_s, nonce_c)):
         raise PeerAuthError("the sender does not hold this deployment's KV secret")
     await send(_proof(secret, _SERVER, nonce_s, nonce_c))
+    return _session_key(secret, nonce_s, nonce_c)

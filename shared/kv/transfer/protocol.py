@@ -6,7 +6,14 @@ One transfer on one connection, every step awaited before the next:
     offer {descriptor}          ───────▶      claim the destination posted for request_id
                                 ◀───────      ready | reject {error}
     payload (num_bytes)         ───────▶      lands in the destination's memory
-                                ◀───────      done {ok, error}   (after the checksum)
+    mac {mac}                   ───────▶      (on a connection with a session key only)
+                                ◀───────      done {ok, error}   (after the checksum and MAC)
+
+On a connection whose ends proved the deployment's secret (`Channel.session_key`, TCP with
+`--kv-secret-file`) every transfer is followed by the MAC of its number on the connection, its
+descriptor and its payload (peer_auth.transfer_mac), which the sender computes while the
+payload goes out; the receiver fails a transfer whose bytes do not match it (or that no MAC
+follows), so pages altered on the network never count as received.
 
 The offer goes first so a mismatched or unexpected transfer is refused before any payload
 moves, and so the payload never arrives ahead of its destination. Transfers on one connection
@@ -18,6 +25,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import json
 import logging
 from dataclasses import dataclass, field
 
@@ -32,6 +40,7 @@ from splitserve.engine.kv.transfer.base import (
     compute_checksum,
     dtype_name,
 )
+from splitserve.engine.kv.transfer.peer_auth import macs_equal, transfer_mac
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +51,17 @@ class ChannelError(KVTransferError):
 
 class Channel(abc.ABC):
     """One connection: ordered control messages and raw payloads. Failures raise ChannelError."""
+
+    # Set by a backend whose peers proved the deployment's secret when it opened (peer_auth):
+    # transfers on it are then MACed, each under its number on the connection.
+    session_key: bytes | None = None
+    _num_offers: int = 0
+
+    def next_offer_number(self) -> int:
+        """Numbers the offers on this connection, sent or read, refused ones too: both ends
+        count alike."""
+        number, self._num_offers = self._num_offers, self._num_offers + 1
+        return number
 
     @abc.abstractmethod
     async def send_message(self, message: dict[str, object]) -> None: ...
@@ -72,6 +92,7 @@ async def push_transfer(
     channel: Channel, descriptor: KVTransferDescriptor, data: memoryview
 ) -> None:
     """Runs one transfer from the sender's side; KVTransferError if the receiver refuses it."""
+    sequence = channel.next_offer_number() if channel.session_key is not None else 0
     await channel.send_message({"type": "offer", "descriptor": descriptor.to_json()})
     reply = await channel.recv_message()
     if reply["type"] == "reject":
@@ -80,10 +101,24 @@ async def push_transfer(
         )
     _expect(reply, "ready")
     await channel.send_payload(data)
+    if channel.session_key is not None:
+        tag = _mac(channel, sequence, descriptor, data)
+        await channel.send_message({"type": "mac", "mac": tag})
     reply = await channel.recv_message()
     _expect(reply, "done")
     if not reply["ok"]:
         raise KVTransferError(f"receiver failed request {descriptor.request_id}: {reply['error']}")
+
+
+def _mac(
+    channel: Channel, sequence: int, descriptor: KVTransferDescriptor, data: memoryview
+) -> str:
+    """The MAC of offer `sequence` on `channel`. On the event loop itself: Poly1305 holds the
+    GIL anyway (a worker thread gained nothing and paid the hand-offs); about 6 ms per 12 MiB
+    of pages fresh from the network on the development machine (docs/security.md)."""
+    assert channel.session_key is not None, "a MAC needs the connection's session key"
+    header = json.dumps(descriptor.to_json(), sort_keys=True, separators=(",", ":")).encode()
+    return transfer_mac(channel.session_key, sequence, header, data)
 
 
 def _expect(message: dict[str, object], kind: str) -> None:
@@ -239,6 +274,7 @@ async def serve_channel(channel: Channel, posted: PostedReceives, offer_wait_s: 
 async def _serve_offer(
     channel: Channel, posted: PostedReceives, offer: dict[str, object], offer_wait_s: float
 ) -> None:
+    sequence = channel.next_offer_number() if channel.session_key is not None else 0
     try:
         descriptor = KVTransferDescriptor.from_json(offer["descriptor"])  # type: ignore[arg-type]
         entry = await posted.claim(descriptor, channel, offer_wait_s)
@@ -250,6 +286,10 @@ async def _serve_offer(
         data = byte_view(entry.destination, "destination")
         await channel.recv_payload(data)
         await _verify_checksum(descriptor, data)
+        if channel.session_key is not None:
+            trailer = await channel.recv_message()
+            _expect(trailer, "mac")
+            await _verify_mac(channel, sequence, descriptor, data, trailer.get("mac"))
     except ChannelError as exc:
         _settle(entry, exc)
         raise
@@ -284,6 +324,21 @@ async def _verify_checksum(descriptor: KVTransferDescriptor, data: memoryview) -
         raise KVTransferError(
             f"request {descriptor.request_id}: {descriptor.checksum_algorithm} checksum "
             f"mismatch (sent {descriptor.checksum:#x}, received {actual:#x})"
+        )
+
+
+async def _verify_mac(
+    channel: Channel,
+    sequence: int,
+    descriptor: KVTransferDescriptor,
+    data: memoryview,
+    received: object,
+) -> None:
+    expected = _mac(channel, sequence, descriptor, data)
+    if not macs_equal(expected, received):
+        raise KVTransferError(
+            f"request {descriptor.request_id}: the pages' MAC does not match (altered in "
+            "transit, or a sender without this connection's key)"
         )
 
 

@@ -137,7 +137,7 @@ class TcpReceiver(ChannelReceiver):
         """Serves the connection once the peer has proved the secret; closes it otherwise."""
         assert self._secret is not None, "admitting needs a secret"
         try:
-            await asyncio.wait_for(
+            channel.session_key = await asyncio.wait_for(
                 check_client(self._secret, channel.send_raw, channel.recv_exactly),
                 self._auth_timeout_s,
             )
@@ -187,11 +187,13 @@ class TcpSender(ChannelSender):
     async def _prove(self, channel: TcpChannel, address: str) -> None:
         assert self._secret is not None, "proving needs a secret"
         try:
-            await with_timeout(
+            session_key = await with_timeout(
                 prove_to_server(self._secret, channel.send_raw, channel.recv_exactly),
                 self._connect_timeout_s,
                 f"authenticating {address}",
             )
+            assert isinstance(session_key, bytes), "prove_to_server returns the session key"
+            channel.session_key = session_key
         except PeerAuthError as error:
             await channel.close()
             raise ChannelError(f"{address}: {error}") from None

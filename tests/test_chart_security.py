@@ -114,10 +114,13 @@ def _policies(values: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[d
     return policies, objects
 
 
+API_SERVER = {"cidr": "10.0.0.10/32"}
+
+
 def test_egress_policies_let_each_part_reach_only_its_peers_dns_and_redis():
     extra = {"to": [{"ipBlock": {"cidr": "10.9.0.0/16"}}], "ports": [{"port": 4317}]}
-    policies, objects = _policies({"networkPolicy": {"egress": {"enabled": True,
-                                                                "extraTo": [extra]}}})
+    egress = {"enabled": True, "extraTo": [extra], "apiServer": API_SERVER}
+    policies, objects = _policies({"networkPolicy": {"egress": egress}})
     gateway, prefill, decode = (policies[c] for c in ("gateway", "prefill", "decode"))
     for policy in (gateway, prefill, decode):
         assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
@@ -137,6 +140,13 @@ def test_egress_policies_let_each_part_reach_only_its_peers_dns_and_redis():
     assert not any(_egress_allowed(prefill, port, objects, p)
                    for port in (50061, 50071) for p in parts)  # fmt: skip
     assert not _egress_allowed(gateway, 443, objects, None)  # nothing else leaves
+    # Prefill and decode pods read their node's labels from the API server (topology).
+    for policy, reaches_api in ((gateway, False), (prefill, True), (decode, True)):
+        api_rules = [rule for rule in policy["spec"]["egress"]
+                     if {"ipBlock": API_SERVER} in rule.get("to", [])]  # fmt: skip
+        assert bool(api_rules) == reaches_api
+        if reaches_api:
+            assert [p["port"] for p in api_rules[0]["ports"]] == [443, 6443]
     for policy in policies.values():  # Kubernetes' own schema, strictly
         kubernetes_validate.validate(policy, KUBE_VERSIONS[-1], strict=True)
 
@@ -146,11 +156,24 @@ def test_egress_policies_let_each_part_reach_only_its_peers_dns_and_redis():
                                            ("redis://10.0.0.5:7000", 7000)])  # fmt: skip
 def test_egress_reaches_an_external_redis_on_its_urls_port(url, port):
     values = {"redis": {"enabled": False, "external": {"url": url}},
+              "topology": {"discover": False, "region": "r1", "zone": "z1"},
               "networkPolicy": {"egress": {"enabled": True}}}  # fmt: skip
     policies, objects = _policies(values)
     assert "redis" not in policies
     for component in ("gateway", "prefill", "decode"):
         assert _egress_allowed(policies[component], port, objects, None)
+
+
+def test_egress_with_topology_discovery_needs_the_api_servers_address():
+    """Pods read their node's labels from the Kubernetes API at start: egress policies that
+    shut it out would leave them without a region or zone, so rendering refuses."""
+    with pytest.raises(helm.HelmRenderError, match="apiServer.cidr"):
+        render({"networkPolicy": {"egress": {"enabled": True}}})
+    static = {"topology": {"discover": False, "region": "r1", "zone": "z1"},
+              "networkPolicy": {"egress": {"enabled": True}}}  # fmt: skip
+    policies, _ = _policies(static)
+    rules = [rule for policy in policies.values() for rule in policy["spec"].get("egress", [])]
+    assert rules and all(rule.get("to", [{}])[0].get("ipBlock") is None for rule in rules)
 
 
 def test_egress_policies_are_off_by_default():

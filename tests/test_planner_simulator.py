@@ -625,6 +625,39 @@ def test_decode_runs_change_nothing_a_step_by_step_simulation_gives(
     assert runs.num_events < steps.num_events * event_share
 
 
+def test_rows_one_token_short_of_their_prompt_do_not_run_ahead_of_their_first_token() -> None:
+    """A cached prefix covering all but the last prompt token leaves a row that counts as
+    decoding before its first token (its TTFT, and the prefix it caches): it must not join a
+    run. 257-token prompts over 256-token shared prefixes, colocated."""
+    profile = _spread_profile(prefill_per_token_s=0.0004, decode_step_s=0.01)
+    spec = WorkloadSpec(4.0, 60, LengthDistribution(257, 257), LengthDistribution(10, 40),
+                        num_prefix_groups=2, prefix_len=256)  # fmt: skip
+    (runs, _, run_records), (_, _, step_records) = _runs_and_steps(
+        profile, ClusterConfig(0, 2), poisson_requests(spec, 1))  # fmt: skip
+    assert all(r.ttft_s is not None for r in run_records)
+    assert [(r.ttft_s, r.itls_s, r.finish_s) for r in run_records] == [
+        (r.ttft_s, r.itls_s, r.finish_s) for r in step_records
+    ]
+
+
+def test_decode_runs_with_offload_tiers_change_nothing() -> None:
+    """Prefixes evicted to the host tier and loaded back while pods run ahead: the loads
+    change a pod's cache, which ends its run first."""
+    from splitserve.planner.profile import TierLoadModel
+    from splitserve.planner.simulate.prefix_cache import TierSizes
+
+    profile = replace(_spread_profile(prefill_per_token_s=0.0004, decode_step_s=0.01,
+                                      num_kv_blocks=160, kv_bytes_per_token=1000),
+                      tier_loads=TierLoadModel(1e9, 1e8))  # fmt: skip
+    cluster = ClusterConfig(0, 2, tier_sizes=TierSizes(host_blocks=400))
+    requests = _shared_prefix_requests(5.0, 120, seed=9)
+    (runs, _, run_records), (_, _, step_records) = _runs_and_steps(profile, cluster, requests)
+    assert [(r.ttft_s, r.itls_s, r.finish_s) for r in run_records] == [
+        (r.ttft_s, r.itls_s, r.finish_s) for r in step_records
+    ]
+    assert sum(pod.cache.hit_tokens["host"] for pod in runs.decode_pods) > 0
+
+
 def test_a_decode_pod_that_dies_mid_run_gives_the_tokens_of_its_steps_until_then() -> None:
     from splitserve.planner.simulate.failures import PodFailure
 

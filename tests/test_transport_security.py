@@ -328,6 +328,55 @@ def test_maced_transfers_stay_in_step_across_a_refused_offer() -> None:
         assert torch.equal(outcomes[seed], _pages(seed))  # type: ignore[arg-type]
 
 
+def test_a_checksum_failure_leaves_the_maced_connection_in_step(monkeypatch) -> None:
+    """The receiver reads the MAC that follows a payload before its checks can fail: a
+    transfer refused for its checksum leaves the next one on the same connection intact."""
+    from splitserve.engine.kv.transfer.tcp import TcpChannel
+
+    original = TcpChannel.send_payload
+    sends = []
+
+    async def tamper_first(self, data: memoryview) -> None:
+        sends.append(1)
+        if len(sends) == 1:
+            altered = bytearray(data)
+            altered[0] ^= 0xFF
+            data = memoryview(altered)
+        await original(self, data)
+
+    monkeypatch.setattr(TcpChannel, "send_payload", tamper_first)
+
+    async def run() -> list[object]:
+        receiver = await create_kv_transport(_config(SECRET)).start_receiver()
+        sender = create_kv_transport(_config(SECRET)).create_sender()
+        outcomes: list[object] = []
+        try:
+            for request_id in ("r1", "r2"):
+                pages = _pages(7)
+                destination = torch.zeros_like(pages)
+                descriptor = KVTransferDescriptor.for_buffer(request_id, [0, 1, 2], pages,
+                                                             "crc32")  # fmt: skip
+                receiving = asyncio.ensure_future(
+                    receiver.receive(request_id, destination, timeout=3.0))  # fmt: skip
+                await asyncio.sleep(0)
+                try:
+                    await sender.send(receiver.address, descriptor, pages, timeout=3.0)
+                    await receiving
+                    outcomes.append(destination)
+                except KVTransferError as error:
+                    with contextlib.suppress(KVTransferError):
+                        await receiving
+                    outcomes.append(error)
+            return outcomes
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    first, second = asyncio.run(run())
+    assert isinstance(first, KVTransferError) and "checksum" in str(first)
+    assert isinstance(second, torch.Tensor) and torch.equal(second, _pages(7))
+
+
 def test_a_transfer_whose_mac_is_wrong_is_failed_not_stored() -> None:
     """A peer that passed the handshake (it holds the secret) but sends a MAC that is not the
     pages' under this connection's key: the receiver answers done with an error, and the

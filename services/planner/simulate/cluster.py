@@ -344,6 +344,9 @@ class Simulation:
 
     def _enqueue(self, pod: SimPod, seq: SimSeq, now: float) -> None:
         """Into the pod's queue; a prefix its offload tiers hold is loaded back first."""
+        # Its cache may change below (a tier hit, a prefix back on the device): a decode run
+        # planned on the cache as it was ends with the step in flight.
+        self._interrupt(pod, now)
         group = seq.request.prefix_group
         tier = None
         if group is not None:
@@ -406,10 +409,13 @@ class Simulation:
             or not is_plain_decode(pod, step)
         ):
             return None
-        tokens_left = [
-            seq.request.output_len - self._flights[seq.request.request_id].num_emitted
-            for seq, _ in step.chunks
-        ]
+        flights = [self._flights[seq.request.request_id] for seq, _ in step.chunks]
+        # A row one token short of its prompt (a cached prefix covering all but the last
+        # prompt token, a last 1-token chunk) also counts as decoding, but its first token
+        # is its TTFT and caches its prefix: only rows past their first token run ahead.
+        if any(flight.num_emitted == 0 for flight in flights):
+            return None
+        tokens_left = [flight.record.request.output_len - flight.num_emitted for flight in flights]
         return plan_run(pod, step, now, tokens_left, self._run_step_costs)
 
     def _on_run_done(self, now: float, run: DecodeRun) -> None:
@@ -625,6 +631,8 @@ class Simulation:
         if not self.gateway.decode_pods or (flight.num_emitted and num_tokens > limit):
             flight.record.is_dropped = True
             return
+        if self.cluster.gateway_poll_interval_s == 0:
+            self._settle_all(now)  # the gateway reads every pod's load at each pick
         _, pod = self.gateway.pick(request)
         seq = SimSeq(request, num_tokens=num_tokens)
         flight.decode_pod, flight.decode_seq = pod, seq

@@ -285,11 +285,16 @@ async def _serve_offer(
     try:
         data = byte_view(entry.destination, "destination")
         await channel.recv_payload(data)
-        await _verify_checksum(descriptor, data)
+        mac = None
         if channel.session_key is not None:
+            # Read before any check can fail: the sender sends it whatever the outcome, and
+            # a trailer left unread would be taken for the next offer.
             trailer = await channel.recv_message()
             _expect(trailer, "mac")
-            await _verify_mac(channel, sequence, descriptor, data, trailer.get("mac"))
+            mac = trailer.get("mac")
+        await _verify_checksum(descriptor, data)
+        if channel.session_key is not None:
+            await _verify_mac(channel, sequence, descriptor, data, mac)
     except ChannelError as exc:
         _settle(entry, exc)
         raise

@@ -271,9 +271,12 @@ def _flip_first_byte_in_transit(monkeypatch) -> None:
     monkeypatch.setattr(TcpChannel, "send_payload", tampered)
 
 
-async def _unchecked_transfers(secret: bytes | None, request_ids: list[str]) -> list[object]:
-    """Transfers without a checksum on one connection; each outcome (the landed pages, or the
-    receiver's error). A request id starting with "unposted" gets no receive: refused."""
+async def _unchecked_transfers(
+    secret: bytes | None, request_ids: list[str], checksum: str | None = None
+) -> list[object]:
+    """Transfers on one connection (no checksum unless `checksum` names one); each outcome
+    (the landed pages, or the receiver's error). A request id starting with "unposted" gets no
+    receive: refused."""
     receiver = await create_kv_transport(_config(secret)).start_receiver()
     sender = create_kv_transport(_config(secret)).create_sender()
     outcomes: list[object] = []
@@ -281,7 +284,7 @@ async def _unchecked_transfers(secret: bytes | None, request_ids: list[str]) -> 
         for seed, request_id in enumerate(request_ids):
             pages = _pages(seed)
             destination = torch.zeros_like(pages)
-            descriptor = KVTransferDescriptor.for_buffer(request_id, [0, 1, 2], pages)
+            descriptor = KVTransferDescriptor.for_buffer(request_id, [0, 1, 2], pages, checksum)
             receiving = None
             if not request_id.startswith("unposted"):
                 receiving = asyncio.ensure_future(
@@ -345,36 +348,9 @@ def test_a_checksum_failure_leaves_the_maced_connection_in_step(monkeypatch) -> 
         await original(self, data)
 
     monkeypatch.setattr(TcpChannel, "send_payload", tamper_first)
-
-    async def run() -> list[object]:
-        receiver = await create_kv_transport(_config(SECRET)).start_receiver()
-        sender = create_kv_transport(_config(SECRET)).create_sender()
-        outcomes: list[object] = []
-        try:
-            for request_id in ("r1", "r2"):
-                pages = _pages(7)
-                destination = torch.zeros_like(pages)
-                descriptor = KVTransferDescriptor.for_buffer(request_id, [0, 1, 2], pages,
-                                                             "crc32")  # fmt: skip
-                receiving = asyncio.ensure_future(
-                    receiver.receive(request_id, destination, timeout=3.0))  # fmt: skip
-                await asyncio.sleep(0)
-                try:
-                    await sender.send(receiver.address, descriptor, pages, timeout=3.0)
-                    await receiving
-                    outcomes.append(destination)
-                except KVTransferError as error:
-                    with contextlib.suppress(KVTransferError):
-                        await receiving
-                    outcomes.append(error)
-            return outcomes
-        finally:
-            await sender.close()
-            await receiver.close()
-
-    first, second = asyncio.run(run())
+    first, second = asyncio.run(_unchecked_transfers(SECRET, ["r1", "r2"], "crc32"))
     assert isinstance(first, KVTransferError) and "checksum" in str(first)
-    assert isinstance(second, torch.Tensor) and torch.equal(second, _pages(7))
+    assert isinstance(second, torch.Tensor) and torch.equal(second, _pages(1))
 
 
 def test_a_transfer_whose_mac_is_wrong_is_failed_not_stored() -> None:

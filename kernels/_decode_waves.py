@@ -1,9 +1,9 @@
 """How long a decode partition should be so that the grid fills the GPU in whole waves.
 
 Decode attention at batch 64 with 3 kv heads makes 192 (sequence, kv head) rows; split into
-1024-token partitions of a 4096-token context that is 768 programs. An H100 or H200 runs
-about 132 x 4 of them at once, so the second wave is less than half full and the device
-idles through a third of it. `balanced_partition_size` picks, among the partition counts, the
+1024-token partitions of a 4096-token context that is 768 programs. On 132 SMs running 4
+programs each, the second wave would be less than half full and the device idle through a
+third of it. `balanced_partition_size` picks, among the partition counts, the
 fewest whose waves are nearly as full as the fullest (fewer partitions: less to merge), the
 way FlashAttention-2 picks its split count for decoding. The launch key `WAVE_SLOTS` (programs
 one SM runs at once, tuned per GPU: it depends on the kernel's registers and shared memory)
@@ -28,19 +28,15 @@ def balanced_partition_size(max_context: int, row_programs: int, slots: int, til
     `row_programs` programs and the device runs `slots` programs at once."""
     if max_context <= tile or slots <= 0:
         return max(tile, max_context)
-    efficiency: dict[int, float] = {}  # partitions -> mean fill of their waves
-    size_of: dict[int, int] = {}
+    choices: dict[int, tuple[float, int]] = {}  # partitions -> (mean fill of its waves, size)
     for wanted in range(1, math.ceil(max_context / tile) + 1):
         size = math.ceil(max_context / wanted / tile) * tile
         partitions = math.ceil(max_context / size)
-        if partitions in size_of:
-            continue
         waves = row_programs * partitions / slots
-        efficiency[partitions] = waves / math.ceil(waves)
-        size_of[partitions] = size
-    best = max(efficiency.values())
-    fewest = min(p for p, fill in efficiency.items() if fill >= NEAR_BEST_EFFICIENCY * best)
-    return size_of[fewest]
+        choices.setdefault(partitions, (waves / math.ceil(waves), size))
+    best = max(fill for fill, _ in choices.values())
+    fewest = min(p for p, (fill, _) in choices.items() if fill >= NEAR_BEST_EFFICIENCY * best)
+    return choices[fewest][1]
 
 
 def program_slots(device: torch.device, slots_per_sm: int) -> int:

@@ -283,9 +283,7 @@ class Simulation:
 
     def _on_arrival(self, now: float, request: SimRequest) -> None:
         self._num_pending_arrivals -= 1
-        if self.cluster.gateway_poll_interval_s == 0:
-            self._settle_all(now)  # the gateway reads every pod's load at each arrival
-        prefill_pod, decode_pod = self.gateway.pick(request)
+        prefill_pod, decode_pod = self._pick(request, now)
         seq = SimSeq(request, num_tokens=request.input_len)
         flight = _Flight(RequestRecord(request), decode_pod, seq)
         self._flights[request.request_id] = flight
@@ -303,6 +301,11 @@ class Simulation:
             self._reserve_mid_step.setdefault(decode_pod.name, []).append((flight, prefill_pod))
         else:
             self._reserve(flight, prefill_pod, now)
+
+    def _pick(self, request: SimRequest, now: float) -> tuple[SimPod | None, SimPod]:
+        if self.cluster.gateway_poll_interval_s == 0:
+            self._settle_all(now)  # the gateway then reads every pod's load at each pick
+        return self.gateway.pick(request)
 
     def _refuses(self, prefilling: SimPod, decode_pod: SimPod, prompt_tokens: int) -> bool:
         limit = self.cluster.admission_ttft_s
@@ -631,9 +634,7 @@ class Simulation:
         if not self.gateway.decode_pods or (flight.num_emitted and num_tokens > limit):
             flight.record.is_dropped = True
             return
-        if self.cluster.gateway_poll_interval_s == 0:
-            self._settle_all(now)  # the gateway reads every pod's load at each pick
-        _, pod = self.gateway.pick(request)
+        _, pod = self._pick(request, now)
         seq = SimSeq(request, num_tokens=num_tokens)
         flight.decode_pod, flight.decode_seq = pod, seq
         flight.record.num_moves += 1

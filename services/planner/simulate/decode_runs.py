@@ -31,16 +31,12 @@ MAX_RUN_STEPS = 64
 @dataclass(eq=False)
 class DecodeRun:
     pod: SimPod
-    step: ScheduledStep  # each step's rows: one decode token each
+    seqs: list[SimSeq]  # each step's rows: one decode token each
     ends: list[float]  # when each step ends
     durations: list[float]
     last: int  # the step whose end is the run's event (ends[last])
     num_applied: int = 0  # steps before `last` whose tokens are out
     event_id: int = 0  # the run's event in the heap; an older one is stale
-
-    @property
-    def seqs(self) -> list[SimSeq]:
-        return [seq for seq, _ in self.step.chunks]
 
 
 class DecodeStepCosts:
@@ -76,7 +72,7 @@ def plan_run(
         seconds = costs.step_s(pod.profile, num_rows, context_sum)
         durations.append(seconds)
         ends.append(ends[-1] + seconds)
-    return DecodeRun(pod, step, ends, durations, last=length - 1)
+    return DecodeRun(pod, [seq for seq, _ in step.chunks], ends, durations, last=length - 1)
 
 
 def is_plain_decode(pod: SimPod, step: ScheduledStep) -> bool:

@@ -63,16 +63,22 @@ class SimGateway:
         for pod in (*self.prefill_pods, *self.decode_pods):
             self._snapshots[pod.name] = pod.load
             self._num_dispatched[pod.name] = 0
-        for pool, pods in (("prefill", self.prefill_pods), ("decode", self.decode_pods)):
-            self._rankings[pool].set_all([self._load_term(pod.name) for pod in pods])
+        self._rank_pools()
+
+    def _pools(self) -> tuple[tuple[str, list[SimPod]], ...]:
+        return ("prefill", self.prefill_pods), ("decode", self.decode_pods)
 
     def _index_pools(self) -> None:
-        for pool, pods in (("prefill", self.prefill_pods), ("decode", self.decode_pods)):
+        for pool, pods in self._pools():
             for index, pod in enumerate(pods):
                 self._positions[pod.name] = (pool, index)
             self._rankings[pool] = LoadRanking(len(pods))
-            if self._snapshots:
-                self._rankings[pool].set_all([self._load_term(pod.name) for pod in pods])
+        if self._snapshots:
+            self._rank_pools()
+
+    def _rank_pools(self) -> None:
+        for pool, pods in self._pools():
+            self._rankings[pool].set_all([self._load_term(pod.name) for pod in pods])
 
     def _update_load_term(self, name: str) -> None:
         pool, index = self._positions[name]

@@ -11,8 +11,8 @@ One transfer on one connection, every step awaited before the next:
 
 On a connection whose ends proved the deployment's secret (`Channel.session_key`, TCP with
 `--kv-secret-file`) every transfer is followed by the MAC of its number on the connection, its
-descriptor and its payload (peer_auth.transfer_mac), which the sender computes while the
-payload goes out; the receiver fails a transfer whose bytes do not match it (or that no MAC
+descriptor and its payload (peer_auth.transfer_mac), which the sender computes once the
+payload is out; the receiver fails a transfer whose bytes do not match it (or that no MAC
 follows), so pages altered on the network never count as received.
 
 The offer goes first so a mismatched or unexpected transfer is refused before any payload

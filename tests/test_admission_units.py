@@ -108,6 +108,8 @@ def test_ahead_of_counts_fair_share_not_arrival_order():
     (urgent,) = _push(queue, "other", 1, priority=-1)
     assert queue.ahead_of(urgent) == 0
     assert queue.ahead_of(quiet) == 2
+    # The flood over its share of the rows is skipped for a quiet tenant under its own.
+    assert queue.ahead_of(quiet, passed_over={"flood"}) == 1
 
 
 # ---- predictions from a pod's stats ----------------------------------------------------------
@@ -262,7 +264,7 @@ def test_a_favoured_prediction_waits_behind_favoured_prompts_only():
     assert favoured.tpot_ms == plain.tpot_ms  # its steps still interleave every prompt
 
 
-def _controller(max_rows: int):
+def _controller(max_rows: int, default_slo: Slo | None = None):
     from prometheus_client import CollectorRegistry
 
     from splitserve.gateway.admission.controller import AdmissionController, AdmissionSettings
@@ -274,13 +276,14 @@ def _controller(max_rows: int):
     pod.is_serving_model = True
     pool.pods.append(pod)
     metrics = AdmissionMetrics(CollectorRegistry())
-    return AdmissionController(AdmissionSettings(), pool, None, metrics)
+    settings = AdmissionSettings(slo=default_slo or Slo())
+    return AdmissionController(settings, pool, None, metrics)
 
 
-def _ask(tenant: str, ttft_ms: float | None = None):
+def _ask(tenant: str, ttft_ms: float | None = None, tpot_ms: float | None = None):
     from splitserve.gateway.admission.controller import AdmissionAsk
 
-    return AdmissionAsk(f"{tenant}-req", tenant, 0, Slo(ttft_ms=ttft_ms), 1, 100, 10)
+    return AdmissionAsk(f"{tenant}-req", tenant, 0, Slo(ttft_ms, tpot_ms), 1, 100, 10)
 
 
 def test_a_quiet_tenant_takes_its_kept_row_at_once_beside_a_flood_and_is_favoured():
@@ -307,3 +310,91 @@ def test_a_quiet_tenant_takes_its_kept_row_at_once_beside_a_flood_and_is_favoure
     assert flood_favoured == [True, True, False]
     assert quiet_favoured
     assert waiting == 2  # the flood's two still queue
+
+
+# ---- calibrations ----------------------------------------------------------------------------
+
+
+def _window_of_gaps(controller, gap_ms: float) -> None:
+    """The pod's streams showed `gap_ms` between tokens over a full window, and the controller
+    looked (it does whenever it counts the pool's rows)."""
+    pod = controller.decode_pool.pods[0]
+    pod.token_gaps = TokenGaps(started=pod.token_gaps.started - 2.0)
+    pod.token_gaps.add(gap_ms * 10 / 1000, 10)
+    controller.row_capacity()
+
+
+def test_the_tpot_model_learns_from_the_pods_gaps_not_from_each_requests_own():
+    """A request's mean gap is measured over rows that joined after it was admitted (under a
+    backlog, always more): learning from it inflated every later prediction. The pod's windows
+    of gaps against its step at the rows it ran then are what the model learns from."""
+    import asyncio
+
+    async def predicted_tpots() -> list[float]:
+        controller = _controller(max_rows=8, default_slo=Slo(tpot_ms=100.0))
+        first = await controller.admit(_ask("a"))
+        controller.release(first, ttft_s=0.1, tpot_s=1.0)  # 45x the model's step: ignored
+        second = await controller.admit(_ask("a"))
+        controller.release(second, None, None)
+        _window_of_gaps(controller, 88.0)  # 4x the modelled step of one row (22 ms)
+        third = await controller.admit(_ask("a"))
+        return [t.predicted.tpot_ms for t in (first, second, third) if t.predicted]
+
+    first, second, third = asyncio.run(predicted_tpots())
+    # 20 + 2 x 1 row, and its own 100 prompt tokens spread over its 10 (colocated): 5 ms.
+    assert first == pytest.approx(27.0)
+    assert second == first
+    assert third == pytest.approx(27.0 * 4**0.2)  # one window moves the factor a fifth
+
+
+def test_the_row_limits_hold_the_default_tpot_a_tighter_one_meets_the_prediction():
+    """After the pod filled up, the prediction (its step at the row limit, calibrated on
+    slower gaps) passes the default objective: the row limits hold that objective, so a
+    request bound by it is admitted; one with a tighter objective is refused (429)."""
+    import asyncio
+
+    from splitserve.gateway.admission.controller import AdmissionRefused
+
+    async def run():
+        controller = _controller(max_rows=64, default_slo=Slo(tpot_ms=100.0))
+        for _ in range(40):
+            _window_of_gaps(controller, 88.0)  # below the 90 ms target: the limit stays 8
+        pod = controller.decode_pool.pods[0]
+        pod.stats = worker_pb2.WorkerStats(
+            model="m", max_num_seqs=64, max_num_batched_tokens=512, num_running=20, **COSTS
+        )
+        held = await controller.admit(_ask("a", tpot_ms=100.0))
+        with pytest.raises(AdmissionRefused) as refused:
+            await controller.admit(_ask("a", tpot_ms=50.0))
+        await controller.close()
+        return held, refused.value
+
+    held, refused = asyncio.run(run())
+    # The step at the limit (20 + 2 x 8) times the calibrated factor (about 4).
+    assert held.predicted is not None and held.predicted.tpot_ms > 100.0
+    assert refused.http_status == 429 and "time per output token" in str(refused)
+
+
+def test_a_flood_waiting_behind_favoured_work_does_not_raise_a_favoured_ttft():
+    """The pods compute favoured prompts first, so a flood's measured TTFTs run past the
+    model by more than a favoured request's do: each class keeps its own calibration."""
+    import asyncio
+
+    async def run():
+        controller = _controller(max_rows=4)
+        controller.release(await controller.admit(_ask("quiet")), None, None)  # it asked
+        flood = [await controller.admit(_ask("flood")) for _ in range(3)]
+        plain = [ticket for ticket in flood if not ticket.favoured]  # the row past its share
+        for ticket in plain:  # its first token came 10x later than modelled, many times
+            assert ticket.model is not None
+            for _ in range(10):
+                controller.first_token(ticket, ticket.model.ttft_ms * 10 / 1000)
+        quiet = await controller.admit(_ask("quiet"))
+        await controller.close()
+        return quiet, plain
+
+    quiet, plain = asyncio.run(run())
+    assert len(plain) == 1
+    assert quiet.favoured and quiet.model is not None and quiet.predicted is not None
+    # Its prediction is the model's (plus the instant it took to admit), not 10x it.
+    assert quiet.predicted.ttft_ms == pytest.approx(quiet.model.ttft_ms, rel=0.01)

@@ -38,7 +38,12 @@ from splitserve.gateway.admission.feedback import (
     RowLimit,
 )
 from splitserve.gateway.admission.metrics import AdmissionMetrics
-from splitserve.gateway.admission.predict import Prediction, best_prediction, row_cap
+from splitserve.gateway.admission.predict import (
+    Prediction,
+    best_prediction,
+    modelled_gap_ms,
+    row_cap,
+)
 from splitserve.gateway.admission.slo import Slo
 from splitserve.gateway.routing.pods import Pod, PodPool
 
@@ -153,7 +158,9 @@ class AdmissionController:
         self._weight_of = weight_of or (lambda tenant: 1.0)
         self._tenant_rows: Counter[str] = Counter()  # tenant -> its rows in flight
         self._last_asked: dict[str, float] = {}  # tenant -> when it last asked
-        self._ttft_calibration = Calibration()
+        # Favoured requests go first on the pods, the others wait behind them as well: two
+        # populations whose TTFTs the model misses by different amounts, so each has its own.
+        self._ttft_calibrations = {False: Calibration(), True: Calibration()}
         self._tpot_calibration = Calibration()
 
     @property
@@ -166,8 +173,9 @@ class AdmissionController:
         """A ticket once `ask` may go to the pods; raises AdmissionRefused."""
         arrived = time.monotonic()
         self._last_asked[ask.tenant] = arrived
-        model = self._model_prediction(ask, self._is_favoured(ask))
-        prediction = None if model is None else self._calibrated(model)
+        favoured = self._is_favoured(ask)
+        model = self._model_prediction(ask, favoured)
+        prediction = None if model is None else self._calibrated(model, favoured)
         bound = self._is_bound(ask)
         if bound and prediction is not None:
             self._refuse_if_service_misses(ask, prediction)
@@ -179,7 +187,8 @@ class AdmissionController:
         """The request's first token came `ttft_s` after its dispatch: the TTFT model learns
         how far off it was."""
         if ticket.model is not None:
-            self._ttft_calibration.observe(ttft_s * 1000, ticket.model.ttft_ms)
+            calibration = self._ttft_calibrations[ticket.favoured]
+            calibration.observe(ttft_s * 1000, ticket.model.ttft_ms)
 
     def _is_bound(self, ask: AdmissionAsk) -> bool:
         return ask.slo.binds and ask.priority < self.settings.batch_priority
@@ -200,8 +209,6 @@ class AdmissionController:
 
     def _record(self, ticket: Ticket, ttft_s: float, tpot_s: float | None) -> None:
         predicted, slo = ticket.predicted, ticket.ask.slo
-        if ticket.model is not None and tpot_s is not None:
-            self._tpot_calibration.observe(tpot_s * 1000, ticket.model.tpot_ms)
         if predicted is not None:
             ratio = self.metrics.prediction_ratio
             ratio.labels("ttft").observe(ttft_s * 1000 / max(predicted.ttft_ms, 1e-3))
@@ -223,7 +230,7 @@ class AdmissionController:
         queued_s = time.monotonic() - arrived
         predicted = None
         if model is not None:
-            service = self._calibrated(model)
+            service = self._calibrated(model, favoured)
             predicted = Prediction(service.ttft_ms + queued_s * 1000, service.tpot_ms)
         self.metrics.admitted(queued)
         if queued:
@@ -238,7 +245,8 @@ class AdmissionController:
         misses = []
         if slo.ttft_ms is not None and prediction.ttft_ms > slo.ttft_ms:
             misses.append(f"time to first token {prediction.ttft_ms:.0f} ms > {slo.ttft_ms:g} ms")
-        if slo.tpot_ms is not None and prediction.tpot_ms > slo.tpot_ms:
+        tpot = slo.tpot_ms
+        if tpot is not None and not self._row_limits_hold(tpot) and prediction.tpot_ms > tpot:
             misses.append(f"time per output token {prediction.tpot_ms:.0f} ms > {slo.tpot_ms:g} ms")
         if not misses:
             return
@@ -249,6 +257,19 @@ class AdmissionController:
             f"no pod can serve this request within its SLO now: predicted {', '.join(misses)}",
             self._service_seconds(prediction, ask),
         )
+
+    def _row_limits_hold(self, tpot_ms: float) -> bool:
+        """Whether the pods' row limits hold a request to `tpot_ms` already: they steer each
+        decode pod's token gaps to a share of the default TPOT objective, and a request that
+        finds no row within them waits for one. A prediction near that objective is mostly
+        the noise of the gaps it was calibrated on; refusing on it turned away requests the
+        limits kept within their SLO (a quiet tenant beside a flood). A tighter objective
+        than the default is still checked against the prediction, and so is every request
+        once each pod's limit has sunk to one row: then no limit can hold the objective."""
+        default = self.settings.slo.tpot_ms
+        if default is None or tpot_ms < default:
+            return False
+        return any(limit.rows > 1 for limit in self._row_limits.values())
 
     def _refuse(self, status: int, reason: str, message: str, retry_after_s: float) -> None:
         self.metrics.refused(reason)
@@ -347,8 +368,9 @@ class AdmissionController:
             self._queue.pop(over_share)
             future = self._futures.pop(waiter)
             del self._asks[waiter]
-            model = self._model_prediction(ask, self._is_favoured(ask))
-            late = self._lateness_ms(ask, waiter, model)
+            favoured = self._is_favoured(ask)
+            model = self._model_prediction(ask, favoured)
+            late = self._lateness_ms(ask, waiter, model, favoured)
             if late is None:
                 future.set_result(self._ticket(ask, waiter.enqueued_at, True, model))
             else:
@@ -357,14 +379,14 @@ class AdmissionController:
         self.metrics.queued.set(len(self._queue))
 
     def _lateness_ms(
-        self, ask: AdmissionAsk, waiter: Waiter, model: Prediction | None
+        self, ask: AdmissionAsk, waiter: Waiter, model: Prediction | None, favoured: bool
     ) -> float | None:
         """By how much a bound request's TTFT would miss if dispatched now (its wait so far
         and the predicted service); None when it would not, or nothing binds it."""
         if not self._is_bound(ask) or ask.slo.ttft_ms is None or model is None:
             return None
         waited_ms = (time.monotonic() - waiter.enqueued_at) * 1000
-        late = waited_ms + self._calibrated(model).ttft_ms - ask.slo.ttft_ms
+        late = waited_ms + self._calibrated(model, favoured).ttft_ms - ask.slo.ttft_ms
         return late if late > 0 else None
 
     def _deadline_refusal(self, waiter: Waiter, late_ms: float) -> AdmissionRefused:
@@ -459,23 +481,35 @@ class AdmissionController:
             rows_in_use = pod.num_queued
             limit.update(measured_ms, tpot * TPOT_TARGET_SHARE, rows_in_use)
             self.metrics.row_limit.labels(pod.address).set(limit.rows)
+            self._calibrate_tpot(pod, measured_ms, rows_in_use)
         return limit.rows
+
+    def _calibrate_tpot(self, pod: Pod, measured_ms: float, rows_in_use: int) -> None:
+        """The TPOT model learns from the gaps the pod's streams showed against its step at
+        the rows it ran then, not from each request's mean gap against the rows it found when
+        admitted: under a backlog a pod fills up after every admission, and that bias would
+        grow the factor until requests the row limit keeps within the SLO were refused."""
+        modelled = modelled_gap_ms(pod, rows_in_use)
+        if modelled is not None:
+            self._tpot_calibration.observe(measured_ms, modelled)
 
     def _model_prediction(self, ask: AdmissionAsk, favoured: bool) -> Prediction | None:
         """`favoured`: only the favoured prompts queued on the pods stand before it."""
         prefill_pods = self.prefill_pool.available() if self.prefill_pool is not None else []
+        limits = {address: limit.rows for address, limit in self._row_limits.items()}
         return best_prediction(
             self.decode_pool.available(),
             prefill_pods,
             ask.num_prompt_tokens,
             ask.max_tokens,
             favoured,
+            limits,
         )
 
-    def _calibrated(self, model: Prediction) -> Prediction:
+    def _calibrated(self, model: Prediction, favoured: bool) -> Prediction:
         """The cost model's prediction, corrected by how far it was off lately."""
         return Prediction(
-            model.ttft_ms * self._ttft_calibration.factor,
+            model.ttft_ms * self._ttft_calibrations[favoured].factor,
             model.tpot_ms * self._tpot_calibration.factor,
         )
 
@@ -486,7 +520,16 @@ class AdmissionController:
         rate = self._completion_rate() or self._modelled_rate(ask, prediction)
         if rate <= 0:
             return 0.0
-        return (self._queue.ahead_of(waiter) + 1) / rate
+        return (self._queue.ahead_of(waiter, self._passed_over_for(ask)) + 1) / rate
+
+    def _passed_over_for(self, ask: AdmissionAsk) -> set[str]:
+        """The tenants whose queued requests a row freed for `ask` would not go to: while its
+        tenant is within its share, the others at or past theirs (`_over_share` keeps a row
+        from them)."""
+        others = self._other_active_tenants(ask.tenant)
+        if not others or not self._within_share(ask, others):
+            return set()
+        return {t for t in others if self._tenant_rows[t] >= self._share(t, ask.tenant, others)}
 
     def _completion_rate(self) -> float:
         now = time.monotonic()

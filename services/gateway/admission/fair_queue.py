@@ -101,10 +101,11 @@ class FairQueue:
         self._size -= 1
         return True
 
-    def ahead_of(self, waiter: Waiter) -> int:
+    def ahead_of(self, waiter: Waiter, passed_over: Collection[str] = ()) -> int:
         """About how many queued requests will be served before `waiter`: every one of a higher
         priority, and at its own, as many of each other tenant's as fair share lets through
-        while its tenant's queue reaches it."""
+        while its tenant's queue reaches it, none of those of `passed_over` (tenants over their
+        share of the rows, which `pop` skips while `waiter`'s tenant is under its own)."""
         ahead = sum(
             len(queue)
             for priority, level in self._levels.items()
@@ -118,7 +119,7 @@ class FairQueue:
         position = own.index(waiter) if waiter in own else len(own)
         weight = self._weight_of(waiter.tenant)
         for tenant, queue in level.queues.items():
-            if tenant != waiter.tenant:
+            if tenant != waiter.tenant and tenant not in passed_over:
                 share = (position + 1) * self._weight_of(tenant) / weight
                 ahead += min(len(queue), math.ceil(share))
         return ahead + position

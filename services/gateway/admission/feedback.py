@@ -7,8 +7,9 @@ and any mix of work without a model that is right there:
   its measured gaps sit at the TPOT target (more rows while it is below and the limit binds,
   fewer at once when above). Prefill work that shares the pod's steps lengthens every gap, so a
   pod whose steps are taken by prompts ends with fewer rows than its decode cost alone allows;
-- `Calibration`: measured over predicted TTFT and TPOT of recent requests, a factor the next
-  predictions are multiplied by, so a model that is consistently short (or long) on this
+- `Calibration`: measured over predicted, a factor the next predictions are multiplied by
+  (TTFT: recent requests' own; TPOT: the pods' windows of token gaps against their modelled
+  step at the rows they ran), so a model that is consistently short (or long) on this
   machine, this topology or this workload is corrected within a few requests.
 """
 

@@ -10,8 +10,11 @@ The model, per pod (steps of `base + row * rows + prefill_token * prompt tokens`
 - time to first token: that prefill on the pod that prefills (a prefill pod, or the decode pod
   itself when there is none; with a prefill pod, no sooner than the decode pod's own queue of
   prompts), then one decode step;
-- time per output token: a decode step with one row more, plus the queued prompt tokens the
-  pod will interleave, spread over this request's output.
+- time per output token: a decode step with one row more (no more than the pod's row limit:
+  past it the request waits for a row instead), plus, when the decode pod prefills it too, its
+  own prompt spread over its output. The prompts of others that the pod interleaves are not
+  modelled: the controller calibrates the step against the token gaps the pod's streams show,
+  which carry them (`modelled_gap_ms`).
 The gateway does not know yet how much of the prompt a pod has cached (routing asks the index
 after admission), so every prompt token is counted: a prediction errs long, never short.
 Pods that have not fitted their costs yet (a fresh pod) give no prediction: nothing is refused
@@ -21,6 +24,7 @@ corrects by how far recent predictions were off (feedback.py's `Calibration`).""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from splitserve.common.step_costs import StepCosts
@@ -87,12 +91,29 @@ def ttft_ms(prefill: PodSnapshot | None, decode: PodSnapshot, num_prompt_tokens:
     return prefilled + decode.costs.step_ms(decode.num_rows + 1)
 
 
-def tpot_ms(decode: PodSnapshot, num_prompt_tokens: int, max_tokens: int, prefills: bool) -> float:
-    """A decode step with this request's row added; `prefills`: the decode pod computes this
-    prompt too (no prefill pod)."""
-    interleaved = decode.num_queued_prompt_tokens + (num_prompt_tokens if prefills else 0)
-    per_step = interleaved / max(max_tokens, 1)
-    return decode.costs.step_ms(decode.num_rows + 1, round(per_step))
+def tpot_ms(
+    decode: PodSnapshot,
+    num_prompt_tokens: int,
+    max_tokens: int,
+    prefills: bool,
+    row_limit: int | None = None,
+) -> float:
+    """A decode step with this request's row added, at most `row_limit` rows; `prefills`: the
+    decode pod computes this prompt too (no prefill pod)."""
+    rows = decode.num_rows + 1
+    if row_limit is not None:
+        rows = min(rows, max(row_limit, 1))
+    per_step = (num_prompt_tokens if prefills else 0) / max(max_tokens, 1)
+    return decode.costs.step_ms(rows, round(per_step))
+
+
+def modelled_gap_ms(pod: Pod, num_rows: int) -> float | None:
+    """The model's decode step at `num_rows` rows: what a window of the pod's measured token
+    gaps is set against to calibrate the TPOT prediction (None without fitted costs)."""
+    if pod.stats is None:
+        return None
+    costs = StepCosts.from_proto(pod.stats)
+    return costs.step_ms(max(num_rows, 1)) if costs.is_known else None
 
 
 def best_prediction(
@@ -101,13 +122,17 @@ def best_prediction(
     num_prompt_tokens: int,
     max_tokens: int,
     favoured: bool = False,
+    row_limits: Mapping[str, int] | None = None,
 ) -> Prediction | None:
     """The best time to first token and the best time per output token any pod offers (each
     taken on its own best pod: admission refuses only what no placement could serve); None
-    when no decode pod has fitted costs. `favoured`: as `snapshot` says."""
-    decodes = [s for pod in decode_pods if (s := snapshot(pod, favoured)) is not None]
-    if not decodes:
+    when no decode pod has fitted costs. `favoured`: as `snapshot` says; `row_limits`: decode
+    pod address -> the rows admission lets it run."""
+    limits = row_limits or {}
+    decoded = [(pod, s) for pod in decode_pods if (s := snapshot(pod, favoured)) is not None]
+    if not decoded:
         return None
+    decodes = [s for _, s in decoded]
     prefills: list[PodSnapshot | None] = [
         s for pod in prefill_pods if (s := snapshot(pod, favoured)) is not None
     ]
@@ -116,7 +141,10 @@ def best_prediction(
     elif not prefills:
         return None  # prefill pods without fitted costs: no basis for a TTFT
     first = min(ttft_ms(p, d, num_prompt_tokens) for p in prefills for d in decodes)
-    gap = min(tpot_ms(d, num_prompt_tokens, max_tokens, not prefill_pods) for d in decodes)
+    gap = min(
+        tpot_ms(d, num_prompt_tokens, max_tokens, not prefill_pods, limits.get(pod.address))
+        for pod, d in decoded
+    )
     return Prediction(first, gap)
 
 

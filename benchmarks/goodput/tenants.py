@@ -1,20 +1,24 @@
 """A tenant flooding at 10x its share beside one that keeps to its share: does the quiet one's
 goodput move? (issue 35's target: by no more than 10%.)
 
-    python -m benchmarks.goodput.tenants [--rate R] [--duration S] [--force-avx2]
+    python -m benchmarks.goodput.tenants [--rate R | --recorded-saturation] [--duration S]
+                                         [--force-avx2]
 
 One `splitserve up --admission` stack with the loose SLO (TTFT <= 3 s, TPOT <= 200 ms) and a
-key file of two tenants of equal weight, so each one's share is half the stack's saturation
-rate R (req/s, 256 in / 64 out; default: the splitserve saturation in docs/goodput.json).
-Our client (services/loadgen) sends Poisson arrivals with each tenant's key:
+key file of two tenants of equal weight, so each one's share is half of what the stack serves
+within that SLO, R req/s (256 in / 64 out). Our client (services/loadgen) sends Poisson
+arrivals with each tenant's key:
 
+0. the flood alone, at 5x the recorded saturation rate (docs/goodput.json): its goodput is R
+   (skipped with --rate R; --recorded-saturation takes R = that saturation rate, the definition
+   of the first runs, which offers the quiet tenant more than the SLO lets the stack serve);
 1. the quiet tenant alone at its share (R / 2);
 2. the quiet tenant at its share again (the same arrivals), beside the flood at 10x its share
    (5 R).
 
 and prints each phase's goodput, refusals and latencies per tenant, and the quiet tenant's
-goodput ratio between the phases. Goodput is requests meeting the SLO per second of arrivals
-(the same window in both phases).
+goodput ratio between phases 1 and 2. Goodput is requests meeting the SLO per second of
+arrivals (the same window in both phases).
 """
 
 from __future__ import annotations
@@ -45,13 +49,17 @@ GOODPUT_RECORD = Path("docs/goodput.json")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--rate", type=float, default=None, help="saturation, req/s")
+    rate = parser.add_mutually_exclusive_group()
+    rate.add_argument("--rate", type=float, default=None, help="what the stack serves, req/s")
+    rate.add_argument(
+        "--recorded-saturation", action="store_true", help="R: docs/goodput.json's saturation"
+    )
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
     parser.add_argument("--force-avx2", action="store_true", help="as benchmarks.goodput")
     args = parser.parse_args(argv)
-    if args.rate is None:
+    if args.recorded_saturation:
         args.rate = _recorded_saturation()
-    if args.rate <= 0 or args.duration <= 0:
+    if (args.rate is not None and args.rate <= 0) or args.duration <= 0:
         parser.error("--rate and --duration must be > 0")
     return args
 
@@ -112,8 +120,12 @@ def refusal_reasons(run: RunResult) -> Counter[str]:
     return reasons
 
 
-def run(rate: float, duration_s: float) -> dict[str, dict[str, LoadFigures]]:
-    share = rate / 2
+Results = dict[str, dict[str, LoadFigures]]
+
+
+def run(rate: float | None, duration_s: float) -> Results:
+    """`rate`: what the stack serves within the SLO, None to measure it first (phase 0)."""
+    results: Results = {}
     with tempfile.TemporaryDirectory() as folder:
         key_file = os.path.join(folder, "keys.json")
         Path(key_file).write_text(json.dumps(KEYS))
@@ -122,7 +134,15 @@ def run(rate: float, duration_s: float) -> dict[str, dict[str, LoadFigures]]:
             quiet, flood = Target(url, MODEL, QUIET_KEY), Target(url, MODEL, FLOOD_KEY)
             asyncio.run(_phase({"quiet": (quiet, 1.0)}, 5.0, "warm"))
             stack.wait_idle(120.0)
-            print(f"phase 1: quiet alone at {share:.2f} req/s for {duration_s:.0f} s", flush=True)
+            if rate is None:
+                probe_rate = FLOOD_FACTOR * _recorded_saturation() / 2
+                print(f"phase 0: the flood alone at {probe_rate:.2f} req/s", flush=True)
+                probe = asyncio.run(_phase({"flood": (flood, probe_rate)}, duration_s, "alone"))
+                results["capacity"] = {"flood": _figures(probe["flood"], probe_rate, duration_s)}
+                rate = results["capacity"]["flood"].goodput[LOOSE.name]
+                stack.wait_idle(120.0)
+            share = rate / 2
+            print(f"phase 1: quiet alone at {share:.2f} req/s (half of {rate:.2f})", flush=True)
             alone = asyncio.run(_phase({"quiet": (quiet, share)}, duration_s, "tenants"))
             stack.wait_idle(120.0)
             flood_rate = FLOOD_FACTOR * share
@@ -134,13 +154,12 @@ def run(rate: float, duration_s: float) -> dict[str, dict[str, LoadFigures]]:
             )
     for reason, count in refusal_reasons(both["quiet"]).most_common():
         print(f"  the quiet tenant refused beside the flood: {count} x {reason}")
-    return {
-        "alone": {"quiet": _figures(alone["quiet"], share, duration_s)},
-        "flooded": {
-            "quiet": _figures(both["quiet"], share, duration_s),
-            "flood": _figures(both["flood"], flood_rate, duration_s),
-        },
+    results["alone"] = {"quiet": _figures(alone["quiet"], share, duration_s)}
+    results["flooded"] = {
+        "quiet": _figures(both["quiet"], share, duration_s),
+        "flood": _figures(both["flood"], flood_rate, duration_s),
     }
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.force_avx2:
         os.environ.update(AVX2_ENV)
     print(machine_line(), flush=True)
-    print(f"saturation {args.rate:.2f} req/s; each tenant's share {args.rate / 2:.2f}; {LOOSE}")
+    if args.rate is None:
+        print(f"each tenant's share: half of the flood's goodput alone; {LOOSE}")
+    else:
+        print(f"stack {args.rate:.2f} req/s; each tenant's share {args.rate / 2:.2f}; {LOOSE}")
     results = run(args.rate, args.duration)
     print("\nphase      tenant  req/s  sent  done goodput  att.L TTFT50  TTFT99 TPOT50   refused")
     for phase, tenants in results.items():

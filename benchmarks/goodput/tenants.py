@@ -10,8 +10,9 @@ within that SLO, R req/s (256 in / 64 out). Our client (services/loadgen) sends 
 arrivals with each tenant's key:
 
 0. the flood alone at twice the recorded saturation rate (docs/goodput.json), the overload
-   benchmark's 2x point: its goodput is R (skipped with --rate R; --recorded-saturation takes R = that saturation rate, the definition
-   of the first runs, which offers the quiet tenant more than the SLO lets the stack serve);
+   benchmark's 2x point: its goodput is R (skipped with --rate R; --recorded-saturation takes
+   R = that saturation rate, the definition of the first runs, which offers the quiet tenant
+   more than the SLO lets the stack serve);
 1. the quiet tenant alone at its share (R / 2);
 2. the quiet tenant at its share again (the same arrivals), beside the flood at 10x its share
    (5 R).

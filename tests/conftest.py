@@ -234,16 +234,20 @@ def _write_tiny_checkpoint(
 
 
 def pytest_collection_modifyitems(config, items):
-    """Marks tests/moved_to_slow.py's entries slow; an entry that matches no test collected
-    from its file fails the run (a rename would otherwise put the test back in make test)."""
+    """Marks tests/moved_to_slow.py's entries slow. When whole files were collected, an entry
+    that matches no test of its file fails the run (a rename would otherwise put the test back
+    in make test); a run of chosen tests (`file::test`, --lf) collects only part of a file."""
     from tests.moved_to_slow import MOVED_TO_SLOW
 
     matched = set()
     for item in items:
         for entry in MOVED_TO_SLOW:
-            if item.nodeid.startswith(entry):
+            if _names(entry, item.nodeid):
                 item.add_marker(pytest.mark.slow)
                 matched.add(entry)
+    chosen = any("::" in str(arg) for arg in config.args) or config.getoption("lf", False)
+    if chosen:
+        return
     collected_files = {item.nodeid.split("::", 1)[0] for item in items}
     unmatched = [
         entry
@@ -252,3 +256,11 @@ def pytest_collection_modifyitems(config, items):
     ]
     if unmatched:
         raise pytest.UsageError(f"tests/moved_to_slow.py names no collected test: {unmatched}")
+
+
+def _names(entry: str, nodeid: str) -> bool:
+    """Whether a moved_to_slow entry names the test `nodeid`: the whole id, the test with any
+    of its parameters, or, for an entry that ends inside the brackets, the ids it begins."""
+    if entry.endswith(("[", "-")):
+        return nodeid.startswith(entry)
+    return nodeid == entry or nodeid.startswith(entry + "[")

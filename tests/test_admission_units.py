@@ -324,14 +324,16 @@ def _window_of_gaps(controller, gap_ms: float) -> None:
     controller.row_capacity()
 
 
-def test_the_tpot_model_learns_from_the_pods_gaps_not_from_each_requests_own():
+@pytest.mark.parametrize("default_tpot_ms", [100.0, None])
+def test_the_tpot_model_learns_from_the_pods_gaps_not_from_each_requests_own(default_tpot_ms):
     """A request's mean gap is measured over rows that joined after it was admitted (under a
     backlog, always more): learning from it inflated every later prediction. The pod's windows
-    of gaps against its step at the rows it ran then are what the model learns from."""
+    of gaps against its step at the rows it ran then are what the model learns from, with a
+    default TPOT objective or without (a request may bring its own)."""
     import asyncio
 
     async def predicted_tpots() -> list[float]:
-        controller = _controller(max_rows=8, default_slo=Slo(tpot_ms=100.0))
+        controller = _controller(max_rows=8, default_slo=Slo(tpot_ms=default_tpot_ms))
         first = await controller.admit(_ask("a"))
         controller.release(first, ttft_s=0.1, tpot_s=1.0)  # 45x the model's step: ignored
         second = await controller.admit(_ask("a"))
@@ -370,7 +372,8 @@ def test_the_row_limits_hold_the_default_tpot_a_tighter_one_meets_the_prediction
         return held, refused.value
 
     held, refused = asyncio.run(run())
-    # The step at the limit (20 + 2 x 8) times the calibrated factor (about 4).
+    # The step at the limit (20 + 2 x 8, and its own prompt's 5) times the calibrated factor
+    # (about 4).
     assert held.predicted is not None and held.predicted.tpot_ms > 100.0
     assert refused.http_status == 429 and "time per output token" in str(refused)
 
@@ -396,5 +399,45 @@ def test_a_flood_waiting_behind_favoured_work_does_not_raise_a_favoured_ttft():
     quiet, plain = asyncio.run(run())
     assert len(plain) == 1
     assert quiet.favoured and quiet.model is not None and quiet.predicted is not None
-    # Its prediction is the model's (plus the instant it took to admit), not 10x it.
-    assert quiet.predicted.ttft_ms == pytest.approx(quiet.model.ttft_ms, rel=0.01)
+    # Its prediction is the model's (plus the moment it took to admit), not 10x it.
+    assert quiet.predicted.ttft_ms < 2 * quiet.model.ttft_ms
+
+
+def test_once_every_row_limit_is_one_row_the_default_tpot_meets_the_prediction():
+    """Gaps far past the objective even at one row: no row limit can hold it, so a request
+    bound by the default objective is refused on the prediction again."""
+    import asyncio
+
+    from splitserve.gateway.admission.controller import AdmissionRefused
+
+    async def run():
+        controller = _controller(max_rows=64, default_slo=Slo(tpot_ms=100.0))
+        for _ in range(40):
+            _window_of_gaps(controller, 1000.0)  # the limit halves to one row, the factor 10
+        with pytest.raises(AdmissionRefused) as refused:
+            await controller.admit(_ask("a", tpot_ms=100.0))
+        await controller.close()
+        return refused.value
+
+    refused = asyncio.run(run())
+    assert refused.http_status == 429 and "time per output token" in str(refused)
+
+
+def test_a_lone_stream_ending_lets_the_controller_take_its_pods_gaps():
+    """One request at a time never has rows counted at admission (nothing in flight): the
+    window of its stream's gaps is taken when it ends, so the next prediction learns from it."""
+    import asyncio
+
+    async def run() -> tuple[float, float]:
+        controller = _controller(max_rows=8, default_slo=Slo(tpot_ms=100.0))
+        first = await controller.admit(_ask("a"))
+        pod = controller.decode_pool.pods[0]
+        pod.token_gaps = TokenGaps(started=pod.token_gaps.started - 2.0)
+        pod.token_gaps.add(0.88, 10)  # 88 ms a token while it streamed
+        controller.release(first, ttft_s=0.1, tpot_s=0.088)
+        second = await controller.admit(_ask("a"))
+        assert first.predicted is not None and second.predicted is not None
+        return first.predicted.tpot_ms, second.predicted.tpot_ms
+
+    first, second = asyncio.run(run())
+    assert second == pytest.approx(first * 4**0.2)

@@ -180,7 +180,7 @@ class AdmissionController:
         if bound and prediction is not None:
             self._refuse_if_service_misses(ask, prediction)
         if not self._queue and self._has_room(ask) and not self._over_share(ask):
-            return self._ticket(ask, arrived, False, model)
+            return self._ticket(ask, arrived, False, model, favoured)
         return await self._wait_in_queue(ask, arrived, prediction, bound)
 
     def first_token(self, ticket: Ticket, ttft_s: float) -> None:
@@ -205,6 +205,9 @@ class AdmissionController:
         if ttft_s is not None:
             self._finished_at.append(time.monotonic())
             self._record(ticket, ttft_s, tpot_s)
+        # The pods' windows of token gaps are taken when the rows are counted, which a lone
+        # stream's admission skips (nothing in flight): count them as each stream ends.
+        self.row_capacity()
         self._serve_queue()
 
     def _record(self, ticket: Ticket, ttft_s: float, tpot_s: float | None) -> None:
@@ -220,10 +223,15 @@ class AdmissionController:
             self.metrics.slo_requests.labels("met" if met else "missed").inc()
 
     def _ticket(
-        self, ask: AdmissionAsk, arrived: float, queued: bool, model: Prediction | None
+        self,
+        ask: AdmissionAsk,
+        arrived: float,
+        queued: bool,
+        model: Prediction | None,
+        favoured: bool,
     ) -> Ticket:
-        """Admits `ask` now; `model`: the cost model's prediction for the pods as they stand."""
-        favoured = self._is_favoured(ask)
+        """Admits `ask` now; `model`: the cost model's prediction for the pods as they stand,
+        `favoured` as it was made (its TTFT is filed under that calibration)."""
         self.num_rows_in_flight += ask.num_sequences
         self._tenant_rows[ask.tenant] += ask.num_sequences
         self.metrics.rows_in_flight.set(self.num_rows_in_flight)
@@ -269,7 +277,8 @@ class AdmissionController:
         default = self.settings.slo.tpot_ms
         if default is None or tpot_ms < default:
             return False
-        return any(limit.rows > 1 for limit in self._row_limits.values())
+        limits = (self._row_limits.get(pod.address) for pod in self.decode_pool.available())
+        return any(limit is not None and limit.rows > 1 for limit in limits)
 
     def _refuse(self, status: int, reason: str, message: str, retry_after_s: float) -> None:
         self.metrics.refused(reason)
@@ -372,7 +381,7 @@ class AdmissionController:
             model = self._model_prediction(ask, favoured)
             late = self._lateness_ms(ask, waiter, model, favoured)
             if late is None:
-                future.set_result(self._ticket(ask, waiter.enqueued_at, True, model))
+                future.set_result(self._ticket(ask, waiter.enqueued_at, True, model, favoured))
             else:
                 self.metrics.refused("slo_deadline")
                 future.set_exception(self._deadline_refusal(waiter, late))
@@ -466,22 +475,26 @@ class AdmissionController:
 
     def _pod_rows(self, pod: Pod) -> int:
         """The pod's row cap by its fitted costs; with a default TPOT objective, the limit
-        its measured token gaps steer (feedback.py), which starts at that cap."""
+        its measured token gaps steer (feedback.py), which starts at that cap. A window of
+        gaps also calibrates the TPOT model, objective or not (requests may bring their own)."""
         tpot = self.settings.slo.tpot_ms
         cap = row_cap(pod, tpot, self.settings.fallback_row_cap)
-        if tpot is None or pod.stats is None:
+        if pod.stats is None:
+            return cap
+        measured_ms = pod.token_gaps.take(time.monotonic())
+        rows_in_use = pod.num_queued
+        if measured_ms is not None:
+            self._calibrate_tpot(pod, measured_ms, rows_in_use)
+        if tpot is None:
             return cap
         limit = self._row_limits.get(pod.address)
         if limit is None:
             ceiling = pod.stats.max_num_seqs or self.settings.fallback_row_cap
             start = float(min(cap, INITIAL_ROWS))
             limit = self._row_limits[pod.address] = RowLimit(start, min(cap, ceiling))
-        measured_ms = pod.token_gaps.take(time.monotonic())
         if measured_ms is not None:
-            rows_in_use = pod.num_queued
             limit.update(measured_ms, tpot * TPOT_TARGET_SHARE, rows_in_use)
             self.metrics.row_limit.labels(pod.address).set(limit.rows)
-            self._calibrate_tpot(pod, measured_ms, rows_in_use)
         return limit.rows
 
     def _calibrate_tpot(self, pod: Pod, measured_ms: float, rows_in_use: int) -> None:

@@ -16,7 +16,8 @@ The model, per pod (steps of `base + row * rows + prefill_token * prompt tokens`
   modelled: the controller calibrates the step against the token gaps the pod's streams show,
   which carry them (`modelled_gap_ms`).
 The gateway does not know yet how much of the prompt a pod has cached (routing asks the index
-after admission), so every prompt token is counted: a prediction errs long, never short.
+after admission), so every prompt token is counted: a TTFT prediction errs long, never short
+(the TPOT one leans on its calibration for the prompts of others).
 Pods that have not fitted their costs yet (a fresh pod) give no prediction: nothing is refused
 on a guess. What the model misses (serving overheads, the machine's noise) the controller
 corrects by how far recent predictions were off (feedback.py's `Calibration`)."""

@@ -47,7 +47,7 @@ MODEL = "bench-model"
 FLOOD_FACTOR = 10.0  # the flood's rate over its share
 # The capacity probe's rate over the recorded saturation: overloaded, as benchmarks.goodput's
 # 2x point. (At 5x, one run on a 2-vCPU Xeon served 0.78 req/s within the SLO against 1.4 at
-# 2.5x: the gateway turning away 8 requests a second takes CPU from the engines beside it.)
+# 2.7x, probably because turning away 8 requests a second takes CPU from the engines.)
 PROBE_FACTOR = 2.0
 GOODPUT_RECORD = Path("docs/goodput.json")
 
@@ -145,6 +145,8 @@ def run(rate: float | None, duration_s: float) -> Results:
                 probe = asyncio.run(_phase({"flood": (flood, probe_rate)}, duration_s, "alone"))
                 results["capacity"] = {"flood": _figures(probe["flood"], probe_rate, duration_s)}
                 rate = results["capacity"]["flood"].goodput[LOOSE.name]
+                if rate <= 0:
+                    raise SystemExit("the flood alone met the SLO with nothing: no share to set")
                 stack.wait_idle(120.0)
             share = rate / 2
             print(f"phase 1: quiet alone at {share:.2f} req/s (half of {rate:.2f})", flush=True)

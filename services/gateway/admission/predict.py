@@ -42,9 +42,8 @@ class PodSnapshot:
 
     costs: StepCosts
     num_rows: int  # requests it runs or has queued, with those sent since its last stats
-    num_queued_prompt_tokens: int  # prompt tokens it has yet to compute, likewise
-    # Of those, the ones it computes before the request predicted for (all, unless the
-    # request is favoured: then this gateway's favoured ones).
+    # The prompt tokens it has yet to compute before the request predicted for (all it has
+    # queued, likewise, unless the request is favoured: then this gateway's favoured ones).
     num_ahead_prompt_tokens: int
 
 
@@ -63,12 +62,12 @@ def snapshot(pod: Pod, favoured: bool = False) -> PodSnapshot | None:
     costs = StepCosts.from_proto(pod.stats)
     if not costs.is_known:
         return None
+    if favoured:
+        return PodSnapshot(costs, pod.num_queued, pod.awaiting_favoured_prompt_tokens)
     reported = pod.load.num_waiting_prompt_tokens + pod.dispatched_prompt_tokens
     # The stats lag by up to an engine step (a second when prompts are long): this gateway's
     # own calls still awaiting their first token are the fresher floor.
-    queued = max(reported, pod.awaiting_prompt_tokens)
-    ahead = pod.awaiting_favoured_prompt_tokens if favoured else queued
-    return PodSnapshot(costs, pod.num_queued, queued, ahead)
+    return PodSnapshot(costs, pod.num_queued, max(reported, pod.awaiting_prompt_tokens))
 
 
 def prefill_ms(pod: PodSnapshot, num_prompt_tokens: int, num_rows: int) -> float:

@@ -152,9 +152,6 @@ class _Flight:
     num_emitted: int = 0
     # (prefill pod name, uncached tokens) while a prefill pod computes this prompt.
     remote: tuple[str, int] | None = None
-    # Draws the measured gap deviations of this request's tokens (`_client_gap_s`): one stream
-    # per request, so the draws do not depend on the order the pods' steps are simulated in.
-    spread_rng: random.Random | None = None
 
 
 @dataclass
@@ -564,10 +561,11 @@ class Simulation:
             num_gaps = count
             gap = now - flight.last_token_s
         share = gap / max(num_gaps, 1)
-        record.itls_s += self._client_gaps_s(flight, [share] * num_gaps)
+        record.itls_s += [share] * num_gaps
         flight.num_emitted += count
         flight.last_token_s = now
         if flight.num_emitted >= seq.request.output_len:
+            record.itls_s = self._client_gaps_s(record)
             record.finish_s = now
             pod.finish(seq)
         else:
@@ -582,22 +580,24 @@ class Simulation:
         for end in ends:
             gaps.append(end - previous)
             previous = end
-        flight.record.itls_s += self._client_gaps_s(flight, gaps)
+        flight.record.itls_s += gaps
         flight.num_emitted += len(ends)
         flight.last_token_s = previous
         seq.num_tokens += len(ends)
         seq.num_computed = seq.num_tokens - 1
 
-    def _client_gaps_s(self, flight: _Flight, step_gaps_s: list[float]) -> list[float]:
-        """Token gaps as the client times them: the steps' gaps plus one of the serving path's
-        measured deviations each (none for a bare profile), drawn in token order from the
-        request's own stream."""
+    def _client_gaps_s(self, record: RequestRecord) -> list[float]:
+        """A finished request's token gaps as the client times them: the steps' gaps plus one
+        of the serving path's measured deviations each (none for a bare profile), drawn in
+        token order from the request's own stream, so that the draws do not depend on the
+        order the pods' steps were simulated in. Drawn once, as the request finishes: its gaps
+        are read only then (`summarize`), and one draw of n values takes the stream's values
+        that n draws of one would."""
         spread = self.profile.itl_spread_s
+        step_gaps_s = record.itls_s
         if not spread or not step_gaps_s:
             return step_gaps_s
-        if flight.spread_rng is None:
-            flight.spread_rng = random.Random(flight.record.request.request_id)
-        deviations = flight.spread_rng.choices(spread, k=len(step_gaps_s))
+        deviations = random.Random(record.request.request_id).choices(spread, k=len(step_gaps_s))
         return [max(gap + deviation, 0.0) for gap, deviation in zip(step_gaps_s, deviations)]
 
     # ---- pods that die ----------------------------------------------------------------------

@@ -9,19 +9,22 @@ and scores them with the real policy (services/gateway/routing/scoring.py `decid
 prefix, then 1 / (1 + queued) and KV headroom, ties by pod name). Past the real router's
 MAX_SCORED_PODS it scores the same shortlist (services/gateway/routing/shortlist.py): the
 best-cached and least-loaded pods.
+
+It scores from numbers rather than through `decide`'s views and term dicts (at 1,000 pods those
+were a third of a simulation): `_best` computes `choose`'s score for each candidate with the
+same float operations in the same order, so the choice is the same to the bit
+(tests/test_planner_sim_gateway.py holds it to `decide`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from splitserve.common.pod_load import PodLoad
 from splitserve.gateway.routing.scoring import (
-    Location,
-    PodView,
-    RoutingContext,
+    UNKNOWN_PLACE,
     RoutingWeights,
-    decide,
     load_term,
 )
 from splitserve.gateway.routing.shortlist import (
@@ -34,6 +37,12 @@ from splitserve.planner.simulate.load_ranking import LoadRanking
 from splitserve.planner.simulate.pod import SimPod
 
 DEFAULT_WEIGHTS = RoutingWeights()  # what RoutingContext scores with here
+# `score_terms`' proximity term for pods, clients and prefill pods in no region (rtt unknown):
+# w.proximity * near_client + w.pair * near_prefill, without and with a chosen prefill pod.
+NEAR_CLIENT = DEFAULT_WEIGHTS.proximity * (UNKNOWN_PLACE * 1.0) + DEFAULT_WEIGHTS.pair * 0.0
+NEAR_CLIENT_AND_PREFILL = (
+    DEFAULT_WEIGHTS.proximity * (UNKNOWN_PLACE * 1.0) + DEFAULT_WEIGHTS.pair * UNKNOWN_PLACE
+)
 
 
 @dataclass
@@ -49,6 +58,7 @@ class SimGateway:
     # poll, and for the pod a dispatch changes) rather than computed there.
     _rankings: dict[str, LoadRanking] = field(default_factory=dict)  # pool -> its terms
     _positions: dict[str, tuple[str, int]] = field(default_factory=dict)  # pod -> (pool, index)
+    _is_saturated: dict[str, bool] = field(default_factory=dict)  # pod name -> as scoring says
 
     def __post_init__(self) -> None:
         self._index_pools()
@@ -78,11 +88,11 @@ class SimGateway:
 
     def _rank_pools(self) -> None:
         for pool, pods in self._pools():
-            self._rankings[pool].set_all([self._load_term(pod.name) for pod in pods])
+            self._rankings[pool].set_all([self._refresh(pod.name) for pod in pods])
 
     def _update_load_term(self, name: str) -> None:
         pool, index = self._positions[name]
-        self._rankings[pool].update(index, self._load_term(name))
+        self._rankings[pool].update(index, self._refresh(name))
 
     def pick(self, request: SimRequest) -> tuple[SimPod | None, SimPod]:
         """(prefill pod or None without prefill pods, decode pod) for one arrival, both counted
@@ -90,17 +100,16 @@ class SimGateway:
         then prefills locally."""
         if self.poll_interval_s == 0 or not self._snapshots:
             self.poll()
-        # No regions or nodes: every pod is equally near the client and each other.
-        ctx = RoutingContext(num_prompt_tokens=request.input_len, client=Location())
-        decision = decide(
-            self._views("prefill", self.prefill_pods, request),
-            self._views("decode", self.decode_pods, request),
-            ctx,
-        )
-        decode_pod = self._dispatch(self.decode_pods, decision.decode_pod_id)
+        # P first, then D beside the chosen P (`decide`). No regions or nodes: every pod is as
+        # near the client and each other, so the proximity terms are the same for every pod.
         prefill_pod = None
-        if decision.prefill_pod_id is not None:
-            prefill_pod = self._dispatch(self.prefill_pods, decision.prefill_pod_id)
+        if self.prefill_pods:
+            prefill_pod = self._best("prefill", self.prefill_pods, request, NEAR_CLIENT)
+        near = NEAR_CLIENT if prefill_pod is None else NEAR_CLIENT_AND_PREFILL
+        decode_pod = self._best("decode", self.decode_pods, request, near)
+        self._dispatch(decode_pod)
+        if prefill_pod is not None:
+            self._dispatch(prefill_pod)
         return prefill_pod, decode_pod
 
     def undo(self, prefill_pod: SimPod | None, decode_pod: SimPod) -> None:
@@ -110,30 +119,49 @@ class SimGateway:
                 self._num_dispatched[pod.name] -= 1
                 self._update_load_term(pod.name)
 
-    def _views(self, pool: str, pods: list[SimPod], request: SimRequest) -> list[PodView]:
-        """The views the real router would score: every pod's, or its shortlist's."""
-        # The prefix index is written as pods compute blocks: close to exact, so no staleness.
-        # No pod caches a prompt that shares no prefix.
+    def _best(
+        self, pool: str, pods: list[SimPod], request: SimRequest, proximity_term: float
+    ) -> SimPod:
+        """`scoring.choose` over the pods the real router would score (every pod's view, or
+        its shortlist's): the unsaturated ones if any, highest rounded score, ties by name."""
         cached = None
         if request.prefix_group is not None:
+            # The prefix index is written as pods compute blocks: close to exact, so no
+            # staleness. No pod caches a prompt that shares no prefix.
             cached = [pod.num_cached_tokens(request) for pod in pods]
-        if len(pods) <= MAX_SCORED_PODS:
-            return [self._view(pod, cached[i] if cached else 0) for i, pod in enumerate(pods)]
-        ranking = self._rankings[pool]
-        least_loaded = ranking.least_loaded(LEAST_LOADED)
-        positions = shortlist_positions(cached, ranking.terms, least_loaded=least_loaded)
-        return [self._view(pods[i], cached[i] if cached else 0) for i in positions]
+        terms = self._rankings[pool].terms
+        positions: Iterable[int] = range(len(pods))
+        if len(pods) > MAX_SCORED_PODS:
+            least_loaded = self._rankings[pool].least_loaded(LEAST_LOADED)
+            positions = shortlist_positions(cached, terms, least_loaded=least_loaded)
+        num_prompt_tokens = max(request.input_len, 1)
+        best_key: tuple[bool, float, str] | None = None
+        best = pods[0]
+        for i in positions:
+            pod = pods[i]
+            prefix = 0.0
+            if cached is not None:
+                prefix = DEFAULT_WEIGHTS.prefix * min(cached[i] / num_prompt_tokens, 1.0)
+            # score_terms' sum: 0 + prefix_cache + load + proximity, rounded as `choose` does.
+            score = round(prefix + terms[i] + proximity_term, 6)
+            key = (self._is_saturated[pod.name], -score, pod.name)
+            if best_key is None or key < best_key:
+                best_key, best = key, pod
+        return best
 
-    def _load_term(self, name: str) -> float:
+    def _refresh(self, name: str) -> float:
+        """The pod's load term (`scoring.load_term` of its view), with whether the view is
+        saturated (`scoring.is_saturated`) noted beside it: both change only at a poll or a
+        dispatch."""
         snapshot = self._snapshots[name]
         queued = snapshot.num_queued + self._num_dispatched[name]
-        return load_term(queued, snapshot.kv_usage, DEFAULT_WEIGHTS)
+        kv_usage = snapshot.kv_usage
+        weights = DEFAULT_WEIGHTS
+        self._is_saturated[name] = (
+            queued >= weights.max_queue or kv_usage >= weights.saturation_kv_usage
+        )
+        return load_term(queued, kv_usage, weights)
 
-    def _view(self, pod: SimPod, cached_tokens: int) -> PodView:
-        load, num_dispatched = self._snapshots[pod.name], self._num_dispatched[pod.name]
-        return PodView(pod.name, pod.name, Location(), load, num_dispatched, cached_tokens)
-
-    def _dispatch(self, pods: list[SimPod], name: str) -> SimPod:
-        self._num_dispatched[name] += 1
-        self._update_load_term(name)
-        return pods[self._positions[name][1]]
+    def _dispatch(self, pod: SimPod) -> None:
+        self._num_dispatched[pod.name] += 1
+        self._update_load_term(pod.name)

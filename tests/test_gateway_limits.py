@@ -1,8 +1,10 @@
 """The key file and the rate limiter on their own: key files refused with the entry named,
 look-ups by key and by its SHA-256, the tenant's cache salt, and the limiter against a real
-redis-server: shared counts, the sliding window, the running set, one admission checking and
-charging every limit in one round trip (counted by Redis's own commandstats) or nothing, and
-a Redis that goes away (the limiter keeps counting in its own process and says so in the
+redis-server: shared counts, the sliding window, concurrent slots, one call checking and
+charging every limit of each waiting request or nothing (counted by Redis's own
+commandstats), the replicas' leases (never past a limit together, a lease starving another
+replica by at most its bound and only until it goes back, a dead replica's slots forgotten),
+and a Redis that goes away (the limiter keeps counting in its own process and says so in the
 log). The HTTP gate is driven in process over a stand-in generation route."""
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import random
 import time
 
 import pytest
@@ -21,11 +24,12 @@ from splitserve.common.redis_server import RedisServer
 from splitserve.engine.kv.block_hash import quota_tenant, tenant_cache_salt
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.gateway.api.http_app import GENERATION_ENDPOINTS
-from splitserve.gateway.auth import headroom
+from splitserve.gateway.auth import headroom, lease, lease_script, limits
 from splitserve.gateway.auth.gate import Caller, Gate, current_caller
 from splitserve.gateway.auth.http import CHARGED_PATHS, GateMiddleware
 from splitserve.gateway.auth.keys import KeyRing, api_key_from_headers
-from splitserve.gateway.auth.limits import WINDOW_S, Ask, LimitExceeded, RateLimiter, _window_use
+from splitserve.gateway.auth.limits import WINDOW_S, Ask, LimitExceeded, RateLimiter
+from splitserve.gateway.auth.windows import window_use as _window_use
 from splitserve.gateway.core import GenerationRequest
 
 
@@ -170,11 +174,12 @@ def test_a_redis_outage_degrades_to_this_replicas_counts_and_logs_it(caplog):
 
 
 def test_a_refused_admission_charges_nothing(redis_server):
-    """Requests, tokens and the running set in one script: the first limit over refuses
-    (requests, then concurrent requests, then tokens) and no count moves."""
+    """Requests, tokens and concurrent slots in one script: the first limit over refuses
+    (requests, then concurrent requests, then tokens) and no count moves. What the replica
+    leased beyond its requests goes back as it closes, so Redis then holds what was admitted."""
     everything = {"requests_per_minute": 10, "tokens_per_minute": 100, "concurrent_requests": 1}
 
-    async def run() -> list[str | None]:
+    async def run() -> tuple[list[str | None], dict[bytes, bytes]]:
         limiter = RateLimiter(redis_server.url)
         try:
             refusals = []
@@ -185,20 +190,30 @@ def test_a_refused_admission_charges_nothing(redis_server):
                 if request_id == "r3":  # r2 still runs: its slot refused r3
                     assert admission.requests is not None and admission.requests.remaining == 9
                     await limiter.leave("atomic-test", "r2", True)
-            return refusals
+            return refusals, redis.Redis.from_url(redis_server.url).hgetall(_SLOTS)
         finally:
             await limiter.close()
 
-    assert asyncio.run(run()) == ["tokens", None, "concurrent_requests", None]
-    client = redis.Redis.from_url(redis_server.url)
+    refusals, slots_held = asyncio.run(run())
+    assert refusals == ["tokens", None, "concurrent_requests", None]
+    assert list(slots_held.values()) == [b"1"]  # r4's, on the one replica
+    assert _counted(redis_server.url, "atomic-test") == (2, 70)  # r2's and r4's alone
+    assert not redis.Redis.from_url(redis_server.url).hgetall(_SLOTS)  # given back on close
+
+
+_SLOTS = "splitserve:limits:{atomic-test}:slots"
+
+
+def _counted(url: str, tenant: str) -> tuple[int, int]:
+    """The tenant's requests and tokens in Redis, this minute's and the last's (the minute may
+    have turned)."""
+    client = redis.Redis.from_url(url)
     index = int(time.time() // WINDOW_S)
-
-    def counted(kind: str) -> int:  # this minute and the last: the minute may have turned
-        keys = [f"splitserve:limits:{{atomic-test}}:{kind}:{i}" for i in (index, index - 1)]
-        return sum(int(value or 0) for value in client.mget(keys))
-
-    assert (counted("requests"), counted("tokens")) == (2, 70)  # r2's and r4's alone
-    assert client.zrange("splitserve:limits:{atomic-test}:running", 0, -1) == [b"r4"]
+    counts = []
+    for kind in ("requests", "tokens"):
+        keys = [f"splitserve:limits:{{{tenant}}}:{kind}:{i}" for i in (index, index - 1)]
+        counts.append(sum(int(value or 0) for value in client.mget(keys)))
+    return counts[0], counts[1]
 
 
 def test_the_charged_paths_are_the_generation_endpoints():
@@ -268,46 +283,39 @@ def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {name: calls for name, calls in delta.items() if calls and name != "info"}
 
 
-def test_an_admitted_request_makes_one_redis_command_before_its_first_token(redis_server):
+def test_a_tenant_with_room_is_admitted_from_its_lease_without_redis(redis_server, monkeypatch):
     """Counted by Redis itself (INFO commandstats, which also counts the commands a script
-    runs): before the first token, one EVALSHA and what its script ran; after the response,
-    the slot's ZREM."""
+    runs): a burst of requests shares one call, which leases about as much again; the next
+    burst is admitted from the lease, its slots given back to the lease, without one Redis
+    command, and its headers still count each request. Closing gives back what was leased:
+    Redis then holds exactly what was admitted."""
+    monkeypatch.setattr(limits, "TEND_S", 60.0)  # no background pass during the test
     client = redis.Redis.from_url(redis_server.url)
-    limits = {"requests_per_minute": 100, "tokens_per_minute": 10_000, "concurrent_requests": 4}
-    at_first_token: list[dict[str, int]] = []
+    many = {"requests_per_minute": 10_000, "tokens_per_minute": 10**6, "concurrent_requests": 1000}
 
-    def on_body(message: dict) -> None:
-        if not at_first_token:
-            at_first_token.append(_command_calls(client))
-
-    async def run() -> dict[str, int]:
-        gate = _gate(redis_server.url, "one-trip", **limits)
+    async def run() -> tuple[list[dict[str, int]], list[int]]:
+        gate = _gate(redis_server.url, "leased", **many)
         app = GateMiddleware(_generation_route, gate)
         try:
             await _call(app)  # the script loaded, a connection open
-            await gate.limiter.drain()  # type: ignore[union-attr]
-            before = _command_calls(client)
-            messages = await _call(app, on_body=on_body)
-            assert messages[0]["status"] == 200
-            headers = dict(messages[0]["headers"])
-            assert headers[b"x-ratelimit-remaining-requests"] == b"98"
-            assert headers[b"x-ratelimit-remaining-tokens"] == str(10_000 - 2 * 15).encode()
-            return before
+            calls = [_command_calls(client)]
+            for _ in range(2):
+                bursts = await asyncio.gather(*(_call(app) for _ in range(16)))
+                await gate.limiter.drain()  # type: ignore[union-attr]
+                calls.append(_command_calls(client))
+            assert {messages[0]["status"] for messages in bursts} == {200}
+            header = b"x-ratelimit-remaining-requests"
+            return calls, sorted(int(dict(m[0]["headers"])[header]) for m in bursts)
         finally:
-            await gate.close()  # waits for the slots queued for release
+            await gate.close()  # gives back what the lease holds
 
-    before = asyncio.run(run())
-    assert _delta(before, at_first_token[0]) == {
-        "evalsha": 1,  # the one round trip; the rest ran inside it
-        "get": 4,  # requests and tokens: this minute's and the last's
-        "zremrangebyscore": 1,
-        "zcard": 1,
-        "incr": 1,
-        "incrby": 1,
-        "expire": 3,
-        "zadd": 1,
-    }
-    assert _delta(at_first_token[0], _command_calls(client)) == {"zrem": 1}
+    calls, remaining = asyncio.run(run())
+    first_burst, second_burst = _delta(calls[0], calls[1]), _delta(calls[1], calls[2])
+    assert first_burst["evalsha"] == 1 and "zrem" not in first_burst, first_burst
+    assert second_burst == {}
+    assert remaining == list(range(10_000 - 33, 10_000 - 17))  # 1 + 16 before, 16 here
+    assert _counted(redis_server.url, "leased") == (33, 33 * 15)
+    assert not client.hgetall("splitserve:limits:{leased}:slots")
 
 
 def test_a_generation_request_refused_before_its_charge_still_counts(redis_server):
@@ -353,10 +361,11 @@ def test_a_tenant_without_limits_makes_no_redis_command(redis_server):
     assert _delta(before, _command_calls(client)) == {}
 
 
-def test_concurrent_admissions_share_pipelines_and_survive_a_script_flush(redis_server):
-    """Admissions made at once go out pipelined, each still its own script: of 20 at once
-    under a limit of 10, exactly 10 pass. A Redis that lost the script (SCRIPT FLUSH, as after
-    a restart) is sent it again, and the calls it refused run."""
+def test_concurrent_admissions_share_calls_and_survive_a_script_flush(redis_server):
+    """Admissions made at once share one call per tenant, the tenants' calls one pipeline, and
+    each request is still checked on its own: of 20 at once under a limit of 10, exactly 10
+    pass, for each of two tenants. A Redis that lost the script (SCRIPT FLUSH, as after a
+    restart) is sent it again, and the calls it refused run."""
     client = redis.Redis.from_url(redis_server.url)
 
     async def run() -> list[str | None]:
@@ -365,7 +374,11 @@ def test_concurrent_admissions_share_pipelines_and_survive_a_script_flush(redis_
         try:
             client.script_flush()
             admissions = await asyncio.gather(
-                *(limiter.admit("pipelined", f"r{i}", ask) for i in range(20))
+                *(
+                    limiter.admit(tenant, f"r{i}", ask)
+                    for tenant in ("one", "two")
+                    for i in range(20)
+                )
             )
             return [admission.refused for admission in admissions]
         finally:
@@ -373,9 +386,10 @@ def test_concurrent_admissions_share_pipelines_and_survive_a_script_flush(redis_
 
     before = _command_calls(client)
     refusals = asyncio.run(run())
-    assert refusals.count(None) == 10 and set(refusals) == {None, "requests"}
+    for refused in (refusals[:20], refusals[20:]):
+        assert refused.count(None) == 10 and set(refused) == {None, "requests"}
     calls = _delta(before, _command_calls(client))
-    assert calls["evalsha"] == 40 and calls["script|load"] == 1  # all 20 refused, then run
+    assert calls["evalsha"] == 4 and calls["script|load"] == 1  # both refused, then run
 
 
 # ---- checks beside the routing and prefill (auth/headroom.py) --------------------------------
@@ -403,12 +417,14 @@ async def _charged(gate: Gate, request: GenerationRequest) -> tuple[bool, str | 
 
 def test_a_tenant_is_checked_beside_its_work_only_while_it_had_room(redis_server, monkeypatch):
     async def run() -> list[tuple[bool, str | None]]:
-        gate = _gate(redis_server.url, "headroom-test", requests_per_minute=10)
-        other_replica = _gate(redis_server.url, "headroom-test", requests_per_minute=10)
+        # A limit this small leases nothing beyond each request (an eighth of what is left is
+        # under one), so what the other replica takes is what it admits.
+        gate = _gate(redis_server.url, "headroom-test", requests_per_minute=8)
+        other_replica = _gate(redis_server.url, "headroom-test", requests_per_minute=8)
         try:
             seen = [await _charged(gate, _ask(4, 4))]  # never checked: before anything is sent
-            seen.append(await _charged(gate, _ask(4, 4)))  # 8 of 10 left at its last check
-            for _ in range(8):  # another replica takes the rest meanwhile
+            seen.append(await _charged(gate, _ask(4, 4)))  # 6 of 8 left at its last check
+            for _ in range(6):  # another replica takes the rest meanwhile
                 await _charged(other_replica, _ask(4, 4))
             seen.append(await _charged(gate, _ask(4, 4)))  # its view had room: refused late
             seen.append(await _charged(gate, _ask(4, 4)))  # refused last: checked first now
@@ -453,3 +469,154 @@ def test_a_slot_taken_after_its_response_ended_is_given_back(redis_server):
             await gate.close()
 
     assert asyncio.run(run()) == []
+
+
+# ---- leases across replicas (auth/lease.py) --------------------------------------------------
+
+
+@pytest.fixture
+def fresh_minute(monkeypatch):
+    """time.time() moved to a second into a minute, so no window turns under a test."""
+    real_time = time.time
+    offset = WINDOW_S - real_time() % WINDOW_S + 1.0
+    monkeypatch.setattr(time, "time", lambda: real_time() + offset)
+
+
+@pytest.mark.parametrize("tokens_per_minute, binding", [(60_000, "requests"), (20_000, "tokens")])
+def test_two_replicas_leasing_at_once_never_admit_past_a_limit(
+    redis_server, fresh_minute, tokens_per_minute, binding
+):
+    """24 clients on two replicas, random token counts, slots held a few ms: together they
+    admit no more than each limit (`binding`: the per-minute one they reach), and once both
+    close Redis holds exactly what they admitted (no refusal was charged, every lease came
+    back)."""
+    tenant = f"two-replicas-{binding}"
+    tenant_limits = {"requests_per_minute": 300, "tokens_per_minute": tokens_per_minute}
+    tenant_limits["concurrent_requests"] = 12
+    rng = random.Random(34)
+    admitted = {"requests": 0, "tokens": 0, "running": 0, "peak": 0}
+    refusals: set[str] = set()
+
+    async def client(replica: RateLimiter, number: int) -> None:
+        for attempt in range(40):
+            request_id, num_tokens = f"c{number}-{attempt}", rng.randint(10, 200)
+            ask = Ask(num_tokens=num_tokens, **tenant_limits)
+            admission = await replica.admit(tenant, request_id, ask)
+            if admission.refused is not None:
+                refusals.add(admission.refused)
+                await asyncio.sleep(0.001)
+                continue
+            admitted["requests"] += 1
+            admitted["tokens"] += num_tokens
+            admitted["running"] += 1
+            admitted["peak"] = max(admitted["peak"], admitted["running"])
+            await asyncio.sleep(rng.uniform(0, 0.004))
+            admitted["running"] -= 1
+            replica.leave_soon(tenant, request_id, admission.slot_in_redis)
+
+    async def run() -> None:
+        replicas = [RateLimiter(redis_server.url), RateLimiter(redis_server.url)]
+        try:
+            await asyncio.gather(*(client(replicas[i % 2], i) for i in range(24)))
+        finally:
+            for replica in replicas:
+                await replica.close()
+
+    asyncio.run(run())
+    assert admitted["requests"] <= 300 and admitted["tokens"] <= tokens_per_minute
+    assert admitted["peak"] <= 12
+    assert binding in refusals and "concurrent_requests" in refusals
+    assert _counted(redis_server.url, tenant) == (admitted["requests"], admitted["tokens"])
+    assert not redis.Redis.from_url(redis_server.url).hgetall(
+        f"splitserve:limits:{{{tenant}}}:slots"
+    )
+
+
+def test_an_idle_replicas_lease_starves_another_by_at_most_an_eighth_briefly(
+    redis_server, fresh_minute, monkeypatch
+):
+    """One replica admits bursts, so its lease grows, then goes quiet holding what it leased;
+    the other is refused once the rest is used: short of the limit by exactly that lease, at
+    most LEASE_FRACTION of the limit. Once the quiet lease is IDLE_S old the background pass
+    gives it back, and the other admits up to the limit exactly."""
+    limit = 400  # bursts large against it: the lease is held to an eighth, not to their use
+    monkeypatch.setattr(lease, "IDLE_S", 60.0)  # the quiet replica keeps its lease, for now
+
+    async def admit_until_refused(replica: RateLimiter) -> int:
+        num_admitted = 0
+        while (await replica.admit("starve", "", Ask(requests_per_minute=limit))).refused is None:
+            num_admitted += 1
+        return num_admitted
+
+    async def run() -> tuple[int, int, int, int]:
+        quiet, busy = RateLimiter(redis_server.url), RateLimiter(redis_server.url)
+        ask = Ask(requests_per_minute=limit)
+        try:
+            for _ in range(3):
+                burst = await asyncio.gather(*(quiet.admit("starve", "", ask) for _ in range(64)))
+                assert {admission.refused for admission in burst} == {None}
+            leased = _counted(redis_server.url, "starve")[0] - NUM_QUIET
+            num_busy = await admit_until_refused(busy)
+            monkeypatch.setattr(lease, "IDLE_S", 0.2)
+            await asyncio.sleep(0.2 + 2 * limits.TEND_S)
+            charged_when_returned = _counted(redis_server.url, "starve")[0]
+            return (
+                leased,
+                num_busy,
+                charged_when_returned,
+                num_busy + await admit_until_refused(busy),
+            )
+        finally:
+            await quiet.close()
+            await busy.close()
+
+    leased, num_busy, charged_when_returned, num_busy_in_all = asyncio.run(run())
+    assert 0 < leased <= limit / 8  # the bound docs/security.md gives (LEASE_FRACTION)
+    assert limit - NUM_QUIET - num_busy == leased  # refused short of the limit by the lease alone
+    assert charged_when_returned == NUM_QUIET + num_busy
+    assert NUM_QUIET + num_busy_in_all == limit
+
+
+NUM_QUIET = 3 * 64
+
+
+def test_a_request_past_what_its_lease_has_left_is_checked_in_redis(redis_server, fresh_minute):
+    """A lease with tokens left, but fewer than the next request asks: that request goes to
+    Redis (one call), and every token it and the others asked is charged there in the end."""
+    client = redis.Redis.from_url(redis_server.url)
+
+    async def run() -> tuple[int, dict[str, int]]:
+        limiter = RateLimiter(redis_server.url)
+        ask = Ask(num_tokens=100, tokens_per_minute=10_000)
+        try:
+            await asyncio.gather(*(limiter.admit("past-lease", "", ask) for _ in range(8)))
+            tokens_left = limiter._leases["past-lease"].tokens_left
+            before = _command_calls(client)
+            big = Ask(num_tokens=tokens_left + 100, tokens_per_minute=10_000)
+            assert (await limiter.admit("past-lease", "", big)).refused is None
+            return tokens_left, _delta(before, _command_calls(client))
+        finally:
+            await limiter.close()
+
+    tokens_left, calls = asyncio.run(run())
+    assert tokens_left > 0 and calls["evalsha"] == 1
+    assert _counted(redis_server.url, "past-lease")[1] == 8 * 100 + tokens_left + 100
+
+
+def test_a_dead_replicas_slots_are_forgotten_once_its_lease_expires(redis_server, monkeypatch):
+    monkeypatch.setattr(lease_script, "SLOT_LEASE_S", 0.5)
+
+    async def run() -> list[bool]:
+        dead, alive = RateLimiter(redis_server.url), RateLimiter(redis_server.url)
+        try:
+            for request_id in ("d1", "d2"):  # held by a replica that then calls no more
+                assert (await dead.enter("expiry", request_id, 2))[0]
+            taken = [(await alive.enter("expiry", "a1", 2))[0]]
+            await asyncio.sleep(0.7)
+            taken.append((await alive.enter("expiry", "a1", 2))[0])
+            return taken
+        finally:
+            await dead.close()
+            await alive.close()
+
+    assert asyncio.run(run()) == [False, True]

@@ -1,0 +1,243 @@
+"""The one Lua script that settles a gateway replica's lease on one tenant's limits with Redis.
+
+A replica admits a tenant's requests from quota it leased (lease.py) and comes here only when
+its lease falls short, and in the background to give back what it does not use. One call, one
+atomic script, in this order:
+1. gives back the per-minute quota the replica returns (unused lease), to the window it was
+   charged to;
+2. admits the requests waiting on this replica, each on its own (as if alone: requests, then
+   concurrent requests, then tokens; the first over refuses it and nothing of it is charged);
+3. if none was refused, leases spare quota for the replica's next requests: at most what it
+   asked (about half a second of its recent use) and at most LEASE_FRACTION of what is left
+   under each limit, so leases shrink to nothing as the tenant nears a limit;
+4. charges all of it: the per-minute windows, and this replica's count of concurrent slots
+   (slots in use here + admitted + spare), which expires unless renewed within SLOT_LEASE_S.
+
+Concurrent slots are kept per replica (a hash replica -> slots held, and each replica's expiry
+in a sorted set), so a replica gives a slot back by changing its own count, and a replica that
+died is forgotten once its lease expires.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from splitserve.gateway.auth.windows import WINDOW_S, previous_weight, window_index
+
+LEASE_FRACTION = 0.125  # of what is left under a limit, the most one lease may take
+SLOT_LEASE_S = 30.0  # a replica's slots are forgotten this long after its last call
+_PREFIX = "splitserve:limits"
+_WINDOW_TTL_S = int(2 * WINDOW_S) + 1  # a window is read as "previous" for one more minute
+
+# KEYS: 1 requests now, 2 requests before, 3 tokens now, 4 tokens before (windows), 5 slots held
+# (hash: replica -> count), 6 slot leases' expiry (sorted set: replica -> time).
+# ARGV: 1 previous window's weight, 2 window ttl, 3 requests limit, 4 tokens limit, 5 slots
+# limit (a limit of 0: unchecked), 6 now, 7 replica, 8 its slot lease's expiry, 9 slot keys'
+# ttl, 10 lease fraction, 11 requests returned, 12 tokens returned, 13 returned to the window
+# before (1) or now (0), 14 slots in use on this replica, 15-17 spare requests, tokens and slots
+# wanted, then three per waiting request: requests asked (0/1), tokens asked (-1: unchecked),
+# slot (0: none, 1: take one, 2: check there is one free).
+# -> {requests now, before, tokens now, before (after the returns, before the waiters), slots
+# held by other replicas, spare requests, tokens leased, slots held here after, then a verdict
+# per waiter: '' (admitted) or the limit that refused it}.
+LEASE_SCRIPT = """
+local weight = tonumber(ARGV[1])
+local rl, tl, sl = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local fraction = tonumber(ARGV[10])
+local function give_back(key, amount)
+  if amount <= 0 then return end
+  local charged = tonumber(redis.call('GET', key) or '0')
+  if charged > 0 then redis.call('DECRBY', key, math.min(charged, amount)) end
+end
+local back = tonumber(ARGV[13])
+give_back(KEYS[1 + back], tonumber(ARGV[11]))
+give_back(KEYS[3 + back], tonumber(ARGV[12]))
+local function count(key) return tonumber(redis.call('GET', key) or '0') end
+local rc, rp, tc, tp = 0, 0, 0, 0
+if rl > 0 then rc, rp = count(KEYS[1]), count(KEYS[2]) end
+if tl > 0 then tc, tp = count(KEYS[3]), count(KEYS[4]) end
+local others, mine = 0, tonumber(ARGV[14])
+if sl > 0 then
+  local expired = redis.call('ZRANGEBYSCORE', KEYS[6], '-inf', ARGV[6])
+  for _, replica in ipairs(expired) do redis.call('HDEL', KEYS[5], replica) end
+  if #expired > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', ARGV[6]) end
+  local held = redis.call('HGETALL', KEYS[5])
+  for i = 1, #held, 2 do
+    if held[i] ~= ARGV[7] then others = others + tonumber(held[i + 1]) end
+  end
+end
+local r0, t0 = rc, tc
+local verdicts, any_refused = {}, false
+for i = 18, #ARGV, 3 do
+  local asks_request, tokens = tonumber(ARGV[i]), tonumber(ARGV[i + 1])
+  local slot = tonumber(ARGV[i + 2])
+  local refused = ''
+  if rl > 0 and asks_request > 0 and rc + rp * weight + 1 > rl then
+    refused = 'requests'
+  elseif sl > 0 and slot > 0 and others + mine + 1 > sl then
+    refused = 'concurrent_requests'
+  elseif tl > 0 and tokens >= 0 and tc + tp * weight + tokens > tl then
+    refused = 'tokens'
+  end
+  if refused == '' then
+    rc = rc + asks_request
+    if tokens > 0 then tc = tc + tokens end
+    if slot == 1 then mine = mine + 1 end
+  else
+    any_refused = true
+  end
+  verdicts[#verdicts + 1] = refused
+end
+local function spare(want, room)
+  if any_refused or want <= 0 or room <= 0 then return 0 end
+  return math.min(want, math.floor(fraction * room))
+end
+local r_spare, t_spare = 0, 0
+if rl > 0 then
+  r_spare = spare(tonumber(ARGV[15]), rl - rc - rp * weight)
+  rc = rc + r_spare
+  if rc ~= r0 then
+    redis.call('INCRBY', KEYS[1], rc - r0)
+    redis.call('EXPIRE', KEYS[1], ARGV[2])
+  end
+end
+if tl > 0 then
+  t_spare = spare(tonumber(ARGV[16]), tl - tc - tp * weight)
+  tc = tc + t_spare
+  if tc ~= t0 then
+    redis.call('INCRBY', KEYS[3], tc - t0)
+    redis.call('EXPIRE', KEYS[3], ARGV[2])
+  end
+end
+if sl > 0 then
+  mine = mine + spare(tonumber(ARGV[17]), sl - others - mine)
+  if mine > 0 then
+    redis.call('HSET', KEYS[5], ARGV[7], mine)
+    redis.call('ZADD', KEYS[6], ARGV[8], ARGV[7])
+    redis.call('EXPIRE', KEYS[5], ARGV[9])
+    redis.call('EXPIRE', KEYS[6], ARGV[9])
+  else
+    redis.call('HDEL', KEYS[5], ARGV[7])
+    redis.call('ZREM', KEYS[6], ARGV[7])
+  end
+end
+local reply = {r0, rp, t0, tp, others, r_spare, t_spare, mine}
+for _, verdict in ipairs(verdicts) do reply[#reply + 1] = verdict end
+return reply
+"""
+
+
+class SlotAsk(enum.IntEnum):
+    NONE = 0
+    TAKE = 1  # a concurrent slot, held until the request ends
+    CHECK = 2  # that one is free, none taken (a request already over)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """A tenant's limits as its lease knows them; 0: unlimited."""
+
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+    concurrent_requests: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WaiterAsk:
+    """What one request waiting for the call asks: only what its own check names."""
+
+    asks_request: bool
+    num_tokens: int | None  # None: tokens per minute not checked
+    slot: SlotAsk
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseCall:
+    """What one call sends: what the replica returns, holds and wants for one tenant."""
+
+    tenant: str
+    replica_id: str
+    now: float  # time.time(), the window the call charges
+    limits: TenantLimits
+    returned_requests: int  # unused quota given back ...
+    returned_tokens: int
+    returns_to_previous: bool  # ... to the window before `now`'s (the lease's minute turned)
+    num_slots_in_use: int  # on this replica; its slots held become these + admitted + spare
+    spare_requests: int  # wanted on top of the waiters' needs
+    spare_tokens: int
+    spare_slots: int
+    waiters: tuple[WaiterAsk, ...] = ()
+
+    def keys(self) -> list[str]:
+        """One hash tag per tenant, so one cluster slot."""
+        index = window_index(self.now)
+        base = f"{_PREFIX}:{{{self.tenant}}}"
+        return [
+            f"{base}:requests:{index}",
+            f"{base}:requests:{index - 1}",
+            f"{base}:tokens:{index}",
+            f"{base}:tokens:{index - 1}",
+            f"{base}:slots",
+            f"{base}:slot_leases",
+        ]
+
+    def args(self) -> list[str | int]:
+        limits = self.limits
+        args: list[str | int] = [
+            repr(previous_weight(self.now)),
+            _WINDOW_TTL_S,
+            limits.requests_per_minute,
+            limits.tokens_per_minute,
+            limits.concurrent_requests,
+            repr(self.now),
+            self.replica_id,
+            repr(self.now + SLOT_LEASE_S),
+            int(2 * SLOT_LEASE_S),
+            repr(LEASE_FRACTION),
+            self.returned_requests,
+            self.returned_tokens,
+            1 if self.returns_to_previous else 0,
+            self.num_slots_in_use,
+            self.spare_requests,
+            self.spare_tokens,
+            self.spare_slots,
+        ]
+        for waiter in self.waiters:
+            tokens = -1 if waiter.num_tokens is None else waiter.num_tokens
+            args += [1 if waiter.asks_request else 0, tokens, int(waiter.slot)]
+        return args
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseReply:
+    """What the script found and did (counts before the waiters, after the returns)."""
+
+    requests_now: int
+    requests_before: int
+    tokens_now: int
+    tokens_before: int
+    num_slots_elsewhere: int  # held by the other replicas
+    spare_requests: int  # leased to this replica
+    spare_tokens: int
+    num_slots_held: int  # by this replica, from now
+    verdicts: tuple[str | None, ...]  # per waiter: None admitted, else the limit that refused
+
+    @classmethod
+    def parse(cls, reply: Any) -> LeaseReply:
+        numbers = [int(value) for value in reply[:8]]
+        verdicts = tuple(verdict.decode() or None for verdict in reply[8:])
+        requests_now, requests_before, tokens_now, tokens_before = numbers[:4]
+        elsewhere, spare_requests, spare_tokens, held = numbers[4:]
+        return cls(
+            requests_now,
+            requests_before,
+            tokens_now,
+            tokens_before,
+            elsewhere,
+            spare_requests,
+            spare_tokens,
+            held,
+            verdicts,
+        )

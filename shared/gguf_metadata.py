@@ -5,16 +5,17 @@ Torch-free, as the tokenizer is: the gateway builds a GGUF file's tokenizer with
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import gguf
+if TYPE_CHECKING:
+    from splitserve.engine.gguf_file import GGUFSource
 
 
 class GGUFMetadata:
-    """Typed access to an open `gguf.GGUFReader`'s metadata fields (it opens nothing itself, so
-    the loader and the tokenizer share the reader the loader opened)."""
+    """Typed access to an open GGUF file's metadata fields (gguf_file.py; it opens nothing
+    itself, so the loader and the tokenizer share the file the loader opened)."""
 
-    def __init__(self, reader: gguf.GGUFReader) -> None:
+    def __init__(self, reader: GGUFSource) -> None:
         self._fields = reader.fields
 
     def get(self, key: str, default: Any = None) -> Any:

@@ -22,6 +22,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
 from splitserve.engine.chat_template import ChatTemplate
+from splitserve.engine.gguf_file import GGUFSource, read_gguf
 from splitserve.engine.gguf_metadata import GGUFMetadata
 
 # llama.cpp token types (gguf.TokenType): CONTROL tokens are special (skipped when decoding),
@@ -72,10 +73,10 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
-        return cls.from_gguf_reader(gguf.GGUFReader(path))
+        return cls.from_gguf_reader(read_gguf(path))
 
     @classmethod
-    def from_gguf_reader(cls, reader: gguf.GGUFReader) -> Tokenizer:
+    def from_gguf_reader(cls, reader: GGUFSource) -> Tokenizer:
         """The tokenizer a GGUF file describes; the loader passes the reader it already opened."""
         meta = GGUFMetadata(reader)
         model_type = meta.get("tokenizer.ggml.model")

@@ -22,6 +22,8 @@ import gguf
 import numpy as np
 import torch
 
+from splitserve.engine.gguf_file import GGUFTensor
+
 _BLOCK = 32
 # type -> bytes per block before the nibbles (d, or d and m, as float16)
 _HEADER_BYTES = {gguf.GGMLQuantizationType.Q4_0: 2, gguf.GGMLQuantizationType.Q4_1: 4}
@@ -62,7 +64,7 @@ class BlockQuantized:
         )
 
 
-def read_blocks(tensor: gguf.ReaderTensor) -> BlockQuantized:
+def read_blocks(tensor: GGUFTensor) -> BlockQuantized:
     """The Q4_0 / Q4_1 `tensor` (rows along GGUF's outer dimension) without dequantizing."""
     header = _HEADER_BYTES[tensor.tensor_type]
     rows, cols = (int(dim) for dim in reversed(tensor.shape))

@@ -19,14 +19,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import gguf
 import numpy as np
 import torch
-from gguf.quants import dequantize
 
+from splitserve.engine.gguf_file import GGUFSource, GGUFTensor, read_gguf
 from splitserve.engine.gguf_metadata import GGUFMetadata
 from splitserve.engine.model.architecture import LoadedCheckpoint, ModelArchitecture, RopeScaling
 from splitserve.engine.model.gguf_blocks import PACKED_TYPES, BlockQuantized, read_blocks
+from splitserve.engine.model.gguf_dequant import dequantize
 from splitserve.engine.model.gguf_gemma import ARCHITECTURES as GEMMA_ARCHITECTURES
 from splitserve.engine.model.gguf_gemma import gemma_fields, gemma_name
 from splitserve.engine.model.gguf_moe import UNSUPPORTED_MOE_ARCHITECTURES, moe_fields, moe_tensors
@@ -64,7 +64,7 @@ def load_gguf(
 ) -> LoadedCheckpoint:
     """Reads architecture, tokenizer and all weights from `path`: float32, except that with
     `keep_quantized` the Q4_0/Q4_1 matrices stay `BlockQuantized`."""
-    reader = gguf.GGUFReader(path)
+    reader = read_gguf(path)
     meta = GGUFMetadata(reader)
     _check_architecture(meta.require("general.architecture"), path)
     tokenizer = Tokenizer.from_gguf_reader(reader)
@@ -75,7 +75,7 @@ def load_gguf(
     )
 
 
-def read_architecture(reader: gguf.GGUFReader, tokenizer: Tokenizer) -> ModelArchitecture:
+def read_architecture(reader: GGUFSource, tokenizer: Tokenizer) -> ModelArchitecture:
     """The model's numbers from `llama.*` metadata; token ids come from the tokenizer."""
     meta = GGUFMetadata(reader)
     arch = meta.require("general.architecture")
@@ -145,7 +145,7 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _read_weights(
-    reader: gguf.GGUFReader,
+    reader: GGUFSource,
     architecture: ModelArchitecture,
     progress: ProgressFn | None,
     keep_quantized: bool,
@@ -161,7 +161,8 @@ def _read_weights(
             "and gate/up matrices are fused; load it without (its weights become float32)"
         )
     weights: dict[str, torch.Tensor | BlockQuantized] = {}
-    for done, tensor in enumerate(reader.tensors, start=1):
+    tensors: list[GGUFTensor] = list(reader.tensors)
+    for done, tensor in enumerate(tensors, start=1):
         if tensor.name in ROPE_FACTOR_TENSORS.values():
             continue  # longrope's factors: read into the architecture
         kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
@@ -175,7 +176,7 @@ def _read_weights(
         for name, array in named.items():
             weights[name] = torch.from_numpy(np.ascontiguousarray(array))
         if progress is not None:
-            progress(done, len(reader.tensors), next(iter(named)))
+            progress(done, len(tensors), next(iter(named)))
     return weights
 
 
@@ -194,7 +195,7 @@ def _split_tensor(
     return named if named is not None else {gguf_to_hf_name(name): values}
 
 
-def _read_packed(tensor: gguf.ReaderTensor, num_heads: int | None) -> BlockQuantized:
+def _read_packed(tensor: GGUFTensor, num_heads: int | None) -> BlockQuantized:
     """A layer's Q4 matrix as blocks; q and k get the same row order as the float path."""
     blocks = read_blocks(tensor)
     if num_heads is None:
@@ -202,7 +203,7 @@ def _read_packed(tensor: gguf.ReaderTensor, num_heads: int | None) -> BlockQuant
     return blocks.permute_rows(unpermute_rope_rows(np.arange(blocks.shape[0]), num_heads))
 
 
-def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
+def _dequantize(tensor: GGUFTensor) -> np.ndarray:
     """float32 values in Hugging Face's [out, in] shape (GGUF lists dimensions innermost first)."""
     qtype = tensor.tensor_type
     try:
@@ -251,7 +252,7 @@ def _check_rope_dim(rope_dim: int, head_dim: int) -> None:
         )
 
 
-def _vocab_size(reader: gguf.GGUFReader, tokenizer: Tokenizer) -> int:
+def _vocab_size(reader: GGUFSource, tokenizer: Tokenizer) -> int:
     # The embedding's row count is what the model can actually score; tokenizers may be smaller
     # (padded embeddings) but never larger.
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)

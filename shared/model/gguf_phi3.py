@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import gguf
 import numpy as np
 
+from splitserve.engine.gguf_file import GGUFSource
 from splitserve.engine.gguf_metadata import GGUFMetadata
 from splitserve.engine.model.architecture import RopeScaling
 
@@ -27,7 +27,7 @@ ARCH = "phi3"
 ROPE_FACTOR_TENSORS = {"long": "rope_factors_long.weight", "short": "rope_factors_short.weight"}
 
 
-def phi3_fields(reader: gguf.GGUFReader, num_layers: int, head_dim: int) -> dict[str, Any]:
+def phi3_fields(reader: GGUFSource, num_layers: int, head_dim: int) -> dict[str, Any]:
     """The `ModelArchitecture` fields a phi3 file sets beyond llama's."""
     meta = GGUFMetadata(reader)
     window = int(meta.get(f"{ARCH}.attention.sliding_window", 0) or 0)
@@ -38,7 +38,7 @@ def phi3_fields(reader: gguf.GGUFReader, num_layers: int, head_dim: int) -> dict
     return fields
 
 
-def _rope_factors(reader: gguf.GGUFReader) -> dict[str, tuple[float, ...]]:
+def _rope_factors(reader: GGUFSource) -> dict[str, tuple[float, ...]]:
     by_name = {tensor.name: tensor for tensor in reader.tensors}
     found = {kind: by_name.get(name) for kind, name in ROPE_FACTOR_TENSORS.items()}
     if not any(found.values()):

@@ -285,8 +285,15 @@ class LlamaForCausalLM(nn.Module):
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
         """Allocates uninitialised storage for every weight; `load_hf_weights` fills it."""
-        self.to_empty(device=device)
-        self.to(dtype)
+
+        # What `to_empty(device)` then `to(dtype)` would do, in one allocation per tensor and
+        # without `empty_like` on meta tensors, which goes through torch's Python references and
+        # imports sympy on the way (about 1 s and tens of MiB of every load).
+        def allocate(tensor: torch.Tensor) -> torch.Tensor:
+            kind = dtype if tensor.is_floating_point() else tensor.dtype
+            return torch.empty(tensor.shape, dtype=kind, device=device)
+
+        self._apply(allocate)
         if self.quantization != "none":
             # One int8 copy serves the lookup and, tied, the head (quantization.py says why).
             vocab, hidden = self.arch.vocab_size, self.arch.hidden_size
@@ -299,7 +306,7 @@ class LlamaForCausalLM(nn.Module):
                 else QuantizedEmbedding(vocab, hidden, dtype, device, backend)
             )
         elif self.arch.tie_word_embeddings:
-            # to_empty replaces parameters one module at a time, which unties them.
+            # `allocate` replaces parameters one module at a time, which unties them.
             assert isinstance(self.lm_head, nn.Linear), "unquantized heads are nn.Linear"
             assert isinstance(self.embed_tokens, nn.Embedding), "unquantized: nn.Embedding"
             self.lm_head.weight = self.embed_tokens.weight

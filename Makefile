@@ -11,7 +11,7 @@ $(DEPS_STAMP): pyproject.toml scripts/install_deps.sh
 # The stamp says the installer ran, not that this interpreter still holds what it installed (a
 # new virtual environment, a machine rebuilt under the same checkout): check, and install again.
 deps:
-	@$(PYTHON) -c "import splitserve, torch, redis, grpc" >/dev/null 2>&1 \
+	@$(PYTHON) -c "import splitserve, torch, redis, grpc, xdist" >/dev/null 2>&1 \
 		&& command -v redis-server >/dev/null || rm -f $(DEPS_STAMP)
 	@$(MAKE) --no-print-directory PYTHON=$(PYTHON) $(DEPS_STAMP)
 
@@ -19,9 +19,13 @@ lint: deps
 	$(PYTHON) -m ruff check .
 	$(PYTHON) scripts/typecheck.py
 
-# The suites marked slow (see pyproject.toml) run in their own target.
+# The suites marked slow (see pyproject.toml) run in their own target. Two pytest workers by
+# default (PYTEST_WORKERS=0: one process); each takes whole test files, so a file's module
+# fixtures (stacks, models) start once.
+PYTEST_WORKERS ?= 2
 test: deps lint
-	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -m "not slow" --durations=15
+	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -m "not slow" -n $(PYTEST_WORKERS) --dist loadfile \
+		--durations=15
 
 test-slow: deps
 	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -m slow --durations=15

@@ -310,16 +310,22 @@ def test_after_current_step_waits_for_the_step_running_now(engine, offline):
 
     async def scenario() -> None:
         await asyncio.wait_for(engine.after_current_step(), 1.0)  # idle: nothing to wait for
-        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
         stream = engine.generate(prompts[0], params, request_id="steps")
         await stream.__anext__()  # running now
         waited_for_a_step = 0
-        for _ in range(8):
+        # Until two calls came while a step ran: a call made right as a wait ends tends to
+        # land between steps, so the calls are spread by short sleeps (and on a busy machine
+        # the first few may all miss).
+        for _ in range(40):
+            await asyncio.sleep(0.004)
             started = counts["started"]
             running = started > counts["ended"]
             await engine.after_current_step()
             assert counts["ended"] >= started
             waited_for_a_step += running
+            if waited_for_a_step >= 2:
+                break
         assert waited_for_a_step > 0, "no call came while a step ran"
         async for _ in stream:
             pass

@@ -123,7 +123,7 @@ def test_every_pick_is_the_real_routers(
     # Past saturation (rate well over what the pods serve) so that saturated pods, full
     # queues and stale polls all occur; ties between idle pods are broken by name.
     pods = num_prefill + num_decode
-    requests = _requests(rate=20.0 * pods, count=1_500, shared_prefixes=shared_prefixes)
+    requests = _requests(rate=20.0 * pods, count=600, shared_prefixes=shared_prefixes)
     cluster = ClusterConfig(num_prefill, num_decode, local_prefill_threshold=0)
     num_picks, chosen = _run_checked(cluster, requests)
     assert num_picks == len(requests)

@@ -66,6 +66,10 @@ class IndexFollower:
                         await self.resync()
                     await self.follow()
                 except (RedisError, OSError) as error:
+                    if _is_being_cancelled():
+                        # A cancel that reached redis-py's read as its socket closed can come
+                        # out as a connection or timeout error: retrying would outlive it.
+                        raise asyncio.CancelledError from error
                     if self.is_synced:
                         logger.warning("prefix index lost Redis (%s): resyncing when back", error)
                     self.is_synced = False
@@ -182,3 +186,8 @@ class IndexFollower:
                 }
                 self.index.replace_pod(record.pod_id, record.generation, by_tier)
             await asyncio.sleep(0)
+
+
+def _is_being_cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

@@ -620,3 +620,74 @@ def test_a_dead_replicas_slots_are_forgotten_once_its_lease_expires(redis_server
             await alive.close()
 
     assert asyncio.run(run()) == [False, True]
+
+
+def test_a_call_whose_reply_was_lost_never_lets_two_replicas_past_the_slot_limit(
+    redis_server, monkeypatch
+):
+    # A trim that ran in Redis (this replica's count set down to its slots in use) but whose
+    # reply never came back: the lease must not go on admitting into the slots it gave up.
+    monkeypatch.setattr(limits, "REDIS_RETRY_S", 0.0)  # no outage fallback in the way
+    limit = 10
+
+    async def run() -> tuple[int, int]:
+        a, b = RateLimiter(redis_server.url), RateLimiter(redis_server.url)
+        ask = Ask(concurrent_requests=limit)
+        try:
+            for i in range(limit):
+                assert (await a.admit("lost", f"a{i}", ask)).refused is None
+            held = a._leases["lost"]
+            held.is_calling = True  # eight finish while a call is under way: none goes back
+            for i in range(8):
+                a.leave_soon("lost", f"a{i}", True)
+            held.is_calling = False
+            real_call = a._script.call
+
+            async def reply_lost(keys, args):
+                await real_call(keys, args)
+                raise redis.exceptions.TimeoutError("Timeout reading from socket")
+
+            a._script.call = reply_lost
+            trim = held.tend_call(time.time(), time.monotonic())
+            assert trim is not None
+            await a._run(held, trim)
+            a._script.call = real_call
+            admitted = []
+            for replica, prefix in ((b, "b"), (a, "c")):
+                for i in range(limit):
+                    admission = await replica.admit("lost", f"{prefix}{i}", ask)
+                    admitted.append(admission.refused is None)
+            return 2 + sum(admitted), sum(admitted)
+        finally:
+            await a.close()
+            await b.close()
+
+    running, newly_admitted = asyncio.run(run())
+    assert running == limit  # two still running, and exactly the eight freed slots taken again
+    assert newly_admitted == limit - 2
+
+
+def test_a_request_cancelled_just_after_its_admission_gives_its_slot_back(redis_server):
+    async def run() -> list[bool]:
+        limiter = RateLimiter(redis_server.url)
+        real_answer = limiter._answer
+        task: asyncio.Task | None = None
+
+        def answer_then_cancel(held, waiter, admission) -> None:
+            real_answer(held, waiter, admission)
+            assert task is not None
+            task.cancel()  # the server cancels the request's task as its admission is set
+
+        limiter._answer = answer_then_cancel
+        try:
+            task = asyncio.create_task(limiter.admit("gone", "r1", Ask(concurrent_requests=2)))
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            limiter._answer = real_answer
+            await limiter.drain()
+            again = [await limiter.enter("gone", f"r{i}", 2) for i in (2, 3)]
+            return [taken for taken, _ in again]
+        finally:
+            await limiter.close()
+
+    assert asyncio.run(run()) == [True, True]  # the cancelled request's slot came back

@@ -273,8 +273,13 @@ class TenantLease:
         self.is_calling = False
 
     def call_failed(self) -> None:
-        """The call's outcome is unknown (Redis unreachable): the leftovers it carried stay
-        charged there (stricter, never looser) and the slots held are as they were."""
+        """The call's outcome is unknown (Redis unreachable, or its reply lost): the
+        leftovers it carried stay charged there (stricter, never looser). Slots: the call may
+        have run and set this replica's count in Redis as low as the slots in use when it was
+        sent (a trim), so only those in use are counted held (never more than Redis has), and
+        the next tend renews, which writes the count again."""
+        self.num_slots_held = min(self.num_slots_held, self.num_slots_in_use)
+        self.renewed_at = -math.inf
         self.is_calling = False
 
     def release(self) -> bool:

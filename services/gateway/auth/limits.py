@@ -124,7 +124,15 @@ class RateLimiter:
         if not lease.is_calling:  # the first of this turn: call once the others joined
             lease.is_calling = True
             loop.call_soon(self._spawn, self._grant(lease))
-        return await waiter.reply
+        try:
+            return await waiter.reply
+        except asyncio.CancelledError:
+            # Cancelled after its admission was set but before it resumed: nobody else
+            # knows it holds a slot (`_answer` gives back only a cancelled waiter's).
+            reply = waiter.reply
+            if reply.done() and not reply.cancelled() and reply.result().holds_slot:
+                self._release(tenant, request_id, reply.result().slot_in_redis)
+            raise
 
     def _lease(self, tenant: str, ask: Ask) -> TenantLease:
         lease = self._leases.get(tenant)
@@ -144,16 +152,24 @@ class RateLimiter:
             for waiter in waiters:
                 waiter.reply.cancel()
             raise
-        if reply is None:  # Redis away: counted here alone
+        try:
+            if reply is None:  # Redis away: counted here alone
+                for waiter in waiters:
+                    fallback = self._local.admit(lease.tenant, waiter.request_id, waiter.ask, now)
+                    self._answer(lease, waiter, fallback)
+            else:
+                asks = [waiter.ask for waiter in waiters]
+                admissions = lease.finish_call(call, reply, asks, time.monotonic())
+                for waiter, admission in zip(waiters, admissions, strict=True):
+                    self._answer(lease, waiter, admission)
+        finally:
+            # Should the above fail, its requests fail rather than wait, and the tenant's
+            # later requests are not left behind a call that never ends.
             for waiter in waiters:
-                fallback = self._local.admit(lease.tenant, waiter.request_id, waiter.ask, now)
-                self._answer(lease, waiter, fallback)
-        else:
-            asks = [waiter.ask for waiter in waiters]
-            admissions = lease.finish_call(call, reply, asks, time.monotonic())
-            for waiter, admission in zip(waiters, admissions, strict=True):
-                self._answer(lease, waiter, admission)
-        self._after_call(lease)
+                if not waiter.reply.done():
+                    waiter.reply.cancel()
+            lease.is_calling = False
+            self._after_call(lease)
 
     def _answer(self, lease: TenantLease, waiter: Waiter, admission: Admission) -> None:
         if not waiter.reply.cancelled():
@@ -199,9 +215,12 @@ class RateLimiter:
     async def _run(self, lease: TenantLease, call: LeaseCall) -> None:
         """A call with no request waiting on it (giving back, renewing)."""
         reply = await self._send(lease, call)
-        if reply is not None:
-            lease.finish_call(call, reply, [], time.monotonic())
-        self._after_call(lease)
+        try:
+            if reply is not None:
+                lease.finish_call(call, reply, [], time.monotonic())
+        finally:
+            lease.is_calling = False
+            self._after_call(lease)
 
     async def _tend(self) -> None:
         """Every TEND_S while a lease holds anything: what is due goes back or is renewed."""

@@ -30,6 +30,7 @@ from gguf.quants import quant_shape_to_byte_shape
 
 _MAGIC = 0x46554747  # b"GGUF" read as a little-endian uint32
 _DEFAULT_ALIGNMENT = 32
+_NEWEST_VERSION = 3
 
 # Scalar value types: their struct format (little-endian) and numpy dtype.
 _SCALARS: dict[GGUFValueType, tuple[str, np.dtype]] = {
@@ -58,11 +59,22 @@ _PLAIN_TENSOR_DTYPES = {
 
 
 @dataclass(frozen=True)
+class Undecodable:
+    """A string value that is not UTF-8: an error only if someone reads it (as with gguf's
+    reader, which decodes when asked), not for the whole file."""
+
+    raw: bytes
+
+
+@dataclass(frozen=True)
 class MetadataField:
     name: str
-    value: Any  # str, int, float, bool, or a list of them
+    value: Any  # str, int, float, bool, or a list of them (arrays of arrays nested)
 
     def contents(self) -> Any:
+        values = self.value if isinstance(self.value, list) else [self.value]
+        if any(isinstance(value, Undecodable) for value in values):
+            raise ValueError(f"GGUF metadata {self.name!r} holds a string that is not UTF-8")
         return self.value
 
 
@@ -96,7 +108,10 @@ def read_gguf(path: str | os.PathLike) -> GGUFSource:
         raise ValueError(f"{os.fspath(path)} is not a GGUF file (no GGUF magic)")
     version = struct.unpack_from("<I", mapped, 4)[0]
     if version < 2 or version > 0xFFFF:  # a big-endian file reads its version byte-swapped
+        mapped.close()
         return gguf.GGUFReader(path)
+    if version > _NEWEST_VERSION:
+        raise ValueError(f"{os.fspath(path)} is GGUF version {version}; this reads 2 and 3")
     return _Parser(mapped).parse()
 
 
@@ -113,13 +128,17 @@ class _Parser:
             "GGUF.kv_count": MetadataField("GGUF.kv_count", num_fields),
         }
         for _ in range(num_fields):
-            key = self._string()
+            key = self._key()
+            if key in fields:
+                raise ValueError(f"GGUF file sets metadata {key!r} twice")
             fields[key] = MetadataField(key, self._value(GGUFValueType(self._unpack("<I")[0])))
         infos = [self._tensor_info() for _ in range(num_tensors)]
         if len({info[0] for info in infos}) != len(infos):
             raise ValueError("GGUF file names a tensor twice")
         alignment_field = fields.get("general.alignment")
-        alignment = int(alignment_field.value) if alignment_field else _DEFAULT_ALIGNMENT
+        alignment = alignment_field.value if alignment_field else _DEFAULT_ALIGNMENT
+        if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+            raise ValueError(f"GGUF general.alignment must be a power of two, got {alignment!r}")
         data_start = -(-self._offset // alignment) * alignment
         tensors = [self._tensor(info, data_start) for info in infos]
         return GGUFFile(fields, tensors)
@@ -129,11 +148,17 @@ class _Parser:
         self._offset += struct.calcsize(fmt)
         return values
 
-    def _string(self) -> str:
+    def _key(self) -> str:
         (length,) = self._unpack("<Q")
         start = self._offset
         self._offset += length
         return self._buffer[start : self._offset].decode("utf-8")
+
+    def _string(self) -> str | Undecodable:
+        (length,) = self._unpack("<Q")
+        start = self._offset
+        self._offset += length
+        return _decoded(self._buffer[start : self._offset])
 
     def _value(self, value_type: GGUFValueType) -> Any:
         if value_type == GGUFValueType.STRING:
@@ -154,20 +179,20 @@ class _Parser:
             return self._strings(count)
         return [self._value(item_type) for _ in range(count)]  # arrays of arrays
 
-    def _strings(self, count: int) -> list[str]:
+    def _strings(self, count: int) -> list[str | Undecodable]:
         """`count` length-prefixed strings: one loop of slices, no numpy view per string."""
         buffer, offset, strings = self._buffer, self._offset, []
         unpack_length = struct.Struct("<Q").unpack_from
         for _ in range(count):
             (length,) = unpack_length(buffer, offset)
             offset += 8
-            strings.append(buffer[offset : offset + length].decode("utf-8"))
+            strings.append(_decoded(buffer[offset : offset + length]))
             offset += length
         self._offset = offset
         return strings
 
     def _tensor_info(self) -> tuple[str, np.ndarray, GGMLQuantizationType, int]:
-        name = self._string()
+        name = self._key()
         (num_dims,) = self._unpack("<I")
         dims = np.frombuffer(self._buffer, np.dtype("<u8"), num_dims, self._offset).copy()
         self._offset += 8 * num_dims
@@ -189,3 +214,10 @@ class _Parser:
         count = num_bytes // np.dtype(dtype).itemsize
         data = np.frombuffer(self._buffer, dtype, count, data_start + offset).reshape(np_shape)
         return TensorInfo(name, tensor_type, dims, num_elements, num_bytes, data)
+
+
+def _decoded(raw: bytes) -> str | Undecodable:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return Undecodable(raw)

@@ -99,3 +99,34 @@ def test_the_shipped_files_tensors_dequantize_as_ggufs(
     for tensor in ggufs_reader_of_the_shipped_file.tensors[:12]:
         want = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         assert np.array_equal(dequantize(tensor.data, tensor.tensor_type), want), tensor.name
+
+
+def _write_small_gguf(path: Path, extra: dict[str, object]) -> None:
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    for key, value in extra.items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_uint32(key, int(value))  # type: ignore[call-overload]
+    writer.add_tensor("w", np.ones((2, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_string_that_is_not_utf8_fails_only_when_read(tmp_path: Path) -> None:
+    path = tmp_path / "bad-utf8.gguf"
+    _write_small_gguf(path, {"general.description": "QQQQ"})
+    path.write_bytes(path.read_bytes().replace(b"QQQQ", b"\xff\xfe\xfd\xfc"))
+    ours = read_gguf(path)
+    assert ours.fields["general.architecture"].contents() == "llama"
+    with pytest.raises(ValueError, match="general.description.*not UTF-8"):
+        ours.fields["general.description"].contents()
+
+
+def test_an_alignment_that_is_not_a_power_of_two_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "bad-alignment.gguf"
+    _write_small_gguf(path, {"general.alignment": 0})
+    with pytest.raises(ValueError, match="power of two"):
+        read_gguf(path)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
@@ -265,7 +266,7 @@ def choose(pods: list[PodView], ctx: RoutingContext, prefill: PodView | None = N
         return Choice(ordered[ctx.round_robin_turn % len(ordered)], "round_robin", {})
     pool, spilled = candidates(pods, ctx)
     terms = {pod.pod_id: score_terms(pod, ctx, prefill) for pod in pods}
-    scores = {pod_id: round(sum(t.values()), 6) for pod_id, t in terms.items()}
+    scores = {pod_id: round(_added_in_order(t.values()), 6) for pod_id, t in terms.items()}
     ranked = sorted(pool, key=lambda pod: (-scores[pod.pod_id], pod.pod_id))
     winner = ranked[0]
     if spilled:
@@ -277,6 +278,16 @@ def choose(pods: list[PodView], ctx: RoutingContext, prefill: PodView | None = N
     else:
         reason = _deciding_term(terms[winner.pod_id], terms[ranked[1].pod_id])
     return Choice(winner, reason, scores)
+
+
+def _added_in_order(values: Iterable[float]) -> float:
+    """Left to right in plain float additions: `sum` compensates its rounding from Python 3.12
+    on, which would make a score, and the planner's simulated gateway that repeats these
+    additions (services/planner/simulate/gateway.py), depend on the Python version."""
+    total = 0.0
+    for value in values:
+        total += value
+    return total
 
 
 def _deciding_term(winner: dict[str, float], runner_up: dict[str, float]) -> str:

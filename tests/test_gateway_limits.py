@@ -691,3 +691,26 @@ def test_a_request_cancelled_just_after_its_admission_gives_its_slot_back(redis_
             await limiter.close()
 
     assert asyncio.run(run()) == [True, True]  # the cancelled request's slot came back
+
+
+def test_a_request_cancelled_while_it_waits_for_a_call_is_not_charged(redis_server):
+    tenant = "cancelled-waiter"
+
+    async def run() -> None:
+        limiter = RateLimiter(redis_server.url)
+        ask = Ask(num_tokens=7, requests_per_minute=5, tokens_per_minute=100)
+        try:
+            # Both fall short of an empty lease in one turn: they wait for the same call,
+            # which the first request's cancel (its client gone) reaches first.
+            gone = asyncio.create_task(limiter.admit(tenant, "gone", ask))
+            kept = asyncio.create_task(limiter.admit(tenant, "kept", ask))
+            await asyncio.sleep(0)
+            gone.cancel()
+            assert (await kept).refused is None
+            with pytest.raises(asyncio.CancelledError):
+                await gone
+        finally:
+            await limiter.close()  # what the lease held beyond "kept" goes back
+
+    asyncio.run(run())
+    assert _counted(redis_server.url, tenant) == (1, 7)

@@ -143,7 +143,9 @@ class RateLimiter:
 
     async def _grant(self, lease: TenantLease) -> None:
         """One call for the requests waiting on `lease`; each hears its admission."""
-        waiters, lease.waiters = lease.waiters, []
+        # A request cancelled while it waited (its client gone) is not charged for.
+        waiters = [waiter for waiter in lease.waiters if not waiter.reply.cancelled()]
+        lease.waiters = []
         now = time.time()
         call = lease.grant_call(waiters, now, time.monotonic())
         try:

@@ -94,23 +94,20 @@ local function spare(want, room)
   if any_refused or want <= 0 or room <= 0 then return 0 end
   return math.min(want, math.floor(fraction * room))
 end
-local r_spare, t_spare = 0, 0
-if rl > 0 then
-  r_spare = spare(tonumber(ARGV[15]), rl - rc - rp * weight)
-  rc = rc + r_spare
-  if rc ~= r0 then
-    redis.call('INCRBY', KEYS[1], rc - r0)
-    redis.call('EXPIRE', KEYS[1], ARGV[2])
+-- One per-minute window: its spare leased, and what this call added charged to its key.
+local function lease_window(limit, key, want, now_count, before_count, found)
+  if limit <= 0 then return now_count, 0 end
+  local leased = spare(want, limit - now_count - before_count * weight)
+  now_count = now_count + leased
+  if now_count ~= found then
+    redis.call('INCRBY', key, now_count - found)
+    redis.call('EXPIRE', key, ARGV[2])
   end
+  return now_count, leased
 end
-if tl > 0 then
-  t_spare = spare(tonumber(ARGV[16]), tl - tc - tp * weight)
-  tc = tc + t_spare
-  if tc ~= t0 then
-    redis.call('INCRBY', KEYS[3], tc - t0)
-    redis.call('EXPIRE', KEYS[3], ARGV[2])
-  end
-end
+local r_spare, t_spare
+rc, r_spare = lease_window(rl, KEYS[1], tonumber(ARGV[15]), rc, rp, r0)
+tc, t_spare = lease_window(tl, KEYS[3], tonumber(ARGV[16]), tc, tp, t0)
 if sl > 0 then
   mine = mine + spare(tonumber(ARGV[17]), sl - others - mine)
   if mine > 0 then

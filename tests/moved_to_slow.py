@@ -14,6 +14,8 @@ a test back.
 
 from __future__ import annotations
 
+import pytest
+
 MOVED_TO_SLOW = (
     # parity with transformers stays in test_greedy_matches_transformers_in_one_batch
     "tests/test_engine_parity.py::test_chunked_prefill_of_32_tokens_matches",
@@ -56,3 +58,28 @@ MOVED_TO_SLOW = (
     # resumption's other tests (grammar, held-back text) stay
     "tests/test_resume_engine.py::test_greedy_with_penalties_and_logprobs_resumes_identically",
 )
+
+
+def cases_by_variants(cases, variants, ids=str):
+    """pytest params of every case (a tuple of arguments) with every launch variant, for a
+    kernel test parametrized by both. `make test` keeps each case with the first variant (the
+    default launch) and each other variant with one case, in turn; `make test-slow` runs the
+    rest of the cross product. Every case and every variant still runs in `make test`, which
+    is what a wrong mask or index in one of them would fail."""
+    params = []
+    for case_index, case in enumerate(cases):
+        for variant_index, variant in enumerate(variants):
+            kept = variant_index == 0 or variant_index % len(cases) == case_index
+            marks = () if kept else (pytest.mark.slow,)
+            params.append(
+                pytest.param(*case, variant, marks=marks, id=f"{_case_id(case)}-{ids(variant)}")
+            )
+    return params
+
+
+def _case_id(case) -> str:
+    """`(torch.float32, 16, [1, 17])` -> "float32-16-1x17"."""
+    return "-".join(
+        "x".join(map(str, value)) if isinstance(value, list) else str(value).removeprefix("torch.")
+        for value in case
+    )

@@ -28,6 +28,7 @@ from splitserve.kernels import decode_attention, kv_int8, reference  # noqa: E40
 from splitserve.kernels._decode_waves import balanced_partition_size, program_slots  # noqa: E402
 from splitserve.kernels.decode_attention import paged_decode_attention  # noqa: E402
 from splitserve.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
+from tests.moved_to_slow import cases_by_variants  # noqa: E402
 
 DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] == "0" else "cpu"
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
@@ -105,11 +106,11 @@ DECODE_VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("launch", DECODE_VARIANTS, ids=str)
 @pytest.mark.parametrize(
-    ("dtype", "block_size", "head_dim", "num_kv_heads", "group", "seq_lens", "partition_size"),
-    DECODE_CASES,
-)
+    ("dtype", "block_size", "head_dim", "num_kv_heads", "group", "seq_lens", "partition_size",
+     "launch"),
+    cases_by_variants(DECODE_CASES, DECODE_VARIANTS),
+)  # fmt: skip
 def test_decode_matches_reference(
     dtype, block_size, head_dim, num_kv_heads, group, seq_lens, partition_size, launch
 ):
@@ -311,10 +312,13 @@ def test_prefill_matches_reference(
 WINDOWS_AND_CAPS = [(1, 0.0), (23, 0.0), (70, 3.0), (500, 0.0), (0, 2.0)]
 
 
-@pytest.mark.parametrize("launch", [{}, {"KV_HEADS": 2}, {"FUSED_MERGE": 1},
-                                    {"KV_HEADS": 2, "HEADS_FIRST": 1, "FUSED_MERGE": 1}],
-                         ids=str)  # fmt: skip
-@pytest.mark.parametrize(("window", "softcap"), WINDOWS_AND_CAPS)
+WINDOW_VARIANTS = [{}, {"KV_HEADS": 2}, {"FUSED_MERGE": 1},
+                   {"KV_HEADS": 2, "HEADS_FIRST": 1, "FUSED_MERGE": 1}]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("window", "softcap", "launch"), cases_by_variants(WINDOWS_AND_CAPS, WINDOW_VARIANTS)
+)
 def test_decode_with_a_window_and_a_cap_matches_reference(launch, window, softcap):
     """Mistral's and Gemma's sliding windows (the query sees the last `window` positions; the
     partitions before them stay empty, and the merge, fused or not, weighs them zero) and

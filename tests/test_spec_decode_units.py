@@ -112,18 +112,25 @@ def test_rejection_sampling_emits_the_target_distribution(params, proposer):
     first = torch.zeros(VOCAB)
     second = torch.zeros(VOCAB)
     fixed_first_draft = int(p[0].argmax())  # a good guess, so p_1 gets tested too
-    for seed in range(num_trials):
-        generator = torch.Generator().manual_seed(seed)
-        if proposer == "draft_model":
-            drafts = [int(torch.multinomial(q[j], 1, generator=generator)) for j in range(k)]
-            draft_probs = q
-        else:  # an n-gram-like proposer: always the same guess
-            drafts, draft_probs = [fixed_first_draft, int(p[1].argmax())], None
-        rows = [_row(params, generator) for _ in range(k + 1)]
-        (emitted,) = verify(target_logits, [Verification(drafts, draft_probs, rows, generator)])
-        first[emitted[0]] += 1
-        if drafts[0] == emitted[0] and len(emitted) > 1:
-            second[emitted[1]] += 1
+    # Trials go through `verify` in batches, as the engine verifies its rows: each has its own
+    # generator, so a trial's tokens do not depend on the batch it is in.
+    trials_per_call = 500
+    for start in range(0, num_trials, trials_per_call):
+        batch = []
+        for seed in range(start, min(start + trials_per_call, num_trials)):
+            generator = torch.Generator().manual_seed(seed)
+            if proposer == "draft_model":
+                drafts = [int(torch.multinomial(q[j], 1, generator=generator)) for j in range(k)]
+                draft_probs = q
+            else:  # an n-gram-like proposer: always the same guess
+                drafts, draft_probs = [fixed_first_draft, int(p[1].argmax())], None
+            rows = [_row(params, generator) for _ in range(k + 1)]
+            batch.append(Verification(drafts, draft_probs, rows, generator))
+        logits = target_logits.repeat(len(batch), 1)
+        for item, emitted in zip(batch, verify(logits, batch)):
+            first[emitted[0]] += 1
+            if item.draft_token_ids[0] == emitted[0] and len(emitted) > 1:
+                second[emitted[1]] += 1
     assert _chi_square_p_value(first, p[0] * num_trials) > 1e-3
     assert second.sum() > 400, "the first draft should be accepted often enough to test p_1"
     assert _chi_square_p_value(second, p[1] * second.sum()) > 1e-3

@@ -131,7 +131,7 @@ def build_parts(config: EngineConfig, progress=None) -> EngineParts:
         output_processor=OutputProcessor(loaded.tokenizer),
         # Structured outputs: grammars compiled per constraint, matched per sequence.
         grammars=GrammarCompiler(
-            loaded.tokenizer.to_json(), loaded.architecture.vocab_size, loaded.eos_token_ids
+            loaded.tokenizer.to_json, loaded.architecture.vocab_size, loaded.eos_token_ids
         ),
         pages=pages,
         kv_exporter=kv_exporter,

@@ -275,3 +275,27 @@ def test_bad_constraints_are_refused_before_queueing(llm, params, message):
 def test_a_constraint_compiles_once(llm):
     output = StructuredOutput.json_schema(ORDER)
     assert llm.engine.grammars.compile(output) is llm.engine.grammars.compile(output)
+
+
+def test_the_grammar_tokenizer_is_built_once_at_the_first_constraint(llm):
+    """A pod that never sees a constraint never holds llguidance's view of the vocabulary
+    (about 36 MiB for SmolLM2's); the first constraints build it once, whichever threads ask."""
+    import concurrent.futures
+
+    from splitserve.engine.structured_output.matcher import GrammarCompiler
+
+    calls = []
+
+    def tokenizer_json() -> str:
+        calls.append(1)
+        return llm.tokenizer.to_json()
+
+    compiler = GrammarCompiler(tokenizer_json, llm.engine.architecture.vocab_size, [2])
+    try:
+        assert calls == []
+        outputs = [StructuredOutput.json_schema(PERSON), StructuredOutput.json_schema(ORDER)]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            list(pool.map(compiler.new_sequence, outputs))
+        assert calls == [1]
+    finally:
+        compiler.shutdown()

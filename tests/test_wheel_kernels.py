@@ -195,3 +195,20 @@ def test_a_killed_builds_lock_is_cleared_and_a_fresh_one_kept(monkeypatch, tmp_p
     assert prebuilt.clear_stale_lock("some_kernels")
     assert not lock.exists()
     assert not prebuilt.clear_stale_lock("some_kernels")  # nothing left to clear
+
+
+@pytest.mark.parametrize("extensions_dir", [None, "set"])
+def test_the_build_directory_is_the_one_torch_builds_in(monkeypatch, tmp_path, extensions_dir):
+    """prebuilt.py works the directory out without importing cpp_extension; a build there and
+    a later process's read-only load must agree on it, with TORCH_EXTENSIONS_DIR or without
+    (torch's default root under the user's cache)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    if extensions_dir is None:
+        monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    else:
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    ours = prebuilt.build_directory("some_kernels")
+    assert ours == Path(_get_build_directory("some_kernels", verbose=False))
+    assert ours.is_dir() and str(ours).startswith(str(tmp_path))

@@ -1,6 +1,6 @@
 """Grammar state per sequence, and the token masks of one engine step.
 
-    compiler = GrammarCompiler(tokenizer_json, vocab_size, eos_token_ids)
+    compiler = GrammarCompiler(tokenizer.to_json, vocab_size, eos_token_ids)
     request.grammar = compiler.new_sequence(params.structured_output)   # at admission
     masks = compiler.start_step(sched)    # computed in a worker thread while the forward runs
     masks.allowed(request_id, j)          # bool [vocab] for the j-th logits row of a request
@@ -19,7 +19,8 @@ import collections
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import llguidance
 import torch
@@ -123,13 +124,15 @@ NO_MASKS = StepMasks({}, torch.empty(0, 0, dtype=torch.int32), None, 0)
 
 
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer. The tokenizer's llguidance view is built once in
-    the background; each distinct constraint's start state is cached (LRU) and copied per
+    """Compiles constraints for one tokenizer. The tokenizer's llguidance view is built on the
+    first constraint, as vLLM builds its grammar backend: it holds about 36 MiB for a 49k
+    vocabulary, which a pod that never sees a constraint should not keep resident (issue 33's
+    memory target). Each distinct constraint's start state is cached (LRU) and copied per
     sequence, so a schema many requests share costs its compile once."""
 
     def __init__(
         self,
-        tokenizer_json: str,
+        tokenizer_json: Callable[[], str],
         vocab_size: int,
         eos_token_ids: Sequence[int],
         cache_size: int = 256,
@@ -138,17 +141,29 @@ class GrammarCompiler:
         self.eos_token_ids = tuple(eos_token_ids)
         self._compile_pool = concurrent.futures.ThreadPoolExecutor(1, "grammar-compile")
         self._mask_pool = concurrent.futures.ThreadPoolExecutor(1, "grammar-mask")
-        self._tokenizer = self._compile_pool.submit(
-            llguidance.LLTokenizer,
-            tokenizer_json,
-            n_vocab=vocab_size,
-            eos_token=list(self.eos_token_ids),
-        )
+        self._tokenizer_json = tokenizer_json
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer_lock = threading.Lock()  # one build, whichever thread asks first
         self._cache: collections.OrderedDict[StructuredOutput, llguidance.LLMatcher] = (
             collections.OrderedDict()
         )
         self._cache_size = cache_size
         self._lock = threading.Lock()
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                started = time.perf_counter()
+                self._tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer_json(),
+                    n_vocab=self.vocab_size,
+                    eos_token=list(self.eos_token_ids),
+                )
+                logger.info(
+                    "built the grammar tokenizer for the first constraint in %.2f s",
+                    time.perf_counter() - started,
+                )
+            return self._tokenizer
 
     # ---- compiling --------------------------------------------------------------------------
 
@@ -159,7 +174,7 @@ class GrammarCompiler:
             if cached is not None:
                 self._cache.move_to_end(output)
                 return cached
-        matcher = llguidance.LLMatcher(self._tokenizer.result(), grammar_for(output), log_level=0)
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar_for(output), log_level=0)
         if matcher.is_error():
             raise GrammarError(f"structured_output {output.kind} is invalid: {matcher.get_error()}")
         with self._lock:

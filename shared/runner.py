@@ -351,7 +351,6 @@ class ModelRunner(Generic[ModelT]):
             generator = torch.Generator(device=self.device).manual_seed(seed)
             # Output tokens that exist before this engine's first draw were sampled by a
             # prefill pod from the same seed: skip its draws.
-            vocab_size = self.model.arch.vocab_size
-            advance_generator(generator, vocab_size, request.num_output_tokens)
+            advance_generator(generator, request.num_output_tokens)
             self._generators[request.request_id] = generator
         return generator

@@ -18,9 +18,9 @@ Order of processing, and why:
    Hugging Face and vLLM, so top-p measures mass among the k survivors. min-p compares each
    probability to the largest one; that ratio does not change when top-k/top-p renormalise, so
    its place among the filters does not matter.
-6. Draw with the row's own generator (exponential race, see `_draw`), always over the
-   vocabulary in token-id order, so a seeded row gives the same token whatever other rows share
-   the batch.
+6. Draw with the row's own generator (one uniform, inverse transform, see `_draw`), always
+   over the vocabulary in token-id order, so a seeded row gives the same token whatever other
+   rows share the batch.
 
 Logprobs are taken from the RAW model logits (log_softmax before penalties, temperature and
 filters), as vLLM reports them by default: they describe the model, not the sampling knobs.
@@ -110,8 +110,10 @@ class Sampler:
                 logits = _constrain(logits.clone(), rows)
             return argmax_rows(logits)
         logits = apply_penalties(logits, rows)
-        token_ids = argmax_rows(logits)  # greedy rows keep this
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if len(random_rows) == len(rows):  # no greedy row: no argmax (1.3 ms at 16 x 49k)
+            return _sample_random(logits, rows, random_rows)
+        token_ids = argmax_rows(logits)  # greedy rows keep this
         if random_rows:
             token_ids[random_rows] = _sample_random(logits, rows, random_rows)
         return token_ids
@@ -338,27 +340,51 @@ def _apply_min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row, P(token) proportional to probs (which need not sum to 1).
 
-    Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i / sum(p).
-    Each row's noise comes from its own generator, so a seeded row's token depends only on its
-    seed and its own probabilities.
+    Inverse transform: one uniform u per row, from the row's own generator, and the token is
+    the first whose running sum of probabilities passes u x the row's total. One random number
+    a row, where an exponential race (argmax p_i / E_i) drew one per vocabulary entry: 33 ms of
+    a 16-row step over SmolLM2's 49k tokens on two cores, against about 1 ms here. The running
+    sum is float64, so its rounding moves a token's share by ~1e-16 of the total at most. A
+    token of probability 0 is never drawn, and a seeded row's token depends only on its seed
+    and its own probabilities, whatever other rows share the batch.
     """
-    noise = torch.empty_like(probs)
+    cumulative = probs.double().cumsum(dim=-1)
+    totals = cumulative[:, -1]
+    # u x total can round up to the total itself; the largest double below it still falls in
+    # the last token with any mass.
+    targets = torch.minimum(
+        _row_uniforms(generators, probs.device) * totals,
+        torch.nextafter(totals, torch.zeros_like(totals)),
+    )
+    return torch.searchsorted(cumulative, targets.unsqueeze(1), right=True).squeeze(1)
+
+
+def _row_uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """[rows] float64 in [0, 1): each seeded row's from its generator (`_uniform`), the others'
+    from torch's global RNG in one call."""
+    uniforms = torch.empty(len(generators), dtype=torch.float64, device=device)
+    unseeded = [i for i, generator in enumerate(generators) if generator is None]
+    if unseeded:
+        uniforms[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, device=device)
     for i, generator in enumerate(generators):
-        noise[i].exponential_(generator=generator)
-    # exponential_ may return 0; a floor keeps p / E finite (0 for filtered tokens, never NaN).
-    noise.clamp_(min=torch.finfo(probs.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
+        if generator is not None:
+            uniforms[i] = _uniform(generator)
+    return uniforms
 
 
-def advance_generator(generator: torch.Generator, vocab_size: int, num_draws: int) -> None:
+def _uniform(generator: torch.Generator) -> torch.Tensor:
+    """What one draw of a seeded row takes from its generator (`advance_generator` repeats it)."""
+    return torch.rand((), dtype=torch.float64, generator=generator, device=generator.device)
+
+
+def advance_generator(generator: torch.Generator, num_draws: int) -> None:
     """Consumes exactly the random numbers `num_draws` tokens sampled by `_draw` would.
 
     A decode pod continuing a request whose first token a prefill pod sampled with the same
     seed skips that draw, so the sequence equals what one engine would have produced.
     """
-    scratch = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
     for _ in range(num_draws):
-        scratch.exponential_(generator=generator)
+        _uniform(generator)
 
 
 def _compute_logprobs(

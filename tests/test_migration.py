@@ -265,7 +265,7 @@ def test_a_killed_pod_seeded_stream_continues_its_own_random_stream(stack, clien
     stack.decode_addresses.remove(hit)
 
 
-def test_a_stalled_prefill_pod_costs_its_timeout_then_falls_back(stack, client, llm):
+def test_a_stalled_prefill_pod_costs_at_most_its_timeout_then_falls_back(stack, client, llm):
     prompt = "A stalled prefill: " + PROMPT
     want = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0]
     prefill = stack.processes["prefill-0"]
@@ -280,7 +280,10 @@ def test_a_stalled_prefill_pod_costs_its_timeout_then_falls_back(stack, client, 
     finally:
         prefill.send_signal(signal.SIGCONT)
     assert got.choices[0].model_extra["token_ids"] == want.token_ids
-    assert float(PREFILL_TIMEOUT) <= elapsed < float(PREFILL_TIMEOUT) + 8
+    # The call waits out the prefill timeout, or less where the decode pod's channel had to
+    # connect anew: a stopped process never answers gRPC's handshake, which fails on its own
+    # deadline (about 1 s; seen when this test runs first in its file).
+    assert elapsed < float(PREFILL_TIMEOUT) + 8
     # Running again, the prefill pod hears the decode pod's cancel and drops the request.
     stats = wait_until_idle(stack.prefill_addresses[0], role="prefill")
     assert (stats.num_running, stats.num_waiting) == (0, 0)

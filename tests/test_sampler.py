@@ -243,3 +243,37 @@ def test_temperature_sampling_matches_softmax_frequencies(temperature):
 def test_empty_batch():
     out = sampler.sample(torch.empty(0, 10), [])
     assert out.sampled_token_ids == [] and out.logprobs == []
+
+
+def test_the_draw_never_takes_a_token_without_probability(monkeypatch):
+    """Inverse transform over the running sum: a zero-probability token, between others or
+    after the last one with mass, is never drawn, even by a uniform whose product with the
+    total rounds up to the total itself."""
+    from splitserve.engine import sampler as sampler_module
+
+    probs = torch.tensor(
+        [[0.0, 0.25, 0.0, 0.0, 0.75, 0.0, 0.0], [0.0, 0.0, 1e-30, 0.0, 0.0, 0.0, 0.0]]
+    )
+    for uniform in (0.0, 0.25 - 1e-12, 0.25, 0.5, 1.0 - 2**-53, 1.0):
+        monkeypatch.setattr(
+            sampler_module,
+            "_row_uniforms",
+            lambda gens, device, u=uniform: torch.full((len(gens),), u, dtype=torch.float64),
+        )
+        first, second = sampler_module.draw(probs, [None, None]).tolist()
+        assert first == (1 if uniform < 0.25 else 4), uniform
+        assert second == 2, uniform
+
+
+def test_a_seeded_draw_takes_one_number_from_its_generator():
+    """`advance_generator` skips exactly what a draw takes (a decode pod continuing a prefill
+    pod's seeded request relies on it), whatever the vocabulary's size."""
+    from splitserve.engine.sampler import advance_generator, draw
+
+    probs = torch.softmax(torch.randn(3, 49152, generator=torch.Generator().manual_seed(0)), -1)
+    drawn = torch.Generator().manual_seed(5)
+    tokens = [int(draw(probs[i : i + 1], [drawn])[0]) for i in range(3)]
+    skipped = torch.Generator().manual_seed(5)
+    advance_generator(skipped, 2)
+    assert int(draw(probs[2:3], [skipped])[0]) == tokens[2]
+    assert torch.equal(drawn.get_state(), skipped.get_state())

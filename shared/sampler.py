@@ -296,7 +296,10 @@ def _filtered_probs(
 ) -> torch.Tensor:
     """Step 5 for the random rows: [num_random, vocab] probabilities, zero where filtered (not
     renormalised after min-p)."""
-    sub = logits[random_rows] / _column([p.temperature for p in params], logits)
+    # Every row random (the usual batch): divide the logits as they are, without first copying
+    # the rows out (0.65 ms at 16 x 49k); the division makes the new tensor either way.
+    rows = logits if len(random_rows) == logits.shape[0] else logits[random_rows]
+    sub = rows / _column([p.temperature for p in params], logits)
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         sub = _apply_top_k_top_p(sub, params)
     probs = torch.softmax(sub, dim=-1)  # [num_random, vocab]
@@ -348,7 +351,7 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     token of probability 0 is never drawn, and a seeded row's token depends only on its seed
     and its own probabilities, whatever other rows share the batch.
     """
-    cumulative = probs.double().cumsum(dim=-1)
+    cumulative = probs.cumsum(dim=-1, dtype=torch.float64)
     totals = cumulative[:, -1]
     # u x total can round up to the total itself; the largest double below it still falls in
     # the last token with any mass.
@@ -356,7 +359,11 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
         _row_uniforms(generators, probs.device) * totals,
         torch.nextafter(totals, torch.zeros_like(totals)),
     )
-    return torch.searchsorted(cumulative, targets.unsqueeze(1), right=True).squeeze(1)
+    token_ids = torch.searchsorted(cumulative, targets.unsqueeze(1), right=True).squeeze(1)
+    # A row without finite positive mass (NaN from logits divided by a tiny temperature, all
+    # zero) finds no token: the last one keeps the id in the vocabulary, as the next step's
+    # embedding lookup needs, without a device sync to test for it.
+    return token_ids.clamp_(max=probs.shape[1] - 1)
 
 
 def _row_uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:

@@ -69,7 +69,8 @@ def cases_by_variants(cases, variants, ids=str):
     params = []
     for case_index, case in enumerate(cases):
         for variant_index, variant in enumerate(variants):
-            kept = variant_index == 0 or variant_index % len(cases) == case_index
+            # Variant j (j >= 1) with case j - 1: the first variants meet the first cases.
+            kept = variant_index == 0 or (variant_index - 1) % len(cases) == case_index
             marks = () if kept else (pytest.mark.slow,)
             params.append(
                 pytest.param(*case, variant, marks=marks, id=f"{_case_id(case)}-{ids(variant)}")

@@ -221,11 +221,15 @@ def test_a_migrated_structured_output_still_matches_its_schema(stack, client, ll
         _process(stack, address).send_signal(signal.SIGKILL)
 
     response_format = {
-        "type": "json_schema", "json_schema": {"name": "lighthouse", "schema": schema},
+        "type": "json_schema",
+        "json_schema": {"name": "lighthouse", "schema": schema},
     }
     text, tokens, finish, usage, hit = _stream_with_fault(
-        client, stack, {"temperature": 0, "extra_body": {"response_format": response_format}},
-        kill, max_tokens=80,
+        client,
+        stack,
+        {"temperature": 0, "extra_body": {"response_format": response_format}},
+        kill,
+        max_tokens=80,
     )
     assert (tokens, text, finish) == (want.token_ids, want.text, "stop")
     jsonschema.validate(json.loads(text), schema)
@@ -273,7 +277,10 @@ def test_a_stalled_prefill_pod_costs_at_most_its_timeout_then_falls_back(stack, 
     try:
         start = time.monotonic()
         got = client.completions.create(
-            model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0,
+            model=MODEL_NAME,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
             extra_body={"return_token_ids": True},
         )
         elapsed = time.monotonic() - start
@@ -282,8 +289,9 @@ def test_a_stalled_prefill_pod_costs_at_most_its_timeout_then_falls_back(stack, 
     assert got.choices[0].model_extra["token_ids"] == want.token_ids
     # The call waits out the prefill timeout, or less where the decode pod's channel had to
     # connect anew: a stopped process never answers gRPC's handshake, which fails on its own
-    # deadline (about 1 s; seen when this test runs first in its file).
-    assert elapsed < float(PREFILL_TIMEOUT) + 8
+    # deadline (about 1 s; seen when this test runs first in its file). Either way it waited
+    # on the stopped pod before prefilling itself.
+    assert 0.5 <= elapsed < float(PREFILL_TIMEOUT) + 8
     # Running again, the prefill pod hears the decode pod's cancel and drops the request.
     stats = wait_until_idle(stack.prefill_addresses[0], role="prefill")
     assert (stats.num_running, stats.num_waiting) == (0, 0)
@@ -302,7 +310,11 @@ def test_a_dead_gateway_replica_leaves_nothing_on_the_pods(stack, client):
     replica, base_url = _start_replica(stack, "gateway-replica")
     replica_client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
     stream = replica_client.completions.create(
-        model=MODEL_NAME, prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=400,
+        temperature=0,
+        stream=True,
         extra_body={"ignore_eos": True},
     )
     next(iter(stream))

@@ -277,3 +277,17 @@ def test_a_seeded_draw_takes_one_number_from_its_generator():
     advance_generator(skipped, 2)
     assert int(draw(probs[2:3], [skipped])[0]) == tokens[2]
     assert torch.equal(drawn.get_state(), skipped.get_state())
+
+
+def test_a_row_without_mass_still_draws_a_token_in_the_vocabulary():
+    """NaN probabilities (logits over a temperature so small that they overflow) or a row of
+    zeros find no token by the running sum; the draw still names one the embedding can look
+    up, so one bad row cannot fail the step of every row beside it."""
+    from splitserve.engine.sampler import draw
+
+    probs = torch.tensor([[float("nan"), 0.5, 0.5], [0.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    tokens = draw(probs, [None, None, None]).tolist()
+    assert all(0 <= token < 3 for token in tokens) and tokens[2] == 1
+    tiny = SamplingParams(temperature=1e-40)
+    out = sampler.sample(torch.tensor([[1.0, 3.0, 2.0]]), [row(tiny)])
+    assert 0 <= out.sampled_token_ids[0] < 3

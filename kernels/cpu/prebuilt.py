@@ -34,6 +34,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+from torch import _appdirs  # what cpp_extension's build root is made from
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +65,6 @@ def build_directory(name: str) -> Path:
     every process that only loads a library built before (issue 33's memory target)."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root is None:
-        from torch import _appdirs
-
         default_root = os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions"))
         abiflags = getattr(sys, "abiflags", "")
         python = f"py{sys.version_info.major}{sys.version_info.minor}{abiflags}"

@@ -31,6 +31,7 @@ from pathlib import Path
 import aiohttp
 
 from splitserve.common.grpc_server import start_server, stop_event_on_signals
+from splitserve.common.ports import free_port
 from splitserve.common.redis_server import RedisServer
 from splitserve.common.supervisor import HealthCheck, ProcessSpec, Supervisor
 from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
@@ -88,18 +89,10 @@ async def _serve_pod(port: int) -> None:
     await server.stop()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _gateway(name: str, pod: str, extra: list[str]) -> tuple[ProcessSpec, str]:
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "splitserve.gateway", "--host", "127.0.0.1"]
-    argv += ["--port", str(port), "--grpc-port", str(_free_port()), "--decode", pod]
+    argv += ["--port", str(port), "--grpc-port", str(free_port()), "--decode", pod]
     argv += ["--log-level", "warning", *extra]
     url = f"http://127.0.0.1:{port}"
     return ProcessSpec(name, argv, HealthCheck(http_url=f"{url}/health")), url
@@ -143,7 +136,7 @@ def run(streams: int, rounds: int, requests: int) -> None:
     with tempfile.TemporaryDirectory() as tmp, RedisServer() as redis, Supervisor() as sup:
         key_file = Path(tmp) / "keys.json"
         key_file.write_text(json.dumps([{"key": KEY, "tenant": "bench", **limits}]))
-        pod = f"127.0.0.1:{_free_port()}"
+        pod = f"127.0.0.1:{free_port()}"
         argv = [sys.executable, "-m", "benchmarks.gateway_auth", "--stand-in-pod", pod]
         health = HealthCheck(grpc_address=pod, grpc_service="splitserve.v1.DecodeWorker")
         sup.start(ProcessSpec("pod", argv, health))

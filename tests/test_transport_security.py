@@ -21,7 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.common import redis_auth
 from splitserve.common.channels import aio_channel, sync_channel
 from splitserve.common.grpc_server import start_server
-from splitserve.common.redis_server import RedisServer, free_port
+from splitserve.common.ports import free_port
+from splitserve.common.redis_server import RedisServer
 from splitserve.common.registry_schema import connect
 from splitserve.common.supervisor import HealthCheck, ProcessSpec, Supervisor
 from splitserve.common.tls import TlsFiles

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from benchmarks.peer.hf_export import ensure_hf_export
 from benchmarks.peer.vllm_venv import ensure_vllm_venv
+from splitserve.common.ports import free_port
 from splitserve.loadgen.client import Target
-from splitserve.loadgen.stacks import HOST, free_port
+from splitserve.loadgen.stacks import HOST
 
 SERVED_NAME = "smollm2"
 STARTUP_TIMEOUT_S = 600.0

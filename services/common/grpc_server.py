@@ -17,6 +17,13 @@ from grpc_health.v1._async import HealthServicer
 from splitserve.common.channels import SERVER_KEEPALIVE_OPTIONS
 from splitserve.common.tls import TlsFiles, server_credentials
 
+# grpc shares a port between servers by default (SO_REUSEPORT): a second process started on a
+# port that is taken would bind it too, and the kernel would split the connections between
+# the two. Health checks and calls meant for one pod then reach another (the likeliest reading
+# of a CI run whose decode pod never turned healthy beside a prefill pod). A taken port must be
+# an error at start.
+SERVER_OPTIONS = [*SERVER_KEEPALIVE_OPTIONS, ("grpc.so_reuseport", 0)]
+
 logger = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -132,7 +139,7 @@ async def start_server(
     TLS only (mutual with a CA); `health_port` > 0 then also serves the health service alone in
     plaintext there, for probes."""
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor()], options=SERVER_KEEPALIVE_OPTIONS
+        interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS
     )
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -140,7 +147,7 @@ async def start_server(
     bound = _bind(server, host, port, tls)
     health_server = None
     if tls is not None and health_port:
-        health_server = grpc.aio.server(options=SERVER_KEEPALIVE_OPTIONS)
+        health_server = grpc.aio.server(options=SERVER_OPTIONS)
         health_pb2_grpc.add_HealthServicer_to_server(health, health_server)
         _bind(health_server, host, health_port, None)
     grpc_server = GrpcServer(server, health, bound, tuple(service_names), health_server)
@@ -151,14 +158,22 @@ async def start_server(
     return grpc_server
 
 
+class BindError(OSError):
+    """A server could not listen where it was told to (the port is taken, or the host is not
+    this machine's): the process should say so and exit."""
+
+
 def _bind(server: grpc.aio.Server, host: str, port: int, tls: TlsFiles | None) -> int:
     address = f"{host}:{port}"
-    if tls is None:
-        bound = server.add_insecure_port(address)
-    else:
-        bound = server.add_secure_port(address, server_credentials(tls))
+    try:
+        if tls is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, server_credentials(tls))
+    except RuntimeError:  # grpc's word for a failed bind (the port is taken, or the host wrong)
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind gRPC port {address}")
+        raise BindError(f"cannot bind gRPC port {address}: is another process listening there?")
     return bound
 
 

@@ -24,16 +24,11 @@ import subprocess
 import time
 from urllib.parse import urlencode
 
+from splitserve.common.ports import free_port
 from splitserve.common.supervisor import dying_with_us
 from splitserve.common.tls import TlsFiles
 
 STARTUP_TIMEOUT_SECONDS = 10.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class RedisServer:

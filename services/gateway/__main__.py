@@ -14,7 +14,12 @@ import uvicorn
 from splitserve.common.background import in_daemon_thread, wait_first
 from splitserve.common.channels import use_client_tls
 from splitserve.common.cli_args import setup_logging
-from splitserve.common.grpc_server import GrpcServer, start_server, stop_event_on_signals
+from splitserve.common.grpc_server import (
+    BindError,
+    GrpcServer,
+    start_server,
+    stop_event_on_signals,
+)
 from splitserve.common.model_files import default_model_name, load_tokenizer, resolve_model_path
 from splitserve.common.redis_auth import add_redis_password_flag, use_redis_password_file
 from splitserve.common.tls import add_tls_flags, tls_from_args
@@ -328,7 +333,11 @@ def main(argv: list[str] | None = None) -> int:
         configure_tracing("splitserve-gateway")  # from OTEL_* (see services/common/tracing.py)
     except ValueError as error:
         parser.error(str(error))
-    return asyncio.run(serve(args))
+    try:
+        return asyncio.run(serve(args))
+    except BindError as error:
+        logger.error("%s", error)
+        return 1
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 import urllib.error
@@ -17,6 +16,7 @@ import urllib.request
 from dataclasses import dataclass, field, replace
 
 from splitserve.common.channels import sync_channel
+from splitserve.common.ports import free_port
 from splitserve.common.supervisor import (
     ProcessGroupError,
     ProcessSpec,
@@ -48,12 +48,6 @@ def usable_cores() -> tuple[int, int]:
     if len(cpus) < 2:
         raise ValueError(f"needs 2 CPUs to split between prefill and decode, has {cpus}")
     return cpus[0], cpus[1]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 def _plan(setup: SystemSetup) -> Plan:

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from splitserve.common.cli_args import setup_logging
+from splitserve.common.grpc_server import BindError
 from splitserve.common.model_files import default_model_name, resolve_model_path
 from splitserve.common.redis_auth import use_redis_password_file
 from splitserve.common.tls import tls_from_args
@@ -25,6 +27,8 @@ if TYPE_CHECKING:
     from splitserve.engine.kv.transfer import KVTransport
     from splitserve.engine.kv.transfer.config import KVTransferConfig
     from splitserve.pod.core import EnginePodCore
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,11 @@ def run_pod(role: PodRole, argv: list[str] | None = None) -> int:
     if args.nice:
         # Before any thread starts: threads inherit the niceness of the thread creating them.
         os.nice(args.nice)
-    is_engine_lost = asyncio.run(_serve(role, args))
+    try:
+        is_engine_lost = asyncio.run(_serve(role, args))
+    except BindError as error:
+        logger.error("%s", error)
+        return 1
     return 1 if is_engine_lost else 0
 
 

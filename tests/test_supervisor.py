@@ -1,4 +1,5 @@
-"""The process supervisor: children die with a killed supervisor, and stop() leaves none."""
+"""The process supervisor: children die with a killed supervisor, stop() leaves none, and a
+child that never turns healthy is named with what its checks saw."""
 
 from __future__ import annotations
 
@@ -8,10 +9,21 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent import futures
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import HealthServicer
 
-from splitserve.common.supervisor import HealthCheck, ProcessSpec, RestartPolicy, Supervisor
+from splitserve.common.ports import free_port
+from splitserve.common.supervisor import (
+    HealthCheck,
+    ProcessGroupError,
+    ProcessSpec,
+    RestartPolicy,
+    Supervisor,
+)
 from tests.process_util import is_running, wait_until_gone
 
 _SUPERVISOR_SCRIPT = textwrap.dedent(
@@ -99,3 +111,35 @@ def test_a_child_that_stays_up_resets_its_back_off():
         supervisor.process("sleeper").wait()
         events = supervisor.restart_exited(policy, child.started_at + 6.0)
         assert events == ["sleeper exited with status -9; restarting in 1 s"]
+
+
+@pytest.fixture
+def health_server():
+    """A gRPC health server in this process where "known.Service" is NOT_SERVING."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health = HealthServicer()
+    health.set("known.Service", health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+@pytest.mark.parametrize(
+    ("service", "problem"),
+    [("known.Service", "NOT_SERVING"), ("other.Service", "NOT_FOUND")],
+)
+def test_a_child_that_never_turns_healthy_is_named_with_what_its_checks_saw(
+    health_server, service, problem
+):
+    with Supervisor() as supervisor:
+        health = HealthCheck(grpc_address=health_server, grpc_service=service)
+        supervisor.start(ProcessSpec("pod-0", ["sleep", "30"], health))
+        refused = f"http://127.0.0.1:{free_port()}/health"
+        supervisor.start(ProcessSpec("gateway", ["sleep", "30"], HealthCheck(http_url=refused)))
+        with pytest.raises(ProcessGroupError) as raised:
+            supervisor.wait_healthy(timeout=0.5)
+    message = str(raised.value)
+    assert f"pod-0 (gRPC health: {problem}" in message
+    assert "gateway (HTTP: <urlopen error [Errno 111] Connection refused>)" in message

@@ -71,6 +71,7 @@ class _Child:
     process: subprocess.Popen
     channel: grpc.Channel | None = None
     healthy: bool = False
+    last_problem: str = "not checked yet"  # why the last health check failed, for the timeout
     started_at: float = field(default_factory=time.monotonic)
     num_restarts: int = 0  # since the last reset (RestartPolicy.reset_after_s)
     restart_at: float | None = None  # set when its exit was seen: when to start it again
@@ -124,7 +125,10 @@ class Supervisor:
         while True:
             self.check_alive()
             for child in self._children:
-                child.healthy = child.healthy or _is_healthy(child)
+                if not child.healthy:
+                    problem = _health_problem(child)
+                    child.healthy = problem is None
+                    child.last_problem = problem or ""
             elapsed = time.monotonic() - start
             status = {child.spec.name: child.healthy for child in self._children}
             if on_progress is not None:
@@ -132,7 +136,11 @@ class Supervisor:
             if all(status.values()):
                 return
             if elapsed > timeout:
-                waiting = [name for name, ok in status.items() if not ok]
+                waiting = [
+                    f"{child.spec.name} ({child.last_problem})"
+                    for child in self._children
+                    if not child.healthy
+                ]
                 raise ProcessGroupError(f"not healthy after {timeout:.0f} s: {', '.join(waiting)}")
             time.sleep(interval)
 
@@ -210,25 +218,33 @@ def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
         os.killpg(process.pid, sig)
 
 
-def _is_healthy(child: _Child) -> bool:
+def _health_problem(child: _Child) -> str | None:
+    """None when every check of the child passes, else what the first failing one saw (a
+    refused connection, NOT_SERVING, a service the server does not know...)."""
     health = child.spec.health
-    if child.channel is not None and not _grpc_serving(child.channel, health.grpc_service):
-        return False
-    return health.http_url is None or _http_ok(health.http_url)
+    if child.channel is not None:
+        problem = _grpc_problem(child.channel, health.grpc_service)
+        if problem is not None:
+            return problem
+    return None if health.http_url is None else _http_problem(health.http_url)
 
 
-def _grpc_serving(channel: grpc.Channel, service: str) -> bool:
+def _grpc_problem(channel: grpc.Channel, service: str) -> str | None:
     stub = health_pb2_grpc.HealthStub(channel)
     try:
         response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
-    except grpc.RpcError:
-        return False
-    return response.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError as error:
+        return f"gRPC health: {error.code().name} {error.details()}"
+    if response.status == health_pb2.HealthCheckResponse.SERVING:
+        return None
+    return f"gRPC health: {health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)}"
 
 
-def _http_ok(url: str) -> bool:
+def _http_problem(url: str) -> str | None:
     try:
         with urllib.request.urlopen(url, timeout=1.0) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
+            return None if response.status == 200 else f"HTTP {response.status}"
+    except urllib.error.HTTPError as error:
+        return f"HTTP {error.code}"
+    except (urllib.error.URLError, OSError) as error:
+        return f"HTTP: {error}"

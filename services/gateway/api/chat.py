@@ -39,6 +39,7 @@ from splitserve.gateway.api.format import (
     usage_json,
 )
 from splitserve.gateway.api.respond import encode_conversation, respond, start_choices
+from splitserve.gateway.bounds import CHAT_ROLES
 from splitserve.gateway.core import GatewayCore, ServedModels
 from splitserve.gateway.errors import RequestError
 from splitserve.gateway.outputs import CollectedSequence, SequenceChunk, Usage
@@ -67,8 +68,10 @@ class TextPart(StrictModel):
 
 
 class ChatMessage(StrictModel):
+    # A str checked in bounds.py (its 400 names the roles), listed as an enum in the schema
+    # so clients and generators built from /openapi.json know them.
     role: str = Field(
-        description="system, user, assistant, tool, ...", json_schema_extra={"minLength": 1}
+        description="Who wrote the message.", json_schema_extra={"enum": sorted(CHAT_ROLES)}
     )
     content: str | list[TextPart] | None = None
     name: str | None = doc_field("A participant's name (not rendered by every template).")

@@ -14,6 +14,7 @@ import uvicorn
 from splitserve.common.background import in_daemon_thread, wait_first
 from splitserve.common.channels import use_client_tls
 from splitserve.common.cli_args import setup_logging
+from splitserve.common.gc_heap import freeze_startup_heap
 from splitserve.common.grpc_server import (
     BindError,
     GrpcServer,
@@ -265,6 +266,7 @@ async def serve(args: argparse.Namespace) -> int:
             http="httptools",
         )
     )
+    freeze_startup_heap()  # the tokenizer and the app stay: no full collection walks them
     http_task = asyncio.create_task(http.serve())
     logger.info("serving %s: HTTP on %d, gRPC on %d", model_name, args.port, grpc_server.port)
     await asyncio.wait([http_task, stopping], return_when=asyncio.FIRST_COMPLETED)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from splitserve.common.background import in_daemon_thread, wait_first
 from splitserve.common.channels import use_client_tls
+from splitserve.common.gc_heap import freeze_startup_heap
 from splitserve.common.grpc_server import start_server, stop_event_on_signals
 from splitserve.common.pod_load import PodLoad
 from splitserve.common.step_costs import StepCosts
@@ -287,6 +288,7 @@ async def serve_pod(
     is_engine_lost = False
     if core is not None and not stopping.done():
         await core.start()
+        freeze_startup_heap()  # the engine's objects stay: no full collection walks them
         servicer.core = core
         registry = await start_registry(args, core, server.port)
         await server.set_serving(True)

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import Field
+from pydantic import Field, JsonValue
 
 from splitserve.common import tracing
 from splitserve.engine.sampling_params import MAX_LOGPROBS
@@ -71,7 +71,8 @@ class ChatMessage(StrictModel):
     # A str checked in bounds.py (its 400 names the roles), listed as an enum in the schema
     # so clients and generators built from /openapi.json know them.
     role: str = Field(
-        description="Who wrote the message.", json_schema_extra={"enum": sorted(CHAT_ROLES)}
+        description="Who wrote the message.",
+        json_schema_extra={"enum": list[JsonValue](sorted(CHAT_ROLES))},
     )
     content: str | list[TextPart] | None = None
     name: str | None = doc_field("A participant's name (not rendered by every template).")

@@ -1,0 +1,27 @@
+"""Short garbage-collector pauses in the long-running services.
+
+CPython's full collections walk every object the collector tracks. A gateway holds ~100k of them
+once its tokenizer and web stack are loaded, a pod ~200k with its engine, nearly all alive for
+the life of the process: a full pass over the gateway's took 53-59 ms of CPU here, during which
+the process serves no stream. Frozen objects (`gc.freeze`) are left out of every later
+collection, so once startup is done a full pass only walks what was made since (the same
+gateway heap: 0.0 ms). vLLM's servers freeze their startup heap for the same reason.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+def freeze_startup_heap() -> int:
+    """Collects what startup left as garbage, then freezes every object alive; returns how many
+    objects are frozen. Call once, when the service has loaded what it keeps and is about to
+    serve."""
+    gc.collect()
+    gc.freeze()
+    count = gc.get_freeze_count()
+    logger.info("froze %d objects of the startup heap: full collections leave them out", count)
+    return count

@@ -1,0 +1,40 @@
+"""The services freeze their startup heap: what startup keeps is left out of every later full
+collection, and what startup threw away is collected first, not frozen."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+from splitserve.common.gc_heap import freeze_startup_heap
+
+
+class _Node:
+    def __init__(self) -> None:
+        self.partner: _Node | None = None
+
+
+@pytest.fixture
+def unfrozen_after():
+    yield
+    gc.unfreeze()  # the rest of this worker's tests run with the collector as before
+
+
+def test_what_startup_keeps_is_left_out_of_later_collections(unfrozen_after):
+    kept = [_Node() for _ in range(100)]
+    assert freeze_startup_heap() >= len(kept)
+    tracked = {id(obj) for obj in gc.get_objects()}
+    assert not any(id(node) in tracked for node in kept)
+    made_after = _Node()
+    assert any(obj is made_after for obj in gc.get_objects())
+
+
+def test_startup_garbage_is_collected_before_the_freeze(unfrozen_after):
+    first, second = _Node(), _Node()
+    first.partner, second.partner = second, first  # a cycle: only a collection frees it
+    alive = weakref.ref(first)
+    del first, second
+    freeze_startup_heap()
+    assert alive() is None

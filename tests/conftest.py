@@ -25,7 +25,7 @@ Fixtures (names are stable: other test files rely on them):
 
 Nothing here downloads: the Hugging Face hub is switched to offline mode before any test runs.
 Each pytest worker draws the ports of the processes it starts from a range of its own
-(`splitserve.common.ports`), so two workers never hand one port to two servers.
+(`splitserve.common.ports`), so two workers of one run never hand one port to two servers.
 """
 
 from __future__ import annotations
@@ -43,17 +43,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # Below Linux's ephemeral range (32768-60999), where port-0 binds and outgoing connections land.
-FIRST_WORKER_PORT = 20_000
-PORTS_PER_WORKER = 2_000
-MAX_PORT_RANGES = 6
+WORKER_PORTS = range(20_000, 32_000)
 
 
 def _draw_ports_from_this_workers_range() -> None:
-    """xdist worker gwN takes the Nth range; beyond MAX_PORT_RANGES workers, port-0 draws."""
-    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
-    if index < MAX_PORT_RANGES:
-        first = FIRST_WORKER_PORT + index * PORTS_PER_WORKER
-        use_port_range(range(first, first + PORTS_PER_WORKER))
+    """Splits WORKER_PORTS between this run's xdist workers (gwN takes the Nth part); a run
+    without workers takes all of it. Two runs at once on one machine share the ranges."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or "1")
+    size = len(WORKER_PORTS) // max(count, index + 1)
+    first = WORKER_PORTS.start + index * size
+    use_port_range(range(first, first + size))
 
 
 _draw_ports_from_this_workers_range()

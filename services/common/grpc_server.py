@@ -138,9 +138,7 @@ async def start_server(
     registers the service's own servicers before the server starts. With `tls` the port serves
     TLS only (mutual with a CA); `health_port` > 0 then also serves the health service alone in
     plaintext there, for probes."""
-    server = grpc.aio.server(
-        interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS
-    )
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     add_servicers(server)
@@ -149,7 +147,11 @@ async def start_server(
     if tls is not None and health_port:
         health_server = grpc.aio.server(options=SERVER_OPTIONS)
         health_pb2_grpc.add_HealthServicer_to_server(health, health_server)
-        _bind(health_server, host, health_port, None)
+        try:
+            _bind(health_server, host, health_port, None)
+        except BindError:
+            await server.stop(None)  # the main port is bound already: free it for a retry
+            raise
     grpc_server = GrpcServer(server, health, bound, tuple(service_names), health_server)
     await grpc_server.set_serving(False)
     await server.start()
@@ -165,15 +167,19 @@ class BindError(OSError):
 
 def _bind(server: grpc.aio.Server, host: str, port: int, tls: TlsFiles | None) -> int:
     address = f"{host}:{port}"
+    credentials = None if tls is None else server_credentials(tls)  # its own errors, not ours
     try:
-        if tls is None:
+        if credentials is None:
             bound = server.add_insecure_port(address)
         else:
-            bound = server.add_secure_port(address, server_credentials(tls))
-    except RuntimeError:  # grpc's word for a failed bind (the port is taken, or the host wrong)
+            bound = server.add_secure_port(address, credentials)
+    except RuntimeError:  # how grpc says the bind failed; its log line above says why
         bound = 0
     if bound == 0:
-        raise BindError(f"cannot bind gRPC port {address}: is another process listening there?")
+        raise BindError(
+            f"cannot bind gRPC port {address}: another process listens there, the host is not "
+            "this machine's, or grpc refused the TLS files (see grpc's message above)"
+        )
     return bound
 
 

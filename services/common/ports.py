@@ -21,9 +21,15 @@ import threading
 
 # Port-0 draws remembered so none is handed out twice; far more than one run starts at once.
 RECENT_DRAWS_KEPT = 4096
+# Port-0 draws tried for one new number: Linux hands binds the ~14k odd ports of its ephemeral
+# range, so repeats are rare; a range narrowed to about RECENT_DRAWS_KEPT would repeat forever.
+MAX_KERNEL_DRAWS = 64
 
 
 class _PortPicker:
+    """Hands out ports, from the kernel (port 0) or from a range; thread-safe. The `_from_*`
+    methods run with `_lock` held."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._recent: collections.deque[int] = collections.deque(maxlen=RECENT_DRAWS_KEPT)
@@ -42,11 +48,12 @@ class _PortPicker:
             return self._from_range(host, self._range)
 
     def _from_kernel(self, host: str) -> int:
-        while True:
+        for _ in range(MAX_KERNEL_DRAWS):
             port = _bind_and_release(host, 0)
             if port not in self._recent:
                 self._recent.append(port)
                 return port
+        raise OSError(f"{MAX_KERNEL_DRAWS} port-0 binds gave only ports handed out recently")
 
     def _from_range(self, host: str, ports: range) -> int:
         # In order from a random start: a number comes round again only after every other one

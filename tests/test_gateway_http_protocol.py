@@ -112,6 +112,17 @@ def test_a_body_far_past_the_bound_is_read_whole(port):
     assert response.endswith(str(body_size).encode())
 
 
+def test_whole_requests_with_bodies_past_the_bound_in_one_read_each_pass(port):
+    # A read that ends a head can end the whole request with it: its body is not head bytes.
+    body_size = 3 * MAX_REQUEST_HEAD_BYTES
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        for _ in range(2):
+            sock.sendall(_head(100, body_size) + b"b" * body_size)
+            response = _read_response(sock)
+            assert response.startswith(b"HTTP/1.1 200 ")
+            assert response.endswith(str(body_size).encode())
+
+
 def test_heads_within_the_bound_on_one_connection_each_get_their_own_bound(port):
     padding = MAX_REQUEST_HEAD_BYTES * 3 // 4  # two of them together would pass the bound
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:

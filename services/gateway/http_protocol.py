@@ -24,18 +24,23 @@ class HeadTooLarge(Exception):
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
     """Two counts, both reset by each request: the head's URL and header lines as the parser
-    hands them over (exact, but only once each is whole), and the bytes of reads after which the
-    head is still incomplete (a header trickled in, or one too long to ever end, which httptools
-    would keep buffering)."""
+    hands them over (exact, but only once each is whole), and the bytes of reads in which no
+    head or request ended and after which a head is still incomplete (a header trickled in, or
+    one too long to ever end, which httptools would keep buffering)."""
 
     _is_in_head = True  # between requests too: the next bytes start a head
     _head_bytes = 0  # URL and header lines of this head
     _incomplete_read_bytes = 0
+    _num_ends = 0  # heads and messages ended on this connection
 
     def data_received(self, data: bytes) -> None:
-        was_in_head = self._is_in_head
+        num_ends = self._num_ends
         super().data_received(data)
-        if not (was_in_head and self._is_in_head) or self.transport.is_closing():
+        # A read in which a head or a message ended holds body bytes, maybe whole requests:
+        # not counted (what it may add to a head is one read).
+        if num_ends != self._num_ends or not self._is_in_head:
+            return
+        if self.transport.is_closing():
             return
         self._incomplete_read_bytes += len(data)
         if self._incomplete_read_bytes > MAX_REQUEST_HEAD_BYTES:
@@ -55,10 +60,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._is_in_head = False
+        self._num_ends += 1
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
+        self._num_ends += 1
         self._is_in_head = True
         self._incomplete_read_bytes = 0
 

@@ -161,8 +161,8 @@ async def start_server(
 
 
 class BindError(OSError):
-    """A server could not listen where it was told to (the port is taken, or the host is not
-    this machine's): the process should say so and exit."""
+    """A server could not listen where it was told to (the port is taken, the host is not this
+    machine's, or grpc refused the TLS files): the process should say so and exit."""
 
 
 def _bind(server: grpc.aio.Server, host: str, port: int, tls: TlsFiles | None) -> int:

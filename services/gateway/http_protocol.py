@@ -38,9 +38,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().data_received(data)
         # A read in which a head or a message ended holds body bytes, maybe whole requests:
         # not counted (what it may add to a head is one read).
-        if num_ends != self._num_ends or not self._is_in_head:
-            return
-        if self.transport.is_closing():
+        if num_ends != self._num_ends or not self._is_in_head or self.transport.is_closing():
             return
         self._incomplete_read_bytes += len(data)
         if self._incomplete_read_bytes > MAX_REQUEST_HEAD_BYTES:

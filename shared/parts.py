@@ -93,7 +93,7 @@ def build_parts(config: EngineConfig, progress=None) -> EngineParts:
     thread count first when the config names one."""
     thread_tuner = _configure_threads(config)
     loaded = load_model(config, progress)
-    kv = build_kv(config.cache, loaded, config.parallel.world_size)
+    kv = build_kv(config.cache, loaded, config.parallel.world_size, _kv_window(config, loaded))
     speculation = build_policy(config.speculative)
     lora = build_lora(config, loaded.model)
     scheduler = Scheduler(
@@ -228,13 +228,26 @@ def _max_model_len(model_limit: int, config: EngineConfig) -> int:
 # ---- the KV parts -------------------------------------------------------------------------
 
 
-def build_kv(cache: CacheConfig, loaded: LoadedModel, world_size: int = 1) -> KVParts:
+def build_kv(
+    cache: CacheConfig, loaded: LoadedModel, world_size: int = 1, sliding_window: int = 0
+) -> KVParts:
     """The offload tiers first (they need only the pool's tensor), then the manager that
     evicts into them and looks prefixes up in them, then the loads that bring blocks back."""
     offloader = build_offloader(cache, loaded.kv_cache, world_size)
-    manager = KVCacheManager.from_config(cache, loaded.kv_spec.num_blocks, lower_tiers=offloader)
+    manager = KVCacheManager.from_config(
+        cache, loaded.kv_spec.num_blocks, lower_tiers=offloader, sliding_window=sliding_window
+    )
     loads = KVLoads(manager, offloader) if offloader is not None else None
     return KVParts(manager, offloader, loads)
+
+
+def _kv_window(config: EngineConfig, loaded: LoadedModel) -> int:
+    """The window past which the KV manager releases a running request's blocks: the model's
+    (shared/model/architecture.py), unless a separate draft model shares the block tables, which
+    may attend to every position."""
+    if config.speculative.speculative_method == "draft":
+        return 0
+    return loaded.architecture.kv_window
 
 
 def _page_io(loaded: LoadedModel) -> PageIO:

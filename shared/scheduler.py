@@ -322,6 +322,7 @@ class Scheduler:
                 continue
             request.num_computed_tokens += chunk.num_tokens
             self.kv.cache_blocks(request, request.num_computed_tokens)
+            self._release_out_of_window(request, request.num_computed_tokens)
             if not chunk.is_sampled:
                 continue
             token_id = model_out.sampled_token_ids[request.request_id]
@@ -366,6 +367,10 @@ class Scheduler:
         updates = []
         for chunk in sched.chunks:
             request = chunk.request
+            if request.status == RequestStatus.RUNNING:
+                # Not request.num_computed_tokens: the step after this one may be in flight
+                # already, and its queries start where this chunk ended.
+                self._release_out_of_window(request, chunk.start_position + chunk.num_tokens)
             if not chunk.is_sampled or request.is_finished:
                 continue
             token_id = model_out.sampled_token_ids[request.request_id]
@@ -403,11 +408,19 @@ class Scheduler:
             request.num_draft_computed_tokens, request.num_computed_tokens
         )
         self.kv.cache_blocks(request, request.num_computed_tokens)
+        self._release_out_of_window(request, request.num_computed_tokens)
         if status is not None:
             self.finish_requests([request.request_id], status)
         logprobs = model_out.verified_logprobs.get(request.request_id, [])
         new_token_ids = token_ids[:num_appended]
         return RequestUpdate(request, new_token_ids, logprobs[:num_appended], status is not None)
+
+    def _release_out_of_window(self, request: Request, num_settled_tokens: int) -> None:
+        """Gives back the blocks that fell out of a windowed model's every window, once the
+        step that moved the window has finished. A prefill pod's request keeps them: its
+        pages go to a decode pod, which caches every one of them."""
+        if request.export_kv_from_block is None:
+            self.kv.release_out_of_window(request, num_settled_tokens)
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

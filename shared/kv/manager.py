@@ -10,6 +10,15 @@ and while running:
 
     | computed (num_computed_tokens) | num_new_tokens (this step) | unallocated |
 
+With a sliding window on every layer (`sliding_window`, Mistral and Phi-3), a running request
+gives back the blocks no query of it will read again, so its blocks stay bounded by the window:
+
+    | released (out of every window) | window of its next query | new |
+
+A released position keeps a block id in the request's table, the id of its first block still
+held (the kernels index a table by position and read only the window, so any block they are
+given for a position outside it is never looked at, and a held one is always valid memory).
+
 Who owns what: the scheduler owns `request.num_computed_tokens` (it sets it to
 `computed.num_tokens` after a successful admission, and advances it after each step); this
 manager owns `request.block_hashes`, extended lazily as blocks fill and never recomputed. Not
@@ -97,6 +106,9 @@ class _RequestBlocks:
     # Leading blocks already offered to the pool's hash map (registered, or skipped because
     # another block holds the same hash); cache_blocks starts after them.
     num_cached_blocks: int = 0
+    # Leading blocks given back because they fell out of the sliding window; blocks[:n] are
+    # no longer this request's and block_ids[:n] name its first held block instead.
+    num_released_blocks: int = 0
 
 
 class KVCacheManager:
@@ -108,11 +120,17 @@ class KVCacheManager:
         hash_namespace: str = CacheConfig.hash_namespace,
         tenant_quota: int | None = None,
         lower_tiers: LowerTiers | None = None,
+        sliding_window: int = 0,
     ) -> None:
         """`lower_tiers`: the offload tiers, when the engine has them: the pool's evictions are
-        written down to them, and prefix lookups continue there."""
+        written down to them, and prefix lookups continue there. `sliding_window`: how many
+        trailing positions any query reads (the model's `kv_window`; 0 = all), past which
+        `release_out_of_window` gives blocks back."""
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        if not isinstance(sliding_window, int) or sliding_window < 0:
+            raise ValueError(f"sliding_window must be an int >= 0, got {sliding_window!r}")
+        self.sliding_window = sliding_window
         if not isinstance(hash_namespace, str):
             raise ValueError(f"hash_namespace must be a str, got {hash_namespace!r}")
         self.block_size = block_size
@@ -126,7 +144,11 @@ class KVCacheManager:
 
     @classmethod
     def from_config(
-        cls, cache_config: CacheConfig, num_blocks: int, lower_tiers: LowerTiers | None = None
+        cls,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        lower_tiers: LowerTiers | None = None,
+        sliding_window: int = 0,
     ) -> KVCacheManager:
         return cls(
             num_blocks,
@@ -135,6 +157,7 @@ class KVCacheManager:
             hash_namespace=cache_config.hash_namespace,
             tenant_quota=cache_config.tenant_quota_blocks(num_blocks),
             lower_tiers=lower_tiers,
+            sliding_window=sliding_window,
         )
 
     @property
@@ -265,7 +288,33 @@ class KVCacheManager:
         """
         entry = self._requests.pop(request.request_id, None)
         if entry is not None:
-            self.block_pool.free_blocks(reversed(entry.blocks), request.kv_retention)
+            held = entry.blocks[entry.num_released_blocks :]
+            self.block_pool.free_blocks(reversed(held), request.kv_retention)
+
+    def release_out_of_window(self, request: Request, num_settled_tokens: int) -> int:
+        """Gives back the request's leading blocks that no query from position
+        `num_settled_tokens` on can see (with `sliding_window` W, a query at p reads keys
+        p - W + 1 .. p). Call with the first position no step in flight or to come queries
+        below: the count of tokens whose KV a finished step wrote. The blocks keep their place
+        in the prefix cache until evicted; the request's last block is always kept. Returns how
+        many blocks were given back; 0 without a window or blocks."""
+        entry = self._requests.get(request.request_id)
+        if not self.sliding_window or entry is None or not entry.blocks:
+            return 0
+        first_key = num_settled_tokens - self.sliding_window + 1
+        num_out = min(max(0, first_key) // self.block_size, len(entry.blocks) - 1)
+        start = entry.num_released_blocks
+        if num_out <= start:
+            return 0
+        self.block_pool.free_blocks(entry.blocks[start:num_out], request.kv_retention)
+        entry.block_ids[start:num_out] = [entry.block_ids[num_out]] * (num_out - start)
+        entry.num_released_blocks = num_out
+        return num_out - start
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (released ones not counted); 0 if it holds none."""
+        entry = self._requests.get(request_id)
+        return len(entry.blocks) - entry.num_released_blocks if entry is not None else 0
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block ids in token order (a copy); [] if it holds none."""

@@ -249,6 +249,16 @@ class ModelArchitecture:
         """How many positions layer `layer`'s queries see, themselves included (0 = all)."""
         return self.layer_windows[layer] if self.layer_windows else 0
 
+    @property
+    def kv_window(self) -> int:
+        """How many trailing positions any query of any layer still reads: the widest window
+        when every layer has one (Mistral, Phi-3), 0 when some layer sees every position
+        (Gemma's global layers, no window at all). Keys older than that are never read again,
+        so their blocks can be released while the sequence runs."""
+        if not self.layer_windows or not all(self.layer_windows):
+            return 0
+        return max(self.layer_windows)
+
 
 @dataclass
 class LoadedCheckpoint:

@@ -8,9 +8,10 @@ Two parts:
   transformers' config classes, hidden 512, 4 layers, 16 heads) each prefill the same prompt on a
   prefill engine that exports its pages for a decode engine, as the pods do (the decode engine
   reserves the blocks, the prefill engine exports them, the decode engine unpacks them); printed:
-  the exported bytes per prompt token and per token per layer, the ratio, and the pack + unpack
-  time of the pages in process (the transport's own time is benchmarks/kv_transfer_bandwidth.py:
-  bytes / its GB/s);
+  the exported bytes per prompt token and per token per layer, the ratio, the pack + unpack
+  time of the pages in process, and the median time to send those pages over UCX (the
+  project's default options) from a sender to a receiver in this process, checked equal on
+  arrival (between two processes: benchmarks/kv_transfer_bandwidth.py's GB/s);
 - at full size, from the engine's own page sizing (`bytes_per_block` of the architecture the
   loader would build): DeepSeek-V2 and -V3 against GQA models of the same hidden size.
 
@@ -20,6 +21,7 @@ Quick figures from a shared machine; timings are to be taken again on a quiet on
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import tempfile
@@ -32,6 +34,11 @@ import torch
 from splitserve import LLM, SamplingParams
 from splitserve.engine.kv.cache import bytes_per_block
 from splitserve.engine.kv.disaggregation import RemotePrefillResult
+from splitserve.engine.kv.transfer import (
+    KVTransferConfig,
+    KVTransferDescriptor,
+    create_kv_transport,
+)
 from splitserve.engine.model.architecture import MLAConfig, ModelArchitecture
 from splitserve.engine.model_paths import default_model_path
 
@@ -85,9 +92,11 @@ def _checkpoint(root: str, name: str, config_class: str, options: dict[str, Any]
     return directory
 
 
-def _export(directory: str, prompt: list[int], dtype: str, repeats: int) -> tuple[int, float]:
-    """(exported page bytes, median pack + unpack seconds) of `prompt` prefilled on one
-    engine and taken by another."""
+def _export(
+    directory: str, prompt: list[int], dtype: str, repeats: int
+) -> tuple[torch.Tensor, float]:
+    """(the exported pages, median pack + unpack seconds) of `prompt` prefilled on one engine
+    and taken by another."""
     options: dict[str, Any] = {"kv_cache_bytes": 256 * 2**20, "dtype": dtype}
     prefill, decode = LLM(directory, **options).engine, LLM(directory, **options).engine
     params = SamplingParams(temperature=0.0, max_tokens=1)
@@ -108,7 +117,37 @@ def _export(directory: str, prompt: list[int], dtype: str, repeats: int) -> tupl
         packed = prefill.pages.pack(plan.block_ids)
         decode.pages.unpack(packed, plan.block_ids)
         seconds.append(time.perf_counter() - start)
-    return pages.numel() * pages.element_size(), statistics.median(seconds)
+    return pages, statistics.median(seconds)
+
+
+async def _ucx_seconds(all_pages: list[torch.Tensor], repeats: int) -> list[float]:
+    """For each of `all_pages`, the median seconds to send it over UCX to a receiver in this
+    process (a warm-up transfer first); every arrival is checked byte for byte. One transport
+    for all: ucxx does not survive a second one after the first closed in one process."""
+    transport = create_kv_transport(KVTransferConfig(backend="ucx", offer_wait_s=30.0))
+    receiver = await transport.start_receiver()
+    sender = transport.create_sender()
+    medians = []
+    try:
+        for n, pages in enumerate(all_pages):
+            destination = torch.empty_like(pages)
+            seconds = []
+            for i in range(repeats + 1):
+                request_id = f"{n}-{i}"
+                descriptor = KVTransferDescriptor.for_buffer(request_id, range(len(pages)), pages)
+                destination.zero_()
+                start = time.perf_counter()
+                await asyncio.gather(
+                    sender.send(receiver.address, descriptor, pages, 30.0),
+                    receiver.receive(request_id, destination, 30.0),
+                )
+                seconds.append(time.perf_counter() - start)
+                assert torch.equal(destination.view(torch.uint8), pages.view(torch.uint8))
+            medians.append(statistics.median(seconds[1:]))
+    finally:
+        await sender.close()
+        await receiver.close()
+    return medians
 
 
 def _full_size_rows() -> list[tuple[str, ModelArchitecture]]:
@@ -159,21 +198,25 @@ def main() -> None:
     prompt = [(7 * i + 3) % 40000 + 3 for i in range(args.prompt_tokens)]
     itemsize = getattr(torch, args.dtype).itemsize
     print(f"prompt {args.prompt_tokens} tokens, {args.dtype}, hidden {HIDDEN}, {LAYERS} layers")
-    results = {}
+    results, exported = {}, []
     with tempfile.TemporaryDirectory() as root:
         for name, config_class, options in (
             ("deepseek_v2 (MLA, latent 128 + rope 16)", "DeepseekV2Config", DEEPSEEK),
             ("llama (GQA, 4 KV heads of 32)", "LlamaConfig", LLAMA),
         ):
             directory = _checkpoint(root, name.split()[0], config_class, options)
-            num_bytes, seconds = _export(directory, prompt, args.dtype, args.repeats)
-            results[name] = num_bytes
-            per_token = num_bytes / args.prompt_tokens
-            print(
-                f"  {name:42s} {num_bytes:>10,d} B exported, {per_token:8.1f} B/token, "
-                f"{per_token / LAYERS / itemsize:6.1f} values/token/layer, "
-                f"pack+unpack {seconds * 1e3:6.2f} ms"
-            )
+            pages, seconds = _export(directory, prompt, args.dtype, args.repeats)
+            exported.append((name, pages, seconds))
+    sent = asyncio.run(_ucx_seconds([pages for _, pages, _ in exported], args.repeats))
+    for (name, pages, seconds), ucx_s in zip(exported, sent):
+        num_bytes = pages.numel() * pages.element_size()
+        results[name] = num_bytes
+        per_token = num_bytes / args.prompt_tokens
+        print(
+            f"  {name:42s} {num_bytes:>10,d} B exported, {per_token:8.1f} B/token, "
+            f"{per_token / LAYERS / itemsize:6.1f} values/token/layer, "
+            f"pack+unpack {seconds * 1e3:6.2f} ms, over UCX {ucx_s * 1e3:6.2f} ms"
+        )
     mla, gqa = results.values()
     print(f"  GQA / MLA bytes per prompt token: {gqa / mla:.2f}x")
     print(f"full size ({args.dtype}, from bytes_per_block of each architecture):")

@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 
-from splitserve.common.gc_heap import freeze_startup_heap
+from splitserve.engine.gc_heap import freeze_startup_heap
 
 
 class _Node:

@@ -14,7 +14,6 @@ import uvicorn
 from splitserve.common.background import in_daemon_thread, wait_first
 from splitserve.common.channels import use_client_tls
 from splitserve.common.cli_args import setup_logging
-from splitserve.common.gc_heap import freeze_startup_heap
 from splitserve.common.grpc_server import (
     BindError,
     GrpcServer,
@@ -25,6 +24,7 @@ from splitserve.common.model_files import default_model_name, load_tokenizer, re
 from splitserve.common.redis_auth import add_redis_password_flag, use_redis_password_file
 from splitserve.common.tls import add_tls_flags, tls_from_args
 from splitserve.common.tracing import configure_tracing
+from splitserve.engine.gc_heap import freeze_startup_heap
 from splitserve.gateway.admission.controller import AdmissionController
 from splitserve.gateway.admission.flags import add_admission_flags, admission_settings
 from splitserve.gateway.admission.metrics import AdmissionMetrics

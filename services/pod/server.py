@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from splitserve.common.background import in_daemon_thread, wait_first
 from splitserve.common.channels import use_client_tls
-from splitserve.common.gc_heap import freeze_startup_heap
 from splitserve.common.grpc_server import start_server, stop_event_on_signals
 from splitserve.common.pod_load import PodLoad
 from splitserve.common.step_costs import StepCosts
 from splitserve.common.tls import add_tls_flags, tls_from_args
 from splitserve.common.tracing import configure_tracing, shutdown_tracing
+from splitserve.engine.gc_heap import freeze_startup_heap
 from splitserve.pod.flags import add_engine_flags, add_server_flags
 from splitserve.pod.metrics import PodMetrics, serve_pod_metrics
 from splitserve.pod.registry_publisher import add_registry_flags, start_registry

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.gc_heap import freeze_startup_heap
 from splitserve.engine.model.loader import load_checkpoint
 from splitserve.engine.parallel.comm import Communicator, connect_store
 from splitserve.engine.parallel.ops import Opcode, receive_header
@@ -75,6 +76,9 @@ def run_worker(spec: WorkerSpec) -> None:
     store.set(f"loaded/{spec.rank}", "1")
     comm = Communicator(store, spec.rank, spec.world_size, spec.timeout_s)
     layout.attach(model, comm)
+    # As rank 0's pod does: a full collection over the loaded rank would stall every rank's
+    # collectives of the step it falls in.
+    freeze_startup_heap()
     try:
         _serve(comm, runner, layout)
     except RuntimeError as exc:  # rank 0 went away mid-collective: nothing left to serve

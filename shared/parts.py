@@ -241,11 +241,17 @@ def build_kv(
     return KVParts(manager, offloader, loads)
 
 
+# Speculation that reads no other KV than the target's own layers (n-gram drafts read none, a
+# self-draft runs the target's first layers with their windows). A method added later releases
+# nothing until it is listed here.
+_METHODS_WITHIN_THE_WINDOW = (None, "ngram", "self")
+
+
 def _kv_window(config: EngineConfig, loaded: LoadedModel) -> int:
     """The window past which the KV manager releases a running request's blocks: the model's
     (shared/model/architecture.py), unless a separate draft model shares the block tables, which
     may attend to every position."""
-    if config.speculative.speculative_method == "draft":
+    if config.speculative.speculative_method not in _METHODS_WITHIN_THE_WINDOW:
         return 0
     return loaded.architecture.kv_window
 

@@ -68,17 +68,23 @@ def test_a_window_releases_the_blocks_before_its_first_key() -> None:
     assert manager.get_block_ids("a") == [ids[3]] * 4 + [ids[4]]
     assert manager.release_out_of_window(request, 20) == 0  # nothing more until it moves on
     assert manager.release_out_of_window(request, 23) == 1  # first key 18: block 3 is out
+    # Every released position names a block still held, not block 3, free now.
+    assert manager.get_block_ids("a") == [ids[4]] * 5
     manager.free(request)
     assert manager.num_free_blocks == 16  # every block back exactly once
 
 
-def test_released_blocks_stay_in_the_prefix_cache() -> None:
+def test_released_blocks_stay_in_the_prefix_cache_head_last_to_go() -> None:
     manager = _manager(window=6)
     tokens = list(range(20))
     first = _running(manager, "a", tokens)
+    ids = manager.get_block_ids("a")
     manager.release_out_of_window(first, 20)
     again = Request("b", tokens + [99], SamplingParams())
     assert manager.get_computed_blocks(again).num_tokens == 20
+    # Freed tail first, as a finished request's are: the chain's head is evicted last.
+    queue = [block.block_id for block in manager.block_pool.free_block_queue]
+    assert queue.index(ids[2]) < queue.index(ids[1]) < queue.index(ids[0])
 
 
 def test_the_last_block_is_kept_and_no_window_releases_nothing() -> None:
@@ -92,6 +98,23 @@ def test_the_last_block_is_kept_and_no_window_releases_nothing() -> None:
     assert plain.num_held_blocks("b") == 5
     with pytest.raises(ValueError, match="sliding_window"):
         KVCacheManager(16, BLOCK_SIZE, sliding_window=-1)
+
+
+def test_dense_qwen_windows_the_layers_transformers_does() -> None:
+    """Without layer_types, Qwen2/3 window the layers from max_window_layers on (transformers
+    derives layer_types so); a model with global layers releases nothing."""
+    import transformers
+
+    from splitserve.engine.model.hf_families import layer_windows
+
+    for model_type, config_class in (("qwen2", "Qwen2Config"), ("qwen3", "Qwen3Config")):
+        options = dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=64)
+        for first in (2, 0, None):  # None: the default, 28, past every layer
+            extra = {} if first is None else {"max_window_layers": first}
+            expected = getattr(transformers, config_class)(**options, **extra).layer_types
+            config = {"model_type": model_type, **options, **extra}
+            windows = layer_windows(config) or (0,) * 4
+            assert ["sliding_attention" if w else "full_attention" for w in windows] == expected
 
 
 # ---- a tiny Mistral, far past its window ---------------------------------------------------

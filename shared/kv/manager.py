@@ -265,7 +265,9 @@ class KVCacheManager:
         if entry is None:
             raise ValueError(f"request_id {request.request_id!r} holds no KV blocks")
         num_full_blocks = min(num_computed_tokens // self.block_size, len(entry.blocks))
-        start = entry.num_cached_blocks
+        # Released blocks are no longer this request's to register (they were cached, if
+        # full, before they went).
+        start = max(entry.num_cached_blocks, entry.num_released_blocks)
         if num_full_blocks <= start:
             return
         self._update_block_hashes(request)
@@ -306,8 +308,12 @@ class KVCacheManager:
         start = entry.num_released_blocks
         if num_out <= start:
             return 0
-        self.block_pool.free_blocks(entry.blocks[start:num_out], request.kv_retention)
-        entry.block_ids[start:num_out] = [entry.block_ids[num_out]] * (num_out - start)
+        # Tail first, as `free` does: a chain's head stays cached longest, and a prefix hit
+        # needs its blocks from the first on.
+        self.block_pool.free_blocks(reversed(entry.blocks[start:num_out]), request.kv_retention)
+        # Every released position, not only the new ones: the id they named before may be
+        # one released just now.
+        entry.block_ids[:num_out] = [entry.block_ids[num_out]] * num_out
         entry.num_released_blocks = num_out
         return num_out - start
 

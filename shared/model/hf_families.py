@@ -25,6 +25,9 @@ import torch
 from splitserve.engine.model.architecture import RopeScaling
 
 _QWEN = ("qwen2", "qwen3", "qwen3_moe")
+# Dense Qwen configs without layer_types window the layers from max_window_layers on, as
+# transformers derives their layer_types (its default: 28).
+_QWEN_MAX_WINDOW_LAYERS = {"qwen2": 28, "qwen3": 28}
 _GEMMA = ("gemma2", "gemma3_text")
 _QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
 # Layer types a config may list; every other one is refused.
@@ -57,8 +60,9 @@ def family_fields(config: dict[str, Any]) -> dict[str, Any]:
 
 def layer_windows(config: dict[str, Any]) -> tuple[int, ...]:
     """Per layer, the sliding window (0 = global). Configs that list layer_types (Qwen2/3,
-    Gemma) window the "sliding_attention" layers; Mistral and Phi-3 window every layer when
-    sliding_window is set. () when no layer has one."""
+    Gemma) window the "sliding_attention" layers; Qwen2/3 configs without them the layers from
+    max_window_layers on; Mistral and Phi-3 window every layer when sliding_window is set. ()
+    when no layer has one."""
     window = config.get("sliding_window")
     layer_types = config.get("layer_types")
     num_layers = int(config["num_hidden_layers"])
@@ -69,6 +73,9 @@ def layer_windows(config: dict[str, Any]) -> tuple[int, ...]:
         if unknown:
             raise ValueError(f"{config['model_type']} config has unsupported layer_types {unknown}")
         windows = tuple(int(window or 0) if t == "sliding_attention" else 0 for t in layer_types)
+    elif config["model_type"] in _QWEN_MAX_WINDOW_LAYERS:
+        first = int(config.get("max_window_layers", _QWEN_MAX_WINDOW_LAYERS[config["model_type"]]))
+        windows = tuple(int(window or 0) if i >= first else 0 for i in range(num_layers))
     else:
         windows = (int(window or 0),) * num_layers
     return windows if any(windows) else ()

@@ -5,8 +5,9 @@ It reads the paged cache in the layout every backend shares (shared/model/attent
 step's metadata in whichever form the runner built it (decode groups, decode block tables or
 block tables), so it serves under the PyTorch and the Triton backend alike: each backend still
 writes the keys and values, and a layer with a window or a cap attends here instead of through
-`backend.attend`. Each sequence is attended on its own, in explicit scores: correctness first
-(the C++ decode kernel and the Triton kernels take neither window nor cap yet: docs/models.md).
+`backend.attend`. Each sequence is attended on its own, in explicit scores: correctness first.
+The C++ decode kernel and the Triton kernels take windows and caps themselves; this serves the
+layers and steps that do not reach them (docs/models.md).
 
 A window layer reads only the blocks that hold keys some query of the chunk can see:
 

@@ -1,7 +1,7 @@
 """Where a decode step's time goes, at batch 1, 2, 4, 8 and 16, beside the floor it aims at.
 
     python -m benchmarks.step_breakdown [--batches 1 2 4 8 16] [--steps 40] [--threads 2]
-                                        [--kv-cache-dtype auto|int8]
+                                        [--kv-cache-dtype auto|int8] [--model PATH]
 
 For each batch size, that many requests with different ~128-token prompts are prefilled, then
 `--steps` decode steps are timed. Each engine part is timed by wrapping its entry point in this
@@ -173,9 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     # int8: the KV write quantizes and attention reads codes and scales (docs/quantization.md)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    parser.add_argument("--model", default=None, help="a .gguf file or HF directory (SmolLM2)")
     args = parser.parse_args(argv)
     print(f"loading the model ({args.threads} threads)...", flush=True)
     llm = LLM(
+        args.model,
         num_threads=args.threads,
         adaptive_threads=False,
         kv_cache_bytes=256 * 2**20,

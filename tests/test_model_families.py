@@ -287,14 +287,16 @@ def test_architecture_reads_each_part(make_checkpoint):
     assert arch["gemma3_text"].layer_windows == (12, 0)
     assert arch["gemma3_text"].local_rope_theta == 50.0
     assert arch["qwen3_moe"].moe is not None and arch["qwen3_moe"].qk_norm
-    # Windows are in the C++ decode layers (float32 Mistral and Phi-3 decode through them);
-    # the other families' parts are not: the Python layers serve every step.
+    # Windows and Qwen2's q/k/v biases are in the C++ decode layers (float32 Mistral, Phi-3
+    # and Qwen2 decode through them, so the greedy test above checks them against
+    # transformers); the other families' parts are not: the Python layers serve every step.
     fused = {family for family, llm in archs.items() if llm.engine.runner.model.fused_decode}
-    assert fused == ({"mistral", "phi3"} if cpu_kernels_loaded() else set())
+    assert fused == ({"mistral", "phi3", "qwen2"} if cpu_kernels_loaded() else set())
     paths = cpu_report()["model_families"]
     assert set(FAMILIES) <= set(paths)
     assert "extra norms" in paths["gemma2"] and "q/k norms" in paths["qwen3"]
     assert paths["mistral"].startswith("fused") == cpu_kernels_loaded()
+    assert paths["qwen2"].startswith("fused") == cpu_kernels_loaded()
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma2"])

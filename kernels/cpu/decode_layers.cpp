@@ -9,8 +9,9 @@
 // reordered (float32 models, shared/model/linear.py), torch's packed int8 kernel on bfloat16
 // activations, or int4_gemm.cpp's product of our int4 layout (shared/model/quantized_linear.py;
 // torch's own int4 layout never comes here). Only the shapes those layers handle
-// at decode come here: dense Llama-family layers without biases, one process (no tensor
-// parallel), every row a decode token with its slot; LlamaForCausalLM checks that.
+// at decode come here: dense Llama-family layers (with Qwen2's q/k/v bias, the only bias those
+// families have), one process (no tensor parallel), every row a decode token with its slot;
+// LlamaForCausalLM checks that.
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
@@ -54,6 +55,7 @@ enum Projection : int64_t { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3, kNumProjec
 struct Layer {
   torch::Tensor input_norm, post_norm;
   Weight qkv, o, gate_up, down;
+  torch::Tensor qkv_bias;  // Qwen2's q/k/v bias [q + 2 kv] float32; undefined: none
   int64_t window = 0;  // a sliding window's positions (0 = the whole context)
   std::optional<LoraSlots> lora[kNumProjections];
 };
@@ -171,9 +173,10 @@ class DecodeLayers {
 
   // tensors: input_norm, post_norm, then (first, second) of qkv, o, gate_up, down (second
   // may be an empty tensor); sizes: (in_padded, out_features) of qkv, o, gate_up, down;
-  // window: the layer's sliding window (0 = none).
+  // window: the layer's sliding window (0 = none); qkv_bias: the q/k/v bias, added to the
+  // product as the Python Linear adds it (none: no bias).
   void add_layer(std::vector<torch::Tensor> tensors, std::vector<int64_t> sizes,
-                 int64_t window) {
+                 int64_t window, std::optional<torch::Tensor> qkv_bias) {
     TORCH_CHECK(window >= 0, "window must be >= 0, got ", window);
     TORCH_CHECK(tensors.size() == 10 && sizes.size() == 8,
                 "a layer takes 10 tensors and 8 sizes, got ", tensors.size(), " and ",
@@ -186,6 +189,12 @@ class DecodeLayers {
       *weights[i] = Weight{tensors[2 + 2 * i], tensors[3 + 2 * i], sizes[2 * i], sizes[2 * i + 1]};
     }
     layer.window = window;
+    if (qkv_bias.has_value()) {
+      TORCH_CHECK(qkv_bias->dim() == 1 && qkv_bias->size(0) == layer.qkv.out_features &&
+                      qkv_bias->scalar_type() == torch::kFloat32 && qkv_bias->is_contiguous(),
+                  "qkv_bias must be [", layer.qkv.out_features, "] float32, contiguous");
+      layer.qkv_bias = *qkv_bias;
+    }
     layers_.push_back(std::move(layer));
   }
 
@@ -253,6 +262,7 @@ class DecodeLayers {
       const auto layer_cache = kv_cache.select(0, l);
       const auto attention_in = rms_norm(x, layer.input_norm, eps_);
       auto qkv = linear(attention_in, layer.qkv, format_);
+      if (layer.qkv_bias.defined()) qkv.add_(layer.qkv_bias);
       add_lora_delta(qkv, attention_in, layer.lora[kQkv], lora);
       torch::Tensor q;
       if (int8_cache) {
@@ -293,7 +303,8 @@ void bind_decode_layers(pybind11::module& m) {
            pybind11::arg("format"), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"),
            pybind11::arg("eps"), pybind11::arg("scale"), pybind11::arg("softcap") = 0.0)
       .def("add_layer", &DecodeLayers::add_layer, pybind11::arg("tensors"),
-           pybind11::arg("sizes"), pybind11::arg("window") = 0)
+           pybind11::arg("sizes"), pybind11::arg("window") = 0,
+           pybind11::arg("qkv_bias") = std::nullopt)
       .def_property_readonly("num_layers", &DecodeLayers::num_layers)
       // Without the GIL, as torch's own ops run: a step takes milliseconds, and the pod's
       // event loop (streaming the last step's tokens, taking new requests) runs meanwhile.

@@ -90,12 +90,11 @@ def kernel_paths() -> dict[str, str]:
 # (shared/model/fused_decode.py's fused_decode_problem decides per loaded model; this is the
 # same answer for each family's usual config, for the report).
 _PYTHON_LAYER_PARTS = {
-    "qwen2": "q/k/v biases",
     "qwen3": "q/k norms",
     "gemma2": "Gemma's extra norms, GeGLU",
     "gemma3_text": "q/k norms, Gemma's extra norms, GeGLU, two rotary bases",
     "mixtral": "mixture-of-experts",
-    "qwen2_moe": "mixture-of-experts, q/k/v biases",
+    "qwen2_moe": "mixture-of-experts",
     "qwen3_moe": "mixture-of-experts, q/k norms",
     "deepseek_v2": "mixture-of-experts, multi-head latent attention",
     "deepseek_v3": "mixture-of-experts (biased sigmoid routing), multi-head latent attention",
@@ -106,7 +105,7 @@ def model_family_paths() -> dict[str, str]:
     """Model type -> "fused C++ decode" where its dense float32 decode steps may take the C++
     layers (kernels/cpu/decode_layers.cpp), else the Python layers and why (docs/models.md)."""
     fused = "fused C++ decode (float32, no LoRA rows)" if _loaded_module() else "python layers"
-    paths = {"llama": fused, "mistral": fused, "phi3": fused}
+    paths = {"llama": fused, "mistral": fused, "phi3": fused, "qwen2": fused}
     for model_type, parts in _PYTHON_LAYER_PARTS.items():
         paths[model_type] = f"python layers (the C++ decode layers lack {parts})"
     return paths

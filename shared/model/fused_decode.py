@@ -4,7 +4,7 @@ At batch 1 the Python between a layer's dozen operations was a large part of a s
 weights: 7.7 ms a step through the Python layers, 5.9 through this loop). The loop runs the
 same operations on the same kernels in the same order, so its output is the Python layers'
 output (tests/test_fused_decode.py holds it to that). It serves the steps it can: every row a
-decode token, float32 activations, dense Llama-family layers without biases whose products are
+decode token, float32 activations, dense Llama-family layers (Qwen2's q/k/v bias included) whose products are
 all oneDNN, all int8 or all int4 in our layout, in one process; rows with LoRA adapters
 too, once `set_lora` gave it the slots (each projection's output gets its rows' deltas, row by
 row from each row's own adapter: decode_layers.cpp's add_lora_delta says why). Everything
@@ -146,16 +146,21 @@ def build_fused_decode(model: LlamaForCausalLM) -> FusedDecode | None:
             first_tensor, second_tensor, in_padded, out_features = _weight_parts(linear)
             tensors += [first_tensor, second_tensor]
             sizes += [in_padded, out_features]
-        layers.add_layer(tensors, sizes, int(layer.self_attn.window))
+        qkv_bias = getattr(layer.self_attn.qkv_proj, "bias", None)  # Qwen2's: a dense Linear
+        layers.add_layer(
+            tensors,
+            sizes,
+            int(layer.self_attn.window),
+            None if qkv_bias is None else qkv_bias.detach().contiguous(),
+        )
     return FusedDecode(layers, weight_format)
 
 
 def fused_decode_problem(arch: ModelArchitecture) -> str | None:
     """Why `arch`'s layers are not the ones decode_layers.cpp computes (a plain Llama layer
-    without biases), or None: those models decode through the Python layers."""
+    with Qwen2's q/k/v bias at most), or None: those models decode through the Python layers."""
     parts = {
         "mixture-of-experts": arch.moe is not None,
-        "q/k/v biases": arch.attention_bias,
         "q/k norms": arch.qk_norm,
         "Gemma's extra norms": arch.sandwich_norms,
         f"{arch.hidden_act} MLP": arch.hidden_act != "silu",
@@ -174,9 +179,10 @@ def _products(layer: LlamaDecoderLayer) -> list[nn.Module]:
 
 
 def _format(linear: nn.Module) -> int | None:
+    """The products' weight format; a bias is taken on qkv_proj only (add_layer's qkv_bias),
+    and no Llama-family layer has another."""
     if isinstance(linear, Linear):
-        usable = linear.onednn_weight is not None and linear.bias is None
-        return _ONEDNN if usable else None
+        return _ONEDNN if linear.onednn_weight is not None else None
     if isinstance(linear, QuantizedLinear):
         if isinstance(linear.qweight, Int8Weight):
             return _INT8

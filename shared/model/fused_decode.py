@@ -4,13 +4,13 @@ At batch 1 the Python between a layer's dozen operations was a large part of a s
 weights: 7.7 ms a step through the Python layers, 5.9 through this loop). The loop runs the
 same operations on the same kernels in the same order, so its output is the Python layers'
 output (tests/test_fused_decode.py holds it to that). It serves the steps it can: every row a
-decode token, float32 activations, dense Llama-family layers (Qwen2's q/k/v bias included) whose products are
-all oneDNN, all int8 or all int4 in our layout, in one process; rows with LoRA adapters
-too, once `set_lora` gave it the slots (each projection's output gets its rows' deltas, row by
-row from each row's own adapter: decode_layers.cpp's add_lora_delta says why). Everything
-else (prefill chunks, mixed steps, tensor parallel, mixture-of-experts, bfloat16 models, CUDA,
-int4 in torch's layout, and the other families' parts: `fused_decode_problem`) keeps the
-Python layers.
+decode token, float32 activations, dense Llama-family layers (Qwen2's q/k/v bias included)
+whose products are all oneDNN, all int8 or all int4 in our layout, in one process; rows with
+LoRA adapters too, once `set_lora` gave it the slots (each projection's output gets its rows'
+deltas, row by row from each row's own adapter: decode_layers.cpp's add_lora_delta says why).
+Everything else (prefill chunks, mixed steps, tensor parallel, mixture-of-experts, bfloat16
+models, CUDA, int4 in torch's layout, and the other families' parts: `fused_decode_problem`)
+keeps the Python layers.
 SPLITSERVE_FUSED_DECODE=0 turns it off (to compare the two).
 """
 

@@ -12,6 +12,7 @@ from splitserve import LLM, SamplingParams
 from splitserve.engine.model.fused_decode import FusedDecode
 from splitserve.engine.model.quantized_linear import INT4_ONE_PASS_FROM_ROWS
 from splitserve.kernels import cpu as cpu_kernels
+from tests.test_model_families import _prompts, make_checkpoint  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler here")
 
@@ -36,15 +37,19 @@ class CountingFusedDecode(FusedDecode):
         return super().run(*args, **kwargs)
 
 
-def outputs(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list]]:
+def outputs(llm: LLM, prompts: list[str] | list[list[int]]) -> list[tuple[list[int], list]]:
     results = llm.generate(prompts, PARAMS)
     return [(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in results]
 
 
 def compare_fused_with_python(
-    quantization: str, kv_cache_dtype: str, prompts: list[str] = PROMPTS
+    quantization: str,
+    kv_cache_dtype: str,
+    prompts: list[str] | list[list[int]] = PROMPTS,
+    model: str | None = None,
 ) -> None:
     llm = LLM(
+        model,
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype,
         kv_cache_bytes=64 * 2**20,
@@ -75,6 +80,15 @@ def assert_same_tokens_and_logprobs(got_outputs: list, want_outputs: list) -> No
 @pytest.mark.parametrize(("quantization", "kv_cache_dtype"), [("none", "int8"), ("gguf", "auto")])
 def test_fused_decode_equals_the_python_layers(quantization, kv_cache_dtype):
     compare_fused_with_python(quantization, kv_cache_dtype)
+
+
+def test_fused_decode_adds_qwen2_biases_as_the_python_layers_do(make_checkpoint):  # noqa: F811
+    """Qwen2's q/k/v bias in the C++ loop, over an int8 cache too (the bias comes before the
+    rows are quantized)."""
+    directory = make_checkpoint("qwen2")
+    for kv_cache_dtype in ("auto", "int8"):
+        # Token ids: the tiny checkpoint's vocabulary is 512 of the tokenizer's ids.
+        compare_fused_with_python("none", kv_cache_dtype, _prompts(), model=directory)
 
 
 @pytest.mark.slow  # another engine of the shipped model, 16 sequences

@@ -111,6 +111,13 @@ def test_dense_qwen_windows_the_layers_transformers_does() -> None:
         options = dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=64)
         for first in (2, 0, None):  # None: the default, 28, past every layer
             extra = {} if first is None else {"max_window_layers": first}
+            unsized = {k: v for k, v in options.items() if k != "sliding_window"}
+            config = {"model_type": model_type, **unsized, **extra}  # the default window
+            expected_windows = getattr(transformers, config_class)(**unsized, **extra)
+            assert layer_windows(config) == tuple(
+                expected_windows.sliding_window if t == "sliding_attention" else 0
+                for t in expected_windows.layer_types
+            ) or not any(t == "sliding_attention" for t in expected_windows.layer_types)
             expected = getattr(transformers, config_class)(**options, **extra).layer_types
             config = {"model_type": model_type, **options, **extra}
             windows = layer_windows(config) or (0,) * 4

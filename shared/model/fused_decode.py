@@ -123,6 +123,8 @@ def build_fused_decode(model: LlamaForCausalLM) -> FusedDecode | None:
     decoder_layers = model.decoder_layers()
     first = decoder_layers[0]
     products = [_products(layer) for layer in decoder_layers]
+    if any(getattr(linear, "bias", None) is not None for layer in products for linear in layer[1:]):
+        return None  # the loop adds a bias to qkv only (no family has another one today)
     formats = {_format(linear) for layer in products for linear in layer}
     weight_format = formats.pop() if len(formats) == 1 else None
     if weight_format is None:

@@ -28,6 +28,7 @@ _QWEN = ("qwen2", "qwen3", "qwen3_moe")
 # Dense Qwen configs without layer_types window the layers from max_window_layers on, as
 # transformers derives their layer_types (its default: 28).
 _QWEN_MAX_WINDOW_LAYERS = {"qwen2": 28, "qwen3": 28}
+_QWEN_DEFAULT_WINDOW = 4096
 _GEMMA = ("gemma2", "gemma3_text")
 _QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
 # Layer types a config may list; every other one is refused.
@@ -74,6 +75,8 @@ def layer_windows(config: dict[str, Any]) -> tuple[int, ...]:
             raise ValueError(f"{config['model_type']} config has unsupported layer_types {unknown}")
         windows = tuple(int(window or 0) if t == "sliding_attention" else 0 for t in layer_types)
     elif config["model_type"] in _QWEN_MAX_WINDOW_LAYERS:
+        # transformers' defaults where config.json leaves them out: a 4096 window from layer 28
+        window = config.get("sliding_window", _QWEN_DEFAULT_WINDOW)
         first = int(config.get("max_window_layers", _QWEN_MAX_WINDOW_LAYERS[config["model_type"]]))
         windows = tuple(int(window or 0) if i >= first else 0 for i in range(num_layers))
     else:

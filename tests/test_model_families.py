@@ -161,8 +161,15 @@ def _prompts() -> list[list[int]]:
     return [[5, 9, 11], long, long[:32] + [(11 * i) % 400 + 50 for i in range(9)]]
 
 
-def _reference(directory: str, prompt: list[int], overrides: dict[str, Any] | None = None):
-    """(greedy tokens up to EOS, [step][vocab] log_softmax of each step's logits)."""
+def _reference(
+    directory: str,
+    prompt: list[int],
+    overrides: dict[str, Any] | None = None,
+    max_new_tokens: int = MAX_TOKENS,
+    eos_token_id: int | None = EOS_TOKEN_ID,
+):
+    """(greedy tokens up to EOS, [step][vocab] log_softmax of each step's logits); with
+    eos_token_id None, all max_new_tokens of them (an engine run with ignore_eos)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
@@ -185,15 +192,15 @@ def _reference(directory: str, prompt: list[int], overrides: dict[str, Any] | No
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
-            max_new_tokens=MAX_TOKENS,
+            max_new_tokens=max_new_tokens,
             do_sample=False,
-            eos_token_id=EOS_TOKEN_ID,
+            eos_token_id=eos_token_id,
             pad_token_id=EOS_TOKEN_ID,
             output_scores=True,
             return_dict_in_generate=True,
         )
     tokens = out.sequences[0, len(prompt) :].tolist()
-    if EOS_TOKEN_ID in tokens:
+    if eos_token_id is not None and eos_token_id in tokens:
         tokens = tokens[: tokens.index(EOS_TOKEN_ID) + 1]
     logprobs = [torch.log_softmax(step[0].float(), dim=-1) for step in out.scores]
     return tokens, logprobs

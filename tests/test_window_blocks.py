@@ -19,13 +19,12 @@ import os
 from typing import Any
 
 import pytest
-import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.kv.manager import KVCacheManager
 from splitserve.engine.request import Request
 from tests.test_disaggregation_engine import disaggregated
-from tests.test_model_families import EOS_TOKEN_ID, TOLERANCE, make_checkpoint  # noqa: F401
+from tests.test_model_families import TOLERANCE, _reference, make_checkpoint  # noqa: F401
 
 BLOCK_SIZE = 4
 WINDOW = 8  # the tiny Mistral's sliding_window (tests/test_model_families.py)
@@ -127,31 +126,10 @@ def test_dense_qwen_windows_the_layers_transformers_does() -> None:
 # ---- a tiny Mistral, far past its window ---------------------------------------------------
 
 
-def _reference(directory: str, prompt: list[int], max_new_tokens: int):
-    """transformers' greedy tokens and each step's log_softmax."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=EOS_TOKEN_ID,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    return tokens, [torch.log_softmax(step[0].float(), dim=-1) for step in out.scores]
-
-
 @pytest.fixture(scope="module")
 def mistral(make_checkpoint):  # noqa: F811 (the fixture imported above)
     directory = make_checkpoint("mistral")
-    return directory, _reference(directory, PROMPT, NEW_TOKENS)
+    return directory, _reference(directory, PROMPT, max_new_tokens=NEW_TOKENS, eos_token_id=None)
 
 
 def _engine(directory: str, **options: Any) -> LLM:

@@ -300,8 +300,10 @@ class KVCacheManager:
         below: the count of tokens whose KV a finished step wrote. The blocks keep their place
         in the prefix cache until evicted; the request's last block is always kept. Returns how
         many blocks were given back; 0 without a window or blocks."""
+        if not self.sliding_window:  # every step calls this: nothing more without a window
+            return 0
         entry = self._requests.get(request.request_id)
-        if not self.sliding_window or entry is None or not entry.blocks:
+        if entry is None or not entry.blocks:
             return 0
         first_key = num_settled_tokens - self.sliding_window + 1
         num_out = min(max(0, first_key) // self.block_size, len(entry.blocks) - 1)

@@ -22,6 +22,7 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.kv.manager import KVCacheManager
+from splitserve.engine.model import llama
 from splitserve.engine.request import Request
 from tests.test_disaggregation_engine import disaggregated
 from tests.test_model_families import TOLERANCE, _reference, make_checkpoint  # noqa: F401
@@ -214,9 +215,27 @@ def test_the_other_attention_paths_read_the_tables_the_window_leaves(
     directory, reference = mistral
     monkeypatch.setenv("SPLITSERVE_FUSED_DECODE", "0")
     monkeypatch.setenv("SPLITSERVE_ATTENTION_BACKEND", backend)
-    output, most = _generate_counting_blocks(_engine(directory), backend, _params(logprobs=5))
+    llm = _engine(directory)
+    chosen = type(llm.engine.runner.backend)
+    assert chosen.__name__ == {"torch": "TorchPagedAttention", "triton": "TritonPagedAttention"}[
+        backend
+    ]
+    # Windowed layers attend in the Triton kernels, or in masked_attention.py beside SDPA.
+    owner, name = (chosen, "attend") if backend == "triton" else (llama, "masked_attention")
+    decode_calls = []
+    attend = getattr(owner, name)
+
+    def counting_attend(*args, **kwargs):
+        meta = args[3] if owner is chosen else args[2]  # a method's first is self
+        decode_calls.append(meta.num_decodes)
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counting_attend)
+    output, most = _generate_counting_blocks(llm, backend, _params(logprobs=5))
     _assert_matches(output, reference)
     assert most["decode"] <= DECODE_BOUND
+    # The decode steps went through this path, not some other.
+    assert sum(1 for count in decode_calls if count > 0) >= NEW_TOKENS - 1
 
 
 def test_self_speculation_preemption_and_disaggregation_keep_the_tokens(single_thread, mistral):

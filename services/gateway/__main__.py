@@ -216,38 +216,63 @@ async def serve(args: argparse.Namespace) -> int:
     tokenizer = loading.result()
     model_name = args.model_name or default_model_name(model_path)
     use_client_tls(tls_from_args(args))  # before the pools open their channels
-    decode_pool = PodPool("decode", args.decode, model_name)
-    # With a registry, prefill pods may join at any time: keep a pool to follow them.
-    has_prefill = bool(args.prefill or args.redis_url)
-    prefill_pool = PodPool("prefill", args.prefill, model_name) if has_prefill else None
-    for pool in (decode_pool, prefill_pool):
-        if pool is not None:
-            await pool.start()
-    router = Router(decode_pool, prefill_pool, router_settings(args))
-    await router.start()
-    keys, metrics = load_keys(args), GatewayMetrics()
-    admission = _admission(args, decode_pool, prefill_pool, metrics, keys)
-    core = GatewayCore(
-        tokenizer,
-        model_name,
-        decode_pool,
-        prefill_pool,
-        metrics,
-        router,
-        migration_policy(args),
-        admission,
-    )
-    gate = Gate(keys, core.metrics.registry, args.redis_url, args.metrics_public)
-    if gate.is_open:
-        logger.warning("no --api-keys: serving anyone who reaches it, without tenants or limits")
-    grpc_server = await start_server(
-        args.host,
-        args.grpc_port,
-        [SERVICE_NAME],
-        lambda server: generate_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(core, gate), server
-        ),
-    )
+    # Whatever started is closed in reverse when serving ends, and also when a later part
+    # fails to start (a taken gRPC port), so that no pool's channels or poll tasks outlive it.
+    async with contextlib.AsyncExitStack() as started_parts:
+        decode_pool = PodPool("decode", args.decode, model_name)
+        # With a registry, prefill pods may join at any time: keep a pool to follow them.
+        has_prefill = bool(args.prefill or args.redis_url)
+        prefill_pool = PodPool("prefill", args.prefill, model_name) if has_prefill else None
+        for pool in (decode_pool, prefill_pool):
+            if pool is not None:
+                await pool.start()
+                started_parts.push_async_callback(pool.close)
+        router = Router(decode_pool, prefill_pool, router_settings(args))
+        await router.start()
+        started_parts.push_async_callback(router.close)
+        keys, metrics = load_keys(args), GatewayMetrics()
+        admission = _admission(args, decode_pool, prefill_pool, metrics, keys)
+        if admission is not None:
+            started_parts.push_async_callback(admission.close)
+        core = GatewayCore(
+            tokenizer,
+            model_name,
+            decode_pool,
+            prefill_pool,
+            metrics,
+            router,
+            migration_policy(args),
+            admission,
+        )
+        gate = Gate(keys, core.metrics.registry, args.redis_url, args.metrics_public)
+        started_parts.push_async_callback(gate.close)
+        if gate.is_open:
+            logger.warning(
+                "no --api-keys: serving anyone who reaches it, without tenants or limits"
+            )
+        grpc_server = await start_server(
+            args.host,
+            args.grpc_port,
+            [SERVICE_NAME],
+            lambda server: generate_pb2_grpc.add_GenerationServicer_to_server(
+                GenerationServicer(core, gate), server
+            ),
+        )
+        started_parts.push_async_callback(grpc_server.stop)
+        return await _serve_http(args, core, gate, grpc_server, decode_pool, model_name, stopping)
+    return 1  # not reached: the block returns or raises (mypy cannot tell an exit stack's)
+
+
+async def _serve_http(
+    args: argparse.Namespace,
+    core: GatewayCore,
+    gate: Gate,
+    grpc_server: GrpcServer,
+    decode_pool: PodPool,
+    model_name: str,
+    stopping: asyncio.Future,
+) -> int:
+    """HTTP beside the started gRPC server until a stop signal; 1 when HTTP never started."""
     health = asyncio.create_task(_follow_decode_health(grpc_server, decode_pool))
     http = _HttpServer(
         uvicorn.Config(
@@ -276,14 +301,6 @@ async def serve(args: argparse.Namespace) -> int:
     http.should_exit = True
     await _quietly(http_task)
     health.cancel()
-    await grpc_server.stop()
-    await router.close()
-    await gate.close()
-    if admission is not None:
-        await admission.close()
-    for pool in (decode_pool, prefill_pool):
-        if pool is not None:
-            await pool.close()
     logger.info("stopped")
     return 0 if started else 1
 

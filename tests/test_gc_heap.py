@@ -1,5 +1,6 @@
 """The services freeze their startup heap: what startup keeps is left out of every later full
-collection, and what startup threw away is collected first, not frozen."""
+collection, and what startup threw away is collected first, not frozen. Batch computations pause
+the collector and give it back as they found it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import weakref
 
 import pytest
 
-from splitserve.engine.gc_heap import freeze_startup_heap
+from splitserve.engine.gc_heap import collector_paused, freeze_startup_heap
 
 
 class _Node:
@@ -38,3 +39,26 @@ def test_startup_garbage_is_collected_before_the_freeze(unfrozen_after):
     del first, second
     freeze_startup_heap()
     assert alive() is None
+
+
+def test_the_collector_is_paused_inside_and_runs_again_after() -> None:
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_a_paused_collector_stays_off_after_when_it_was_off_before() -> None:
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_the_collector_runs_again_after_an_error_inside() -> None:
+    with pytest.raises(RuntimeError), collector_paused():
+        raise RuntimeError("boom")
+    assert gc.isenabled()

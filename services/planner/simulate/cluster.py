@@ -24,6 +24,7 @@ arrive together are scheduled together.
 from __future__ import annotations
 
 import bisect
+import collections
 import heapq
 import itertools
 import math
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from splitserve.common.conditional_prefill import prefill_pod_is_full
+from splitserve.engine.gc_heap import collector_paused
 from splitserve.gateway.routing.pods import POLL_INTERVAL_SECONDS
 from splitserve.loadgen.stats import Slo
 from splitserve.loadgen.workload import SimRequest
@@ -45,6 +47,7 @@ from splitserve.planner.simulate.decode_runs import (
     plan_run,
 )
 from splitserve.planner.simulate.failures import PodFailure
+from splitserve.planner.simulate.gap_spread import GapSpread
 from splitserve.planner.simulate.gateway import SimGateway
 from splitserve.planner.simulate.pod import PodLimits, ScheduledStep, SimPod, SimSeq
 from splitserve.planner.simulate.prefix_cache import TierSizes
@@ -141,6 +144,10 @@ class ClusterConfig:
         )
 
 
+# (time, phase, id, kind, payload): the heap orders by the first three; ids are unique.
+_Event = tuple[float, int, int, int, object]
+
+
 @dataclass(eq=False)
 class _Flight:
     """One request across the cluster: its decode-side sequence and client-side timings."""
@@ -163,7 +170,7 @@ class Simulation:
     prefill_profile: Profile | None = None
     prefill_pods: list[SimPod] = field(default_factory=list)
     decode_pods: list[SimPod] = field(default_factory=list)
-    _events: list[tuple[float, int, int, int, object]] = field(default_factory=list)
+    _events: list[_Event] = field(default_factory=list)
     _kick_pending: set[str] = field(default_factory=set)  # pod names with a KICK queued
     _order: itertools.count = field(default_factory=itertools.count)
     _flights: dict[int, _Flight] = field(default_factory=dict)  # request_id -> flight
@@ -184,11 +191,14 @@ class Simulation:
     _runs: dict[str, DecodeRun] = field(default_factory=dict)
     _run_step_costs: DecodeStepCosts = field(default_factory=DecodeStepCosts)
     _event_id: int = -1  # the id of the event being handled
+    _gap_spread: GapSpread | None = field(init=False, default=None)  # None: a bare profile
     num_events: int = 0  # handled by `run`, stale ones included
 
     def __post_init__(self) -> None:
         # The serving path's measured costs of this topology (none in a bare profile).
         self.profile = self.profile.for_topology(self.cluster.num_prefill)
+        if self.profile.itl_spread_s:
+            self._gap_spread = GapSpread(self.profile.itl_spread_s)
         prefill_profile = (self.prefill_profile or self.profile).for_topology(
             self.cluster.num_prefill
         )
@@ -225,8 +235,14 @@ class Simulation:
         if requests and self.cluster.gateway_poll_interval_s > 0:
             # Polls start with the first arrival: the pods are idle before it.
             self._push(min(request.arrival_s for request in requests), POLL, None)
-        for request in requests:
-            self._push(request.arrival_s, ARRIVAL, request)
+        # Arrivals wait in their own sorted queue rather than in the heap: a 10-minute trace
+        # holds 300,000 of them, and every push and pop of the other events would climb
+        # through a heap that deep. Their ids are taken here, in the order the heap would
+        # have given them, so ties break exactly as before.
+        arrivals = sorted(
+            ((request.arrival_s, 0, next(self._order), ARRIVAL, request) for request in requests),
+            key=lambda entry: (entry[0], entry[2]),
+        )
         for failure in self.cluster.failures:
             self._push(failure.at_s, POD_DIES, failure)
         self._num_pending_arrivals = len(requests)
@@ -242,13 +258,25 @@ class Simulation:
             LOADED: self._on_loaded,
             RUN_DONE: self._on_run_done,
         }
-        while self._events:
-            now, _, self._event_id, kind, payload = heapq.heappop(self._events)
-            self.num_events += 1
-            handlers[kind](now, payload)
+        with collector_paused():  # the records and gaps it builds live to the end
+            self._handle_events(collections.deque(arrivals), handlers)
         records = [flight.record for flight in self._flights.values()]
         pods = self.prefill_pods + self.decode_pods
         return summarize(records, slo, pods)
+
+    def _handle_events(
+        self, arrivals: collections.deque[_Event], handlers: dict[int, Callable[[float, Any], None]]
+    ) -> None:
+        """Every event in time order (then phase, then id): the next arrival or the heap's
+        first, whichever comes first."""
+        events = self._events
+        while events or arrivals:
+            if arrivals and (not events or arrivals[0] < events[0]):
+                now, _, self._event_id, kind, payload = arrivals.popleft()
+            else:
+                now, _, self._event_id, kind, payload = heapq.heappop(events)
+            self.num_events += 1
+            handlers[kind](now, payload)
 
     def decode_pod_name(self, request_id: int) -> str:
         """The decode pod the gateway sent a request to (after `run`)."""
@@ -588,17 +616,13 @@ class Simulation:
 
     def _client_gaps_s(self, record: RequestRecord) -> list[float]:
         """A finished request's token gaps as the client times them: the steps' gaps plus one
-        of the serving path's measured deviations each (none for a bare profile), drawn in
-        token order from the request's own stream, so that the draws do not depend on the
-        order the pods' steps were simulated in. Drawn once, as the request finishes: its gaps
-        are read only then (`summarize`), and one draw of n values takes the stream's values
-        that n draws of one would."""
-        spread = self.profile.itl_spread_s
-        step_gaps_s = record.itls_s
-        if not spread or not step_gaps_s:
-            return step_gaps_s
-        deviations = random.Random(record.request.request_id).choices(spread, k=len(step_gaps_s))
-        return [max(gap + deviation, 0.0) for gap, deviation in zip(step_gaps_s, deviations)]
+        of the serving path's measured deviations each (none for a bare profile), the
+        request's own in token order (gap_spread.py), so that they do not depend on the order
+        the pods' steps were simulated in. Added once, as the request finishes: its gaps are
+        read only then (`summarize`)."""
+        if self._gap_spread is None or not record.itls_s:
+            return record.itls_s
+        return self._gap_spread.client_gaps_s(record.request.request_id, record.itls_s)
 
     # ---- pods that die ----------------------------------------------------------------------
 

@@ -110,7 +110,9 @@ def _steps_blocks_allow(pod: SimPod, chunks: list[tuple[SimSeq, int]], length: i
             for seq, _ in chunks
         )
 
-    low, high = 1, length  # needed(1) == 0: the first step's blocks are the row's already
+    if needed(length) <= spare:
+        return length  # the common case, lightly loaded pods: no search
+    low, high = 1, length - 1  # needed(1) == 0: the first step's blocks are the row's already
     while low < high:
         middle = (low + high + 1) // 2
         if needed(middle) <= spare:

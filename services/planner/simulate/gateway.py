@@ -133,7 +133,13 @@ class SimGateway:
         positions: Iterable[int] = range(len(pods))
         if len(pods) > MAX_SCORED_PODS:
             least_loaded = self._rankings[pool].least_loaded(LEAST_LOADED)
-            positions = shortlist_positions(cached, terms, least_loaded=least_loaded)
+            # No pod holds the prompt: the shortlist is the least loaded alone (the order
+            # the candidates are met in does not matter: ties go by name below).
+            positions = (
+                least_loaded
+                if cached is None
+                else shortlist_positions(cached, terms, least_loaded=least_loaded)
+            )
         num_prompt_tokens = max(request.input_len, 1)
         best_key: tuple[bool, float, str] | None = None
         best = pods[0]

@@ -4,8 +4,11 @@ simulated and measured figures mean the same."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from splitserve.loadgen.stats import Percentiles, Slo
 from splitserve.loadgen.workload import SimRequest
@@ -73,7 +76,7 @@ def summarize(records: list[RequestRecord], slo: Slo, pods: list[SimPod]) -> Sim
         num_finished=len(finished),
         duration_s=duration,
         ttft=Percentiles.of([r.ttft_s for r in finished if r.ttft_s is not None]),
-        itl=Percentiles.of([gap for r in finished for gap in r.itls_s]),
+        itl=Percentiles.of(_pooled_gaps_s(finished)),
         request_throughput=len(finished) / duration,
         output_throughput=sum(r.request.output_len for r in finished) / duration,
         goodput=num_good / duration,
@@ -87,6 +90,14 @@ def summarize(records: list[RequestRecord], slo: Slo, pods: list[SimPod]) -> Sim
         cached_tokens_by_tier=_cached_tokens_by_tier(pods),
         num_refused=sum(record.is_refused for record in records),
     )
+
+
+def _pooled_gaps_s(finished: list[RequestRecord]) -> np.ndarray:
+    """Every finished request's token gaps in one array: millions at a 10-minute trace, read
+    by numpy straight from the lists rather than through a list of them all first."""
+    count = sum(len(record.itls_s) for record in finished)
+    gaps = itertools.chain.from_iterable(record.itls_s for record in finished)
+    return np.fromiter(gaps, dtype=np.float64, count=count)
 
 
 def _cached_tokens_by_tier(pods: list[SimPod]) -> dict[str, int]:

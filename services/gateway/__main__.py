@@ -225,11 +225,12 @@ async def serve(args: argparse.Namespace) -> int:
         prefill_pool = PodPool("prefill", args.prefill, model_name) if has_prefill else None
         for pool in (decode_pool, prefill_pool):
             if pool is not None:
-                await pool.start()
+                # Registered first: a start that fails midway has opened channels already.
                 started_parts.push_async_callback(pool.close)
+                await pool.start()
         router = Router(decode_pool, prefill_pool, router_settings(args))
-        await router.start()
         started_parts.push_async_callback(router.close)
+        await router.start()
         keys, metrics = load_keys(args), GatewayMetrics()
         admission = _admission(args, decode_pool, prefill_pool, metrics, keys)
         if admission is not None:
@@ -259,8 +260,8 @@ async def serve(args: argparse.Namespace) -> int:
             ),
         )
         started_parts.push_async_callback(grpc_server.stop)
-        return await _serve_http(args, core, gate, grpc_server, decode_pool, model_name, stopping)
-    return 1  # not reached: the block returns or raises (mypy cannot tell an exit stack's)
+        code = await _serve_http(args, core, gate, grpc_server, decode_pool, model_name, stopping)
+    return code
 
 
 async def _serve_http(
@@ -274,6 +275,20 @@ async def _serve_http(
 ) -> int:
     """HTTP beside the started gRPC server until a stop signal; 1 when HTTP never started."""
     health = asyncio.create_task(_follow_decode_health(grpc_server, decode_pool))
+    try:
+        return await _run_http(args, core, gate, grpc_server.port, model_name, stopping)
+    finally:
+        health.cancel()  # also when HTTP fails to start: the gRPC server stops after this
+
+
+async def _run_http(
+    args: argparse.Namespace,
+    core: GatewayCore,
+    gate: Gate,
+    grpc_port: int,
+    model_name: str,
+    stopping: asyncio.Future,
+) -> int:
     http = _HttpServer(
         uvicorn.Config(
             create_app(
@@ -295,12 +310,11 @@ async def _serve_http(
     http.config.load()  # uvicorn's protocol imports, before the freeze
     freeze_startup_heap()  # the tokenizer and the app stay: no full collection walks them
     http_task = asyncio.create_task(http.serve())
-    logger.info("serving %s: HTTP on %d, gRPC on %d", model_name, args.port, grpc_server.port)
+    logger.info("serving %s: HTTP on %d, gRPC on %d", model_name, args.port, grpc_port)
     await asyncio.wait([http_task, stopping], return_when=asyncio.FIRST_COMPLETED)
     started = http.started
     http.should_exit = True
     await _quietly(http_task)
-    health.cancel()
     logger.info("stopped")
     return 0 if started else 1
 

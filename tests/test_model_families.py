@@ -201,7 +201,7 @@ def _reference(
         )
     tokens = out.sequences[0, len(prompt) :].tolist()
     if eos_token_id is not None and eos_token_id in tokens:
-        tokens = tokens[: tokens.index(EOS_TOKEN_ID) + 1]
+        tokens = tokens[: tokens.index(eos_token_id) + 1]
     logprobs = [torch.log_softmax(step[0].float(), dim=-1) for step in out.scores]
     return tokens, logprobs
 

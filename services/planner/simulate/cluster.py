@@ -239,9 +239,8 @@ class Simulation:
         # holds 300,000 of them, and every push and pop of the other events would climb
         # through a heap that deep. Their ids are taken here, in the order the heap would
         # have given them, so ties break exactly as before.
-        arrivals = sorted(
-            ((request.arrival_s, 0, next(self._order), ARRIVAL, request) for request in requests),
-            key=lambda entry: (entry[0], entry[2]),
+        arrivals = sorted(  # by (time, phase, id), as the heap orders; ids are unique
+            (request.arrival_s, 0, next(self._order), ARRIVAL, request) for request in requests
         )
         for failure in self.cluster.failures:
             self._push(failure.at_s, POD_DIES, failure)

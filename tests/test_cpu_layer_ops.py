@@ -68,6 +68,34 @@ def test_silu_and_mul_matches_torch(rows, inner):
     torch.testing.assert_close(cpu_kernels.silu_and_mul(gate_up), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 24)])
+def test_q_k_head_norms_match_the_pytorch_form(rows, num_heads, num_kv_heads, head_dim):
+    """Qwen3's q/k norms: each q and k head normalised in place, v untouched, as the split,
+    per-head norm and concatenation of TorchLayerOps compute them; on a slice of wider rows
+    too."""
+    g = generator(rows * head_dim + num_heads)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    wide = torch.randn(rows, width + 40, generator=g) * 3
+    q_weight, k_weight = torch.randn(2, head_dim, generator=g)
+    module = cpu_kernels.load()
+    for qkv in (wide[:, :width].contiguous(), wide[:, 40:]):
+        expected = TorchLayerOps().rms_norm_qk_heads(
+            qkv, q_weight, k_weight, num_heads, num_kv_heads, EPS
+        )
+        got = qkv.clone() if qkv.is_contiguous() else wide.clone()[:, 40:]
+        module.rms_norm_qk_heads(got, q_weight, k_weight, num_heads, num_kv_heads, EPS)
+        torch.testing.assert_close(got, expected)
+        v_size = num_kv_heads * head_dim
+        assert torch.equal(got[:, -v_size:], qkv[:, -v_size:])
+
+
+def test_q_k_head_norms_refuse_a_mismatched_width():
+    qkv = torch.randn(2, (4 + 2 * 2) * 24 + 1)
+    with pytest.raises(RuntimeError, match="columns"):
+        cpu_kernels.load().rms_norm_qk_heads(qkv, torch.ones(24), torch.ones(24), 4, 2, EPS)
+
+
 def rotary_case(rows: int, num_heads: int, num_kv_heads: int, head_dim: int, seed: int):
     """A fused projection's output, the rows' positions, and the angles the model looks up."""
     g = generator(seed)

@@ -47,6 +47,7 @@ def compare_fused_with_python(
     kv_cache_dtype: str,
     prompts: list[str] | list[list[int]] = PROMPTS,
     model: str | None = None,
+    enable_prefix_caching: bool = True,
 ) -> None:
     llm = LLM(
         model,
@@ -54,6 +55,7 @@ def compare_fused_with_python(
         kv_cache_dtype=kv_cache_dtype,
         kv_cache_bytes=64 * 2**20,
         num_threads=torch.get_num_threads(),
+        enable_prefix_caching=enable_prefix_caching,
     )
     model = llm.engine.runner.model
     assert model.fused_decode is not None, "the model should take the fused layers"
@@ -89,6 +91,34 @@ def test_fused_decode_adds_qwen2_biases_as_the_python_layers_do(make_checkpoint)
     for kv_cache_dtype in ("auto", "int8"):
         # Token ids: the tiny checkpoint's vocabulary is 512 of the tokenizer's ids.
         compare_fused_with_python("none", kv_cache_dtype, _prompts(), model=directory)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3_text"])
+def test_fused_decode_takes_each_familys_parts_as_the_python_layers_do(
+    make_checkpoint,  # noqa: F811
+    family,
+):
+    """Qwen3's q/k norms (head_dim apart from hidden / heads); Gemma 2's sandwich norms, GeGLU,
+    soft-capping and window layers; Gemma 3's q/k norms and its window layers' own rotary
+    base: the tiny checkpoints' windows are shorter than the prompts."""
+    directory = make_checkpoint(family)
+    compare_fused_with_python("none", "auto", _prompts(), model=directory)
+
+
+@pytest.mark.parametrize(("quantization", "kv_cache_dtype"), [("int8", "int8"), ("int4", "auto")])
+def test_fused_decode_takes_quantized_qwen3_as_the_python_layers_do(
+    make_checkpoint,  # noqa: F811
+    quantization,
+    kv_cache_dtype,
+):
+    """Qwen3's q/k norms after a quantized q/k/v product. Without prefix caching: the second
+    run's prompts would hit the first run's blocks and prefill in fewer rows, and from 32 rows
+    (int8) or 16 (int4) the products quantize activations, so a prefill of other length
+    differs in rounding that these random weights amplify past the tolerance."""
+    directory = make_checkpoint("qwen3")
+    compare_fused_with_python(
+        quantization, kv_cache_dtype, _prompts(), model=directory, enable_prefix_caching=False
+    )
 
 
 @pytest.mark.slow  # another engine of the shipped model, 16 sequences

@@ -353,7 +353,8 @@ def test_the_fused_decode_serves_adapter_steps_as_the_python_layers_do(
     real_run = fused.run
 
     def counting_run(*args, **kwargs):
-        served.append(args[-1] if len(args) > 5 else kwargs.get("lora"))
+        # FusedDecode.run(hidden, angles, kv_cache, meta, num_layers, lora, local_angles)
+        served.append(args[5] if len(args) > 5 else kwargs.get("lora"))
         return real_run(*args, **kwargs)
 
     prompts = _prompts(lora_llm)

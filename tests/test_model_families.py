@@ -294,16 +294,18 @@ def test_architecture_reads_each_part(make_checkpoint):
     assert arch["gemma3_text"].layer_windows == (12, 0)
     assert arch["gemma3_text"].local_rope_theta == 50.0
     assert arch["qwen3_moe"].moe is not None and arch["qwen3_moe"].qk_norm
-    # Windows and Qwen2's q/k/v biases are in the C++ decode layers (float32 Mistral, Phi-3
-    # and Qwen2 decode through them, so the greedy test above checks them against
-    # transformers); the other families' parts are not: the Python layers serve every step.
+    # Windows, Qwen2's q/k/v biases, q/k norms and Gemma's parts are in the C++ decode layers
+    # (every dense family here decodes through them in float32, so the greedy test above
+    # checks them against transformers); mixture-of-experts is not: Qwen3-MoE keeps the
+    # Python layers.
     fused = {family for family, llm in archs.items() if llm.engine.runner.model.fused_decode}
-    assert fused == ({"mistral", "phi3", "qwen2"} if cpu_kernels_loaded() else set())
+    dense = {"mistral", "phi3", "qwen2", "qwen3", "gemma2", "gemma3_text"}
+    assert fused == (dense if cpu_kernels_loaded() else set())
     paths = cpu_report()["model_families"]
     assert set(FAMILIES) <= set(paths)
-    assert "extra norms" in paths["gemma2"] and "q/k norms" in paths["qwen3"]
-    assert paths["mistral"].startswith("fused") == cpu_kernels_loaded()
-    assert paths["qwen2"].startswith("fused") == cpu_kernels_loaded()
+    assert "mixture-of-experts" in paths["qwen3_moe"]
+    for family in dense:
+        assert paths[family].startswith("fused") == cpu_kernels_loaded()
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma2"])

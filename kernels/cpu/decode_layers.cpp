@@ -9,9 +9,11 @@
 // reordered (float32 models, shared/model/linear.py), torch's packed int8 kernel on bfloat16
 // activations, or int4_gemm.cpp's product of our int4 layout (shared/model/quantized_linear.py;
 // torch's own int4 layout never comes here). Only the shapes those layers handle
-// at decode come here: dense Llama-family layers (with Qwen2's q/k/v bias, the only bias those
-// families have), one process (no tensor parallel), every row a decode token with its slot;
-// LlamaForCausalLM checks that.
+// at decode come here: dense Llama-family layers with the parts of the families built on them
+// (Qwen2's q/k/v bias, the only bias those families have; Qwen3's and Gemma 3's q/k norms;
+// Gemma's norms around each branch, GeGLU and Gemma 3's own rotary base on window layers), one
+// process (no tensor parallel), every row a decode token with its slot; LlamaForCausalLM checks
+// that.
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
@@ -53,10 +55,15 @@ struct LoraSlots {
 enum Projection : int64_t { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3, kNumProjections = 4 };
 
 struct Layer {
+  // post_norm: Llama's norm before the MLP (of the residual sum); with Gemma's sandwich norms,
+  // the attention branch's own norm, and pre_ff_norm takes the former's place.
   torch::Tensor input_norm, post_norm;
   Weight qkv, o, gate_up, down;
   torch::Tensor qkv_bias;  // Qwen2's q/k/v bias [q + 2 kv] float32; undefined: none
+  torch::Tensor q_norm, k_norm;  // [head_dim] each; undefined: no q/k norms
+  torch::Tensor pre_ff_norm, post_ff_norm;  // Gemma's [hidden] each; undefined: Llama's layout
   int64_t window = 0;  // a sliding window's positions (0 = the whole context)
+  bool local_rotary = false;  // Gemma 3's window layers: the step's local angles
   std::optional<LoraSlots> lora[kNumProjections];
 };
 
@@ -158,15 +165,17 @@ torch::Tensor linear(const torch::Tensor& x, const Weight& w, WeightFormat forma
 // The layers of one model, built once after its weights are loaded.
 class DecodeLayers {
  public:
-  // softcap: attention soft-capping for every layer (0 = none).
+  // softcap: attention soft-capping for every layer (0 = none); gelu_tanh: the MLP's gate
+  // through tanh-approximated GELU (Gemma's GeGLU) instead of SiLU.
   DecodeLayers(int64_t format, int64_t num_heads, int64_t num_kv_heads, double eps,
-               double scale, double softcap)
+               double scale, double softcap, bool gelu_tanh)
       : format_(static_cast<WeightFormat>(format)),
         num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         eps_(eps),
         scale_(scale),
-        softcap_(softcap) {
+        softcap_(softcap),
+        gelu_tanh_(gelu_tanh) {
     TORCH_CHECK(format >= 0 && format <= 2, "weight format ", format, " is not 0 to 2");
     TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0, got ", softcap);
   }
@@ -174,9 +183,14 @@ class DecodeLayers {
   // tensors: input_norm, post_norm, then (first, second) of qkv, o, gate_up, down (second
   // may be an empty tensor); sizes: (in_padded, out_features) of qkv, o, gate_up, down;
   // window: the layer's sliding window (0 = none); qkv_bias: the q/k/v bias, added to the
-  // product as the Python Linear adds it (none: no bias).
+  // product as the Python Linear adds it (none: no bias); qk_norms: {q_norm, k_norm} weights
+  // [head_dim] (empty: none); sandwich_norms: Gemma's {pre_feedforward, post_feedforward}
+  // weights [hidden] (empty: Llama's layout); local_rotary: the layer rotates with the step's
+  // local angles (run's local_cos and local_sin).
   void add_layer(std::vector<torch::Tensor> tensors, std::vector<int64_t> sizes,
-                 int64_t window, std::optional<torch::Tensor> qkv_bias) {
+                 int64_t window, std::optional<torch::Tensor> qkv_bias,
+                 std::vector<torch::Tensor> qk_norms, std::vector<torch::Tensor> sandwich_norms,
+                 bool local_rotary) {
     TORCH_CHECK(window >= 0, "window must be >= 0, got ", window);
     TORCH_CHECK(tensors.size() == 10 && sizes.size() == 8,
                 "a layer takes 10 tensors and 8 sizes, got ", tensors.size(), " and ",
@@ -195,6 +209,20 @@ class DecodeLayers {
                   "qkv_bias must be [", layer.qkv.out_features, "] float32, contiguous");
       layer.qkv_bias = *qkv_bias;
     }
+    TORCH_CHECK(qk_norms.empty() || qk_norms.size() == 2, "qk_norms: none or {q_norm, k_norm}");
+    TORCH_CHECK(sandwich_norms.empty() || sandwich_norms.size() == 2,
+                "sandwich_norms: none or {pre_feedforward, post_feedforward}");
+    for (const auto& weight : qk_norms) check_norm_weight(weight, "a q/k norm");
+    for (const auto& weight : sandwich_norms) check_norm_weight(weight, "a feed-forward norm");
+    if (!qk_norms.empty()) {
+      layer.q_norm = qk_norms[0];
+      layer.k_norm = qk_norms[1];
+    }
+    if (!sandwich_norms.empty()) {
+      layer.pre_ff_norm = sandwich_norms[0];
+      layer.post_ff_norm = sandwich_norms[1];
+    }
+    layer.local_rotary = local_rotary;
     layers_.push_back(std::move(layer));
   }
 
@@ -224,34 +252,45 @@ class DecodeLayers {
   // lora_slot_ids [rows] int64, each row's slot (-1: the base model).
   torch::Tensor run_lora(torch::Tensor hidden, torch::Tensor kv_cache, torch::Tensor slot_mapping,
                          torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor cos,
-                         torch::Tensor sin, int64_t num_layers,
-                         torch::Tensor lora_slot_ids) const {
+                         torch::Tensor sin, int64_t num_layers, torch::Tensor lora_slot_ids,
+                         std::optional<torch::Tensor> local_cos,
+                         std::optional<torch::Tensor> local_sin) const {
     TORCH_CHECK(lora_slot_ids.dim() == 1 && lora_slot_ids.size(0) == hidden.size(0) &&
                     lora_slot_ids.scalar_type() == torch::kLong && lora_slot_ids.is_contiguous(),
                 "lora_slot_ids must be [rows] int64, contiguous");
-    return run_layers(hidden, kv_cache, slot_mapping, block_tables, seq_lens, cos, sin,
-                      num_layers, LoraStep{lora_slot_ids});
+    return run_layers(hidden, kv_cache, slot_mapping, block_tables, seq_lens,
+                      Angles{cos, sin, local_cos, local_sin}, num_layers,
+                      LoraStep{lora_slot_ids});
   }
 
   // hidden [rows, hidden] float32 -> the hidden states after the first num_layers layers.
   // kv_cache [layers, 2, blocks, block_size, kv_heads, row] (float32, or int8 rows with their
   // scales); slot_mapping [rows] int64; block_tables [rows, max_blocks] and seq_lens [rows]
-  // int32, the tokens' own slots included; cos, sin [rows, head_dim] float32.
+  // int32, the tokens' own slots included; cos, sin [rows, head_dim] float32; local_cos,
+  // local_sin: the same for layers added with local_rotary (none: no such layer).
   torch::Tensor run(torch::Tensor hidden, torch::Tensor kv_cache, torch::Tensor slot_mapping,
                     torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor cos,
-                    torch::Tensor sin, int64_t num_layers) const {
-    return run_layers(hidden, kv_cache, slot_mapping, block_tables, seq_lens, cos, sin,
-                      num_layers, LoraStep{});
+                    torch::Tensor sin, int64_t num_layers, std::optional<torch::Tensor> local_cos,
+                    std::optional<torch::Tensor> local_sin) const {
+    return run_layers(hidden, kv_cache, slot_mapping, block_tables, seq_lens,
+                      Angles{cos, sin, local_cos, local_sin}, num_layers, LoraStep{});
   }
 
  private:
+  // The step's rotary angles: the model's, and a window layer's own where it has them.
+  struct Angles {
+    torch::Tensor cos, sin;
+    std::optional<torch::Tensor> local_cos, local_sin;
+  };
+
   torch::Tensor run_layers(const torch::Tensor& hidden, const torch::Tensor& kv_cache,
                            const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
-                           const torch::Tensor& seq_lens, const torch::Tensor& cos,
-                           const torch::Tensor& sin, int64_t num_layers,
-                           const LoraStep& lora) const {
+                           const torch::Tensor& seq_lens, const Angles& angles,
+                           int64_t num_layers, const LoraStep& lora) const {
     TORCH_CHECK(num_layers >= 0 && num_layers <= this->num_layers(), "num_layers ", num_layers,
                 " outside [0, ", this->num_layers(), "]");
+    TORCH_CHECK(angles.local_cos.has_value() == angles.local_sin.has_value(),
+                "local_cos and local_sin come together");
     TORCH_CHECK(kv_cache.size(0) >= num_layers, "the cache has ", kv_cache.size(0),
                 " layers, fewer than ", num_layers);
     const bool int8_cache = kv_cache.scalar_type() == torch::kChar;
@@ -264,6 +303,13 @@ class DecodeLayers {
       auto qkv = linear(attention_in, layer.qkv, format_);
       if (layer.qkv_bias.defined()) qkv.add_(layer.qkv_bias);
       add_lora_delta(qkv, attention_in, layer.lora[kQkv], lora);
+      if (layer.q_norm.defined()) {
+        rms_norm_qk_heads(qkv, layer.q_norm, layer.k_norm, num_heads_, num_kv_heads_, eps_);
+      }
+      TORCH_CHECK(!layer.local_rotary || angles.local_cos.has_value(), "layer ", l,
+                  " rotates with local angles, and run was given none");
+      const auto& cos = layer.local_rotary ? *angles.local_cos : angles.cos;
+      const auto& sin = layer.local_rotary ? *angles.local_sin : angles.sin;
       torch::Tensor q;
       if (int8_cache) {
         auto split = rotary_split_qkv(qkv, cos, sin, num_heads_, num_kv_heads_);
@@ -279,37 +325,68 @@ class DecodeLayers {
       const auto attention_out = attention.view({rows, -1});
       auto o = linear(attention_out, layer.o, format_);
       add_lora_delta(o, attention_out, layer.lora[kO], lora);
-      auto normed = add_rms_norm(o, x, layer.post_norm, eps_);  // {normed, o + x}
+      const bool sandwich = layer.pre_ff_norm.defined();
+      if (sandwich) o = rms_norm(o, layer.post_norm, eps_);  // Gemma: the branch's own norm
+      // {normed, o + x}
+      auto normed = add_rms_norm(o, x, sandwich ? layer.pre_ff_norm : layer.post_norm, eps_);
       auto gate_up = linear(normed[0], layer.gate_up, format_);
       add_lora_delta(gate_up, normed[0], layer.lora[kGateUp], lora);
-      const auto activated = silu_and_mul(gate_up);
+      const auto activated = activate(gate_up);
       auto down = linear(activated, layer.down, format_);
       add_lora_delta(down, activated, layer.lora[kDown], lora);
+      if (sandwich) down = rms_norm(down, layer.post_ff_norm, eps_);
       x = normed[1] + down;
     }
     return x;
   }
 
+  // The gated MLP's activation of [rows, 2 * inner] (gate columns first) -> [rows, inner], as
+  // shared/model/llama.py's LlamaMLP computes it.
+  torch::Tensor activate(const torch::Tensor& gate_up) const {
+    if (!gelu_tanh_) return silu_and_mul(gate_up);
+    const auto halves = gate_up.chunk(2, 1);
+    return at::gelu(halves[0], "tanh") * halves[1];
+  }
+
+  static void check_norm_weight(const torch::Tensor& weight, const char* what) {
+    TORCH_CHECK(weight.dim() == 1 && weight.scalar_type() == torch::kFloat32 &&
+                    weight.is_contiguous(),
+                what, " weight must be a contiguous float32 vector");
+  }
+
   WeightFormat format_;
   int64_t num_heads_, num_kv_heads_;
   double eps_, scale_, softcap_;
+  bool gelu_tanh_;
   std::vector<Layer> layers_;
 };
 
 void bind_decode_layers(pybind11::module& m) {
   pybind11::class_<DecodeLayers>(m, "DecodeLayers",
                                  "every decoder layer of a decode-only step in one call (CPU)")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, double>(),
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, double, bool>(),
            pybind11::arg("format"), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"),
-           pybind11::arg("eps"), pybind11::arg("scale"), pybind11::arg("softcap") = 0.0)
+           pybind11::arg("eps"), pybind11::arg("scale"), pybind11::arg("softcap") = 0.0,
+           pybind11::arg("gelu_tanh") = false)
       .def("add_layer", &DecodeLayers::add_layer, pybind11::arg("tensors"),
            pybind11::arg("sizes"), pybind11::arg("window") = 0,
-           pybind11::arg("qkv_bias") = std::nullopt)
+           pybind11::arg("qkv_bias") = std::nullopt,
+           pybind11::arg("qk_norms") = std::vector<torch::Tensor>{},
+           pybind11::arg("sandwich_norms") = std::vector<torch::Tensor>{},
+           pybind11::arg("local_rotary") = false)
       .def_property_readonly("num_layers", &DecodeLayers::num_layers)
       // Without the GIL, as torch's own ops run: a step takes milliseconds, and the pod's
       // event loop (streaming the last step's tokens, taking new requests) runs meanwhile.
       .def("set_lora", &DecodeLayers::set_lora)
-      .def("run", &DecodeLayers::run, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("run_lora", &DecodeLayers::run_lora,
+      .def("run", &DecodeLayers::run, pybind11::arg("hidden"), pybind11::arg("kv_cache"),
+           pybind11::arg("slot_mapping"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
+           pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("num_layers"),
+           pybind11::arg("local_cos") = std::nullopt, pybind11::arg("local_sin") = std::nullopt,
+           pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("run_lora", &DecodeLayers::run_lora, pybind11::arg("hidden"),
+           pybind11::arg("kv_cache"), pybind11::arg("slot_mapping"),
+           pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("cos"),
+           pybind11::arg("sin"), pybind11::arg("num_layers"), pybind11::arg("lora_slot_ids"),
+           pybind11::arg("local_cos") = std::nullopt, pybind11::arg("local_sin") = std::nullopt,
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -23,6 +23,8 @@ void write_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor layer_c
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
                                         torch::Tensor weight, double eps);
+void rms_norm_qk_heads(torch::Tensor qkv, torch::Tensor q_weight, torch::Tensor k_weight,
+                       int64_t num_heads, int64_t num_kv_heads, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 std::vector<torch::Tensor> rotary_split_qkv(torch::Tensor qkv, torch::Tensor cos,
                                             torch::Tensor sin, int64_t num_heads,

@@ -107,6 +107,38 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
   return {normed, summed};
 }
 
+// qkv [rows, (num_heads + 2 * num_kv_heads) * head_dim]: each q head normalised over head_dim
+// with q_weight [head_dim] and each k head with k_weight, in place; v is left as it is. Qwen3's
+// and Gemma 3's q/k norms, the same arithmetic as rms_norm over the heads as rows, without the
+// split, the copies and the concatenation the Python form takes.
+void rms_norm_qk_heads(torch::Tensor qkv, torch::Tensor q_weight, torch::Tensor k_weight,
+                       int64_t num_heads, int64_t num_kv_heads, double eps) {
+  check_rows(qkv, "qkv");
+  const int64_t head_dim = q_weight.numel();
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "qkv has ",
+              qkv.size(1), " columns, not (", num_heads, " + 2 * ", num_kv_heads, ") * ",
+              head_dim);
+  for (const auto* weight : {&q_weight, &k_weight}) {
+    TORCH_CHECK(weight->numel() == head_dim && weight->is_contiguous() &&
+                    weight->scalar_type() == torch::kFloat32,
+                "q/k norm weights must be contiguous float32 [", head_dim, "]");
+  }
+  const int64_t rows = qkv.size(0), stride = qkv.stride(0);
+  const int64_t normed_heads = num_heads + num_kv_heads;  // q's heads, then k's
+  float* data = qkv.data_ptr<float>();
+  const float* q_w = q_weight.data_ptr<float>();
+  const float* k_w = k_weight.data_ptr<float>();
+  const float epsilon = static_cast<float>(eps);
+#pragma omp parallel for if (rows >= kParallelRows)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t h = 0; h < normed_heads; ++h) {
+      float* head = data + r * stride + h * head_dim;
+      // norm_row reads each value before it writes it: in place is safe.
+      norm_row(head, h < num_heads ? q_w : k_w, epsilon, head_dim, head);
+    }
+  }
+}
+
 // gate_up [rows, 2 * inner] (gate columns first) -> silu(gate) * up [rows, inner].
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   check_rows(gate_up, "gate_up");

@@ -24,6 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (CPU)");
   m.def("add_rms_norm", &add_rms_norm,
         "a residual add and the RMSNorm after it, in one pass: {normed, summed} (CPU)");
+  m.def("rms_norm_qk_heads", &rms_norm_qk_heads,
+        "each q and k head of the fused projection RMS-normalised in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU's silu(gate) * up from the fused projection (CPU)");
   m.def("rotary_split_qkv", &rotary_split_qkv,
         "q, k, v split from the fused projection, q and k rotated (rotate-half RoPE, CPU)");

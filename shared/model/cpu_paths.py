@@ -89,13 +89,11 @@ def kernel_paths() -> dict[str, str]:
 # config.json model_type -> what its layers add that decode_layers.cpp does not compute
 # (shared/model/fused_decode.py's fused_decode_problem decides per loaded model; this is the
 # same answer for each family's usual config, for the report).
+_FUSED_FAMILIES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "gemma2", "gemma3_text")
 _PYTHON_LAYER_PARTS = {
-    "qwen3": "q/k norms",
-    "gemma2": "Gemma's extra norms, GeGLU",
-    "gemma3_text": "q/k norms, Gemma's extra norms, GeGLU, two rotary bases",
     "mixtral": "mixture-of-experts",
     "qwen2_moe": "mixture-of-experts",
-    "qwen3_moe": "mixture-of-experts, q/k norms",
+    "qwen3_moe": "mixture-of-experts",
     "deepseek_v2": "mixture-of-experts, multi-head latent attention",
     "deepseek_v3": "mixture-of-experts (biased sigmoid routing), multi-head latent attention",
 }
@@ -105,7 +103,7 @@ def model_family_paths() -> dict[str, str]:
     """Model type -> "fused C++ decode" where its dense float32 decode steps may take the C++
     layers (kernels/cpu/decode_layers.cpp), else the Python layers and why (docs/models.md)."""
     fused = "fused C++ decode (float32, LoRA rows too)" if _loaded_module() else "python layers"
-    paths = {"llama": fused, "mistral": fused, "phi3": fused, "qwen2": fused}
+    paths = {name: fused for name in _FUSED_FAMILIES}
     for model_type, parts in _PYTHON_LAYER_PARTS.items():
         paths[model_type] = f"python layers (the C++ decode layers lack {parts})"
     return paths

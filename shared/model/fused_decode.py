@@ -4,13 +4,13 @@ At batch 1 the Python between a layer's dozen operations was a large part of a s
 weights: 7.7 ms a step through the Python layers, 5.9 through this loop). The loop runs the
 same operations on the same kernels in the same order, so its output is the Python layers'
 output (tests/test_fused_decode.py holds it to that). It serves the steps it can: every row a
-decode token, float32 activations, dense Llama-family layers (Qwen2's q/k/v bias included)
-whose products are all oneDNN, all int8 or all int4 in our layout, in one process; rows with
-LoRA adapters too, once `set_lora` gave it the slots (each projection's output gets its rows'
+decode token, float32 activations, dense Llama-family layers (with Qwen2's q/k/v bias, Qwen3's
+and Gemma 3's q/k norms, Gemma's sandwich norms and GeGLU, Gemma 3's local rotary base) whose
+products are all oneDNN, all int8 or all int4 in our layout, in one process; rows with LoRA
+adapters too, once `set_lora` gave it the slots (each projection's output gets its rows'
 deltas, row by row from each row's own adapter: decode_layers.cpp's add_lora_delta says why).
-Everything else (prefill chunks, mixed steps, tensor parallel, mixture-of-experts, bfloat16
-models, CUDA, int4 in torch's layout, and the other families' parts: `fused_decode_problem`)
-keeps the Python layers.
+Everything else (prefill chunks, mixed steps, tensor parallel, mixture-of-experts, MLA, bfloat16
+models, CUDA, int4 in torch's layout: `fused_decode_problem`) keeps the Python layers.
 SPLITSERVE_FUSED_DECODE=0 turns it off (to compare the two).
 """
 
@@ -51,6 +51,7 @@ _ONEDNN, _INT8, _INT4 = 0, 1, 2  # decode_layers.cpp's WeightFormat
 _MAX_ROWS = {_ONEDNN: None, _INT8: INT8_ACTIVATION_QUANT_FROM_ROWS, _INT4: None}
 # decode_layers.cpp's Projection order, by the projection's attribute name.
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+_GELU_TANH = "gelu_pytorch_tanh"  # Gemma's GeGLU gate (decode_layers.cpp's gelu_tanh)
 
 
 class FusedDecode:
@@ -89,9 +90,11 @@ class FusedDecode:
         meta: AttentionMetadata,
         num_layers: int | None,
         lora: LoRABatch | None = None,
+        local_angles: RotaryAngles | None = None,
     ) -> torch.Tensor:
         """The step through the layers; `lora`: its rows' slots (set_lora done), None when no
-        row has an adapter."""
+        row has an adapter; `local_angles`: Gemma 3's window layers' own (None: the model has
+        one rotary base)."""
         count = self._layers.num_layers if num_layers is None else num_layers
         args = (
             hidden,
@@ -103,10 +106,13 @@ class FusedDecode:
             angles.sin,
             count,
         )
+        local = {}
+        if local_angles is not None:
+            local = {"local_cos": local_angles.cos, "local_sin": local_angles.sin}
         if lora is None:
-            return self._layers.run(*args)
+            return self._layers.run(*args, **local)
         assert self.has_lora, "a LoRA step needs set_lora first"
-        return self._layers.run_lora(*args, lora.slot_ids)
+        return self._layers.run_lora(*args, lora.slot_ids, **local)
 
 
 def build_fused_decode(model: LlamaForCausalLM) -> FusedDecode | None:
@@ -137,8 +143,9 @@ def build_fused_decode(model: LlamaForCausalLM) -> FusedDecode | None:
         first.input_layernorm.eps,
         attention.scale,
         float(arch.attn_logit_softcap or 0.0),
+        arch.hidden_act == _GELU_TANH,
     )
-    for layer, linears in zip(decoder_layers, products, strict=True):
+    for layer_id, (layer, linears) in enumerate(zip(decoder_layers, products, strict=True)):
         tensors: list[torch.Tensor] = [
             layer.input_layernorm.weight,
             layer.post_attention_layernorm.weight,
@@ -154,19 +161,34 @@ def build_fused_decode(model: LlamaForCausalLM) -> FusedDecode | None:
             sizes,
             int(layer.self_attn.window),
             None if qkv_bias is None else qkv_bias.detach().contiguous(),
+            _qk_norms(layer),
+            _sandwich_norms(layer),
+            arch.local_rope_theta is not None and arch.window_of(layer_id) > 0,
         )
     return FusedDecode(layers, weight_format)
 
 
+def _qk_norms(layer: LlamaDecoderLayer) -> list[torch.Tensor]:
+    """Qwen3's and Gemma 3's [q_norm, k_norm] weights, or none."""
+    attention = layer.self_attn
+    if attention.q_norm is None or attention.k_norm is None:
+        return []
+    return [attention.q_norm.weight, attention.k_norm.weight]
+
+
+def _sandwich_norms(layer: LlamaDecoderLayer) -> list[torch.Tensor]:
+    """Gemma's [pre_feedforward, post_feedforward] norm weights, or none (Llama's layout)."""
+    if not layer.sandwich_norms:
+        return []
+    return [layer.pre_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight]
+
+
 def fused_decode_problem(arch: ModelArchitecture) -> str | None:
-    """Why `arch`'s layers are not the ones decode_layers.cpp computes (a plain Llama layer
-    with Qwen2's q/k/v bias at most), or None: those models decode through the Python layers."""
+    """Why `arch`'s layers are not the ones decode_layers.cpp computes, or None: those models
+    decode through the Python layers."""
     parts = {
         "mixture-of-experts": arch.moe is not None,
-        "q/k norms": arch.qk_norm,
-        "Gemma's extra norms": arch.sandwich_norms,
-        f"{arch.hidden_act} MLP": arch.hidden_act != "silu",
-        "per-layer rotary bases": arch.local_rope_theta is not None,
+        f"{arch.hidden_act} MLP": arch.hidden_act not in ("silu", _GELU_TANH),
         "multi-head latent attention": arch.mla is not None,
     }
     found = [name for name, present in parts.items() if present]

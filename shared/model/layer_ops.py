@@ -36,6 +36,24 @@ class TorchLayerOps:
         summed = x + residual
         return self.rms_norm(summed, weight, eps), summed
 
+    def rms_norm_qk_heads(
+        self,
+        qkv: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        eps: float,
+    ) -> torch.Tensor:
+        """qkv [tokens, (heads + 2 kv_heads) * head_dim] with each q and k head RMS-normalised
+        over head_dim (Qwen3's and Gemma 3's q/k norms); v as it was."""
+        num_tokens, dim = qkv.shape[0], q_weight.shape[0]
+        q_size, kv_size = num_heads * dim, num_kv_heads * dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = self.rms_norm(q.reshape(-1, dim), q_weight, eps).view(num_tokens, q_size)
+        k = self.rms_norm(k.reshape(-1, dim), k_weight, eps).view(num_tokens, kv_size)
+        return torch.cat((q, k, v), dim=-1)
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -90,6 +108,21 @@ class CpuKernelLayerOps(TorchLayerOps):
             return super().add_rms_norm(x, residual, weight, eps)
         normed, summed = self._module.add_rms_norm(x, residual, weight, eps)
         return normed, summed
+
+    def rms_norm_qk_heads(
+        self,
+        qkv: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        eps: float,
+    ) -> torch.Tensor:
+        if qkv.dtype != torch.float32 or qkv.dim() != 2 or qkv.stride(1) != 1:
+            return super().rms_norm_qk_heads(qkv, q_weight, k_weight, num_heads, num_kv_heads, eps)
+        # In place: qkv is the projection's own fresh output.
+        self._module.rms_norm_qk_heads(qkv, q_weight, k_weight, num_heads, num_kv_heads, eps)
+        return qkv
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if gate_up.dtype != torch.float32 or gate_up.dim() != 2:

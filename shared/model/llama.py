@@ -138,12 +138,14 @@ class LlamaAttention(nn.Module):
         """qkv with q's and k's heads RMS-normalised, each over head_dim (the fused rotary op
         then takes it as before)."""
         assert self.q_norm is not None and self.k_norm is not None, "qk_norm models only"
-        num_tokens, dim = qkv.shape[0], self.head_dim
-        q_size, kv_size = self.num_heads * dim, self.num_kv_heads * dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = self.q_norm(q.reshape(-1, dim)).view(num_tokens, q_size)
-        k = self.k_norm(k.reshape(-1, dim)).view(num_tokens, kv_size)
-        return torch.cat((q, k, v), dim=-1)
+        return self.ops.rms_norm_qk_heads(
+            qkv,
+            self.q_norm.weight,
+            self.k_norm.weight,
+            self.num_heads,
+            self.num_kv_heads,
+            self.q_norm.eps,
+        )
 
 
 class LlamaMLP(nn.Module):
@@ -387,7 +389,7 @@ class LlamaForCausalLM(nn.Module):
         lora_batch = None if self.lora is None else self.lora.batch
         lora_served = lora_batch is None or (fused is not None and fused.has_lora)
         if fused is not None and lora_served and fused.serves(hidden, meta):
-            return fused.run(hidden, angles, kv_cache, meta, num_layers, lora_batch)
+            return fused.run(hidden, angles, kv_cache, meta, num_layers, lora_batch, local_angles)
         # Iterated, not sliced: a slice of a ModuleList builds a new one every step.
         for layer_id, layer in enumerate(self.layers):
             if layer_id == num_layers:

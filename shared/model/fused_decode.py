@@ -170,10 +170,12 @@ def build_fused_decode(model: LlamaForCausalLM) -> FusedDecode | None:
 
 def _qk_norms(layer: LlamaDecoderLayer) -> list[torch.Tensor]:
     """Qwen3's and Gemma 3's [q_norm, k_norm] weights, or none."""
-    attention = layer.self_attn
-    if attention.q_norm is None or attention.k_norm is None:
+    # MLA's attention has no such attribute; build_fused_decode refuses MLA anyway.
+    q_norm = getattr(layer.self_attn, "q_norm", None)
+    k_norm = getattr(layer.self_attn, "k_norm", None)
+    if q_norm is None or k_norm is None:
         return []
-    return [attention.q_norm.weight, attention.k_norm.weight]
+    return [q_norm.weight, k_norm.weight]
 
 
 def _sandwich_norms(layer: LlamaDecoderLayer) -> list[torch.Tensor]:

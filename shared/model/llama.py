@@ -189,6 +189,10 @@ def attention(arch: ModelArchitecture, quantization: str) -> LlamaAttention | ML
 
 
 class LlamaDecoderLayer(nn.Module):
+    # Gemma's (sandwich_norms) only.
+    pre_feedforward_layernorm: RMSNorm
+    post_feedforward_layernorm: RMSNorm
+
     def __init__(self, arch: ModelArchitecture, quantization: str, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)

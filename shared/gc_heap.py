@@ -35,7 +35,12 @@ def collector_paused() -> Iterator[None]:
     keeps (the planner's simulator: a 10-minute trace at 1,000 pods makes ~19 M token gaps and
     300 k request records, each full collection walking all of them again for nothing);
     reference counting still frees what dies. The collector runs again afterwards if it ran
-    before."""
+    before.
+
+    The switch is process-wide: not for threads whose pauses overlap (the first to leave would
+    turn the collector back on under the other). And the frozen startup heap of
+    `freeze_startup_heap` stays frozen: garbage cycles in it are never reclaimed, which is why
+    it is taken only once startup's own garbage is collected."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

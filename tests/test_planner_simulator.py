@@ -320,6 +320,36 @@ def test_streams_past_the_replay_limit_end_instead_of_moving() -> None:
         PodFailure(-1.0, 0)
 
 
+def test_an_arrival_at_the_instant_of_a_poll_or_a_pod_failure_is_handled_first() -> None:
+    """Ties at one instant go by event id, and arrivals take theirs before any poll or failure
+    the run queues (arrivals wait outside the heap, in their own queue, and keep that order):
+    the arrival is routed on the view before the poll, and to the pod about to die."""
+    from splitserve.planner.simulate.failures import PodFailure
+
+    profile = synthetic_profile(0.05, prefill_per_token_s=0.001, decode_step_s=0.01)
+
+    def second_pod(arrival_s: float) -> str:
+        # Request 0 finishes long before 0.5 s; only a poll tells the gateway so.
+        simulation = Simulation(profile, ClusterConfig(0, 2, gateway_poll_interval_s=0.5))
+        simulation.run([SimRequest(0, 0.0, 16, 4), SimRequest(1, arrival_s, 16, 4)], LOOSE)
+        assert simulation.decode_pod_name(0) == "decode-0"
+        return simulation.decode_pod_name(1)
+
+    assert second_pod(0.5) == "decode-1"  # before the poll: decode-0 still has what it sent
+    assert second_pod(0.5 + 1e-9) == "decode-0"  # after it: both idle, the first pod
+
+    def moves(failure_s: float) -> int:
+        failure = PodFailure(at_s=failure_s, decode_pod=0)
+        cluster = ClusterConfig(0, 2, gateway_poll_interval_s=0, failures=(failure,))
+        simulation = Simulation(profile, cluster)
+        result = simulation.run([SimRequest(0, 1.0, 16, 4)], LOOSE)
+        assert result.num_finished == 1 and simulation.decode_pod_name(0) == "decode-1"
+        return simulation._flights[0].record.num_moves
+
+    assert moves(1.0) == 1  # routed to decode-0 as it dies, then moved
+    assert moves(1.0 - 1e-9) == 0  # decode-0 left the gateway's view before
+
+
 def _tiered_run(tier_sizes, disk_bytes_per_s: float = 1e8):
     from splitserve.planner.profile import TierLoadModel
 

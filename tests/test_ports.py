@@ -93,6 +93,41 @@ def test_a_gateway_told_a_taken_grpc_port_exits_saying_so():
     assert "Traceback" not in done.stderr
 
 
+def test_a_gateway_that_cannot_bind_grpc_closes_what_it_started(monkeypatch):
+    """The gateway's own start, in this process: the pools and the router it started before
+    the gRPC bind failed are closed (each close seen once), not left polling."""
+    from splitserve.gateway import __main__ as gateway  # lazy: imports the gateway's web stack
+    from splitserve.gateway.routing.pods import PodPool  # lazy: as above
+    from splitserve.gateway.routing.router import Router  # lazy: as above
+
+    closed: list[str] = []
+
+    def spy(cls: type, name: str) -> None:
+        real_close = cls.close
+
+        async def close(self) -> None:
+            closed.append(name)
+            await real_close(self)
+
+        monkeypatch.setattr(cls, "close", close)
+
+    spy(PodPool, "pool")
+    spy(Router, "router")
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        args = gateway.build_parser().parse_args(
+            ["--host", "127.0.0.1", "--grpc-port", str(port), "--port", str(free_port())]
+            + ["--decode", f"127.0.0.1:{free_port()}", "--prefill", f"127.0.0.1:{free_port()}"]
+        )
+        with pytest.raises(BindError, match=f"127.0.0.1:{port}"):
+            asyncio.run(gateway.serve(args))
+    # Closed in reverse of their start: the router, then the prefill and the decode pool.
+    assert closed == ["router", "pool", "pool"]
+
+
 def test_port_zero_draws_that_only_repeat_end_in_an_error(monkeypatch):
     # A machine whose ephemeral range is down to ports handed out already (some containers
     # narrow it): the kernel's answers stand in as one number.

@@ -204,12 +204,12 @@ def _load_one_process(
 
 def _check_parallel_model(arch: ModelArchitecture, pipeline_parallel_size: int) -> None:
     """Before any rank starts: mixture-of-experts models split over tensor-parallel ranks
-    (their experts by range with enable_expert_parallel), not over pipeline stages yet; MLA
-    models (DeepSeek) run in one process."""
-    if arch.mla is not None:
+    (their experts by range with enable_expert_parallel), not over pipeline stages yet; nor do
+    MLA models (DeepSeek), whose latent cache every tensor-parallel rank holds whole."""
+    if arch.mla is not None and pipeline_parallel_size > 1:
         raise ValueError(
-            f"{arch.name} (multi-head latent attention) does not support tensor or pipeline "
-            "parallel yet: its latent attention runs in one process"
+            f"{arch.name} (multi-head latent attention) does not support pipeline parallel "
+            "yet: use tensor_parallel_size"
         )
     if arch.moe is not None and pipeline_parallel_size > 1:
         raise ValueError(

@@ -26,6 +26,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.kv.cache import bytes_per_block
+from tests.test_disaggregation_engine import disaggregated
 from tests.test_model_families import (
     _COMMON,
     CHUNK,
@@ -223,7 +224,7 @@ def test_unsupported_settings_are_refused(make_checkpoint, tmp_path, setting, me
     ("options", "message"),
     [
         ({"kv_cache_dtype": "int8"}, "does not support MLA latent pages"),
-        ({"tensor_parallel_size": 2}, "does not support tensor or pipeline parallel"),
+        ({"pipeline_parallel_size": 3}, "does not support pipeline parallel"),
     ],
 )
 def test_engine_options_mla_lacks_are_refused(make_checkpoint, options, message):
@@ -305,6 +306,83 @@ def test_latent_pages_cross_a_tcp_transport(single_thread, make_checkpoint):
     finals = {d.request_id: d.final for d in decode.engine.complete_remote_prefill("tcp", result)}
     finals.update(run_until_done(decode.engine))
     assert finals["tcp"] is not None and finals["tcp"].token_ids == expected.token_ids
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(make_checkpoint):
+    """The q_lora model over two tensor-parallel ranks: each holds two of the four heads of
+    q_b_proj, kv_b_proj and o_proj, half of the dense layer's MLP and of every expert, and the
+    whole latent cache."""
+    llm = LLM(make_checkpoint("q_lora"), tensor_parallel_size=2, **TP_OPTIONS)
+    yield llm
+    llm.close()
+
+
+TP_OPTIONS = {
+    "kv_cache_bytes": KV_BYTES,
+    "max_num_batched_tokens": CHUNK,
+    "num_threads": 1,
+    "adaptive_threads": False,
+}
+
+
+def test_tensor_parallel_greedy_and_logprobs_match_transformers(make_checkpoint, tensor_parallel):
+    """Through chunked prefill, then prefix hits (decode rows in latent space on each rank)."""
+    directory = make_checkpoint("q_lora")
+    prompts = _prompts()
+    references = [_reference(directory, prompt) for prompt in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP)
+    for prompt, (tokens, logprobs) in zip(prompts, references):
+        _assert_matches(tensor_parallel.generate([prompt], params)[0].outputs[0], tokens, logprobs)
+    hits = tensor_parallel.stats().prefix_cache_hit_tokens
+    results = tensor_parallel.generate(prompts, params)
+    assert tensor_parallel.stats().prefix_cache_hit_tokens - hits >= 2 * 32
+    for result, (tokens, logprobs) in zip(results, references):
+        _assert_matches(result.outputs[0], tokens, logprobs)
+
+
+def test_tensor_parallel_ranks_hold_their_heads_and_the_whole_latent_cache(tensor_parallel):
+    runner = tensor_parallel.engine.runner
+    attention = runner.model.decoder_layers()[0].self_attn
+    assert attention.num_heads == 2 and attention.kv_b_proj.weight.shape == (2 * (16 + 16), 16)
+    assert runner.kv_cache.shape[4:] == (1, 16 + 8)  # the latent and rope key, whole
+    # The pod's budget pays for both ranks' copies: half the blocks of one process.
+    single = LLM(tensor_parallel.engine.config.model.model, kv_cache_bytes=KV_BYTES)
+    assert runner.kv_cache.shape[2] == single.engine.runner.kv_cache.shape[2] // 2
+
+
+@pytest.mark.parametrize("direction", ["tensor_parallel->single", "single->tensor_parallel"])
+def test_tensor_parallel_disaggregated_equals_colocated(
+    make_checkpoint, tensor_parallel, direction
+):
+    """Latent pages leave a tensor-parallel pod from rank 0's copy and reach every rank of
+    one whole: either way the tokens are one engine's."""
+    directory = make_checkpoint("q_lora")
+    single = LLM(directory, kv_cache_bytes=KV_BYTES, max_num_batched_tokens=CHUNK)
+    prefill, decode = (
+        (tensor_parallel, single) if direction.startswith("tensor") else (single, tensor_parallel)
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    for i, prompt in enumerate(_prompts()):
+        expected = _reference(directory, prompt)[0]
+        _, got = disaggregated(prefill.engine, decode.engine, f"{direction}-{i}", prompt, params)
+        assert got.token_ids == expected
+    assert decode.stats().num_kv_blocks_free == decode.stats().num_kv_blocks_total
+
+
+@pytest.mark.slow  # two more ranks started
+def test_expert_parallel_deepseek_v3_matches_transformers(make_checkpoint):
+    """DeepSeek-V3's routing over experts split by range (four of eight per rank), MLA's heads
+    split as above."""
+    directory = make_checkpoint("v3")
+    llm = LLM(directory, tensor_parallel_size=2, enable_expert_parallel=True, **TP_OPTIONS)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP)
+        for prompt in _prompts():
+            tokens, logprobs = _reference(directory, prompt)
+            _assert_matches(llm.generate([prompt], params)[0].outputs[0], tokens, logprobs)
+    finally:
+        llm.close()
 
 
 def test_self_speculative_decoding_and_preemption_keep_the_tokens(single_thread, make_checkpoint):

@@ -315,6 +315,29 @@ def test_disaggregated_equals_colocated(single_thread, make_checkpoint, family):
     assert_disaggregated_equals_colocated(make_checkpoint(family))
 
 
+_SLOW_TP_FAMILIES = ("gemma3_text", "qwen2", "phi3", "mistral")  # make test-slow
+
+
+@pytest.mark.parametrize(
+    "family",
+    ["qwen3", "gemma2"] + [pytest.param(f, marks=pytest.mark.slow) for f in _SLOW_TP_FAMILIES],
+)
+def test_tensor_parallel_matches_transformers(make_checkpoint, family):
+    """Two ranks, each with two of the four query heads and one of the two KV heads: q/k
+    norms per head_dim, Gemma's norms per hidden, biases per head, windows and caps per layer
+    all hold on a rank's share."""
+    directory = make_checkpoint(family)
+    options = {"kv_cache_bytes": KV_BYTES, "max_num_batched_tokens": CHUNK}
+    llm = LLM(directory, tensor_parallel_size=2, num_threads=1, adaptive_threads=False, **options)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP)
+    try:
+        for prompt in _prompts():
+            tokens, logprobs = _reference(directory, prompt)
+            _assert_matches(llm.generate([prompt], params)[0].outputs[0], tokens, logprobs)
+    finally:
+        llm.close()
+
+
 def assert_disaggregated_equals_colocated(directory: str) -> None:
     """Each prompt prefilled by one engine and decoded by another gives the tokens and top
     logprobs of one engine alone, and both engines end with every block free."""

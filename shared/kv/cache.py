@@ -94,9 +94,15 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 def size_kv_cache(
-    arch: ModelArchitecture, cache: CacheConfig, dtype: torch.dtype, device: torch.device
+    arch: ModelArchitecture,
+    cache: CacheConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    copies: int = 1,
 ) -> KVCacheSpec:
-    per_block = bytes_per_block(arch, cache.block_size, dtype, cache.kv_cache_dtype)
+    """The block count the budget holds; `copies`: how many processes hold each block whole
+    (MLA's latent pages on every tensor-parallel rank), each paid for."""
+    per_block = copies * bytes_per_block(arch, cache.block_size, dtype, cache.kv_cache_dtype)
     if cache.kv_cache_bytes is not None:
         budget = cache.kv_cache_bytes
     else:

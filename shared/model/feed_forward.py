@@ -46,7 +46,8 @@ _SHARED = "mlp.shared_expert."
 _DEEPSEEK_SHARED = "mlp.shared_experts."
 
 
-def _shared_prefix(family: str) -> str:
+def hf_shared_expert_prefix(family: str) -> str:
+    """The shared expert's module prefix in a layer of a `family` checkpoint."""
     return _DEEPSEEK_SHARED if family == "deepseek_v2" else _SHARED
 
 
@@ -81,7 +82,7 @@ def hf_feed_forward_shapes(
         shapes.update(_swiglu_shapes(prefix, names.gate, names.up, names.down, hidden, inter))
     if moe.shared_expert_intermediate_size:
         inter = moe.shared_expert_intermediate_size
-        prefix = _shared_prefix(arch.family)
+        prefix = hf_shared_expert_prefix(arch.family)
         shapes.update(_swiglu_shapes(prefix, "gate_proj", "up_proj", "down_proj", hidden, inter))
         if moe.shared_expert_gated:
             shapes["mlp.shared_expert_gate.weight"] = (1, hidden)
@@ -117,7 +118,7 @@ def internal_feed_forward_weights(
     if arch.moe.topk_method == "noaux_tc":  # DeepSeek-V3's bias on the routing choice
         out[ours + "router_bias"] = weights[f"{hf}{names.prefix}gate.e_score_correction_bias"]
     if arch.moe.shared_expert_intermediate_size:
-        shared, prefix = ours + "shared_expert.", hf + _shared_prefix(arch.family)
+        shared, prefix = ours + "shared_expert.", hf + hf_shared_expert_prefix(arch.family)
         out.update(_swiglu(weights, prefix, "gate_proj", "up_proj", "down_proj", shared))
         if arch.moe.shared_expert_gated:
             gate = weights[hf + "mlp.shared_expert_gate.weight"]

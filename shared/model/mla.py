@@ -41,8 +41,9 @@ class AllReduce(Protocol):
 
 
 class MLAAttention(nn.Module):
-    # Never set: tensor parallel is refused for MLA models (shared/parts.py); here so the
-    # decoder treats both attentions alike.
+    # Tensor parallel (shared/parallel/layout.py): this rank's heads of q, kv_b_proj and
+    # o_proj, the latent projection and its cache whole on every rank; o_proj is row-parallel,
+    # summed over the ranks.
     tensor_parallel: AllReduce | None = None
 
     def __init__(self, arch: ModelArchitecture, norm: Callable[[int], nn.Module]) -> None:
@@ -104,7 +105,10 @@ class MLAAttention(nn.Module):
             rows = slice(0, len(decodes))  # decode rows come first, in order
             assert [d.rows.start for d in decodes] == list(range(len(decodes))), "decode rows"
             out[rows] = self._attend_absorbed(q_nope[rows], q_rope[rows], layer_cache, decodes)
-        return self.o_proj(out.view(num_tokens, -1))
+        out = self.o_proj(out.view(num_tokens, -1))
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.all_reduce(out)
+        return out
 
     def _query(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.q_proj is not None:

@@ -9,6 +9,11 @@
 With fewer KV heads than ranks, each KV head is held by tp/K ranks: exactly the ranks whose
 query heads read it, so every rank attends locally and never needs another rank's KV.
 
+MLA (DeepSeek) splits its query heads the same way (q_proj or q_b_proj, kv_b_proj's rows and
+o_proj's columns per head); the latent projection, its norm and the latent pages are whole on
+every rank, as vLLM keeps them: each rank writes the same rows, and its heads read them. So a
+rank's pages are the pod's pages: they leave from rank 0's copy and reach every rank whole.
+
 qkv and gate/up are column-parallel (each rank computes its own output columns from the full
 hidden state); o_proj and down are row-parallel (each rank's partial product over its input
 slice, summed by one all-reduce per block half).
@@ -24,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from splitserve.engine.model.architecture import ModelArchitecture
+from splitserve.engine.model.architecture import MLAConfig, ModelArchitecture
 from splitserve.engine.model.moe_layer import moe_blocks
 from splitserve.engine.parallel.expert_parallel import ExpertAllToAll
 from splitserve.engine.parallel.moe_shard import MoeShard, check_moe_parallel, expert_dispatch
@@ -53,14 +58,14 @@ def check_tensor_parallel(
             "attention heads"
         )
     kv = arch.num_kv_heads
-    if (kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv):
+    if arch.mla is None and ((kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv)):
         raise ValueError(
             f"tensor_parallel_size {tp_size} must divide the model's {kv} KV heads or be a "
             "multiple of them (then KV heads are replicated)"
         )
     if arch.moe is not None:
         check_moe_parallel(tp_size, arch.moe, expert_parallel)
-    elif arch.intermediate_size % tp_size:
+    if _has_dense_mlp(arch) and arch.intermediate_size % tp_size:
         raise ValueError(
             f"tensor_parallel_size {tp_size} must divide the model's MLP intermediate size "
             f"{arch.intermediate_size}"
@@ -95,6 +100,8 @@ class TensorParallelLayout:
     head_dim: int
     intermediate_size: int  # the whole model's
     moe: MoeShard | None = None  # MoE layers' split; None for a dense model
+    mla: MLAConfig | None = None  # MLA's sizes; its latent pages are whole on every rank
+    dense_mlp: bool = True  # some layer has a dense MLP (intermediate_size split by rank)
 
     @classmethod
     def of(
@@ -112,6 +119,8 @@ class TensorParallelLayout:
             arch.head_dim,
             arch.intermediate_size,
             moe,
+            mla=arch.mla,
+            dense_mlp=_has_dense_mlp(arch),
         )
 
     @property
@@ -157,8 +166,10 @@ class TensorParallelLayout:
         local = dataclasses.replace(
             arch, num_heads=self.heads_per_rank, num_kv_heads=self.kv_heads_per_rank
         )
-        if self.moe is not None:  # every layer sparse: intermediate_size is not used
-            return dataclasses.replace(local, moe=self.moe.local_moe())
+        if self.moe is not None:
+            local = dataclasses.replace(local, moe=self.moe.local_moe())
+        if not self.dense_mlp:  # every layer sparse: intermediate_size is not used
+            return local
         return dataclasses.replace(local, intermediate_size=self.intermediate_size // self.tp_size)
 
     def pod_kv_arch(self, arch: ModelArchitecture) -> ModelArchitecture:
@@ -170,26 +181,46 @@ class TensorParallelLayout:
     ) -> dict[str, torch.Tensor]:
         """This rank's slices of HF-named weights (views; the model copies them in)."""
         out = dict(weights)
-        d = self.head_dim
-        q_rows = _rows(self.query_heads, d)
-        kv_rows = _rows(self.kv_heads, d)
         for i in range(num_layers):
             attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-            out[attn + "q_proj.weight"] = weights[attn + "q_proj.weight"][q_rows]
-            out[attn + "k_proj.weight"] = weights[attn + "k_proj.weight"][kv_rows]
-            out[attn + "v_proj.weight"] = weights[attn + "v_proj.weight"][kv_rows]
-            out[attn + "o_proj.weight"] = weights[attn + "o_proj.weight"][:, q_rows]
-            if attn + "q_proj.bias" in weights:  # Qwen2's q/k/v biases: the heads' entries
-                out[attn + "q_proj.bias"] = weights[attn + "q_proj.bias"][q_rows]
-                out[attn + "k_proj.bias"] = weights[attn + "k_proj.bias"][kv_rows]
-                out[attn + "v_proj.bias"] = weights[attn + "v_proj.bias"][kv_rows]
-            if self.moe is not None:
+            if self.mla is not None:
+                self._shard_latent_attention(out, attn)
+            else:
+                self._shard_attention(out, attn)
+            if self.moe is not None and self.moe.moe.is_sparse(i):
                 self.moe.shard_layer(out, i)
                 continue
             for name in ("gate_proj.weight", "up_proj.weight"):
                 out[mlp + name] = weights[mlp + name][self.mlp_columns]
             out[mlp + "down_proj.weight"] = weights[mlp + "down_proj.weight"][:, self.mlp_columns]
         return out
+
+    def _shard_attention(self, out: dict[str, torch.Tensor], attn: str) -> None:
+        """This rank's query heads and KV heads of one layer's q/k/v and o_proj, in `out`."""
+        q_rows = _rows(self.query_heads, self.head_dim)
+        kv_rows = _rows(self.kv_heads, self.head_dim)
+        out[attn + "q_proj.weight"] = out[attn + "q_proj.weight"][q_rows]
+        out[attn + "k_proj.weight"] = out[attn + "k_proj.weight"][kv_rows]
+        out[attn + "v_proj.weight"] = out[attn + "v_proj.weight"][kv_rows]
+        out[attn + "o_proj.weight"] = out[attn + "o_proj.weight"][:, q_rows]
+        if attn + "q_proj.bias" in out:  # Qwen2's q/k/v biases: the heads' entries
+            out[attn + "q_proj.bias"] = out[attn + "q_proj.bias"][q_rows]
+            out[attn + "k_proj.bias"] = out[attn + "k_proj.bias"][kv_rows]
+            out[attn + "v_proj.bias"] = out[attn + "v_proj.bias"][kv_rows]
+
+    def _shard_latent_attention(self, out: dict[str, torch.Tensor], attn: str) -> None:
+        """This rank's query heads of one MLA layer: the rows of q (q_proj, or q_b_proj after
+        the whole q_a_proj), of kv_b_proj (each head's k_nope and v from the latent) and the
+        columns of o_proj; kv_a_proj_with_mqa and the norms stay whole."""
+        mla = self.mla
+        assert mla is not None, "MLA layers only"
+        query = "q_proj.weight" if attn + "q_proj.weight" in out else "q_b_proj.weight"
+        q_rows = _rows(self.query_heads, mla.qk_head_dim)
+        out[attn + query] = out[attn + query][q_rows]
+        kv_b_rows = _rows(self.query_heads, mla.qk_nope_head_dim + mla.v_head_dim)
+        out[attn + "kv_b_proj.weight"] = out[attn + "kv_b_proj.weight"][kv_b_rows]
+        o_columns = _rows(self.query_heads, mla.v_head_dim)
+        out[attn + "o_proj.weight"] = out[attn + "o_proj.weight"][:, o_columns]
 
     def attach(self, model: LlamaForCausalLM, comm: Communicator) -> None:
         model.set_tensor_parallel(comm)
@@ -223,19 +254,27 @@ class TensorParallelLayout:
     # ---- pages in the wire layout (shared/parallel/pages.py) --------------------------------
 
     def wire_shape(self, kv_cache: torch.Tensor, num_blocks: int) -> tuple[int, ...]:
-        """The model's KV heads, not this rank's."""
-        num_layers, _, _, block_size, _, head_dim = kv_cache.shape
-        return (num_blocks, num_layers, 2, block_size, self.num_kv_heads, head_dim)
+        """The model's KV heads, not this rank's (MLA: the rank's latent pages are the model's)."""
+        num_layers, num_parts, _, block_size, num_heads, row = kv_cache.shape
+        if self.mla is not None:
+            return (num_blocks, num_layers, num_parts, block_size, num_heads, row)
+        return (num_blocks, num_layers, 2, block_size, self.num_kv_heads, row)
 
     def split_pages(self, pages: torch.Tensor) -> list[torch.Tensor]:
-        """Wire-layout pages -> each rank's heads (contiguous, replicas included), rank order."""
+        """Wire-layout pages -> each rank's heads (contiguous, replicas included), rank order;
+        MLA: the whole pages to every rank."""
+        if self.mla is not None:
+            return [pages.contiguous()] * self.tp_size
         return [
             pages[..., heads.start : heads.stop, :].contiguous()
             for heads in map(self.kv_heads_of, range(self.tp_size))
         ]
 
     def join_pages(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """Each rank's packed pages -> wire layout (a replicated head is taken once)."""
+        """Each rank's packed pages -> wire layout (a replicated head is taken once; MLA's
+        pages, whole on every rank, from rank 0)."""
+        if self.mla is not None:
+            return parts[0]
         shape = list(parts[0].shape)
         shape[_HEADS_DIM] = self.num_kv_heads
         pages = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)
@@ -243,6 +282,12 @@ class TensorParallelLayout:
             heads = self.kv_heads_of(rank)
             pages[..., heads.start : heads.stop, :] = part
         return pages
+
+
+def _has_dense_mlp(arch: ModelArchitecture) -> bool:
+    """Whether some layer has a dense MLP (every layer of a dense model; DeepSeek's first
+    layers and those off its sparse step)."""
+    return any(not arch.is_sparse_layer(layer) for layer in range(arch.num_layers))
 
 
 def _rows(heads: range, head_dim: int) -> slice:

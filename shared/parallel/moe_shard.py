@@ -25,9 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.model.architecture import MoEConfig
-from splitserve.engine.model.feed_forward import hf_expert_names
+from splitserve.engine.model.feed_forward import hf_expert_names, hf_shared_expert_prefix
 
-_SHARED = "mlp.shared_expert."
 DISPATCH_ENV = "SPLITSERVE_EXPERT_DISPATCH"
 _DISPATCHES = ("all_to_all", "all_reduce")
 
@@ -109,7 +108,8 @@ class MoeShard:
                 names = hf_expert_names(self.family, expert)
                 self._shard_swiglu(out, prefix, names, self.moe.expert_intermediate_size)
         if self.moe.shared_expert_intermediate_size:
-            names = {part: f"{_SHARED}{part}_proj" for part in ("gate", "up", "down")}
+            shared = hf_shared_expert_prefix(self.family)  # Qwen2-MoE's one, DeepSeek's several
+            names = {part: f"{shared}{part}_proj" for part in ("gate", "up", "down")}
             self._shard_swiglu(out, prefix, names, self.moe.shared_expert_intermediate_size)
 
     def _shard_swiglu(

@@ -96,9 +96,10 @@ def gather_pages(comm: Communicator, kv_cache: torch.Tensor, block_ids: torch.Te
 
 
 def scatter_pages(comm: Communicator, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
-    num_layers, _, _, block_size, num_heads, head_dim = kv_cache.shape
+    # num_parts: keys and values (2), or MLA's one latent row.
+    num_layers, num_parts, _, block_size, num_heads, head_dim = kv_cache.shape
     mine = torch.empty(
-        (block_ids.numel(), num_layers, 2, block_size, num_heads, head_dim),
+        (block_ids.numel(), num_layers, num_parts, block_size, num_heads, head_dim),
         dtype=kv_cache.dtype,
         device=kv_cache.device,
     )

@@ -30,9 +30,14 @@ def start_parallel(
     arch = checkpoint.architecture
     layout = layout_for(config, arch)
     dtype = getattr(torch, config.model.dtype)
-    # The budget is the pod's: every rank's pages (replicated KV heads counted each time).
+    # The budget is the pod's: every rank's pages (replicated KV heads counted each time; MLA's
+    # latent pages once per rank, as each holds them whole).
     kv_spec = size_kv_cache(
-        layout.pod_kv_arch(arch), config.cache, dtype, torch.device(config.model.device)
+        layout.pod_kv_arch(arch),
+        config.cache,
+        dtype,
+        torch.device(config.model.device),
+        copies=layout.world_size if arch.mla is not None else 1,
     )
 
     def build_rank0() -> tuple[LlamaForCausalLM, torch.Tensor]:

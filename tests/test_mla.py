@@ -223,13 +223,44 @@ def test_unsupported_settings_are_refused(make_checkpoint, tmp_path, setting, me
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"kv_cache_dtype": "int8"}, "does not support MLA latent pages"),
         ({"pipeline_parallel_size": 3}, "does not support pipeline parallel"),
     ],
 )
 def test_engine_options_mla_lacks_are_refused(make_checkpoint, options, message):
     with pytest.raises(ValueError, match=message):
         LLM(make_checkpoint("q_lora"), kv_cache_bytes=KV_BYTES, **options)
+
+
+def test_int8_latent_pages_hold_each_part_with_its_scale_and_keep_the_greedy_tokens(
+    single_thread, make_checkpoint
+):
+    """kv_cache_dtype int8: a row is the latent's 16 codes and scale, then the rope key's 8
+    and its scale (28 bytes against 96 in float32: 3.4x the blocks in the same budget); on
+    these weights every greedy token equals the float cache's."""
+    directory = make_checkpoint("q_lora")
+    exact = LLM(directory, kv_cache_bytes=KV_BYTES)
+    int8 = LLM(directory, kv_cache_bytes=KV_BYTES, kv_cache_dtype="int8")
+    cache = int8.engine.runner.kv_cache
+    assert cache.dtype == torch.int8 and cache.shape[4:] == (1, 16 + 2 + 8 + 2)
+    assert cache.shape[2] >= 3.4 * exact.engine.runner.kv_cache.shape[2]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    for prompt in _prompts():
+        want = exact.generate([prompt], params)[0].outputs[0].token_ids
+        assert int8.generate([prompt], params)[0].outputs[0].token_ids == want
+
+
+def test_int8_latent_pages_need_even_part_widths():
+    from splitserve.engine.kv.cache import latent_row_width
+    from splitserve.engine.model.architecture import MLAConfig
+
+    odd = MLAConfig(kv_lora_rank=15, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    assert latent_row_width(odd, "auto") == 23
+    with pytest.raises(ValueError, match="even kv_lora_rank"):
+        latent_row_width(odd, "int8")
+
+
+def test_int8_latent_pages_travel_disaggregated(single_thread, make_checkpoint):
+    assert_disaggregated_equals_colocated(make_checkpoint("q_lora"), kv_cache_dtype="int8")
 
 
 def test_latent_pages_go_to_host_memory_and_come_back(single_thread, make_checkpoint):

@@ -338,10 +338,10 @@ def test_tensor_parallel_matches_transformers(make_checkpoint, family):
         llm.close()
 
 
-def assert_disaggregated_equals_colocated(directory: str) -> None:
+def assert_disaggregated_equals_colocated(directory: str, **engine_options: Any) -> None:
     """Each prompt prefilled by one engine and decoded by another gives the tokens and top
     logprobs of one engine alone, and both engines end with every block free."""
-    options = {"kv_cache_bytes": KV_BYTES, "max_num_batched_tokens": CHUNK}
+    options = {"kv_cache_bytes": KV_BYTES, "max_num_batched_tokens": CHUNK, **engine_options}
     reference, prefill, decode = (LLM(directory, **options) for _ in range(3))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
     for i, prompt in enumerate(_prompts()):

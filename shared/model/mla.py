@@ -4,6 +4,7 @@
     hidden -> kv_a_proj_with_mqa -> | latent [T, R] | k_rope [T, P] |
               latent -> kv_a_layernorm; q's and k's rope parts rotated (interleaved pairs)
     cache row per token and layer: | normalized latent (R) | rotated k_rope (P) |
+    int8 cache (kv_cache_dtype "int8"): | latent codes | scale | k_rope codes | scale |
 
 Keys and values per head are never cached: `kv_b_proj` [H * (nope + v), R] makes them from the
 latent. A prefill chunk decompresses its sequence's latents (k_nope and v per head, then plain
@@ -31,6 +32,7 @@ from splitserve.engine.model.attention_metadata import AttentionBackend, Attenti
 from splitserve.engine.model.linear import Linear
 from splitserve.engine.model.masked_attention import Segment, segments
 from splitserve.engine.model.rotary import RotaryAngles
+from splitserve.kernels import kv_int8
 
 # DeepSeek's q_a_layernorm and kv_a_layernorm keep their default eps, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -90,15 +92,15 @@ class MLAAttention(nn.Module):
         )
         q_rope = rotate_pairs(q_rope, rotary)
         k_rope = rotate_pairs(k_rope.unsqueeze(1), rotary).squeeze(1)
-        cache_rows = torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1)  # [T, R + P]
-        write_latent(layer_cache, meta.slot_mapping, cache_rows)
+        normed = self.kv_a_layernorm(latent)
+        write_latent(layer_cache, meta.slot_mapping, encode_rows(normed, k_rope, layer_cache))
         out = hidden.new_empty(num_tokens, self.num_heads, mla.v_head_dim)
         decodes: list[Segment] = []
         for segment in segments(meta, layer_cache.shape[2]):
             if segment.rows.start < meta.num_decodes:  # one row each, attended together below
                 decodes.append(segment)
                 continue
-            cached = read_latent(layer_cache, segment)  # [seq_len, R + P]
+            cached = decode_rows(read_latent(layer_cache, segment), self.mla, hidden.dtype)
             rows = segment.rows
             out[rows] = self._attend_decompressed(q_nope[rows], q_rope[rows], cached)
         if decodes:
@@ -133,7 +135,8 @@ class MLAAttention(nn.Module):
         """Every decode row at once, in latent space: no per-head key or value is formed.
         Rows read their blocks padded to the longest; keys past a row's length are masked."""
         w_uk, w_uv = self._split_kv_b()
-        cached, lengths = read_latent_batch(layer_cache, decodes)  # [B, keys, R + P], [B]
+        cached, lengths = read_latent_batch(layer_cache, decodes)
+        cached = decode_rows(cached, self.mla, q_nope.dtype)  # [B, keys, R + P]
         latent, k_rope = cached.split([self.mla.kv_lora_rank, self.mla.qk_rope_head_dim], -1)
         q_latent = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
         scores = torch.einsum("bhr,bkr->bhk", q_latent, latent) + torch.einsum(
@@ -161,10 +164,31 @@ class MLAAttention(nn.Module):
         return torch.matmul(probs, value.transpose(0, 1)).transpose(0, 1)  # [q, H, v]
 
 
+def encode_rows(
+    latent: torch.Tensor, k_rope: torch.Tensor, layer_cache: torch.Tensor
+) -> torch.Tensor:
+    """Cache rows [T, width] of the normalized latent [T, R] and the rotated rope key [T, P]:
+    the two side by side, or for an int8 cache each quantized with its own scale."""
+    if not kv_int8.is_int8_cache(layer_cache):
+        return torch.cat((latent, k_rope), dim=-1)
+    return torch.cat((kv_int8.quantize_rows(latent), kv_int8.quantize_rows(k_rope)), dim=-1)
+
+
+def decode_rows(cached: torch.Tensor, mla: MLAConfig, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows [..., width] -> [..., R + P] values (an int8 cache's dequantized to
+    `dtype`; a float cache's as they are)."""
+    if not kv_int8.is_int8_cache(cached):
+        return cached
+    split = kv_int8.row_width(mla.kv_lora_rank)
+    latent = kv_int8.dequantize_rows(cached[..., :split], dtype)
+    return torch.cat((latent, kv_int8.dequantize_rows(cached[..., split:], dtype)), dim=-1)
+
+
 def read_latent_batch(
     layer_cache: torch.Tensor, decodes: list[Segment]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """([B, keys, R + P] each row's cached rows, padded to the longest; [B] lengths)."""
+    """([B, keys, width] each row's cache rows (encode_rows'), padded to the longest; [B]
+    lengths)."""
     block_size = layer_cache.shape[2]
     lengths = [segment.seq_len for segment in decodes]
     num_blocks = -(-max(lengths) // block_size)
@@ -201,15 +225,15 @@ def rotate_pairs(x: torch.Tensor, rotary: RotaryAngles) -> torch.Tensor:
 
 
 def write_latent(layer_cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
-    """Writes token t's cache row [R + P] into slot slot_mapping[t] (-1: padding, skipped);
-    mutates layer_cache [1, num_blocks, block_size, 1, R + P]."""
+    """Writes token t's cache row [width] (encode_rows') into slot slot_mapping[t] (-1:
+    padding, skipped); mutates layer_cache [1, num_blocks, block_size, 1, width]."""
     flat = layer_cache.view(-1, layer_cache.shape[-1])  # slot = block * block_size + offset
     keep = slot_mapping >= 0
     flat[slot_mapping[keep]] = rows[keep].to(flat.dtype)
 
 
 def read_latent(layer_cache: torch.Tensor, segment: Segment) -> torch.Tensor:
-    """The segment's cached rows [seq_len, R + P], in position order."""
+    """The segment's cache rows [seq_len, width], in position order."""
     block_size = layer_cache.shape[2]
     num_blocks = -(-segment.seq_len // block_size)
     block_ids = segment.block_ids[:num_blocks].long()

@@ -8,9 +8,10 @@ Each family is a random checkpoint of SmolLM2-135M's shape (hidden 576, 30 layer
 SmolLM2's tokenizer, with its family's parts switched on (Qwen3's q/k norms; Gemma 2's window
 layers (64 tokens, shorter than the context), soft-caps and sandwich norms; Gemma 3's q/k norms
 and local rotary base). For each batch size, that many ~128-token prompts are prefilled, then
-the same engine runs `--steps` decode steps through the C++ layers and `--steps` through the
-Python layers (shared/model/fused_decode.py off), alternating for `--rounds` rounds so that the
-machine's noise falls on both alike. Prints the median ms per step of each and their ratio.
+the same engine runs 2 x `--steps` x `--rounds` decode steps, taking the C++ layers and the
+Python layers (shared/model/fused_decode.py off) in turn, step by step in the order ABBA, so
+that both see the same contexts (128 tokens growing to ~370 at the defaults) and the
+machine's noise alike. Prints the median ms per step of each and their ratio.
 """
 
 from __future__ import annotations
@@ -77,9 +78,9 @@ def write_checkpoint(root: str, family: str) -> str:
     return directory
 
 
-def step_ms(llm: LLM, batch: int, steps: int, rounds: int) -> tuple[float, float, int]:
-    """(median ms per decode step through the fused layers, through the Python layers, steps
-    the fused layers served), alternating `steps` of each for `rounds` rounds."""
+def step_ms(llm: LLM, batch: int, steps: int, rounds: int) -> tuple[float, float]:
+    """(median ms per decode step through the fused layers, through the Python layers):
+    `steps * rounds` steps of each, interleaved ABBA."""
     engine = llm.engine
     model = engine.runner.model
     fused = model.fused_decode
@@ -100,20 +101,22 @@ def step_ms(llm: LLM, batch: int, steps: int, rounds: int) -> tuple[float, float
         engine.add_request(f"b{batch}-{i}", prompt[:128], params)
     while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
         engine.step()  # prefill outside the timed steps
-    for _ in range(3):
+    for use_fused in (True, False, True, False):  # both paths warmed
+        model.fused_decode = fused if use_fused else None
         engine.step()
+    served = 0
     times: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(rounds):
-        for use_fused in (True, False):
-            model.fused_decode = fused if use_fused else None
-            for _ in range(steps):
-                start = time.perf_counter()
-                engine.step()
-                times[use_fused].append(time.perf_counter() - start)
+    for step in range(2 * steps * rounds):
+        use_fused = step % 4 in (0, 3)  # A B B A: neither path always goes first
+        model.fused_decode = fused if use_fused else None
+        start = time.perf_counter()
+        engine.step()
+        times[use_fused].append(time.perf_counter() - start)
     model.fused_decode = fused
+    assert served == len(times[True]), "every fused step should take the C++ layers"
     engine.abort_requests(list(engine.scheduler.requests))
     medians = [1000 * statistics.median(times[use_fused]) for use_fused in (True, False)]
-    return medians[0], medians[1], served
+    return medians[0], medians[1]
 
 
 def main() -> None:
@@ -134,15 +137,13 @@ def main() -> None:
             llm = LLM(directory, num_threads=args.threads, kv_cache_bytes=256 * 2**20)
             for batch in args.batches:
                 print(f"[{family}] batch {batch}: {args.rounds} rounds", flush=True)
-                fused_ms, python_ms, served = step_ms(llm, batch, args.steps, args.rounds)
-                rows.append((family, batch, fused_ms, python_ms, served))
+                fused_ms, python_ms = step_ms(llm, batch, args.steps, args.rounds)
+                rows.append((family, batch, fused_ms, python_ms))
             del llm
     print(f"\n{'family':<12} {'batch':>5} {'fused ms':>9} {'python ms':>10} {'python/fused':>13}")
-    for family, batch, fused_ms, python_ms, served in rows:
-        print(
-            f"{family:<12} {batch:>5} {fused_ms:>9.2f} {python_ms:>10.2f} "
-            f"{python_ms / fused_ms:>12.2f}x   ({served} steps fused)"
-        )
+    for family, batch, fused_ms, python_ms in rows:
+        ratio = python_ms / fused_ms
+        print(f"{family:<12} {batch:>5} {fused_ms:>9.2f} {python_ms:>10.2f} {ratio:>12.2f}x")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ weights, and peft's own model); the prefix cache per adapter; what is refused.""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 
@@ -18,6 +19,7 @@ from splitserve.engine.lora.batched import (
     make_batch,
     slot_runs,
 )
+from splitserve.engine.model.fused_decode import FusedDecode
 from splitserve.engine.request import RequestStatus
 from tests.hf_reference import transformers_greedy
 from tests.test_fused_decode import assert_same_tokens_and_logprobs
@@ -353,8 +355,8 @@ def test_the_fused_decode_serves_adapter_steps_as_the_python_layers_do(
     real_run = fused.run
 
     def counting_run(*args, **kwargs):
-        # FusedDecode.run(hidden, angles, kv_cache, meta, num_layers, lora, local_angles)
-        served.append(args[5] if len(args) > 5 else kwargs.get("lora"))
+        bound = inspect.signature(FusedDecode.run).bind(fused, *args, **kwargs)
+        served.append(bound.arguments.get("lora"))
         return real_run(*args, **kwargs)
 
     prompts = _prompts(lora_llm)

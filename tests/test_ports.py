@@ -111,8 +111,14 @@ def test_a_gateway_that_cannot_bind_grpc_closes_what_it_started(monkeypatch):
 
         monkeypatch.setattr(cls, "close", close)
 
-    spy(PodPool, "pool")
     spy(Router, "router")
+    real_pool_close = PodPool.close
+
+    async def close_pool(self) -> None:
+        closed.append(f"{self.role} pool")
+        await real_pool_close(self)
+
+    monkeypatch.setattr(PodPool, "close", close_pool)
     with socket.socket() as held:
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         held.bind(("127.0.0.1", 0))
@@ -125,7 +131,7 @@ def test_a_gateway_that_cannot_bind_grpc_closes_what_it_started(monkeypatch):
         with pytest.raises(BindError, match=f"127.0.0.1:{port}"):
             asyncio.run(gateway.serve(args))
     # Closed in reverse of their start: the router, then the prefill and the decode pool.
-    assert closed == ["router", "pool", "pool"]
+    assert closed == ["router", "prefill pool", "decode pool"]
 
 
 def test_port_zero_draws_that_only_repeat_end_in_an_error(monkeypatch):

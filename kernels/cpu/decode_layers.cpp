@@ -212,8 +212,11 @@ class DecodeLayers {
     TORCH_CHECK(qk_norms.empty() || qk_norms.size() == 2, "qk_norms: none or {q_norm, k_norm}");
     TORCH_CHECK(sandwich_norms.empty() || sandwich_norms.size() == 2,
                 "sandwich_norms: none or {pre_feedforward, post_feedforward}");
-    for (const auto& weight : qk_norms) check_norm_weight(weight, "a q/k norm");
-    for (const auto& weight : sandwich_norms) check_norm_weight(weight, "a feed-forward norm");
+    const int64_t head_dim = layer.qkv.out_features / (num_heads_ + 2 * num_kv_heads_);
+    for (const auto& weight : qk_norms) check_norm_weight(weight, head_dim, "a q/k norm");
+    for (const auto& weight : sandwich_norms) {
+      check_norm_weight(weight, layer.input_norm.numel(), "a feed-forward norm");
+    }
     if (!qk_norms.empty()) {
       layer.q_norm = qk_norms[0];
       layer.k_norm = qk_norms[1];
@@ -291,6 +294,12 @@ class DecodeLayers {
                 " outside [0, ", this->num_layers(), "]");
     TORCH_CHECK(angles.local_cos.has_value() == angles.local_sin.has_value(),
                 "local_cos and local_sin come together");
+    // Before any layer writes the cache: a step refused midway would leave some layers' KV
+    // written for tokens the engine then never counts.
+    for (int64_t l = 0; l < num_layers; ++l) {
+      TORCH_CHECK(!layers_[l].local_rotary || angles.local_cos.has_value(), "layer ", l,
+                  " rotates with local angles, and run was given none");
+    }
     TORCH_CHECK(kv_cache.size(0) >= num_layers, "the cache has ", kv_cache.size(0),
                 " layers, fewer than ", num_layers);
     const bool int8_cache = kv_cache.scalar_type() == torch::kChar;
@@ -306,8 +315,6 @@ class DecodeLayers {
       if (layer.q_norm.defined()) {
         rms_norm_qk_heads(qkv, layer.q_norm, layer.k_norm, num_heads_, num_kv_heads_, eps_);
       }
-      TORCH_CHECK(!layer.local_rotary || angles.local_cos.has_value(), "layer ", l,
-                  " rotates with local angles, and run was given none");
       const auto& cos = layer.local_rotary ? *angles.local_cos : angles.cos;
       const auto& sin = layer.local_rotary ? *angles.local_sin : angles.sin;
       torch::Tensor q;
@@ -348,10 +355,10 @@ class DecodeLayers {
     return at::gelu(halves[0], "tanh") * halves[1];
   }
 
-  static void check_norm_weight(const torch::Tensor& weight, const char* what) {
-    TORCH_CHECK(weight.dim() == 1 && weight.scalar_type() == torch::kFloat32 &&
-                    weight.is_contiguous(),
-                what, " weight must be a contiguous float32 vector");
+  static void check_norm_weight(const torch::Tensor& weight, int64_t size, const char* what) {
+    TORCH_CHECK(weight.dim() == 1 && weight.size(0) == size &&
+                    weight.scalar_type() == torch::kFloat32 && weight.is_contiguous(),
+                what, " weight must be a contiguous float32 [", size, "]");
   }
 
   WeightFormat format_;

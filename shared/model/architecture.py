@@ -44,7 +44,8 @@ class RopeScaling:
 
 FAMILIES = ("llama", "mixtral", "qwen2_moe", "deepseek_v2")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+GELU_TANH = "gelu_pytorch_tanh"  # Gemma's GeGLU gate
+HIDDEN_ACTS = ("silu", GELU_TANH)
 
 
 @dataclass(frozen=True)
@@ -248,6 +249,10 @@ class ModelArchitecture:
     def window_of(self, layer: int) -> int:
         """How many positions layer `layer`'s queries see, themselves included (0 = all)."""
         return self.layer_windows[layer] if self.layer_windows else 0
+
+    def rotates_locally(self, layer: int) -> bool:
+        """Whether layer `layer` rotates with the local base (Gemma 3's window layers)."""
+        return self.local_rope_theta is not None and self.window_of(layer) > 0
 
     @property
     def kv_window(self) -> int:

@@ -25,7 +25,7 @@ from torch import nn
 
 from splitserve.engine.lora.batched import LoRABatch
 from splitserve.engine.lora.layers import LoRAHook
-from splitserve.engine.model.architecture import ModelArchitecture
+from splitserve.engine.model.architecture import GELU_TANH, ModelArchitecture
 from splitserve.engine.model.attention_metadata import AttentionMetadata
 from splitserve.engine.model.linear import Linear
 from splitserve.engine.model.mla import MLAAttention
@@ -51,7 +51,6 @@ _ONEDNN, _INT8, _INT4 = 0, 1, 2  # decode_layers.cpp's WeightFormat
 _MAX_ROWS = {_ONEDNN: None, _INT8: INT8_ACTIVATION_QUANT_FROM_ROWS, _INT4: None}
 # decode_layers.cpp's Projection order, by the projection's attribute name.
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-_GELU_TANH = "gelu_pytorch_tanh"  # Gemma's GeGLU gate (decode_layers.cpp's gelu_tanh)
 
 
 class FusedDecode:
@@ -143,7 +142,7 @@ def build_fused_decode(model: LlamaForCausalLM) -> FusedDecode | None:
         first.input_layernorm.eps,
         attention.scale,
         float(arch.attn_logit_softcap or 0.0),
-        arch.hidden_act == _GELU_TANH,
+        arch.hidden_act == GELU_TANH,
     )
     for layer_id, (layer, linears) in enumerate(zip(decoder_layers, products, strict=True)):
         tensors: list[torch.Tensor] = [
@@ -163,7 +162,7 @@ def build_fused_decode(model: LlamaForCausalLM) -> FusedDecode | None:
             None if qkv_bias is None else qkv_bias.detach().contiguous(),
             _qk_norms(layer),
             _sandwich_norms(layer),
-            arch.local_rope_theta is not None and arch.window_of(layer_id) > 0,
+            arch.rotates_locally(layer_id),
         )
     return FusedDecode(layers, weight_format)
 
@@ -188,9 +187,8 @@ def _sandwich_norms(layer: LlamaDecoderLayer) -> list[torch.Tensor]:
 def fused_decode_problem(arch: ModelArchitecture) -> str | None:
     """Why `arch`'s layers are not the ones decode_layers.cpp computes, or None: those models
     decode through the Python layers."""
-    parts = {
+    parts = {  # every hidden_act the loaders take (HIDDEN_ACTS) is in the loop
         "mixture-of-experts": arch.moe is not None,
-        f"{arch.hidden_act} MLP": arch.hidden_act not in ("silu", _GELU_TANH),
         "multi-head latent attention": arch.mla is not None,
     }
     found = [name for name, present in parts.items() if present]

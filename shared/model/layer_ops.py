@@ -46,7 +46,8 @@ class TorchLayerOps:
         eps: float,
     ) -> torch.Tensor:
         """qkv [tokens, (heads + 2 kv_heads) * head_dim] with each q and k head RMS-normalised
-        over head_dim (Qwen3's and Gemma 3's q/k norms); v as it was."""
+        over head_dim (Qwen3's and Gemma 3's q/k norms); v as it was. The result may be `qkv`
+        itself, overwritten (the C++ op's): pass a tensor nothing else reads afterwards."""
         num_tokens, dim = qkv.shape[0], q_weight.shape[0]
         q_size, kv_size = num_heads * dim, num_kv_heads * dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)

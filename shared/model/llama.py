@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from splitserve.engine.lora.layers import LoRAState
-from splitserve.engine.model.architecture import ModelArchitecture
+from splitserve.engine.model.architecture import GELU_TANH, ModelArchitecture
 from splitserve.engine.model.attention_metadata import AttentionBackend, AttentionMetadata
 from splitserve.engine.model.feed_forward import internal_feed_forward_weights
 from splitserve.engine.model.fused_decode import (
@@ -136,7 +136,8 @@ class LlamaAttention(nn.Module):
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv with q's and k's heads RMS-normalised, each over head_dim (the fused rotary op
-        then takes it as before)."""
+        then takes it as before). The C++ op normalises `qkv` itself, in place: the caller
+        uses only what this returns."""
         assert self.q_norm is not None and self.k_norm is not None, "qk_norm models only"
         return self.ops.rms_norm_qk_heads(
             qkv,
@@ -158,7 +159,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = make_linear(arch.hidden_size, 2 * arch.intermediate_size, quantization)
         # SwiGLU's output has a few large features per row: two activation passes.
         self.down_proj = make_linear(arch.intermediate_size, arch.hidden_size, quantization, 2)
-        self.gelu = arch.hidden_act == "gelu_pytorch_tanh"  # Gemma's GeGLU
+        self.gelu = arch.hidden_act == GELU_TANH  # Gemma's GeGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -399,7 +400,7 @@ class LlamaForCausalLM(nn.Module):
             if layer_id == num_layers:
                 break
             layer_angles = angles
-            if local_angles is not None and self.arch.window_of(layer_id):
+            if local_angles is not None and self.arch.rotates_locally(layer_id):
                 layer_angles = local_angles
             hidden = layer(hidden, layer_angles, kv_cache[layer_id], meta, backend)
         return hidden

@@ -4,6 +4,8 @@ behaviour through real processes is tests/test_admission.py's."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from splitserve.gateway.admission.fair_queue import FairQueue, QueueFull, Waiter
@@ -110,6 +112,41 @@ def test_ahead_of_counts_fair_share_not_arrival_order():
     assert queue.ahead_of(quiet) == 2
     # The flood over its share of the rows is skipped for a quiet tenant under its own.
     assert queue.ahead_of(quiet, passed_over={"flood"}) == 1
+
+
+def test_a_tenant_back_from_idling_has_none_of_a_served_backlog_ahead():
+    """Once the flood's requests are being served, a quiet tenant's next request starts at the
+    virtual time, behind the flood's clock: it is next (the wait the controller predicts from
+    this is one completion, not two)."""
+    queue = FairQueue(max_per_tenant=100)
+    _push(queue, "flood", 50)
+    for _ in range(5):
+        queue.pop()
+    (quiet,) = _push(queue, "quiet", 1)
+    assert queue.ahead_of(quiet) == 0
+    assert queue.pop() is quiet
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_ahead_of_is_the_position_pop_serves_it_at(seed):
+    """Random tenants, weights, costs, priorities and pops between pushes: for every queued
+    request, ahead_of counts exactly the requests `pop` then serves before it."""
+    rng = random.Random(seed)
+    weights = {tenant: rng.choice([0.5, 1.0, 2.0, 3.0]) for tenant in "abcd"}
+    queue = FairQueue(max_per_tenant=100, weight_of=weights.__getitem__)
+    for step in range(40):
+        if rng.random() < 0.25:
+            queue.pop()
+            continue
+        tenant = rng.choice("abcd")
+        priority = rng.choice([0, 0, 0, 1])
+        queue.push(Waiter(tenant, priority, cost=rng.uniform(10, 500), enqueued_at=step))
+    queued = [w for level in queue._levels.values() for q in level.queues.values() for w in q]
+    expected = {waiter: queue.ahead_of(waiter) for waiter in queued}
+    served = []
+    while (waiter := queue.pop()) is not None:
+        served.append(waiter)
+    assert {waiter: served.index(waiter) for waiter in queued} == expected
 
 
 # ---- predictions from a pod's stats ----------------------------------------------------------

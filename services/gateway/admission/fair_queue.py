@@ -13,7 +13,7 @@ keeps under its share is served next whenever it asks.
 
 from __future__ import annotations
 
-import math
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Collection
@@ -102,10 +102,13 @@ class FairQueue:
         return True
 
     def ahead_of(self, waiter: Waiter, passed_over: Collection[str] = ()) -> int:
-        """About how many queued requests will be served before `waiter`: every one of a higher
-        priority, and at its own, as many of each other tenant's as fair share lets through
-        while its tenant's queue reaches it, none of those of `passed_over` (tenants over their
-        share of the rows, which `pop` skips while `waiter`'s tenant is under its own)."""
+        """How many queued requests will be served before `waiter` if no other arrives: every
+        one of a higher priority, and at its own the order `pop` would take, replayed on the
+        tenants' clocks (each other tenant's requests while its clock, or at a tie its head's
+        arrival, comes before `waiter`'s turn), none of those of `passed_over` (tenants over
+        their share of the rows, which `pop` skips while `waiter`'s tenant is under its own).
+        A tenant back from idling starts at the virtual time, ahead of a backlogged tenant
+        whose last request was served: none of the backlog is ahead of its first request."""
         ahead = sum(
             len(queue)
             for priority, level in self._levels.items()
@@ -113,16 +116,37 @@ class FairQueue:
             for queue in level.queues.values()
         )
         level = self._levels.get(waiter.priority)
-        if level is None or waiter.tenant not in level.queues:
+        if level is None:
             return ahead
-        own = level.queues[waiter.tenant]
+        own = level.queues.get(waiter.tenant, deque())
         position = own.index(waiter) if waiter in own else len(own)
-        weight = self._weight_of(waiter.tenant)
+        turn = (self._turn_clock(level, waiter.tenant, own, position), waiter.enqueued_at)
         for tenant, queue in level.queues.items():
             if tenant != waiter.tenant and tenant not in passed_over:
-                share = (position + 1) * self._weight_of(tenant) / weight
-                ahead += min(len(queue), math.ceil(share))
+                ahead += self._served_before(level, tenant, queue, turn)
         return ahead + position
+
+    def _turn_clock(self, level: _Level, tenant: str, own: deque[Waiter], position: int) -> float:
+        """`tenant`'s clock when its request at `position` reaches the head of its queue."""
+        if tenant in level.queues:
+            clock = level.clocks[tenant]
+        else:  # not waiting yet: where `push` would start it
+            clock = max(level.clocks.get(tenant, 0.0), level.virtual_time)
+        served_first = sum(w.cost for w in itertools.islice(own, position))
+        return clock + served_first / self._weight_of(tenant)
+
+    def _served_before(
+        self, level: _Level, tenant: str, queue: deque[Waiter], turn: tuple[float, float]
+    ) -> int:
+        """How many of `tenant`'s queued requests `pop` takes before a head whose (clock,
+        arrival) is `turn`: `_next_tenant`'s order, the clock advancing as each is served."""
+        clock, count = level.clocks[tenant], 0
+        for waiter in queue:
+            if (clock, waiter.enqueued_at) >= turn:
+                break
+            count += 1
+            clock += waiter.cost / self._weight_of(tenant)
+        return count
 
     def _first_level(self, skip: Collection[str]) -> _Level | None:
         for priority in sorted(self._levels):

@@ -10,7 +10,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.model.fused_decode import FusedDecode
-from splitserve.engine.model.quantized_linear import INT4_ONE_PASS_FROM_ROWS
+from splitserve.engine.model.quantized_linear import INT4_ONE_PASS_FROM_ROWS, QuantizedLinear
 from splitserve.kernels import cpu as cpu_kernels
 from tests.test_model_families import _prompts, make_checkpoint  # noqa: F401 (a fixture)
 
@@ -115,6 +115,8 @@ def test_fused_decode_takes_each_familys_parts_as_the_python_layers_do(
     [
         ("qwen3", "int8", "int8"),
         ("qwen3", "int4", "auto"),
+        ("qwen2", "int8", "int8"),  # the q/k/v bias on a quantized product
+        ("qwen2", "int4", "auto"),
         ("gemma2", "int8", "auto"),
         ("gemma3_text", "int8", "auto"),
     ],
@@ -134,6 +136,38 @@ def test_fused_decode_takes_quantized_families_as_the_python_layers_do(
     compare_fused_with_python(
         quantization, kv_cache_dtype, _prompts(), model=directory, enable_prefix_caching=False
     )
+
+
+def test_int8_qwen2_packs_its_q_k_v_and_adds_the_bias(make_checkpoint):  # noqa: F811
+    """Qwen2's q/k/v product is packed like every other (it was dense for its bias), the bias
+    added after it: int8's greedy tokens equal float32's on the test prompts and its
+    first-step top-5 logprobs stay within 0.02 of them (0.006-0.008 here); with the bias
+    zeroed they move more than ten times as far (other tokens take the top five). No prefix
+    caching: a hit would reuse KV computed with the bias."""
+    directory = make_checkpoint("qwen2")
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5)
+    options = {"kv_cache_bytes": 64 * 2**20, "enable_prefix_caching": False}
+    exact = LLM(directory, **options)
+    int8 = LLM(directory, quantization="int8", **options)
+    qkv = int8.engine.runner.model.decoder_layers()[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantizedLinear) and qkv.bias is not None
+
+    def first_step(llm: LLM, prompt: list[int]) -> tuple[list[int], dict[int, float]]:
+        out = llm.generate([prompt], params)[0].outputs[0]
+        return out.token_ids, dict(out.logprobs[0].top)
+
+    def distance(got: dict[int, float], want: dict[int, float]) -> float:
+        return max(abs(got.get(token, -99.0) - lp) for token, lp in want.items())
+
+    wants = [first_step(exact, prompt) for prompt in _prompts()]
+    for prompt, (want_ids, want) in zip(_prompts(), wants):
+        got_ids, got = first_step(int8, prompt)
+        assert got_ids == want_ids
+        assert distance(got, want) < 0.02
+    for layer in int8.engine.runner.model.decoder_layers():
+        layer.self_attn.qkv_proj.bias.zero_()
+    moved = [distance(first_step(int8, p)[1], want) for p, (_, want) in zip(_prompts(), wants)]
+    assert min(moved) > 0.2
 
 
 @pytest.mark.slow  # another engine of the shipped model, 16 sequences

@@ -97,13 +97,11 @@ class LlamaAttention(nn.Module):
         q_size = arch.num_heads * arch.head_dim
         kv_size = arch.num_kv_heads * arch.head_dim
         # q, k and v in one matmul: one pass over the activations instead of three (quantized,
-        # the fused matrix is: its rows are the three matrices' rows, each quantized alike).
-        # Qwen2's q/k/v biases: a dense layer (MoE models are not quantized).
-        self.qkv_proj = (
-            Linear(arch.hidden_size, q_size + 2 * kv_size, bias=True)
-            if arch.attention_bias
-            # Two activation passes: a few large features per row (quantized_linear.py).
-            else make_linear(arch.hidden_size, q_size + 2 * kv_size, quantization, 2)
+        # the fused matrix is: its rows are the three matrices' rows, each quantized alike),
+        # with Qwen2's q/k/v biases added dense. Two activation passes: a few large features
+        # per row (quantized_linear.py).
+        self.qkv_proj = make_linear(
+            arch.hidden_size, q_size + 2 * kv_size, quantization, 2, bias=arch.attention_bias
         )
         self.o_proj = make_linear(q_size, arch.hidden_size, quantization)
 

@@ -103,13 +103,17 @@ def triton_kernels_usable(method: str, device: torch.device) -> bool:
 
 
 def make_linear(
-    in_features: int, out_features: int, method: str, activation_passes: int = 1
+    in_features: int,
+    out_features: int,
+    method: str,
+    activation_passes: int = 1,
+    bias: bool = False,
 ) -> nn.Module:
-    """A dense or quantized bias-free layer; `activation_passes` (QuantizedLinear's) matters
-    to int8 products of many rows only."""
+    """A dense or quantized layer, with a dense bias when `bias`; `activation_passes`
+    (QuantizedLinear's) matters to int8 products of many rows only."""
     if method == "none":
-        return Linear(in_features, out_features)
-    return QuantizedLinear(in_features, out_features, method, activation_passes)
+        return Linear(in_features, out_features, bias=bias)
+    return QuantizedLinear(in_features, out_features, method, activation_passes, bias=bias)
 
 
 def pack_weight(

@@ -477,13 +477,20 @@ def inner_size(weight: QuantizedWeight) -> int:
 
 
 class QuantizedLinear(nn.Module):
-    """A bias-free linear layer whose weight is packed; `load` sets it (no parameter, so the
-    model's `to(dtype)` never touches the packed tensors)."""
+    """A linear layer whose weight is packed; `load` sets it (no parameter, so the model's
+    `to(dtype)` never touches the packed tensors). `bias`: a dense bias added to the product
+    (Qwen2's q/k/v), a parameter in the model's dtype, loaded as any other."""
 
     def __init__(
-        self, in_features: int, out_features: int, method: str, activation_passes: int = 1
+        self,
+        in_features: int,
+        out_features: int,
+        method: str,
+        activation_passes: int = 1,
+        bias: bool = False,
     ) -> None:
         super().__init__()
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.in_features, self.out_features, self.method = in_features, out_features, method
         # How many int8 passes an int8 product's activations take from 32 rows: 2 for inputs
         # with a few large features per row (_int8_activation_product says why).
@@ -503,7 +510,8 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.qweight is not None, "QuantizedLinear used before load()"
-        return self.qweight.matmul(x, self.activation_passes)
+        out = self.qweight.matmul(x, self.activation_passes)
+        return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
         passes = f", activation_passes={self.activation_passes}" if self.method == "int8" else ""

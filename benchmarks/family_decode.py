@@ -1,7 +1,8 @@
 """Decode steps of the model families through the fused C++ layers against the Python layers.
 
-    python -m benchmarks.family_decode [--families qwen3 gemma2 gemma3_text llama]
+    python -m benchmarks.family_decode [--families qwen3 gemma2 gemma3_text llama qwen2]
                                        [--batches 1 8] [--steps 24] [--rounds 5] [--threads 2]
+                                       [--quantization none|int8|int4]
 
 Each family is a random checkpoint of SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads of
 64, 3 KV heads, MLP 1536, its 49,152-token vocabulary), saved as a Hugging Face directory with
@@ -46,6 +47,7 @@ WINDOW = 64
 # model_type -> (transformers config class, the family's own options)
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {}),
     "gemma2": (
         "Gemma2Config",
@@ -127,6 +129,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
     args = parser.parse_args()
     print(machine_line(), flush=True)
     rows = []
@@ -134,7 +137,12 @@ def main() -> None:
         for family in args.families:
             print(f"[{family}] writing a random checkpoint of SmolLM2's shape", flush=True)
             directory = write_checkpoint(root, family)
-            llm = LLM(directory, num_threads=args.threads, kv_cache_bytes=256 * 2**20)
+            llm = LLM(
+                directory,
+                num_threads=args.threads,
+                kv_cache_bytes=256 * 2**20,
+                quantization=args.quantization,
+            )
             for batch in args.batches:
                 print(f"[{family}] batch {batch}: {args.rounds} rounds", flush=True)
                 fused_ms, python_ms = step_ms(llm, batch, args.steps, args.rounds)

@@ -11,7 +11,12 @@ against transformers on random tiny checkpoints built with its own config and mo
 - the cache holds (kv_lora_rank + qk_rope_head_dim) values per token per layer, nothing per head;
 - a disaggregated request (pages packed by the prefill engine, unpacked by the decode engine)
   equals the colocated one;
-- each special part moves transformers' logprobs far past the tolerance (so it is tested).
+- each special part moves transformers' logprobs far past the tolerance (so it is tested);
+- over 2 tensor-parallel ranks (heads split, the latent cache whole on each): greedy tokens
+  and logprobs equal transformers', a disaggregated request equals the colocated one both
+  ways between 2 ranks and one process, DeepSeek-V3 with expert parallel (slow);
+- an int8 cache: each part an int8 row with its scale, greedy tokens equal the float cache's,
+  pages travel disaggregated and through the host tier.
 
 torch runs single-threaded (see tests/test_engine_api.py for why).
 """
@@ -263,11 +268,19 @@ def test_int8_latent_pages_travel_disaggregated(single_thread, make_checkpoint):
     assert_disaggregated_equals_colocated(make_checkpoint("q_lora"), kv_cache_dtype="int8")
 
 
-def test_latent_pages_go_to_host_memory_and_come_back(single_thread, make_checkpoint):
-    """The host tier keeps blocks in the pool's layout, MLA's latent pages too."""
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_latent_pages_go_to_host_memory_and_come_back(
+    single_thread, make_checkpoint, kv_cache_dtype
+):
+    """The host tier keeps blocks in the pool's layout, MLA's latent pages too (int8: one
+    part of int8 rows, each with its scales)."""
     from splitserve.engine.kv.tiers import Tier
 
-    options = {"num_blocks_override": 8, "offload_host_bytes": 64 * 2**20}
+    options = {
+        "num_blocks_override": 8,
+        "offload_host_bytes": 64 * 2**20,
+        "kv_cache_dtype": kv_cache_dtype,
+    }
     llm = LLM(make_checkpoint("q_lora"), kv_cache_bytes=KV_BYTES, **options)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     session = _prompts()[1]
@@ -380,6 +393,9 @@ def test_tensor_parallel_ranks_hold_their_heads_and_the_whole_latent_cache(tenso
     # The pod's budget pays for both ranks' copies: half the blocks of one process.
     single = LLM(tensor_parallel.engine.config.model.model, kv_cache_bytes=KV_BYTES)
     assert runner.kv_cache.shape[2] == single.engine.runner.kv_cache.shape[2] // 2
+    # A page travels once: the planner's bytes per token are one copy's.
+    spec = tensor_parallel.engine.kv_spec
+    assert spec.copies == 2 and spec.page_bytes_per_block == single.engine.kv_spec.bytes_per_block
 
 
 @pytest.mark.parametrize("direction", ["tensor_parallel->single", "single->tensor_parallel"])

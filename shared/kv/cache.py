@@ -40,7 +40,15 @@ class KVCacheSpec:
 
     num_blocks: int
     block_size: int
-    bytes_per_block: int  # all layers, keys and values
+    bytes_per_block: int  # all layers, keys and values, times `copies`
+    # How many processes hold each block whole (MLA's latent pages on every tensor-parallel
+    # rank): the pod pays for each, a page travels once.
+    copies: int = 1
+
+    @property
+    def page_bytes_per_block(self) -> int:
+        """One copy of a block: what a page transfer moves."""
+        return self.bytes_per_block // self.copies
 
     @property
     def num_tokens(self) -> int:
@@ -126,7 +134,7 @@ def size_kv_cache(
             "at least 2 are needed (raise kv_cache_bytes or kv_cache_memory_fraction)"
         )
     return KVCacheSpec(
-        num_blocks=num_blocks, block_size=cache.block_size, bytes_per_block=per_block
+        num_blocks=num_blocks, block_size=cache.block_size, bytes_per_block=per_block, copies=copies
     )
 
 

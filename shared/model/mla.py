@@ -93,7 +93,8 @@ class MLAAttention(nn.Module):
         q_rope = rotate_pairs(q_rope, rotary)
         k_rope = rotate_pairs(k_rope.unsqueeze(1), rotary).squeeze(1)
         normed = self.kv_a_layernorm(latent)
-        write_latent(layer_cache, meta.slot_mapping, encode_rows(normed, k_rope, layer_cache))
+        cache_rows = encode_rows(normed, k_rope, kv_int8.is_int8_cache(layer_cache))
+        write_latent(layer_cache, meta.slot_mapping, cache_rows)
         out = hidden.new_empty(num_tokens, self.num_heads, mla.v_head_dim)
         decodes: list[Segment] = []
         for segment in segments(meta, layer_cache.shape[2]):
@@ -164,12 +165,10 @@ class MLAAttention(nn.Module):
         return torch.matmul(probs, value.transpose(0, 1)).transpose(0, 1)  # [q, H, v]
 
 
-def encode_rows(
-    latent: torch.Tensor, k_rope: torch.Tensor, layer_cache: torch.Tensor
-) -> torch.Tensor:
+def encode_rows(latent: torch.Tensor, k_rope: torch.Tensor, int8: bool) -> torch.Tensor:
     """Cache rows [T, width] of the normalized latent [T, R] and the rotated rope key [T, P]:
-    the two side by side, or for an int8 cache each quantized with its own scale."""
-    if not kv_int8.is_int8_cache(layer_cache):
+    the two side by side, or for an int8 cache (`int8`) each quantized with its own scale."""
+    if not int8:
         return torch.cat((latent, k_rope), dim=-1)
     return torch.cat((kv_int8.quantize_rows(latent), kv_int8.quantize_rows(k_rope)), dim=-1)
 

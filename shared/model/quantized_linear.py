@@ -515,7 +515,8 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         passes = f", activation_passes={self.activation_passes}" if self.method == "int8" else ""
-        return f"in={self.in_features}, out={self.out_features}, method={self.method}{passes}"
+        bias = ", bias" if self.bias is not None else ""
+        return f"in={self.in_features}, out={self.out_features}, method={self.method}{passes}{bias}"
 
 
 @functools.cache

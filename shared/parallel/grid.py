@@ -66,6 +66,10 @@ class GridLayout:
         return self.pipeline.world_size
 
     @property
+    def page_copies(self) -> int:
+        return 1  # MLA (the replicated pages) is refused with pipeline parallel
+
+    @property
     def tp_size(self) -> int:
         return self.tensor.tp_size
 

@@ -127,6 +127,11 @@ class TensorParallelLayout:
     def world_size(self) -> int:
         return self.tp_size
 
+    @property
+    def page_copies(self) -> int:
+        """Every rank holds MLA's latent pages whole; other pages are split by KV heads."""
+        return self.tp_size if self.mla is not None else 1
+
     def of_rank(self, rank: int) -> TensorParallelLayout:
         moe = None if self.moe is None else dataclasses.replace(self.moe, rank=rank)
         return dataclasses.replace(self, rank=rank, moe=moe)

@@ -58,6 +58,8 @@ class ParallelPages:
         return self.group.guard(lambda: self._pack(block_ids))
 
     def _pack(self, block_ids: list[int]) -> torch.Tensor:
+        if self.layout.page_copies > 1:  # rank 0's copy is the whole page: no gather
+            return pack_pages(self.kv_cache, block_ids)
         ids = torch.tensor(block_ids, dtype=torch.int64)
         send(self.group.comm, Opcode.GATHER_PAGES, ids, count=len(block_ids))
         parts = self.group.comm.gather_to_first(pack_pages(self.kv_cache, block_ids))

@@ -70,6 +70,10 @@ class PipelineLayout:
         return self.pp_size * self.tp_size
 
     @property
+    def page_copies(self) -> int:
+        return 1  # each stage holds its own layers' pages
+
+    @property
     def stage(self) -> int:
         return self.rank // self.tp_size
 

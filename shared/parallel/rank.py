@@ -58,6 +58,12 @@ class RankLayout(Protocol):
 
     def join_pages(self, parts: list[torch.Tensor]) -> torch.Tensor: ...
 
+    @property
+    def page_copies(self) -> int:
+        """How many ranks hold each page whole: 1, or every rank for MLA's latent pages under
+        tensor parallel (then rank 0's copy alone is sent)."""
+        ...
+
 
 def layout_for(config: EngineConfig, arch: ModelArchitecture, rank: int = 0) -> RankLayout:
     """Global rank `rank`'s layout: by heads (TP), by layers (PP) or both (a grid of stages

@@ -37,7 +37,7 @@ def start_parallel(
         config.cache,
         dtype,
         torch.device(config.model.device),
-        copies=layout.world_size if arch.mla is not None else 1,
+        copies=layout.page_copies,
     )
 
     def build_rank0() -> tuple[LlamaForCausalLM, torch.Tensor]:

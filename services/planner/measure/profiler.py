@@ -84,7 +84,7 @@ def measure_profile(settings: ProfileSettings, log: Log = log_to_stderr) -> Prof
         kv_transfer=transfer,
         block_size=spec.block_size,
         num_kv_blocks=spec.num_blocks,
-        kv_bytes_per_token=spec.total_bytes // spec.num_tokens,
+        kv_bytes_per_token=spec.page_bytes_per_block // spec.block_size,  # as pages travel
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=engine.config.scheduler.max_num_seqs,
         mixed=mixed,
@@ -236,7 +236,7 @@ def _measure_transfer(engine, settings: ProfileSettings, log: Log) -> KVTransfer
         times[num_blocks] = seconds
         transport = settings.kv_transport
         log(f"KV transfer of {num_blocks} block(s) over {transport}: {seconds * 1e3:.1f} ms")
-    return _fit_transfer(times, engine.kv_spec.total_bytes // engine.kv_spec.num_blocks)
+    return _fit_transfer(times, engine.kv_spec.page_bytes_per_block)
 
 
 async def _timed_transfers(settings: ProfileSettings, pack, unpack, count: int) -> float:

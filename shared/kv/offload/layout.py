@@ -39,7 +39,14 @@ class BlockLayout:
         if kv_int8.is_int8_cache(kv_cache):
             head_dim = kv_int8.head_dim_of(kv_cache)
             return cls(
-                num_layers, block_size, num_kv_heads, head_dim, dtype, hash_namespace, "int8"
+                num_layers,
+                block_size,
+                num_kv_heads,
+                head_dim,
+                dtype,
+                hash_namespace,
+                "int8",
+                kv_parts,  # MLA's int8 latent pages too: one part
             )
         return cls(
             num_layers, block_size, num_kv_heads, row, dtype, hash_namespace, "auto", kv_parts

@@ -102,7 +102,11 @@ _PYTHON_LAYER_PARTS = {
 def model_family_paths() -> dict[str, str]:
     """Model type -> "fused C++ decode" where its dense float32 decode steps may take the C++
     layers (kernels/cpu/decode_layers.cpp), else the Python layers and why (docs/models.md)."""
-    fused = "fused C++ decode (float32, LoRA rows too)" if _loaded_module() else "python layers"
+    fused = (
+        "fused C++ decode (float32 activations; float32, int8 or int4 weights; LoRA rows too)"
+        if _loaded_module()
+        else "python layers"
+    )
     paths = {name: fused for name in _FUSED_FAMILIES}
     for model_type, parts in _PYTHON_LAYER_PARTS.items():
         paths[model_type] = f"python layers (the C++ decode layers lack {parts})"

@@ -23,6 +23,7 @@ from splitserve.engine.model.fused_decode import FusedDecode
 from splitserve.engine.request import RequestStatus
 from tests.hf_reference import transformers_greedy
 from tests.test_fused_decode import assert_same_tokens_and_logprobs
+from tests.test_model_families import make_checkpoint  # noqa: F401 (a fixture)
 
 peft = pytest.importorskip("peft")
 
@@ -346,7 +347,34 @@ def test_the_fused_decode_serves_adapter_steps_as_the_python_layers_do(
 ):
     """Steps with adapter rows stay in the C++ layer loop (kernels/cpu/decode_layers.cpp adds
     each row's delta), and give the hooked Python layers' tokens and logprobs."""
-    model = lora_llm.engine.runner.model
+    alpha, beta = _request(adapter_dirs, "alpha"), _request(adapter_dirs, "beta")
+    assert_fused_lora_equals_python(lora_llm, _prompts(lora_llm), [alpha, None, beta])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_the_fused_decode_serves_adapter_steps_of_the_other_families(
+    single_thread,
+    make_checkpoint,  # noqa: F811
+    tmp_path,
+    family,
+):
+    """Qwen3's and Gemma 3's adapter rows through the C++ loop: each delta lands on its
+    projection before the q/k norms and Gemma's norms around the branches, as in the hooked
+    Python layers."""
+    directory = make_checkpoint(family)
+    _write_adapter(directory, str(tmp_path / "alpha"), ADAPTERS["alpha"])
+    llm = LLM(directory, kv_cache_bytes=KV_BYTES, enable_lora=True, max_loras=2, max_lora_rank=8)
+    alpha = LoRARequest("alpha", 1, str(tmp_path / "alpha"))
+    prompts = [[5, 9, 11], [(7 * i + 3) % 500 + 3 for i in range(20)]]
+    assert_fused_lora_equals_python(llm, prompts, [alpha, None])
+
+
+def assert_fused_lora_equals_python(
+    llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None]
+) -> None:
+    """`prompts` with `loras` give the same tokens and logprobs through the fused layers (some
+    step with adapter rows taking them) and through the hooked Python layers."""
+    model = llm.engine.runner.model
     fused = model.fused_decode
     if fused is None:
         pytest.skip("no C++ kernels here: the Python layers serve every step")
@@ -359,13 +387,10 @@ def test_the_fused_decode_serves_adapter_steps_as_the_python_layers_do(
         served.append(bound.arguments.get("lora"))
         return real_run(*args, **kwargs)
 
-    prompts = _prompts(lora_llm)
-    alpha, beta = _request(adapter_dirs, "alpha"), _request(adapter_dirs, "beta")
-    loras = [alpha, None, beta]
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3)
 
     def run() -> list:
-        results = lora_llm.generate(prompts, params, lora_request=loras)
+        results = llm.generate(prompts, params, lora_request=loras)
         return [(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in results]
 
     fused.run = counting_run  # type: ignore[method-assign]

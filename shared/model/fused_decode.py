@@ -154,7 +154,7 @@ def build_fused_decode(model: LlamaForCausalLM) -> FusedDecode | None:
             first_tensor, second_tensor, in_padded, out_features = _weight_parts(linear)
             tensors += [first_tensor, second_tensor]
             sizes += [in_padded, out_features]
-        qkv_bias = getattr(layer.self_attn.qkv_proj, "bias", None)  # Qwen2's: a dense Linear
+        qkv_bias = getattr(layer.self_attn.qkv_proj, "bias", None)  # Qwen2's, dense or packed
         layers.add_layer(
             tensors,
             sizes,

@@ -276,10 +276,8 @@ class TensorParallelLayout:
         ]
 
     def join_pages(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """Each rank's packed pages -> wire layout (a replicated head is taken once; MLA's
-        pages, whole on every rank, from rank 0)."""
-        if self.mla is not None:
-            return parts[0]
+        """Each rank's packed pages -> wire layout (a replicated head is taken once). MLA's
+        pages never come here: rank 0 packs its own copy (ParallelPages, page_copies)."""
         shape = list(parts[0].shape)
         shape[_HEADS_DIM] = self.num_kv_heads
         pages = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)

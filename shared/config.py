@@ -106,6 +106,11 @@ class CacheConfig:
     # or 3.9x (float32) the tokens in the same budget. A prefill pod and its decode pods must
     # agree: pages travel as they are stored.
     kv_cache_dtype: str = "auto"
+    # A model whose layers mix sliding windows and full attention (Gemma 2 and 3) keeps each
+    # kind in its own layer groups, so its window layers hold only their window's blocks
+    # (shared/kv/groups.py). Off: one group, every layer holding every position. Pods that
+    # exchange pages must agree (the pages' shape differs).
+    group_window_layers: bool = True
 
     def tenant_quota_blocks(self, num_blocks: int) -> int | None:
         """`tenant_cache_quota` in blocks of a pool of `num_blocks`; None without a bound."""

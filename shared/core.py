@@ -266,7 +266,7 @@ class EngineCore:
             return None
         self.output_processor.add(request, 0)
         first_block = num_cached // self.kv_spec.block_size
-        block_ids = self.kv_manager.get_block_ids(request_id)[first_block:]
+        block_ids = self.kv_manager.page_block_ids(request_id, first_block)
         return RemotePrefillPlan(
             request_id,
             num_cached,
@@ -299,7 +299,7 @@ class EngineCore:
             self.scheduler.fall_back_to_local_prefill(request_id)
             return []
         first_block = request.num_cached_tokens // self.kv_spec.block_size
-        block_ids = self.kv_manager.get_block_ids(request_id)[first_block:]
+        block_ids = self.kv_manager.page_block_ids(request_id, first_block)
         self.pages.unpack(result.kv_pages, block_ids)
         update = self.scheduler.complete_remote_kv(
             request_id, result.first_token_id, result.prefill_cached_tokens_by_tier

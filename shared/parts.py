@@ -21,6 +21,8 @@ from splitserve.engine.config import CacheConfig, EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphsOptions
 from splitserve.engine.kv.cache import KVCacheSpec, allocate_kv_cache, size_kv_cache
 from splitserve.engine.kv.disaggregation import KVPageExporter, LocalPages, PageIO
+from splitserve.engine.kv.grouped_manager import GroupedKVManager
+from splitserve.engine.kv.groups import KVGroups, plan_kv_groups
 from splitserve.engine.kv.loads import KVLoads
 from splitserve.engine.kv.manager import KVCacheManager
 from splitserve.engine.kv.offload.build import build_offloader
@@ -61,11 +63,13 @@ class LoadedModel:
     kv_spec: KVCacheSpec  # the pod's: with parallel ranks, every rank's pages
     kv_cache: torch.Tensor  # this rank's part
     parallel: ParallelGroup | None  # rank 0's handle on the other ranks; None for one process
+    # A mixed-window model's layer groups (shared/kv/groups.py); None: one group.
+    kv_groups: KVGroups | None = None
 
 
 @dataclass(frozen=True)
 class KVParts:
-    manager: KVCacheManager
+    manager: KVCacheManager | GroupedKVManager
     offloader: KVOffloader | None  # the host and disk tiers, when the config asks for them
     loads: KVLoads | None  # the scheduler's side of the tiers; None without them
 
@@ -113,6 +117,7 @@ def build_parts(config: EngineConfig, progress=None) -> EngineParts:
         loaded.parallel,
         DecodeGraphsOptions(loaded.max_model_len) if config.model.cuda_graphs else None,
         lora,
+        kv_groups=loaded.kv_groups,
     )
     speculator = None
     if speculation is not None:
@@ -166,6 +171,7 @@ def load_model(config: EngineConfig, progress=None) -> LoadedModel:
     arch, tokenizer = checkpoint.architecture, checkpoint.tokenizer
     max_model_len = _max_model_len(arch.max_position_embeddings, config)
     parallel = None
+    kv_groups = None
     if config.parallel.world_size > 1:
         _check_parallel_model(arch, config.parallel.pipeline_parallel_size)
         rank0 = start_parallel(config, checkpoint, max_model_len)
@@ -173,7 +179,8 @@ def load_model(config: EngineConfig, progress=None) -> LoadedModel:
             rank0.group, rank0.model, rank0.kv_spec, rank0.kv_cache
         )
     else:
-        model, kv_spec, kv_cache = _load_one_process(config, checkpoint, max_model_len)
+        kv_groups = _kv_groups(config, arch)
+        model, kv_spec, kv_cache = _load_one_process(config, checkpoint, max_model_len, kv_groups)
     return LoadedModel(
         architecture=arch,
         tokenizer=tokenizer,
@@ -184,11 +191,15 @@ def load_model(config: EngineConfig, progress=None) -> LoadedModel:
         kv_spec=kv_spec,
         kv_cache=kv_cache,
         parallel=parallel,
+        kv_groups=kv_groups,
     )
 
 
 def _load_one_process(
-    config: EngineConfig, checkpoint: LoadedCheckpoint, max_model_len: int
+    config: EngineConfig,
+    checkpoint: LoadedCheckpoint,
+    max_model_len: int,
+    kv_groups: KVGroups | None = None,
 ) -> tuple[LlamaForCausalLM, KVCacheSpec, torch.Tensor]:
     """The whole model and the KV tensor sized from what memory is left after its weights."""
     arch, device = checkpoint.architecture, torch.device(config.model.device)
@@ -197,9 +208,30 @@ def _load_one_process(
     model.materialize(device, dtype)
     model.load_hf_weights(checkpoint.weights, consume=True)  # the checkpoint goes as it loads
     release_freed_memory()  # before the KV cache is sized from what memory is free
-    kv_spec = size_kv_cache(arch, config.cache, dtype, device)
-    kv_cache = allocate_kv_cache(kv_spec, arch, dtype, device, config.cache.kv_cache_dtype)
+    kv_spec = size_kv_cache(arch, config.cache, dtype, device, groups=kv_groups)
+    kv_dtype = config.cache.kv_cache_dtype
+    kv_cache = allocate_kv_cache(kv_spec, arch, dtype, device, kv_dtype, kv_groups)
     return model, kv_spec, kv_cache
+
+
+def _kv_groups(config: EngineConfig, arch: ModelArchitecture) -> KVGroups | None:
+    """Layer groups for a mixed-window model (shared/kv/groups.py), where this engine's parts
+    take them: one process (the caller's), no offload tiers, no CUDA graphs, and no draft
+    model or self-draft (they read the cache through tables of their own)."""
+    cache = config.cache
+    if not cache.group_window_layers or cache.has_offload or config.model.cuda_graphs:
+        return None
+    if config.speculative.speculative_method not in (None, "ngram"):
+        return None
+    groups = plan_kv_groups(arch)
+    if groups is not None:
+        logger.info(
+            "KV cache: %d layer groups of %d layers (windows %s), one pool",
+            groups.num_groups,
+            groups.slots_per_block,
+            list(groups.group_windows),
+        )
+    return groups
 
 
 def _check_parallel_model(arch: ModelArchitecture, pipeline_parallel_size: int) -> None:
@@ -233,6 +265,9 @@ def build_kv(
 ) -> KVParts:
     """The offload tiers first (they need only the pool's tensor), then the manager that
     evicts into them and looks prefixes up in them, then the loads that bring blocks back."""
+    if loaded.kv_groups is not None:  # no tiers with groups (_kv_groups)
+        grouped = GroupedKVManager.from_config(loaded.kv_groups, cache, loaded.kv_spec.num_blocks)
+        return KVParts(grouped, None, None)
     offloader = build_offloader(cache, loaded.kv_cache, world_size)
     manager = KVCacheManager.from_config(
         cache, loaded.kv_spec.num_blocks, lower_tiers=offloader, sliding_window=sliding_window

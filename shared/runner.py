@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 
 import torch
 
@@ -13,6 +13,7 @@ from splitserve.engine.cuda_graphs import (
     DecodeGraphs,
     DecodeGraphsOptions,
 )
+from splitserve.engine.kv.groups import KVGroups
 from splitserve.engine.launched_step import LaunchedStep
 from splitserve.engine.model.architecture import ModelArchitecture
 from splitserve.engine.model.attention_backend import select_attention_backend
@@ -79,8 +80,12 @@ class ModelRunner(Generic[ModelT]):
         parallel: ParallelGroup | None = None,
         decode_graphs: DecodeGraphsOptions | None = None,
         lora: LoRASlots | None = None,
+        kv_groups: KVGroups | None = None,
     ) -> None:
+        """`kv_groups`: a mixed-window model's layer groups (shared/kv/groups.py), whose
+        chunks carry a block table per group."""
         self.model = model
+        self.kv_groups = kv_groups
         # Multi-LoRA: each step's adapters are put in slots and its rows mapped to them.
         self.lora = lora
         # Rank 0 of a parallel engine: each forward is sent to the other ranks first.
@@ -221,52 +226,25 @@ class ModelRunner(Generic[ModelT]):
         """Flattens the chunks (single-token chunks first, as the scheduler orders them)."""
         num_decodes = sum(1 for chunk in chunks if chunk.num_tokens == 1)
         assert all(c.num_tokens == 1 for c in chunks[:num_decodes]), "decodes must come first"
-        # Decode rows in plain Python: a few integer operations each, where tensor ops would
-        # cost microseconds apiece, times the batch, on every step.
         decodes = chunks[:num_decodes]
         token_ids = [chunk.token_ids[0] for chunk in decodes]
-        decode_positions = [chunk.start_position for chunk in decodes]
-        block_size = self.block_size
-        decode_slots = [
-            chunk.block_ids[p // block_size] * block_size + p % block_size
-            for chunk, p in zip(decodes, decode_positions)
-        ]
-        positions = [torch.tensor(decode_positions, dtype=torch.int64)]
-        slots = [torch.tensor(decode_slots, dtype=torch.int64)]
+        positions = [torch.tensor([chunk.start_position for chunk in decodes], dtype=torch.int64)]
         logits_rows = [row for row, chunk in enumerate(decodes) if chunk.num_logits]
-        prefills: list[PrefillChunk] = []
         for chunk in chunks[num_decodes:]:
             row = len(token_ids)
             token_ids.extend(chunk.token_ids)
-            chunk_positions = torch.arange(
-                chunk.start_position, chunk.start_position + chunk.num_tokens
+            positions.append(
+                torch.arange(chunk.start_position, chunk.start_position + chunk.num_tokens)
             )
-            positions.append(chunk_positions)
-            slots.append(self._slots(chunk.block_ids, chunk_positions))
             end = row + chunk.num_tokens
             logits_rows.extend(range(end - chunk.num_logits, end))
-            seq_len = chunk.start_position + chunk.num_tokens
-            used = torch.tensor(chunk.block_ids[: -(-seq_len // self.block_size)])
-            prefills.append(PrefillChunk(row, chunk.num_tokens, seq_len, self._to_device(used)))
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(torch.cat(slots)),
-            num_decodes=num_decodes,
-            prefills=prefills,
-        )
-        if self.backend.uses_block_tables:
-            self._add_block_tables(meta, chunks)
-        elif self.backend.reads_decodes_in_place:
-            self._add_decode_block_tables(meta, decodes)
-        else:
-            # Only the PyTorch path reads groups; building them for the GPU path would add
-            # host-to-device copies to every step.
-            meta.decode_groups = group_decodes(
-                [chunk.start_position + 1 for chunk in decodes],
-                [chunk.block_ids for chunk in decodes],
-                self.block_size,
-                self._block_bytes,
-                self.device,
-            )
+        meta = self._attention_meta(chunks, num_decodes, [chunk.block_ids for chunk in chunks])
+        if self.kv_groups is not None:
+            meta.kv_groups = self.kv_groups
+            meta.group_metas = [
+                self._attention_meta(chunks, num_decodes, tables)
+                for tables in _group_tables(chunks, self.kv_groups.num_groups)
+            ]
         return ModelInputs(
             input_ids=self._to_device(torch.tensor(token_ids, dtype=torch.int64)),
             positions=self._to_device(torch.cat(positions)),
@@ -275,13 +253,61 @@ class ModelRunner(Generic[ModelT]):
             chunks=chunks,
         )
 
-    def _add_block_tables(self, meta: AttentionMetadata, chunks: Sequence[ChunkInputs]) -> None:
+    def _attention_meta(
+        self, chunks: Sequence[ChunkInputs], num_decodes: int, tables: list[list[int]]
+    ) -> AttentionMetadata:
+        """The step's slots and block tables from one block table per chunk (the request's,
+        or one layer group's)."""
+        # Decode rows in plain Python: a few integer operations each, where tensor ops would
+        # cost microseconds apiece, times the batch, on every step.
+        block_size = self.block_size
+        decode_slots = [
+            table[chunk.start_position // block_size] * block_size
+            + chunk.start_position % block_size
+            for chunk, table in zip(chunks[:num_decodes], tables)
+        ]
+        slots = [torch.tensor(decode_slots, dtype=torch.int64)]
+        prefills: list[PrefillChunk] = []
+        row = num_decodes
+        for chunk, table in zip(chunks[num_decodes:], tables[num_decodes:]):
+            chunk_positions = torch.arange(
+                chunk.start_position, chunk.start_position + chunk.num_tokens
+            )
+            slots.append(self._slots(table, chunk_positions))
+            seq_len = chunk.start_position + chunk.num_tokens
+            used = torch.tensor(table[: -(-seq_len // self.block_size)])
+            prefills.append(PrefillChunk(row, chunk.num_tokens, seq_len, self._to_device(used)))
+            row += chunk.num_tokens
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(torch.cat(slots)),
+            num_decodes=num_decodes,
+            prefills=prefills,
+        )
+        if self.backend.uses_block_tables:
+            self._add_block_tables(meta, chunks, tables)
+        elif self.backend.reads_decodes_in_place:
+            self._add_decode_block_tables(meta, chunks[:num_decodes], tables[:num_decodes])
+        else:
+            # Only the PyTorch path reads groups; building them for the GPU path would add
+            # host-to-device copies to every step.
+            meta.decode_groups = group_decodes(
+                [chunk.start_position + 1 for chunk in chunks[:num_decodes]],
+                tables[:num_decodes],
+                self.block_size,
+                self._block_bytes,
+                self.device,
+            )
+        return meta
+
+    def _add_block_tables(
+        self, meta: AttentionMetadata, chunks: Sequence[ChunkInputs], tables: list[list[int]]
+    ) -> None:
         """The same positions as block tables, for kernels that walk the blocks themselves."""
         seq_lens = [chunk.start_position + chunk.num_tokens for chunk in chunks]
         max_blocks = -(-max(seq_lens) // self.block_size)
         rows = []
-        for chunk, seq_len in zip(chunks, seq_lens):
-            used = chunk.block_ids[: -(-seq_len // self.block_size)]
+        for table, seq_len in zip(tables, seq_lens):
+            used = table[: -(-seq_len // self.block_size)]
             rows.append(used + [0] * (max_blocks - len(used)))
         query_lens = torch.tensor([0] + [chunk.num_tokens for chunk in chunks])
         meta.block_tables = self._to_device(torch.tensor(rows, dtype=torch.int32))
@@ -289,17 +315,14 @@ class ModelRunner(Generic[ModelT]):
         meta.query_start_loc = self._to_device(query_lens.cumsum(0).to(torch.int32))
 
     def _add_decode_block_tables(
-        self, meta: AttentionMetadata, decodes: Sequence[ChunkInputs]
+        self, meta: AttentionMetadata, decodes: Sequence[ChunkInputs], tables: list[list[int]]
     ) -> None:
         """The decode rows' blocks and lengths, for the CPU kernel that reads them in place."""
         if not decodes:
             return
         seq_lens = [chunk.start_position + 1 for chunk in decodes]
         max_blocks = -(-max(seq_lens) // self.block_size)
-        rows = [
-            chunk.block_ids[:max_blocks] + [0] * (max_blocks - len(chunk.block_ids))
-            for chunk in decodes
-        ]
+        rows = [table[:max_blocks] + [0] * (max_blocks - len(table)) for table in tables]
         meta.decode_block_tables = torch.tensor(rows, dtype=torch.int32)
         meta.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
 
@@ -354,3 +377,18 @@ class ModelRunner(Generic[ModelT]):
             advance_generator(generator, request.num_output_tokens)
             self._generators[request.request_id] = generator
         return generator
+
+
+def _group_tables(chunks: Sequence[ChunkInputs], num_groups: int) -> list[list[list[int]]]:
+    """Per layer group after the first: each chunk's block table in it."""
+    grouped = [cast(GroupedChunk, chunk).group_block_ids for chunk in chunks]
+    assert all(len(tables) == num_groups - 1 for tables in grouped), (
+        "a grouped runner's chunks carry a table per group"
+    )
+    return [[tables[group] for tables in grouped] for group in range(num_groups - 1)]
+
+
+class GroupedChunk(Protocol):
+    """A chunk of a model with layer groups: ScheduledChunk."""
+
+    group_block_ids: tuple[list[int], ...]

@@ -26,6 +26,7 @@ import itertools
 from typing import TYPE_CHECKING
 
 from splitserve.engine.config import SchedulerConfig
+from splitserve.engine.kv.grouped_manager import GroupedKVManager
 from splitserve.engine.kv.manager import KVCacheManager
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.step import ModelOutput, RequestUpdate, ScheduledChunk, SchedulerOutput
@@ -39,7 +40,7 @@ class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        kv_manager: KVCacheManager,
+        kv_manager: KVCacheManager | GroupedKVManager,
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
         speculation: SpeculationPolicy | None = None,
@@ -304,6 +305,7 @@ class Scheduler:
             num_tokens=num_new,
             block_ids=self.kv.get_block_ids(request.request_id),
             is_sampled=start + num_new == request.num_tokens,
+            group_block_ids=self.kv.get_group_block_ids(request.request_id),
         )
 
     # ---- after the forward ------------------------------------------------------------------

@@ -42,6 +42,15 @@ class ScheduledChunk:
     # [num_drafts, vocab]: the proposer's distribution each draft was drawn from; None for a
     # deterministic proposer (n-gram: a point mass on the draft).
     draft_probs: torch.Tensor | None = None
+    # The block tables of the model's later layer groups (shared/kv/groups.py), after
+    # `block_ids` (group 0's); () for a model with one group.
+    group_block_ids: tuple[list[int], ...] = ()
+
+    def page_block_ids(self, first_block: int) -> list[int]:
+        """The blocks a page transfer of this request's blocks from `first_block` on moves:
+        every group's, in group order (KVCacheManager.page_block_ids)."""
+        tables = (self.block_ids, *self.group_block_ids)
+        return [block_id for table in tables for block_id in table[first_block:]]
 
     @property
     def token_ids(self) -> list[int]:

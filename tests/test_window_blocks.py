@@ -8,7 +8,8 @@ stay those of transformers.
   bounded while greedy tokens and top logprobs equal transformers', through chunked prefill,
   async scheduling, a prefix hit on released blocks, self-speculation, a disaggregated request
   and preemption;
-- where nothing may be released: a model with a global layer (Gemma 2), a separate draft model.
+- where nothing may be released: a model with a global layer (Gemma 2) in one group, a
+  separate draft model.
 
 torch runs single-threaded (see tests/test_engine_api.py for why).
 """
@@ -265,7 +266,9 @@ def test_self_speculation_preemption_and_disaggregation_keep_the_tokens(single_t
 def test_nothing_is_released_beside_a_global_layer_or_a_separate_draft(
     single_thread, make_checkpoint, mistral  # noqa: F811
 ):
-    gemma = _engine(make_checkpoint("gemma2"))  # window 8 on one layer, the other global
+    # Window 8 on one layer, the other global: in one group (with layer groups off) nothing
+    # is released (tests/test_window_groups.py has the groups).
+    gemma = _engine(make_checkpoint("gemma2"), group_window_layers=False)
     assert gemma.engine.architecture.kv_window == 0
     assert gemma.engine.kv_manager.sliding_window == 0
     directory, (tokens, _) = mistral

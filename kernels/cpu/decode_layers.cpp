@@ -257,13 +257,17 @@ class DecodeLayers {
                          torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor cos,
                          torch::Tensor sin, int64_t num_layers, torch::Tensor lora_slot_ids,
                          std::optional<torch::Tensor> local_cos,
-                         std::optional<torch::Tensor> local_sin) const {
+                         std::optional<torch::Tensor> local_sin,
+                         std::vector<torch::Tensor> group_slot_mappings,
+                         std::vector<torch::Tensor> group_block_tables,
+                         std::vector<int64_t> layer_places) const {
     TORCH_CHECK(lora_slot_ids.dim() == 1 && lora_slot_ids.size(0) == hidden.size(0) &&
                     lora_slot_ids.scalar_type() == torch::kLong && lora_slot_ids.is_contiguous(),
                 "lora_slot_ids must be [rows] int64, contiguous");
     return run_layers(hidden, kv_cache, slot_mapping, block_tables, seq_lens,
                       Angles{cos, sin, local_cos, local_sin}, num_layers,
-                      LoraStep{lora_slot_ids});
+                      LoraStep{lora_slot_ids},
+                      Groups{group_slot_mappings, group_block_tables, layer_places});
   }
 
   // hidden [rows, hidden] float32 -> the hidden states after the first num_layers layers.
@@ -271,12 +275,20 @@ class DecodeLayers {
   // scales); slot_mapping [rows] int64; block_tables [rows, max_blocks] and seq_lens [rows]
   // int32, the tokens' own slots included; cos, sin [rows, head_dim] float32; local_cos,
   // local_sin: the same for layers added with local_rotary (none: no such layer).
+  // A cache in layer groups (shared/kv/groups.py): kv_cache's first dimension is a group's
+  // slots, layer_places lists each layer's (group, slot) flat, and group_slot_mappings /
+  // group_block_tables are groups 1.. own (the arguments above are group 0's); all empty
+  // for a cache of one group.
   torch::Tensor run(torch::Tensor hidden, torch::Tensor kv_cache, torch::Tensor slot_mapping,
                     torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor cos,
                     torch::Tensor sin, int64_t num_layers, std::optional<torch::Tensor> local_cos,
-                    std::optional<torch::Tensor> local_sin) const {
+                    std::optional<torch::Tensor> local_sin,
+                    std::vector<torch::Tensor> group_slot_mappings,
+                    std::vector<torch::Tensor> group_block_tables,
+                    std::vector<int64_t> layer_places) const {
     return run_layers(hidden, kv_cache, slot_mapping, block_tables, seq_lens,
-                      Angles{cos, sin, local_cos, local_sin}, num_layers, LoraStep{});
+                      Angles{cos, sin, local_cos, local_sin}, num_layers, LoraStep{},
+                      Groups{group_slot_mappings, group_block_tables, layer_places});
   }
 
  private:
@@ -286,10 +298,41 @@ class DecodeLayers {
     std::optional<torch::Tensor> local_cos, local_sin;
   };
 
+  // Where each layer's pages are in a cache of layer groups (run's comment); empty: layer l
+  // at slot l, with run's own slot mapping and block tables.
+  struct Groups {
+    std::vector<torch::Tensor> slot_mappings, block_tables;  // groups 1..
+    std::vector<int64_t> places;  // (group, slot) per layer, flat
+  };
+
+  // Checks every layer's place before any layer writes the cache (see run_layers).
+  static void check_groups(const Groups& groups, int64_t num_layers, int64_t num_slots) {
+    if (groups.places.empty()) {
+      TORCH_CHECK(groups.slot_mappings.empty() && groups.block_tables.empty(),
+                  "group tables need layer_places");
+      TORCH_CHECK(num_slots >= num_layers, "the cache has ", num_slots, " layers, fewer than ",
+                  num_layers);
+      return;
+    }
+    const auto num_groups = static_cast<int64_t>(groups.slot_mappings.size()) + 1;
+    TORCH_CHECK(groups.block_tables.size() == groups.slot_mappings.size(),
+                "one block table per group slot mapping");
+    TORCH_CHECK(static_cast<int64_t>(groups.places.size()) >= 2 * num_layers,
+                "layer_places lists ", groups.places.size() / 2, " layers, fewer than ",
+                num_layers);
+    for (int64_t l = 0; l < num_layers; ++l) {
+      const auto group = groups.places[2 * l], slot = groups.places[2 * l + 1];
+      TORCH_CHECK(group >= 0 && group < num_groups && slot >= 0 && slot < num_slots, "layer ", l,
+                  " placed at group ", group, " slot ", slot, " of ", num_groups, " groups and ",
+                  num_slots, " slots");
+    }
+  }
+
   torch::Tensor run_layers(const torch::Tensor& hidden, const torch::Tensor& kv_cache,
                            const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                            const torch::Tensor& seq_lens, const Angles& angles,
-                           int64_t num_layers, const LoraStep& lora) const {
+                           int64_t num_layers, const LoraStep& lora,
+                           const Groups& groups) const {
     TORCH_CHECK(num_layers >= 0 && num_layers <= this->num_layers(), "num_layers ", num_layers,
                 " outside [0, ", this->num_layers(), "]");
     TORCH_CHECK(angles.local_cos.has_value() == angles.local_sin.has_value(),
@@ -300,14 +343,17 @@ class DecodeLayers {
       TORCH_CHECK(!layers_[l].local_rotary || angles.local_cos.has_value(), "layer ", l,
                   " rotates with local angles, and run was given none");
     }
-    TORCH_CHECK(kv_cache.size(0) >= num_layers, "the cache has ", kv_cache.size(0),
-                " layers, fewer than ", num_layers);
+    check_groups(groups, num_layers, kv_cache.size(0));
     const bool int8_cache = kv_cache.scalar_type() == torch::kChar;
     const int64_t rows = hidden.size(0);
     auto x = hidden;
     for (int64_t l = 0; l < num_layers; ++l) {
       const Layer& layer = layers_[l];
-      const auto layer_cache = kv_cache.select(0, l);
+      const int64_t group = groups.places.empty() ? 0 : groups.places[2 * l];
+      const int64_t slot = groups.places.empty() ? l : groups.places[2 * l + 1];
+      const auto layer_cache = kv_cache.select(0, slot);
+      const auto& slots = group ? groups.slot_mappings[group - 1] : slot_mapping;
+      const auto& tables = group ? groups.block_tables[group - 1] : block_tables;
       const auto attention_in = rms_norm(x, layer.input_norm, eps_);
       auto qkv = linear(attention_in, layer.qkv, format_);
       if (layer.qkv_bias.defined()) qkv.add_(layer.qkv_bias);
@@ -320,14 +366,14 @@ class DecodeLayers {
       torch::Tensor q;
       if (int8_cache) {
         auto split = rotary_split_qkv(qkv, cos, sin, num_heads_, num_kv_heads_);
-        write_kv_int8(split[1], split[2], layer_cache, slot_mapping);
+        write_kv_int8(split[1], split[2], layer_cache, slots);
         q = split[0];
       } else {
         q = rotary_split_qkv_into_cache(qkv, cos, sin, num_heads_, num_kv_heads_, layer_cache,
-                                        slot_mapping);
+                                        slots);
       }
       auto attention = paged_decode_attention(q, layer_cache.select(0, 0),
-                                              layer_cache.select(0, 1), block_tables, seq_lens,
+                                              layer_cache.select(0, 1), tables, seq_lens,
                                               scale_, layer.window, softcap_);
       const auto attention_out = attention.view({rows, -1});
       auto o = linear(attention_out, layer.o, format_);
@@ -389,11 +435,17 @@ void bind_decode_layers(pybind11::module& m) {
            pybind11::arg("slot_mapping"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
            pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("num_layers"),
            pybind11::arg("local_cos") = std::nullopt, pybind11::arg("local_sin") = std::nullopt,
+           pybind11::arg("group_slot_mappings") = std::vector<torch::Tensor>{},
+           pybind11::arg("group_block_tables") = std::vector<torch::Tensor>{},
+           pybind11::arg("layer_places") = std::vector<int64_t>{},
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("run_lora", &DecodeLayers::run_lora, pybind11::arg("hidden"),
            pybind11::arg("kv_cache"), pybind11::arg("slot_mapping"),
            pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("cos"),
            pybind11::arg("sin"), pybind11::arg("num_layers"), pybind11::arg("lora_slot_ids"),
            pybind11::arg("local_cos") = std::nullopt, pybind11::arg("local_sin") = std::nullopt,
+           pybind11::arg("group_slot_mappings") = std::vector<torch::Tensor>{},
+           pybind11::arg("group_block_tables") = std::vector<torch::Tensor>{},
+           pybind11::arg("layer_places") = std::vector<int64_t>{},
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -142,3 +142,10 @@ def quota_tenant(cache_salt: str | None) -> str:
     if cache_salt.startswith(TENANT_SALT_PREFIX):
         return cache_salt.split("/", 1)[0]
     return cache_salt
+
+
+def salted_hash(block_hash: BlockHash, salt: bytes) -> BlockHash:
+    """`block_hash` keyed by `salt`: the hash a second layer group of one pool caches the same
+    tokens under (shared/kv/groups.py), so its blocks never answer another group's lookup."""
+    digest = hashlib.blake2b(block_hash, key=salt, digest_size=BLOCK_HASH_NUM_BYTES).digest()
+    return BlockHash(digest)

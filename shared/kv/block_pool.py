@@ -62,6 +62,9 @@ class BlockPool:
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
         self.free_block_queue = FreeBlocks(self.blocks, tenant_quota)
         self._cached_blocks: dict[BlockHash, Block] = {}
+        # Hashes cached with publish=False (a second layer group's, shared/kv/groups.py): in
+        # the map like any other, in no event and no listing of what the pool holds.
+        self._unpublished: set[BlockHash] = set()
         self._events: list[KVCacheEvent] = []
         self.eviction_sink = eviction_sink
         # (reason, retention rank) -> cached blocks evicted, for the pod's metrics; reason:
@@ -108,7 +111,9 @@ class BlockPool:
         if evicted:
             if self.eviction_sink is not None:
                 self.eviction_sink(evicted)
-            self._events.append(BlockRemoved([e.block_hash for e in evicted]))
+            published = self._published([e.block_hash for e in evicted])
+            if published:
+                self._events.append(BlockRemoved(published))
         return blocks
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -156,8 +161,10 @@ class BlockPool:
         parent_block_hash: BlockHash | None,
         token_ids: Sequence[int],
         block_size: int,
+        publish: bool = True,
     ) -> None:
-        """Registers blocks that just became full under their hashes.
+        """Registers blocks that just became full under their hashes (recording no event with
+        `publish` False).
 
         `blocks[i]` holds `token_ids[i * block_size : (i + 1) * block_size]`, hashed
         `block_hashes[i]`; `parent_block_hash` precedes `block_hashes[0]` in the sequence (None
@@ -173,13 +180,17 @@ class BlockPool:
         for index, (block, block_hash) in enumerate(zip(blocks, block_hashes)):
             assert block.block_hash is None, f"block {block.block_id} is already cached"
             if block_hash in self._cached_blocks:
-                self._record_stored(
-                    block_hashes, run_start, index, parent_block_hash, token_ids, block_size
-                )
+                if publish:
+                    self._record_stored(
+                        block_hashes, run_start, index, parent_block_hash, token_ids, block_size
+                    )
                 run_start = index + 1
                 continue
             block.block_hash = block_hash
             self._cached_blocks[block_hash] = block
+        if not publish:
+            self._unpublished.update(block.block_hash for block in blocks if block.block_hash)
+            return
         self._record_stored(
             block_hashes, run_start, len(blocks), parent_block_hash, token_ids, block_size
         )
@@ -192,7 +203,17 @@ class BlockPool:
     def cached_block_hashes(self) -> list[BlockHash]:
         """Every hash the cache holds now (allocated or free): what an index rebuilt from
         scratch must list for this pool. O(num_cached_blocks): for rare resyncs, not steps."""
-        return list(self._cached_blocks)
+        if not self._unpublished:
+            return list(self._cached_blocks)
+        return [h for h in self._cached_blocks if h not in self._unpublished]
+
+    def _published(self, hashes: list[BlockHash]) -> list[BlockHash]:
+        """`hashes` less the unpublished ones, which leave the set (they are leaving the map)."""
+        if not self._unpublished:
+            return hashes
+        published = [h for h in hashes if h not in self._unpublished]
+        self._unpublished.difference_update(hashes)
+        return published
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached hash (e.g. after new weights); only when no block is in use.
@@ -202,7 +223,7 @@ class BlockPool:
         """
         if self.num_free_blocks != self.num_blocks:
             return False
-        removed = list(self._cached_blocks)
+        removed = self._published(list(self._cached_blocks))
         for block in self._cached_blocks.values():
             block.block_hash = None
             block.retention = None

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.config import CacheConfig
+from splitserve.engine.kv.groups import KVGroups, slots_in_cache
 from splitserve.engine.kv.offload.sizing import linux_mem_available
 from splitserve.engine.model.architecture import MLAConfig, ModelArchitecture
 from splitserve.kernels import kv_int8
@@ -88,20 +89,30 @@ def latent_row_width(mla: MLAConfig, kv_cache_dtype: str) -> int:
 
 
 def cache_shape(
-    arch: ModelArchitecture, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto"
+    arch: ModelArchitecture,
+    num_blocks: int,
+    block_size: int,
+    kv_cache_dtype: str = "auto",
+    groups: KVGroups | None = None,
 ) -> tuple[int, ...]:
-    """The cache tensor's shape in the model's page layout (module docstring)."""
+    """The cache tensor's shape in the model's page layout (module docstring); with layer
+    `groups`, a block holds one group's slots rather than every layer (shared/kv/groups.py)."""
     row = row_width(arch, kv_cache_dtype)
     if arch.mla is not None:
         return (arch.num_layers, 1, num_blocks, block_size, 1, row)
-    return (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, row)
+    slots = slots_in_cache(arch, groups)
+    return (slots, 2, num_blocks, block_size, arch.num_kv_heads, row)
 
 
 def bytes_per_block(
-    arch: ModelArchitecture, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    arch: ModelArchitecture,
+    block_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
+    groups: KVGroups | None = None,
 ) -> int:
     element_size = cache_dtype(dtype, kv_cache_dtype).itemsize
-    return math.prod(cache_shape(arch, 1, block_size, kv_cache_dtype)) * element_size
+    return math.prod(cache_shape(arch, 1, block_size, kv_cache_dtype, groups)) * element_size
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -117,10 +128,13 @@ def size_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
     copies: int = 1,
+    groups: KVGroups | None = None,
 ) -> KVCacheSpec:
     """The block count the budget holds; `copies`: how many processes hold each block whole
     (MLA's latent pages on every tensor-parallel rank), each paid for."""
-    per_block = copies * bytes_per_block(arch, cache.block_size, dtype, cache.kv_cache_dtype)
+    per_block = copies * bytes_per_block(
+        arch, cache.block_size, dtype, cache.kv_cache_dtype, groups
+    )
     if cache.kv_cache_bytes is not None:
         budget = cache.kv_cache_bytes
     else:
@@ -144,9 +158,10 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
     kv_cache_dtype: str = "auto",
+    groups: KVGroups | None = None,
 ) -> torch.Tensor:
     """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], zero-filled; int8 with
     a last dim of head_dim + 2 (codes, then the scale's bytes) for kv_cache_dtype "int8"; an MLA
-    model's latent layout (module docstring)."""
-    shape = cache_shape(arch, spec.num_blocks, spec.block_size, kv_cache_dtype)
+    model's latent layout (module docstring); a group's slots first with layer `groups`."""
+    shape = cache_shape(arch, spec.num_blocks, spec.block_size, kv_cache_dtype, groups)
     return torch.zeros(shape, dtype=cache_dtype(dtype, kv_cache_dtype), device=device)

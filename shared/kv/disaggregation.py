@@ -139,7 +139,7 @@ class KVPageExporter:
             # The chunk that completes the prompt is the one whose pages are wanted.
             if first_block is None or not chunk.is_sampled or request.num_output_tokens:
                 continue
-            pages = self.pages.pack(chunk.block_ids[first_block:])
+            pages = self.pages.pack(chunk.page_block_ids(first_block))
             with self._lock:
                 self._pages[request.request_id] = pages
 

@@ -34,7 +34,7 @@ from typing import Protocol, cast
 
 from splitserve.engine.config import CacheConfig
 from splitserve.engine.kv.block import Block
-from splitserve.engine.kv.block_hash import BlockHash, hash_full_blocks
+from splitserve.engine.kv.block_hash import BlockHash, hash_full_blocks, salted_hash
 from splitserve.engine.kv.block_pool import BlockPool, EvictedBlock
 from splitserve.engine.kv.events import KVCacheEvent
 from splitserve.engine.kv.eviction import Retention
@@ -75,12 +75,19 @@ class ComputedBlocks:
     loaded into new blocks before they count as computed)."""
 
     blocks: tuple[Block, ...] = ()
-    num_tokens: int = 0  # len(blocks) * block_size
+    num_tokens: int = 0  # (num_skipped_blocks + len(blocks)) * block_size
     load_hashes: tuple[BlockHash, ...] = ()
     load_tiers: tuple[Tier, ...] = ()  # where each of load_hashes is
+    # A window group's hit (shared/kv/groups.py): the leading blocks its layers no longer read,
+    # which the hit does not hold; `blocks` continue after them.
+    num_skipped_blocks: int = 0
 
     def without_loads(self) -> ComputedBlocks:
-        return ComputedBlocks(self.blocks, self.num_tokens) if self.load_hashes else self
+        if not self.load_hashes:
+            return self
+        return ComputedBlocks(
+            self.blocks, self.num_tokens, num_skipped_blocks=self.num_skipped_blocks
+        )
 
 
 NO_COMPUTED_BLOCKS = ComputedBlocks()
@@ -121,11 +128,15 @@ class KVCacheManager:
         tenant_quota: int | None = None,
         lower_tiers: LowerTiers | None = None,
         sliding_window: int = 0,
+        block_pool: BlockPool | None = None,
+        hash_salt: bytes = b"",
     ) -> None:
         """`lower_tiers`: the offload tiers, when the engine has them: the pool's evictions are
         written down to them, and prefix lookups continue there. `sliding_window`: how many
         trailing positions any query reads (the model's `kv_window`; 0 = all), past which
-        `release_out_of_window` gives blocks back."""
+        `release_out_of_window` gives blocks back. `block_pool` and `hash_salt`: one layer
+        group of several sharing a pool (shared/kv/groups.py): this group's blocks are cached
+        under its own hashes (the request's, keyed by the salt) and never published."""
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         if not isinstance(sliding_window, int) or sliding_window < 0:
@@ -137,7 +148,10 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.hash_namespace = hash_namespace
         sink = lower_tiers.save_evicted if lower_tiers is not None else None
-        self.block_pool = BlockPool(num_blocks, enable_caching, tenant_quota, sink)
+        if block_pool is None:
+            block_pool = BlockPool(num_blocks, enable_caching, tenant_quota, sink)
+        self.block_pool = block_pool
+        self.hash_salt = hash_salt
         self.prefix_cache_stats = PrefixCacheStats()
         self._requests: dict[str, _RequestBlocks] = {}
         self.lower_tiers = lower_tiers
@@ -195,9 +209,7 @@ class KVCacheManager:
             return ComputedBlocks(tuple(blocks), len(blocks) * self.block_size)
         hashes = islice(request.block_hashes, len(blocks), max_num_blocks)
         load_hashes, load_tiers = self._lower_tier_run(self.lower_tiers, hashes)
-        return ComputedBlocks(
-            tuple(blocks), len(blocks) * self.block_size, load_hashes, load_tiers
-        )
+        return ComputedBlocks(tuple(blocks), len(blocks) * self.block_size, load_hashes, load_tiers)
 
     @staticmethod
     def _lower_tier_run(
@@ -243,8 +255,13 @@ class KVCacheManager:
             self._record_admission(request, computed)
         if computed.blocks:
             self.block_pool.touch(computed.blocks)
+            skipped = computed.num_skipped_blocks
+            # Skipped positions name the first block held, as released ones do.
+            entry.blocks.extend([computed.blocks[0]] * skipped)
+            entry.block_ids.extend([computed.blocks[0].block_id] * skipped)
+            entry.num_released_blocks = skipped
             self._append_blocks(entry, computed.blocks)
-            entry.num_cached_blocks = len(computed.blocks)
+            entry.num_cached_blocks = skipped + len(computed.blocks)
         self._append_blocks(entry, self.block_pool.get_new_blocks(num_new_blocks))
         return True
 
@@ -271,14 +288,14 @@ class KVCacheManager:
         if num_full_blocks <= start:
             return
         self._update_block_hashes(request)
-        # Request types them as plain bytes; they are BlockHashes made by hash_full_blocks.
-        hashes = cast("list[BlockHash]", request.block_hashes)
+        hashes = self._own_hashes(request, max(0, start - 1), num_full_blocks)
         self.block_pool.cache_full_blocks(
             entry.blocks[start:num_full_blocks],
-            hashes[start:num_full_blocks],
-            hashes[start - 1] if start else None,
+            hashes[1:] if start else hashes,
+            hashes[0] if start else None,
             request.all_token_ids[start * self.block_size : num_full_blocks * self.block_size],
             self.block_size,
+            publish=not self.hash_salt,
         )
         entry.num_cached_blocks = num_full_blocks
 
@@ -357,7 +374,8 @@ class KVCacheManager:
             request.num_computed_tokens + computed.num_tokens + num_loaded_tokens + num_new_tokens
         )
         num_required = -(-num_tokens // self.block_size)
-        return max(0, num_required - num_held - len(computed.blocks))
+        num_hit = computed.num_skipped_blocks + len(computed.blocks) if computed.blocks else 0
+        return max(0, num_required - num_held - num_hit)
 
     def _fits(self, num_new_blocks: int, computed: ComputedBlocks) -> bool:
         # Hits on free cached blocks leave the free queue when touched: they cost free blocks
@@ -366,13 +384,58 @@ class KVCacheManager:
         return num_new_blocks + num_revived <= self.block_pool.num_free_blocks
 
     def _check_still_cached(self, request: Request, computed: ComputedBlocks) -> None:
-        assert computed.num_tokens == len(computed.blocks) * self.block_size, (
+        num_blocks = computed.num_skipped_blocks + len(computed.blocks)
+        assert computed.num_tokens == num_blocks * self.block_size, (
             "computed.num_tokens must cover its blocks exactly"
         )
-        for block, block_hash in zip(computed.blocks, request.block_hashes):
+        hashes = self._own_hashes(request, computed.num_skipped_blocks, num_blocks)
+        for block, block_hash in zip(computed.blocks, hashes):
             assert block.block_hash == block_hash, (
                 f"computed block {block.block_id} was evicted after get_computed_blocks"
             )
+
+    def lookup_blocks(self, request: Request, num_blocks: int) -> list[Block | None]:
+        """The cached block of each of the request's first `num_blocks` blocks (None where this
+        pool holds none), under this group's hashes: what a layer group's part of a prefix hit
+        is made from (shared/kv/grouped_manager.py)."""
+        self._update_block_hashes(request)
+        get = self.block_pool.get_cached_block
+        return [get(block_hash) for block_hash in self._own_hashes(request, 0, num_blocks)]
+
+    def num_unread_blocks(self, num_blocks: int) -> int:
+        """Of a prefix of `num_blocks` blocks, how many leading ones no query after it reads
+        (with a sliding window; 0 without): a hit need not hold them."""
+        if not self.sliding_window:
+            return 0
+        first_key = num_blocks * self.block_size - self.sliding_window + 1
+        return max(0, first_key) // self.block_size
+
+    def num_blocks_needed(
+        self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None
+    ) -> int:
+        """The free blocks allocate_slots with these arguments would take (new ones, and hits
+        revived from the free queue)."""
+        computed = NO_COMPUTED_BLOCKS if computed is None else computed
+        num_new_blocks = self._num_new_blocks(request, num_new_tokens, computed)
+        return num_new_blocks + sum(1 for block in computed.blocks if block.ref_cnt == 0)
+
+    def get_group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The block tables of layer groups after the first: none here (one group)."""
+        return ()
+
+    def page_block_ids(self, request_id: str, first_block: int) -> list[int]:
+        """The blocks whose pages a transfer of the request's blocks from `first_block` on
+        moves, in order."""
+        return self.get_block_ids(request_id)[first_block:]
+
+    def _own_hashes(self, request: Request, start: int, end: int) -> list[BlockHash]:
+        """The hashes this pool caches blocks start..end-1 of the request under: the
+        request's, keyed by the group's salt for a layer group after the first."""
+        # Request types them as plain bytes; they are BlockHashes made by hash_full_blocks.
+        hashes = cast("list[BlockHash]", request.block_hashes[start:end])
+        if not self.hash_salt:
+            return hashes
+        return [salted_hash(block_hash, self.hash_salt) for block_hash in hashes]
 
     def _update_block_hashes(self, request: Request) -> None:
         """Extends request.block_hashes to every full block of its known tokens (a pending

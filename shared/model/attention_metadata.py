@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from splitserve.engine.kv.groups import KVGroups
 from splitserve.engine.model.decode_groups import DecodeGroup
 
 
@@ -40,6 +41,17 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor | None = None  # [num_seqs] int32
     query_start_loc: torch.Tensor | None = None  # [num_seqs + 1] int32
+    # A mixed-window model's layer groups (shared/kv/groups.py): where each layer's pages are,
+    # and the same fields for each group after the first (this metadata is group 0's).
+    kv_groups: KVGroups | None = None
+    group_metas: list[AttentionMetadata] = field(default_factory=list)
+
+    def for_layer(self, layer: int) -> tuple[int, AttentionMetadata]:
+        """The cache slot layer `layer`'s pages are in, and the metadata of its group."""
+        if self.kv_groups is None:
+            return layer, self
+        group, slot = self.kv_groups.place(layer)
+        return slot, self.group_metas[group - 1] if group else self
 
 
 class AttentionBackend(Protocol):

@@ -16,6 +16,7 @@ SPLITSERVE_FUSED_DECODE=0 turns it off (to compare the two).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from splitserve.engine.kv.groups import KVGroups
 from splitserve.engine.lora.batched import LoRABatch
 from splitserve.engine.lora.layers import LoRAHook
 from splitserve.engine.model.architecture import GELU_TANH, ModelArchitecture
@@ -105,13 +107,23 @@ class FusedDecode:
             angles.sin,
             count,
         )
-        local = {}
+        local: dict[str, object] = {}
         if local_angles is not None:
             local = {"local_cos": local_angles.cos, "local_sin": local_angles.sin}
+        if meta.kv_groups is not None:  # a cache of layer groups (shared/kv/groups.py)
+            local["group_slot_mappings"] = [group.slot_mapping for group in meta.group_metas]
+            local["group_block_tables"] = [group.decode_block_tables for group in meta.group_metas]
+            local["layer_places"] = _flat_places(meta.kv_groups)
         if lora is None:
             return self._layers.run(*args, **local)
         assert self.has_lora, "a LoRA step needs set_lora first"
         return self._layers.run_lora(*args, lora.slot_ids, **local)
+
+
+@functools.cache
+def _flat_places(groups: KVGroups) -> list[int]:
+    """Each layer's (group, slot), flat, as the C++ loop takes them (cached: one per model)."""
+    return [index for place in groups.layer_places for index in place]
 
 
 def build_fused_decode(model: LlamaForCausalLM) -> FusedDecode | None:

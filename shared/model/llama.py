@@ -400,7 +400,8 @@ class LlamaForCausalLM(nn.Module):
             layer_angles = angles
             if local_angles is not None and self.arch.rotates_locally(layer_id):
                 layer_angles = local_angles
-            hidden = layer(hidden, layer_angles, kv_cache[layer_id], meta, backend)
+            slot, layer_meta = meta.for_layer(layer_id)
+            hidden = layer(hidden, layer_angles, kv_cache[slot], layer_meta, backend)
         return hidden
 
     def load_hf_weights(

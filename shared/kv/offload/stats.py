@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from splitserve.engine.kv.grouped_manager import GroupedKVManager
 from splitserve.engine.kv.manager import KVCacheManager
 from splitserve.engine.kv.offload.offloader import KVOffloader
 from splitserve.engine.kv.tiers import Tier
@@ -35,7 +36,7 @@ _EVICTION_REASONS = ("quota", "expired", "capacity")
 
 
 def tier_stats(
-    kv: KVCacheManager, offloader: KVOffloader | None, block_bytes: int
+    kv: KVCacheManager | GroupedKVManager, offloader: KVOffloader | None, block_bytes: int
 ) -> KVTierStats:
     """`block_bytes`: one block of the pool, all layers."""
     pool = kv.block_pool

@@ -22,14 +22,16 @@ from typing import Any
 import pytest
 
 from splitserve import LLM, SamplingParams
+from splitserve.engine.kv.disaggregation import RemotePrefillResult
 from splitserve.engine.kv.events import BlockRemoved, BlockStored
 from splitserve.engine.kv.grouped_manager import GroupedKVManager
 from splitserve.engine.kv.groups import KVGroups, plan_kv_groups
 from splitserve.engine.kv.manager import KVCacheManager
+from splitserve.engine.kv.transfer.base import KVTransferError
 from splitserve.engine.model.architecture import ModelArchitecture
 from splitserve.engine.request import Request
 from splitserve.kernels import cpu as cpu_kernels
-from tests.test_disaggregation_engine import disaggregated
+from tests.test_disaggregation_engine import disaggregated, run_until_done
 from tests.test_model_families import TOLERANCE, _reference, make_checkpoint  # noqa: F401
 
 BLOCK_SIZE = 4
@@ -193,7 +195,9 @@ def _engine(directory: str, **options: Any) -> LLM:
 
 
 def _params(**options: Any) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, **options)
+    return SamplingParams(
+        **{"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True, **options}
+    )
 
 
 def _generate_counting_blocks(llm: LLM, rid: str, params: SamplingParams):
@@ -316,3 +320,25 @@ def test_preemption_ngram_speculation_and_disaggregation_keep_the_tokens(single_
     assert got.token_ids == tokens
     for engine in (prefill, decode):
         assert engine.stats().num_kv_blocks_free == engine.stats().num_kv_blocks_total
+
+
+def test_a_pod_in_one_group_refuses_grouped_pages_by_name(single_thread, references):
+    directory, _ = references("gemma2")
+    prefill, decode = (
+        _engine(directory).engine,
+        _engine(directory, group_window_layers=False).engine,
+    )
+    plan = decode.reserve_remote_prefill("mixed", PROMPT, _params())
+    assert plan is not None
+    prefill.add_request("mixed", PROMPT, _params(max_tokens=1), export_kv_from_block=0)
+    final = run_until_done(prefill)["mixed"]
+    pages = prefill.take_exported_pages("mixed")
+    assert pages is not None and tuple(pages.shape) != plan.page_shape
+    result = RemotePrefillResult(final.token_ids[0], None, pages)
+    with pytest.raises(KVTransferError, match="group_window_layers"):
+        decode.complete_remote_prefill("mixed", result)
+    # What a decode pod does then (services/decode/remote_prefill.py): prefill here.
+    decode.scheduler.fall_back_to_local_prefill("mixed")
+    assert len(run_until_done(decode)["mixed"].token_ids) == NEW_TOKENS
+    stats = decode.stats()
+    assert stats.num_kv_blocks_free == stats.num_kv_blocks_total

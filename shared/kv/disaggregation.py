@@ -119,6 +119,13 @@ class LocalPages:
         return pack_pages(self.kv_cache, block_ids)
 
     def unpack(self, pages: torch.Tensor, block_ids: list[int]) -> None:
+        expected = self.shape(len(block_ids))
+        if tuple(pages.shape) != expected:
+            raise KVTransferError(
+                f"pages of shape {tuple(pages.shape)} do not fit this cache's {expected} for "
+                f"{len(block_ids)} blocks: prefill and decode pods must run the same model with "
+                "the same block_size and group_window_layers"
+            )
         unpack_pages(pages, self.kv_cache, block_ids)
 
 

@@ -157,7 +157,8 @@ class KVTransferDescriptor:
         if tuple(destination.shape) != self.shape:
             raise KVTransferError(
                 f"request {self.request_id}: shape {self.shape} does not match the "
-                f"destination's {tuple(destination.shape)}"
+                f"destination's {tuple(destination.shape)}: prefill and decode pods must run "
+                "the same model with the same block_size and group_window_layers"
             )
 
     def to_json(self) -> dict[str, object]:

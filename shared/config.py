@@ -74,7 +74,8 @@ class CacheConfig:
     # Exactly one budget applies: bytes if given, else a fraction of currently free memory.
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float = 0.25
-    # A hard cap on the block count, mostly for tests that want preemption to happen.
+    # A hard cap on the block count, mostly for tests that want preemption to happen (blocks
+    # of every layer: with layer groups, shared/kv/groups.py, this many in each group).
     num_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     # Namespaces the chained block hashes, so two models never share cache entries.

@@ -156,7 +156,7 @@ class EngineCore:
             self.architecture.vocab_size,
             self.max_model_len,
             block_size=self.kv_spec.block_size,
-            num_kv_blocks=self.kv_spec.num_blocks,
+            num_kv_blocks=self.kv_spec.num_position_blocks,
         )
 
     def add_request(

@@ -93,7 +93,8 @@ class ModelRunner(Generic[ModelT]):
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = kv_cache.device
-        # One layer's keys and values of one block: kv_cache is [layers, 2, blocks, ...].
+        # One layer's keys and values of one block: kv_cache is [layers (or a layer group's
+        # slots), 2, blocks, ...].
         self._block_bytes = kv_cache[0, :, 0].numel() * kv_cache.element_size()
         self.backend: AttentionBackend = select_attention_backend(self.device, kv_cache.dtype)
         self.sampler = Sampler()

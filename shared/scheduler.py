@@ -218,7 +218,9 @@ class Scheduler:
         token this step: drafts must never cause a preemption. Keeps one block per running
         request in reserve (a decode needs at most one new block per step)."""
         draft_blocks = -(-num_drafts // self.kv.block_size) + 1  # a boundary can add one
-        return self.kv.num_free_blocks - draft_blocks < len(self.running)
+        # With layer groups every position's block is one block in each group.
+        groups = self.kv.num_groups
+        return self.kv.num_free_blocks - draft_blocks * groups < len(self.running) * groups
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocates slots for `request`, preempting others until they fit. False if it was

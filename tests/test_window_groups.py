@@ -160,6 +160,23 @@ def test_only_the_first_groups_blocks_are_published() -> None:
     assert sorted(removed) == sorted(request.block_hashes)
 
 
+def test_every_groups_hit_is_taken_before_any_group_takes_new_blocks() -> None:
+    """Freed tail first, the window group's last blocks lead the eviction order: had group 0
+    taken its new block before group 1 touched its hit, it would have evicted that hit."""
+    manager = _manager(num_blocks=10, window=6)
+    tokens = list(range(20))
+    manager.free(_running(manager, "a", tokens))  # every block cached and free
+    again = Request("b", tokens + [99], SamplingParams())
+    computed = manager.get_computed_blocks(again)
+    assert computed.num_tokens == 20
+    assert manager.allocate_slots(again, 1, computed)  # 5 + 2 hits revived, 2 new blocks
+    assert manager.held_blocks_by_group("b") == [6, 3]
+    again.num_computed_tokens = 21
+    manager.cache_blocks(again, 21)
+    manager.free(again)
+    assert manager.num_free_blocks == 10
+
+
 def test_a_step_gets_blocks_in_every_group_or_in_none() -> None:
     manager = _manager(num_blocks=9, window=6)
     request = Request("a", list(range(20)), SamplingParams())
@@ -303,11 +320,12 @@ def test_one_group_when_turned_off_or_where_groups_are_not_taken(single_thread, 
 
 def test_preemption_ngram_speculation_and_disaggregation_keep_the_tokens(single_thread, references):
     directory, (tokens, _) = references("gemma2")
-    # 24 blocks hold one whole prompt in both groups (what admission checks); three in
+    # 12 blocks in each group hold one whole prompt (what admission checks); three in
     # 24-token steps preempt one another while the window group's blocks come back.
     cramped = _engine(
-        directory, num_blocks_override=24, enable_prefix_caching=False, max_num_batched_tokens=24
+        directory, num_blocks_override=12, enable_prefix_caching=False, max_num_batched_tokens=24
     )
+    assert cramped.engine.kv_spec.num_blocks == 24
     results = cramped.generate([PROMPT] * 3, _params())
     assert [r.outputs[0].token_ids for r in results] == [tokens] * 3
     assert cramped.stats().num_preemptions > 0
@@ -342,3 +360,14 @@ def test_a_pod_in_one_group_refuses_grouped_pages_by_name(single_thread, referen
     assert len(run_until_done(decode)["mixed"].token_ids) == NEW_TOKENS
     stats = decode.stats()
     assert stats.num_kv_blocks_free == stats.num_kv_blocks_total
+
+
+def test_a_prompt_must_fit_in_every_group(single_thread, references):
+    """The pool's blocks hold one group's layers each: a prompt whose positions need more
+    blocks than each group can have is refused at once, not left waiting for room."""
+    directory, _ = references("gemma2")
+    llm = _engine(directory, num_blocks_override=4)  # 8 blocks: 4 positions' blocks per group
+    assert (llm.engine.kv_spec.num_blocks, llm.engine.kv_spec.num_tokens) == (8, 16)
+    with pytest.raises(ValueError, match="cache holds only 4"):
+        llm.engine.validate_prompt(list(range(3, 19)))  # 16 tokens and one output: 5 blocks
+    llm.engine.validate_prompt(list(range(3, 18)))

@@ -182,7 +182,11 @@ class DecodePodCore(EnginePodCore):
         num_unseen = len(self._in_flight) - stats.num_running - stats.num_waiting
         config = self.llm.config
         room = PodRoom(
-            stats, max(num_unseen, 0), config.cache.block_size, config.scheduler.max_num_seqs
+            stats,
+            max(num_unseen, 0),
+            config.cache.block_size,
+            config.scheduler.max_num_seqs,
+            self.llm.engine.kv_manager.num_groups,
         )
         reason = refusal(self.overload, room, num_tokens)
         if reason is not None:

@@ -43,6 +43,8 @@ class PodRoom:
     num_unseen: int  # calls taken here that the snapshot does not show yet
     block_size: int
     max_num_seqs: int
+    # Blocks a position's block takes in the pool: one per layer group (shared/kv/groups.py).
+    kv_groups: int = 1
 
     @property
     def num_waiting(self) -> int:
@@ -56,10 +58,10 @@ class PodRoom:
             return f"{stats.num_waiting_for_admission} requests are queued ahead of it"
         if stats.num_running >= self.max_num_seqs:
             return f"the running batch is full ({self.max_num_seqs} requests)"
-        num_blocks = -(-num_tokens // self.block_size)
-        # A running request needs at most one new block a step: keep one each, or admitting
-        # this one would preempt a running stream on its next token.
-        room = stats.num_kv_blocks_free - stats.num_running
+        num_blocks = -(-num_tokens // self.block_size) * self.kv_groups
+        # A running request needs at most one new block a step (in each group): keep that
+        # many each, or admitting this one would preempt a running stream on its next token.
+        room = stats.num_kv_blocks_free - stats.num_running * self.kv_groups
         if num_blocks > room:
             return (
                 f"its {num_blocks} KV blocks exceed the {max(room, 0)} free blocks left beside "

@@ -41,10 +41,13 @@ class KVCacheSpec:
 
     num_blocks: int
     block_size: int
-    bytes_per_block: int  # all layers, keys and values, times `copies`
+    bytes_per_block: int  # all layers (a group's slots), keys and values, times `copies`
     # How many processes hold each block whole (MLA's latent pages on every tensor-parallel
     # rank): the pod pays for each, a page travels once.
     copies: int = 1
+    # Layer groups (shared/kv/groups.py): a block holds one group's layers, so a position's
+    # block is `groups` blocks of the pool (fewer in a window group past its window).
+    groups: int = 1
 
     @property
     def page_bytes_per_block(self) -> int:
@@ -52,8 +55,14 @@ class KVCacheSpec:
         return self.bytes_per_block // self.copies
 
     @property
+    def num_position_blocks(self) -> int:
+        """Blocks of `block_size` positions in every layer the pool holds at the least (each
+        group holding every position)."""
+        return self.num_blocks // self.groups
+
+    @property
     def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        return self.num_position_blocks * self.block_size
 
     @property
     def total_bytes(self) -> int:
@@ -140,15 +149,20 @@ def size_kv_cache(
     else:
         budget = int(available_memory_bytes(device) * cache.kv_cache_memory_fraction)
     num_blocks = budget // per_block
-    if cache.num_blocks_override is not None:
-        num_blocks = min(num_blocks, cache.num_blocks_override)
+    num_groups = 1 if groups is None else groups.num_groups
+    if cache.num_blocks_override is not None:  # blocks of every layer: one in each group
+        num_blocks = min(num_blocks, cache.num_blocks_override * num_groups)
     if num_blocks < 2:
         raise ValueError(
             f"KV cache budget of {budget} bytes holds {num_blocks} blocks of {per_block} bytes; "
             "at least 2 are needed (raise kv_cache_bytes or kv_cache_memory_fraction)"
         )
     return KVCacheSpec(
-        num_blocks=num_blocks, block_size=cache.block_size, bytes_per_block=per_block, copies=copies
+        num_blocks=num_blocks,
+        block_size=cache.block_size,
+        bytes_per_block=per_block,
+        copies=copies,
+        groups=num_groups,
     )
 
 

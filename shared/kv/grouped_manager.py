@@ -5,8 +5,8 @@ The scheduler and the engine talk to it as to a `KVCacheManager`: a request is a
 grows and is freed in every group at once, and a step either gets blocks in all of them or in
 none. A prefix hit counts only as far as every group still holds it: the full-attention groups
 every block of the prefix, a window group the blocks its layers read from the first position
-after it (`KVCacheManager.group_hit`). Group 0's blocks are the request's `block_ids`, the ones
-the prefix index hears about; the other groups' tables travel beside them
+after it (`KVCacheManager.num_unread_blocks`). Group 0's blocks are the request's `block_ids`,
+the ones the prefix index hears about; the other groups' tables travel beside them
 (`get_group_block_ids`), and a page transfer moves every group's blocks in group order
 (`page_block_ids`).
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.engine.config import CacheConfig
+from splitserve.engine.kv.block import Block
 from splitserve.engine.kv.block_hash import BlockHash
 from splitserve.engine.kv.block_pool import BlockPool
 from splitserve.engine.kv.events import KVCacheEvent
@@ -98,23 +99,30 @@ class GroupedKVManager:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self._first.prefix_cache_stats
 
+    @property
+    def num_groups(self) -> int:
+        """Blocks a position's block takes: one in each group."""
+        return len(self.managers)
+
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """The longest prefix hit every group still holds (module docstring). A request whose
         pages will be exported takes whole hits in the window groups too: its pages go to a
         decode pod, which caches every block it receives."""
         first = self._first.get_computed_blocks(request)
+        if not first.blocks:
+            return NO_COMPUTED_BLOCKS
         exporting = getattr(request, "export_kv_from_block", None) is not None
         others = self.managers[1:]
         found = [manager.lookup_blocks(request, len(first.blocks)) for manager in others]
+        last_missing = [_last_missing(blocks) for blocks in found]
         for num_blocks in range(len(first.blocks), 0, -1):
             hits = []
-            for manager, blocks in zip(others, found):
+            for manager, blocks, missing in zip(others, found, last_missing):
                 skipped = 0 if exporting else manager.num_unread_blocks(num_blocks)
-                held = blocks[skipped:num_blocks]
-                if any(block is None for block in held):
+                if missing[num_blocks - 1] >= skipped:
                     break
-                hit = tuple(block for block in held if block is not None)
-                hits.append(ComputedBlocks(hit, num_blocks * self.block_size, (), (), skipped))
+                held = tuple(block for block in blocks[skipped:num_blocks] if block is not None)
+                hits.append(ComputedBlocks(held, num_blocks * self.block_size, (), (), skipped))
             else:
                 return GroupedComputedBlocks(
                     first.blocks[:num_blocks], num_blocks * self.block_size, group_hits=tuple(hits)
@@ -124,31 +132,43 @@ class GroupedKVManager:
     def can_allocate(
         self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None
     ) -> bool:
-        parts = self._parts(computed)
-        needed = sum(
-            manager.num_blocks_needed(request, num_new_tokens, part)
-            for manager, part in zip(self.managers, parts)
-        )
-        return needed <= self.block_pool.num_free_blocks
+        return self._num_free_needed(request, num_new_tokens, self._parts(computed)) is not None
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None
     ) -> bool:
-        if not self.can_allocate(request, num_new_tokens, computed):
+        """Every group's slots, or none. Every group's hit is taken before any group takes new
+        blocks: a new block is the oldest free one, which may be another group's hit."""
+        parts = self._parts(computed)
+        new_blocks = self._num_free_needed(request, num_new_tokens, parts)
+        if new_blocks is None:
             return False
-        for manager, part in zip(self.managers, self._parts(computed)):
-            allocated = manager.allocate_slots(request, num_new_tokens, part)
-            assert allocated, "every group fits: can_allocate counted them together"
+        for manager, part in zip(self.managers, parts):
+            manager.take_hit(request, part)
+        for manager, num_blocks in zip(self.managers, new_blocks):
+            manager.take_new_blocks(request, num_blocks)
         return True
+
+    def _num_free_needed(
+        self, request: Request, num_new_tokens: int, parts: list[ComputedBlocks]
+    ) -> list[int] | None:
+        """Each group's new blocks, or None when they and the hits revived from the free queue
+        do not fit in the free blocks together."""
+        new_blocks = [
+            manager.num_new_blocks(request, num_new_tokens, part)
+            for manager, part in zip(self.managers, parts)
+        ]
+        revived = sum(1 for part in parts for block in part.blocks if block.ref_cnt == 0)
+        if sum(new_blocks) + revived > self.block_pool.num_free_blocks:
+            return None
+        return new_blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         for manager in self.managers:
             manager.cache_blocks(request, num_computed_tokens)
 
     def free(self, request: Request) -> None:
-        # The window groups first: their blocks then sit ahead of the full groups' in the
-        # eviction order, as a window group's hit needs fewer of its blocks.
-        for manager in reversed(self.managers):
+        for manager in self.managers:
             manager.free(request)
 
     def release_out_of_window(self, request: Request, num_settled_tokens: int) -> int:
@@ -191,3 +211,15 @@ class GroupedKVManager:
         assert isinstance(computed, GroupedComputedBlocks), "hits come from get_computed_blocks"
         first = ComputedBlocks(computed.blocks, computed.num_tokens)
         return [first, *computed.group_hits]
+
+
+def _last_missing(blocks: list[Block | None]) -> list[int]:
+    """Per prefix length i + 1: the index of the last block missing among blocks[: i + 1]
+    (-1: none), so whether a group holds blocks[skipped:n] is one comparison."""
+    last = -1
+    out = []
+    for index, block in enumerate(blocks):
+        if block is None:
+            last = index
+        out.append(last)
+    return out

@@ -21,7 +21,6 @@ the ones a request's plain `block_ids` name. vLLM's hybrid KV cache manager has 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from splitserve.engine.model.architecture import ModelArchitecture
@@ -43,10 +42,16 @@ class KVGroups:
         return self.layer_places[layer]
 
 
+# Each group costs a slot mapping and block tables per step (and a table per request): past
+# this many, one group (no bounding) is the better trade.
+MAX_GROUPS = 8
+
+
 def plan_kv_groups(arch: ModelArchitecture) -> KVGroups | None:
     """The groups for `arch`, or None where one group holds every layer as before: no layer has
     a window, or every layer has one (the whole cache then releases what falls out of the
-    widest window), or a latent (MLA) cache."""
+    widest window), a latent (MLA) cache, or more than MAX_GROUPS groups (one window layer
+    among 28 would make 28 groups of one)."""
     windows = [arch.window_of(layer) for layer in range(arch.num_layers)]
     if arch.mla is not None or all(windows) or not any(windows):
         return None
@@ -62,6 +67,8 @@ def plan_kv_groups(arch: ModelArchitecture) -> KVGroups | None:
             group_windows.append(window)
             for slot, layer in enumerate(layers[start : start + slots]):
                 places[layer] = (group, slot)
+    if len(group_windows) > MAX_GROUPS:
+        return None
     return KVGroups(
         slots, tuple(group_windows), tuple(places[layer] for layer in range(arch.num_layers))
     )
@@ -70,20 +77,3 @@ def plan_kv_groups(arch: ModelArchitecture) -> KVGroups | None:
 def slots_in_cache(arch: ModelArchitecture, groups: KVGroups | None) -> int:
     """The cache tensor's first dimension: the model's layers, or a group's slots."""
     return arch.num_layers if groups is None else groups.slots_per_block
-
-
-def group_counts(groups: KVGroups) -> tuple[int, int]:
-    """(full-attention groups, window groups)."""
-    full = sum(1 for window in groups.group_windows if window == 0)
-    return full, groups.num_groups - full
-
-
-def padded_slots(arch: ModelArchitecture, groups: KVGroups) -> int:
-    """Slots a block has that no layer uses (the last group of a kind when its layers do not
-    fill it): storage the grouping spends on nothing."""
-    used = arch.num_layers
-    return groups.num_groups * groups.slots_per_block - used
-
-
-def ceil_div(a: int, b: int) -> int:
-    return math.ceil(a / b)

@@ -249,6 +249,14 @@ class KVCacheManager:
         num_new_blocks = self._num_new_blocks(request, num_new_tokens, computed)
         if not self._fits(num_new_blocks, computed):
             return False
+        self.take_hit(request, computed)
+        self.take_new_blocks(request, num_new_blocks)
+        return True
+
+    def take_hit(self, request: Request, computed: ComputedBlocks) -> None:
+        """allocate_slots' first half, unchecked: the request's entry (its admission counted)
+        and its hit's blocks, touched. Layer groups of one pool (grouped_manager.py) take
+        every group's hit before any group takes new blocks, which could evict them."""
         entry = self._requests.get(request.request_id)
         if entry is None:
             entry = self._requests[request.request_id] = _RequestBlocks()
@@ -262,8 +270,12 @@ class KVCacheManager:
             entry.num_released_blocks = skipped
             self._append_blocks(entry, computed.blocks)
             entry.num_cached_blocks = skipped + len(computed.blocks)
-        self._append_blocks(entry, self.block_pool.get_new_blocks(num_new_blocks))
-        return True
+
+    def take_new_blocks(self, request: Request, num_blocks: int) -> None:
+        """allocate_slots' second half, unchecked: `num_blocks` new blocks after the
+        request's (take_hit made its entry)."""
+        entry = self._requests[request.request_id]
+        self._append_blocks(entry, self.block_pool.get_new_blocks(num_blocks))
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Registers the request's blocks that are full of computed tokens in the prefix cache.
@@ -398,6 +410,8 @@ class KVCacheManager:
         """The cached block of each of the request's first `num_blocks` blocks (None where this
         pool holds none), under this group's hashes: what a layer group's part of a prefix hit
         is made from (shared/kv/grouped_manager.py)."""
+        if not num_blocks:
+            return []
         self._update_block_hashes(request)
         get = self.block_pool.get_cached_block
         return [get(block_hash) for block_hash in self._own_hashes(request, 0, num_blocks)]
@@ -408,16 +422,20 @@ class KVCacheManager:
         if not self.sliding_window:
             return 0
         first_key = num_blocks * self.block_size - self.sliding_window + 1
-        return max(0, first_key) // self.block_size
+        # The last block always counts (a window of one position would skip it all).
+        return min(max(0, first_key) // self.block_size, num_blocks - 1)
 
-    def num_blocks_needed(
+    def num_new_blocks(
         self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None
     ) -> int:
-        """The free blocks allocate_slots with these arguments would take (new ones, and hits
-        revived from the free queue)."""
+        """The new blocks allocate_slots with these arguments would take (beside the hit's)."""
         computed = NO_COMPUTED_BLOCKS if computed is None else computed
-        num_new_blocks = self._num_new_blocks(request, num_new_tokens, computed)
-        return num_new_blocks + sum(1 for block in computed.blocks if block.ref_cnt == 0)
+        return self._num_new_blocks(request, num_new_tokens, computed)
+
+    @property
+    def num_groups(self) -> int:
+        """Blocks a position's block takes: one (no layer groups, grouped_manager.py)."""
+        return 1
 
     def get_group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The block tables of layer groups after the first: none here (one group)."""

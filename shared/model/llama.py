@@ -336,7 +336,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [num_layers or group slots, 2, blocks, block_size, kv_heads, dim]
         meta: AttentionMetadata,
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # [num_sampled] rows whose next token is sampled

@@ -83,8 +83,9 @@ def measure_profile(settings: ProfileSettings, log: Log = log_to_stderr) -> Prof
         decode=decode,
         kv_transfer=transfer,
         block_size=spec.block_size,
-        num_kv_blocks=spec.num_blocks,
-        kv_bytes_per_token=spec.page_bytes_per_block // spec.block_size,  # as pages travel
+        num_kv_blocks=spec.num_position_blocks,
+        # As pages travel: a position's block in each layer group.
+        kv_bytes_per_token=spec.page_bytes_per_block * spec.groups // spec.block_size,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=engine.config.scheduler.max_num_seqs,
         mixed=mixed,

@@ -38,7 +38,7 @@ _EVICTION_REASONS = ("quota", "expired", "capacity")
 def tier_stats(
     kv: KVCacheManager | GroupedKVManager, offloader: KVOffloader | None, block_bytes: int
 ) -> KVTierStats:
-    """`block_bytes`: one block of the pool, all layers."""
+    """`block_bytes`: one block of the pool (all layers, or a layer group's slots)."""
     pool = kv.block_pool
     blocks = {Tier.DEVICE.label: pool.num_cached_blocks}
     hit_tokens = {Tier.DEVICE.label: kv.prefix_cache_stats.num_hit_tokens}

@@ -16,12 +16,14 @@ torch runs single-threaded (see tests/test_engine_api.py for why).
 
 from __future__ import annotations
 
+import argparse
 import os
 from typing import Any
 
 import pytest
 
 from splitserve import LLM, SamplingParams
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv.disaggregation import RemotePrefillResult
 from splitserve.engine.kv.events import BlockRemoved, BlockStored
 from splitserve.engine.kv.grouped_manager import GroupedKVManager
@@ -31,6 +33,7 @@ from splitserve.engine.kv.transfer.base import KVTransferError
 from splitserve.engine.model.architecture import ModelArchitecture
 from splitserve.engine.request import Request
 from splitserve.kernels import cpu as cpu_kernels
+from splitserve.pod.flags import add_engine_flags, engine_options
 from tests.test_disaggregation_engine import disaggregated, run_until_done
 from tests.test_model_families import TOLERANCE, _reference, make_checkpoint  # noqa: F401
 
@@ -371,3 +374,11 @@ def test_a_prompt_must_fit_in_every_group(single_thread, references):
     with pytest.raises(ValueError, match="cache holds only 4"):
         llm.engine.validate_prompt(list(range(3, 19)))  # 16 tokens and one output: 5 blocks
     llm.engine.validate_prompt(list(range(3, 18)))
+
+
+def test_pods_take_the_setting_from_a_flag() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    for argv, expected in (([], True), (["--no-window-layer-groups"], False)):
+        config = EngineConfig.from_options(**engine_options(parser.parse_args(argv)))
+        assert config.cache.group_window_layers is expected

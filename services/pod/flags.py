@@ -56,6 +56,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     group.add_argument(
+        "--window-layer-groups",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep a model's window layers (Gemma 2/3) in layer groups of their own, so they hold "
+        "only their window's KV blocks; prefill and decode pods must agree",
+    )
+    group.add_argument(
         "--eviction-policy",
         default="lru",
         choices=EVICTION_POLICIES,
@@ -264,6 +271,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "max_prefill_tokens_while_decoding": args.max_prefill_tokens_while_decoding,
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": args.prefix_caching,
+        "group_window_layers": args.window_layer_groups,
         "eviction_policy": args.eviction_policy,
         "idle_ttl_s": args.idle_ttl,
         "max_retention_s": args.max_retention,

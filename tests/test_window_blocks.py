@@ -140,7 +140,8 @@ def _engine(directory: str, **options: Any) -> LLM:
 
 
 def _params(**options: Any) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, **options)
+    defaults = {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True}
+    return SamplingParams(**{**defaults, **options})
 
 
 def _generate_counting_blocks(llm: LLM, rid: str, params: SamplingParams):
@@ -195,19 +196,20 @@ def test_a_long_sequence_holds_bounded_blocks_and_equals_transformers(
     _assert_matches(again, reference)
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        "torch",
-        pytest.param(
-            "triton",
-            marks=pytest.mark.skipif(
-                os.environ.get("TRITON_INTERPRET") != "1",
-                reason="the Triton path runs in Triton's interpreter on the CPU",
-            ),
+# The Python layers' attention paths (tests/test_window_groups.py takes them too).
+ATTENTION_BACKENDS = [
+    "torch",
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            os.environ.get("TRITON_INTERPRET") != "1",
+            reason="the Triton path runs in Triton's interpreter on the CPU",
         ),
-    ],
-)
+    ),
+]
+
+
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
 def test_the_other_attention_paths_read_the_tables_the_window_leaves(
     single_thread, mistral, monkeypatch, backend
 ):

@@ -17,8 +17,6 @@ torch runs single-threaded (see tests/test_engine_api.py for why).
 from __future__ import annotations
 
 import argparse
-import os
-from typing import Any
 
 import pytest
 
@@ -35,13 +33,17 @@ from splitserve.engine.request import Request
 from splitserve.kernels import cpu as cpu_kernels
 from splitserve.pod.flags import add_engine_flags, engine_options
 from tests.test_disaggregation_engine import disaggregated, run_until_done
-from tests.test_model_families import TOLERANCE, _reference, make_checkpoint  # noqa: F401
+from tests.test_model_families import _reference, make_checkpoint  # noqa: F401
+from tests.test_window_blocks import (
+    ATTENTION_BACKENDS,
+    BLOCK_SIZE,
+    NEW_TOKENS,
+    PROMPT,
+    _assert_matches,
+    _engine,
+    _params,
+)
 
-BLOCK_SIZE = 4
-CHUNK = 16
-NEW_TOKENS = 40
-KV_BYTES = 8 * 2**20
-PROMPT = [(7 * i + 3) % 500 + 3 for i in range(45)]
 WINDOWS = {"gemma2": 8, "gemma3_text": 12}  # the tiny checkpoints' (tests/test_model_families.py)
 
 
@@ -209,17 +211,6 @@ def references(make_checkpoint):  # noqa: F811 (the fixture imported above)
     return reference
 
 
-def _engine(directory: str, **options: Any) -> LLM:
-    settings = {"kv_cache_bytes": KV_BYTES, "max_num_batched_tokens": CHUNK}
-    return LLM(directory, block_size=BLOCK_SIZE, **{**settings, **options})
-
-
-def _params(**options: Any) -> SamplingParams:
-    return SamplingParams(
-        **{"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True, **options}
-    )
-
-
 def _generate_counting_blocks(llm: LLM, rid: str, params: SamplingParams):
     """Steps one request to its end: its output and the most blocks each group held while
     decoding (past the prompt and the step after it, when async scheduling releases)."""
@@ -236,14 +227,6 @@ def _generate_counting_blocks(llm: LLM, rid: str, params: SamplingParams):
             most = [max(a, b) for a, b in zip(most, held)] if most else held
     assert final is not None
     return final, most
-
-
-def _assert_matches(output: Any, reference) -> None:
-    tokens, logprobs = reference
-    assert output.token_ids == tokens
-    for step, entry in enumerate(output.logprobs or []):
-        for token_id, value in entry.top:
-            assert value == pytest.approx(logprobs[step][token_id].item(), abs=TOLERANCE)
 
 
 @pytest.mark.parametrize("family", list(WINDOWS))
@@ -283,19 +266,7 @@ def test_window_groups_hold_bounded_blocks_and_equal_transformers(
     _assert_matches(again, reference)
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        "torch",
-        pytest.param(
-            "triton",
-            marks=pytest.mark.skipif(
-                os.environ.get("TRITON_INTERPRET") != "1",
-                reason="the Triton path runs in Triton's interpreter on the CPU",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
 def test_the_python_layers_read_each_groups_tables(single_thread, references, monkeypatch, backend):
     """The test above decodes through the fused C++ layers where they are built; here every
     step goes through the Python layers on the PyTorch or Triton attention."""

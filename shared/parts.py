@@ -316,10 +316,8 @@ def _step_observers(
 
 def _log_kv_cache(kv_spec: KVCacheSpec, cache: CacheConfig) -> None:
     logger.info(
-        "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, kv_cache_dtype %s)",
-        kv_spec.num_blocks,
-        kv_spec.block_size,
-        kv_spec.num_tokens,
+        "KV cache: %s, %.1f MiB, kv_cache_dtype %s)",
+        kv_spec.describe(),
         kv_spec.total_bytes / 2**20,
         cache.kv_cache_dtype,
     )

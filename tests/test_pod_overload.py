@@ -158,6 +158,12 @@ def test_the_rule_refuses_only_what_would_wait_past_the_bound():
     # 5 blocks of prompt; 7 free, but 3 are kept for the 3 running requests' next tokens.
     no_blocks = refusal(bound, _room(3, 0, 7, num_unseen=2), 5 * 16)
     assert no_blocks is not None and "5 KV blocks exceed the 4 free blocks" in no_blocks
+    # In 2 layer groups (shared/kv/groups.py) a position's block is a block in each group,
+    # and each running request keeps one in each: 10 blocks, 15 free less 6 kept.
+    assert refusal(bound, _room(3, 0, 15, num_unseen=2), 5 * 16) is None
+    stats = _room(3, 0, 15).stats
+    grouped = refusal(bound, PodRoom(stats, 2, 16, 4, kv_groups=2), 5 * 16)
+    assert grouped is not None and "10 KV blocks exceed the 9 free blocks" in grouped
     assert refusal(bound, _room(3, 0, 8, num_unseen=2), 5 * 16) is None
 
 

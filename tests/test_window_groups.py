@@ -22,6 +22,7 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.kv.cache import KVCacheSpec
 from splitserve.engine.kv.disaggregation import RemotePrefillResult
 from splitserve.engine.kv.events import BlockRemoved, BlockStored
 from splitserve.engine.kv.grouped_manager import GroupedKVManager
@@ -92,6 +93,9 @@ def test_groups_of_equal_slots_one_kind_each() -> None:
     # One group where nothing would be bounded, or where every layer releases already.
     assert plan_kv_groups(_arch((0, 0))) is None
     assert plan_kv_groups(_arch((8, 8))) is None
+    # One window layer among 28 would make 28 groups of one slot: past MAX_GROUPS, one group.
+    assert plan_kv_groups(_arch((0,) * 27 + (8,))) is None
+    assert plan_kv_groups(_arch((0,) * 8 + (8,) * 2)) is not None  # 4 + 1 groups of 2
 
 
 # ---- the manager ----------------------------------------------------------------------------
@@ -303,9 +307,20 @@ def test_preemption_ngram_speculation_and_disaggregation_keep_the_tokens(single_
     results = cramped.generate([PROMPT] * 3, _params())
     assert [r.outputs[0].token_ids for r in results] == [tokens] * 3
     assert cramped.stats().num_preemptions > 0
-    ngram = _engine(directory, speculative_method="ngram", num_speculative_tokens=3)
+    # n-gram drafts in the same cramped pool: drafts take slots in every group, and never
+    # cause a preemption of their own (the reserve counts a block per group).
+    ngram = _engine(
+        directory,
+        num_blocks_override=12,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=24,
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+    )
     assert isinstance(ngram.engine.kv_manager, GroupedKVManager)
-    assert ngram.generate([PROMPT], _params())[0].outputs[0].token_ids == tokens
+    results = ngram.generate([PROMPT] * 3, _params())
+    assert [r.outputs[0].token_ids for r in results] == [tokens] * 3
+    assert ngram.stats().num_spec_proposed_tokens > 0
     # Pages of every group travel; the decode engine releases the window group's after.
     prefill, decode = _engine(directory), _engine(directory)
     _, got = disaggregated(prefill.engine, decode.engine, "pd", PROMPT, _params(logprobs=2))
@@ -344,7 +359,17 @@ def test_a_prompt_must_fit_in_every_group(single_thread, references):
     assert (llm.engine.kv_spec.num_blocks, llm.engine.kv_spec.num_tokens) == (8, 16)
     with pytest.raises(ValueError, match="cache holds only 4"):
         llm.engine.validate_prompt(list(range(3, 19)))  # 16 tokens and one output: 5 blocks
-    llm.engine.validate_prompt(list(range(3, 18)))
+    longest = list(range(3, 18))  # 15 tokens and one output: 4 blocks in each group
+    llm.engine.validate_prompt(longest)
+    params = _params(max_tokens=1)
+    assert len(llm.generate([longest], params)[0].outputs[0].token_ids) == 1
+    # A budget of fewer than 2 blocks in each group is refused at start, naming the groups.
+    with pytest.raises(ValueError, match="in each of its 2 layer groups"):
+        _engine(
+            directory,
+            num_blocks_override=None,
+            kv_cache_bytes=3 * llm.engine.kv_spec.bytes_per_block,
+        )
 
 
 def test_pods_take_the_setting_from_a_flag() -> None:
@@ -353,3 +378,11 @@ def test_pods_take_the_setting_from_a_flag() -> None:
     for argv, expected in (([], True), (["--no-window-layer-groups"], False)):
         config = EngineConfig.from_options(**engine_options(parser.parse_args(argv)))
         assert config.cache.group_window_layers is expected
+
+
+def test_the_spec_counts_a_positions_block_once_in_each_group() -> None:
+    spec = KVCacheSpec(num_blocks=14, block_size=4, bytes_per_block=100, groups=2)
+    assert (spec.num_position_blocks, spec.num_tokens, spec.total_bytes) == (7, 28, 1400)
+    assert "14 blocks of 4 tokens in 2 layer groups (28 tokens in every layer" in spec.describe()
+    plain = KVCacheSpec(num_blocks=14, block_size=4, bytes_per_block=100)
+    assert (plain.num_position_blocks, plain.num_tokens) == (14, 56)

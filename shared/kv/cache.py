@@ -68,6 +68,15 @@ class KVCacheSpec:
     def total_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
+    def describe(self) -> str:
+        """The size as the logs and the CLI state it."""
+        if self.groups == 1:
+            return f"{self.num_blocks} blocks of {self.block_size} tokens ({self.num_tokens} tokens"
+        return (
+            f"{self.num_blocks} blocks of {self.block_size} tokens in {self.groups} layer groups "
+            f"({self.num_tokens} tokens in every layer, more in window layers"
+        )
+
 
 def cache_dtype(dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
     """The cache tensor's element type: the model's, or int8 (codes and scale bytes)."""
@@ -152,10 +161,12 @@ def size_kv_cache(
     num_groups = 1 if groups is None else groups.num_groups
     if cache.num_blocks_override is not None:  # blocks of every layer: one in each group
         num_blocks = min(num_blocks, cache.num_blocks_override * num_groups)
-    if num_blocks < 2:
+    if num_blocks < 2 * num_groups:
+        in_groups = f" in each of its {num_groups} layer groups" if num_groups > 1 else ""
         raise ValueError(
             f"KV cache budget of {budget} bytes holds {num_blocks} blocks of {per_block} bytes; "
-            "at least 2 are needed (raise kv_cache_bytes or kv_cache_memory_fraction)"
+            f"at least 2{in_groups} are needed (raise kv_cache_bytes or "
+            "kv_cache_memory_fraction)"
         )
     return KVCacheSpec(
         num_blocks=num_blocks,

@@ -419,7 +419,7 @@ class KVCacheManager:
     def num_unread_blocks(self, num_blocks: int) -> int:
         """Of a prefix of `num_blocks` blocks, how many leading ones no query after it reads
         (with a sliding window; 0 without): a hit need not hold them."""
-        if not self.sliding_window:
+        if not self.sliding_window or not num_blocks:
             return 0
         first_key = num_blocks * self.block_size - self.sliding_window + 1
         # The last block always counts (a window of one position would skip it all).

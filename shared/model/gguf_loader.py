@@ -26,17 +26,20 @@ from splitserve.engine.gguf_file import GGUFSource, GGUFTensor, read_gguf
 from splitserve.engine.gguf_metadata import GGUFMetadata
 from splitserve.engine.model.architecture import LoadedCheckpoint, ModelArchitecture, RopeScaling
 from splitserve.engine.model.gguf_blocks import PACKED_TYPES, BlockQuantized, read_blocks
+from splitserve.engine.model.gguf_deepseek import ARCH as DEEPSEEK2
+from splitserve.engine.model.gguf_deepseek import DeepSeekTensors, deepseek_config
 from splitserve.engine.model.gguf_dequant import dequantize
 from splitserve.engine.model.gguf_gemma import ARCHITECTURES as GEMMA_ARCHITECTURES
 from splitserve.engine.model.gguf_gemma import gemma_fields, gemma_name
 from splitserve.engine.model.gguf_moe import UNSUPPORTED_MOE_ARCHITECTURES, moe_fields, moe_tensors
 from splitserve.engine.model.gguf_phi3 import ARCH as PHI3
 from splitserve.engine.model.gguf_phi3 import ROPE_FACTOR_TENSORS, phi3_fields, split_fused
+from splitserve.engine.model.hf_loader import architecture_from_config
 from splitserve.engine.progress import ProgressFn
 from splitserve.engine.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = (
-    "llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "gemma2", "gemma3",
+    "llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "gemma2", "gemma3", "deepseek2",
 )  # fmt: skip
 
 _TOP_LEVEL_NAMES = {
@@ -68,8 +71,47 @@ def load_gguf(
     meta = GGUFMetadata(reader)
     _check_architecture(meta.require("general.architecture"), path)
     tokenizer = Tokenizer.from_gguf_reader(reader)
+    if meta.require("general.architecture") == DEEPSEEK2:
+        return _load_deepseek(reader, tokenizer, path, progress, keep_quantized)
     architecture = read_architecture(reader, tokenizer)
     weights = _read_weights(reader, architecture, progress, keep_quantized)
+    return LoadedCheckpoint(
+        architecture=architecture, weights=weights, tokenizer=tokenizer, source=os.fspath(path)
+    )
+
+
+def _load_deepseek(
+    reader: GGUFSource,
+    tokenizer: Tokenizer,
+    path: str,
+    progress: ProgressFn | None,
+    keep_quantized: bool,
+) -> LoadedCheckpoint:
+    """A deepseek2 file as its Hugging Face directory would load (shared/model/gguf_deepseek.py):
+    the config its metadata makes, read by the DeepSeek loader, and checkpoint-named tensors."""
+    if keep_quantized:
+        raise ValueError(
+            "quantization='gguf' keeps a file's Q4 blocks as they are, which the latent "
+            "attention and the experts of a deepseek2 file do not take; load it without"
+        )
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    config = deepseek_config(
+        GGUFMetadata(reader), _vocab_size(reader, tokenizer), "output.weight" not in tensor_names
+    )
+    architecture = architecture_from_config(config, tokenizer)
+    splitter = DeepSeekTensors()
+    weights: dict[str, torch.Tensor | BlockQuantized] = {}
+    tensors = list(reader.tensors)
+    for done, tensor in enumerate(tensors, start=1):
+        values = _dequantize(tensor)
+        named = splitter.split(tensor.name, values) if tensor.name.startswith("blk.") else None
+        if named is None:
+            named = {gguf_to_hf_name(tensor.name): values}
+        for name, array in named.items():
+            weights[name] = torch.from_numpy(np.ascontiguousarray(array))
+        if progress is not None:
+            progress(done, len(tensors), tensor.name)
+    splitter.check_done()
     return LoadedCheckpoint(
         architecture=architecture, weights=weights, tokenizer=tokenizer, source=os.fspath(path)
     )
@@ -235,7 +277,7 @@ def _check_architecture(arch: str, path: str) -> None:
         raise ValueError(
             f"{os.fspath(path)!r} holds a {arch!r} mixture-of-experts model, which is not "
             "supported; supported MoE GGUF files: Mixtral (llama with experts), qwen2moe, "
-            "qwen3moe"
+            "qwen3moe, deepseek2"
         )
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(

@@ -24,7 +24,7 @@ from splitserve.engine.model.architecture import MoEConfig
 from splitserve.engine.model.feed_forward import hf_expert_names, hf_router_name
 
 # GGUF architectures refused with a message that names them as MoE.
-UNSUPPORTED_MOE_ARCHITECTURES = ("deepseek2", "dbrx", "grok", "olmoe", "arctic")
+UNSUPPORTED_MOE_ARCHITECTURES = ("dbrx", "grok", "olmoe", "arctic")
 _STACKED = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 _SHARED = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",

@@ -101,7 +101,7 @@ def _load_deepseek(
     architecture = architecture_from_config(config, tokenizer)
     splitter = DeepSeekTensors()
     weights: dict[str, torch.Tensor | BlockQuantized] = {}
-    tensors = list(reader.tensors)
+    tensors: list[GGUFTensor] = list(reader.tensors)
     for done, tensor in enumerate(tensors, start=1):
         values = _dequantize(tensor)
         named = splitter.split(tensor.name, values) if tensor.name.startswith("blk.") else None

@@ -50,7 +50,8 @@ _EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj":
 
 
 def _write_metadata(writer: gguf.GGUFWriter, config: dict, mla_layout: bool) -> None:
-    """What llama.cpp's DeepseekV2Model writes (shared/model/gguf_deepseek.py)."""
+    """What llama.cpp's DeepseekV2Model writes (shared/model/gguf_deepseek.py); the older
+    converter (`mla_layout` False) wrote no expert groups and no gating function."""
     write_decoder_metadata(writer, {**config, "num_key_value_heads": 1 if mla_layout else
                                     config["num_attention_heads"]})  # fmt: skip
     nope, rope = config["qk_nope_head_dim"], config["qk_rope_head_dim"]
@@ -74,6 +75,8 @@ def _write_metadata(writer: gguf.GGUFWriter, config: dict, mla_layout: bool) -> 
     writer.add_expert_weights_scale(config["routed_scaling_factor"])
     if config.get("norm_topk_prob"):
         writer.add_expert_weights_norm(True)
+    if not mla_layout:
+        return
     v3 = config["model_type"] == "deepseek_v3"
     writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else
                                   gguf.ExpertGatingFuncType.SOFTMAX)  # fmt: skip
@@ -81,10 +84,12 @@ def _write_metadata(writer: gguf.GGUFWriter, config: dict, mla_layout: bool) -> 
     writer.add_expert_group_used_count(config["topk_group"])
 
 
-def _write_tokenizer(writer: gguf.GGUFWriter, vocab_size: int) -> None:
+def _write_tokenizer(writer: gguf.GGUFWriter, vocab_size: int, pre: str = "default") -> None:
+    """A tiny byte-level vocabulary with the gpt2 pre-tokenizer: real DeepSeek files name
+    DeepSeek's own, which are refused (see test_deepseeks_own_pre_tokenizers_are_refused)."""
     tokens = _TINY_TOKENS + [chr(0x200 + i) for i in range(vocab_size - 256)]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
     writer.add_bos_token_id(1)
@@ -116,15 +121,24 @@ def _layer_tensors(layer: str, tensors: dict, config: dict, mla_layout: bool) ->
     return out
 
 
-def deepseek_gguf(directory: str, path: str, mla_layout: bool = True) -> str:
-    """The Hugging Face checkpoint in `directory` as llama.cpp's converter writes it."""
+def deepseek_gguf(
+    directory: str,
+    path: str,
+    mla_layout: bool = True,
+    pre_tokenizer: str = "default",
+    gating: int | None = None,
+) -> str:
+    """The Hugging Face checkpoint in `directory` as llama.cpp's converter writes it (with
+    `gating`, that expert_gating_func instead of the model's)."""
     with open(os.path.join(directory, "config.json")) as f:
         config = json.load(f)
     config.setdefault("model_type", "deepseek_v2")
     hf = load_file(os.path.join(directory, "model.safetensors"))
     writer = gguf.GGUFWriter(path, arch="deepseek2")
     _write_metadata(writer, config, mla_layout)
-    _write_tokenizer(writer, config["vocab_size"])
+    if gating is not None:
+        writer.add_uint32("deepseek2.expert_gating_func", gating)
+    _write_tokenizer(writer, config["vocab_size"], pre_tokenizer)
     layers: dict[str, dict] = {}
     for name, tensor in hf.items():
         parts = name.split(".")
@@ -147,8 +161,9 @@ def deepseek_gguf(directory: str, path: str, mla_layout: bool = True) -> str:
 
 @pytest.mark.parametrize(
     ("name", "mla_layout"),
-    [("q_lora", True), ("q_lora", False), ("no_q_lora", True), ("v3", True)],
-    ids=["q_lora", "q_lora-legacy", "no_q_lora", "v3"],
+    # The older layout with the config it can hold (greedy routing, no groups).
+    [("q_lora", True), ("no_q_lora", False), ("no_q_lora", True), ("v3", True)],
+    ids=["q_lora", "no_q_lora-legacy", "no_q_lora", "v3"],
 )
 def test_gguf_files_match_transformers(
     single_thread,
@@ -203,3 +218,18 @@ def test_quantization_gguf_is_refused_by_name(make_checkpoint, tmp_path):  # noq
     path = deepseek_gguf(make_checkpoint("q_lora"), str(tmp_path / "q.gguf"))
     with pytest.raises(ValueError, match="deepseek2"):
         load_gguf(path, keep_quantized=True)
+
+
+@pytest.mark.parametrize("pre", ["deepseek-llm", "deepseek-v3"])
+def test_deepseeks_own_pre_tokenizers_are_refused(make_checkpoint, tmp_path, pre):  # noqa: F811
+    """What llama.cpp writes for DeepSeek's tokenizers is not built yet: refused by name."""
+    directory = make_checkpoint("no_q_lora")
+    path = deepseek_gguf(directory, str(tmp_path / "pre.gguf"), pre_tokenizer=pre)
+    with pytest.raises(ValueError, match=f"unsupported GGUF pre-tokenizer '{pre}'"):
+        load_gguf(path)
+
+
+def test_unknown_gating_is_refused_by_name(make_checkpoint, tmp_path):  # noqa: F811
+    path = deepseek_gguf(make_checkpoint("no_q_lora"), str(tmp_path / "g.gguf"), False, gating=3)
+    with pytest.raises(ValueError, match="expert_gating_func 3 is not supported"):
+        load_gguf(path)

@@ -16,6 +16,13 @@ What llama.cpp's converter writes (convert_hf_to_gguf.py, DeepseekV2Model):
 - No row is permuted: llama.cpp rotates DeepSeek's rope dimensions in interleaved pairs, as
   the checkpoint (and transformers) does.
 
+Files from before llama.cpp wrote the expert groups and the gating function have neither:
+they read as softmax routing without groups (group_limited_greedy becomes greedy), which is
+what llama.cpp computes for them too.
+
+The tokenizer: llama.cpp names DeepSeek's own pre-tokenizers (`deepseek-llm`, `deepseek-v3`),
+which shared/tokenizer.py does not build yet, so such files are refused there, naming it.
+
 yarn: the file has no `mscale`; llama.cpp's graph scales the softmax by mscale_all_dim's factor
 squared and leaves cos/sin unscaled, which is transformers' yarn with mscale = mscale_all_dim
 (DeepSeek-V2's 0.707 and 0.707, V3's 1 and 1), so that is what the config gets.
@@ -30,7 +37,8 @@ import numpy as np
 from splitserve.engine.gguf_metadata import GGUFMetadata
 
 ARCH = "deepseek2"
-_SIGMOID = 2  # llama.cpp's expert_gating_func for sigmoid scores (softmax is 1)
+# llama.cpp's expert_gating_func: 1 softmax (V2; files without the key are V2), 2 sigmoid (V3).
+_SOFTMAX, _SIGMOID = 1, 2
 _ATTENTION = {
     "attn_q_a": "self_attn.q_a_proj",
     "attn_q_a_norm": "self_attn.q_a_layernorm",
@@ -68,7 +76,13 @@ def deepseek_config(meta: GGUFMetadata, vocab_size: int, tied: bool) -> dict[str
     mla_layout = get("attention.key_length_mla") is not None
     key_length = int(need("attention.key_length_mla" if mla_layout else "attention.key_length"))
     v_head_dim = int(need("attention.value_length_mla" if mla_layout else "attention.value_length"))
-    is_v3 = int(get("expert_gating_func", 1)) == _SIGMOID
+    gating = int(get("expert_gating_func", _SOFTMAX))
+    if gating not in (_SOFTMAX, _SIGMOID):
+        raise ValueError(
+            f"{ARCH} file: expert_gating_func {gating} is not supported (1 softmax: "
+            "DeepSeek-V2; 2 sigmoid: DeepSeek-V3)"
+        )
+    is_v3 = gating == _SIGMOID
     num_groups = int(get("expert_group_count", 1) or 1)
     q_lora_rank = get("attention.q_lora_rank")
     config: dict[str, Any] = {
@@ -107,6 +121,9 @@ def deepseek_config(meta: GGUFMetadata, vocab_size: int, tied: bool) -> dict[str
 def _yarn(get: Any) -> dict[str, Any] | None:
     if get("rope.scaling.type") != "yarn":
         return None
+    for key in ("rope.scaling.factor", "rope.scaling.original_context_length"):
+        if get(key) is None:
+            raise ValueError(f"{ARCH} file: yarn rope scaling without {ARCH}.{key}")
     mscale_all_dim = float(get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
     return {
         "type": "yarn",

@@ -24,6 +24,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from splitserve.engine.chat_template import ChatTemplate
 from splitserve.engine.gguf_file import GGUFSource, read_gguf
 from splitserve.engine.gguf_metadata import GGUFMetadata
+from splitserve.engine.tokenizer_splits import DEEPSEEK_LLM_SPLITS
 
 # llama.cpp token types (gguf.TokenType): CONTROL tokens are special (skipped when decoding),
 # USER_DEFINED ones are matched whole in text but decode like ordinary text.
@@ -36,6 +37,7 @@ SUPPORTED_GGUF_TOKENIZERS = ("gpt2",)
 _GPT2_PRE = ("default", "gpt2", "mpt", "olmo", "jais")
 _DIGITS_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
 _LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3", "pixtral")
+_DEEPSEEK_LLM_PRE = ("deepseek-llm",)  # shared/tokenizer_splits.py
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -255,14 +257,18 @@ def _gguf_pre_tokenizer(name: str) -> pre_tokenizers.PreTokenizer:
     if name in _DIGITS_PRE:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if name in _LLAMA3_PRE:
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    supported = ", ".join(_GPT2_PRE + _DIGITS_PRE + _LLAMA3_PRE)
+        return _splits_then_bytes((_LLAMA3_SPLIT,))
+    if name in _DEEPSEEK_LLM_PRE:
+        return _splits_then_bytes(DEEPSEEK_LLM_SPLITS)
+    supported = ", ".join(_GPT2_PRE + _DIGITS_PRE + _LLAMA3_PRE + _DEEPSEEK_LLM_PRE)
     raise ValueError(f"unsupported GGUF pre-tokenizer {name!r}; supported: {supported}")
+
+
+def _splits_then_bytes(patterns: tuple[str, ...]) -> pre_tokenizers.PreTokenizer:
+    """Text split by each pattern in turn (each match its own piece), then mapped to bytes."""
+    splits = [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in patterns]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    return pre_tokenizers.Sequence([*splits, byte_level])
 
 
 def _add_marked_tokens(

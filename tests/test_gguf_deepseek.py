@@ -10,7 +10,9 @@ torch runs single-threaded (see tests/test_engine_api.py for why).
 from __future__ import annotations
 
 import json
+import lzma
 import os
+from pathlib import Path
 
 import gguf
 import pytest
@@ -23,6 +25,7 @@ from splitserve.engine.gguf_metadata import GGUFMetadata
 from splitserve.engine.model.gguf_deepseek import deepseek_config
 from splitserve.engine.model.gguf_loader import load_gguf
 from splitserve.engine.model.hf_deepseek import yarn_scaling
+from splitserve.engine.tokenizer import Tokenizer
 from tests.test_loaders import _TINY_TOKENS, write_decoder_metadata
 from tests.test_mla import CONFIGS, make_checkpoint  # noqa: F401 (the fixture)
 from tests.test_model_families import (
@@ -46,6 +49,7 @@ _ATTENTION = {
     "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
     "mlp.shared_experts.down_proj": "ffn_down_shexp", "mlp.gate": "ffn_gate_inp",
 }  # fmt: skip
+DATA = Path(__file__).parent / "data"
 _EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 
 
@@ -85,8 +89,8 @@ def _write_metadata(writer: gguf.GGUFWriter, config: dict, mla_layout: bool) -> 
 
 
 def _write_tokenizer(writer: gguf.GGUFWriter, vocab_size: int, pre: str = "default") -> None:
-    """A tiny byte-level vocabulary with the gpt2 pre-tokenizer: real DeepSeek files name
-    DeepSeek's own, which are refused (see test_deepseeks_own_pre_tokenizers_are_refused)."""
+    """A tiny byte-level vocabulary with the gpt2 pre-tokenizer (real DeepSeek files name
+    DeepSeek's own: test_the_deepseek_llm_pre_tokenizer_gives_llama_cpps_ids)."""
     tokens = _TINY_TOKENS + [chr(0x200 + i) for i in range(vocab_size - 256)]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
@@ -220,12 +224,25 @@ def test_quantization_gguf_is_refused_by_name(make_checkpoint, tmp_path):  # noq
         load_gguf(path, keep_quantized=True)
 
 
-@pytest.mark.parametrize("pre", ["deepseek-llm", "deepseek-v3"])
-def test_deepseeks_own_pre_tokenizers_are_refused(make_checkpoint, tmp_path, pre):  # noqa: F811
-    """What llama.cpp writes for DeepSeek's tokenizers is not built yet: refused by name."""
+def test_the_deepseek_llm_pre_tokenizer_gives_llama_cpps_ids(tmp_path):
+    """DeepSeek LLM / V2's vocabulary and llama.cpp's 46 test texts with the ids its tokenizer
+    gives (tests/data/README.md): ours, from the same GGUF file, gives every one of them."""
+    path = tmp_path / "vocab.gguf"
+    path.write_bytes(lzma.decompress((DATA / "ggml-vocab-deepseek-llm.gguf.xz").read_bytes()))
+    tokenizer = Tokenizer.from_gguf_reader(read_gguf(str(path)))
+    texts = (DATA / "ggml-vocab-deepseek-llm.gguf.inp").read_text(encoding="utf-8")
+    expected = (DATA / "ggml-vocab-deepseek-llm.gguf.out").read_text().splitlines()
+    cases = texts.split("\n__ggml_vocab_test__\n")[: len(expected)]
+    assert len(cases) == 46
+    for text, ids in zip(cases, expected):
+        assert tokenizer.encode(text, add_special_tokens=False) == [int(i) for i in ids.split()]
+
+
+def test_deepseek_v3s_pre_tokenizer_is_refused_by_name(make_checkpoint, tmp_path):  # noqa: F811
+    """V3's (and R1's) split patterns are not built yet: no reference to check them against."""
     directory = make_checkpoint("no_q_lora")
-    path = deepseek_gguf(directory, str(tmp_path / "pre.gguf"), pre_tokenizer=pre)
-    with pytest.raises(ValueError, match=f"unsupported GGUF pre-tokenizer '{pre}'"):
+    path = deepseek_gguf(directory, str(tmp_path / "pre.gguf"), pre_tokenizer="deepseek-v3")
+    with pytest.raises(ValueError, match="unsupported GGUF pre-tokenizer 'deepseek-v3'"):
         load_gguf(path)
 
 

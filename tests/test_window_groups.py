@@ -43,6 +43,7 @@ from tests.test_window_blocks import (
     _assert_matches,
     _engine,
     _params,
+    _running,
 )
 
 WINDOWS = {"gemma2": 8, "gemma3_text": 12}  # the tiny checkpoints' (tests/test_model_families.py)
@@ -104,15 +105,6 @@ def test_groups_of_equal_slots_one_kind_each() -> None:
 def _manager(num_blocks: int = 32, window: int = 6) -> GroupedKVManager:
     groups = KVGroups(1, (0, window), ((0, 0), (1, 0)))
     return GroupedKVManager(groups, num_blocks, BLOCK_SIZE, hash_namespace="g")
-
-
-def _running(manager: GroupedKVManager, rid: str, tokens: list[int]) -> Request:
-    request = Request(rid, list(tokens), SamplingParams())
-    computed = manager.get_computed_blocks(request)
-    assert manager.allocate_slots(request, request.num_tokens - computed.num_tokens, computed)
-    request.num_computed_tokens = request.num_tokens
-    manager.cache_blocks(request, request.num_tokens)
-    return request
 
 
 def test_the_window_group_releases_while_the_full_group_keeps_every_block() -> None:

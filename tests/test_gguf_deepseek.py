@@ -26,17 +26,17 @@ from splitserve.engine.model.gguf_deepseek import deepseek_config
 from splitserve.engine.model.gguf_loader import load_gguf
 from splitserve.engine.model.hf_deepseek import yarn_scaling
 from splitserve.engine.tokenizer import Tokenizer
-from tests.test_loaders import _TINY_TOKENS, write_decoder_metadata
+from tests.test_loaders import write_decoder_metadata
 from tests.test_mla import CONFIGS, make_checkpoint  # noqa: F401 (the fixture)
 from tests.test_model_families import (
     CHUNK,
-    EOS_TOKEN_ID,
     KV_BYTES,
     MAX_TOKENS,
     TOP,
     _assert_matches,
     _prompts,
     _reference,
+    write_tiny_tokenizer,
 )
 
 _ATTENTION = {
@@ -88,18 +88,6 @@ def _write_metadata(writer: gguf.GGUFWriter, config: dict, mla_layout: bool) -> 
     writer.add_expert_group_used_count(config["topk_group"])
 
 
-def _write_tokenizer(writer: gguf.GGUFWriter, vocab_size: int, pre: str = "default") -> None:
-    """A tiny byte-level vocabulary with the gpt2 pre-tokenizer (real DeepSeek files name
-    DeepSeek's own: test_the_deepseek_llm_pre_tokenizer_gives_llama_cpps_ids)."""
-    tokens = _TINY_TOKENS + [chr(0x200 + i) for i in range(vocab_size - 256)]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(EOS_TOKEN_ID)
-
-
 def _layer_tensors(layer: str, tensors: dict, config: dict, mla_layout: bool) -> dict:
     """One layer's tensors under llama.cpp's names: experts stacked, kv_b split per head."""
     out = {}
@@ -142,7 +130,7 @@ def deepseek_gguf(
     _write_metadata(writer, config, mla_layout)
     if gating is not None:
         writer.add_uint32("deepseek2.expert_gating_func", gating)
-    _write_tokenizer(writer, config["vocab_size"], pre_tokenizer)
+    write_tiny_tokenizer(writer, config["vocab_size"], pre_tokenizer)
     layers: dict[str, dict] = {}
     for name, tensor in hf.items():
         parts = name.split(".")

@@ -431,7 +431,7 @@ def _dense_gguf(directory: str, path: str, arch: str) -> str:
     import gguf
     from safetensors.torch import load_file
 
-    from tests.test_loaders import _TINY_TOKENS, write_decoder_metadata
+    from tests.test_loaders import write_decoder_metadata
 
     with open(os.path.join(directory, "config.json")) as f:
         config = json.load(f)
@@ -441,14 +441,7 @@ def _dense_gguf(directory: str, path: str, arch: str) -> str:
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    # As many tokens as the checkpoint's vocabulary: prompts use ids up to 500.
-    tokens = _TINY_TOKENS + [chr(0x200 + i) for i in range(config["vocab_size"] - 256)]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(EOS_TOKEN_ID)
+    write_tiny_tokenizer(writer, config["vocab_size"])
     if arch == "phi3":
         _write_phi3_metadata(writer, config)
     if arch == "gemma2":
@@ -500,6 +493,20 @@ def _dense_gguf(directory: str, path: str, arch: str) -> str:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_tiny_tokenizer(writer, vocab_size: int, pre: str = "default") -> None:
+    """A tiny byte-level vocabulary of `vocab_size` tokens (prompts use ids up to 500) whose EOS
+    is the checkpoints', with the pre-tokenizer named `pre`."""
+    from tests.test_loaders import _TINY_TOKENS
+
+    tokens = _TINY_TOKENS + [chr(0x200 + i) for i in range(vocab_size - 256)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(EOS_TOKEN_ID)
 
 
 def _write_phi3_metadata(writer, config: dict) -> None:

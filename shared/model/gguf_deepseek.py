@@ -39,6 +39,8 @@ from splitserve.engine.gguf_metadata import GGUFMetadata
 ARCH = "deepseek2"
 # llama.cpp's expert_gating_func: 1 softmax (V2; files without the key are V2), 2 sigmoid (V3).
 _SOFTMAX, _SIGMOID = 1, 2
+# DeepSeek's own tensors; the rest (attn_output, the norms, the dense MLP, the stacked experts
+# and the router) have the names shared/model/gguf_loader.py and gguf_moe.py give every family.
 _ATTENTION = {
     "attn_q_a": "self_attn.q_a_proj",
     "attn_q_a_norm": "self_attn.q_a_layernorm",
@@ -47,20 +49,12 @@ _ATTENTION = {
     "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
     "attn_kv_a_norm": "self_attn.kv_a_layernorm",
     "attn_kv_b": "self_attn.kv_b_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
 }
-_FEED_FORWARD = {
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+_SHARED_EXPERTS = {  # ungated, plural (Qwen2-MoE's are mlp.shared_expert.*)
     "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
     "ffn_up_shexp": "mlp.shared_experts.up_proj",
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
-    "ffn_gate_inp": "mlp.gate",
 }
-_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
 
 def deepseek_config(meta: GGUFMetadata, vocab_size: int, tied: bool) -> dict[str, Any]:
@@ -137,32 +131,29 @@ def _yarn(get: Any) -> dict[str, Any] | None:
 
 
 class DeepSeekTensors:
-    """A layer's GGUF tensors (`blk.N.*`) -> checkpoint tensors, one at a time in file order;
+    """A layer's DeepSeek-only GGUF tensors -> checkpoint tensors, one at a time in file order;
     a layer's attn_k_b and attn_v_b wait for each other and come out as its kv_b_proj."""
 
     def __init__(self) -> None:
         self._halves: dict[int, dict[str, np.ndarray]] = {}
 
-    def split(self, name: str, values: np.ndarray) -> dict[str, np.ndarray]:
+    def split(self, name: str, values: np.ndarray) -> dict[str, np.ndarray] | None:
+        """The checkpoint tensors of `blk.N.*` tensor `name` ({} while it waits for its other
+        half), or None for a tensor every family names alike."""
         parts = name.split(".")
-        if len(parts) != 4:
-            raise ValueError(f"unsupported GGUF tensor {name!r} in a {ARCH} file")
+        if len(parts) != 4 or parts[0] != "blk":
+            return None
         layer, kind, suffix = int(parts[1]), parts[2], parts[3]
         prefix = f"model.layers.{layer}."
         if kind in _ATTENTION:
             return {f"{prefix}{_ATTENTION[kind]}.{suffix}": values}
-        if kind in _FEED_FORWARD:
-            return {f"{prefix}{_FEED_FORWARD[kind]}.{suffix}": values}
+        if kind in _SHARED_EXPERTS:
+            return {f"{prefix}{_SHARED_EXPERTS[kind]}.{suffix}": values}
         if kind == "exp_probs_b":  # V3's per-expert bias on the choice
             return {f"{prefix}mlp.gate.e_score_correction_bias": values}
-        if kind in _EXPERTS:
-            return {
-                f"{prefix}mlp.experts.{expert}.{_EXPERTS[kind]}.{suffix}": values[expert]
-                for expert in range(values.shape[0])
-            }
         if kind in ("attn_k_b", "attn_v_b"):
             return self._kv_b(prefix, layer, kind, values)
-        raise ValueError(f"unsupported GGUF tensor {name!r} in a {ARCH} file")
+        return None
 
     def check_done(self) -> None:
         if self._halves:

@@ -100,17 +100,7 @@ def _load_deepseek(
     )
     architecture = architecture_from_config(config, tokenizer)
     splitter = DeepSeekTensors()
-    weights: dict[str, torch.Tensor | BlockQuantized] = {}
-    tensors: list[GGUFTensor] = list(reader.tensors)
-    for done, tensor in enumerate(tensors, start=1):
-        values = _dequantize(tensor)
-        named = splitter.split(tensor.name, values) if tensor.name.startswith("blk.") else None
-        if named is None:
-            named = {gguf_to_hf_name(tensor.name): values}
-        for name, array in named.items():
-            weights[name] = torch.from_numpy(np.ascontiguousarray(array))
-        if progress is not None:
-            progress(done, len(tensors), tensor.name)
+    weights = _read_weights(reader, architecture, progress, False, splitter)
     splitter.check_done()
     return LoadedCheckpoint(
         architecture=architecture, weights=weights, tokenizer=tokenizer, source=os.fspath(path)
@@ -191,7 +181,9 @@ def _read_weights(
     architecture: ModelArchitecture,
     progress: ProgressFn | None,
     keep_quantized: bool,
+    deepseek: DeepSeekTensors | None = None,
 ) -> dict[str, torch.Tensor | BlockQuantized]:
+    """`deepseek`: a deepseek2 file's own tensors' names (shared/model/gguf_deepseek.py)."""
     # Only llama's converter permutes Q/K rows; the qwen architectures (rotate-half rotary in
     # llama.cpp too) are stored in Hugging Face's order.
     heads_of = {"attn_q": architecture.num_heads, "attn_k": architecture.num_kv_heads}
@@ -214,11 +206,13 @@ def _read_weights(
         values = _dequantize(tensor)
         if kind in heads_of:
             values = unpermute_rope_rows(values, heads_of[kind])
-        named = _split_tensor(tensor.name, values, architecture)
+        named = deepseek.split(tensor.name, values) if deepseek is not None else None
+        if named is None:
+            named = _split_tensor(tensor.name, values, architecture)
         for name, array in named.items():
             weights[name] = torch.from_numpy(np.ascontiguousarray(array))
-        if progress is not None:
-            progress(done, len(tensors), next(iter(named)))
+        if progress is not None:  # a tensor waiting for its other half: by its own name
+            progress(done, len(tensors), next(iter(named), tensor.name))
     return weights
 
 

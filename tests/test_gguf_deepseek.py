@@ -226,12 +226,13 @@ def test_the_deepseek_llm_pre_tokenizer_gives_llama_cpps_ids(tmp_path):
         assert tokenizer.encode(text, add_special_tokens=False) == [int(i) for i in ids.split()]
 
 
-def test_deepseek_v3s_pre_tokenizer_is_refused_by_name(make_checkpoint, tmp_path):  # noqa: F811
-    """V3's (and R1's) split patterns are not built yet: no reference to check them against."""
+def test_a_v3_file_loads_with_its_pre_tokenizer(make_checkpoint, tmp_path):  # noqa: F811
+    """V3's and R1's files name `deepseek-v3` (tests/test_gguf_tokenizers.py checks its split)."""
     directory = make_checkpoint("no_q_lora")
     path = deepseek_gguf(directory, str(tmp_path / "pre.gguf"), pre_tokenizer="deepseek-v3")
-    with pytest.raises(ValueError, match="unsupported GGUF pre-tokenizer 'deepseek-v3'"):
-        load_gguf(path)
+    loaded = load_gguf(path)
+    assert loaded.architecture.family == "deepseek_v2"
+    assert loaded.tokenizer.vocab_size == 512  # the tiny tokenizer, built
 
 
 def test_unknown_gating_is_refused_by_name(make_checkpoint, tmp_path):  # noqa: F811

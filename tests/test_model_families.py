@@ -441,7 +441,9 @@ def _dense_gguf(directory: str, path: str, arch: str) -> str:
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    write_tiny_tokenizer(writer, config["vocab_size"])
+    # Phi-3's and Gemma's files carry SentencePiece vocabularies, the others byte-level BPE.
+    sentencepiece = arch in ("phi3", "gemma2", "gemma3")
+    write_tiny_tokenizer(writer, config["vocab_size"], sentencepiece=sentencepiece)
     if arch == "phi3":
         _write_phi3_metadata(writer, config)
     if arch == "gemma2":
@@ -495,16 +497,27 @@ def _dense_gguf(directory: str, path: str, arch: str) -> str:
     return path
 
 
-def write_tiny_tokenizer(writer, vocab_size: int, pre: str = "default") -> None:
-    """A tiny byte-level vocabulary of `vocab_size` tokens (prompts use ids up to 500) whose EOS
-    is the checkpoints', with the pre-tokenizer named `pre`."""
+def write_tiny_tokenizer(
+    writer, vocab_size: int, pre: str = "default", sentencepiece: bool = False
+) -> None:
+    """A tiny vocabulary of `vocab_size` tokens (prompts use ids up to 500) whose EOS is the
+    checkpoints': byte-level with the pre-tokenizer named `pre`, or SentencePiece pieces with
+    scores and the 256 byte pieces (ids 3-258) as llama.cpp writes Phi-3's and Gemma's."""
     from tests.test_loaders import _TINY_TOKENS
 
-    tokens = _TINY_TOKENS + [chr(0x200 + i) for i in range(vocab_size - 256)]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
+    if sentencepiece:
+        tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{byte:02X}>" for byte in range(256)]
+        tokens += ["\u2581", "\u2581a", "a", "b", "ab"]
+        tokens += [chr(0x200 + i) for i in range(vocab_size - len(tokens))]
+        writer.add_tokenizer_model("llama")
+        writer.add_token_scores([-float(token_id) for token_id in range(vocab_size)])
+        writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * (vocab_size - 259))
+    else:
+        tokens = _TINY_TOKENS + [chr(0x200 + i) for i in range(vocab_size - 256)]
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
     writer.add_token_list(tokens)
-    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(EOS_TOKEN_ID)
 

@@ -1,0 +1,202 @@
+"""Tokenizers rebuilt from GGUF files, held to references:
+
+- SentencePiece vocabularies (`tokenizer.ggml.model` "llama": Llama 2, Mistral, Phi-3) to
+  llama.cpp's own ids for its Llama 2 and Phi-3 test vocabularies (tests/data/README.md);
+- Gemma's SentencePiece files to transformers' GGUF tokenizer on a vocabulary built to show
+  Gemma's two differences (merge order by file position, pieces of spaces);
+- the `qwen2` pre-tokenizer to transformers' GGUF tokenizer;
+- the `deepseek-v3` pre-tokenizer to DeepSeek-V3's published tokenizer.json pre-tokenizer.
+
+The byte-level pre-tokenizers are checked on DeepSeek LLM's 100k vocabulary: the split is what
+is tested, and a large real vocabulary makes a wrong split show in the ids.
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+from pathlib import Path
+
+import gguf
+import pytest
+import tokenizers
+
+from splitserve.engine.gguf_file import read_gguf
+from splitserve.engine.gguf_metadata import GGUFMetadata
+from splitserve.engine.tokenizer import Tokenizer
+
+DATA = Path(__file__).parent / "data"
+
+# DeepSeek-V3's tokenizer.json, its "pre_tokenizer" entry (huggingface.co/deepseek-ai/DeepSeek-V3),
+# as JSON text: the reference for the `deepseek-v3` pre-tokenizer.
+DEEPSEEK_V3_PUBLISHED_PRE_TOKENIZER = r"""{
+  "type": "Sequence",
+  "pretokenizers": [
+    {"type": "Split", "pattern": {"Regex": "\\p{N}{1,3}"}, "behavior": "Isolated",
+     "invert": false},
+    {"type": "Split", "pattern": {"Regex": "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"},
+     "behavior": "Isolated", "invert": false},
+    {"type": "Split", "pattern": {"Regex": "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\\r\\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+     "behavior": "Isolated", "invert": false},
+    {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}
+  ]
+}"""  # noqa: E501 (one pattern)
+
+
+def _llama_cpp_texts() -> list[str]:
+    """llama.cpp's 46 tokenizer test texts (the same for every vocabulary)."""
+    texts = (DATA / "ggml-vocab-deepseek-llm.gguf.inp").read_text(encoding="utf-8")
+    return texts.split("\n__ggml_vocab_test__\n")[:46]
+
+
+def _unpacked(name: str, tmp_path: Path) -> str:
+    path = tmp_path / name
+    path.write_bytes(lzma.decompress((DATA / f"{name}.xz").read_bytes()))
+    return str(path)
+
+
+@pytest.mark.parametrize("vocabulary", ["llama-spm", "phi-3"])
+def test_sentencepiece_files_give_llama_cpps_ids(tmp_path, vocabulary):
+    """Llama 2's and Phi-3's vocabularies as llama.cpp's test files hold them: every one of
+    the 46 texts gets llama.cpp's ids (the leading space, spaces as pieces, byte pieces for
+    characters no piece spells), and decodes back to itself."""
+    tokenizer = Tokenizer.from_gguf(_unpacked(f"ggml-vocab-{vocabulary}.gguf", tmp_path))
+    expected = (DATA / f"ggml-vocab-{vocabulary}.gguf.out").read_text().splitlines()
+    texts = _llama_cpp_texts()
+    assert len(expected) == len(texts) == 46
+    for text, ids in zip(texts, expected):
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        assert encoded == [int(i) for i in ids.split()], text
+        assert tokenizer.decode(encoded) == text
+
+
+def test_a_sentencepiece_file_adds_bos_and_keeps_its_control_tokens_whole(tmp_path):
+    tokenizer = Tokenizer.from_gguf(_unpacked("ggml-vocab-phi-3.gguf", tmp_path))
+    ids = tokenizer.encode("<|user|>\nHi<|end|>")
+    assert ids[0] == tokenizer.bos_token_id == 1
+    assert tokenizer.token_to_id("<|user|>") in ids and tokenizer.token_to_id("<|end|>") in ids
+    assert tokenizer.decode(ids) == "\nHi"  # control tokens are skipped when decoding
+
+
+def _write_sentencepiece_vocab(path: Path, arch: str, add_space_prefix: bool | None) -> None:
+    """A small SentencePiece vocabulary whose scores disagree with its file order: by score
+    "bc" (-1) joins before "ab" (-5); by position "ab" comes first. "  " and "   " are pieces
+    of spaces, stored as spaces as Gemma's files store them."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{byte:02X}>" for byte in range(256)]
+    types = [3, 3, 3, 2] + [6] * 256
+    pieces = {"\u2581": 0, "a": 0, "b": 0, "c": 0, "h": 0, "e": 0, "l": 0, "o": 0, "\n": 0,
+              "ab": -5, "bc": -1, "  ": -2, "he": -3, "ll": -4, "hell": -6, "hello": -7,
+              "\u2581hello": -8, "lo": -0.5, "   ": -9}  # fmt: skip
+    tokens += list(pieces) + ["<start_of_turn>"]
+    types += [1] * len(pieces) + [3]
+    scores = [0.0] * 260 + [float(score) for score in pieces.values()] + [0.0]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_scores(scores)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    if add_space_prefix is not None:
+        writer.add_add_space_prefix(add_space_prefix)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+SMALL_VOCAB_TEXTS = ["abc", "hello  hello", "a   b", "h\u00e9llo", "<start_of_turn>hello\nabc",
+                     "  hello", "", "hellohello", "bcab c"]  # fmt: skip
+
+
+def test_gemma_files_tokenize_as_transformers_reads_them(tmp_path):
+    """Gemma's SentencePiece files: merges in the file's order, pieces of spaces matched,
+    no leading space; every text as transformers' GGUF tokenizer gives it."""
+    transformers = pytest.importorskip("transformers")
+    _write_sentencepiece_vocab(tmp_path / "gemma.gguf", "gemma2", add_space_prefix=None)
+    ours = Tokenizer.from_gguf(tmp_path / "gemma.gguf")
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="gemma.gguf")
+    for text in SMALL_VOCAB_TEXTS:
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ids == reference.encode(text, add_special_tokens=False), text
+    assert ours.convert_ids_to_tokens(ours.encode("abc", add_special_tokens=False)) == ["ab", "c"]
+    assert ours.decode(ours.encode("a   b", add_special_tokens=False)) == "a   b"
+
+
+def test_other_sentencepiece_files_merge_by_score_and_honour_the_space_prefix_flag(tmp_path):
+    _write_sentencepiece_vocab(tmp_path / "llama.gguf", "llama", add_space_prefix=None)
+    _write_sentencepiece_vocab(tmp_path / "bare.gguf", "llama", add_space_prefix=False)
+    llama, bare = (Tokenizer.from_gguf(tmp_path / f"{name}.gguf") for name in ("llama", "bare"))
+    assert llama.convert_ids_to_tokens(llama.encode("abc", add_special_tokens=False)) == [
+        "\u2581", "a", "bc"
+    ]  # fmt: skip
+    assert bare.convert_ids_to_tokens(bare.encode("abc", add_special_tokens=False)) == ["a", "bc"]
+    assert llama.decode(llama.encode("abc")) == bare.decode(bare.encode("abc")) == "abc"
+
+
+def _byte_level_vocab_as(tmp_path: Path, arch: str, pre: str) -> Tokenizer:
+    """DeepSeek LLM's byte-level vocabulary and merges, written as a file of architecture
+    `arch` naming the pre-tokenizer `pre`."""
+    source = GGUFMetadata(read_gguf(_unpacked("ggml-vocab-deepseek-llm.gguf", tmp_path)))
+    path = tmp_path / f"{arch}-{pre}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(source.get("tokenizer.ggml.tokens"))
+    writer.add_token_types(source.get("tokenizer.ggml.token_type"))
+    writer.add_token_merges(source.get("tokenizer.ggml.merges"))
+    writer.add_bos_token_id(source.get("tokenizer.ggml.bos_token_id"))
+    writer.add_eos_token_id(source.get("tokenizer.ggml.eos_token_id"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Tokenizer.from_gguf(path)
+
+
+def _ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "deepseek-r1-qwen", "tekken", "gpt-4o", "llama4"])
+def test_the_qwen_mistral_and_gpt4o_pre_tokenizers_split_as_transformers_does(tmp_path, pre):
+    """Qwen2/2.5/3 files and the R1 distills of Qwen, Mistral's Tekken files, GPT-4o's split
+    (Phi-4-mini, Llama 4): the 46 texts' ids equal transformers' GGUF tokenizer's. (GPT-2's
+    split gives others; this vocabulary has no token of two digits, so the digit rules of the
+    splits do not show in its ids.)"""
+    transformers = pytest.importorskip("transformers")
+    ours = _byte_level_vocab_as(tmp_path, "qwen2", pre)
+    reference = transformers.AutoTokenizer.from_pretrained(
+        str(tmp_path), gguf_file=f"qwen2-{pre}.gguf"
+    )
+    texts = [*_llama_cpp_texts(), "HelloWorld's MIXEDCase aBc 12345"]
+    expected = [reference.encode(text, add_special_tokens=False) for text in texts]
+    assert _ids(ours, texts) == expected
+    assert _ids(_byte_level_vocab_as(tmp_path, "qwen2", "default"), texts) != expected
+
+
+def test_the_deepseek_v3_pre_tokenizer_splits_as_its_published_tokenizer(tmp_path):
+    """DeepSeek-V3 and R1 files: the 46 texts' ids equal those of the same vocabulary under the
+    pre-tokenizer DeepSeek-V3's tokenizer.json publishes. (DeepSeek LLM's split gives the same
+    ids on these texts with this vocabulary; GPT-2's gives others.)"""
+    ours = _byte_level_vocab_as(tmp_path, "deepseek2", "deepseek-v3")
+    published = json.loads(ours.to_json())
+    published["pre_tokenizer"] = json.loads(DEEPSEEK_V3_PUBLISHED_PRE_TOKENIZER)
+    reference = tokenizers.Tokenizer.from_str(json.dumps(published))
+    texts = _llama_cpp_texts()
+    expected = [reference.encode(text, add_special_tokens=False).ids for text in texts]
+    assert _ids(ours, texts) == expected
+    assert _ids(_byte_level_vocab_as(tmp_path, "deepseek2", "default"), texts) != expected
+
+
+def test_an_unknown_tokenizer_model_is_refused_by_name(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "t5.gguf"), "t5")
+    writer.add_tokenizer_model("t5")
+    writer.add_token_list(["<pad>", "a"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="unsupported GGUF tokenizer model 't5'.*gpt2, llama"):
+        Tokenizer.from_gguf(tmp_path / "t5.gguf")

@@ -699,3 +699,20 @@ def test_a_decode_pod_that_dies_mid_run_gives_the_tokens_of_its_steps_until_then
         (r.ttft_s, r.itls_s, r.finish_s, r.num_moves) for r in step_records
     ]
     assert sum(r.num_moves for r in run_records) > 0  # streams were mid-run on the dead pod
+
+
+def test_decode_step_costs_are_the_profiles_steps_remembered_per_run_start() -> None:
+    """A run's following steps are the profile's decode steps a token longer each; a shorter
+    run from the same start takes the head of the remembered one; the tables start afresh
+    past their bound, with the same answers."""
+    from splitserve.planner.simulate.decode_runs import MAX_RUN_STEPS, DecodeStepCosts
+
+    profile = synthetic_profile(0.02)
+    costs = DecodeStepCosts(max_remembered=2)
+    expected = tuple(profile.step_s([], 3, 300 + 3 * step) for step in range(1, MAX_RUN_STEPS))
+    assert costs.following_steps_s(profile, 3, 300, MAX_RUN_STEPS - 1) == expected
+    assert costs.following_steps_s(profile, 3, 300, 5) == expected[:5]
+    for context_sum in (10, 20, 30):  # past the bound of two run starts
+        costs.following_steps_s(profile, 1, context_sum, 4)
+    assert costs.following_steps_s(profile, 3, 300, 7) == expected[:7]
+    assert len(costs._runs[id(profile)]) <= 2

@@ -41,31 +41,49 @@ class DecodeRun:
 
 
 class DecodeStepCosts:
-    """A profile's decode-only step seconds by (rows, context sum), remembered: runs ask for
-    the same pairs over and over (a row's context spans only its prompt plus its output), and
-    each answer is two interpolations in the profile's grid."""
+    """A profile's decode-only step seconds of the steps after one at (rows, context sum),
+    remembered per run start: runs start from the same few pairs over and over (a row's
+    context spans only its prompt plus its output, and a lone row's runs restart at each
+    token an arrival interrupts), and each step's seconds are two interpolations in the
+    profile's grid. The longest run's steps are kept; a shorter run takes their head."""
 
-    def __init__(self) -> None:
-        # id(profile) -> (rows, context sum) as one int -> seconds: an int key hashes faster
-        # than a tuple, and runs ask hundreds of thousands of times.
-        self._seconds: dict[int, dict[int, float]] = {}
+    def __init__(self, max_remembered: int = 200_000) -> None:
+        # id(profile) -> (rows, context sum) as one int -> each following step's seconds: an
+        # int key hashes faster than a tuple, and runs ask hundreds of thousands of times.
+        self._runs: dict[int, dict[int, tuple[float, ...]]] = {}
+        self._steps: dict[int, dict[int, float]] = {}  # the same for single steps
+        self._max_remembered = max_remembered  # per profile, before starting afresh
 
     def following_steps_s(
         self, profile: Profile, num_rows: int, context_sum: int, count: int
-    ) -> list[float]:
-        """The seconds of `count` steps after one at `context_sum`: every row's context is a
-        token longer each step."""
-        known = self._seconds.get(id(profile))
-        if known is None:
-            known = self._seconds[id(profile)] = {}
+    ) -> tuple[float, ...]:
+        """The seconds of `count` (at most MAX_RUN_STEPS - 1) steps after one at
+        `context_sum`: every row's context is a token longer each step."""
+        runs = self._remembered(self._runs, profile)
         rows_key = num_rows << 40
-        seconds = []
-        for _ in range(count):
-            context_sum += num_rows
-            step_s = known.get(rows_key | context_sum)
-            if step_s is None:
-                step_s = known[rows_key | context_sum] = profile.step_s([], num_rows, context_sum)
-            seconds.append(step_s)
+        seconds = runs.get(rows_key | context_sum)
+        if seconds is None:
+            steps = self._remembered(self._steps, profile)
+            seconds = runs[rows_key | context_sum] = tuple(
+                self._step_s(steps, profile, rows_key, num_rows, context_sum + num_rows * step)
+                for step in range(1, MAX_RUN_STEPS)
+            )
+        return seconds[:count]
+
+    def _remembered(self, table: dict[int, dict], profile: Profile) -> dict:
+        known = table.get(id(profile))
+        if known is None or len(known) >= self._max_remembered:
+            # A bound on memory for long traces of many distinct contexts.
+            known = table[id(profile)] = {}
+        return known
+
+    @staticmethod
+    def _step_s(
+        steps: dict[int, float], profile: Profile, rows_key: int, num_rows: int, context_sum: int
+    ) -> float:
+        seconds = steps.get(rows_key | context_sum)
+        if seconds is None:
+            seconds = steps[rows_key | context_sum] = profile.step_s([], num_rows, context_sum)
         return seconds
 
 

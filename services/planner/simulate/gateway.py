@@ -133,13 +133,9 @@ class SimGateway:
         positions: Iterable[int] = range(len(pods))
         if len(pods) > MAX_SCORED_PODS:
             least_loaded = self._rankings[pool].least_loaded(LEAST_LOADED)
-            # No pod holds the prompt: the shortlist is the least loaded alone (the order
-            # the candidates are met in does not matter: ties go by name below).
-            positions = (
-                least_loaded
-                if cached is None
-                else shortlist_positions(cached, terms, least_loaded=least_loaded)
-            )
+            if cached is None:  # no pod holds the prompt: the least loaded alone
+                return self._best_least_loaded(pods, least_loaded, terms, proximity_term)
+            positions = shortlist_positions(cached, terms, least_loaded=least_loaded)
         num_prompt_tokens = max(request.input_len, 1)
         best_key: tuple[bool, float, str] | None = None
         best = pods[0]
@@ -150,6 +146,24 @@ class SimGateway:
                 prefix = DEFAULT_WEIGHTS.prefix * min(cached[i] / num_prompt_tokens, 1.0)
             # score_terms' sum: 0 + prefix_cache + load + proximity, rounded as `choose` does.
             score = round(prefix + terms[i] + proximity_term, 6)
+            key = (self._is_saturated[pod.name], -score, pod.name)
+            if best_key is None or key < best_key:
+                best_key, best = key, pod
+        return best
+
+    def _best_least_loaded(
+        self, pods: list[SimPod], ranked: list[int], terms: list[float], proximity_term: float
+    ) -> SimPod:
+        """`_best` over the least loaded pods when no prefix term adds to their scores: they
+        come highest term first, so the scores only fall along `ranked`, and the search stops
+        past the first unsaturated pod's score (ties by name)."""
+        best_key: tuple[bool, float, str] | None = None
+        best = pods[ranked[0]]
+        for i in ranked:
+            pod = pods[i]
+            score = round(0.0 + terms[i] + proximity_term, 6)
+            if best_key is not None and not best_key[0] and -score > best_key[1]:
+                break  # every later pod scores lower than the unsaturated best
             key = (self._is_saturated[pod.name], -score, pod.name)
             if best_key is None or key < best_key:
                 best_key, best = key, pod

@@ -17,45 +17,13 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import gguf
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import processors
 
 from splitserve.engine.chat_template import ChatTemplate
 from splitserve.engine.gguf_file import GGUFSource, read_gguf
 from splitserve.engine.gguf_metadata import GGUFMetadata
-from splitserve.engine.tokenizer_splits import (
-    DEEPSEEK_LLM_SPLITS,
-    DEEPSEEK_V3_SPLITS,
-    GPT4O_SPLIT,
-    QWEN2_SPLIT,
-    TEKKEN_SPLIT,
-)
-from splitserve.engine.tokenizer_spm import sentencepiece_bpe
-
-# llama.cpp token types (gguf.TokenType): CONTROL tokens are special (skipped when decoding),
-# USER_DEFINED ones are matched whole in text but decode like ordinary text.
-_CONTROL = int(gguf.TokenType.CONTROL)
-_USER_DEFINED = int(gguf.TokenType.USER_DEFINED)
-
-# "gpt2": byte-level BPE with merges; "llama": SentencePiece pieces and scores (tokenizer_spm.py).
-SUPPORTED_GGUF_TOKENIZERS = ("gpt2", "llama")
-
-# llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) grouped by the split they stand for.
-_GPT2_PRE = ("default", "gpt2", "mpt", "olmo", "jais")
-_DIGITS_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
-_LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3", "pixtral")
-# One split each, from shared/tokenizer_splits.py:
-_SPLIT_OF_PRE = {
-    "qwen2": QWEN2_SPLIT, "deepseek-r1-qwen": QWEN2_SPLIT, "megrez": QWEN2_SPLIT,
-    "tekken": TEKKEN_SPLIT, "gpt-4o": GPT4O_SPLIT, "llama4": GPT4O_SPLIT,
-}  # fmt: skip
-_DEEPSEEK_LLM_PRE = ("deepseek-llm",)  # shared/tokenizer_splits.py
-_DEEPSEEK_V3_PRE = ("deepseek-v3",)
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+from splitserve.engine.tokenizer_gguf import adds_bos, gguf_backend
 
 
 class Tokenizer:
@@ -95,19 +63,12 @@ class Tokenizer:
     def from_gguf_reader(cls, reader: GGUFSource) -> Tokenizer:
         """The tokenizer a GGUF file describes; the loader passes the reader it already opened."""
         meta = GGUFMetadata(reader)
-        model_type = meta.get("tokenizer.ggml.model")
-        if model_type not in SUPPORTED_GGUF_TOKENIZERS:
-            raise ValueError(
-                f"unsupported GGUF tokenizer model {model_type!r}; "
-                f"supported: {', '.join(SUPPORTED_GGUF_TOKENIZERS)}"
-            )
-        backend = _byte_level_bpe(meta) if model_type == "gpt2" else sentencepiece_bpe(meta)
-        _add_marked_tokens(backend, meta.get("tokenizer.ggml.token_type", []))
+        backend = gguf_backend(meta)
         bos_id = meta.get("tokenizer.ggml.bos_token_id")
         eos_id = meta.get("tokenizer.ggml.eos_token_id")
         _set_post_processor(
             backend,
-            bos_id if meta.get("tokenizer.ggml.add_bos_token", False) else None,
+            bos_id if adds_bos(meta) else None,
             eos_id if meta.get("tokenizer.ggml.add_eos_token", False) else None,
         )
         return cls(
@@ -242,75 +203,6 @@ class Tokenizer:
         _, found, after = text.partition(marker)
         ids = self.encode(after.lstrip(), add_special_tokens=False) if found else []
         return ids[0] if ids and self.is_special(ids[0]) else None
-
-
-def _byte_level_bpe(meta: GGUFMetadata) -> tokenizers.Tokenizer:
-    tokens: list[str] = meta.get("tokenizer.ggml.tokens")
-    merges: list[str] = meta.get("tokenizer.ggml.merges", [])
-    if not tokens:
-        raise ValueError("GGUF tokenizer has no tokenizer.ggml.tokens")
-    vocab = {token: token_id for token_id, token in enumerate(tokens)}
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=_split_merges(merges)))
-    backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
-    backend.decoder = decoders.ByteLevel()
-    return backend
-
-
-def _split_merges(merges: list[str]) -> list[tuple[str, str]]:
-    pairs = [tuple(merge.split(" ")) for merge in merges]
-    for merge, pair in zip(merges, pairs):
-        if len(pair) != 2:
-            raise ValueError(f"GGUF merge {merge!r} is not two space-separated tokens")
-    return pairs  # type: ignore[return-value]
-
-
-def _gguf_pre_tokenizer(name: str) -> pre_tokenizers.PreTokenizer:
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if name in _GPT2_PRE:
-        return byte_level
-    if name in _DIGITS_PRE:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if name in _LLAMA3_PRE:
-        return _splits_then_bytes((_LLAMA3_SPLIT,))
-    if name in _SPLIT_OF_PRE:
-        return _splits_then_bytes((_SPLIT_OF_PRE[name],))
-    if name in _DEEPSEEK_LLM_PRE:
-        return _splits_then_bytes(DEEPSEEK_LLM_SPLITS)
-    if name in _DEEPSEEK_V3_PRE:
-        return _splits_then_bytes(DEEPSEEK_V3_SPLITS)
-    supported = ", ".join(
-        _GPT2_PRE
-        + _DIGITS_PRE
-        + _LLAMA3_PRE
-        + (*_SPLIT_OF_PRE,)
-        + _DEEPSEEK_LLM_PRE
-        + _DEEPSEEK_V3_PRE
-    )
-    raise ValueError(f"unsupported GGUF pre-tokenizer {name!r}; supported: {supported}")
-
-
-def _splits_then_bytes(patterns: tuple[str, ...]) -> pre_tokenizers.PreTokenizer:
-    """Text split by each pattern in turn (each match its own piece), then mapped to bytes."""
-    splits = [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in patterns]
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    return pre_tokenizers.Sequence([*splits, byte_level])
-
-
-def _add_marked_tokens(backend: tokenizers.Tokenizer, token_types: list[int]) -> None:
-    # Without registering them, "<|im_start|>" in text would be cut into "<", "|", "im", ...
-    control, user_defined = [], []
-    for token_id, token_type in enumerate(token_types):
-        if token_type not in (_CONTROL, _USER_DEFINED):
-            continue
-        token = backend.id_to_token(token_id)
-        if token is None:
-            continue
-        if token_type == _CONTROL:
-            control.append(AddedToken(token, special=True, normalized=False))
-        elif token_type == _USER_DEFINED:
-            user_defined.append(AddedToken(token, special=False, normalized=False))
-    backend.add_special_tokens(control)
-    backend.add_tokens(user_defined)
 
 
 def _set_post_processor(

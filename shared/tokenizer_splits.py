@@ -21,6 +21,13 @@ DEEPSEEK_LLM_SPLITS = (
     "\\p{N}+",
 )
 
+# Llama 3 and the files that name its split (`llama3`, `llama-bpe`, `dbrx`, `pixtral`, ...):
+# English contractions, letter runs with one leading non-letter, digit runs of one to three.
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 # DeepSeek-V3 and R1 (`deepseek-v3`): digit runs of one to three, CJK ideograph and kana runs,
 # then a GPT-4-like split that keeps an ASCII punctuation mark with the letters after it.
 DEEPSEEK_V3_SPLITS = (
@@ -31,14 +38,15 @@ DEEPSEEK_V3_SPLITS = (
 )
 
 # Qwen2, Qwen2.5, Qwen3 and the DeepSeek-R1 distills of Qwen (`qwen2`, `deepseek-r1-qwen`):
-# Llama 3's split with every digit on its own.
+# Llama 3's split with every digit on its own (Qwen2's tokenizer.json).
 QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
 # Mistral NeMo and the later Mistral models with the Tekken vocabulary (`tekken`): words cut
-# before an upper-case letter that follows lower-case ones, each digit on its own.
+# before an upper-case letter that follows lower-case ones, each digit on its own (Mistral's
+# tekken.json).
 TEKKEN_SPLIT = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
@@ -46,7 +54,8 @@ TEKKEN_SPLIT = (
 )
 
 # GPT-4o's split, which Phi-4-mini and Llama 4 files name (`gpt-4o`, `llama4`): Tekken's word
-# rule with English contractions kept on the word, digit runs of one to three.
+# rule with English contractions kept on the word, digit runs of one to three (tiktoken's
+# o200k_base).
 GPT4O_SPLIT = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"

@@ -8,8 +8,11 @@ and, unless the file says otherwise, putting one before the text. A character no
 becomes its UTF-8 bytes' `<0xXX>` pieces.
 
 The `tokenizers` library's BPE does the same given every join as a merge, ranked by the
-score of the piece it makes: that list is built here from the pieces. tests/test_gguf_spm.py
-holds the result to llama.cpp's own ids for the Llama 2 and Phi-3 vocabularies.
+score of the piece it makes: that list is built here from the pieces. The two differ only where
+pieces of equal score compete for overlapping pairs (llama.cpp takes the leftmost, the list
+here the lower id), which unique scores, as Llama 2's and Phi-3's are, rule out.
+tests/test_gguf_tokenizers.py holds the result to llama.cpp's own ids for the Llama 2 and
+Phi-3 vocabularies.
 
 Gemma's files need two changes, as transformers' GGUF reader makes them (its notes say why; no
 Gemma vocabulary is at hand here to check against llama.cpp): their scores do not follow the
@@ -26,7 +29,7 @@ from tokenizers import decoders, models, normalizers
 from splitserve.engine.gguf_metadata import GGUFMetadata
 
 _NORMAL = int(gguf.TokenType.NORMAL)
-_SPACE = "\u2581"  # "▁": SentencePiece's spelling of a space
+SPACE = "\u2581"  # "▁": SentencePiece's spelling of a space
 _GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 
@@ -47,11 +50,10 @@ def sentencepiece_bpe(meta: GGUFMetadata) -> tokenizers.Tokenizer:
         tokens = _spaces_respelled(tokens)
         scores = [-float(token_id) for token_id in range(len(tokens))]  # the file's order
     vocab = {token: token_id for token_id, token in enumerate(tokens)}
-    unknown_id = meta.get("tokenizer.ggml.unknown_token_id")
     model = models.BPE(
         vocab=vocab,
         merges=_merges_by_score(vocab, scores, token_types),
-        unk_token=tokens[int(unknown_id)] if unknown_id is not None else None,
+        unk_token=_unknown_token(meta, tokens),
         fuse_unk=True,
         byte_fallback=True,
     )
@@ -63,12 +65,22 @@ def sentencepiece_bpe(meta: GGUFMetadata) -> tokenizers.Tokenizer:
     return backend
 
 
+def _unknown_token(meta: GGUFMetadata, tokens: list[str]) -> str:
+    """What a character no piece or byte piece spells becomes; llama.cpp's default id is 0."""
+    unknown_id = meta.get("tokenizer.ggml.unknown_token_id", 0)
+    if not 0 <= int(unknown_id) < len(tokens):
+        raise ValueError(
+            f"tokenizer.ggml.unknown_token_id {unknown_id} is not in the {len(tokens)} tokens"
+        )
+    return tokens[int(unknown_id)]
+
+
 def _spaces_respelled(tokens: list[str]) -> list[str]:
     """Pieces of two or more spaces spelled with "▁", unless that spelling is taken."""
     taken = set(tokens)
     respelled = []
     for token in tokens:
-        spelled = _SPACE * len(token)
+        spelled = SPACE * len(token)
         is_spaces = len(token) > 1 and not token.strip(" ")
         respelled.append(spelled if is_spaces and spelled not in taken else token)
     return respelled
@@ -92,16 +104,16 @@ def _merges_by_score(
 
 
 def _space_normalizer(add_space_prefix: bool) -> normalizers.Normalizer:
-    spaces = normalizers.Replace(" ", _SPACE)
+    spaces = normalizers.Replace(" ", SPACE)
     if not add_space_prefix:
         return spaces
     # Applied to each stretch of text between special tokens, as llama.cpp puts a space before
     # the text that follows one.
-    return normalizers.Sequence([normalizers.Prepend(_SPACE), spaces])
+    return normalizers.Sequence([normalizers.Prepend(SPACE), spaces])
 
 
 def _space_decoder(add_space_prefix: bool) -> decoders.Decoder:
-    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_space_prefix:
         steps.append(decoders.Strip(" ", 1, 0))  # the space the encoder put in front
     return decoders.Sequence(steps)

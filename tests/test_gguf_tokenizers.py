@@ -81,14 +81,15 @@ def test_a_sentencepiece_file_adds_bos_and_keeps_its_control_tokens_whole(tmp_pa
 def _write_sentencepiece_vocab(path: Path, arch: str, add_space_prefix: bool | None) -> None:
     """A small SentencePiece vocabulary whose scores disagree with its file order: by score
     "bc" (-1) joins before "ab" (-5); by position "ab" comes first. "  " and "   " are pieces
-    of spaces, stored as spaces as Gemma's files store them."""
+    of spaces, stored as spaces and marked user-defined, as llama.cpp's converter writes
+    Gemma's."""
     tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{byte:02X}>" for byte in range(256)]
     types = [3, 3, 3, 2] + [6] * 256
     pieces = {"\u2581": 0, "a": 0, "b": 0, "c": 0, "h": 0, "e": 0, "l": 0, "o": 0, "\n": 0,
               "ab": -5, "bc": -1, "  ": -2, "he": -3, "ll": -4, "hell": -6, "hello": -7,
               "\u2581hello": -8, "lo": -0.5, "   ": -9}  # fmt: skip
     tokens += list(pieces) + ["<start_of_turn>"]
-    types += [1] * len(pieces) + [3]
+    types += [4 if not piece.strip(" ") else 1 for piece in pieces] + [3]
     scores = [0.0] * 260 + [float(score) for score in pieces.values()] + [0.0]
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_tokenizer_model("llama")
@@ -122,6 +123,9 @@ def test_gemma_files_tokenize_as_transformers_reads_them(tmp_path):
         assert ids == reference.encode(text, add_special_tokens=False), text
     assert ours.convert_ids_to_tokens(ours.encode("abc", add_special_tokens=False)) == ["ab", "c"]
     assert ours.decode(ours.encode("a   b", add_special_tokens=False)) == "a   b"
+    # Pieces of spaces matched whole, the longest first, as llama.cpp matches user-defined ones.
+    four = ours.convert_ids_to_tokens(ours.encode("a    b", add_special_tokens=False))
+    assert four == ["a", "\u2581\u2581\u2581", "\u2581", "b"]
 
 
 def test_other_sentencepiece_files_merge_by_score_and_honour_the_space_prefix_flag(tmp_path):
@@ -133,6 +137,13 @@ def test_other_sentencepiece_files_merge_by_score_and_honour_the_space_prefix_fl
     ]  # fmt: skip
     assert bare.convert_ids_to_tokens(bare.encode("abc", add_special_tokens=False)) == ["a", "bc"]
     assert llama.decode(llama.encode("abc")) == bare.decode(bare.encode("abc")) == "abc"
+
+
+def test_sentencepiece_files_without_the_flag_add_bos_as_llama_cpp_does(tmp_path):
+    _write_sentencepiece_vocab(tmp_path / "old.gguf", "llama", add_space_prefix=None)
+    old = Tokenizer.from_gguf(tmp_path / "old.gguf")  # no tokenizer.ggml.add_bos_token
+    assert old.encode("abc")[0] == old.bos_token_id == 2
+    assert old.encode("abc", add_special_tokens=False)[0] != 2
 
 
 def _byte_level_vocab_as(tmp_path: Path, arch: str, pre: str) -> Tokenizer:
@@ -174,6 +185,59 @@ def test_the_qwen_mistral_and_gpt4o_pre_tokenizers_split_as_transformers_does(tm
     expected = [reference.encode(text, add_special_tokens=False) for text in texts]
     assert _ids(ours, texts) == expected
     assert _ids(_byte_level_vocab_as(tmp_path, "qwen2", "default"), texts) != expected
+
+
+# Texts on which the splits differ from their neighbours: digit runs, case changes inside a
+# word, contractions, a punctuation mark before letters, CJK and kana, indented code.
+SPLIT_TEXTS = ["12345 and 3.14159", "HelloWorld's MIXEDCase aBc", "#include <stdio.h>",
+               "\u6211\u60f3\u5728apple\u5de5\u4f5c1314151\u5929 \u3072\u3089 \u30ab\u30bf",
+               "I've been 'told he's there", "  indented\n\n\tcode();  "]  # fmt: skip
+# Each split's nearest neighbour among the others: the test shows the two tell apart.
+NEIGHBOUR = {"qwen2": "llama-bpe", "deepseek-r1-qwen": "llama-bpe", "tekken": "qwen2",
+             "gpt-4o": "llama-bpe", "llama4": "tekken", "deepseek-v3": "deepseek-llm"}  # fmt: skip
+
+
+def _pieces(pre_tokenizer, texts: list[str]) -> list[list[str]]:
+    return [[piece for piece, _ in pre_tokenizer.pre_tokenize_str(text)] for text in texts]
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "deepseek-r1-qwen", "tekken", "gpt-4o", "llama4"])
+def test_the_splits_cut_text_as_transformers_does_and_apart_from_their_neighbour(tmp_path, pre):
+    """Independent of any vocabulary: the pieces each split cuts text into equal those of
+    transformers' GGUF tokenizer, and differ from the nearest other split's."""
+    transformers = pytest.importorskip("transformers")
+    from splitserve.engine.tokenizer_gguf import _gguf_pre_tokenizer
+
+    path = tmp_path / f"{pre}.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(["a", "b", "ab"])
+    writer.add_token_merges(["a b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    texts = [*SPLIT_TEXTS, *_llama_cpp_texts()]
+    expected = _pieces(reference.backend_tokenizer.pre_tokenizer, texts)
+    assert _pieces(_gguf_pre_tokenizer(pre), texts) == expected
+    assert _pieces(_gguf_pre_tokenizer(NEIGHBOUR[pre]), texts) != expected
+
+
+def test_the_deepseek_v3_split_cuts_text_as_its_published_pre_tokenizer():
+    from splitserve.engine.tokenizer_gguf import _gguf_pre_tokenizer
+
+    reference = tokenizers.Tokenizer.from_str(
+        json.dumps(
+            {"version": "1.0", "model": {"type": "BPE", "vocab": {}, "merges": []},
+             "pre_tokenizer": json.loads(DEEPSEEK_V3_PUBLISHED_PRE_TOKENIZER)}
+        )
+    )  # fmt: skip
+    texts = [*SPLIT_TEXTS, *_llama_cpp_texts()]
+    expected = _pieces(reference.pre_tokenizer, texts)
+    assert _pieces(_gguf_pre_tokenizer("deepseek-v3"), texts) == expected
+    assert _pieces(_gguf_pre_tokenizer(NEIGHBOUR["deepseek-v3"]), texts) != expected
 
 
 def test_the_deepseek_v3_pre_tokenizer_splits_as_its_published_tokenizer(tmp_path):

@@ -708,7 +708,7 @@ def test_decode_step_costs_are_the_profiles_steps_remembered_per_run_start() -> 
     from splitserve.planner.simulate.decode_runs import MAX_RUN_STEPS, DecodeStepCosts
 
     profile = synthetic_profile(0.02)
-    costs = DecodeStepCosts(max_remembered=2)
+    costs = DecodeStepCosts(max_remembered=2 * (MAX_RUN_STEPS - 1))  # two run starts
     expected = tuple(profile.step_s([], 3, 300 + 3 * step) for step in range(1, MAX_RUN_STEPS))
     assert costs.following_steps_s(profile, 3, 300, MAX_RUN_STEPS - 1) == expected
     assert costs.following_steps_s(profile, 3, 300, 5) == expected[:5]
@@ -716,3 +716,5 @@ def test_decode_step_costs_are_the_profiles_steps_remembered_per_run_start() -> 
         costs.following_steps_s(profile, 1, context_sum, 4)
     assert costs.following_steps_s(profile, 3, 300, 7) == expected[:7]
     assert len(costs._runs[id(profile)]) <= 2
+    with pytest.raises(ValueError, match="at most 63 following steps"):
+        costs.following_steps_s(profile, 3, 300, MAX_RUN_STEPS)

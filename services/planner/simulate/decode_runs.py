@@ -48,31 +48,37 @@ class DecodeStepCosts:
     profile's grid. The longest run's steps are kept; a shorter run takes their head."""
 
     def __init__(self, max_remembered: int = 200_000) -> None:
+        """`max_remembered`: step seconds kept per profile before starting afresh (a run start
+        keeps MAX_RUN_STEPS - 1 of them)."""
         # id(profile) -> (rows, context sum) as one int -> each following step's seconds: an
         # int key hashes faster than a tuple, and runs ask hundreds of thousands of times.
         self._runs: dict[int, dict[int, tuple[float, ...]]] = {}
         self._steps: dict[int, dict[int, float]] = {}  # the same for single steps
-        self._max_remembered = max_remembered  # per profile, before starting afresh
+        self._max_steps = max_remembered
+        self._max_runs = max(max_remembered // (MAX_RUN_STEPS - 1), 1)
 
     def following_steps_s(
         self, profile: Profile, num_rows: int, context_sum: int, count: int
     ) -> tuple[float, ...]:
         """The seconds of `count` (at most MAX_RUN_STEPS - 1) steps after one at
         `context_sum`: every row's context is a token longer each step."""
-        runs = self._remembered(self._runs, profile)
+        if count >= MAX_RUN_STEPS:
+            raise ValueError(f"a run plans at most {MAX_RUN_STEPS - 1} following steps")
+        runs = self._remembered(self._runs, profile, self._max_runs)
         rows_key = num_rows << 40
         seconds = runs.get(rows_key | context_sum)
         if seconds is None:
-            steps = self._remembered(self._steps, profile)
+            steps = self._remembered(self._steps, profile, self._max_steps)
             seconds = runs[rows_key | context_sum] = tuple(
                 self._step_s(steps, profile, rows_key, num_rows, context_sum + num_rows * step)
                 for step in range(1, MAX_RUN_STEPS)
             )
         return seconds[:count]
 
-    def _remembered(self, table: dict[int, dict], profile: Profile) -> dict:
+    @staticmethod
+    def _remembered(table: dict[int, dict], profile: Profile, bound: int) -> dict:
         known = table.get(id(profile))
-        if known is None or len(known) >= self._max_remembered:
+        if known is None or len(known) >= bound:
             # A bound on memory for long traces of many distinct contexts.
             known = table[id(profile)] = {}
         return known

@@ -89,7 +89,7 @@ def run_generate(args: argparse.Namespace) -> int:
     options = {name: getattr(args, name) for name in ENGINE_FLAGS}
     llm = LLM(args.model, progress=ConsoleProgress("loading model"), **options)
     spec = llm.engine.kv_spec
-    print(f"[KV cache: {spec.describe()}, {spec.total_bytes / 2**20:.0f} MiB)]", file=sys.stderr)
+    print(f"[KV cache: {spec.describe()}, {spec.total_bytes / 2**20:.0f} MiB]", file=sys.stderr)
     prompt: object = args.prompt
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []

@@ -316,7 +316,7 @@ def _step_observers(
 
 def _log_kv_cache(kv_spec: KVCacheSpec, cache: CacheConfig) -> None:
     logger.info(
-        "KV cache: %s, %.1f MiB, kv_cache_dtype %s)",
+        "KV cache: %s, %.1f MiB, kv_cache_dtype %s",
         kv_spec.describe(),
         kv_spec.total_bytes / 2**20,
         cache.kv_cache_dtype,

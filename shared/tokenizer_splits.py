@@ -1,6 +1,6 @@
 """Split patterns of pre-tokenizers that GGUF files name (`tokenizer.ggml.pre`) and that no
 pattern of the `tokenizers` library builds: the regular expressions each model's own
-tokenizer.json splits text with, in order, before byte-level BPE (shared/tokenizer.py).
+tokenizer.json splits text with, in order, before byte-level BPE (shared/tokenizer_gguf.py).
 
 They are a specification, not code of ours: a split must match the published tokenizer's
 exactly, so they are kept as the model's tokenizer (and llama.cpp, src/llama-vocab.cpp) lists

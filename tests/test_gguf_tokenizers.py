@@ -43,6 +43,14 @@ DEEPSEEK_V3_PUBLISHED_PRE_TOKENIZER = r"""{
 }"""  # noqa: E501 (one pattern)
 
 
+def _finish(writer: gguf.GGUFWriter) -> None:
+    """Writes the file of a metadata-only GGUF writer."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def _llama_cpp_texts() -> list[str]:
     """llama.cpp's 46 tokenizer test texts (the same for every vocabulary)."""
     texts = (DATA / "ggml-vocab-deepseek-llm.gguf.inp").read_text(encoding="utf-8")
@@ -101,10 +109,7 @@ def _write_sentencepiece_vocab(path: Path, arch: str, add_space_prefix: bool | N
     writer.add_unk_token_id(3)
     if add_space_prefix is not None:
         writer.add_add_space_prefix(add_space_prefix)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
 
 
 SMALL_VOCAB_TEXTS = ["abc", "hello  hello", "a   b", "h\u00e9llo", "<start_of_turn>hello\nabc",
@@ -159,10 +164,7 @@ def _byte_level_vocab_as(tmp_path: Path, arch: str, pre: str) -> Tokenizer:
     writer.add_token_merges(source.get("tokenizer.ggml.merges"))
     writer.add_bos_token_id(source.get("tokenizer.ggml.bos_token_id"))
     writer.add_eos_token_id(source.get("tokenizer.ggml.eos_token_id"))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
     return Tokenizer.from_gguf(path)
 
 
@@ -214,10 +216,7 @@ def test_the_splits_cut_text_as_transformers_does_and_apart_from_their_neighbour
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(["a", "b", "ab"])
     writer.add_token_merges(["a b"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
     reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     texts = [*SPLIT_TEXTS, *_llama_cpp_texts()]
     expected = _pieces(reference.backend_tokenizer.pre_tokenizer, texts)
@@ -258,9 +257,6 @@ def test_an_unknown_tokenizer_model_is_refused_by_name(tmp_path):
     writer = gguf.GGUFWriter(str(tmp_path / "t5.gguf"), "t5")
     writer.add_tokenizer_model("t5")
     writer.add_token_list(["<pad>", "a"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
     with pytest.raises(ValueError, match="unsupported GGUF tokenizer model 't5'.*gpt2, llama"):
         Tokenizer.from_gguf(tmp_path / "t5.gguf")

@@ -70,11 +70,12 @@ class KVCacheSpec:
 
     def describe(self) -> str:
         """The size as the logs and the CLI state it."""
+        blocks = f"{self.num_blocks} blocks of {self.block_size} tokens"
         if self.groups == 1:
-            return f"{self.num_blocks} blocks of {self.block_size} tokens ({self.num_tokens} tokens"
+            return f"{blocks} ({self.num_tokens} tokens)"
         return (
-            f"{self.num_blocks} blocks of {self.block_size} tokens in {self.groups} layer groups "
-            f"({self.num_tokens} tokens in every layer, more in window layers"
+            f"{blocks} in {self.groups} layer groups "
+            f"({self.num_tokens} tokens in every layer, more in window layers)"
         )
 
 

@@ -20,8 +20,8 @@ Files from before llama.cpp wrote the expert groups and the gating function have
 they read as softmax routing without groups (group_limited_greedy becomes greedy), which is
 what llama.cpp computes for them too.
 
-The tokenizer: llama.cpp names DeepSeek's own pre-tokenizers; shared/tokenizer.py builds
-`deepseek-llm` (V2, V2-Lite) and refuses `deepseek-v3` (V3, R1) by name for now.
+The tokenizer: llama.cpp names DeepSeek's own pre-tokenizers, `deepseek-llm` (V2, V2-Lite) and
+`deepseek-v3` (V3, R1); shared/tokenizer_gguf.py builds both.
 
 yarn: the file has no `mscale`; llama.cpp's graph scales the softmax by mscale_all_dim's factor
 squared and leaves cos/sin unscaled, which is transformers' yarn with mscale = mscale_all_dim

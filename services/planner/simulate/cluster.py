@@ -465,14 +465,15 @@ class Simulation:
         if stop == first:
             return
         ends = run.ends[first:stop]
+        later_gaps = [end - previous for previous, end in zip(ends, ends[1:])]
         for seq in run.seqs:
-            self._emit_run_tokens(seq, ends)
+            self._emit_run_tokens(seq, ends, later_gaps)
             pod.allocate_decode_block(seq)
         run.num_applied = stop
 
     def _settle_all(self, now: float) -> None:
-        for name in list(self._runs):
-            self._settle(self._runs[name].pod, now)
+        for run in self._runs.values():  # settling changes no pod's run
+            self._settle(run.pod, now)
 
     def _interrupt(self, pod: SimPod, now: float) -> None:
         """Ends the pod's run with the step in flight now: what reaches the pod joins the
@@ -599,17 +600,16 @@ class Simulation:
             seq.num_tokens += count
             seq.num_computed = seq.num_tokens - 1  # the accepted drafts' KV stays
 
-    def _emit_run_tokens(self, seq: SimSeq, ends: list[float]) -> None:
+    def _emit_run_tokens(self, seq: SimSeq, ends: list[float], later_gaps: list[float]) -> None:
         """`_emit_tokens` of one token at each of `ends`, for a row that is past its first
-        token and does not finish by them (a decode run's row)."""
+        token and does not finish by them (a decode run's row); `later_gaps` are the gaps
+        between `ends`, the same for every row of the run."""
         flight = self._flights[seq.request.request_id]
-        gaps, previous = [], flight.last_token_s
-        for end in ends:
-            gaps.append(end - previous)
-            previous = end
-        flight.record.itls_s += gaps
+        itls_s = flight.record.itls_s
+        itls_s.append(ends[0] - flight.last_token_s)
+        itls_s += later_gaps
         flight.num_emitted += len(ends)
-        flight.last_token_s = previous
+        flight.last_token_s = ends[-1]
         seq.num_tokens += len(ends)
         seq.num_computed = seq.num_tokens - 1
 

@@ -157,17 +157,26 @@ class SimGateway:
         """`_best` over the least loaded pods when no prefix term adds to their scores: they
         come highest term first, so the scores only fall along `ranked`, and the search stops
         past the first unsaturated pod's score (ties by name)."""
-        best_key: tuple[bool, float, str] | None = None
-        best = pods[ranked[0]]
+        saturated = self._is_saturated
+        best = best_saturated = None  # the best unsaturated pod so far, the best saturated one
+        best_score = best_saturated_score = 0.0
+        last_term, score = float("nan"), 0.0  # nan equals no term: the first pod rounds
         for i in ranked:
+            if terms[i] != last_term:  # idle pods tie: one rounding serves a run of them
+                last_term = terms[i]
+                score = round(0.0 + last_term + proximity_term, 6)
             pod = pods[i]
-            score = round(0.0 + terms[i] + proximity_term, 6)
-            if best_key is not None and not best_key[0] and -score > best_key[1]:
+            if not saturated[pod.name]:
+                if _outranks(pod, score, best, best_score):
+                    best, best_score = pod, score
+            elif best is None and _outranks(pod, score, best_saturated, best_saturated_score):
+                best_saturated, best_saturated_score = pod, score
+            if best is not None and score < best_score:
                 break  # every later pod scores lower than the unsaturated best
-            key = (self._is_saturated[pod.name], -score, pod.name)
-            if best_key is None or key < best_key:
-                best_key, best = key, pod
-        return best
+        if best is not None:
+            return best
+        assert best_saturated is not None  # `ranked` is never empty
+        return best_saturated
 
     def _refresh(self, name: str) -> float:
         """The pod's load term (`scoring.load_term` of its view), with whether the view is
@@ -185,3 +194,8 @@ class SimGateway:
     def _dispatch(self, pod: SimPod) -> None:
         self._num_dispatched[pod.name] += 1
         self._update_load_term(pod.name)
+
+
+def _outranks(pod: SimPod, score: float, best: SimPod | None, best_score: float) -> bool:
+    """`choose`'s order within one saturation class: the higher score, then the earlier name."""
+    return best is None or score > best_score or (score == best_score and pod.name < best.name)

@@ -252,10 +252,14 @@ class SimPod:
 
     def _allocate(self, seq: SimSeq, num_new: int) -> bool:
         needed = self._blocks_for(seq.num_computed + num_new) - seq.num_blocks
+        if needed <= 0:
+            # Most steps of a row fit in its last block. Free blocks never go below zero and
+            # the cache already fits them, so taking none would change nothing.
+            return True
         if needed > self.num_free_blocks:
             return False
-        self._take_blocks(max(needed, 0))
-        seq.num_blocks += max(needed, 0)
+        self._take_blocks(needed)
+        seq.num_blocks += needed
         return True
 
     def _take_blocks(self, num_blocks: int) -> None:

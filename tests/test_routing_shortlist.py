@@ -5,11 +5,15 @@ is the one scoring every pod would make when a listed signal decides it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 from splitserve.common.pod_load import PodLoad
-from splitserve.common.registry_schema import PodRecord
+from splitserve.common.registry_schema import PodRecord, RegistryKeys
+from splitserve.engine.kv.block_hash import hash_full_blocks
+from splitserve.engine.kv.tiers import Tier
 from splitserve.gateway.routing import shortlist as shortlist_module
+from splitserve.gateway.routing.index_follower import IndexFollower
 from splitserve.gateway.routing.pods import Pod, PodPool
 from splitserve.gateway.routing.router import Router, RouterSettings
 from splitserve.gateway.routing.scoring import RoutingWeights, load_term
@@ -100,3 +104,41 @@ def test_no_cached_tokens_given_lists_what_all_zeros_lists():
     loads = [float((i * 7) % 5) for i in range(200)]
     assert shortlist_positions(None, loads) == shortlist_positions([0] * 200, loads)
     assert len(shortlist_positions(None, loads)) == shortlist_module.LEAST_LOADED
+
+
+def test_a_pods_load_term_follows_its_polls_and_dispatches():
+    """The term a pick ranks by is kept per pod; a dispatch or a new poll answer changes it."""
+    weights = RoutingWeights()
+    pod = _pod(0, running=3)
+    assert pod.load_term(weights) == load_term(3, pod.kv_usage, weights)
+    pod.num_dispatched = 2
+    assert pod.load_term(weights) == load_term(5, pod.kv_usage, weights)
+    busier = PodLoad(num_running=10, kv_blocks_total=1000, kv_blocks_free=100)
+    pod.stats = worker_pb2.WorkerStats(worker_id="d-0", model="m", **busier.as_fields())
+    assert pod.load_term(weights) == load_term(12, busier.kv_usage, weights)
+    other = RoutingWeights(load=3.0)
+    assert pod.load_term(other) == load_term(12, busier.kv_usage, other)
+
+
+def test_the_index_lookup_follows_the_registrys_records():
+    """The router keeps its grouping of the pods' records between picks; a registry refresh
+    that names a pod's new process (another generation) stops its old blocks counting, and
+    equal records in new objects keep them."""
+    pool = PodPool("decode", [], "m")
+    pool.pods = _pool(100)
+    router = Router(pool, None, RouterSettings())
+    follower = IndexFollower(None, RegistryKeys())
+    follower.index.replace_pod("d-7", 1, {Tier.DEVICE: hash_full_blocks(list(range(63)), 16, "")})
+    follower.is_synced = True
+    router.index_follower, router.redis, router.is_redis_up = follower, object(), True
+    prompt = list(range(64))
+
+    def cached() -> dict[str, int]:
+        return asyncio.run(router.cached_tokens(prompt, pool.pods))
+
+    assert cached() == {"d-7": 48}
+    for pod in pool.pods:  # a refresh: equal records, new objects
+        pod.record = dataclasses.replace(pod.record)
+    assert cached() == {"d-7": 48}
+    pool.pods[7].record = dataclasses.replace(pool.pods[7].record, generation=2)
+    assert cached() == {}

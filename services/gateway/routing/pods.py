@@ -30,7 +30,13 @@ from splitserve.common.channels import aio_channel
 from splitserve.common.pod_load import PodLoad
 from splitserve.common.registry_schema import PodRecord
 from splitserve.gateway.admission.feedback import TokenGaps
-from splitserve.gateway.routing.scoring import Location, LoRAResidency, PodView
+from splitserve.gateway.routing.scoring import (
+    Location,
+    LoRAResidency,
+    PodView,
+    RoutingWeights,
+    load_term,
+)
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -92,6 +98,10 @@ class Pod:
     # The latest stats parsed once per poll, not on every look at the pod (the router ranks a
     # thousand pods by load on every pick).
     _parsed_load: _ParsedLoad | None = field(default=None, repr=False, compare=False)
+    # The last `load_term` asked: (stats, num_dispatched, weights, term).
+    _load_term: tuple[Any, int, RoutingWeights, float] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     def break_calls(self) -> None:
         for breaker in list(self.call_breakers):
@@ -174,6 +184,22 @@ class Pod:
         if parsed is None or parsed.stats is not self.stats:
             parsed = self._parsed()
         return parsed.kv_usage
+
+    def load_term(self, weights: RoutingWeights) -> float:
+        """`scoring.load_term` of the pod's view, kept until a poll or a dispatch changes it:
+        a pick at a thousand pods ranks every one by it, and most did not change since the
+        last pick (benchmarks/scale)."""
+        kept = self._load_term
+        if (
+            kept is not None
+            and kept[0] is self.stats
+            and kept[1] == self.num_dispatched
+            and kept[2] is weights
+        ):
+            return kept[3]
+        term = load_term(self.num_queued, self.kv_usage, weights)
+        self._load_term = (self.stats, self.num_dispatched, weights, term)
+        return term
 
     @property
     def load(self) -> PodLoad:

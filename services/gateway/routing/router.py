@@ -62,6 +62,8 @@ FOLLOWER_TIMEOUT_S = 5.0
 REGISTRY_TIMEOUT_S = 5.0
 # prompt_cache_key -> the decode pod that served it last; the oldest keys are forgotten.
 MAX_CACHE_KEYS = 65536
+# (block size, hash namespace) -> the generations and records of the pods hashing that way.
+IndexGroups = dict[tuple[int, str], tuple[dict[str, int], dict[str, PodRecord]]]
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,8 @@ class Router:
         )
         self._follower_task: asyncio.Task | None = None
         self._cache_key_pods: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._index_groups_key: list[int] = []  # the records' ids `_index_groups` was given
+        self._index_groups_kept: IndexGroups = {}
 
     async def start(self) -> None:
         if self.redis is None:
@@ -314,21 +318,30 @@ class Router:
                 found[pod_id] = credited_tokens(records[pod_id], prefix)
         return found
 
-    def _index_groups(
-        self, pods: list[Pod]
-    ) -> dict[tuple[int, str], tuple[dict[str, int], dict[str, PodRecord]]]:
-        """(block size, namespace) -> the pods' generations and records: one pass over them."""
-        groups: dict[tuple[int, str], tuple[dict[str, int], dict[str, PodRecord]]] = {}
-        for pod in pods:
-            record = pod.record
-            if record is None:
-                continue
-            group = groups.get((record.block_size, record.hash_namespace))
-            if group is None:
-                group = groups[(record.block_size, record.hash_namespace)] = ({}, {})
-            group[0][record.pod_id] = record.generation
-            group[1][record.pod_id] = record
-        return groups
+    def _index_groups(self, pods: list[Pod]) -> IndexGroups:
+        """`_group_for_index(pods)`, kept while the same records come in the same order: they
+        change at a registry refresh or when a pod stops being available, and building them
+        was a sixth of a pick at a thousand pods. The records are kept with the groups, so an
+        id here is never another record's."""
+        key = [id(pod.record) for pod in pods]
+        if key != self._index_groups_key:
+            self._index_groups_kept, self._index_groups_key = _group_for_index(pods), key
+        return self._index_groups_kept
+
+
+def _group_for_index(pods: list[Pod]) -> IndexGroups:
+    """(block size, namespace) -> the pods' generations and records: one pass over them."""
+    groups: IndexGroups = {}
+    for pod in pods:
+        record = pod.record
+        if record is None:
+            continue
+        group = groups.get((record.block_size, record.hash_namespace))
+        if group is None:
+            group = groups[(record.block_size, record.hash_namespace)] = ({}, {})
+        group[0][record.pod_id] = record.generation
+        group[1][record.pod_id] = record
+    return groups
 
 
 def _holds(pod: Pod, lora_name: str | None) -> bool:

@@ -23,7 +23,7 @@ import heapq
 from collections.abc import Iterable
 
 from splitserve.gateway.routing.pods import Pod
-from splitserve.gateway.routing.scoring import RoutingWeights, load_term
+from splitserve.gateway.routing.scoring import RoutingWeights
 
 # Up to this many pods, every one is scored as before.
 MAX_SCORED_PODS = 48
@@ -43,7 +43,7 @@ def shortlist(
     if len(pods) <= MAX_SCORED_PODS:
         return pods
     tokens = [cached.get(p.pod_id, 0) for p in pods] if cached else [0] * len(pods)
-    loads = [load_term(p.num_queued, p.kv_usage, weights) for p in pods]
+    loads = [p.load_term(weights) for p in pods]
     local = [p.location.region == region for p in pods] if region else None
     return [pods[i] for i in shortlist_positions(tokens, loads, local)]
 

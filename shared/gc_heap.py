@@ -20,8 +20,9 @@ logger = logging.getLogger(__name__)
 
 def freeze_startup_heap() -> int:
     """Collects what startup left as garbage, then freezes every object alive; returns how many
-    objects are frozen. Call once, when the service has loaded what it keeps and is about to
-    serve."""
+    objects are frozen. Call when the service has loaded what it keeps and is about to serve,
+    and (the gateway) once more when its prefix index's first snapshot is in: requests in
+    flight then are frozen too, and their garbage cycles never reclaimed, so not more often."""
     gc.collect()
     gc.freeze()
     count = gc.get_freeze_count()

@@ -409,3 +409,27 @@ def test_a_slow_registry_read_is_waited_for_not_taken_for_redis_down(redis_serve
             await writer.aclose()
 
     assert asyncio.run(scenario()) == (True, True)
+
+
+def test_the_hook_after_the_first_sync_runs_once(redis_server):
+    """The gateway freezes its heap once the first snapshot is in; later resyncs (a trimmed
+    stream, an outage) must not freeze again what requests in flight hold."""
+    keys = RegistryKeys("pi-hook")
+    calls: list[int] = []
+
+    async def scenario() -> None:
+        pod = await _started(redis_server.url, keys, "pod-h")
+        follower = IndexFollower(
+            connect(redis_server.url), keys, after_first_sync=lambda: calls.append(len(calls))
+        )
+        try:
+            assert calls == []
+            await follower.resync()
+            assert calls == [0] and follower.is_synced
+            await follower.resync()
+            assert calls == [0]
+        finally:
+            await pod.publisher.close()
+            await follower.client.aclose()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))

@@ -292,7 +292,11 @@ async def measure_size(
 
 async def _route_phase(client, keys, host, workload, run, pod_settings, result: SizeResult):
     pool = PodPool("decode", [], pod_settings.model, poll_interval_s=run.stats_poll_s)
-    settings = RouterSettings(redis_url=_url(client), use_local_index=run.lookup == "index")
+    settings = RouterSettings(
+        redis_url=_url(client),
+        use_local_index=run.lookup == "index",
+        freeze_heap_after_index_sync=True,  # as the gateway's main runs it
+    )
     router = Router(pool, None, settings, keys)
     await pool.start()
     await router.start()

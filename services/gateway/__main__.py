@@ -193,6 +193,7 @@ def router_settings(args: argparse.Namespace) -> RouterSettings:
         latency=latency,
         place=Location(args.region, args.zone),
         redis_url=args.redis_url,
+        freeze_heap_after_index_sync=True,
     )
 
 

@@ -19,9 +19,8 @@ events are being applied could undo one).
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from redis.exceptions import RedisError, ResponseError
 
@@ -49,7 +48,15 @@ class IndexFollower:
     """Runs on the gateway's event loop: `run_forever()` as a task; `index` is read by the
     router only while `is_synced`."""
 
-    def __init__(self, client, keys: RegistryKeys, index: PrefixIndex | None = None) -> None:
+    def __init__(
+        self,
+        client,
+        keys: RegistryKeys,
+        index: PrefixIndex | None = None,
+        after_first_sync: Callable[[], object] | None = None,
+    ) -> None:
+        """`after_first_sync`: called once, when the first snapshot is in (the gateway freezes
+        its heap then: `RouterSettings.freeze_heap_after_index_sync`)."""
         self.client = client
         self.keys = keys
         self.index = index or PrefixIndex()
@@ -58,6 +65,7 @@ class IndexFollower:
         # That entry's ordinal among every entry ever added (XINFO's entries-added counts).
         self._num_entries_seen = 0
         self._to_read: set[str] = set()  # pods `follow()` reads next (sync_pods asked)
+        self._after_first_sync = after_first_sync
 
     async def run_forever(self) -> None:
         try:
@@ -88,8 +96,10 @@ class IndexFollower:
             self.index.drop_pod(pod_id)
         await self._read_pods(records)
         self._last_id, self._num_entries_seen = last_id, num_added
-        _keep_out_of_collections()
         self.is_synced = True
+        if self._after_first_sync is not None:
+            hook, self._after_first_sync = self._after_first_sync, None
+            hook()
         logger.info(
             "prefix index synced: %d pod(s), %d block(s)", len(records), self.index.num_blocks
         )
@@ -188,17 +198,6 @@ class IndexFollower:
                 }
                 self.index.replace_pod(record.pod_id, record.generation, by_tier)
             await asyncio.sleep(0)
-
-
-def _keep_out_of_collections() -> None:
-    """Moves what the process holds now, a fresh snapshot of the index first of all, out of
-    the cyclic collector's sight. At a thousand pods the index is a million hashes in sets and
-    dicts, and each full collection walked every one of them: 5 stalls of up to 0.6 s in 40 s
-    of routing (benchmarks/scale). Collected once here (a resync is rare: start-up, a
-    trimmed stream, a Redis outage), so only live objects are kept out; they are still freed
-    by reference counting as pods' blocks go, and what is built later is collected as usual."""
-    gc.collect()
-    gc.freeze()
 
 
 def _is_being_cancelled() -> bool:

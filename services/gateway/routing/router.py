@@ -35,6 +35,7 @@ from splitserve.common.registry_schema import (
     connect,
     read_pods,
 )
+from splitserve.engine.gc_heap import freeze_startup_heap
 from splitserve.engine.kv.block_hash import BlockHash, cache_salt_keys, hash_full_blocks
 from splitserve.engine.lora.request import lora_hash_keys
 from splitserve.gateway.routing.index_follower import IndexFollower
@@ -77,6 +78,11 @@ class RouterSettings:
     redis_url: str | None = None
     # Look prefixes up in the gateway's event-fed index (else always by the Redis script).
     use_local_index: bool = True
+    # Freeze the process's heap once the index's first snapshot is in (the gateway's main):
+    # at a thousand pods the index is a million hashes in sets and dicts, and each full
+    # collection walked all of them, stalling routing and streams for up to 0.6 s
+    # (benchmarks/scale). Off for routers inside other programs (tests): process-wide.
+    freeze_heap_after_index_sync: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,14 +113,25 @@ class Router:
         self._turns = itertools.count()
         self._refresher: asyncio.Task | None = None
         self.index_follower = (
-            IndexFollower(connect(self.settings.redis_url, FOLLOWER_TIMEOUT_S), self.keys)
+            IndexFollower(
+                connect(self.settings.redis_url, FOLLOWER_TIMEOUT_S),
+                self.keys,
+                after_first_sync=(
+                    freeze_startup_heap if self.settings.freeze_heap_after_index_sync else None
+                ),
+            )
             if self.settings.redis_url and self.settings.use_local_index
             else None
         )
         self._follower_task: asyncio.Task | None = None
         self._cache_key_pods: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._index_groups_key: list[int] = []  # the records' ids `_index_groups` was given
+        # Those records, held so that no id in the key can be another record's meanwhile.
+        self._index_groups_records: list[PodRecord | None] = []
         self._index_groups_kept: IndexGroups = {}
+        # The policy's weights, once: `for_policy` builds new ones for some policies, and the
+        # pods keep their load term per weights object (`Pod.load_term`).
+        self._policy_weights = self.settings.weights.for_policy(self.settings.policy)
 
     async def start(self) -> None:
         if self.redis is None:
@@ -208,7 +225,7 @@ class Router:
         place = self.settings.place
         if self.settings.policy != "round_robin":  # a rotation must see every pod
             region = client_region or place.region
-            weights = self.settings.weights.for_policy(self.settings.policy)
+            weights = self._policy_weights
             decode_pods = shortlist(decode_pods, cached, weights, region)
             prefill_pods = shortlist(prefill_pods, cached, weights, region)
         # A stats poll that failed while the index answered leaves its pod without a load to
@@ -323,11 +340,12 @@ class Router:
     def _index_groups(self, pods: list[Pod]) -> IndexGroups:
         """`_group_for_index(pods)`, kept while the same records come in the same order: they
         change at a registry refresh or when a pod stops being available, and building them
-        was a sixth of a pick at a thousand pods. The records are kept with the groups, so an
-        id here is never another record's."""
-        key = list(map(id, map(_RECORD_OF, pods)))  # C-level passes: a thousand pods each pick
+        was a sixth of a pick at a thousand pods."""
+        records = list(map(_RECORD_OF, pods))  # C-level passes: a thousand pods at each pick
+        key = list(map(id, records))
         if key != self._index_groups_key:
-            self._index_groups_kept, self._index_groups_key = _group_for_index(pods), key
+            self._index_groups_kept = _group_for_index(pods)
+            self._index_groups_key, self._index_groups_records = key, records
         return self._index_groups_kept
 
 

@@ -158,9 +158,12 @@ class SimGateway:
         come highest term first, so the scores only fall along `ranked`, and the search stops
         past the first unsaturated pod's score (ties by name)."""
         saturated = self._is_saturated
-        best = best_saturated = None  # the best unsaturated pod so far, the best saturated one
+        best: SimPod | None = None  # the best unsaturated pod so far
+        # The best saturated one: chosen only if every pod is saturated.
+        best_saturated: SimPod | None = None
         best_score = best_saturated_score = 0.0
-        last_term, score = float("nan"), 0.0  # nan equals no term: the first pod rounds
+        last_term = float("nan")  # equals no term: the first pod's score is rounded
+        score: float
         for i in ranked:
             if terms[i] != last_term:  # idle pods tie: one rounding serves a run of them
                 last_term = terms[i]
@@ -173,10 +176,10 @@ class SimGateway:
                 best_saturated, best_saturated_score = pod, score
             if best is not None and score < best_score:
                 break  # every later pod scores lower than the unsaturated best
-        if best is not None:
-            return best
-        assert best_saturated is not None  # `ranked` is never empty
-        return best_saturated
+        chosen = best if best is not None else best_saturated
+        if chosen is None:
+            raise ValueError("no pods to choose from")
+        return chosen
 
     def _refresh(self, name: str) -> float:
         """The pod's load term (`scoring.load_term` of its view), with whether the view is

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 METHODS = ("none", "int8", "int4", "gguf")
 TARGETS = {"none": 1.5, "int4": 0.3, "gguf": 0.3}  # growth / float32 checkpoint (issue 33)
@@ -105,7 +106,9 @@ def measure_in_subprocess(
     """`measure_here` in a fresh Python process (this module's --one)."""
     argv = [sys.executable, "-m", "benchmarks.memory", "--one", method]
     argv += ["--kv-cache-bytes", str(kv_cache_bytes)]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    # From the checkout's root, where `benchmarks` is found whatever the caller's directory.
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, cwd=root)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed:\n{result.stderr[-4000:]}")
     return MemoryFigures(**json.loads(result.stdout.splitlines()[-1]))

@@ -48,8 +48,9 @@ def build_cluster(num_pods: int, rng: random.Random) -> Cluster:
     decode, prefill = PodPool("decode", [], "m"), PodPool("prefill", [], "m")
     follower = IndexFollower(None, RegistryKeys())
     for i in range(num_pods):
-        pod = _pod(i, "prefill" if i < num_pods * 3 // 10 else "decode", rng)
-        (prefill if pod.record.role == "prefill" else decode).pods.append(pod)  # type: ignore[union-attr]
+        pool = prefill if i < num_pods * 3 // 10 else decode
+        pod = _pod(i, pool.role, rng)
+        pool.pods.append(pod)
         held = [h for s in rng.sample(sessions, 2) for h in hash_full_blocks(s, BLOCK_SIZE, "")]
         held += [rng.randbytes(16) for _ in range(OWN_BLOCKS_PER_POD)]
         follower.index.replace_pod(pod.pod_id, 1, {Tier.DEVICE: held})

@@ -99,7 +99,7 @@ class Pod:
     # thousand pods by load on every pick).
     _parsed_load: _ParsedLoad | None = field(default=None, repr=False, compare=False)
     # The last `load_term` asked: (stats, num_dispatched, weights, term).
-    _load_term: tuple[Any, int, RoutingWeights, float] | None = field(
+    _load_term: tuple[worker_pb2.WorkerStats | None, int, RoutingWeights, float] | None = field(
         default=None, repr=False, compare=False
     )
 

@@ -209,8 +209,8 @@ class _PollFailsDuringLookup(Router):
     """The real router, with a real round of stats polls (one pod stopped) landing while the
     index lookup is in flight: the interleaving that 1,000 pods on a busy gateway produce."""
 
-    async def cached_tokens(self, prompt, pods, extra_hash_keys=()):
-        answer = await super().cached_tokens(prompt, pods, extra_hash_keys)
+    async def cached_tokens(self, prompt, pods, extra_hash_keys=(), pods_version=None):
+        answer = await super().cached_tokens(prompt, pods, extra_hash_keys, pods_version)
         await self.decode_pool.poll()
         return answer
 

@@ -7,8 +7,10 @@ stream and shares the machine with the simulated pods and Redis; on two cores a 
 mostly waits for a core. This builds the same kind of cluster in memory (30% prefill pods;
 every pod holding its own blocks and two sessions, each session behind one of 30 shared system
 prompts, so that a system prompt has about 60 holders) and times picks one after another, half
-of them of a session's prompt and half of a prompt nobody holds. A stats poll is imitated every
-50 picks (the dispatch counts restart).
+of them of a session's prompt and half of a prompt nobody holds. The pools' stats polls are
+imitated as they come at the benchmark's rate (about 600 picks/s): each pool polls 100 pods
+per 0.5 s tick (pods.MAX_POLLS_PER_SECOND), so every 300 picks the next 100 pods of each pool
+get a new answer (new stats, their dispatch counts restarting).
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ BLOCK_SIZE = 16
 NUM_SYSTEM_PROMPTS = 30
 NUM_SESSIONS = 300
 OWN_BLOCKS_PER_POD = 1000
-PICKS_PER_POLL = 50
+PICKS_PER_POLL_TICK = 300
+PODS_PER_POLL_TICK = 100
 
 
 @dataclass
 class Cluster:
     router: Router
-    pods: list[Pod]
+    pools: list[PodPool]
     sessions: list[list[int]]
 
 
@@ -50,7 +53,7 @@ def build_cluster(num_pods: int, rng: random.Random) -> Cluster:
     for i in range(num_pods):
         pool = prefill if i < num_pods * 3 // 10 else decode
         pod = _pod(i, pool.role, rng)
-        pool.pods.append(pod)
+        pool.pods.append(pod)  # before the pool is first read: its ranking sees it
         held = [h for s in rng.sample(sessions, 2) for h in hash_full_blocks(s, BLOCK_SIZE, "")]
         held += [rng.randbytes(16) for _ in range(OWN_BLOCKS_PER_POD)]
         follower.index.replace_pod(pod.pod_id, 1, {Tier.DEVICE: held})
@@ -58,7 +61,7 @@ def build_cluster(num_pods: int, rng: random.Random) -> Cluster:
     router = Router(decode, prefill)
     # The index as a synced follower leaves it; no Redis is asked anything.
     router.index_follower, router.redis, router.is_redis_up = follower, object(), True
-    return Cluster(router, decode.pods + prefill.pods, sessions)
+    return Cluster(router, [decode, prefill], sessions)
 
 
 def _tokens(rng: random.Random, count: int) -> list[int]:
@@ -67,14 +70,26 @@ def _tokens(rng: random.Random, count: int) -> list[int]:
 
 def _pod(index: int, role: str, rng: random.Random) -> Pod:
     record = PodRecord(f"pod-{index:04d}", role, f"10.0.{index // 250}.{index % 250}:1", 1)
-    stats = worker_pb2.WorkerStats(
-        worker_id=record.pod_id,
+    stats = _stats(record.pod_id, rng)
+    return Pod(record.address, None, stats=stats, is_serving_model=True, record=record)
+
+
+def _stats(pod_id: str, rng: random.Random) -> worker_pb2.WorkerStats:
+    return worker_pb2.WorkerStats(
+        worker_id=pod_id,
         num_running=rng.randrange(8),
         num_waiting=rng.randrange(2),
         kv_blocks_total=1000,
         kv_blocks_free=rng.randrange(200, 1000),
     )
-    return Pod(record.address, None, stats=stats, is_serving_model=True, record=record)
+
+
+def _poll_tick(pool: PodPool, tick: int, rng: random.Random) -> None:
+    """The answers to one tick of `pool`'s polls, as PodPool._poll_one applies them."""
+    start = tick * PODS_PER_POLL_TICK
+    for offset in range(PODS_PER_POLL_TICK):
+        pod = pool.pods[(start + offset) % len(pool.pods)]
+        pod.stats, pod.num_dispatched = _stats(pod.pod_id, rng), 0
 
 
 async def time_picks(cluster: Cluster, num_picks: int, rng: random.Random) -> list[float]:
@@ -88,9 +103,9 @@ async def time_picks(cluster: Cluster, num_picks: int, rng: random.Random) -> li
         times.append((time.perf_counter() - start) * 1000)
         if picked is None:
             raise RuntimeError("a pick found no pod")
-        if k % PICKS_PER_POLL == 0:
-            for pod in cluster.pods:
-                pod.num_dispatched = 0
+        if k % PICKS_PER_POLL_TICK == 0:
+            for pool in cluster.pools:
+                _poll_tick(pool, k // PICKS_PER_POLL_TICK, rng)
         if (k + 1) % 1000 == 0:
             print(f"  {k + 1}/{num_picks} picks", flush=True)
     return times

@@ -30,6 +30,7 @@ from splitserve.common.channels import aio_channel
 from splitserve.common.pod_load import PodLoad
 from splitserve.common.registry_schema import PodRecord
 from splitserve.gateway.admission.feedback import TokenGaps
+from splitserve.gateway.routing.load_ranking import RANKED_FIELDS, LoadRanking
 from splitserve.gateway.routing.scoring import (
     Location,
     LoRAResidency,
@@ -102,6 +103,14 @@ class Pod:
     _load_term: tuple[worker_pb2.WorkerStats | None, int, RoutingWeights, float] | None = field(
         default=None, repr=False, compare=False
     )
+    # Its pool's ranking, told of every change to what it reads (load_ranking.py).
+    _ranking: LoadRanking | None = field(default=None, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        ranking = self.__dict__.get("_ranking")
+        if ranking is not None and name in RANKED_FIELDS:
+            ranking.note_change(self, name, value)
+        object.__setattr__(self, name, value)
 
     def break_calls(self) -> None:
         for breaker in list(self.call_breakers):
@@ -241,6 +250,9 @@ class PodPool:
         self.poll_interval_s = poll_interval_s  # between the background stats polls
         self.unreachable_cooldown_s = unreachable_cooldown_s
         self.pods: list[Pod] = []
+        # Which of them are available and how loaded, kept as they change (a pick at a
+        # thousand pods would otherwise read every pod).
+        self.ranking = LoadRanking()
         self._channels: dict[str, grpc.aio.Channel] = {}  # address -> its channel
         # Channels of pods that left the registry, closing once their calls end.
         self._leaving: dict[asyncio.Task, grpc.aio.Channel] = {}
@@ -267,6 +279,7 @@ class PodPool:
         self._channels[address] = channel
         pod = Pod(address, stub_class(channel), record=record)
         self.pods.append(pod)
+        self.ranking.forget()
         return pod
 
     async def apply_records(self, records: list[PodRecord]) -> None:
@@ -282,6 +295,7 @@ class PodPool:
             elif pod.record is not None:
                 logger.info("%s pod %s left the registry", self.role, pod.address)
                 self.pods.remove(pod)
+                self.ranking.forget()
                 self._close_when_idle(self._channels.pop(pod.address))
         for address, record in mine.items():
             logger.info("%s pod %s joined (%s)", self.role, address, record.pod_id)
@@ -306,10 +320,14 @@ class PodPool:
             await channel.close()
 
     def available(self) -> list[Pod]:
-        # One clock read for the pool: the router calls this for every pick, over a thousand
-        # pods at scale (benchmarks/scale).
-        now = time.monotonic()
-        return [pod for pod in self.pods if pod.is_available_at(now)]
+        """The pods routing may choose, in the pool's order."""
+        self.ranking.catch_up(self.pods)
+        return self.ranking.available()
+
+    def ranked(self, weights: RoutingWeights) -> LoadRanking:
+        """The ranking, up to date and ranking by `weights` (the shortlist's lists)."""
+        self.ranking.catch_up(self.pods, weights)
+        return self.ranking
 
     def lora_adapters(self) -> set[str]:
         """Every LoRA adapter some available pod holds."""

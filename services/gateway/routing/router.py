@@ -64,8 +64,9 @@ FOLLOWER_TIMEOUT_S = 5.0
 REGISTRY_TIMEOUT_S = 5.0
 # prompt_cache_key -> the decode pod that served it last; the oldest keys are forgotten.
 MAX_CACHE_KEYS = 65536
-# (block size, hash namespace) -> the generations and records of the pods hashing that way.
-IndexGroups = dict[tuple[int, str], tuple[dict[str, int], dict[str, PodRecord]]]
+# (block size, hash namespace) -> the generations of the pods hashing that way, and the pods
+# (whose records, as they are at the lookup, credit their offload tiers).
+IndexGroups = dict[tuple[int, str], tuple[dict[str, int], dict[str, Pod]]]
 _RECORD_OF = operator.attrgetter("record")
 
 
@@ -125,7 +126,8 @@ class Router:
         )
         self._follower_task: asyncio.Task | None = None
         self._cache_key_pods: collections.OrderedDict[str, str] = collections.OrderedDict()
-        self._index_groups_key: list[int] = []  # the records' ids `_index_groups` was given
+        # The records' ids `_index_groups` was given, or the pools' version they were read at.
+        self._index_groups_key: list[int] | tuple = []
         # Those records, held so that no id in the key can be another record's meanwhile.
         self._index_groups_records: list[PodRecord | None] = []
         self._index_groups_kept: IndexGroups = {}
@@ -208,26 +210,41 @@ class Router:
         does, the decode pod prefills), scored by its residency, and its blocks are hashed
         with it."""
         decode_pods = self.decode_pool.available()
-        if exclude or lora_name is not None:  # most picks filter nothing: no second pass
+        # Whether a pool's candidates are all its available pods: its ranking then shortlists.
+        is_every_decode_pod = not exclude and lora_name is None
+        if not is_every_decode_pod:  # most picks filter nothing: no second pass
             decode_pods = [
                 p for p in decode_pods if p.address not in exclude and _holds(p, lora_name)
             ]
         if not decode_pods:
             return None
         prefill_pods = self._prefill_candidates(avoid_prefill)
+        is_every_prefill_pod = self.prefill_pool is not None and lora_name is None and (
+            len(prefill_pods) == self.prefill_pool.ranking.num_available
+        )
         if lora_name is not None:
             prefill_pods = [p for p in prefill_pods if _holds(p, lora_name)]
         hash_keys = cache_salt_keys(cache_salt) + lora_hash_keys(lora_name)
+        pods_version = None
+        if is_every_decode_pod and (self.prefill_pool is None or is_every_prefill_pod):
+            pods_version = self._pools_version()
         cached = await self.cached_tokens(
-            prompt_token_ids, [*prefill_pods, *decode_pods], hash_keys
+            prompt_token_ids, [*prefill_pods, *decode_pods], hash_keys, pods_version
         )
         self._credit_cache_key(cached, cache_key, len(prompt_token_ids))
         place = self.settings.place
         if self.settings.policy != "round_robin":  # a rotation must see every pod
             region = client_region or place.region
             weights = self._policy_weights
-            decode_pods = shortlist(decode_pods, cached, weights, region)
-            prefill_pods = shortlist(prefill_pods, cached, weights, region)
+            # Unfiltered, a pool's ranking lists from its available pods as they are now (a
+            # Redis lookup may have waited since they were read), as the pick's checks below do.
+            decode_ranking = prefill_ranking = None
+            if is_every_decode_pod:
+                decode_ranking = self.decode_pool.ranked(weights)
+            if is_every_prefill_pod:
+                prefill_ranking = self.prefill_pool.ranked(weights)  # type: ignore[union-attr]
+            decode_pods = shortlist(decode_pods, cached, weights, region, decode_ranking)
+            prefill_pods = shortlist(prefill_pods, cached, weights, region, prefill_ranking)
         # A stats poll that failed while the index answered leaves its pod without a load to
         # score (and unavailable): it drops out now (seen at 1,000 pods: benchmarks/scale).
         decode_pods = [p for p in decode_pods if p.is_available]
@@ -290,16 +307,22 @@ class Router:
         return PickedPods(decision, decode_pod, prefill_pod)
 
     async def cached_tokens(
-        self, prompt: list[int], pods: list[Pod], extra_hash_keys: tuple[str, ...] = ()
+        self,
+        prompt: list[int],
+        pods: list[Pod],
+        extra_hash_keys: tuple[str, ...] = (),
+        pods_version: tuple | None = None,
     ) -> dict[str, int]:
         """pod id -> tokens of `prompt` cached there, per the index ({} without one), blocks in
         a pod's offload tiers counted by their measured credit (`tier_credit.py`). A pod
-        absent holds none (the gateway's index names only the pods holding some)."""
+        absent holds none (the gateway's index names only the pods holding some).
+        `pods_version`: `_pools_version()` read with `pods` when they are all the pools'
+        available pods (the grouping of their records is then kept while it holds)."""
         uses_index = self.settings.policy == "cache_aware" and self.is_redis_up
         if self.redis is None or not uses_index:
             return {}
         if self.index_follower is not None and self.index_follower.is_synced:
-            return self._local_cached_tokens(prompt, pods, extra_hash_keys)
+            return self._local_cached_tokens(prompt, pods, extra_hash_keys, pods_version)
         indexed = [(p.pod_id, p.record) for p in pods if p.record is not None]
         if not indexed:
             return {}
@@ -322,35 +345,53 @@ class Router:
         }
 
     def _local_cached_tokens(
-        self, prompt: list[int], pods: list[Pod], extra_hash_keys: tuple[str, ...]
+        self,
+        prompt: list[int],
+        pods: list[Pod],
+        extra_hash_keys: tuple[str, ...],
+        pods_version: tuple | None,
     ) -> dict[str, int]:
         """cached_tokens from the gateway's index, for the pods holding the prompt's first
         block only: crediting a thousand empty prefixes was O(pods) work the index exists to
         avoid (absent means 0, as for callers). One walk per (block size, namespace) group."""
-        groups = self._index_groups(pods)
+        groups = self._index_groups(pods, pods_version)
         index = self.index_follower.index  # type: ignore[union-attr]
         found: dict[str, int] = {}
-        for (block_size, namespace), (generations, records) in groups.items():
+        for (block_size, namespace), (generations, pods_by_id) in groups.items():
             # Only this group's pods: another's could share a hash only by collision.
             hashes = hash_full_blocks(prompt[:-1], block_size, namespace, extra_hash_keys)
             for pod_id, prefix in index.lookup(hashes, generations).items():
-                found[pod_id] = credited_tokens(records[pod_id], prefix)
+                record = pods_by_id[pod_id].record
+                if record is not None:
+                    found[pod_id] = credited_tokens(record, prefix)
         return found
 
-    def _index_groups(self, pods: list[Pod]) -> IndexGroups:
+    def _index_groups(self, pods: list[Pod], pods_version: tuple | None) -> IndexGroups:
         """`_group_for_index(pods)`, kept while the same records come in the same order: they
         change at a registry refresh or when a pod stops being available, and building them
-        was a sixth of a pick at a thousand pods."""
-        records = list(map(_RECORD_OF, pods))  # C-level passes: a thousand pods at each pick
+        was a sixth of a pick at a thousand pods. With `pods_version` the pools' rankings
+        say whether they did; without, the records are compared (passes over every pod)."""
+        if pods_version is not None:
+            if pods_version != self._index_groups_key:
+                self._index_groups_kept = _group_for_index(pods)
+                self._index_groups_key, self._index_groups_records = pods_version, []
+            return self._index_groups_kept
+        records = list(map(_RECORD_OF, pods))
         key = list(map(id, records))
         if key != self._index_groups_key:
             self._index_groups_kept = _group_for_index(pods)
             self._index_groups_key, self._index_groups_records = key, records
         return self._index_groups_kept
 
+    def _pools_version(self) -> tuple:
+        """Changes whenever the pools' available pods or their records may have: the
+        rankings' versions, with the rankings themselves (a pool's is its own)."""
+        pools = (self.decode_pool, self.prefill_pool)
+        return tuple((id(p.ranking), p.ranking.records_version) for p in pools if p is not None)
+
 
 def _group_for_index(pods: list[Pod]) -> IndexGroups:
-    """(block size, namespace) -> the pods' generations and records: one pass over them."""
+    """(block size, namespace) -> the pods' generations and the pods: one pass over them."""
     groups: IndexGroups = {}
     for pod in pods:
         record = pod.record
@@ -360,7 +401,7 @@ def _group_for_index(pods: list[Pod]) -> IndexGroups:
         if group is None:
             group = groups[(record.block_size, record.hash_namespace)] = ({}, {})
         group[0][record.pod_id] = record.generation
-        group[1][record.pod_id] = record
+        group[1][record.pod_id] = pod
     return groups
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable
 
+from splitserve.gateway.routing.load_ranking import LoadRanking
 from splitserve.gateway.routing.pods import Pod
 from splitserve.gateway.routing.scoring import RoutingWeights
 
@@ -37,15 +38,28 @@ def shortlist(
     cached: dict[str, int],
     weights: RoutingWeights,
     region: str = "",
+    ranking: LoadRanking | None = None,
 ) -> list[Pod]:
     """`pods` when there are at most MAX_SCORED_PODS, else the union of the lists above (in
-    `pods`' order, each pod once)."""
+    `pods`' order, each pod once). `ranking`: the pool's, caught up with `weights`, when
+    `pods` are all its available pods (nothing filtered out): the lists then come from it
+    without a pass over every pod."""
     if len(pods) <= MAX_SCORED_PODS:
         return pods
+    if ranking is not None:
+        return _ranked_shortlist(ranking, cached, region)
     tokens = [cached.get(p.pod_id, 0) for p in pods] if cached else [0] * len(pods)
     loads = [p.load_term(weights) for p in pods]
     local = [p.location.region == region for p in pods] if region else None
     return [pods[i] for i in shortlist_positions(tokens, loads, local)]
+
+
+def _ranked_shortlist(ranking: LoadRanking, cached: dict[str, int], region: str) -> list[Pod]:
+    chosen = set(ranking.most_cached(cached, MOST_CACHED))
+    chosen.update(ranking.least_loaded(LEAST_LOADED))
+    if region:
+        chosen.update(ranking.least_loaded(LEAST_LOADED_IN_REGION, region))
+    return ranking.pods_at(sorted(chosen))
 
 
 def shortlist_positions(
@@ -63,9 +77,12 @@ def shortlist_positions(
     count = len(load_terms)
     if count <= MAX_SCORED_PODS:
         return list(range(count))
-    chosen = set() if cached_tokens is None else {i for i in range(count) if cached_tokens[i] > 0}
-    if cached_tokens is not None and len(chosen) > MOST_CACHED:
-        chosen = set(heapq.nlargest(MOST_CACHED, chosen, key=cached_tokens.__getitem__))
+    held: list[int] = []
+    if cached_tokens is not None:
+        held = [i for i in range(count) if cached_tokens[i] > 0]
+        if len(held) > MOST_CACHED:  # from the ascending list: ties to the earlier pod
+            held = heapq.nlargest(MOST_CACHED, held, key=cached_tokens.__getitem__)
+    chosen = set(held)
     if least_loaded is None:
         least_loaded = _least_loaded(LEAST_LOADED, range(count), load_terms)
     chosen.update(least_loaded)

@@ -5,9 +5,9 @@ At a thousand pods most of a pick was passes over every pod: which are available
 load term for the shortlist, the least loaded of them (benchmarks/scale/pick_alone). Now a
 `Pod` tells its pool's ranking of every change to a field those depend on (`Pod.__setattr__`:
 RANKED_FIELDS), and the ranking re-reads only the pods that changed since it was last asked,
-plus those whose cooldown ran out meanwhile. The least loaded are then found in a numpy array: the k-th
-largest term, the positions above it and, of the ties, the earliest, so the lists are the
-ones shortlist.py's pass over every pod makes.
+plus those whose cooldown ran out meanwhile. The least loaded are then found in a numpy
+array: the k-th largest term, the positions above it and, of the ties, the earliest, so the
+lists are the ones shortlist.py's pass over every pod makes.
 
 Owned by its pool's event loop, as the pods are."""
 

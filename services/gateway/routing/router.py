@@ -219,8 +219,10 @@ class Router:
         if not decode_pods:
             return None
         prefill_pods = self._prefill_candidates(avoid_prefill)
-        is_every_prefill_pod = self.prefill_pool is not None and lora_name is None and (
-            len(prefill_pods) == self.prefill_pool.ranking.num_available
+        is_every_prefill_pod = (
+            self.prefill_pool is not None
+            and lora_name is None
+            and (len(prefill_pods) == self.prefill_pool.ranking.num_available)
         )
         if lora_name is not None:
             prefill_pods = [p for p in prefill_pods if _holds(p, lora_name)]

@@ -170,8 +170,11 @@ class LoadRanking:
             self._is_available[position] = is_available
             self._available_pods = None
             self.records_version += 1
-        ranked = is_available and self._weights is not None
-        self._terms[position] = pod.load_term(self._weights) if ranked else _UNAVAILABLE
+        weights = self._weights
+        if is_available and weights is not None:
+            self._terms[position] = pod.load_term(weights)
+        else:
+            self._terms[position] = _UNAVAILABLE
         region = pod.location.region
         code = self._code_of_region.setdefault(region, len(self._code_of_region))
         self._region_codes[position] = code

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import time
 
 from splitserve.common.pod_load import PodLoad
 from splitserve.common.registry_schema import PodRecord, RegistryKeys
@@ -120,17 +121,24 @@ def test_a_pods_load_term_follows_its_polls_and_dispatches():
     assert pod.load_term(other) == load_term(12, busier.kv_usage, other)
 
 
-def test_the_index_lookup_follows_the_registrys_records():
-    """The router keeps its grouping of the pods' records between picks; a registry refresh
-    that names a pod's new process (another generation) stops its old blocks counting, and
-    equal records in new objects keep them."""
+def _router_with_one_holder() -> tuple[Router, PodPool]:
+    """100 pods; d-7 (unsaturated, so its cache decides a pick) holds 3 blocks of range(64)."""
     pool = PodPool("decode", [], "m")
     pool.pods = _pool(100)
+    pool.pods[7].stats.num_running = 1
     router = Router(pool, None, RouterSettings())
     follower = IndexFollower(None, RegistryKeys())
     follower.index.replace_pod("d-7", 1, {Tier.DEVICE: hash_full_blocks(list(range(63)), 16, "")})
     follower.is_synced = True
     router.index_follower, router.redis, router.is_redis_up = follower, object(), True
+    return router, pool
+
+
+def test_the_index_lookup_follows_the_registrys_records():
+    """The router keeps its grouping of the pods' records between lookups; a registry refresh
+    that names a pod's new process (another generation) stops its old blocks counting, and
+    equal records in new objects keep them."""
+    router, pool = _router_with_one_holder()
     prompt = list(range(64))
 
     def cached() -> dict[str, int]:
@@ -142,3 +150,90 @@ def test_the_index_lookup_follows_the_registrys_records():
     assert cached() == {"d-7": 48}
     pool.pods[7].record = dataclasses.replace(pool.pods[7].record, generation=2)
     assert cached() == {}
+
+
+def test_picks_follow_the_registrys_records():
+    """The same through picks, where the grouping is kept by the pool's ranking's version: a
+    heartbeat's new records keep it, a new generation of the holder changes it."""
+    router, pool = _router_with_one_holder()
+    prompt = list(range(64))
+
+    def picked_holding() -> tuple[str, int]:
+        picked = asyncio.run(router.pick(prompt))
+        assert picked is not None
+        return picked.decision.decode_pod_id, picked.decision.cached_prefix_tokens
+
+    assert picked_holding() == ("d-7", 48)
+    for pod in pool.pods:  # a refresh: new records, heartbeats' figures changed
+        pod.record = dataclasses.replace(pod.record, recent_itl_s=0.01)
+    assert picked_holding() == ("d-7", 48)
+    pool.pods[7].record = dataclasses.replace(pool.pods[7].record, generation=2)
+    assert picked_holding()[1] == 0
+
+
+def _brute_force_available(pods: list[Pod]) -> list[Pod]:
+    now = time.monotonic()
+    return [pod for pod in pods if pod.is_available_at(now)]
+
+
+def _shake(pool: PodPool, rng: random.Random, step: int) -> None:
+    """One random change of the kinds a gateway sees: a poll's answer (new load, maybe
+    another region or model), a dispatch, a failed poll, a call that found a pod unreachable
+    (a short cooldown, to run out within the test), a registry refresh, pods joining and
+    leaving."""
+    pods = pool.pods
+    pod = rng.choice(pods)
+    # Now and then a short cooldown, where the sleep below lets it run out before the next look.
+    kind = 4 if step % 70 == 69 else rng.randrange(9)
+    if kind == 0:
+        load = PodLoad(num_running=rng.randrange(4), kv_blocks_total=1000,
+                       kv_blocks_free=rng.choice([100, 500, 900]))  # fmt: skip
+        region = rng.choice(["", "r0", "r1", "r2", "r3"])  # "": the record's counts
+        pod.stats = worker_pb2.WorkerStats(
+            worker_id=pod.pod_id, model="m", region=region, **load.as_fields()
+        )
+        pod.num_dispatched, pod.is_serving_model = 0, rng.random() > 0.05
+    elif kind in (1, 2):
+        pod.num_dispatched += 1
+    elif kind == 3:
+        pod.stats = None
+    elif kind == 4:
+        pool.mark_unreachable(pod)
+        cooldown = 0.05 if step % 70 == 69 else rng.choice([0.0, 60.0])
+        pod.unreachable_until = time.monotonic() + cooldown
+    elif kind == 5 and pod.record is not None:  # a heartbeat's record; now and then a move
+        region = rng.choice(["r0", "r1", "r2", "r3"]) if rng.random() < 0.5 else pod.record.region
+        pod.record = dataclasses.replace(pod.record, region=region, recent_itl_s=rng.random())
+    elif kind == 6:  # one pod leaves and another joins: the list changed in place
+        pods.remove(pod)
+        pods.insert(rng.randrange(len(pods)), _pod(1000 + step, rng.randrange(5)))
+        pool.ranking.forget()
+    elif kind == 7 and step % 50 == 0:  # the pool's list replaced outright
+        pool.pods = list(pods)
+    elif kind == 8 and step % 20 == 0:  # one appended, as tests and benchmarks build pools
+        pods.append(_pod(5000 + step, rng.randrange(5), region=""))
+
+
+def test_the_pools_ranking_lists_what_a_pass_over_every_pod_lists():
+    """The ranking a pool keeps as its pods change gives the available pods and shortlists
+    that reading every pod at the pick gives, through polls, dispatches, failures, cooldowns
+    running out, registry refreshes, moves between regions and pods joining and leaving."""
+    rng = random.Random(5)
+    pool = PodPool("decode", [], "m")
+    pool.pods = _pool(300, seed=5)
+    for pod in pool.pods[::2]:  # their region is their record's
+        pod.stats.region = ""
+    weights = RoutingWeights()
+    for step in range(1500):
+        _shake(pool, rng, step)
+        if step % 7 and step % 70 != 69:  # a look right after a short cooldown begins, too
+            continue
+        if step % 70 == 0:
+            time.sleep(0.06)  # the short cooldown runs out
+        available = pool.available()
+        assert available == _brute_force_available(pool.pods)
+        holders = rng.sample(available, rng.choice([0, 5, 40]))
+        cached = {pod.pod_id: 16 * rng.randrange(1, 4) for pod in holders}  # ties among them
+        for region in ("", "r0", "r1", "r2", "r3", "r9"):
+            ranked = shortlist(available, cached, weights, region, pool.ranked(weights))
+            assert ranked == shortlist(available, cached, weights, region)

@@ -48,6 +48,9 @@ class LoadRanking:
         self.records_version = 0
         self._cooldowns: list[tuple[float, int]] = []  # (until, id(pod)): a heap
         self._is_available = np.zeros(0, dtype=bool)
+        # The same as a list: read a position at a time (the holders of a prompt), where an
+        # array's item access is slower.
+        self._is_available_flags: list[bool] = []
         self._terms = np.zeros(0)
         self._weights: RoutingWeights | None = None  # what `_terms` were worked out with
         self._region_codes = np.zeros(0, dtype=np.int64)
@@ -107,12 +110,13 @@ class LoadRanking:
         """Positions of the `count` available pods holding most of the prompt (`cached`: pod
         id -> tokens), ties to the earlier pod."""
         by_id = self._positions_by_pod_id()
+        is_available = self._is_available_flags
         tokens_at = {
             position: tokens
             for pod_id, tokens in cached.items()
             if tokens > 0
             for position in by_id.get(pod_id, ())
-            if self._is_available[position]
+            if is_available[position]
         }
         held = sorted(tokens_at)
         if len(held) <= count:
@@ -149,6 +153,7 @@ class LoadRanking:
         count = len(pods)
         self._position = {id(pod): i for i, pod in enumerate(pods)}
         self._is_available = np.zeros(count, dtype=bool)
+        self._is_available_flags = [False] * count
         self._terms = np.full(count, _UNAVAILABLE)
         self._region_codes = np.zeros(count, dtype=np.int64)
         self._pod_ids = [""] * count
@@ -166,8 +171,8 @@ class LoadRanking:
         is_available = pod.is_available_at(now)
         if pod.unreachable_until > now:
             heapq.heappush(self._cooldowns, (pod.unreachable_until, id(pod)))
-        if is_available != self._is_available[position]:
-            self._is_available[position] = is_available
+        if is_available != self._is_available_flags[position]:
+            self._is_available[position] = self._is_available_flags[position] = is_available
             self._available_pods = None
             self.records_version += 1
         weights = self._weights

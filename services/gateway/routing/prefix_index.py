@@ -30,6 +30,19 @@ class _PodBlocks:
     # The seq of the last event applied; None right after a snapshot, when any next one goes.
     last_seq: int | None
     hashes: dict[Tier, set[bytes]] = field(default_factory=dict)
+    # The one tier holding all its blocks (most pods: no offload), or None when several do;
+    # worked out at a lookup, forgotten when its blocks change (`_tiers_changed`).
+    only_tier: Tier | None = None
+    is_only_tier_known: bool = False
+
+    def tier_of_all(self) -> Tier | None:
+        """The one tier holding all its blocks, or None (several, or none)."""
+        if not self.is_only_tier_known:
+            # A snapshot gives every tier a set, most of them empty.
+            tiers = [tier for tier, held in self.hashes.items() if held]
+            self.only_tier = tiers[0] if len(tiers) == 1 else None
+            self.is_only_tier_known = True
+        return self.only_tier
 
     def fastest_tier(self, block_hash: bytes) -> Tier | None:
         for tier in Tier:
@@ -115,8 +128,14 @@ class PrefixIndex:
         for position, block_hash in enumerate(hashes):
             holders = self._holders.get(block_hash)
             members = () if holders is None else (holders,) if isinstance(holders, str) else holders
-            if position == 0:
-                alive = {p for p in members if self._is_current(p, generations)}
+            if position == 0:  # pods of the generation the registry names
+                pods = self._pods
+                alive = {
+                    p
+                    for p in members
+                    if (blocks := pods.get(p)) is not None
+                    and generations.get(p) == blocks.generation
+                }
             else:
                 # Set operations: a shared system prompt's blocks have tens of holders each,
                 # walked block by block (benchmarks/scale/pick_alone).
@@ -128,28 +147,38 @@ class PrefixIndex:
                 break
         else:
             runs.update((pod_id, len(hashes)) for pod_id in alive)
-        return {pod_id: self._prefix(pod_id, hashes[:run]) for pod_id, run in runs.items()}
+        # A shared system prompt's holders (a hundred at 1,000 pods: benchmarks/scale) mostly
+        # hold it in one tier, to the same length: one answer object for all of them.
+        same: dict[tuple[Tier, int], CachedPrefix] = {}
+        return {pod_id: self._prefix(pod_id, hashes, run, same) for pod_id, run in runs.items()}
 
-    def _prefix(self, pod_id: str, run: Sequence[bytes]) -> CachedPrefix:
-        """The run's blocks by the fastest tier holding each. A pod with one tier (most: no
-        offload) holds all of them there, which costs no per-block tier lookups."""
+    def _prefix(
+        self,
+        pod_id: str,
+        hashes: Sequence[bytes],
+        run: int,
+        same: dict[tuple[Tier, int], CachedPrefix],
+    ) -> CachedPrefix:
+        """The first `run` hashes' blocks by the fastest tier holding each. A pod with one
+        tier (most: no offload) holds all of them there, which costs no per-block tier
+        lookups, and shares its answer (`same`) with the pods holding as many there."""
         pod = self._pods[pod_id]
-        # A snapshot gives every tier a set, most of them empty.
-        tiers = [tier for tier, held in pod.hashes.items() if held]
-        if len(tiers) == 1:
-            return CachedPrefix({tiers[0]: len(run)})
+        tier = pod.tier_of_all()
+        if tier is not None:
+            key = (tier, run)
+            prefix = same.get(key)
+            if prefix is None:
+                prefix = same[key] = CachedPrefix({tier: run})
+            return prefix
         by_tier: dict[Tier, int] = {}
-        for block_hash in run:
+        for block_hash in hashes[:run]:
             tier = pod.fastest_tier(block_hash)
             assert tier is not None, "a holder holds the hash in some tier"
             by_tier[tier] = by_tier.get(tier, 0) + 1
         return CachedPrefix(by_tier)
 
-    def _is_current(self, pod_id: str, generations: Mapping[str, int]) -> bool:
-        pod = self._pods.get(pod_id)
-        return pod is not None and generations.get(pod_id) == pod.generation
-
     def _store(self, pod_id: str, pod: _PodBlocks, tier: Tier, hashes: Iterable[bytes]) -> None:
+        pod.is_only_tier_known = False
         held = pod.hashes.setdefault(tier, set())
         for block_hash in hashes:
             held.add(block_hash)
@@ -165,6 +194,7 @@ class PrefixIndex:
         held = pod.hashes.get(tier)
         if held is None:
             return
+        pod.is_only_tier_known = False
         for block_hash in hashes:
             if block_hash not in held:
                 continue

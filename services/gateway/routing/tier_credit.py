@@ -33,6 +33,9 @@ def tier_credit(record: PodRecord, tier: Tier) -> float:
 
 def credited_tokens(record: PodRecord, prefix: CachedPrefix) -> int:
     """The prompt tokens a pod's cached prefix is worth, each tier's blocks by its credit."""
+    by_tier = prefix.num_blocks_by_tier
+    if len(by_tier) == 1 and Tier.DEVICE in by_tier:  # most pods (no offload): whole credit
+        return by_tier[Tier.DEVICE] * record.block_size
     blocks = sum(
         count * tier_credit(record, tier) for tier, count in prefix.num_blocks_by_tier.items()
     )

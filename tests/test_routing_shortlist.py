@@ -199,7 +199,7 @@ def _shake(pool: PodPool, rng: random.Random, step: int) -> None:
         pod.stats = None
     elif kind == 4:
         pool.mark_unreachable(pod)
-        cooldown = 0.05 if step % 70 == 69 else rng.choice([0.0, 60.0])
+        cooldown = 0.25 if step % 70 == 69 else rng.choice([0.0, 60.0])
         pod.unreachable_until = time.monotonic() + cooldown
     elif kind == 5 and pod.record is not None:  # a heartbeat's record; now and then a move
         region = rng.choice(["r0", "r1", "r2", "r3"]) if rng.random() < 0.5 else pod.record.region
@@ -229,7 +229,7 @@ def test_the_pools_ranking_lists_what_a_pass_over_every_pod_lists():
         if step % 7 and step % 70 != 69:  # a look right after a short cooldown begins, too
             continue
         if step % 70 == 0:
-            time.sleep(0.06)  # the short cooldown runs out
+            time.sleep(0.3)  # the short cooldown runs out
         available = pool.available()
         assert available == _brute_force_available(pool.pods)
         holders = rng.sample(available, rng.choice([0, 5, 40]))

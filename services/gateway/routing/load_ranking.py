@@ -70,6 +70,8 @@ class LoadRanking:
             new = value if isinstance(value, PodRecord) else None
             # A registry refresh brings every pod a new record (its heartbeat's load and
             # costs): only what is ranked or grouped by changes anything here.
+            if old is None and new is None:  # a pod given by address, at every refresh
+                return
             if old is not None and new is not None and _read_of(old) == _read_of(new):
                 return
             self.records_version += 1

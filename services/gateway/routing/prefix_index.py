@@ -31,7 +31,7 @@ class _PodBlocks:
     last_seq: int | None
     hashes: dict[Tier, set[bytes]] = field(default_factory=dict)
     # The one tier holding all its blocks (most pods: no offload), or None when several do;
-    # worked out at a lookup, forgotten when its blocks change (`_tiers_changed`).
+    # worked out at a lookup, forgotten when its blocks change (`_store`, `_remove`).
     only_tier: Tier | None = None
     is_only_tier_known: bool = False
 

@@ -42,22 +42,21 @@ class LoadRanking:
         self._pods_list: list[Pod] | None = None  # the pool's list object, as last seen
         self._position: dict[int, int] = {}  # id(pod) -> its position in `_pods`
         # Pods changed since last read, by id (Pod is a dataclass with eq: unhashable).
-        self.changed: dict[int, Pod] = {}
+        self._changed: dict[int, Pod] = {}
         # Moves whenever the available pods may have changed, or what the router's grouping
         # of them for its index lookup reads of a record (router.py `_index_groups`).
-        self.records_version = 0
+        self.grouping_version = 0
         self._cooldowns: list[tuple[float, int]] = []  # (until, id(pod)): a heap
-        self._is_available = np.zeros(0, dtype=bool)
-        # The same as a list: read a position at a time (the holders of a prompt), where an
-        # array's item access is slower.
-        self._is_available_flags: list[bool] = []
+        self._is_available: list[bool] = []  # by position
+        # Derived from those, until one flips (rarely: a failed poll, a cooldown).
+        self._available_pods: list[Pod] | None = None
+        self._available_mask: np.ndarray | None = None
         self._terms = np.zeros(0)
         self._weights: RoutingWeights | None = None  # what `_terms` were worked out with
         self._region_codes = np.zeros(0, dtype=np.int64)
         self._code_of_region: dict[str, int] = {}
         self._pod_ids: list[str] = []
         self._positions_of_pod_id: dict[str, list[int]] | None = None  # None: to rebuild
-        self._available_pods: list[Pod] | None = None  # None: to rebuild
 
     def forget(self) -> None:
         """The pool's list changed in place: read every pod again at the next catch-up."""
@@ -74,8 +73,8 @@ class LoadRanking:
                 return
             if old is not None and new is not None and _read_of(old) == _read_of(new):
                 return
-            self.records_version += 1
-        self.changed[id(pod)] = pod
+            self.grouping_version += 1
+        self._changed[id(pod)] = pod
 
     def catch_up(self, pods: list[Pod], weights: RoutingWeights | None = None) -> None:
         """Brings the ranking to `pods` as they are now; with `weights`, ranks by them."""
@@ -83,27 +82,29 @@ class LoadRanking:
             self._rebuild(pods)
         if weights is not None and weights is not self._weights:
             self._weights = weights
-            self.changed.update((id(pod), pod) for pod in self._pods)
+            self._changed.update((id(pod), pod) for pod in self._pods)
         now = time.monotonic()
         while self._cooldowns and self._cooldowns[0][0] <= now:
             key = heapq.heappop(self._cooldowns)[1]
             if key in self._position:
-                self.changed[key] = self._pods[self._position[key]]
-        if self.changed:
-            changed = list(self.changed.values())
-            self.changed.clear()
+                self._changed[key] = self._pods[self._position[key]]
+        if self._changed:
+            changed = list(self._changed.values())
+            self._changed.clear()
             for pod in changed:
                 self._reread(pod, now)
 
     def available(self) -> list[Pod]:
         """The available pods, in the pool's order (a new list: the caller's to filter)."""
         if self._available_pods is None:
-            self._available_pods = [self._pods[i] for i in np.flatnonzero(self._is_available)]
+            self._available_pods = [p for p, up in zip(self._pods, self._is_available) if up]
         return list(self._available_pods)
 
     @property
     def num_available(self) -> int:
-        return int(np.count_nonzero(self._is_available))
+        if self._available_pods is None:
+            return sum(self._is_available)
+        return len(self._available_pods)
 
     def pods_at(self, positions: list[int]) -> list[Pod]:
         return [self._pods[i] for i in positions]
@@ -112,7 +113,7 @@ class LoadRanking:
         """Positions of the `count` available pods holding most of the prompt (`cached`: pod
         id -> tokens), ties to the earlier pod."""
         by_id = self._positions_by_pod_id()
-        is_available = self._is_available_flags
+        is_available = self._is_available
         tokens_at = {
             position: tokens
             for pod_id, tokens in cached.items()
@@ -129,7 +130,9 @@ class LoadRanking:
         """Positions of the `count` available pods of highest load term (in `region` when
         given), ties to the earlier pod. Needs a catch-up with weights."""
         assert self._weights is not None, "catch_up(pods, weights) first"
-        mask = self._is_available
+        if self._available_mask is None:
+            self._available_mask = np.array(self._is_available, dtype=bool)
+        mask = self._available_mask
         if region:
             code = self._code_of_region.get(region)
             if code is None:
@@ -147,24 +150,23 @@ class LoadRanking:
     # ---- keeping up ------------------------------------------------------------------------
 
     def _rebuild(self, pods: list[Pod]) -> None:
-        self.records_version += 1
+        self.grouping_version += 1
         for pod in self._pods:
             if pod._ranking is self:
                 pod._ranking = None
         self._pods_list, self._pods = pods, list(pods)
         count = len(pods)
         self._position = {id(pod): i for i, pod in enumerate(pods)}
-        self._is_available = np.zeros(count, dtype=bool)
-        self._is_available_flags = [False] * count
+        self._is_available = [False] * count
         self._terms = np.full(count, _UNAVAILABLE)
         self._region_codes = np.zeros(count, dtype=np.int64)
         self._pod_ids = [""] * count
-        self._positions_of_pod_id = self._available_pods = None
+        self._positions_of_pod_id = self._available_pods = self._available_mask = None
         self._cooldowns.clear()
-        self.changed.clear()
+        self._changed.clear()
         for pod in pods:
             pod._ranking = self
-            self.changed[id(pod)] = pod
+            self._changed[id(pod)] = pod
 
     def _reread(self, pod: Pod, now: float) -> None:
         position = self._position.get(id(pod))
@@ -173,10 +175,10 @@ class LoadRanking:
         is_available = pod.is_available_at(now)
         if pod.unreachable_until > now:
             heapq.heappush(self._cooldowns, (pod.unreachable_until, id(pod)))
-        if is_available != self._is_available_flags[position]:
-            self._is_available[position] = self._is_available_flags[position] = is_available
-            self._available_pods = None
-            self.records_version += 1
+        if is_available != self._is_available[position]:
+            self._is_available[position] = is_available
+            self._available_pods = self._available_mask = None
+            self.grouping_version += 1
         weights = self._weights
         if is_available and weights is not None:
             self._terms[position] = pod.load_term(weights)

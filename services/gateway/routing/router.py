@@ -37,7 +37,6 @@ from splitserve.common.registry_schema import (
 )
 from splitserve.engine.gc_heap import freeze_startup_heap
 from splitserve.engine.kv.block_hash import BlockHash, cache_salt_keys, hash_full_blocks
-from splitserve.engine.kv.tiers import Tier
 from splitserve.engine.lora.request import lora_hash_keys
 from splitserve.gateway.routing.index_follower import IndexFollower
 from splitserve.gateway.routing.pods import Pod, PodPool
@@ -363,19 +362,10 @@ class Router:
         for (block_size, namespace), (generations, pods_by_id) in groups.items():
             # Only this group's pods: another's could share a hash only by collision.
             hashes = hash_full_blocks(prompt[:-1], block_size, namespace, extra_hash_keys)
-            # Holders of a shared prefix in one tier share its answer: on the device (no
-            # offload) its credit is whole, the same for each (a hundred at 1,000 pods).
-            whole: dict[int, int] = {}  # id(prefix) -> tokens
             for pod_id, prefix in index.lookup(hashes, generations).items():
                 record = pods_by_id[pod_id].record
-                if record is None:
-                    continue
-                tokens = whole.get(id(prefix))
-                if tokens is None:
-                    tokens = credited_tokens(record, prefix)
-                    if prefix.num_blocks_by_tier.keys() == {Tier.DEVICE}:
-                        whole[id(prefix)] = tokens
-                found[pod_id] = tokens
+                if record is not None:
+                    found[pod_id] = credited_tokens(record, prefix)
         return found
 
     def _index_groups(self, pods: list[Pod], pods_version: tuple | None) -> IndexGroups:
@@ -399,7 +389,7 @@ class Router:
         """Changes whenever the pools' available pods or their records may have: the
         rankings' versions, with the rankings themselves (a pool's is its own)."""
         pools = (self.decode_pool, self.prefill_pool)
-        return tuple((id(p.ranking), p.ranking.records_version) for p in pools if p is not None)
+        return tuple((id(p.ranking), p.ranking.grouping_version) for p in pools if p is not None)
 
 
 def _group_for_index(pods: list[Pod]) -> IndexGroups:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -171,6 +172,20 @@ def _add_recommend_flags(sub: argparse.ArgumentParser) -> None:
     )
     sub.add_argument("--max-pods", type=int, default=8)
     sub.add_argument("--ratio-max-pods", type=int, default=4, help="pods in the ratio sweep")
+    sub.add_argument(
+        "--slice-pods",
+        type=int,
+        default=None,
+        metavar="N",
+        help="judge each layout by a slice of N pods at its share of the rate (0: whole "
+        "layouts; default: slices of 10 past 64 --max-pods)",
+    )
+    sub.add_argument(
+        "--jobs",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="simulations at once, in worker processes (default: this process's cores)",
+    )
     sub.add_argument("--no-colocated", action="store_true", help="leave out P = 0")
     sub.add_argument(
         "--variant-profile",
@@ -382,12 +397,17 @@ def run_recommend(args: argparse.Namespace) -> int:
         tier_sizes=_tier_sizes(args),
         remote_prefill_limits=_token_counts(args.remote_prefill_limits, "--remote-prefill-limits"),
         try_admission=args.try_admission,
+        slice_pods=args.slice_pods,
+        jobs=args.jobs,
     )
     variants = tuple(
         Profiles(load_profile(path).with_margin(args.margin)) for path in args.variant_profile
     )
+    started = time.monotonic()
     recommendation = recommend(profile, spec, _progress, prefill_profile, variants)
+    elapsed = time.monotonic() - started
     print(format_table(recommendation, spec))
+    print(f"(searched in {elapsed:.1f} s)")
     if args.plot:
         plot_goodput_vs_ratio(recommendation, spec, args.plot)
         print(f"\nwrote {args.plot}")
@@ -408,6 +428,10 @@ def _token_counts(text: str, flag: str) -> tuple[int, ...]:
 
 def _print_binding(recommendation) -> None:
     """Without a configuration that meets the target, what the largest one runs out of."""
+    if not recommendation.candidates:  # slices: none held a rate, or none fit --max-pods
+        best = max(recommendation.ratios, key=lambda p: p.max_rate)
+        print(f"the best slice ({best.label}) binds on {best.binding}")
+        return
     largest = max(recommendation.candidates, key=lambda c: (c.num_devices, c.result.goodput))
     print(f"the largest ({largest.cluster.label}) binds on {largest.verdict.binding}")
 

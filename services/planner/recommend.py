@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 
 from splitserve.loadgen.stats import Slo
 from splitserve.loadgen.workload import WorkloadSpec
+from splitserve.planner.pool import simulation_pool
 from splitserve.planner.profile import Profile
 from splitserve.planner.simulate.cluster import ClusterConfig
 from splitserve.planner.simulate.prefix_cache import TierSizes
@@ -35,6 +37,9 @@ from splitserve.planner.simulate.speculation import SpeculationModel
 from splitserve.planner.sizing import Target, Verdict, judge
 
 RATE_SEARCH_STEPS = 7
+# Past this many pods `recommend` judges slices of a layout (`slices.py`) unless told not to.
+AUTO_SLICE_ABOVE_PODS = 64
+AUTO_SLICE_PODS = 10
 
 
 @dataclass(frozen=True)
@@ -59,8 +64,16 @@ class SearchSpec:
     try_admission: bool = False
     speculation: SpeculationModel | None = None
     tier_sizes: TierSizes = field(default_factory=TierSizes)
+    # Judge layouts by slices of this many pods (`slices.py`); 0: judge whole layouts; None:
+    # slices of AUTO_SLICE_PODS once max_pods passes AUTO_SLICE_ABOVE_PODS.
+    slice_pods: int | None = None
+    jobs: int = 1  # simulations run at once, in worker processes (`pool.py`)
 
     def __post_init__(self) -> None:
+        if self.slice_pods is not None and self.slice_pods != 0 and self.slice_pods < 2:
+            raise ValueError(f"slice_pods must be 0 (whole layouts) or >= 2, got {self.slice_pods}")
+        if self.jobs < 1:
+            raise ValueError(f"jobs must be >= 1, got {self.jobs}")
         if not 0 < self.attainment <= 1:
             raise ValueError(f"attainment must be in (0, 1], got {self.attainment}")
         if self.max_pods < 1 or self.ratio_max_pods < 1:
@@ -72,6 +85,13 @@ class SearchSpec:
     @property
     def target(self) -> Target:
         return Target(self.slo, self.attainment, self.confidence, self.num_seeds)
+
+    @property
+    def slice_size(self) -> int:
+        """The pods of a judged slice (0: whole layouts are judged)."""
+        if self.slice_pods is not None:
+            return self.slice_pods
+        return AUTO_SLICE_PODS if self.max_pods > AUTO_SLICE_ABOVE_PODS else 0
 
 
 @dataclass(frozen=True)
@@ -99,12 +119,26 @@ class Profiles:
 
 @dataclass(frozen=True)
 class Candidate:
-    verdict: Verdict  # at the target rate
+    verdict: Verdict  # at the target rate (of a slice: see `layout`)
     num_devices: int
+    # The whole layout, when the verdict judged a slice of it carrying its share of the rate
+    # (`splitserve.planner.slices`); None when the verdict judged the layout itself.
+    layout: ClusterConfig | None = None
 
     @property
     def cluster(self) -> ClusterConfig:
-        return self.verdict.cluster
+        return self.layout or self.verdict.cluster
+
+    @property
+    def scale(self) -> float:
+        """The whole layout's pods per simulated pod (1 when judged whole)."""
+        simulated = self.verdict.cluster
+        return self.num_pods / (simulated.num_prefill + simulated.num_decode)
+
+    @property
+    def goodput(self) -> float:
+        """`result`'s goodput, of the whole layout (a slice's, scaled by its pods)."""
+        return self.result.goodput * self.scale
 
     @property
     def result(self) -> SimResult:
@@ -126,6 +160,10 @@ class RatioPoint:
     num_devices: int
     setup: str = ""  # `Profiles.setup` of the engine setup it ran
     binding: str = ""  # what binds first at max_rate (at the lowest rate tried if none met)
+    verdict: Verdict | None = None  # at max_rate (at the lowest rate tried if none met)
+    # False: max_rate is a slice's screened rate (one seed, part of the span), not the full
+    # test's (`slices.py`)
+    settled: bool = True
 
     @property
     def label(self) -> str:
@@ -147,10 +185,11 @@ class Recommendation:
     candidates: list[Candidate]
     best: Candidate | None  # fewest pods meeting the target; None if none does
     ratios: list[RatioPoint]
+    slice_pods: int = 0  # layouts judged as slices of this many pods (0: judged whole)
 
     @property
     def best_ratio(self) -> RatioPoint | None:
-        useful = [point for point in self.ratios if point.max_rate > 0]
+        useful = [point for point in self.ratios if point.max_rate > 0 and point.settled]
         return max(useful, key=lambda p: p.goodput_per_pod) if useful else None
 
 
@@ -183,21 +222,31 @@ def recommend(
 ) -> Recommendation:
     """`variants`: other engine setups of the same model for the layout sweep (the fewest-
     devices search runs the given profiles alone)."""
+    if spec.slice_size:
+        # imported here: the slice search builds on this module's sweep
+        from splitserve.planner.slices import recommend_by_slices
+
+        return recommend_by_slices(profile, spec, progress, prefill_profile, variants)
     profiles = Profiles(profile, prefill_profile)
     candidates = []
     configs = clusters(spec, spec.max_pods)
-    for i, cluster in enumerate(configs, 1):
-        verdict = judge(profile, cluster, spec.workload, spec.target, spec.seed, prefill_profile)
-        candidates.append(Candidate(verdict, profiles.devices(cluster)))
-        if progress is not None:
-            progress(f"simulated {i}/{len(configs)}: {cluster.label}")
+    with simulation_pool(spec.jobs) as executor:
+        for i, cluster in enumerate(configs, 1):
+            verdict = judge(
+                profile,
+                cluster,
+                spec.workload,
+                spec.target,
+                spec.seed,
+                prefill_profile,
+                executor=executor,
+            )
+            candidates.append(Candidate(verdict, profiles.devices(cluster)))
+            if progress is not None:
+                progress(f"simulated {i}/{len(configs)}: {cluster.label}")
+        ratios = ratio_sweep((profiles, *variants), spec, progress, executor)
     meeting = [c for c in candidates if c.meets]
-    best = (
-        min(meeting, key=lambda c: (c.num_devices, c.num_pods, -c.result.goodput))
-        if meeting
-        else None
-    )
-    ratios = ratio_sweep((profiles, *variants), spec, progress)
+    best = min(meeting, key=lambda c: (c.num_devices, c.num_pods, -c.goodput), default=None)
     return Recommendation(candidates, best, ratios)
 
 
@@ -215,13 +264,18 @@ def layouts(spec: SearchSpec) -> list[ClusterConfig]:
 
 
 def ratio_sweep(
-    setups: tuple[Profiles, ...], spec: SearchSpec, progress: Progress | None = None
+    setups: tuple[Profiles, ...],
+    spec: SearchSpec,
+    progress: Progress | None = None,
+    executor: Executor | None = None,
 ) -> list[RatioPoint]:
     configs = [(profiles, cluster) for profiles in setups for cluster in layouts(spec)]
     points = []
     for i, (profiles, cluster) in enumerate(configs, 1):
-        rate, binding = max_good_rate(profiles, cluster, spec)
-        point = RatioPoint(cluster, rate, profiles.devices(cluster), profiles.setup, binding)
+        rate, verdict = max_good_rate(profiles, cluster, spec, executor=executor)
+        point = RatioPoint(
+            cluster, rate, profiles.devices(cluster), profiles.setup, verdict.binding, verdict
+        )
         points.append(point)
         if progress is not None:
             progress(f"rate search {i}/{len(configs)}: {point.label}, {point.setup}")
@@ -229,29 +283,69 @@ def ratio_sweep(
 
 
 def max_good_rate(
-    profiles: Profiles, cluster: ClusterConfig, spec: SearchSpec
-) -> tuple[float, str]:
+    profiles: Profiles,
+    cluster: ClusterConfig,
+    spec: SearchSpec,
+    start_rate: float | None = None,
+    keep_duration: bool = False,
+    executor: Executor | None = None,
+) -> tuple[float, Verdict]:
     """The highest Poisson rate at which `cluster` still meets the target (bisection between
-    0 and a rate that fails; 0 when even a trickle fails), and the resource that binds there
-    (at the lowest rate tried, when none met the target)."""
+    a rate that meets and one that fails; 0 when even a trickle fails), and the verdict there
+    (at the lowest rate tried, when none met the target: it says what binds).
+
+    From the target's rate, a failing first try bisects down from 0; from `start_rate` (a
+    guess), it halves first, up to RATE_SEARCH_STEPS times, so the bisection's steps are
+    spent near the answer."""
     verdicts: dict[float, Verdict] = {}
 
     def meets(rate: float) -> bool:
-        workload = replace(spec.workload, rate=rate)
         verdicts[rate] = judge(
-            profiles.decode, cluster, workload, spec.target, spec.seed, profiles.prefill
+            profiles.decode,
+            cluster,
+            workload_at(spec.workload, rate, keep_duration),
+            spec.target,
+            spec.seed,
+            profiles.prefill,
+            stop_once_failed=True,
+            executor=executor,
         )
         return verdicts[rate].meets
 
-    low, high = 0.0, spec.workload.rate
-    while meets(high):
-        low, high = high, high * 2
-        if high > 1e6:
-            return high, verdicts[low].binding  # no bound in sight: the SLOs do not bind
+    halvings = RATE_SEARCH_STEPS if start_rate is not None else 0
+    low, high = _bracket(meets, start_rate or spec.workload.rate, halvings)
+    if math.isinf(high):
+        return low, verdicts[low]  # no bound in sight: the SLOs do not bind
     for _ in range(RATE_SEARCH_STEPS):
         middle = (low + high) / 2
         low, high = (middle, high) if meets(middle) else (low, middle)
-    return low, verdicts[low if low > 0 else min(verdicts)].binding
+    return low, verdicts[low if low > 0 else min(verdicts)]
+
+
+def _bracket(meets: Callable[[float], bool], start: float, halvings: int) -> tuple[float, float]:
+    """(low, high): `low` meets (0 when no rate tried did), `high` fails (inf past 1e6)."""
+    if meets(start):
+        low, high = start, start * 2
+        while meets(high):
+            low, high = high, high * 2
+            if high > 1e6:
+                return low, math.inf
+        return low, high
+    high = start
+    for _ in range(halvings):
+        if meets(high / 2):
+            return high / 2, high
+        high /= 2
+    return 0.0, high
+
+
+def workload_at(workload: WorkloadSpec, rate: float, keep_duration: bool) -> WorkloadSpec:
+    """`workload` at another rate: the same request count, or (`keep_duration`) the same
+    span of arrivals."""
+    if not keep_duration:
+        return replace(workload, rate=rate)
+    num_requests = max(1, round(workload.num_requests * rate / workload.rate))
+    return replace(workload, rate=rate, num_requests=num_requests)
 
 
 # ---- output ---------------------------------------------------------------------------------
@@ -267,6 +361,7 @@ def format_table(recommendation: Recommendation, spec: SearchSpec) -> str:
         f"target: {spec.workload.rate:g} req/s, {spec.slo}, attainment >= "
         f"{spec.attainment:.0%} in >= {spec.confidence:.0%} of {spec.num_seeds} seeded "
         "workloads (bands: lowest-highest over the seeds)",
+        *_slice_note(recommendation.slice_pods),
         header,
     ]
     for candidate in sorted(
@@ -279,7 +374,8 @@ def format_table(recommendation: Recommendation, spec: SearchSpec) -> str:
         lines.append(
             f"{candidate.cluster.label:>12} {candidate.num_pods:>4} {candidate.num_devices:>4} "
             f"{_band(verdict, 'ttft.p90'):>20} {_band(verdict, 'itl.p90'):>18} "
-            f"{verdict.band('goodput').median:>8.2f} {verdict.band('attainment').median:>7.0%} "
+            f"{verdict.band('goodput').median * candidate.scale:>8.2f} "
+            f"{verdict.band('attainment').median:>7.0%} "
             f"{verdict.share_meeting:>6.0%}  {verdict.binding:<16} {mark}"
         )
     best = recommendation.best
@@ -296,6 +392,7 @@ def format_table(recommendation: Recommendation, spec: SearchSpec) -> str:
     best_ratio = recommendation.best_ratio
     for point in recommendation.ratios:
         mark = "  <== best layout" if point is best_ratio else ""
+        mark += "" if point.settled else "  (screened)"
         setup = f"  [{point.setup}]" if len(setups) > 1 else ""
         lines.append(
             f"  {point.label:<52} {point.max_rate:7.2f} req/s  "
@@ -309,6 +406,17 @@ def format_table(recommendation: Recommendation, spec: SearchSpec) -> str:
     return "\n".join(lines)
 
 
+def _slice_note(slice_pods: int) -> list[str]:
+    if not slice_pods:
+        return []
+    return [
+        f"judged by slices of {slice_pods} pods (the layout's prefill share, the trace's span, "
+        "each slice's share of the rate): a row's figures are its slice's at the highest rate "
+        "the slice holds, goodput scaled to the whole; a slice queues more than the whole, so "
+        "the counts err high"
+    ]
+
+
 def _band(verdict: Verdict, figure: str) -> str:
     band = verdict.band(figure)
     return f"{_ms(band.median)} ({_ms(band.low)}-{_ms(band.high)})"
@@ -318,7 +426,7 @@ def helm_values(candidate: Candidate) -> str:
     cluster = candidate.cluster
     lines = [
         f"# splitserve plan recommend: {cluster.label}, "
-        f"simulated goodput {candidate.result.goodput:.2f} req/s, "
+        f"simulated goodput {candidate.goodput:.2f} req/s, "
         f"binds on {candidate.verdict.binding}",
         "prefill:",
         f"  replicas: {cluster.num_prefill}",

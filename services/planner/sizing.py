@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from splitserve.loadgen.stats import Slo
@@ -89,25 +90,56 @@ def judge(
     target: Target,
     seed: int = 0,
     prefill_profile: Profile | None = None,
+    stop_once_failed: bool = False,
+    executor: Executor | None = None,
 ) -> Verdict:
-    results = [
-        simulate(
-            profile,
-            cluster,
-            poisson_requests(workload, f"{seed}/{i}"),
-            target.slo,
-            prefill_profile,
-        )
-        for i in range(target.num_seeds)
-    ]
+    """`stop_once_failed`: stop simulating seeds once too many have missed for the target to
+    hold (a rate search only needs the yes or no); the verdict's bands then cover the seeds
+    run. Whether it meets is the same either way. `executor`: simulate seeds in parallel
+    there, as many at once as it has workers (each seed is a separate simulation)."""
+    allowed_misses = target.num_seeds - _seeds_needed(target)
+    args = (profile, cluster, workload, target.slo, prefill_profile)
+    keys = [f"{seed}/{i}" for i in range(target.num_seeds)]
+    if executor is None:
+        pending = (simulate_seed(*args, key) for key in keys)
+    else:
+        futures = [executor.submit(simulate_seed, *args, key) for key in keys]
+        pending = (future.result() for future in futures)
+    results: list[SimResult] = []
+    misses = 0
+    for result in pending:
+        results.append(result)
+        misses += result.attainment < target.attainment
+        if stop_once_failed and misses > allowed_misses:
+            break
+    if executor is not None:
+        for future in futures:
+            future.cancel()  # the seeds not started yet, when it stopped early
     share = sum(r.attainment >= target.attainment for r in results) / len(results)
     pressures = {
         resource: statistics.median(pressure(r, target.slo)[resource] for r in results)
         for resource in RESOURCES
     }
     binding = max(RESOURCES, key=lambda resource: pressures[resource])
-    meets = share >= target.confidence - 1e-9
+    meets = len(results) - misses >= _seeds_needed(target)
     return Verdict(cluster, results, share, meets, binding, pressures)
+
+
+def simulate_seed(
+    profile: Profile,
+    cluster: ClusterConfig,
+    workload: WorkloadSpec,
+    slo: Slo,
+    prefill_profile: Profile | None,
+    seed_key: str,
+) -> SimResult:
+    """One seeded workload simulated (module level, so a process pool can run it)."""
+    return simulate(profile, cluster, poisson_requests(workload, seed_key), slo, prefill_profile)
+
+
+def _seeds_needed(target: Target) -> int:
+    """The fewest seeds in which the attainment must hold (`confidence` of `num_seeds`)."""
+    return math.ceil(target.confidence * target.num_seeds - 1e-9)
 
 
 def pressure(result: SimResult, slo: Slo) -> dict[str, float]:

@@ -33,7 +33,8 @@ from benchmarks.mla_bytes import DEEPSEEK, LLAMA, _checkpoint
 from splitserve.loadgen.stats import Slo
 from splitserve.loadgen.workload import LengthDistribution, WorkloadSpec
 from splitserve.planner.profile import Profile, load_profile
-from splitserve.planner.recommend import Profiles, RatioPoint, SearchSpec, ratio_sweep
+from splitserve.planner.recommend import ratio_sweep
+from splitserve.planner.search import Profiles, RatioPoint, SearchSpec
 
 
 def _profile(directory: str, output: str, kv_cache_bytes: int) -> Profile:

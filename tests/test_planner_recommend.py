@@ -12,7 +12,8 @@ from splitserve.loadgen.stats import Slo
 from splitserve.loadgen.workload import LengthDistribution, WorkloadSpec
 from splitserve.planner.__main__ import main as plan_main
 from splitserve.planner.profile import Profile, load_profile, synthetic_profile
-from splitserve.planner.recommend import SearchSpec, recommend
+from splitserve.planner.recommend import recommend
+from splitserve.planner.search import SearchSpec
 
 
 def _prefill_bound_profile() -> Profile:
@@ -154,7 +155,8 @@ def _sweep_spec(workload: WorkloadSpec, slo: Slo, **options) -> SearchSpec:
 
 def test_the_layout_sweep_tries_each_setup_and_limit_and_names_what_binds() -> None:
     from splitserve.planner.profile.parts import EngineSetup
-    from splitserve.planner.recommend import Profiles, format_table
+    from splitserve.planner.recommend import format_table
+    from splitserve.planner.search import Profiles
 
     # The same prefill-bound model, and a variant whose prefill takes half as long (as int8
     # weights might): the variant's best layout serves more per device, and prefill binds it.

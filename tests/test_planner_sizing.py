@@ -12,7 +12,8 @@ from splitserve.loadgen.workload import LengthDistribution, WorkloadSpec
 from splitserve.planner.autoscale.controller import Autoscaler, Bounds, PolicySettings
 from splitserve.planner.autoscale.load import LoadSnapshot, RoleLoad
 from splitserve.planner.profile import EngineSetup, synthetic_profile
-from splitserve.planner.recommend import SearchSpec, recommend
+from splitserve.planner.recommend import recommend
+from splitserve.planner.search import SearchSpec
 from splitserve.planner.simulate.cluster import ClusterConfig
 from splitserve.planner.sizing import Target, judge, pods_needed, steady_workload
 

@@ -13,7 +13,8 @@ from splitserve.loadgen.workload import LengthDistribution, WorkloadSpec
 from splitserve.planner.__main__ import main as plan_main
 from splitserve.planner.pool import simulation_pool
 from splitserve.planner.profile import synthetic_profile
-from splitserve.planner.recommend import Recommendation, SearchSpec, recommend, workload_at
+from splitserve.planner.recommend import recommend
+from splitserve.planner.search import Recommendation, SearchSpec, workload_at
 from splitserve.planner.simulate.cluster import ClusterConfig
 from splitserve.planner.sizing import Target, judge
 from splitserve.planner.slices import CONFIRM_STEP, scale_up
@@ -123,7 +124,10 @@ def test_the_command_prints_the_slices_and_the_time_and_refuses_a_bad_slice(
         "--local-prefill-threshold", "0", "--seeds", "3", "--confidence", "0.66",
         "--margin", "0", "--plot", "",
     ]  # fmt: skip
-    assert plan_main([*common, "--max-pods", "60", "--slice-pods", "4", "--jobs", "2"]) == 0
+    plot = tmp_path / "layouts.png"
+    sliced_run = ["--max-pods", "60", "--slice-pods", "4", "--jobs", "2", "--plot", str(plot)]
+    assert plan_main([*common, *sliced_run]) == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "judged by slices of 4 pods" in out and "(searched in" in out
     assert "<== fewest devices" in out and "(screened)" in out

@@ -22,13 +22,8 @@ from splitserve.planner.autoscale.loop import add_autoscale_flags, run_autoscale
 from splitserve.planner.measure.settings import QUICK_GRID, Grid, ProfileSettings
 from splitserve.planner.plot import plot_goodput_vs_ratio
 from splitserve.planner.profile import DEFAULT_MARGIN, load_profile
-from splitserve.planner.recommend import (
-    Profiles,
-    SearchSpec,
-    format_table,
-    helm_values,
-    recommend,
-)
+from splitserve.planner.recommend import format_table, helm_values, recommend
+from splitserve.planner.search import Profiles, SearchSpec
 from splitserve.planner.simulate.cluster import ClusterConfig, simulate
 from splitserve.planner.simulate.failures import PodFailure
 from splitserve.planner.simulate.prefix_cache import TierSizes

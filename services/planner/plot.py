@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from splitserve.planner.recommend import RatioPoint, Recommendation, SearchSpec
+from splitserve.planner.search import RatioPoint, Recommendation, SearchSpec
 
 
 def plot_goodput_vs_ratio(recommendation: Recommendation, spec: SearchSpec, path: str) -> None:
@@ -21,7 +21,11 @@ def plot_goodput_vs_ratio(recommendation: Recommendation, spec: SearchSpec, path
     best = recommendation.best_ratio
     colors = ["tab:orange" if p is best else "tab:blue" for p in points]
     figure, axis = plt.subplots(figsize=(max(6.0, 0.6 * len(points)), 4.0))
-    axis.bar(range(len(points)), values, color=colors)
+    bars = axis.bar(range(len(points)), values, color=colors)
+    for bar, point in zip(bars, points):
+        if not point.settled:  # a slice's screened rate only (slices.py): hatched, paler
+            bar.set_hatch("//")
+            bar.set_alpha(0.45)
     axis.set_xticks(range(len(points)), labels, rotation=45, ha="right")
     axis.set_xlabel(
         "prefill pods : decode pods (0:D = colocated; <=N: decode pods prefill past N tokens "
@@ -32,13 +36,20 @@ def plot_goodput_vs_ratio(recommendation: Recommendation, spec: SearchSpec, path
     axis.set_ylabel("goodput per device (req/s)")
     axis.set_title(
         f"Highest rate with >= {spec.attainment:.0%} of requests meeting\n{spec.slo} "
-        f"in >= {spec.confidence:.0%} of {spec.num_seeds} seeds, per device",
+        f"in >= {spec.confidence:.0%} of {spec.num_seeds} seeds, per device"
+        + _slice_title(recommendation.slice_pods),
         fontsize=9,
     )
     axis.grid(axis="y", alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def _slice_title(slice_pods: int) -> str:
+    if not slice_pods:
+        return ""
+    return f"\nslices of {slice_pods} pods; hatched: screened on one seed, not settled"
 
 
 def _layout_label(point: RatioPoint, setups: list[str]) -> str:

@@ -29,13 +29,14 @@ from dataclasses import replace
 
 from splitserve.planner.pool import simulation_pool
 from splitserve.planner.profile import Profile
-from splitserve.planner.recommend import (
+from splitserve.planner.search import (
     Candidate,
     Profiles,
     Progress,
     RatioPoint,
     Recommendation,
     SearchSpec,
+    fewest_devices,
     layouts,
     max_good_rate,
     workload_at,
@@ -80,9 +81,7 @@ def recommend_by_slices(
         for point in own
         if (candidate := scaled_candidate(point, profiles, spec)) is not None
     ]
-    meeting = [c for c in candidates if c.meets]
-    best = min(meeting, key=lambda c: (c.num_devices, c.num_pods, -c.goodput), default=None)
-    return Recommendation(candidates, best, points, slice_pods)
+    return Recommendation(candidates, fewest_devices(candidates), points, slice_pods)
 
 
 def slice_sweep(

@@ -16,8 +16,8 @@ from splitserve.planner.profile import synthetic_profile
 from splitserve.planner.recommend import recommend
 from splitserve.planner.search import Recommendation, SearchSpec, workload_at
 from splitserve.planner.simulate.cluster import ClusterConfig
-from splitserve.planner.sizing import Target, judge
-from splitserve.planner.slices import CONFIRM_STEP, scale_up
+from splitserve.planner.sizing import Target, Verdict, judge
+from splitserve.planner.slices import CONFIRM_STEP, MAX_CONFIRM_STEPS, scale_up, settle
 
 # Each 64-token prompt takes 0.25 s of prefill (one a step); decode steps are 10 ms: the
 # layouts that hold most per pod are prefill-heavy, and a whole layout needs ~R / 4 prefill pods.
@@ -68,6 +68,8 @@ def test_past_64_pods_recommend_judges_slices_and_the_whole_it_picks_meets(slice
     assert best.cluster.num_prefill == math.ceil(slice_cluster.num_prefill * slices)
     assert best.cluster.num_decode == math.ceil(slice_cluster.num_decode * slices)
     assert best.cluster.num_prefill >= 10
+    for candidate in recommendation.candidates:  # a whole serves no more than it is offered
+        assert candidate.goodput <= 40.0 * 1.05, candidate.cluster.label
 
 
 def test_a_settled_slice_rate_meets_and_one_step_more_does_not(sliced) -> None:
@@ -94,13 +96,13 @@ def test_a_settled_slice_rate_meets_and_one_step_more_does_not(sliced) -> None:
 def test_the_early_stop_and_the_worker_processes_change_no_verdict() -> None:
     cluster = ClusterConfig(1, 1, local_prefill_threshold=0)
     target = Target(SLO, 0.9, 0.6, num_seeds=5)
-    with simulation_pool(2) as executor:
+    with simulation_pool(2) as workers:
         for rate in (2.0, 3.6, 4.2, 6.0):  # meets, near the edge, fails
             workload = _workload(rate, 120)
             plain = judge(PROFILE, cluster, workload, target)
             stopped = judge(PROFILE, cluster, workload, target, stop_once_failed=True)
             parallel = judge(
-                PROFILE, cluster, workload, target, stop_once_failed=True, executor=executor
+                PROFILE, cluster, workload, target, stop_once_failed=True, workers=workers
             )
             assert plain.meets == stopped.meets == parallel.meets
             assert [r.attainment for r in stopped.results] == [
@@ -158,4 +160,55 @@ def test_a_target_no_slice_meets_or_none_fits_max_pods_is_a_clear_no(capsys, tmp
     assert status == 1
     out = capsys.readouterr().out
     assert "no configuration of up to 65 pods meets the target" in out
-    assert "the best slice" in out and "binds on" in out
+    assert "the best slice layout (" in out and "the target needs more pods" in out
+
+
+def _threshold_test(highest: float, tried: list[float]):
+    """A full test that meets at or below `highest` req/s (what settle's search sees)."""
+
+    def test(rate: float) -> Verdict:
+        tried.append(rate)
+        meets = rate <= highest
+        return Verdict(ClusterConfig(1, 1), [], float(meets), meets, "decode step", {})
+
+    return test
+
+
+@pytest.mark.parametrize("start", [3.0, 9.0, 9.9, 10.0, 10.2, 14.0, 40.0])
+def test_settle_finds_the_highest_rate_that_meets_to_within_one_step(start: float) -> None:
+    tried: list[float] = []
+    rate, verdict = settle(_threshold_test(10.0, tried), start)
+    assert verdict.meets and rate <= 10.0
+    assert rate * (1 + CONFIRM_STEP) > 10.0 * (1 - 1e-9)  # one step up would fail
+    assert len(tried) <= 2 * MAX_CONFIRM_STEPS + 8
+
+
+def test_settle_says_0_when_nothing_meets_and_a_lower_bound_past_its_steps_up() -> None:
+    rate, verdict = settle(_threshold_test(0.0, []), 5.0)
+    assert rate == 0.0 and not verdict.meets
+    tried: list[float] = []
+    rate, verdict = settle(_threshold_test(1e9, tried), 1.0)
+    assert verdict.meets and rate == max(tried) and len(tried) == MAX_CONFIRM_STEPS + 1
+
+
+def test_a_whole_no_larger_than_a_slice_is_judged_whole_once() -> None:
+    # 3 req/s: a 10-pod slice holds several times that, so the wholes are 2-4 pods
+    spec = replace(_spec(), workload=_workload(3.0, 60))
+    recommendation = recommend(PROFILE, spec)
+    layouts = [(c.cluster.num_prefill, c.cluster.num_decode) for c in recommendation.candidates]
+    assert len(layouts) == len(set(layouts))  # one candidate per whole layout
+    small = [c for c in recommendation.candidates if c.num_pods <= 10]
+    assert small and all(c.layout is None and c.verdict.cluster is c.cluster for c in small)
+    for candidate in recommendation.candidates:  # a whole serves no more than it is offered
+        assert candidate.goodput <= 3.0 * 1.15, candidate.cluster.label
+
+
+def test_the_fewest_devices_pick_comes_from_the_spec_s_own_limit_without_admission() -> None:
+    spec = _spec(try_admission=True, remote_prefill_limits=(128,), slice_pods=4)
+    recommendation = recommend(PROFILE, spec)
+    assert any(p.cluster.admission_ttft_s is not None for p in recommendation.ratios)
+    assert any(p.cluster.max_remote_prefill_tokens == 128 for p in recommendation.ratios)
+    assert recommendation.candidates
+    for candidate in recommendation.candidates:
+        assert candidate.cluster.admission_ttft_s is None
+        assert candidate.cluster.max_remote_prefill_tokens == 0

@@ -23,7 +23,7 @@ from splitserve.planner.measure.settings import QUICK_GRID, Grid, ProfileSetting
 from splitserve.planner.plot import plot_goodput_vs_ratio
 from splitserve.planner.profile import DEFAULT_MARGIN, load_profile
 from splitserve.planner.recommend import format_table, helm_values, recommend
-from splitserve.planner.search import Profiles, SearchSpec
+from splitserve.planner.search import Profiles, Recommendation, SearchSpec
 from splitserve.planner.simulate.cluster import ClusterConfig, simulate
 from splitserve.planner.simulate.failures import PodFailure
 from splitserve.planner.simulate.prefix_cache import TierSizes
@@ -166,7 +166,12 @@ def _add_recommend_flags(sub: argparse.ArgumentParser) -> None:
         help="the prefill pods' profile when they run another setup (default: --profile)",
     )
     sub.add_argument("--max-pods", type=int, default=8)
-    sub.add_argument("--ratio-max-pods", type=int, default=4, help="pods in the ratio sweep")
+    sub.add_argument(
+        "--ratio-max-pods",
+        type=int,
+        default=4,
+        help="pods in the ratio sweep (with slices, the sweep runs the slice's layouts instead)",
+    )
     sub.add_argument(
         "--slice-pods",
         type=int,
@@ -421,11 +426,19 @@ def _token_counts(text: str, flag: str) -> tuple[int, ...]:
         raise ValueError(f"{flag} must be token counts separated by commas, got {text!r}") from None
 
 
-def _print_binding(recommendation) -> None:
-    """Without a configuration that meets the target, what the largest one runs out of."""
-    if not recommendation.candidates:  # slices: none held a rate, or none fit --max-pods
-        best = max(recommendation.ratios, key=lambda p: p.max_rate)
-        print(f"the best slice ({best.label}) binds on {best.binding}")
+def _print_binding(recommendation: Recommendation) -> None:
+    """Without a configuration that meets the target, what the largest one runs out of (with
+    slices: what the best slice layout would need, or what binds it)."""
+    if recommendation.slice_pods:
+        best = max(recommendation.ratios, key=lambda p: p.goodput_per_pod)
+        if best.max_rate > 0:
+            print(f"the best slice layout ({best.label}) holds {best.max_rate:.2f} req/s per "
+                  f"{recommendation.slice_pods} pods: the target needs more pods")  # fmt: skip
+        else:
+            print(f"no slice layout holds any rate; {best.label} binds on {best.binding}")
+        return
+    if not recommendation.candidates:
+        print("no configuration was tried (see --max-pods and --no-colocated)")
         return
     largest = max(recommendation.candidates, key=lambda c: (c.num_devices, c.result.goodput))
     print(f"the largest ({largest.cluster.label}) binds on {largest.verdict.binding}")

@@ -22,9 +22,8 @@ differences between configurations are not sampling noise.
 from __future__ import annotations
 
 import math
-from concurrent.futures import Executor
 
-from splitserve.planner.pool import simulation_pool
+from splitserve.planner.pool import Workers, simulation_pool
 from splitserve.planner.profile import Profile
 from splitserve.planner.search import (
     Candidate,
@@ -56,7 +55,7 @@ def recommend(
     profiles = Profiles(profile, prefill_profile)
     candidates = []
     configs = clusters(spec, spec.max_pods)
-    with simulation_pool(spec.jobs) as executor:
+    with simulation_pool(spec.jobs) as workers:
         for i, cluster in enumerate(configs, 1):
             verdict = judge(
                 profile,
@@ -65,12 +64,12 @@ def recommend(
                 spec.target,
                 spec.seed,
                 prefill_profile,
-                executor=executor,
+                workers=workers,
             )
             candidates.append(Candidate(verdict, profiles.devices(cluster)))
             if progress is not None:
                 progress(f"simulated {i}/{len(configs)}: {cluster.label}")
-        ratios = ratio_sweep((profiles, *variants), spec, progress, executor)
+        ratios = ratio_sweep((profiles, *variants), spec, progress, workers)
     return Recommendation(candidates, fewest_devices(candidates), ratios)
 
 
@@ -78,12 +77,12 @@ def ratio_sweep(
     setups: tuple[Profiles, ...],
     spec: SearchSpec,
     progress: Progress | None = None,
-    executor: Executor | None = None,
+    workers: Workers | None = None,
 ) -> list[RatioPoint]:
     configs = [(profiles, cluster) for profiles in setups for cluster in layouts(spec)]
     points = []
     for i, (profiles, cluster) in enumerate(configs, 1):
-        rate, verdict = max_good_rate(profiles, cluster, spec, executor=executor)
+        rate, verdict = max_good_rate(profiles, cluster, spec, workers=workers)
         point = RatioPoint(
             cluster, rate, profiles.devices(cluster), profiles.setup, verdict.binding, verdict
         )

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 
 from splitserve.loadgen.stats import Slo
 from splitserve.loadgen.workload import WorkloadSpec
+from splitserve.planner.pool import Workers
 from splitserve.planner.profile import Profile
 from splitserve.planner.simulate.cluster import ClusterConfig
 from splitserve.planner.simulate.prefix_cache import TierSizes
@@ -107,20 +107,16 @@ class Candidate:
     # The whole layout, when the verdict judged a slice of it carrying its share of the rate
     # (`splitserve.planner.slices`); None when the verdict judged the layout itself.
     layout: ClusterConfig | None = None
+    # How many such slices the whole is (its rate over the slice's; 1 when judged whole).
+    scale: float = 1.0
 
     @property
     def cluster(self) -> ClusterConfig:
         return self.layout or self.verdict.cluster
 
     @property
-    def scale(self) -> float:
-        """The whole layout's pods per simulated pod (1 when judged whole)."""
-        simulated = self.verdict.cluster
-        return self.num_pods / (simulated.num_prefill + simulated.num_decode)
-
-    @property
     def goodput(self) -> float:
-        """`result`'s goodput, of the whole layout (a slice's, scaled by its pods)."""
+        """`result`'s goodput, of the whole layout (a slice's times the slices)."""
         return self.result.goodput * self.scale
 
     @property
@@ -222,7 +218,7 @@ def max_good_rate(
     spec: SearchSpec,
     start_rate: float | None = None,
     keep_duration: bool = False,
-    executor: Executor | None = None,
+    workers: Workers | None = None,
 ) -> tuple[float, Verdict]:
     """The highest Poisson rate at which `cluster` still meets the target (bisection between
     a rate that meets and one that fails; 0 when even a trickle fails), and the verdict there
@@ -242,7 +238,7 @@ def max_good_rate(
             spec.seed,
             profiles.prefill,
             stop_once_failed=True,
-            executor=executor,
+            workers=workers,
         )
         return verdicts[rate].meets
 

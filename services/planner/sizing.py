@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import math
 import statistics
-from concurrent.futures import Executor
+from collections.abc import Generator
 from dataclasses import dataclass
 
 from splitserve.loadgen.stats import Slo
 from splitserve.loadgen.workload import LengthDistribution, WorkloadSpec, poisson_requests
+from splitserve.planner.pool import Workers
 from splitserve.planner.profile import Profile
 from splitserve.planner.simulate.cluster import ClusterConfig, simulate
 from splitserve.planner.simulate.results import SimResult
@@ -91,30 +92,29 @@ def judge(
     seed: int = 0,
     prefill_profile: Profile | None = None,
     stop_once_failed: bool = False,
-    executor: Executor | None = None,
+    workers: Workers | None = None,
 ) -> Verdict:
     """`stop_once_failed`: stop simulating seeds once too many have missed for the target to
     hold (a rate search only needs the yes or no); the verdict's bands then cover the seeds
-    run. Whether it meets is the same either way. `executor`: simulate seeds in parallel
-    there, as many at once as it has workers (each seed is a separate simulation)."""
+    run. Whether it meets is the same either way. `workers`: simulate seeds in those worker
+    processes, as many at once as there are workers, read in order."""
     allowed_misses = target.num_seeds - _seeds_needed(target)
-    args = (profile, cluster, workload, target.slo, prefill_profile)
-    keys = [f"{seed}/{i}" for i in range(target.num_seeds)]
-    if executor is None:
-        pending = (simulate_seed(*args, key) for key in keys)
+    arguments = [
+        (profile, cluster, workload, target.slo, prefill_profile, f"{seed}/{i}")
+        for i in range(target.num_seeds)
+    ]
+    if workers is None:
+        in_order: Generator[SimResult, None, None] = (simulate_seed(*args) for args in arguments)
     else:
-        futures = [executor.submit(simulate_seed, *args, key) for key in keys]
-        pending = (future.result() for future in futures)
+        in_order = workers.in_order(simulate_seed, arguments)
     results: list[SimResult] = []
     misses = 0
-    for result in pending:
+    for result in in_order:
         results.append(result)
         misses += result.attainment < target.attainment
         if stop_once_failed and misses > allowed_misses:
             break
-    if executor is not None:
-        for future in futures:
-            future.cancel()  # the seeds not started yet, when it stopped early
+    in_order.close()  # the seeds still queued are dropped now, not at collection
     share = sum(r.attainment >= target.attainment for r in results) / len(results)
     pressures = {
         resource: statistics.median(pressure(r, target.slo)[resource] for r in results)

@@ -6,8 +6,9 @@ of about 50 s each, and the exhaustive (P, D) search would run hundreds of thous
 A layout's pods only meet through the gateway, which spreads the requests by load, so a slice
 sees the load per pod the whole sees. It is an approximation that errs one way: with fewer
 pods to choose from, a slice's queues build sooner than the whole's (the same utilisation
-waits longer in a small M/M/c than a large one), so it asks for more pods, never fewer, than a
-simulation of the whole would (docs/benchmarks.md measures by how much).
+waits longer in a small M/M/c than a large one), so it is expected to ask for more pods than a
+simulation of the whole would (about 11% more in the one case docs/benchmarks.md measures). A
+whole no larger than a slice is judged whole instead, where the argument runs the other way.
 
 The search, in two passes so that the full test (every seed, the whole span) runs only where
 the answer is:
@@ -15,19 +16,21 @@ the answer is:
    admission choice as the layout sweep has them) gets its highest rate on one seed over a
    quarter of the span, by the sweep's bisection; the layouts are screened in parallel;
 2. settle: the layouts within SETTLE_WITHIN of the best goodput per device get the full test,
-   stepping CONFIRM_STEP up while it meets or down until it does (again while settling
-   lowers the best enough to bring more layouts within reach).
+   walked up or down from the screened rate and bisected to CONFIRM_STEP (again while
+   settling lowers the best enough to bring more layouts within reach).
 A settled layout meeting the target rate R then needs R / r slices, each role rounded up to
-whole pods; the fewest devices win. A layout only screened shows its screened rate, marked.
+whole pods; the fewest devices win among the given profiles at the spec's own remote-prefill
+limit without admission (the whole-layout search's candidates; the sweep's other choices show
+in its table). A layout only screened shows its screened rate, marked.
 """
 
 from __future__ import annotations
 
 import math
-from concurrent.futures import Executor
+from collections.abc import Callable
 from dataclasses import replace
 
-from splitserve.planner.pool import simulation_pool
+from splitserve.planner.pool import Workers, simulation_pool
 from splitserve.planner.profile import Profile
 from splitserve.planner.search import (
     Candidate,
@@ -72,16 +75,58 @@ def recommend_by_slices(
 ) -> Recommendation:
     slice_pods = spec.slice_size
     profiles = Profiles(profile, prefill_profile)
-    with simulation_pool(spec.jobs) as executor:
-        points = slice_sweep((profiles, *variants), spec, slice_pods, progress, executor)
-    # The fewest-devices pick runs the given profiles alone, as the whole search does.
-    own = [point for point in points if point.setup == profiles.setup and point.settled]
-    candidates = [
-        candidate
-        for point in own
-        if (candidate := scaled_candidate(point, profiles, spec)) is not None
-    ]
+    with simulation_pool(spec.jobs) as workers:
+        points = slice_sweep((profiles, *variants), spec, slice_pods, progress, workers)
+        candidates = whole_candidates(points, profiles, spec, slice_pods, workers)
     return Recommendation(candidates, fewest_devices(candidates), points, slice_pods)
+
+
+def whole_candidates(
+    points: list[RatioPoint],
+    profiles: Profiles,
+    spec: SearchSpec,
+    slice_pods: int,
+    workers: Workers | None = None,
+) -> list[Candidate]:
+    """One candidate per distinct whole layout the settled slices give: the given profiles
+    at the spec's own remote-prefill limit without admission, as the whole-layout search's
+    candidates are (the layout sweep's other choices stay in its table). A whole no larger
+    than a slice is judged whole: the slice's argument (more pods, less queueing) runs the
+    other way there, and at that size the whole is cheap to simulate."""
+    by_layout: dict[tuple[int, int], Candidate] = {}
+    for point in points:
+        if not _is_candidate_layout(point, profiles, spec):
+            continue
+        candidate = scaled_candidate(point, profiles, spec)
+        if candidate is None:
+            continue
+        if candidate.num_pods <= slice_pods:
+            verdict = judge(
+                profiles.decode,
+                candidate.cluster,
+                spec.workload,
+                spec.target,
+                spec.seed,
+                profiles.prefill,
+                workers=workers,
+            )
+            candidate = Candidate(verdict, profiles.devices(candidate.cluster))
+        key = (candidate.cluster.num_prefill, candidate.cluster.num_decode)
+        by_layout.setdefault(key, candidate)
+    return list(by_layout.values())
+
+
+def _is_candidate_layout(point: RatioPoint, profiles: Profiles, spec: SearchSpec) -> bool:
+    cluster = point.cluster
+    own_limit = cluster.num_prefill == 0 or (
+        cluster.max_remote_prefill_tokens == spec.max_remote_prefill_tokens
+    )
+    return (
+        point.settled
+        and point.setup == profiles.setup
+        and own_limit
+        and cluster.admission_ttft_s is None
+    )
 
 
 def slice_sweep(
@@ -89,7 +134,7 @@ def slice_sweep(
     spec: SearchSpec,
     slice_pods: int,
     progress: Progress | None = None,
-    executor: Executor | None = None,
+    workers: Workers | None = None,
 ) -> list[RatioPoint]:
     """Every setup's slice layouts screened, and the best of them settled (see the module)."""
     pairs = [(profiles, c) for profiles in setups for c in slice_layouts(spec, slice_pods)]
@@ -97,12 +142,14 @@ def slice_sweep(
     # are cheap to simulate, overloaded ones dear, so the bracket grows up to the answer.
     start = spec.workload.rate * slice_pods / spec.max_pods
     tasks = [(profiles, cluster, spec, start) for profiles, cluster in pairs]
-    if executor is None:
+    if workers is None:
         screened = [screen_rate(*task) for task in tasks]
     else:
-        screened = list(executor.map(screen_rate, *zip(*tasks)))
+        screened = list(workers.in_order(screen_rate, tasks))
     points = [
-        RatioPoint(cluster, rate, profiles.devices(cluster), profiles.setup, v.binding, v, False)
+        RatioPoint(
+            cluster, rate, profiles.devices(cluster), profiles.setup, v.binding, v, settled=False
+        )
         for (profiles, cluster), (rate, v) in zip(pairs, screened)
     ]
     if progress is not None:
@@ -110,7 +157,7 @@ def slice_sweep(
     while todo := _to_settle(points):
         for i in todo:
             (profiles, cluster), point = pairs[i], points[i]
-            rate, verdict = settle_rate(profiles, cluster, spec, point.max_rate, executor)
+            rate, verdict = settle_rate(profiles, cluster, spec, point.max_rate, workers)
             points[i] = replace(point, max_rate=rate, binding=verdict.binding, verdict=verdict,
                                 settled=True)  # fmt: skip
             if progress is not None:
@@ -151,13 +198,12 @@ def settle_rate(
     cluster: ClusterConfig,
     spec: SearchSpec,
     screened: float,
-    executor: Executor | None = None,
+    workers: Workers | None = None,
 ) -> tuple[float, Verdict]:
-    """The highest rate at which a slice meets the target by the full test, to within
-    CONFIRM_STEP (a rate that fails lies at most that far above), from its screened rate; and
-    the verdict there (0 and the lowest rate's verdict if none met)."""
+    """The highest rate at which a slice meets the target by the full test (every seed, the
+    whole span), from its screened rate: see `settle`."""
 
-    def full(rate: float) -> Verdict:
+    def full_test(rate: float) -> Verdict:
         return judge(
             profiles.decode,
             cluster,
@@ -166,37 +212,67 @@ def settle_rate(
             spec.seed,
             profiles.prefill,
             stop_once_failed=True,
-            executor=executor,
+            workers=workers,
         )
 
-    rate = screened
-    verdict = full(rate)
-    if verdict.meets:
-        for _ in range(MAX_CONFIRM_STEPS):
-            higher = full(rate * (1 + CONFIRM_STEP))
-            if not higher.meets:
-                break
-            rate, verdict = rate * (1 + CONFIRM_STEP), higher
-        return rate, verdict
-    # Down in steps that double (3%, 6%, 12%, ...) to a rate that meets, then halve the gap
-    # to the last that failed until it is one step wide.
-    failed, step = rate, CONFIRM_STEP
-    for _ in range(MAX_CONFIRM_STEPS):
-        lower = full(failed * (1 - step))
-        if lower.meets:
-            rate, verdict = failed * (1 - step), lower
-            break
-        failed, verdict, step = failed * (1 - step), lower, min(2 * step, 0.5)
+    return settle(full_test, screened)
+
+
+def settle(test: Callable[[float], Verdict], start: float) -> tuple[float, Verdict]:
+    """The highest rate `test` says meets, to within CONFIRM_STEP (a rate that fails lies at
+    most that far above it), walking from `start` in steps that double (3%, 6%, 12%, ...) up
+    while it meets or down until it does, then halving the gap between the last rate that met
+    and the first that failed; with the verdict there. (0, the lowest rate's verdict) when
+    none met in MAX_CONFIRM_STEPS steps down; past MAX_CONFIRM_STEPS steps up, all meeting,
+    the highest tried, a lower bound."""
+    first = test(start)
+    if first.meets:
+        met, verdict, failed = _walk_up(test, start, first)
+        if failed is None:
+            return met, verdict
     else:
-        return 0.0, verdict
-    while failed > rate * (1 + CONFIRM_STEP):
-        middle = (rate + failed) / 2
-        tried = full(middle)
+        found = _walk_down(test, start, first)
+        if isinstance(found, Verdict):
+            return 0.0, found
+        met, verdict, failed = found
+    while failed > met * (1 + CONFIRM_STEP):
+        middle = (met + failed) / 2
+        tried = test(middle)
         if tried.meets:
-            rate, verdict = middle, tried
+            met, verdict = middle, tried
         else:
             failed = middle
-    return rate, verdict
+    return met, verdict
+
+
+def _walk_up(
+    test: Callable[[float], Verdict], rate: float, verdict: Verdict
+) -> tuple[float, Verdict, float | None]:
+    """From a rate that meets: (the last rate that met, its verdict, the first that failed,
+    None if none did)."""
+    step = CONFIRM_STEP
+    for _ in range(MAX_CONFIRM_STEPS):
+        higher = rate * (1 + step)
+        tried = test(higher)
+        if not tried.meets:
+            return rate, verdict, higher
+        rate, verdict, step = higher, tried, 2 * step
+    return rate, verdict, None
+
+
+def _walk_down(
+    test: Callable[[float], Verdict], failed: float, verdict: Verdict
+) -> tuple[float, Verdict, float] | Verdict:
+    """From a rate that fails: (the first rate that met, its verdict, the last that failed),
+    or the lowest rate's verdict when none met."""
+    step = CONFIRM_STEP
+    for _ in range(MAX_CONFIRM_STEPS):
+        lower = failed * (1 - step)
+        tried = test(lower)
+        if tried.meets:
+            return lower, tried, failed
+        failed, verdict, step = lower, tried, min(2 * step, 0.5)
+    return verdict
 
 
 def scaled_candidate(point: RatioPoint, profiles: Profiles, spec: SearchSpec) -> Candidate | None:
@@ -204,10 +280,11 @@ def scaled_candidate(point: RatioPoint, profiles: Profiles, spec: SearchSpec) ->
     slice holds no rate or the layout would pass `max_pods`."""
     if point.max_rate <= 0 or point.verdict is None:
         return None
-    layout = scale_up(point.cluster, spec.workload.rate / point.max_rate)
+    slices = spec.workload.rate / point.max_rate
+    layout = scale_up(point.cluster, slices)
     if layout.num_prefill + layout.num_decode > spec.max_pods:
         return None
-    return Candidate(point.verdict, profiles.devices(layout), layout)
+    return Candidate(point.verdict, profiles.devices(layout), layout, slices)
 
 
 def scale_up(slice_cluster: ClusterConfig, slices: float) -> ClusterConfig:

@@ -2,14 +2,16 @@
 
     python -m benchmarks.gateway_auth [--quick] [--streams 64] [--rounds 5] [--requests 8]
 
-Two gateway processes over the same pod: one open (no key file), one with --api-keys whose
-tenant has requests-per-minute, tokens-per-minute and concurrency limits (high enough never to
-refuse) counted in a real redis-server. The pod is a stand-in decode pod started here (GetStats
-and a Decode stream of eight one-token answers 50 ms apart, no model), so what is measured is
-the gateway: its auth, limit round trips to Redis and response headers, not prefill.
+Two gateway processes over the same pod and the same real redis-server: one open (no key
+file), one with --api-keys whose tenant has requests-per-minute, tokens-per-minute and
+concurrency limits (high enough never to refuse) counted in that Redis. The pod is a stand-in
+decode pod started here (GetStats and a Decode stream of eight one-token answers 50 ms apart,
+no model), so what is measured is the gateway: its auth, limit round trips to Redis and
+response headers, not prefill.
 `--streams` clients at once each send `--requests` streaming completions in turn
 (Authorization: Bearer on the keyed gateway); per request: time to the first SSE byte and
-to the last. Rounds alternate the two gateways so a busy machine skews both alike. Prints the
+to the last. Rounds alternate the two gateways, the first of each pair flipping every round,
+so a busy machine skews both alike. Prints the
 medians and p90s side by side and their differences (target: under 1 ms at 64 streams).
 
 `--quick` runs a few seconds on a shared 2-core box; figures to quote come from a quiet machine
@@ -140,10 +142,13 @@ def run(streams: int, rounds: int, requests: int) -> None:
         argv = [sys.executable, "-m", "benchmarks.gateway_auth", "--stand-in-pod", pod]
         health = HealthCheck(grpc_address=pod, grpc_service="splitserve.v1.DecodeWorker")
         sup.start(ProcessSpec("pod", argv, health))
-        keyed = ["--api-keys", str(key_file), "--redis-url", redis.url]
+        # Both gateways on the same Redis (its index and registry work alike), so what
+        # differs is the key file alone: the keys and the limits counted there.
+        shared = ["--redis-url", redis.url]
+        keyed = [*shared, "--api-keys", str(key_file)]
         configs = {}
         for name, extra, headers in [
-            ("off", [], {}),
+            ("off", shared, {}),
             ("on", keyed, {"Authorization": f"Bearer {KEY}"}),
         ]:
             spec, url = _gateway(f"gateway-{name}", pod, extra)
@@ -153,8 +158,11 @@ def run(streams: int, rounds: int, requests: int) -> None:
         time.sleep(1.5)  # the gateways' first poll of the pod
         timings: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
         cpu_s = {"off": 0.0, "on": 0.0}
-        for _ in range(rounds):
-            for name, (url, headers) in configs.items():
+        for number in range(rounds):
+            # Which gateway goes first flips each round: a round runs in the wake of the one
+            # before (its sockets closing, its garbage), and neither should always follow.
+            order = list(configs.items()) if number % 2 == 0 else list(configs.items())[::-1]
+            for name, (url, headers) in order:
                 pid = sup.process(f"gateway-{name}").pid
                 before = _cpu_seconds(pid)
                 timings[name] += asyncio.run(_round(url, headers, streams, requests))

@@ -47,6 +47,9 @@ class LoadRanking:
         # of them for its index lookup reads of a record (router.py `_index_groups`).
         self.grouping_version = 0
         self._cooldowns: list[tuple[float, int]] = []  # (until, id(pod)): a heap
+        # Each cooling pod's end as pushed, so that rereading it (a poll, a dispatch) while
+        # it cools does not push the same end again.
+        self._cooling_until: dict[int, float] = {}
         self._is_available: list[bool] = []  # by position
         # Derived from those, until one flips (rarely: a failed poll, a cooldown).
         self._available_pods: list[Pod] | None = None
@@ -85,7 +88,9 @@ class LoadRanking:
             self._changed.update((id(pod), pod) for pod in self._pods)
         now = time.monotonic()
         while self._cooldowns and self._cooldowns[0][0] <= now:
-            key = heapq.heappop(self._cooldowns)[1]
+            until, key = heapq.heappop(self._cooldowns)
+            if self._cooling_until.get(key) == until:
+                del self._cooling_until[key]
             if key in self._position:
                 self._changed[key] = self._pods[self._position[key]]
         if self._changed:
@@ -163,6 +168,7 @@ class LoadRanking:
         self._pod_ids = [""] * count
         self._positions_of_pod_id = self._available_pods = self._available_mask = None
         self._cooldowns.clear()
+        self._cooling_until.clear()
         self._changed.clear()
         for pod in pods:
             pod._ranking = self
@@ -173,8 +179,10 @@ class LoadRanking:
         if position is None:  # it left the pool after reporting
             return
         is_available = pod.is_available_at(now)
-        if pod.unreachable_until > now:
-            heapq.heappush(self._cooldowns, (pod.unreachable_until, id(pod)))
+        until = pod.unreachable_until
+        if until > now and self._cooling_until.get(id(pod)) != until:
+            self._cooling_until[id(pod)] = until
+            heapq.heappush(self._cooldowns, (until, id(pod)))
         if is_available != self._is_available[position]:
             self._is_available[position] = is_available
             self._available_pods = self._available_mask = None

@@ -11,8 +11,8 @@ response headers, not prefill.
 `--streams` clients at once each send `--requests` streaming completions in turn
 (Authorization: Bearer on the keyed gateway); per request: time to the first SSE byte and
 to the last. Rounds alternate the two gateways, the first of each pair flipping every round,
-so a busy machine skews both alike. Prints the
-medians and p90s side by side and their differences (target: under 1 ms at 64 streams).
+so a busy machine skews both alike. Prints the medians and p90s side by side and their
+differences (target: under 1 ms at 64 streams).
 
 `--quick` runs a few seconds on a shared 2-core box; figures to quote come from a quiet machine
 with the defaults (docs/security.md).

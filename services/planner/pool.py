@@ -44,6 +44,16 @@ class Workers:
                 future.cancel()
 
 
+def in_order(
+    workers: Workers | None, task: Callable[..., Any], arguments: Iterable[tuple]
+) -> Generator[Any, None, None]:
+    """`task`'s results for each argument tuple, in order: in `workers` (see
+    `Workers.in_order`), or one after another in this process when there are none."""
+    if workers is None:
+        return (task(*args) for args in arguments)
+    return workers.in_order(task, arguments)
+
+
 @contextmanager
 def simulation_pool(jobs: int) -> Iterator[Workers | None]:
     """`jobs` simulations at a time in worker processes; None (run in this process) for 1."""

@@ -83,9 +83,7 @@ def ratio_sweep(
     points = []
     for i, (profiles, cluster) in enumerate(configs, 1):
         rate, verdict = max_good_rate(profiles, cluster, spec, workers=workers)
-        point = RatioPoint(
-            cluster, rate, profiles.devices(cluster), profiles.setup, verdict.binding, verdict
-        )
+        point = RatioPoint(cluster, rate, profiles.devices(cluster), verdict, profiles.setup)
         points.append(point)
         if progress is not None:
             progress(f"rate search {i}/{len(configs)}: {point.label}, {point.setup}")

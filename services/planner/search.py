@@ -137,12 +137,16 @@ class RatioPoint:
     cluster: ClusterConfig
     max_rate: float  # highest rate found meeting the target (0 if none)
     num_devices: int
+    verdict: Verdict  # at max_rate (at the lowest rate tried if none met)
     setup: str = ""  # `Profiles.setup` of the engine setup it ran
-    binding: str = ""  # what binds first at max_rate (at the lowest rate tried if none met)
-    verdict: Verdict | None = None  # at max_rate (at the lowest rate tried if none met)
     # False: max_rate is a slice's screened rate (one seed, part of the span), not the full
     # test's (`slices.py`)
     settled: bool = True
+
+    @property
+    def binding(self) -> str:
+        """What binds first at max_rate (at the lowest rate tried if none met)."""
+        return self.verdict.binding
 
     @property
     def label(self) -> str:

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Generator
 from dataclasses import dataclass
 
 from splitserve.loadgen.stats import Slo
 from splitserve.loadgen.workload import LengthDistribution, WorkloadSpec, poisson_requests
-from splitserve.planner.pool import Workers
+from splitserve.planner.pool import Workers, in_order
 from splitserve.planner.profile import Profile
 from splitserve.planner.simulate.cluster import ClusterConfig, simulate
 from splitserve.planner.simulate.results import SimResult
@@ -103,18 +102,15 @@ def judge(
         (profile, cluster, workload, target.slo, prefill_profile, f"{seed}/{i}")
         for i in range(target.num_seeds)
     ]
-    if workers is None:
-        in_order: Generator[SimResult, None, None] = (simulate_seed(*args) for args in arguments)
-    else:
-        in_order = workers.in_order(simulate_seed, arguments)
+    seeds = in_order(workers, simulate_seed, arguments)
     results: list[SimResult] = []
     misses = 0
-    for result in in_order:
+    for result in seeds:
         results.append(result)
         misses += result.attainment < target.attainment
         if stop_once_failed and misses > allowed_misses:
             break
-    in_order.close()  # the seeds still queued are dropped now, not at collection
+    seeds.close()  # the seeds still queued are dropped now, not at collection
     share = sum(r.attainment >= target.attainment for r in results) / len(results)
     pressures = {
         resource: statistics.median(pressure(r, target.slo)[resource] for r in results)

@@ -30,7 +30,7 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 
-from splitserve.planner.pool import Workers, simulation_pool
+from splitserve.planner.pool import Workers, in_order, simulation_pool
 from splitserve.planner.profile import Profile
 from splitserve.planner.search import (
     Candidate,
@@ -142,14 +142,9 @@ def slice_sweep(
     # are cheap to simulate, overloaded ones dear, so the bracket grows up to the answer.
     start = spec.workload.rate * slice_pods / spec.max_pods
     tasks = [(profiles, cluster, spec, start) for profiles, cluster in pairs]
-    if workers is None:
-        screened = [screen_rate(*task) for task in tasks]
-    else:
-        screened = list(workers.in_order(screen_rate, tasks))
+    screened = in_order(workers, screen_rate, tasks)
     points = [
-        RatioPoint(
-            cluster, rate, profiles.devices(cluster), profiles.setup, v.binding, v, settled=False
-        )
+        RatioPoint(cluster, rate, profiles.devices(cluster), v, profiles.setup, settled=False)
         for (profiles, cluster), (rate, v) in zip(pairs, screened)
     ]
     if progress is not None:
@@ -158,8 +153,7 @@ def slice_sweep(
         for i in todo:
             (profiles, cluster), point = pairs[i], points[i]
             rate, verdict = settle_rate(profiles, cluster, spec, point.max_rate, workers)
-            points[i] = replace(point, max_rate=rate, binding=verdict.binding, verdict=verdict,
-                                settled=True)  # fmt: skip
+            points[i] = replace(point, max_rate=rate, verdict=verdict, settled=True)
             if progress is not None:
                 progress(f"settled {cluster.label}, {profiles.setup}: {rate:.2f} req/s")
     return points
@@ -278,7 +272,7 @@ def _walk_down(
 def scaled_candidate(point: RatioPoint, profiles: Profiles, spec: SearchSpec) -> Candidate | None:
     """The whole layout that `point`'s slice says meets the target rate, or None when the
     slice holds no rate or the layout would pass `max_pods`."""
-    if point.max_rate <= 0 or point.verdict is None:
+    if point.max_rate <= 0:
         return None
     slices = spec.workload.rate / point.max_rate
     layout = scale_up(point.cluster, slices)

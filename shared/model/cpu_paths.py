@@ -75,12 +75,12 @@ def kernel_paths() -> dict[str, str]:
     """Family -> the path it takes here, with the reason where it is not the fastest."""
     module = _loaded_module()
     int4 = quantized_linear.int4_kernel_problem() if module is not None else cpu_kernels_status()
-    int8 = quantized_linear.int8_product_problem()
+    int8 = quantized_linear.int8_by_int8_problem()
     bf16 = linear.onednn_bfloat16_problem()
     return {
         "float32_linear": "onednn" if linear.onednn_available() else "torch",
         "bfloat16_linear": "onednn" if bf16 is None else f"torch ({bf16})",
-        "int8_many_rows": "int8 x int8" if int8 is None else f"7-bit x int8, 2 passes ({int8})",
+        "int8_many_rows": "int8 x int8" if int8 is None else f"float32 weight ({int8})",
         "int4": f"int4_gemm {module.int4_isa()}" if module and int4 is None else f"torch ({int4})",
         "cpu_kernel_isa": module.int4_isa() if module is not None else "none",
     }

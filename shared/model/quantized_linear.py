@@ -16,9 +16,10 @@ So int8 decode rows (few) go through torch's kernel, activations cast to bfloat1
 product only. From 32 rows an int8 product quantizes its activations per row and multiplies
 int8 by int8 (oneDNN through torch._int_mm): 1.4x float32 at 64 rows with qkv and down in two
 passes, which their accuracy needs (`_int8_activation_product` has the figures). Without VNNI
-(AVX2 CPUs) oneDNN's int8 product saturates full-range codes (`int8_product_problem`), and its
-7-bit two-pass remedy was the slowest path there: from 32 rows the weight is dequantized to
-float32 for the product instead (`_dequantized_product`).
+that product is no gain (`int8_by_int8_problem`): on an AVX2 CPU torch runs its own reference
+loop (exact, 14x float32's time), and oneDNN capped to AVX2 on a VNNI CPU saturates full-range
+codes (`int8_product_problem`; its 7-bit two-pass remedy was the slowest path there). So there,
+from 32 rows, the weight is dequantized to float32 for the product (`_dequantized_product`).
 
 int4 (and GGUF's Q4_0/Q4_1, `int4_from_codes`) is packed in our own layout
 (kernels/cpu/int4_gemm.h) and multiplied at every row count by kernels/cpu/int4_gemm.cpp, which
@@ -63,6 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.kernels import cpu as cpu_kernels
+from splitserve.kernels.cpu.isa import cpu_features
 
 if TYPE_CHECKING:  # quantized_triton imports this module
     from splitserve.engine.model.quantized_triton import TritonWeight
@@ -333,7 +335,7 @@ def quantized_matmul(
         return weight.matmul(x)
     rows, in_features = x.shape
     if rows >= INT8_ACTIVATION_QUANT_FROM_ROWS:
-        if int8_product_problem() is not None:
+        if int8_by_int8_problem() is not None:
             return _dequantized_product(x, weight)
         return _int8_activation_product(x, weight, activation_passes).to(x.dtype)
     xb = x.to(_ACT_DTYPE)
@@ -413,6 +415,24 @@ def int8_activation_levels() -> int:
     """Codes per sign an int8 x int8 product's activations are quantized to: 127, or 64 where
     oneDNN's int8 product saturates (int8_product_problem)."""
     return 127 if int8_product_problem() is None else 64
+
+
+# Any of these lets torch._int_mm reach oneDNN's int8 dot products; without them torch runs
+# its own reference loop (no oneDNN call at all), exact but 14x float32's time for a 256-row
+# SmolLM2 product on a 2-core AVX2 EPYC.
+_INT8_DOT_PRODUCT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+@functools.cache
+def int8_by_int8_problem() -> str | None:
+    """None when products of many rows should quantize their activations and multiply int8 by
+    int8 here (exact, and on VNNI dot products); otherwise why the weight is dequantized to
+    float32 for them instead (_dequantized_product)."""
+    if not any(flag in cpu_features().flags for flag in _INT8_DOT_PRODUCT_FLAGS):
+        return (
+            "no VNNI on this CPU: torch._int_mm runs a reference loop, slower than float32"
+        )
+    return int8_product_problem()
 
 
 @functools.cache

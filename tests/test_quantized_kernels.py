@@ -32,11 +32,13 @@ from splitserve.engine.model.quantized_linear import (
     int4_kernel_problem,
     int8_activation_levels,
     int8_by_int8_problem,
+    int8_dot_products_problem,
     int8_product_problem,
     pack_int4_for_torch,
     quantize,
     quantized_matmul,
 )
+from splitserve.kernels.cpu.isa import CpuFeatures, cpu_features
 
 ROWS = (1, 3, 16, 64, 300)
 # (out, in): SmolLM2's qkv and down shapes, and odd ones (rows padded to 64, columns to 32).
@@ -133,6 +135,19 @@ def test_int8_products_from_16_rows_multiply_per_row_quantized_activations():
     loud = x.clone()
     loud[0] *= 1000
     assert torch.equal(quantized_matmul(loud, packed)[1:], got[1:])
+
+
+def test_int8_by_int8_needs_avx512_vnni_in_the_cpu_flags():
+    # Without it torch._int_mm never reaches oneDNN (a reference loop, 14x float32's time on an
+    # AVX2 EPYC): an AVX2-only CPU and one with AVX-VNNI alone dequantize the weight instead.
+    avx2 = CpuFeatures("x86_64", "AMD EPYC", frozenset({"avx2", "fma", "f16c"}))
+    avx_vnni = CpuFeatures("x86_64", "Core", frozenset({"avx2", "fma", "avx_vnni"}))
+    vnni = CpuFeatures("x86_64", "Xeon", frozenset({"avx2", "avx512f", "avx512_vnni"}))
+    assert "AVX-512 VNNI" in (int8_dot_products_problem(avx2) or "")
+    assert int8_dot_products_problem(avx_vnni) is not None
+    assert int8_dot_products_problem(vnni) is None
+    if int8_dot_products_problem(cpu_features()) is not None:
+        assert int8_by_int8_problem() is not None
 
 
 def test_int8_products_are_exact_where_onednn_would_saturate():

@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.kernels import cpu as cpu_kernels
-from splitserve.kernels.cpu.isa import cpu_features
+from splitserve.kernels.cpu.isa import CpuFeatures, cpu_features
 
 if TYPE_CHECKING:  # quantized_triton imports this module
     from splitserve.engine.model.quantized_triton import TritonWeight
@@ -417,22 +417,22 @@ def int8_activation_levels() -> int:
     return 127 if int8_product_problem() is None else 64
 
 
-# Any of these lets torch._int_mm reach oneDNN's int8 dot products; without them torch runs
-# its own reference loop (no oneDNN call at all), exact but 14x float32's time for a 256-row
-# SmolLM2 product on a 2-core AVX2 EPYC.
-_INT8_DOT_PRODUCT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
-
-
 @functools.cache
 def int8_by_int8_problem() -> str | None:
     """None when products of many rows should quantize their activations and multiply int8 by
     int8 here (exact, and on VNNI dot products); otherwise why the weight is dequantized to
     float32 for them instead (_dequantized_product)."""
-    if not any(flag in cpu_features().flags for flag in _INT8_DOT_PRODUCT_FLAGS):
-        return (
-            "no VNNI on this CPU: torch._int_mm runs a reference loop, slower than float32"
-        )
-    return int8_product_problem()
+    return int8_dot_products_problem(cpu_features()) or int8_product_problem()
+
+
+def int8_dot_products_problem(features: CpuFeatures) -> str | None:
+    """None when torch._int_mm reaches oneDNN's int8 dot products on this CPU. torch asks
+    for AVX-512 VNNI (at::cpu::is_cpu_support_vnni; AVX-VNNI alone is not enough); without it
+    torch runs its own reference loop, no oneDNN call at all: exact, but 14x float32's time for
+    a 256-row SmolLM2 product on a 2-core AVX2 EPYC."""
+    if features.has("avx512_vnni"):
+        return None
+    return "no AVX-512 VNNI on this CPU: torch._int_mm runs a reference loop, slower than float32"
 
 
 @functools.cache

@@ -426,10 +426,11 @@ def int8_by_int8_problem() -> str | None:
 
 
 def int8_dot_products_problem(features: CpuFeatures) -> str | None:
-    """None when torch._int_mm reaches oneDNN's int8 dot products on this CPU. torch asks
-    for AVX-512 VNNI (at::cpu::is_cpu_support_vnni; AVX-VNNI alone is not enough); without it
-    torch runs its own reference loop, no oneDNN call at all: exact, but 14x float32's time for
-    a 256-row SmolLM2 product on a 2-core AVX2 EPYC."""
+    """None when torch._int_mm can be expected to reach oneDNN's int8 dot products on this
+    CPU. Seen: a CPU with AVX-512 VNNI reaches oneDNN; a 2-core AVX2 EPYC never does (torch's
+    own reference loop, exact, but 14x float32's time for a 256-row SmolLM2 product). torch's
+    VNNI check (at::cpu::is_cpu_support_vnni) reads AVX-512 VNNI only, so AVX-VNNI alone counts
+    as none (no such CPU was at hand to confirm)."""
     if features.has("avx512_vnni"):
         return None
     return "no AVX-512 VNNI on this CPU: torch._int_mm runs a reference loop, slower than float32"

@@ -32,7 +32,7 @@ fi
 echo "[deps] installing splitserve with test extras"
 "$PYTHON" -m pip install -q -e ".[test]"
 
-# The C++ CPU kernels (kernels/cpu) build once per machine (a minute or two on 2 cores) and are
+# The C++ CPU kernels (kernels/cpu) build once per machine (about a minute on 2 cores) and are
 # cached by torch; doing it here keeps the first engine start, and the first test that loads
 # one, from paying for it.
 # A machine without a compiler still runs: the engine then keeps its PyTorch path.

@@ -22,7 +22,7 @@ the compiler's default elsewhere (ARMv8-A: NEON). What needs more (int4_gemm's A
 variant) is compiled for it in its own file and chosen at run time (isa.py decides; `load()`
 tells the module). On an x86-64 CPU below the baseline the module is not loaded at all.
 
-The build takes a minute or two once; torch caches it under TORCH_EXTENSIONS_DIR (default
+The build takes about a minute once (2 cores); torch caches it under TORCH_EXTENSIONS_DIR (default
 ~/.cache/torch_extensions), named after a hash of its sources and flags, and later processes
 import it directly, with no compiler and no write (prebuilt.py): a wheel builds it on first use,
 the image's builder stage ahead of time. `scripts/install_deps.sh` builds it, so `make test` and

@@ -16,7 +16,12 @@
 // that.
 
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/extension.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/_weight_int8pack_mm.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/Parallel.h>
 
@@ -38,7 +43,7 @@ enum class WeightFormat : int64_t { kOneDnn = 0, kInt8 = 1, kInt4 = 2 };
 //   int4    first = packed [tiles, groups, 256] uint8, second = scales_minimums
 //           [tiles, groups, 2, 16] float16 (int4_gemm.h)
 struct Weight {
-  torch::Tensor first, second;
+  at::Tensor first, second;
   int64_t in_padded = 0, out_features = 0;
 };
 
@@ -46,8 +51,8 @@ struct Weight {
 // engine writes an adapter into a slot in place, so holding them here keeps the two in step.
 //   a [max_loras, slices, rank, in]; b per slice [max_loras, rank, out_s], at column offset_s
 struct LoraSlots {
-  torch::Tensor a;
-  std::vector<torch::Tensor> b;
+  at::Tensor a;
+  std::vector<at::Tensor> b;
   std::vector<int64_t> offsets;
 };
 
@@ -57,11 +62,11 @@ enum Projection : int64_t { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3, kNumProjec
 struct Layer {
   // post_norm: Llama's norm before the MLP (of the residual sum); with Gemma's sandwich norms,
   // the attention branch's own norm, and pre_ff_norm takes the former's place.
-  torch::Tensor input_norm, post_norm;
+  at::Tensor input_norm, post_norm;
   Weight qkv, o, gate_up, down;
-  torch::Tensor qkv_bias;  // Qwen2's q/k/v bias [q + 2 kv] float32; undefined: none
-  torch::Tensor q_norm, k_norm;  // [head_dim] each; undefined: no q/k norms
-  torch::Tensor pre_ff_norm, post_ff_norm;  // Gemma's [hidden] each; undefined: Llama's layout
+  at::Tensor qkv_bias;  // Qwen2's q/k/v bias [q + 2 kv] float32; undefined: none
+  at::Tensor q_norm, k_norm;  // [head_dim] each; undefined: no q/k norms
+  at::Tensor pre_ff_norm, post_ff_norm;  // Gemma's [hidden] each; undefined: Llama's layout
   int64_t window = 0;  // a sliding window's positions (0 = the whole context)
   bool local_rotary = false;  // Gemma 3's window layers: the step's local angles
   std::optional<LoraSlots> lora[kNumProjections];
@@ -70,7 +75,7 @@ struct Layer {
 // The step's row -> slot map (shared/lora/batched.py's LoRABatch.slot_ids); undefined: no
 // adapter rows.
 struct LoraStep {
-  torch::Tensor slot_ids;  // [rows] int64, -1 for a row of the base model
+  at::Tensor slot_ids;  // [rows] int64, -1 for a row of the base model
 };
 
 // out[row, slice s] += (x[row] @ A[slot, s]^T) @ B_s[slot] for each row's slot, row by row
@@ -79,7 +84,7 @@ struct LoraStep {
 // use (the Python hooks' form) did k times the work through sgemm calls whose shapes suit it
 // badly: it cost more than the base products at 16 rows and 8 adapters (py-spy --native).
 // x [rows, in] and out [rows, out_total] float32, rows contiguous; the slots float32 contiguous.
-void add_lora_delta(torch::Tensor& out, const torch::Tensor& x,
+void add_lora_delta(at::Tensor& out, const at::Tensor& x,
                     const std::optional<LoraSlots>& slots, const LoraStep& step) {
   if (!slots.has_value() || !step.slot_ids.defined()) return;
   const auto xc = x.contiguous();
@@ -130,7 +135,7 @@ void add_lora_delta(torch::Tensor& out, const torch::Tensor& x,
   }
 }
 
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& weight) {
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight) {
   // Called boxed: the schema's C++ argument types have changed between torch releases, its
   // boxed form (what torch.ops calls) has not.
   static const c10::OperatorHandle op =
@@ -148,16 +153,16 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& weight)
 }
 
 // x [rows, in] float32 -> [rows, out] float32, as the Python layer computes it.
-torch::Tensor linear(const torch::Tensor& x, const Weight& w, WeightFormat format) {
+at::Tensor linear(const at::Tensor& x, const Weight& w, WeightFormat format) {
   if (format == WeightFormat::kOneDnn) return onednn_linear(x, w.first);
   if (format == WeightFormat::kInt4) {
     return int4_gemm(x.contiguous(), w.first, w.second, w.out_features);
   }
-  auto xb = x.to(torch::kBFloat16);
+  auto xb = x.to(at::kBFloat16);
   if (w.in_padded != x.size(1)) xb = at::constant_pad_nd(xb, {0, w.in_padded - x.size(1)}, 0);
   auto out = at::_weight_int8pack_mm(xb, w.first, w.second);
   if (out.size(1) != w.out_features) out = out.narrow(1, 0, w.out_features);
-  return out.to(torch::kFloat32);
+  return out.to(at::kFloat);
 }
 
 }  // namespace
@@ -187,9 +192,9 @@ class DecodeLayers {
   // [head_dim] (empty: none); sandwich_norms: Gemma's {pre_feedforward, post_feedforward}
   // weights [hidden] (empty: Llama's layout); local_rotary: the layer rotates with the step's
   // local angles (run's local_cos and local_sin).
-  void add_layer(std::vector<torch::Tensor> tensors, std::vector<int64_t> sizes,
-                 int64_t window, std::optional<torch::Tensor> qkv_bias,
-                 std::vector<torch::Tensor> qk_norms, std::vector<torch::Tensor> sandwich_norms,
+  void add_layer(std::vector<at::Tensor> tensors, std::vector<int64_t> sizes,
+                 int64_t window, std::optional<at::Tensor> qkv_bias,
+                 std::vector<at::Tensor> qk_norms, std::vector<at::Tensor> sandwich_norms,
                  bool local_rotary) {
     TORCH_CHECK(window >= 0, "window must be >= 0, got ", window);
     TORCH_CHECK(tensors.size() == 10 && sizes.size() == 8,
@@ -205,7 +210,7 @@ class DecodeLayers {
     layer.window = window;
     if (qkv_bias.has_value()) {
       TORCH_CHECK(qkv_bias->dim() == 1 && qkv_bias->size(0) == layer.qkv.out_features &&
-                      qkv_bias->scalar_type() == torch::kFloat32 && qkv_bias->is_contiguous(),
+                      qkv_bias->scalar_type() == at::kFloat && qkv_bias->is_contiguous(),
                   "qkv_bias must be [", layer.qkv.out_features, "] float32, contiguous");
       layer.qkv_bias = *qkv_bias;
     }
@@ -233,7 +238,7 @@ class DecodeLayers {
 
   // The LoRA slots of one projection (Projection order) of one layer: a [max_loras, slices,
   // rank, in] float32 and per slice b [max_loras, rank, out_s] at column offsets[s].
-  void set_lora(int64_t layer, int64_t projection, torch::Tensor a, std::vector<torch::Tensor> b,
+  void set_lora(int64_t layer, int64_t projection, at::Tensor a, std::vector<at::Tensor> b,
                 std::vector<int64_t> offsets) {
     TORCH_CHECK(layer >= 0 && layer < num_layers(), "layer ", layer, " not added");
     TORCH_CHECK(projection >= 0 && projection < kNumProjections, "projection ", projection,
@@ -241,10 +246,10 @@ class DecodeLayers {
     TORCH_CHECK(a.dim() == 4 && static_cast<int64_t>(b.size()) == a.size(1) &&
                     offsets.size() == b.size(),
                 "LoRA slots: a [max_loras, slices, rank, in] with one b and offset per slice");
-    TORCH_CHECK(a.scalar_type() == torch::kFloat32 && a.is_contiguous(),
+    TORCH_CHECK(a.scalar_type() == at::kFloat && a.is_contiguous(),
                 "LoRA slots must be float32, contiguous");
     for (const auto& b_s : b) {
-      TORCH_CHECK(b_s.scalar_type() == torch::kFloat32 && b_s.is_contiguous() &&
+      TORCH_CHECK(b_s.scalar_type() == at::kFloat && b_s.is_contiguous() &&
                       b_s.size(0) == a.size(0) && b_s.size(1) == a.size(2),
                   "LoRA b must be [max_loras, rank, out_s] float32, contiguous");
     }
@@ -253,16 +258,16 @@ class DecodeLayers {
 
   // run() with each row's adapter delta added to every projection that has LoRA slots:
   // lora_slot_ids [rows] int64, each row's slot (-1: the base model).
-  torch::Tensor run_lora(torch::Tensor hidden, torch::Tensor kv_cache, torch::Tensor slot_mapping,
-                         torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor cos,
-                         torch::Tensor sin, int64_t num_layers, torch::Tensor lora_slot_ids,
-                         std::optional<torch::Tensor> local_cos,
-                         std::optional<torch::Tensor> local_sin,
-                         std::vector<torch::Tensor> group_slot_mappings,
-                         std::vector<torch::Tensor> group_block_tables,
+  at::Tensor run_lora(at::Tensor hidden, at::Tensor kv_cache, at::Tensor slot_mapping,
+                         at::Tensor block_tables, at::Tensor seq_lens, at::Tensor cos,
+                         at::Tensor sin, int64_t num_layers, at::Tensor lora_slot_ids,
+                         std::optional<at::Tensor> local_cos,
+                         std::optional<at::Tensor> local_sin,
+                         std::vector<at::Tensor> group_slot_mappings,
+                         std::vector<at::Tensor> group_block_tables,
                          std::vector<int64_t> layer_places) const {
     TORCH_CHECK(lora_slot_ids.dim() == 1 && lora_slot_ids.size(0) == hidden.size(0) &&
-                    lora_slot_ids.scalar_type() == torch::kLong && lora_slot_ids.is_contiguous(),
+                    lora_slot_ids.scalar_type() == at::kLong && lora_slot_ids.is_contiguous(),
                 "lora_slot_ids must be [rows] int64, contiguous");
     return run_layers(hidden, kv_cache, slot_mapping, block_tables, seq_lens,
                       Angles{cos, sin, local_cos, local_sin}, num_layers,
@@ -279,12 +284,12 @@ class DecodeLayers {
   // slots, layer_places lists each layer's (group, slot) flat, and group_slot_mappings /
   // group_block_tables are groups 1.. own (the arguments above are group 0's); all empty
   // for a cache of one group.
-  torch::Tensor run(torch::Tensor hidden, torch::Tensor kv_cache, torch::Tensor slot_mapping,
-                    torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor cos,
-                    torch::Tensor sin, int64_t num_layers, std::optional<torch::Tensor> local_cos,
-                    std::optional<torch::Tensor> local_sin,
-                    std::vector<torch::Tensor> group_slot_mappings,
-                    std::vector<torch::Tensor> group_block_tables,
+  at::Tensor run(at::Tensor hidden, at::Tensor kv_cache, at::Tensor slot_mapping,
+                    at::Tensor block_tables, at::Tensor seq_lens, at::Tensor cos,
+                    at::Tensor sin, int64_t num_layers, std::optional<at::Tensor> local_cos,
+                    std::optional<at::Tensor> local_sin,
+                    std::vector<at::Tensor> group_slot_mappings,
+                    std::vector<at::Tensor> group_block_tables,
                     std::vector<int64_t> layer_places) const {
     return run_layers(hidden, kv_cache, slot_mapping, block_tables, seq_lens,
                       Angles{cos, sin, local_cos, local_sin}, num_layers, LoraStep{},
@@ -294,14 +299,14 @@ class DecodeLayers {
  private:
   // The step's rotary angles: the model's, and a window layer's own where it has them.
   struct Angles {
-    torch::Tensor cos, sin;
-    std::optional<torch::Tensor> local_cos, local_sin;
+    at::Tensor cos, sin;
+    std::optional<at::Tensor> local_cos, local_sin;
   };
 
   // Where each layer's pages are in a cache of layer groups (run's comment); empty: layer l
   // at slot l, with run's own slot mapping and block tables.
   struct Groups {
-    std::vector<torch::Tensor> slot_mappings, block_tables;  // groups 1..
+    std::vector<at::Tensor> slot_mappings, block_tables;  // groups 1..
     std::vector<int64_t> places;  // (group, slot) per layer, flat
   };
 
@@ -328,9 +333,9 @@ class DecodeLayers {
     }
   }
 
-  torch::Tensor run_layers(const torch::Tensor& hidden, const torch::Tensor& kv_cache,
-                           const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
-                           const torch::Tensor& seq_lens, const Angles& angles,
+  at::Tensor run_layers(const at::Tensor& hidden, const at::Tensor& kv_cache,
+                           const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const Angles& angles,
                            int64_t num_layers, const LoraStep& lora,
                            const Groups& groups) const {
     TORCH_CHECK(num_layers >= 0 && num_layers <= this->num_layers(), "num_layers ", num_layers,
@@ -344,7 +349,7 @@ class DecodeLayers {
                   " rotates with local angles, and run was given none");
     }
     check_groups(groups, num_layers, kv_cache.size(0));
-    const bool int8_cache = kv_cache.scalar_type() == torch::kChar;
+    const bool int8_cache = kv_cache.scalar_type() == at::kChar;
     const int64_t rows = hidden.size(0);
     auto x = hidden;
     for (int64_t l = 0; l < num_layers; ++l) {
@@ -363,7 +368,7 @@ class DecodeLayers {
       }
       const auto& cos = layer.local_rotary ? *angles.local_cos : angles.cos;
       const auto& sin = layer.local_rotary ? *angles.local_sin : angles.sin;
-      torch::Tensor q;
+      at::Tensor q;
       if (int8_cache) {
         auto split = rotary_split_qkv(qkv, cos, sin, num_heads_, num_kv_heads_);
         write_kv_int8(split[1], split[2], layer_cache, slots);
@@ -395,15 +400,15 @@ class DecodeLayers {
 
   // The gated MLP's activation of [rows, 2 * inner] (gate columns first) -> [rows, inner], as
   // shared/model/llama.py's LlamaMLP computes it.
-  torch::Tensor activate(const torch::Tensor& gate_up) const {
+  at::Tensor activate(const at::Tensor& gate_up) const {
     if (!gelu_tanh_) return silu_and_mul(gate_up);
     const auto halves = gate_up.chunk(2, 1);
     return at::gelu(halves[0], "tanh") * halves[1];
   }
 
-  static void check_norm_weight(const torch::Tensor& weight, int64_t size, const char* what) {
+  static void check_norm_weight(const at::Tensor& weight, int64_t size, const char* what) {
     TORCH_CHECK(weight.dim() == 1 && weight.size(0) == size &&
-                    weight.scalar_type() == torch::kFloat32 && weight.is_contiguous(),
+                    weight.scalar_type() == at::kFloat && weight.is_contiguous(),
                 what, " weight must be a contiguous float32 [", size, "]");
   }
 
@@ -414,7 +419,7 @@ class DecodeLayers {
   std::vector<Layer> layers_;
 };
 
-void bind_decode_layers(pybind11::module& m) {
+void bind_decode_layers(pybind11::module_& m) {
   pybind11::class_<DecodeLayers>(m, "DecodeLayers",
                                  "every decoder layer of a decode-only step in one call (CPU)")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, double, bool>(),
@@ -424,8 +429,8 @@ void bind_decode_layers(pybind11::module& m) {
       .def("add_layer", &DecodeLayers::add_layer, pybind11::arg("tensors"),
            pybind11::arg("sizes"), pybind11::arg("window") = 0,
            pybind11::arg("qkv_bias") = std::nullopt,
-           pybind11::arg("qk_norms") = std::vector<torch::Tensor>{},
-           pybind11::arg("sandwich_norms") = std::vector<torch::Tensor>{},
+           pybind11::arg("qk_norms") = std::vector<at::Tensor>{},
+           pybind11::arg("sandwich_norms") = std::vector<at::Tensor>{},
            pybind11::arg("local_rotary") = false)
       .def_property_readonly("num_layers", &DecodeLayers::num_layers)
       // Without the GIL, as torch's own ops run: a step takes milliseconds, and the pod's
@@ -435,8 +440,8 @@ void bind_decode_layers(pybind11::module& m) {
            pybind11::arg("slot_mapping"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
            pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("num_layers"),
            pybind11::arg("local_cos") = std::nullopt, pybind11::arg("local_sin") = std::nullopt,
-           pybind11::arg("group_slot_mappings") = std::vector<torch::Tensor>{},
-           pybind11::arg("group_block_tables") = std::vector<torch::Tensor>{},
+           pybind11::arg("group_slot_mappings") = std::vector<at::Tensor>{},
+           pybind11::arg("group_block_tables") = std::vector<at::Tensor>{},
            pybind11::arg("layer_places") = std::vector<int64_t>{},
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("run_lora", &DecodeLayers::run_lora, pybind11::arg("hidden"),
@@ -444,8 +449,8 @@ void bind_decode_layers(pybind11::module& m) {
            pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("cos"),
            pybind11::arg("sin"), pybind11::arg("num_layers"), pybind11::arg("lora_slot_ids"),
            pybind11::arg("local_cos") = std::nullopt, pybind11::arg("local_sin") = std::nullopt,
-           pybind11::arg("group_slot_mappings") = std::vector<torch::Tensor>{},
-           pybind11::arg("group_block_tables") = std::vector<torch::Tensor>{},
+           pybind11::arg("group_slot_mappings") = std::vector<at::Tensor>{},
+           pybind11::arg("group_block_tables") = std::vector<at::Tensor>{},
            pybind11::arg("layer_places") = std::vector<int64_t>{},
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }

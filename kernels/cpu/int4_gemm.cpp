@@ -21,6 +21,8 @@
 #include "int4_gemm.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -211,16 +213,16 @@ void select_int4_isa(const std::string& name) {
   TORCH_CHECK(false, "int4_gemm has no variant ", name, " on this processor");
 }
 
-torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_minimums,
+at::Tensor int4_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales_minimums,
                         int64_t out_features) {
   using namespace int4;
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous float32 [rows, in]");
-  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 3 && packed.is_contiguous() &&
+  TORCH_CHECK(packed.dtype() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
                   packed.size(2) == kGroupBytes,
               "packed must be a contiguous uint8 [tiles, groups, ", kGroupBytes, "]");
   const int64_t tiles = packed.size(0), groups = packed.size(1), in_padded = groups * kGroup;
-  TORCH_CHECK(scales_minimums.dtype() == torch::kFloat16 && scales_minimums.is_contiguous() &&
+  TORCH_CHECK(scales_minimums.dtype() == at::kHalf && scales_minimums.is_contiguous() &&
                   scales_minimums.dim() == 4 && scales_minimums.size(0) == tiles &&
                   scales_minimums.size(1) == groups && scales_minimums.size(2) == 2 &&
                   scales_minimums.size(3) == kTileOutputs,
@@ -230,7 +232,7 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor sca
   TORCH_CHECK(0 < out_features && out_features <= tiles * kTileOutputs, "out_features ",
               out_features, " does not fit ", tiles, " tiles");
   const int64_t rows = x.size(0);
-  auto out = torch::empty({rows, out_features}, x.options());
+  auto out = at::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
   const int passes = rows < kInt4OnePassFromRows ? 2 : 1;
   const QuantizedActivations q =

@@ -14,7 +14,8 @@
 // Separate multiply and add, as torch computes them.
 #pragma GCC optimize("fp-contract=off")
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -25,8 +26,8 @@ namespace {
 
 constexpr int64_t kParallelRows = 32;  // fewer rows than this run on the calling thread
 
-void check_rows(const torch::Tensor& x, const char* name) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, name, " must be float32, got ",
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, name, " must be float32, got ",
               x.scalar_type());
   TORCH_CHECK(x.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name,
@@ -59,13 +60,13 @@ inline void rotate_row(const float* x, const float* cos, const float* sin, int64
 }  // namespace
 
 // x [rows, hidden] float32; weight [hidden] float32 -> [rows, hidden].
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), n = x.size(1);
   TORCH_CHECK(weight.numel() == n && weight.is_contiguous() &&
-                  weight.scalar_type() == torch::kFloat32,
+                  weight.scalar_type() == at::kFloat,
               "weight must be a contiguous float32 [", n, "]");
-  auto out = torch::empty({rows, n}, x.options());
+  auto out = at::empty({rows, n}, x.options());
   const float* in = x.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   float* o = out.data_ptr<float>();
@@ -79,18 +80,18 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 
 // summed = x + residual; normed = rms_norm(summed) -> {normed, summed}, both [rows, hidden]:
 // a layer's residual add and the norm after it in one pass.
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
-                                        torch::Tensor weight, double eps) {
+std::vector<at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual,
+                                        at::Tensor weight, double eps) {
   check_rows(x, "x");
   check_rows(residual, "residual");
   TORCH_CHECK(x.sizes() == residual.sizes(), "x ", x.sizes(), " and residual ",
               residual.sizes(), " differ");
   const int64_t rows = x.size(0), n = x.size(1);
   TORCH_CHECK(weight.numel() == n && weight.is_contiguous() &&
-                  weight.scalar_type() == torch::kFloat32,
+                  weight.scalar_type() == at::kFloat,
               "weight must be a contiguous float32 [", n, "]");
-  auto normed = torch::empty({rows, n}, x.options());
-  auto summed = torch::empty({rows, n}, x.options());
+  auto normed = at::empty({rows, n}, x.options());
+  auto summed = at::empty({rows, n}, x.options());
   const float* a = x.data_ptr<float>();
   const float* b = residual.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
@@ -111,7 +112,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
 // with q_weight [head_dim] and each k head with k_weight, in place; v is left as it is. Qwen3's
 // and Gemma 3's q/k norms, the same arithmetic as rms_norm over the heads as rows, without the
 // split, the copies and the concatenation the Python form takes.
-void rms_norm_qk_heads(torch::Tensor qkv, torch::Tensor q_weight, torch::Tensor k_weight,
+void rms_norm_qk_heads(at::Tensor qkv, at::Tensor q_weight, at::Tensor k_weight,
                        int64_t num_heads, int64_t num_kv_heads, double eps) {
   check_rows(qkv, "qkv");
   const int64_t head_dim = q_weight.numel();
@@ -120,7 +121,7 @@ void rms_norm_qk_heads(torch::Tensor qkv, torch::Tensor q_weight, torch::Tensor 
               head_dim);
   for (const auto* weight : {&q_weight, &k_weight}) {
     TORCH_CHECK(weight->numel() == head_dim && weight->is_contiguous() &&
-                    weight->scalar_type() == torch::kFloat32,
+                    weight->scalar_type() == at::kFloat,
                 "q/k norm weights must be contiguous float32 [", head_dim, "]");
   }
   const int64_t rows = qkv.size(0), stride = qkv.stride(0);
@@ -140,11 +141,11 @@ void rms_norm_qk_heads(torch::Tensor qkv, torch::Tensor q_weight, torch::Tensor 
 }
 
 // gate_up [rows, 2 * inner] (gate columns first) -> silu(gate) * up [rows, inner].
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   check_rows(gate_up, "gate_up");
   const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up has an odd number of columns");
-  auto out = torch::empty({rows, inner}, gate_up.options());
+  auto out = at::empty({rows, inner}, gate_up.options());
   const float* in = gate_up.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int64_t stride = gate_up.stride(0);
@@ -164,8 +165,8 @@ struct QkvGeometry {
   int64_t rows, num_heads, num_kv_heads, dim, stride;
 };
 
-QkvGeometry check_qkv(const torch::Tensor& qkv, const torch::Tensor& cos,
-                      const torch::Tensor& sin, int64_t num_heads, int64_t num_kv_heads) {
+QkvGeometry check_qkv(const at::Tensor& qkv, const at::Tensor& cos,
+                      const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads) {
   check_rows(qkv, "qkv");
   const int64_t rows = qkv.size(0);
   const int64_t heads = num_heads + 2 * num_kv_heads;
@@ -174,7 +175,7 @@ QkvGeometry check_qkv(const torch::Tensor& qkv, const torch::Tensor& cos,
   const int64_t dim = qkv.size(1) / heads;
   TORCH_CHECK(dim % 2 == 0, "head_dim ", dim, " is odd");
   for (const auto* angle : {&cos, &sin}) {
-    TORCH_CHECK(angle->scalar_type() == torch::kFloat32 && angle->numel() == rows * dim &&
+    TORCH_CHECK(angle->scalar_type() == at::kFloat && angle->numel() == rows * dim &&
                     angle->is_contiguous(),
                 "cos and sin must be contiguous float32 [", rows, ", ", dim, "]");
   }
@@ -201,13 +202,13 @@ inline void split_row(const QkvGeometry& g, const float* row, const float* cos, 
 // qkv [rows, (num_heads + 2 * num_kv_heads) * head_dim], the fused projection's output;
 // cos, sin [rows, head_dim] (rows contiguous) -> {q [rows, num_heads, head_dim] rotated,
 // k [rows, num_kv_heads, head_dim] rotated, v [rows, num_kv_heads, head_dim]}, each contiguous.
-std::vector<torch::Tensor> rotary_split_qkv(torch::Tensor qkv, torch::Tensor cos,
-                                            torch::Tensor sin, int64_t num_heads,
+std::vector<at::Tensor> rotary_split_qkv(at::Tensor qkv, at::Tensor cos,
+                                            at::Tensor sin, int64_t num_heads,
                                             int64_t num_kv_heads) {
   const QkvGeometry g = check_qkv(qkv, cos, sin, num_heads, num_kv_heads);
-  auto q = torch::empty({g.rows, num_heads, g.dim}, qkv.options());
-  auto k = torch::empty({g.rows, num_kv_heads, g.dim}, qkv.options());
-  auto v = torch::empty({g.rows, num_kv_heads, g.dim}, qkv.options());
+  auto q = at::empty({g.rows, num_heads, g.dim}, qkv.options());
+  auto k = at::empty({g.rows, num_kv_heads, g.dim}, qkv.options());
+  auto v = at::empty({g.rows, num_kv_heads, g.dim}, qkv.options());
   const float* in = qkv.data_ptr<float>();
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
@@ -226,17 +227,17 @@ std::vector<torch::Tensor> rotary_split_qkv(torch::Tensor qkv, torch::Tensor cos
 // The same split, with k and v written straight into their slots of a float32 layer cache
 // [2, num_blocks, block_size, num_kv_heads, head_dim] (contiguous; slot_mapping [rows] int64,
 // -1 skipped): the write_kv that would follow, without the intermediate tensors -> q.
-torch::Tensor rotary_split_qkv_into_cache(torch::Tensor qkv, torch::Tensor cos,
-                                          torch::Tensor sin, int64_t num_heads,
-                                          int64_t num_kv_heads, torch::Tensor layer_cache,
-                                          torch::Tensor slot_mapping) {
+at::Tensor rotary_split_qkv_into_cache(at::Tensor qkv, at::Tensor cos,
+                                          at::Tensor sin, int64_t num_heads,
+                                          int64_t num_kv_heads, at::Tensor layer_cache,
+                                          at::Tensor slot_mapping) {
   const QkvGeometry g = check_qkv(qkv, cos, sin, num_heads, num_kv_heads);
-  TORCH_CHECK(layer_cache.scalar_type() == torch::kFloat32 && layer_cache.is_contiguous() &&
+  TORCH_CHECK(layer_cache.scalar_type() == at::kFloat && layer_cache.is_contiguous() &&
                   layer_cache.dim() == 5 && layer_cache.size(0) == 2 &&
                   layer_cache.size(3) == num_kv_heads && layer_cache.size(4) == g.dim,
               "layer_cache must be a contiguous float32 [2, blocks, block_size, ", num_kv_heads,
               ", ", g.dim, "], got ", layer_cache.sizes());
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous() &&
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == g.rows,
               "slot_mapping must be a contiguous int64 [", g.rows, "]");
   const int64_t num_slots = layer_cache.size(1) * layer_cache.size(2);
@@ -244,7 +245,7 @@ torch::Tensor rotary_split_qkv_into_cache(torch::Tensor qkv, torch::Tensor cos,
   for (int64_t r = 0; r < g.rows; ++r) {
     TORCH_CHECK(slots[r] < num_slots, "slot ", slots[r], " outside [0, ", num_slots, ")");
   }
-  auto q = torch::empty({g.rows, num_heads, g.dim}, qkv.options());
+  auto q = at::empty({g.rows, num_heads, g.dim}, qkv.options());
   const float* in = qkv.data_ptr<float>();
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();

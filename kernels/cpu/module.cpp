@@ -1,5 +1,7 @@
 // The Python module of the CPU kernels: one binding per kernel, each defined in its own file.
 
+#include <torch/csrc/utils/pybind.h>
+
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

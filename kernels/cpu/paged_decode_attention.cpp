@@ -21,7 +21,8 @@
 //                on the codes and apply the scale once, so nothing is dequantized to memory
 //   block_tables [num_seqs, max_blocks] int32;  seq_lens [num_seqs] int32
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros_like.h>
 
 #include <algorithm>
 #include <cmath>
@@ -163,9 +164,9 @@ void attend_all(const Geometry& g, int64_t num_seqs, const float* q, const T* k,
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
-                                     torch::Tensor value_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale, int64_t window,
+at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache,
+                                     at::Tensor value_cache, at::Tensor block_tables,
+                                     at::Tensor seq_lens, double scale, int64_t window,
                                      double softcap) {
   TORCH_CHECK(window >= 0, "window must be >= 0, got ", window);
   TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0, got ", softcap);
@@ -178,7 +179,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   g.num_kv_heads = key_cache.size(2);
   g.max_blocks = block_tables.size(1);
   g.group = g.num_heads / g.num_kv_heads;
-  const bool is_int8 = key_cache.scalar_type() == torch::kChar;
+  const bool is_int8 = key_cache.scalar_type() == at::kChar;
   g.row = is_int8 ? g.head_dim + 2 : g.head_dim;
   TORCH_CHECK(key_cache.size(3) == g.row, "cache rows of ", key_cache.size(3),
               " elements for head_dim ", g.head_dim);
@@ -199,7 +200,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
                   num_blocks, ")");
     }
   }
-  auto out = torch::zeros_like(query);
+  auto out = at::zeros_like(query);
   const float* q = query.data_ptr<float>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();

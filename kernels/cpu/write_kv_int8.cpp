@@ -11,7 +11,7 @@
 // where torch rounds twice and move a code that sits on a half.
 #pragma GCC optimize("fp-contract=off")
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
@@ -54,8 +54,8 @@ void quantize_row(const float* x, int64_t head_dim, int8_t* row) {
 // key, value [num_tokens, num_kv_heads, head_dim] float32 (rows contiguous); layer_cache
 // [2, num_blocks, block_size, num_kv_heads, head_dim + 2] int8, contiguous; slot_mapping
 // [num_tokens] int64 (-1: a padding token, skipped). Mutates layer_cache.
-void write_kv_int8(torch::Tensor key, torch::Tensor value, torch::Tensor layer_cache,
-                   torch::Tensor slot_mapping) {
+void write_kv_int8(at::Tensor key, at::Tensor value, at::Tensor layer_cache,
+                   at::Tensor slot_mapping) {
   const int64_t num_tokens = key.size(0);
   const int64_t num_kv_heads = key.size(1);
   const int64_t head_dim = key.size(2);

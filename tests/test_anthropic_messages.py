@@ -15,8 +15,8 @@ import signal
 import time
 import urllib.request
 import uuid
+from typing import TYPE_CHECKING
 
-import anthropic
 import jsonschema
 import pytest
 from openai import OpenAI
@@ -27,6 +27,9 @@ from splitserve.engine.model_paths import default_model_path
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.launcher import plan
 from tests.services_util import MODEL_NAME, Stack, decode_stats, post_raw, start_stack
+
+if TYPE_CHECKING:
+    import anthropic
 
 BILLING = "x-anthropic-billing-header:"  # the gateway is started to strip lines starting so
 WEATHER = {
@@ -85,6 +88,8 @@ def stack(span_file) -> Stack:
 
 @pytest.fixture(scope="module")
 def client(stack: Stack) -> anthropic.Anthropic:
+    import anthropic  # lazy: ~5 s to import, paid by the worker that runs this file only
+
     return anthropic.Anthropic(
         base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120
     )
@@ -398,6 +403,8 @@ def test_a_repeated_long_system_prompt_is_read_from_the_cache(client):
 
 
 def _error_of(call) -> anthropic.APIStatusError:
+    import anthropic  # lazy: as in the client fixture
+
     with pytest.raises(anthropic.APIStatusError) as caught:
         call()
     return caught.value

@@ -7,14 +7,18 @@
 - the `qwen2` pre-tokenizer to transformers' GGUF tokenizer;
 - the `deepseek-v3` pre-tokenizer to DeepSeek-V3's published tokenizer.json pre-tokenizer.
 
-The byte-level pre-tokenizers are checked on DeepSeek LLM's 100k vocabulary: the split is what
-is tested, and a large real vocabulary makes a wrong split show in the ids.
+The byte-level pre-tokenizers are checked on DeepSeek LLM's vocabulary cut to its first 16k
+merges: the split is what is tested, and a large real vocabulary makes a wrong split show in the
+ids. (Whole, its 100k tokens and merges took transformers' GGUF reader ~20 s a file.)
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import lzma
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -151,19 +155,60 @@ def test_sentencepiece_files_without_the_flag_add_bos_as_llama_cpp_does(tmp_path
     assert old.encode("abc", add_special_tokens=False)[0] != 2
 
 
+# DeepSeek LLM's ids below this are its bytes and its first merges' results; its special and
+# user-defined tokens (bytes no merge makes among them) start at 100,000.
+KEPT_MERGE_RESULTS = 16_000
+FIRST_SPECIAL_ID = 100_000
+
+
+@dataclass(frozen=True)
+class ByteLevelVocabulary:
+    tokens: list[str]
+    types: list[int]
+    merges: list[str]
+    bos_token_id: int
+    eos_token_id: int
+
+
+@functools.cache
+def _deepseek_vocabulary_cut() -> ByteLevelVocabulary:
+    """DeepSeek LLM's vocabulary cut to its tokens below KEPT_MERGE_RESULTS and its special
+    ones (renumbered to follow them), with the merges whose pieces and result it keeps: still
+    a BPE vocabulary, in which a text merges as far as the whole one merges it this far."""
+    with tempfile.TemporaryDirectory() as directory:
+        source = GGUFMetadata(read_gguf(_unpacked("ggml-vocab-deepseek-llm.gguf", Path(directory))))
+        tokens, types = source.get("tokenizer.ggml.tokens"), source.get("tokenizer.ggml.token_type")
+        kept = list(range(KEPT_MERGE_RESULTS)) + list(range(FIRST_SPECIAL_ID, len(tokens)))
+        kept_tokens = {tokens[i] for i in kept}
+        merges = [
+            merge
+            for merge in source.get("tokenizer.ggml.merges")
+            if merge.replace(" ", "", 1) in kept_tokens
+            and all(piece in kept_tokens for piece in merge.split(" ", 1))
+        ]
+        renumbered = {old: new for new, old in enumerate(kept)}
+        return ByteLevelVocabulary(
+            tokens=[tokens[i] for i in kept],
+            types=[types[i] for i in kept],
+            merges=merges,
+            bos_token_id=renumbered[source.get("tokenizer.ggml.bos_token_id")],
+            eos_token_id=renumbered[source.get("tokenizer.ggml.eos_token_id")],
+        )
+
+
 def _byte_level_vocab_as(tmp_path: Path, arch: str, pre: str) -> Tokenizer:
-    """DeepSeek LLM's byte-level vocabulary and merges, written as a file of architecture
-    `arch` naming the pre-tokenizer `pre`."""
-    source = GGUFMetadata(read_gguf(_unpacked("ggml-vocab-deepseek-llm.gguf", tmp_path)))
+    """The cut DeepSeek LLM vocabulary and merges, written as a file of architecture `arch`
+    naming the pre-tokenizer `pre`."""
+    vocabulary = _deepseek_vocabulary_cut()
     path = tmp_path / f"{arch}-{pre}.gguf"
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
-    writer.add_token_list(source.get("tokenizer.ggml.tokens"))
-    writer.add_token_types(source.get("tokenizer.ggml.token_type"))
-    writer.add_token_merges(source.get("tokenizer.ggml.merges"))
-    writer.add_bos_token_id(source.get("tokenizer.ggml.bos_token_id"))
-    writer.add_eos_token_id(source.get("tokenizer.ggml.eos_token_id"))
+    writer.add_token_list(vocabulary.tokens)
+    writer.add_token_types(vocabulary.types)
+    writer.add_token_merges(vocabulary.merges)
+    writer.add_bos_token_id(vocabulary.bos_token_id)
+    writer.add_eos_token_id(vocabulary.eos_token_id)
     _finish(writer)
     return Tokenizer.from_gguf(path)
 

@@ -25,8 +25,6 @@ from tests.hf_reference import transformers_greedy
 from tests.test_fused_decode import assert_same_tokens_and_logprobs
 from tests.test_model_families import make_checkpoint  # noqa: F401 (a fixture)
 
-peft = pytest.importorskip("peft")
-
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 KV_BYTES = 16 * 2**20
@@ -44,8 +42,16 @@ _STORY = (
 )
 
 
+def _peft():
+    """peft, imported by the tests that write or run adapters: its import takes ~10 s, which
+    every pytest worker would pay at collection if it stood at the top."""
+    return pytest.importorskip("peft")
+
+
 def _write_adapter(base_dir: str, out_dir: str, spec: tuple) -> None:
     from transformers import AutoModelForCausalLM
+
+    peft = _peft()
 
     rank, alpha, targets, rslora, seed = spec
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
@@ -102,7 +108,7 @@ def _references(base_dir: str, adapter_dir: str | None, prompts: list[list[int]]
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     if adapter_dir is None:
         return {"base": greedy(model)}
-    peft_model = peft.PeftModel.from_pretrained(model, adapter_dir).eval()
+    peft_model = _peft().PeftModel.from_pretrained(model, adapter_dir).eval()
     references = {"peft": greedy(peft_model)}
     merged = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     _merge_by_hand(merged, adapter_dir)

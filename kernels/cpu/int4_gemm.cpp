@@ -214,7 +214,7 @@ void select_int4_isa(const std::string& name) {
 }
 
 at::Tensor int4_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales_minimums,
-                        int64_t out_features) {
+                     int64_t out_features) {
   using namespace int4;
   TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous float32 [rows, in]");

@@ -22,32 +22,32 @@ class module_;
 // window: keys of the last `window` positions only (0 = all); softcap: scores capped by
 // softcap * tanh(score / softcap) (0 = none).
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache,
-                                     at::Tensor value_cache, at::Tensor block_tables,
-                                     at::Tensor seq_lens, double scale, int64_t window,
-                                     double softcap);
+                                  at::Tensor value_cache, at::Tensor block_tables,
+                                  at::Tensor seq_lens, double scale, int64_t window,
+                                  double softcap);
 // write_kv_int8.cpp
 void write_kv_int8(at::Tensor key, at::Tensor value, at::Tensor layer_cache,
                    at::Tensor slot_mapping);
 // layer_ops.cpp
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 std::vector<at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual,
-                                        at::Tensor weight, double eps);
+                                     at::Tensor weight, double eps);
 void rms_norm_qk_heads(at::Tensor qkv, at::Tensor q_weight, at::Tensor k_weight,
                        int64_t num_heads, int64_t num_kv_heads, double eps);
 at::Tensor silu_and_mul(at::Tensor gate_up);
 std::vector<at::Tensor> rotary_split_qkv(at::Tensor qkv, at::Tensor cos,
-                                            at::Tensor sin, int64_t num_heads,
-                                            int64_t num_kv_heads);
+                                         at::Tensor sin, int64_t num_heads,
+                                         int64_t num_kv_heads);
 at::Tensor rotary_split_qkv_into_cache(at::Tensor qkv, at::Tensor cos,
-                                          at::Tensor sin, int64_t num_heads,
-                                          int64_t num_kv_heads, at::Tensor layer_cache,
-                                          at::Tensor slot_mapping);
+                                       at::Tensor sin, int64_t num_heads,
+                                       int64_t num_kv_heads, at::Tensor layer_cache,
+                                       at::Tensor slot_mapping);
 // int4_gemm.cpp
 // Products of fewer rows quantize their activations in two passes (int4_gemm.cpp says why);
 // shared/model/quantized_linear.py's INT4_ONE_PASS_FROM_ROWS, which the tests hold equal.
 constexpr int64_t kInt4OnePassFromRows = 16;
 at::Tensor int4_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales_minimums,
-                        int64_t out_features);
+                     int64_t out_features);
 std::vector<std::string> int4_isas();  // the variants this CPU runs, best first
 std::string int4_isa();                // the one that runs
 void select_int4_isa(const std::string& name);

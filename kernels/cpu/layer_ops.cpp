@@ -81,7 +81,7 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
 // summed = x + residual; normed = rms_norm(summed) -> {normed, summed}, both [rows, hidden]:
 // a layer's residual add and the norm after it in one pass.
 std::vector<at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual,
-                                        at::Tensor weight, double eps) {
+                                     at::Tensor weight, double eps) {
   check_rows(x, "x");
   check_rows(residual, "residual");
   TORCH_CHECK(x.sizes() == residual.sizes(), "x ", x.sizes(), " and residual ",
@@ -203,8 +203,8 @@ inline void split_row(const QkvGeometry& g, const float* row, const float* cos, 
 // cos, sin [rows, head_dim] (rows contiguous) -> {q [rows, num_heads, head_dim] rotated,
 // k [rows, num_kv_heads, head_dim] rotated, v [rows, num_kv_heads, head_dim]}, each contiguous.
 std::vector<at::Tensor> rotary_split_qkv(at::Tensor qkv, at::Tensor cos,
-                                            at::Tensor sin, int64_t num_heads,
-                                            int64_t num_kv_heads) {
+                                         at::Tensor sin, int64_t num_heads,
+                                         int64_t num_kv_heads) {
   const QkvGeometry g = check_qkv(qkv, cos, sin, num_heads, num_kv_heads);
   auto q = at::empty({g.rows, num_heads, g.dim}, qkv.options());
   auto k = at::empty({g.rows, num_kv_heads, g.dim}, qkv.options());
@@ -228,9 +228,9 @@ std::vector<at::Tensor> rotary_split_qkv(at::Tensor qkv, at::Tensor cos,
 // [2, num_blocks, block_size, num_kv_heads, head_dim] (contiguous; slot_mapping [rows] int64,
 // -1 skipped): the write_kv that would follow, without the intermediate tensors -> q.
 at::Tensor rotary_split_qkv_into_cache(at::Tensor qkv, at::Tensor cos,
-                                          at::Tensor sin, int64_t num_heads,
-                                          int64_t num_kv_heads, at::Tensor layer_cache,
-                                          at::Tensor slot_mapping) {
+                                       at::Tensor sin, int64_t num_heads,
+                                       int64_t num_kv_heads, at::Tensor layer_cache,
+                                       at::Tensor slot_mapping) {
   const QkvGeometry g = check_qkv(qkv, cos, sin, num_heads, num_kv_heads);
   TORCH_CHECK(layer_cache.scalar_type() == at::kFloat && layer_cache.is_contiguous() &&
                   layer_cache.dim() == 5 && layer_cache.size(0) == 2 &&

@@ -165,9 +165,9 @@ void attend_all(const Geometry& g, int64_t num_seqs, const float* q, const T* k,
 }  // namespace
 
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache,
-                                     at::Tensor value_cache, at::Tensor block_tables,
-                                     at::Tensor seq_lens, double scale, int64_t window,
-                                     double softcap) {
+                                  at::Tensor value_cache, at::Tensor block_tables,
+                                  at::Tensor seq_lens, double scale, int64_t window,
+                                  double softcap) {
   TORCH_CHECK(window >= 0, "window must be >= 0, got ", window);
   TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0, got ", softcap);
   const Visibility visibility{window, static_cast<float>(softcap)};

@@ -1,10 +1,10 @@
 """Weight-only quantized products against their float references, and GGUF blocks repacked
 bit for bit (shared/model/quantized_linear.py, gguf_blocks.py, quantization.py).
 
-Every product runs on fresh random inputs (never zeros) at 1, 3, 16, 64 and 300 rows (int8:
-torch's packed kernel, int8 x int8 products from 32 rows; int4: our int4_gemm, two activation
-passes below 16 rows and one from there, or torch's kernel on weights torch packed here), with
-odd sizes that need padding.
+Every product runs on fresh random inputs (never zeros) at 1, 3, 16, 64 and 300 rows (int8: our
+int8_gemv below 32 rows, int8 x int8 products (or the weight dequantized) from there; int4: our
+int4_gemm, two activation passes below 16 rows and one from there, or torch's kernel on weights
+torch packed here), with odd sizes that need padding.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from splitserve.engine.model.quantized_linear import (
     quantize,
     quantized_matmul,
 )
+from splitserve.kernels import cpu as cpu_kernels
 from splitserve.kernels.cpu.isa import CpuFeatures, cpu_features
 
 ROWS = (1, 3, 16, 64, 300)
@@ -106,6 +107,49 @@ def test_torchs_int4_kernel_on_weights_torch_packed_here(out_features, in_featur
         assert error < PRODUCT_TOLERANCE, f"{rows} rows: {error:.4f}"
     dequantized = packed.dequantize(torch.float32)[:out_features, :in_features]
     assert _relative_error(dequantized, reference) < 2**-7  # bfloat16 rounding of each weight
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_int8_products_of_few_rows_are_exact_to_the_dequantized_weight(out_features, in_features):
+    # kernels/cpu/int8_gemv.cpp: float32 activations times the int8 codes, scaled per output,
+    # at every row count below INT8_ACTIVATION_QUANT_FROM_ROWS (1-4 rows per pass over the
+    # weight, then blocks of 4; outputs 4 or 2 at a time with a remainder; columns 8 at a time
+    # with a remainder where in_features is not a multiple of 8).
+    weight = _random(out_features, in_features, seed=out_features + 2)
+    packed = quantize(weight, "int8")
+    reference = packed.dequantize(torch.float64)[:, :in_features]
+    for rows in (1, 2, 3, 4, 5, 8, 16, INT8_ACTIVATION_QUANT_FROM_ROWS - 1):
+        x = _random(rows, in_features, seed=rows + 7)
+        got = quantized_matmul(x, packed)
+        assert got.shape == (rows, out_features) and got.dtype == torch.float32
+        error = _relative_error(got.double(), x.double() @ reference.t())
+        assert error < 1e-5, f"{rows} rows: {error:.2e}"  # float32 sums, not bfloat16 inputs
+
+
+def test_int8_gemv_refuses_what_it_cannot_multiply():
+    module = cpu_kernels.load()
+    assert module is not None
+    packed = quantize(_random(16, 64, seed=1), "int8")
+    x = _random(2, 64, seed=2)
+    with pytest.raises(RuntimeError, match="float32"):
+        module.int8_gemv(x.bfloat16(), packed.codes, packed.scales)
+    with pytest.raises(RuntimeError, match="columns"):
+        module.int8_gemv(_random(2, 96, seed=3), packed.codes, packed.scales)
+    with pytest.raises(RuntimeError, match="scales"):
+        module.int8_gemv(x, packed.codes, packed.scales[:8].contiguous())
+
+
+def test_int8_products_of_few_rows_without_our_kernels_take_torchs(monkeypatch):
+    # Where the C++ module is not loaded, torch's packed kernel on bfloat16 activations.
+    weight = _random(200, 96, seed=11)
+    packed = quantize(weight, "int8")
+    x = _random(3, 96, seed=12)
+    with_ours = quantized_matmul(x, packed)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    without = quantized_matmul(x, packed)
+    reference = x @ packed.dequantize(torch.float32)[:, :96].t()
+    assert _relative_error(without, reference) < PRODUCT_TOLERANCE
+    assert not torch.equal(without, with_ours)  # bfloat16 activations: a different rounding
 
 
 def test_int8_products_from_16_rows_multiply_per_row_quantized_activations():

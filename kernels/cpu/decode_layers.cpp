@@ -6,10 +6,10 @@
 // the step from 7.7 to 5.9 ms in one process (docs/benchmarks.md).
 //
 // The products run on the kernels the Python layers use: oneDNN's inner product on weights it
-// reordered (float32 models, shared/model/linear.py), torch's packed int8 kernel on bfloat16
-// activations, or int4_gemm.cpp's product of our int4 layout (shared/model/quantized_linear.py;
-// torch's own int4 layout never comes here). Only the shapes those layers handle
-// at decode come here: dense Llama-family layers with the parts of the families built on them
+// reordered (float32 models, shared/model/linear.py), int8_gemv.cpp's product of int8 codes
+// and float32 activations, or int4_gemm.cpp's product of our int4 layout
+// (shared/model/quantized_linear.py; torch's own int4 layout never comes here). Only the
+// shapes those layers handle at decode come here: dense Llama-family layers with the parts of the families built on them
 // (Qwen2's q/k/v bias, the only bias those families have; Qwen3's and Gemma 3's q/k norms;
 // Gemma's norms around each branch, GeGLU and Gemma 3's own rotary base on window layers), one
 // process (no tensor parallel), every row a decode token with its slot; LlamaForCausalLM checks
@@ -18,9 +18,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/gelu.h>
-#include <ATen/ops/_weight_int8pack_mm.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <ATen/Parallel.h>
@@ -158,11 +156,8 @@ at::Tensor linear(const at::Tensor& x, const Weight& w, WeightFormat format) {
   if (format == WeightFormat::kInt4) {
     return int4_gemm(x.contiguous(), w.first, w.second, w.out_features);
   }
-  auto xb = x.to(at::kBFloat16);
-  if (w.in_padded != x.size(1)) xb = at::constant_pad_nd(xb, {0, w.in_padded - x.size(1)}, 0);
-  auto out = at::_weight_int8pack_mm(xb, w.first, w.second);
-  if (out.size(1) != w.out_features) out = out.narrow(1, 0, w.out_features);
-  return out.to(at::kFloat);
+  auto out = int8_gemv(x.contiguous(), w.first, w.second);
+  return out.size(1) == w.out_features ? out : out.narrow(1, 0, w.out_features);
 }
 
 }  // namespace

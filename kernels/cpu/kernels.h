@@ -51,5 +51,8 @@ at::Tensor int4_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales_minimums
 std::vector<std::string> int4_isas();  // the variants this CPU runs, best first
 std::string int4_isa();                // the one that runs
 void select_int4_isa(const std::string& name);
+// int8_gemv.cpp
+// Few float32 rows @ int8 codes [out, in_padded] with bfloat16 scales [out] -> float32.
+at::Tensor int8_gemv(at::Tensor x, at::Tensor codes, at::Tensor scales);
 // decode_layers.cpp
 void bind_decode_layers(pybind11::module_& m);

@@ -23,6 +23,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_gemm", &int4_gemm,
         "float32 rows @ an int4 weight in our tiled layout, as int8 x int4 dot products (CPU)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("int8_gemv", &int8_gemv,
+        "a few float32 rows @ a weight-only int8 weight (codes, bfloat16 scales), exact (CPU)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (CPU)");
   m.def("add_rms_norm", &add_rms_norm,
         "a residual add and the RMSNorm after it, in one pass: {normed, summed} (CPU)");

@@ -90,6 +90,45 @@ def test_bad_inputs_are_refused_before_the_kernel_runs():
         paged_decode_attention(query, keys, values, tables, lens, scale, softcap=-1.0)
 
 
+@pytest.fixture
+def four_threads():
+    """Four threads for the test's own calls (the workers run with one): the kernel splits a
+    sequence's positions among threads only when there are more threads than sequences."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    yield
+    torch.set_num_threads(threads)
+
+
+# (num_seqs, max_len): one sequence split four ways, and into as many parts as its keys allow
+# (32 each: a 40-key row takes one part, 70 two); two sequences split two ways each beside a
+# padding row; windows that cut the split ranges.
+SPLIT_CASES = [(1, 2000), (1, 40), (1, 70), (3, 600)]
+
+
+@pytest.mark.parametrize(("num_seqs", "max_len"), SPLIT_CASES)
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (300, 0.0), (0, 3.0)])
+def test_a_sequence_split_among_threads_matches_the_reference(
+    four_threads, num_seqs, max_len, window, softcap
+):
+    """Fewer sequences than threads: each one's positions are split into parts (at least 32
+    keys each) whose maxima, sums and weighted values are merged (split-K), on float32 and
+    int8 rows."""
+    from splitserve.kernels.kv_int8 import quantize_rows
+
+    shape = (num_seqs, 9, 3, 64, 16, 160, max_len)
+    for seed in range(2):
+        query, keys, values, tables, lens, scale = random_case(shape, seed + 30)
+        lens[0] = max_len  # the longest row, split as far as it goes
+        query = query * 4  # scores large enough for the parts' maxima to differ
+        for cache in ((keys, values), (quantize_rows(keys), quantize_rows(values))):
+            case = (query, *cache, tables, lens, scale)
+            got = paged_decode_attention(*case, window=window, softcap=softcap)
+            expected = reference.paged_decode_attention(*case, window=window, softcap=softcap)
+            assert not torch.equal(expected, torch.zeros_like(expected))
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_decode_over_int8_rows_matches_the_reference(shape):
     """kv_cache_dtype int8: codes and their bfloat16 scale per row (kernels/kv_int8.py), read in

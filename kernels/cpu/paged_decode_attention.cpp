@@ -2,8 +2,9 @@
 // sequence, over every key of that sequence, found through its block table. No gather into a
 // padded buffer (what the PyTorch path pays for on every layer), no padding at all.
 //
-// One task per sequence, spread over OpenMP threads; each reads every key and value row of
-// its sequence from memory once, for all its heads:
+// One task per sequence, spread over OpenMP threads (a long sequence split among threads
+// when there are fewer sequences than threads: attend_all); each reads every key and value
+// row of its positions from memory once, for all its heads:
 //
 //   scores[g][t] = scale * q[g] . k[t]            (first pass over the keys)
 //   p[g][t] = exp(scores[g][t] - max_t) / sum      (softmax in float32)
@@ -23,6 +24,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros_like.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -75,9 +77,6 @@ struct Geometry {
   int64_t block_stride;  // elements from one block to the next: block_size * token_stride
 };
 
-// One sequence, every head: `seq_len` keys, read block by block. A slot's keys for all kv
-// heads are one contiguous run (num_kv_heads * head_dim floats), so each cache line fetched
-// is used whole; query head h reads kv head h / group (GQA).
 // What a query sees besides its causal prefix: the window (0 = every position) and the cap
 // (0 = none).
 struct Visibility {
@@ -85,35 +84,44 @@ struct Visibility {
   float softcap;
 };
 
+// What one task computes for one sequence's positions [begin, end), every head: its scores'
+// maximum, the sum of exp(score - maximum), and the values weighted by those exponentials,
+// not yet divided by the sum (a whole sequence's task divides; split ones are merged first).
+struct Partial {
+  float* out;      // [num_heads, head_dim]
+  float* maximum;  // [num_heads]
+  float* sum;      // [num_heads]
+};
+
+// Positions read block by block. A slot's keys for all kv heads are one contiguous run
+// (num_kv_heads * head_dim floats), so each cache line fetched is used whole; query head h
+// reads kv head h / group (GQA).
 template <typename T>  // float (float32 cache) or int8_t (int8 rows with scales)
-void attend_sequence(const Geometry& g, const float* q, const T* k_cache, const T* v_cache,
-                     const int32_t* table, int64_t seq_len, float scale, Visibility visibility,
-                     float* out, std::vector<float>& scores) {
-  // Positions [start, seq_len): the query (at seq_len - 1) sees the last `window` of them.
-  const int64_t start =
-      visibility.window > 0 ? std::max<int64_t>(0, seq_len - visibility.window) : 0;
-  const int64_t num_keys = seq_len - start;
+void attend_positions(const Geometry& g, const float* q, const T* k_cache, const T* v_cache,
+                      const int32_t* table, int64_t begin, int64_t end, float scale,
+                      float softcap, Partial part, std::vector<float>& scores) {
+  const int64_t num_keys = end - begin;
   scores.resize(g.num_heads * num_keys);
-  const int64_t first_block = start / g.block_size;
-  const int64_t num_blocks = (seq_len + g.block_size - 1) / g.block_size;
-  for (int64_t b = first_block; b < num_blocks; ++b) {
+  const int64_t first_block = begin / g.block_size;
+  const int64_t last_block = (end + g.block_size - 1) / g.block_size;
+  for (int64_t b = first_block; b < last_block; ++b) {
     const T* block = k_cache + table[b] * g.block_stride;
-    const int64_t begin = std::max(b * g.block_size, start);
-    const int64_t end = std::min((b + 1) * g.block_size, seq_len);
-    for (int64_t position = begin; position < end; ++position) {
+    const int64_t from = std::max(b * g.block_size, begin);
+    const int64_t to = std::min((b + 1) * g.block_size, end);
+    for (int64_t position = from; position < to; ++position) {
       const T* keys = block + (position - b * g.block_size) * g.token_stride;
       for (int64_t h = 0; h < g.num_heads; ++h) {
         const T* key = keys + (h / g.group) * g.row;
-        scores[h * num_keys + position - start] =
+        scores[h * num_keys + position - begin] =
             scale * dot(q + h * g.head_dim, key, g.head_dim);
       }
     }
   }
   for (int64_t h = 0; h < g.num_heads; ++h) {
     float* row = scores.data() + h * num_keys;
-    if (visibility.softcap > 0.0f) {
-      const float cap = visibility.softcap, inverse_cap = 1.0f / visibility.softcap;
-      for (int64_t t = 0; t < num_keys; ++t) row[t] = cap * std::tanh(row[t] * inverse_cap);
+    if (softcap > 0.0f) {
+      const float inverse_cap = 1.0f / softcap;
+      for (int64_t t = 0; t < num_keys; ++t) row[t] = softcap * std::tanh(row[t] * inverse_cap);
     }
     float top = row[0];
     for (int64_t t = 1; t < num_keys; ++t) top = std::max(top, row[t]);
@@ -123,23 +131,54 @@ void attend_sequence(const Geometry& g, const float* q, const T* k_cache, const 
       row[t] = std::exp(row[t] - top);  // vectorized through glibc's libmvec (-ffast-math)
       sum += row[t];
     }
-    const float inverse = 1.0f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < num_keys; ++t) row[t] *= inverse;
+    part.maximum[h] = top;
+    part.sum[h] = sum;
   }
-  std::fill(out, out + g.num_heads * g.head_dim, 0.0f);
-  for (int64_t b = first_block; b < num_blocks; ++b) {
+  std::fill(part.out, part.out + g.num_heads * g.head_dim, 0.0f);
+  for (int64_t b = first_block; b < last_block; ++b) {
     const T* block = v_cache + table[b] * g.block_stride;
-    const int64_t begin = std::max(b * g.block_size, start);
-    const int64_t end = std::min((b + 1) * g.block_size, seq_len);
-    for (int64_t position = begin; position < end; ++position) {
+    const int64_t from = std::max(b * g.block_size, begin);
+    const int64_t to = std::min((b + 1) * g.block_size, end);
+    for (int64_t position = from; position < to; ++position) {
       const T* values = block + (position - b * g.block_size) * g.token_stride;
       for (int64_t h = 0; h < g.num_heads; ++h) {
         const T* value = values + (h / g.group) * g.row;
-        add_scaled(out + h * g.head_dim, value, scores[h * num_keys + position - start],
+        add_scaled(part.out + h * g.head_dim, value, scores[h * num_keys + position - begin],
                    g.head_dim);
       }
     }
+  }
+}
+
+// Fewer sequences than threads (batch-1 decode above all) would leave threads idle while one
+// reads a long context: such a sequence's positions are split among them instead (split-K, as
+// flash decoding does on GPUs), at least this many keys to a part, and the parts merged. On a
+// 2-core AVX2 EPYC a batch-1 SmolLM2 step spent 1.2 of its ~10 ms in attention at 50-250
+// positions on one thread (2026-12-02).
+constexpr int64_t kMinKeysPerPart = 32;
+
+struct Task {
+  int64_t seq, begin, end;
+  int64_t partial;  // index into the split sequences' partial buffers; -1: whole sequence
+};
+
+// out[h] = sum over parts of exp(max_p - max) * out_p[h] / sum over parts of exp(max_p - max) *
+// sum_p[h], with max the parts' largest maximum.
+void merge_parts(const Geometry& g, const std::vector<Partial>& parts, float* out) {
+  for (int64_t h = 0; h < g.num_heads; ++h) {
+    float top = parts[0].maximum[h];
+    for (const Partial& part : parts) top = std::max(top, part.maximum[h]);
+    float total = 0.0f;
+    float* o = out + h * g.head_dim;
+    std::fill(o, o + g.head_dim, 0.0f);
+    for (const Partial& part : parts) {
+      const float weight = std::exp(part.maximum[h] - top);
+      total += weight * part.sum[h];
+      add_scaled(o, part.out + h * g.head_dim, weight, g.head_dim);
+    }
+    const float inverse = 1.0f / total;
+#pragma omp simd
+    for (int64_t i = 0; i < g.head_dim; ++i) o[i] *= inverse;
   }
 }
 
@@ -147,18 +186,71 @@ template <typename T>
 void attend_all(const Geometry& g, int64_t num_seqs, const float* q, const T* k, const T* v,
                 const int32_t* tables, const int32_t* lens, float scale, Visibility visibility,
                 float* o) {
-  // One sequence (batch-1 decode) runs on the calling thread: a team would only wait for it.
-#pragma omp parallel if (num_seqs > 1)
-  {
-    std::vector<float> scores;  // one per thread, reused across its sequences
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t seq = 0; seq < num_seqs; ++seq) {
-      const int64_t seq_len = lens[seq];
-      if (seq_len == 0) continue;  // a padding row: zeros, as the reference gives
-      const int64_t row = seq * g.num_heads * g.head_dim;
-      attend_sequence(g, q + row, k, v, tables + seq * g.max_blocks, seq_len, scale, visibility,
-                      o + row, scores);
+  const int64_t threads = omp_get_max_threads();
+  const int64_t parts_cap = num_seqs >= threads ? 1 : (threads + num_seqs - 1) / num_seqs;
+  std::vector<Task> tasks;
+  std::vector<int64_t> split_seqs, split_first;  // each split sequence and its first partial
+  int64_t partials = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t seq_len = lens[seq];
+    if (seq_len == 0) continue;  // a padding row: zeros, as the reference gives
+    // Positions [start, seq_len): the query (at seq_len - 1) sees the last `window` of them.
+    const int64_t start =
+        visibility.window > 0 ? std::max<int64_t>(0, seq_len - visibility.window) : 0;
+    const int64_t num_keys = seq_len - start;
+    const int64_t parts =
+        std::max<int64_t>(1, std::min(parts_cap, num_keys / kMinKeysPerPart));
+    if (parts == 1) {
+      tasks.push_back({seq, start, seq_len, -1});
+      continue;
     }
+    split_seqs.push_back(seq);
+    split_first.push_back(partials);
+    for (int64_t p = 0; p < parts; ++p) {
+      tasks.push_back({seq, start + num_keys * p / parts, start + num_keys * (p + 1) / parts,
+                       partials++});
+    }
+  }
+  const int64_t rows = g.num_heads * g.head_dim;
+  std::vector<float> partial_out(partials * rows), partial_max(partials * g.num_heads),
+      partial_sum(partials * g.num_heads);
+  const auto partial = [&](int64_t index) {
+    return Partial{partial_out.data() + index * rows, partial_max.data() + index * g.num_heads,
+                   partial_sum.data() + index * g.num_heads};
+  };
+  const auto num_tasks = static_cast<int64_t>(tasks.size());
+#pragma omp parallel if (num_tasks > 1)
+  {
+    std::vector<float> scores;  // one per thread, reused across its tasks
+    std::vector<float> whole_max(g.num_heads), whole_sum(g.num_heads);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_tasks; ++i) {
+      const Task& task = tasks[i];
+      const float* query = q + task.seq * rows;
+      const int32_t* table = tables + task.seq * g.max_blocks;
+      if (task.partial >= 0) {
+        attend_positions(g, query, k, v, table, task.begin, task.end, scale, visibility.softcap,
+                         partial(task.partial), scores);
+        continue;
+      }
+      float* out = o + task.seq * rows;
+      attend_positions(g, query, k, v, table, task.begin, task.end, scale, visibility.softcap,
+                       Partial{out, whole_max.data(), whole_sum.data()}, scores);
+      for (int64_t h = 0; h < g.num_heads; ++h) {
+        const float inverse = 1.0f / whole_sum[h];
+        float* head = out + h * g.head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < g.head_dim; ++d) head[d] *= inverse;
+      }
+    }
+  }
+  for (size_t i = 0; i < split_seqs.size(); ++i) {
+    const int64_t seq = split_seqs[i];
+    const int64_t first = split_first[i];
+    const int64_t last = i + 1 < split_seqs.size() ? split_first[i + 1] : partials;
+    std::vector<Partial> parts;
+    for (int64_t p = first; p < last; ++p) parts.push_back(partial(p));
+    merge_parts(g, parts, o + seq * rows);
   }
 }
 

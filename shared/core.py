@@ -447,10 +447,13 @@ class EngineCore:
 
     def _choose_threads(self, sched: SchedulerOutput) -> int:
         if self.thread_tuner is not None:
-            num_threads = self.thread_tuner.choose(sched)
-            if num_threads != self._num_threads:
-                torch.set_num_threads(num_threads)
-                self._num_threads = num_threads
+            self._num_threads = self.thread_tuner.choose(sched)
+        # torch's count is the process's, not this engine's: another engine in the process (a
+        # benchmark's, a user's second LLM) may have set its own since this engine's last step.
+        # Comparing with a cached count instead once left a 1024-token prefill on the one thread
+        # another engine's tuner had last chosen (1.5-2x its time).
+        if torch.get_num_threads() != self._num_threads:
+            torch.set_num_threads(self._num_threads)
         return self._num_threads
 
     def _execute(self, sched: SchedulerOutput, masks: StepMasks) -> ModelOutput:

@@ -6,7 +6,9 @@ taken core measure), and each expectation is exact."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from splitserve import LLM
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.step import ModelOutput, ScheduledChunk, SchedulerOutput, StepResult
@@ -131,3 +133,29 @@ def test_a_decode_pod_counts_the_prefill_pods_computing_its_prompts():
     assert client.num_busy_prefill_pods() == 0
     with pytest.raises(ValueError, match="neighbor_prefill_threads must be >= 0"):
         RemotePrefillSettings(neighbor_prefill_threads=-1)
+
+
+def test_each_engine_in_a_process_steps_with_its_own_thread_count(make_tiny_hf_checkpoint):
+    """torch's thread count is the process's: an engine resets it to its own before each step,
+    whatever another engine in the process set since."""
+    checkpoint = make_tiny_hf_checkpoint()
+    threads = torch.get_num_threads()
+    one = LLM(checkpoint, num_threads=1, adaptive_threads=False, kv_cache_bytes=2**22)
+    two = LLM(checkpoint, num_threads=2, adaptive_threads=False, kv_cache_bytes=2**22)
+    seen: list[int] = []
+    for llm in (one, two):
+        execute = llm.engine.runner.execute
+
+        def counting(*args, execute=execute, **kwargs):
+            seen.append(torch.get_num_threads())
+            return execute(*args, **kwargs)
+
+        llm.engine.runner.execute = counting
+    try:
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        for llm, count in ((two, 2), (one, 1), (two, 2), (one, 1)):
+            seen.clear()
+            llm.generate([[1, 2, 3, 4]], params)
+            assert seen and set(seen) == {count}
+    finally:
+        torch.set_num_threads(threads)

@@ -1,6 +1,7 @@
 """`python -m benchmarks.quantization`: weight-only quantization side by side, beside llama.cpp.
 
     python -m benchmarks.quantization [--quick] [--threads N] [--skip-llamacpp] [--force-avx2]
+                                      [--alternate ROUNDS]
 
 For quantization none (float32) / int8 / int4 / gguf on the shipped SmolLM2-135M Q4_1 GGUF:
 
@@ -33,6 +34,7 @@ import gc
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -125,6 +127,49 @@ def measure_llamacpp(
     return figures
 
 
+def alternate_batch1(threads: int, seed: int, sizes: Sizes, avx2: bool, rounds: int) -> None:
+    """Batch-1 decode of int4, gguf and llama.cpp in turn, `rounds` times, each loaded once
+    (llama.cpp in its own process, waiting between its runs): on a machine whose speed drifts
+    from minute to minute, figures taken seconds apart compare where a table's columns, taken
+    minutes apart, may not. Prints each round and the medians."""
+    from benchmarks.peer.llamacpp_venv import ensure_llamacpp_venv
+
+    python = ensure_llamacpp_venv(avx2=avx2)
+    engines = {
+        m: LLM(quantization=m, num_threads=threads, kv_cache_bytes=2**30) for m in ("int4", "gguf")
+    }
+    argv = [str(python), "-m", "benchmarks.peer.llamacpp_offline", default_model_path()]
+    argv += [str(threads), str(seed), str(sizes.num_requests), str(sizes.decode_tokens), "--rounds"]
+    peer = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert peer.stdin is not None and peer.stdout is not None
+    json.loads(peer.stdout.readline())  # {"ready": true}: loaded and warmed up
+    short_prompt = random_prompt(random.Random(seed + 2), 32)
+    figures: dict[str, list[float]] = {"int4": [], "gguf": [], "llama.cpp": []}
+    print(f"\nbatch-1 decode tokens/s, {rounds} alternating rounds ({sizes.decode_tokens} tokens)")
+    try:
+        for round_index in range(rounds):
+            for method, llm in engines.items():
+                figures[method].append(
+                    our_batch1_tokens_per_s(llm, short_prompt, sizes.decode_tokens)
+                )
+            peer.stdin.write("batch1\n")
+            peer.stdin.flush()
+            figures["llama.cpp"].append(json.loads(peer.stdout.readline())["batch1"])
+            cells = "  ".join(f"{name} {values[-1]:.1f}" for name, values in figures.items())
+            print(f"round {round_index + 1}: {cells}", flush=True)
+    finally:
+        peer.stdin.close()
+        peer.wait()
+    medians = {name: statistics.median(values) for name, values in figures.items()}
+    ratios = {m: [o / p for o, p in zip(figures[m], figures["llama.cpp"])] for m in engines}
+    for method in engines:
+        print(
+            f"{method}: median {medians[method]:.1f} against llama.cpp's "
+            f"{medians['llama.cpp']:.1f}: {medians[method] / medians['llama.cpp']:.2f}x "
+            f"(rounds {min(ratios[method]):.2f}-{max(ratios[method]):.2f}x)"
+        )
+
+
 def print_table(ours: dict[str, dict[str, float]], peer: dict[str, float] | None, n: int) -> None:
     columns = [*METHODS, "llama.cpp"]
     print(f"\n{'measure':<34}" + "".join(f"{c:>11}" for c in columns))
@@ -158,6 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-kv", action="store_true", help="no KV auto vs int8 table")
     parser.add_argument("--kv-only", action="store_true", help="only the KV auto vs int8 table")
     parser.add_argument("--force-avx2", action="store_true", help="AVX2 paths, ours and peer's")
+    parser.add_argument(
+        "--alternate",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="then batch-1 decode of int4, gguf and llama.cpp in turn, ROUNDS times",
+    )
     args = parser.parse_args(argv)
     if args.force_avx2 and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":
         # torch reads its dispatch at import: start again with the AVX2 settings.
@@ -186,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(ours, peer, sizes.num_requests)
     if kv is not None:
         print_kv_table(kv, KV_CACHE_BYTES, sizes.num_requests)
+    if args.alternate and not args.skip_llamacpp:
+        alternate_batch1(args.threads, args.seed, sizes, args.force_avx2, args.alternate)
     return 0
 
 

@@ -1,6 +1,8 @@
 """Runs inside llama-cpp-python's virtual environment (`benchmarks.quantization` starts it):
 the offline measures of `benchmarks/quantization.py` with llama.cpp on the same GGUF file and
-threads, printed as one JSON line.
+threads, printed as one JSON line. With `--rounds`, after loading it waits for lines on stdin
+instead: each "batch1" line runs the batch-1 measure once more and prints its JSON line, so the
+caller can alternate it with its own runs (`benchmarks.quantization --alternate`).
 
 llama-cpp-python's `Llama` serves one sequence at a time (no continuous batching), so the
 64-request figure runs the requests one after another: what its users get. Greedy sampling
@@ -16,7 +18,14 @@ import sys
 import time
 
 
-def main(model_path: str, threads: int, seed: int, num_requests: int, decode_tokens: int) -> None:
+def main(
+    model_path: str,
+    threads: int,
+    seed: int,
+    num_requests: int,
+    decode_tokens: int,
+    rounds: bool = False,
+) -> None:
     from llama_cpp import Llama, llama_model_size, llama_print_system_info
 
     from benchmarks.engine import make_workload, random_prompt
@@ -41,7 +50,17 @@ def main(model_path: str, threads: int, seed: int, num_requests: int, decode_tok
 
     rng = random.Random(seed + 1000)
     run(random_prompt(rng, 32), decode_tokens)  # warm-up
-    batch1 = decode_tokens / run(random_prompt(random.Random(seed + 2), 32), decode_tokens)
+    short_prompt = random_prompt(random.Random(seed + 2), 32)
+    if rounds:
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            if line.strip() == "batch1":
+                print(
+                    json.dumps({"batch1": decode_tokens / run(short_prompt, decode_tokens)}),
+                    flush=True,
+                )
+        return
+    batch1 = decode_tokens / run(short_prompt, decode_tokens)
     work = make_workload(seed, num_requests)
     start = time.perf_counter()
     for prompt, num_tokens in zip(work.prompts, work.output_lens, strict=True):
@@ -58,4 +77,4 @@ def main(model_path: str, threads: int, seed: int, num_requests: int, decode_tok
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *(int(arg) for arg in sys.argv[2:6]))
+    main(sys.argv[1], *(int(arg) for arg in sys.argv[2:6]), rounds="--rounds" in sys.argv[6:])

@@ -17,6 +17,8 @@ SHAPES = [
     (7, 8, 8, 32, 16, 64, 130),  # no GQA
     (5, 12, 2, 64, 8, 96, 90),  # groups of 6, small blocks
     (16, 4, 1, 128, 32, 80, 300),  # one kv head, long head_dim
+    (3, 4, 2, 80, 16, 60, 150),  # head_dim past 64, not a multiple of it (AVX2: 64 + 16)
+    (2, 6, 3, 20, 16, 40, 120),  # head_dim not a multiple of 8 (position by position)
 ]
 
 

@@ -6,14 +6,14 @@
 // the step from 7.7 to 5.9 ms in one process (docs/benchmarks.md).
 //
 // The products run on the kernels the Python layers use: oneDNN's inner product on weights it
-// reordered (float32 models, shared/model/linear.py), int8_gemv.cpp's product of int8 codes
-// and float32 activations, or int4_gemm.cpp's product of our int4 layout
-// (shared/model/quantized_linear.py; torch's own int4 layout never comes here). Only the
-// shapes those layers handle at decode come here: dense Llama-family layers with the parts of the families built on them
-// (Qwen2's q/k/v bias, the only bias those families have; Qwen3's and Gemma 3's q/k norms;
-// Gemma's norms around each branch, GeGLU and Gemma 3's own rotary base on window layers), one
-// process (no tensor parallel), every row a decode token with its slot; LlamaForCausalLM checks
-// that.
+// reordered (float32 models, shared/model/linear.py), int8_gemv.cpp's product of int8 codes and
+// float32 activations, or int4_gemm.cpp's product of our int4 layout
+// (shared/model/quantized_linear.py; torch's own int4 layout never comes here). Only the shapes
+// those layers handle at decode come here: dense Llama-family layers with the parts of the
+// families built on them (Qwen2's q/k/v bias, the only bias those families have; Qwen3's and Gemma
+// 3's q/k norms; Gemma's norms around each branch, GeGLU and Gemma 3's own rotary base on window
+// layers), one process (no tensor parallel), every row a decode token with its slot;
+// LlamaForCausalLM checks that.
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/TensorOperators.h>

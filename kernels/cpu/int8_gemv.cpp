@@ -40,11 +40,12 @@ constexpr int64_t kOutputsPerTask = 16;
 constexpr int64_t kPrefetchBytes = 2048;
 
 struct Product {
-  const float* x;       // [rows, in_features]
-  const int8_t* codes;  // [out, in_padded]
+  const float* x;          // [rows, in_features]
+  const int8_t* codes;     // [out, in_padded]
   const uint16_t* scales;  // [out] bfloat16 bits
-  float* out;           // [rows, out]
+  float* out;              // [rows, out]
   int64_t in_features, in_padded, out_features;
+  int64_t num_codes;  // out * in_padded: nothing past it is prefetched
 };
 
 inline float bfloat16_to_float(uint16_t bits) {
@@ -54,8 +55,8 @@ inline float bfloat16_to_float(uint16_t bits) {
   return value;
 }
 
-// Rows row0 .. row0 + kRows - 1 times outputs o0 .. o0 + kOuts - 1, over columns [0, vector_end)
-// with 8-wide FMAs and the rest one at a time.
+// Rows row0 .. row0 + kRows - 1 times outputs o0 .. o0 + kOuts - 1: x's columns 8 at a time
+// with FMAs (AVX2), the rest one at a time.
 template <int kRows, int kOuts>
 void block(const Product& p, int64_t row0, int64_t o0) {
   float sums[kRows][kOuts] = {};
@@ -70,8 +71,10 @@ void block(const Product& p, int64_t row0, int64_t o0) {
     for (int r = 0; r < kRows; ++r) x[r] = _mm256_loadu_ps(p.x + (row0 + r) * p.in_features + k);
     if (k % 64 == 0) {  // one cache line of each output's codes
       for (int o = 0; o < kOuts; ++o) {
-        const int8_t* ahead = p.codes + (o0 + o) * p.in_padded + k + kPrefetchBytes;
-        _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+        const int64_t at = (o0 + o) * p.in_padded + k + kPrefetchBytes;
+        if (at < p.num_codes) {
+          _mm_prefetch(reinterpret_cast<const char*>(p.codes + at), _MM_HINT_T0);
+        }
       }
     }
     for (int o = 0; o < kOuts; ++o) {
@@ -98,7 +101,9 @@ void block(const Product& p, int64_t row0, int64_t o0) {
   }
   for (int o = 0; o < kOuts; ++o) {
     const float scale = bfloat16_to_float(p.scales[o0 + o]);
-    for (int r = 0; r < kRows; ++r) p.out[(row0 + r) * p.out_features + o0 + o] = sums[r][o] * scale;
+    for (int r = 0; r < kRows; ++r) {
+      p.out[(row0 + r) * p.out_features + o0 + o] = sums[r][o] * scale;
+    }
   }
 }
 
@@ -145,7 +150,8 @@ at::Tensor int8_gemv(at::Tensor x, at::Tensor codes, at::Tensor scales) {
                   out.data_ptr<float>(),
                   x.size(1),
                   codes.size(1),
-                  out_features};
+                  out_features,
+                  codes.numel()};
   const int64_t tasks = (out_features + kOutputsPerTask - 1) / kOutputsPerTask;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     outputs(p, rows, begin * kOutputsPerTask, std::min(end * kOutputsPerTask, out_features));

@@ -97,6 +97,14 @@ struct Partial {
   float* sum;      // [num_heads]
 };
 
+// Where `position`'s slot starts in `cache`: kv head j's row of it at + j * g.row.
+template <typename T>
+inline const T* slot_of(const Geometry& g, const T* cache, const int32_t* table,
+                        int64_t position) {
+  const int64_t b = position / g.block_size;
+  return cache + table[b] * g.block_stride + (position - b * g.block_size) * g.token_stride;
+}
+
 // scores[h * num_keys + t] = scale * q[h] . key(begin + t) for every query head, position by
 // position: a slot's keys for all kv heads are one contiguous run (num_kv_heads * row
 // elements), so each cache line fetched is used whole; query head h reads kv head h / group
@@ -107,9 +115,7 @@ void scores_by_position(const Geometry& g, const float* q, const T* k_cache,
                         float* scores) {
   const int64_t num_keys = end - begin;
   for (int64_t position = begin; position < end; ++position) {
-    const int64_t b = position / g.block_size;
-    const T* keys =
-        k_cache + table[b] * g.block_stride + (position - b * g.block_size) * g.token_stride;
+    const T* keys = slot_of(g, k_cache, table, position);
     for (int64_t h = 0; h < g.num_heads; ++h) {
       scores[h * num_keys + position - begin] =
           scale * dot(q + h * g.head_dim, keys + (h / g.group) * g.row, g.head_dim);
@@ -123,9 +129,7 @@ void values_by_position(const Geometry& g, const T* v_cache, const int32_t* tabl
                         int64_t begin, int64_t end, const float* weights, float* out) {
   const int64_t num_keys = end - begin;
   for (int64_t position = begin; position < end; ++position) {
-    const int64_t b = position / g.block_size;
-    const T* values =
-        v_cache + table[b] * g.block_stride + (position - b * g.block_size) * g.token_stride;
+    const T* values = slot_of(g, v_cache, table, position);
     for (int64_t h = 0; h < g.num_heads; ++h) {
       add_scaled(out + h * g.head_dim, values + (h / g.group) * g.row,
                  weights[h * num_keys + position - begin], g.head_dim);
@@ -155,18 +159,26 @@ void add_values(const Geometry& g, const T* v_cache, const int32_t* table, int64
 // reduced on its own), and a query head's weighted values kept in registers across the run,
 // 64 dimensions at a time (position by position, its output is loaded and stored for every
 // position). The same sums in another order. On the 2-vCPU AVX2 EPYC, SmolLM2's 9 heads over 3
-// kv heads, 2026-12-02: one sequence 1.3-1.6x faster (150 and 2,000 positions), 16 sequences of
-// 300 1.3x, 16 of 2,000 (memory-bound) the same within noise.
+// kv heads, 2026-12-02: one sequence 1.3x faster on one thread and 1.7-1.9x on two (150 and
+// 2,000 positions), 16 sequences of 300 1.3-1.5x, 16 of 2,000 (memory-bound) the same within
+// noise.
 constexpr int64_t kPositionsPerRun = 32;  // SmolLM2's 3 kv heads: 24 KiB of keys a run
 
-// rows[t]: where position run + t's row of kv head `kv_head` is.
-void position_rows(const Geometry& g, const float* cache, const int32_t* table, int64_t run,
-                   int64_t run_end, int64_t kv_head, std::vector<const float*>& rows) {
-  rows.resize(run_end - run);
-  for (int64_t position = run; position < run_end; ++position) {
-    const int64_t b = position / g.block_size;
-    rows[position - run] = cache + table[b] * g.block_stride +
-                           (position - b * g.block_size) * g.token_stride + kv_head * g.row;
+// visit(h, rows, offset) for every query head h, a run of positions at a time: rows[t] is kv
+// head h / group's row of position begin + offset + t.
+template <typename Visit>
+void each_run(const Geometry& g, const float* cache, const int32_t* table, int64_t begin,
+              int64_t end, Visit visit) {
+  std::vector<const float*> rows;
+  for (int64_t run = begin; run < end; run += kPositionsPerRun) {
+    const int64_t run_end = std::min(end, run + kPositionsPerRun);
+    for (int64_t j = 0; j < g.num_kv_heads; ++j) {
+      rows.resize(run_end - run);
+      for (int64_t position = run; position < run_end; ++position) {
+        rows[position - run] = slot_of(g, cache, table, position) + j * g.row;
+      }
+      for (int64_t h = j * g.group; h < (j + 1) * g.group; ++h) visit(h, rows, run - begin);
+    }
   }
 }
 
@@ -226,17 +238,11 @@ void fill_scores<float>(const Geometry& g, const float* q, const float* k_cache,
     return scores_by_position(g, q, k_cache, table, begin, end, scale, scores);
   }
   const int64_t num_keys = end - begin;
-  std::vector<const float*> rows;
-  for (int64_t run = begin; run < end; run += kPositionsPerRun) {
-    const int64_t run_end = std::min(end, run + kPositionsPerRun);
-    for (int64_t j = 0; j < g.num_kv_heads; ++j) {
-      position_rows(g, k_cache, table, run, run_end, j, rows);
-      for (int64_t h = j * g.group; h < (j + 1) * g.group; ++h) {
-        query_scores(q + h * g.head_dim, rows, g.head_dim, scale,
-                     scores + h * num_keys + (run - begin));
-      }
-    }
-  }
+  each_run(g, k_cache, table, begin, end,
+           [&](int64_t h, const std::vector<const float*>& rows, int64_t offset) {
+             query_scores(q + h * g.head_dim, rows, g.head_dim, scale,
+                          scores + h * num_keys + offset);
+           });
 }
 
 template <>
@@ -246,17 +252,10 @@ void add_values<float>(const Geometry& g, const float* v_cache, const int32_t* t
     return values_by_position(g, v_cache, table, begin, end, weights, out);
   }
   const int64_t num_keys = end - begin;
-  std::vector<const float*> rows;
-  for (int64_t run = begin; run < end; run += kPositionsPerRun) {
-    const int64_t run_end = std::min(end, run + kPositionsPerRun);
-    for (int64_t j = 0; j < g.num_kv_heads; ++j) {
-      position_rows(g, v_cache, table, run, run_end, j, rows);
-      for (int64_t h = j * g.group; h < (j + 1) * g.group; ++h) {
-        query_values(rows, g.head_dim, weights + h * num_keys + (run - begin),
-                     out + h * g.head_dim);
-      }
-    }
-  }
+  each_run(g, v_cache, table, begin, end,
+           [&](int64_t h, const std::vector<const float*>& rows, int64_t offset) {
+             query_values(rows, g.head_dim, weights + h * num_keys + offset, out + h * g.head_dim);
+           });
 }
 #endif
 

@@ -622,6 +622,38 @@ def test_a_dead_replicas_slots_are_forgotten_once_its_lease_expires(redis_server
     assert asyncio.run(run()) == [False, True]
 
 
+def _slot_call(replica_id: str, now: float, num_waiters: int) -> lease_script.LeaseCall:
+    """A call that asks one concurrent slot for each of `num_waiters` requests, at a replica
+    whose clock reads `now`."""
+    take = lease_script.WaiterAsk(False, None, lease_script.SlotAsk.TAKE)
+    return lease_script.LeaseCall(
+        "skew", replica_id, now, lease_script.TenantLimits(concurrent_requests=2),
+        0, 0, False, 0, 0, 0, 0, (take,) * num_waiters,
+    )
+
+
+def test_slot_leases_expire_by_redis_clock_not_a_replicas(redis_server):
+    # Replica b's clock runs an hour ahead of a's: read by its own clock, a's live slots
+    # would look long expired to it, and b would take slots past the tenant's limit of two.
+    client = redis.Redis.from_url(redis_server.url)
+
+    def send(call: lease_script.LeaseCall) -> lease_script.LeaseReply:
+        keys = call.keys()
+        reply = client.eval(lease_script.LEASE_SCRIPT, len(keys), *keys, *call.args())
+        return lease_script.LeaseReply.parse(reply)
+
+    try:
+        now = time.time()
+        held = send(_slot_call("replica-a", now, 2))
+        ahead = send(_slot_call("replica-b", now + 3600.0, 1))
+        behind = send(_slot_call("replica-c", now - 3600.0, 1))
+    finally:
+        client.close()
+    assert held.verdicts == (None, None) and held.num_slots_held == 2
+    assert ahead.verdicts == ("concurrent_requests",) and ahead.num_slots_elsewhere == 2
+    assert behind.verdicts == ("concurrent_requests",)
+
+
 def test_a_call_whose_reply_was_lost_never_lets_two_replicas_past_the_slot_limit(
     redis_server, monkeypatch
 ):

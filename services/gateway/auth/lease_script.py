@@ -32,37 +32,45 @@ _PREFIX = "splitserve:limits"
 _WINDOW_TTL_S = int(2 * WINDOW_S) + 1  # a window is read as "previous" for one more minute
 
 # KEYS: 1 requests now, 2 requests before, 3 tokens now, 4 tokens before (windows), 5 slots held
-# (hash: replica -> count), 6 slot leases' expiry (sorted set: replica -> time).
+# (hash: replica -> count), 6 slot leases' expiry (sorted set: replica -> Redis's time).
 # ARGV: 1 previous window's weight, 2 window ttl, 3 requests limit, 4 tokens limit, 5 slots
-# limit (a limit of 0: unchecked), 6 now, 7 replica, 8 its slot lease's expiry, 9 slot keys'
-# ttl, 10 lease fraction, 11 requests returned, 12 tokens returned, 13 returned to the window
-# before (1) or now (0), 14 slots in use on this replica, 15-17 spare requests, tokens and slots
-# wanted, then three per waiting request: requests asked (0/1), tokens asked (-1: unchecked),
-# slot (0: none, 1: take one, 2: check there is one free).
+# limit (a limit of 0: unchecked), 6 a slot lease's length in seconds, 7 replica, 8 lease
+# fraction, 9 requests returned, 10 tokens returned, 11 returned to the window before (1) or
+# now (0), 12 slots in use on this replica, 13-15 spare requests, tokens and slots wanted, then
+# three per waiting request: requests asked (0/1), tokens asked (-1: unchecked), slot (0: none,
+# 1: take one, 2: check there is one free).
+# Slot leases expire by Redis's clock (TIME), not the caller's: replicas whose clocks differ by
+# more than a lease would otherwise drop each other's live slots.
 # -> {requests now, before, tokens now, before (after the returns, before the waiters), slots
 # held by other replicas, spare requests, tokens leased, slots held here after, then a verdict
 # per waiter: '' (admitted) or the limit that refused it}.
 LEASE_SCRIPT = """
+-- Before Redis 5 a script replicates verbatim and may not write after TIME; later ones
+-- replicate its effects (and in 7 this call is a no-op kept for compatibility).
+if redis.replicate_commands then redis.replicate_commands() end
 local weight = tonumber(ARGV[1])
 local rl, tl, sl = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local fraction = tonumber(ARGV[10])
+local fraction = tonumber(ARGV[8])
 local function give_back(key, amount)
   if amount <= 0 then return end
   local charged = tonumber(redis.call('GET', key) or '0')
   if charged > 0 then redis.call('DECRBY', key, math.min(charged, amount)) end
 end
-local back = tonumber(ARGV[13])
-give_back(KEYS[1 + back], tonumber(ARGV[11]))
-give_back(KEYS[3 + back], tonumber(ARGV[12]))
+local back = tonumber(ARGV[11])
+give_back(KEYS[1 + back], tonumber(ARGV[9]))
+give_back(KEYS[3 + back], tonumber(ARGV[10]))
 local function count(key) return tonumber(redis.call('GET', key) or '0') end
 local rc, rp, tc, tp = 0, 0, 0, 0
 if rl > 0 then rc, rp = count(KEYS[1]), count(KEYS[2]) end
 if tl > 0 then tc, tp = count(KEYS[3]), count(KEYS[4]) end
-local others, mine = 0, tonumber(ARGV[14])
+local others, mine = 0, tonumber(ARGV[12])
+local server_now = 0
 if sl > 0 then
-  local expired = redis.call('ZRANGEBYSCORE', KEYS[6], '-inf', ARGV[6])
+  local clock = redis.call('TIME')
+  server_now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+  local expired = redis.call('ZRANGEBYSCORE', KEYS[6], '-inf', server_now)
   for _, replica in ipairs(expired) do redis.call('HDEL', KEYS[5], replica) end
-  if #expired > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', ARGV[6]) end
+  if #expired > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', server_now) end
   local held = redis.call('HGETALL', KEYS[5])
   for i = 1, #held, 2 do
     if held[i] ~= ARGV[7] then others = others + tonumber(held[i + 1]) end
@@ -70,7 +78,7 @@ if sl > 0 then
 end
 local r0, t0 = rc, tc
 local verdicts, any_refused = {}, false
-for i = 18, #ARGV, 3 do
+for i = 16, #ARGV, 3 do
   local asks_request, tokens = tonumber(ARGV[i]), tonumber(ARGV[i + 1])
   local slot = tonumber(ARGV[i + 2])
   local refused = ''
@@ -106,15 +114,17 @@ local function lease_window(limit, key, want, now_count, before_count, found)
   return now_count, leased
 end
 local r_spare, t_spare
-rc, r_spare = lease_window(rl, KEYS[1], tonumber(ARGV[15]), rc, rp, r0)
-tc, t_spare = lease_window(tl, KEYS[3], tonumber(ARGV[16]), tc, tp, t0)
+rc, r_spare = lease_window(rl, KEYS[1], tonumber(ARGV[13]), rc, rp, r0)
+tc, t_spare = lease_window(tl, KEYS[3], tonumber(ARGV[14]), tc, tp, t0)
 if sl > 0 then
-  mine = mine + spare(tonumber(ARGV[17]), sl - others - mine)
+  mine = mine + spare(tonumber(ARGV[15]), sl - others - mine)
   if mine > 0 then
+    local lease_s = tonumber(ARGV[6])
+    local slot_ttl = math.ceil(2 * lease_s)
     redis.call('HSET', KEYS[5], ARGV[7], mine)
-    redis.call('ZADD', KEYS[6], ARGV[8], ARGV[7])
-    redis.call('EXPIRE', KEYS[5], ARGV[9])
-    redis.call('EXPIRE', KEYS[6], ARGV[9])
+    redis.call('ZADD', KEYS[6], string.format('%.6f', server_now + lease_s), ARGV[7])
+    redis.call('EXPIRE', KEYS[5], slot_ttl)
+    redis.call('EXPIRE', KEYS[6], slot_ttl)
   else
     redis.call('HDEL', KEYS[5], ARGV[7])
     redis.call('ZREM', KEYS[6], ARGV[7])
@@ -188,10 +198,8 @@ class LeaseCall:
             limits.requests_per_minute,
             limits.tokens_per_minute,
             limits.concurrent_requests,
-            repr(self.now),
+            repr(SLOT_LEASE_S),
             self.replica_id,
-            repr(self.now + SLOT_LEASE_S),
-            int(2 * SLOT_LEASE_S),
             repr(LEASE_FRACTION),
             self.returned_requests,
             self.returned_tokens,

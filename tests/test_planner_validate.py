@@ -81,7 +81,7 @@ def test_a_recorded_run_replays_as_it_was_simulated(tmp_path, capsys) -> None:
     assert run_validation(replay_args) == 0
     report = capsys.readouterr().out
     assert "colocated-2  chat" in report and "within 20%" in report
-    assert "-1.1 to +3.3 ms around the step"  # with the 10% margin in report
+    assert "-1.1 to +3.3 ms around the step" in report  # the spread with the 10% margin
     again = json.loads((tmp_path / "again.json").read_text())["comparisons"]
     assert [c["measured"] for c in again] == [asdict(c.measured) for c in recorded]
     assert again[0]["simulated"] == asdict(recorded[0].simulated)  # bare: the same model

@@ -11,14 +11,12 @@ differ only in how keys and values are stored; int8 is the KV auto engine of the
 
 from __future__ import annotations
 
-import random
-
 from benchmarks.engine import (
+    batch1_prompt,
     log,
     make_workload,
     our_batch1_tokens_per_s,
     our_continuous_tokens_per_s,
-    random_prompt,
 )
 from splitserve import LLM
 
@@ -40,7 +38,7 @@ def measure_kv(
 ) -> dict[str, dict[str, float]]:
     """kv_cache_dtype -> measure -> value, for engines {"auto": ..., "int8": ...}."""
     figures: dict[str, dict[str, float]] = {kv: {} for kv in engines}
-    prompt = random_prompt(random.Random(seed + 2), 32)
+    prompt = batch1_prompt(seed)
     for kv, llm in engines.items():
         figures[kv]["kv_tokens"] = llm.engine.kv_spec.num_tokens
     for kv, llm in engines.items():

@@ -33,7 +33,6 @@ import argparse
 import gc
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -42,12 +41,12 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.engine import (
+    batch1_prompt,
     log,
     make_workload,
     our_batch1_tokens_per_s,
     our_continuous_tokens_per_s,
     our_ttfts,
-    random_prompt,
 )
 from benchmarks.kv_cache_dtype import load_int8_kv_engine, measure_kv, print_kv_table
 from benchmarks.machine import AVX2_ENV, machine_line
@@ -90,7 +89,7 @@ def load_engines(threads: int) -> dict[str, LLM]:
 def measure_ours(engines: dict[str, LLM], seed: int, sizes: Sizes) -> dict[str, dict[str, float]]:
     """method -> measure -> value; each measure on every engine before the next measure."""
     figures: dict[str, dict[str, float]] = {m: {} for m in engines}
-    short_prompt = random_prompt(random.Random(seed + 2), 32)
+    short_prompt = batch1_prompt(seed)
     for method, llm in engines.items():
         figures[method]["weight_mib"] = weight_nbytes(llm.engine.runner.model) / 2**20
     for method, llm in engines.items():
@@ -143,7 +142,7 @@ def alternate_batch1(threads: int, seed: int, sizes: Sizes, avx2: bool, rounds: 
     peer = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert peer.stdin is not None and peer.stdout is not None
     json.loads(peer.stdout.readline())  # {"ready": true}: loaded and warmed up
-    short_prompt = random_prompt(random.Random(seed + 2), 32)
+    short_prompt = batch1_prompt(seed)
     figures: dict[str, list[float]] = {"int4": [], "gguf": [], "llama.cpp": []}
     print(f"\nbatch-1 decode tokens/s, {rounds} alternating rounds ({sizes.decode_tokens} tokens)")
     try:

@@ -28,7 +28,7 @@ def main(
 ) -> None:
     from llama_cpp import Llama, llama_model_size, llama_print_system_info
 
-    from benchmarks.engine import make_workload, random_prompt
+    from benchmarks.engine import batch1_prompt, make_workload, random_prompt
 
     llm = Llama(
         model_path=model_path,
@@ -50,7 +50,7 @@ def main(
 
     rng = random.Random(seed + 1000)
     run(random_prompt(rng, 32), decode_tokens)  # warm-up
-    short_prompt = random_prompt(random.Random(seed + 2), 32)
+    short_prompt = batch1_prompt(seed)
     if rounds:
         print(json.dumps({"ready": True}), flush=True)
         for line in sys.stdin:

@@ -12,16 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 
 from benchmarks.engine import (
+    batch1_prompt,
     log,
     make_workload,
     our_batch1_tokens_per_s,
     our_continuous_tokens_per_s,
     our_ttfts,
-    random_prompt,
 )
 from benchmarks.peer.hf_export import ensure_hf_export
 from benchmarks.peer.vllm_venv import ensure_vllm_venv
@@ -38,7 +37,7 @@ def ours(seed: int, num_requests: int, decode_tokens: int) -> dict[str, float]:
     threads = os.cpu_count() or 1
     llm = LLM(num_threads=threads, kv_cache_bytes=2 * 2**30)
     log("ours: a, b, c")
-    short_prompt = random_prompt(random.Random(seed + 2), 32)
+    short_prompt = batch1_prompt(seed)
     batch1 = our_batch1_tokens_per_s(llm, short_prompt, decode_tokens)
     continuous = our_continuous_tokens_per_s(llm, make_workload(seed, num_requests))
     cold, _ = our_ttfts(llm, seed)

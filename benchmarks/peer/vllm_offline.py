@@ -15,7 +15,7 @@ import time
 def main(model_dir: str, seed: int, num_requests: int, decode_tokens: int) -> None:
     from vllm import LLM, SamplingParams
 
-    from benchmarks.engine import make_workload, random_prompt
+    from benchmarks.engine import batch1_prompt, make_workload, random_prompt
 
     llm = LLM(model=model_dir, dtype="float32", max_model_len=2048, seed=0)
 
@@ -27,7 +27,7 @@ def main(model_dir: str, seed: int, num_requests: int, decode_tokens: int) -> No
 
     rng = random.Random(seed + 1000)
     run([random_prompt(rng, 32)], [decode_tokens])  # warm-up, other prompts throughout
-    short_prompt = random_prompt(random.Random(seed + 2), 32)
+    short_prompt = batch1_prompt(seed)
     batch1 = decode_tokens / run([short_prompt], [decode_tokens])
     warm_work = make_workload(seed + 1000, num_requests)
     run(warm_work.prompts, warm_work.output_lens)

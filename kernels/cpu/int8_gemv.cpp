@@ -45,7 +45,8 @@ struct Product {
   const uint16_t* scales;  // [out] bfloat16 bits
   float* out;              // [rows, out]
   int64_t in_features, in_padded, out_features;
-  int64_t num_codes;  // out * in_padded: nothing past it is prefetched
+
+  int64_t num_codes() const { return out_features * in_padded; }  // nothing past is prefetched
 };
 
 inline float bfloat16_to_float(uint16_t bits) {
@@ -72,7 +73,7 @@ void block(const Product& p, int64_t row0, int64_t o0) {
     if (k % 64 == 0) {  // one cache line of each output's codes
       for (int o = 0; o < kOuts; ++o) {
         const int64_t at = (o0 + o) * p.in_padded + k + kPrefetchBytes;
-        if (at < p.num_codes) {
+        if (at < p.num_codes()) {
           _mm_prefetch(reinterpret_cast<const char*>(p.codes + at), _MM_HINT_T0);
         }
       }
@@ -150,8 +151,7 @@ at::Tensor int8_gemv(at::Tensor x, at::Tensor codes, at::Tensor scales) {
                   out.data_ptr<float>(),
                   x.size(1),
                   codes.size(1),
-                  out_features,
-                  codes.numel()};
+                  out_features};
   const int64_t tasks = (out_features + kOutputsPerTask - 1) / kOutputsPerTask;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     outputs(p, rows, begin * kOutputsPerTask, std::min(end * kOutputsPerTask, out_features));

@@ -172,8 +172,8 @@ void each_run(const Geometry& g, const float* cache, const int32_t* table, int64
   std::vector<const float*> rows;
   for (int64_t run = begin; run < end; run += kPositionsPerRun) {
     const int64_t run_end = std::min(end, run + kPositionsPerRun);
+    rows.resize(run_end - run);
     for (int64_t j = 0; j < g.num_kv_heads; ++j) {
-      rows.resize(run_end - run);
       for (int64_t position = run; position < run_end; ++position) {
         rows[position - run] = slot_of(g, cache, table, position) + j * g.row;
       }

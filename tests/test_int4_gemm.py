@@ -3,12 +3,13 @@ against the dequantized weight's product in float64, in every variant this CPU r
 (AVX-512 VNNI, AVX2, generic: each selected in turn), and its place in
 shared/model/quantized_linear.py.
 
-The kernel rounds each activation to int8 against its group of 32's largest magnitude, so in
-one pass an activation moves by at most d = amax / 254 (half a step); in two passes (fewer
-than INT4_ONE_PASS_FROM_ROWS rows) the second quantizes what the first rounded away, so at
-most amax / 254^2. Each output's error is bounded by sum_k |w_k| * that: the tests check the
-bound element by element (the justification of the tolerance), that the typical error is far
-inside it, and that all variants give the same bits (the same integers, the same float steps).
+The kernel rounds each activation to int8 against its group of 32's largest magnitude, so in one
+pass an activation moves by at most d = amax / 254 (half a step); in two passes (fewer than
+INT4_ONE_PASS_FROM_ROWS rows, where the caller's decode_passes says 2) the second quantizes what
+the first rounded away, so at most amax / 254^2. Each output's error is bounded by sum_k |w_k| *
+that: the tests check the bound element by element (the justification of the tolerance), that
+the typical error is far inside it, and that all variants give the same bits (the same integers,
+the same float steps).
 """
 
 from __future__ import annotations
@@ -75,19 +76,22 @@ def _random(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=generator) + 0.1  # never zeros, and not centred
 
 
-def _kernel(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+def _kernel(x: torch.Tensor, weight: Int4Weight, passes: int = 2) -> torch.Tensor:
     module = cpu_kernels.load()
-    return module.int4_gemm(x, weight.packed, weight.scales_minimums, weight.out_features)
+    return module.int4_gemm(
+        x, weight.packed, weight.scales_minimums, weight.out_features, decode_passes=passes
+    )
 
 
-def _check_product(x: torch.Tensor, weight: Int4Weight) -> None:
+def _check_product(x: torch.Tensor, weight: Int4Weight, passes: int) -> None:
     out_features, in_features = weight.out_features, weight.in_features
     dense = weight.dequantize(torch.float32)[:out_features, :in_features].double()
-    got = _kernel(x, weight).double()
+    got = _kernel(x, weight, passes).double()
     want = x.double() @ dense.t()
     # Half an int8 step of each activation's group (of the second pass's, with two), times
     # |w|, summed: the rounding's bound.
-    steps = 254.0 if x.shape[0] >= INT4_ONE_PASS_FROM_ROWS else 254.0**2
+    two_passes = x.shape[0] < INT4_ONE_PASS_FROM_ROWS and passes == 2
+    steps = 254.0**2 if two_passes else 254.0
     padded = torch.nn.functional.pad(x.double(), (0, (-in_features) % GROUP_SIZE))
     group_max = padded.abs().view(x.shape[0], -1, GROUP_SIZE).amax(dim=-1)
     half_step = (group_max / steps).repeat_interleave(GROUP_SIZE, dim=1)[:, :in_features]
@@ -103,7 +107,8 @@ def _check_product(x: torch.Tensor, weight: Int4Weight) -> None:
 def test_kernel_matches_the_dequantized_product(variant, out_features, in_features):
     weight = quantize_int4(_random(out_features, in_features, seed=out_features) * 0.05)
     for rows in SHAPES[out_features, in_features]:
-        _check_product(_random(rows, in_features, seed=rows), weight)
+        for passes in (1, 2):
+            _check_product(_random(rows, in_features, seed=rows), weight, passes)
 
 
 def test_every_variant_gives_the_same_bits():
@@ -111,15 +116,18 @@ def test_every_variant_gives_the_same_bits():
     chosen, names = module.int4_isa(), _variants()
     weight = quantize_int4(_random(200, 96, seed=9))
     try:
-        for rows in (1, 3, INT4_ONE_PASS_FROM_ROWS, 70):
+        # Rows and passes of both AVX2 loops: a tile's 16 outputs at once (up to two
+        # activation rows) and half a tile at a time (more).
+        cases = [(r, p) for r in (1, 2, 3, INT4_ONE_PASS_FROM_ROWS, 70) for p in (1, 2)]
+        for rows, passes in cases:
             x = _random(rows, 96, seed=rows + 10)
             results = {}
             for name in names:
                 module.select_int4_isa(name)
-                results[name] = _kernel(x, weight)
+                results[name] = _kernel(x, weight, passes)
             first = results.pop("generic")
             for name, got in results.items():
-                assert torch.equal(got, first), (name, rows)
+                assert torch.equal(got, first), (name, rows, passes)
     finally:
         module.select_int4_isa(chosen)
 
@@ -142,7 +150,8 @@ def _gguf_weight(out_features: int, in_features: int, form: str) -> Int4Weight:
 def test_kernel_reads_gguf_q4_blocks(variant, form):
     weight = _gguf_weight(200, 576, form)
     for rows in (1, 4, 33):
-        _check_product(_random(rows, 576, seed=rows), weight)
+        for passes in (1, 2):
+            _check_product(_random(rows, 576, seed=rows), weight, passes)
 
 
 def test_the_layout_reads_back_its_codes_and_float16_numbers():
@@ -179,10 +188,20 @@ def test_quantized_matmul_takes_the_kernel_at_every_row_count_in_the_callers_dty
     assert isinstance(weight, Int4Weight)
     for rows in (1, INT4_ONE_PASS_FROM_ROWS - 1, INT4_ONE_PASS_FROM_ROWS):
         x = _random(rows, 96, seed=4)
-        assert torch.equal(quantized_matmul(x, weight), _kernel(x, weight))
+        for passes in (1, 2):  # the layer's activation_passes reach the kernel
+            assert torch.equal(quantized_matmul(x, weight, passes), _kernel(x, weight, passes))
         got = quantized_matmul(x.to(torch.bfloat16), weight)
         assert got.dtype == torch.bfloat16
-        assert torch.equal(got, _kernel(x.to(torch.bfloat16).float(), weight).to(torch.bfloat16))
+        want = _kernel(x.to(torch.bfloat16).float(), weight, passes=1).to(torch.bfloat16)
+        assert torch.equal(got, want)
+    one, two = (quantized_matmul(_random(1, 96, seed=4), weight, passes) for passes in (1, 2))
+    assert not torch.equal(one, two)  # a decode row's passes change its product
+
+
+def test_decode_passes_other_than_one_or_two_are_refused():
+    weight = quantize_int4(_random(32, 64, seed=5))
+    with pytest.raises(RuntimeError, match="decode_passes must be 1 or 2"):
+        _kernel(_random(1, 64, seed=6), weight, passes=3)
 
 
 def test_the_fused_decode_loop_switches_passes_at_the_same_row_count():

@@ -40,9 +40,12 @@ enum class WeightFormat : int64_t { kOneDnn = 0, kInt8 = 1, kInt4 = 2 };
 //   int8    first = codes [out, in_padded], second = scales [out] bfloat16
 //   int4    first = packed [tiles, groups, 256] uint8, second = scales_minimums
 //           [tiles, groups, 2, 16] float16 (int4_gemm.h)
+// decode_passes: int4's activation passes below kInt4OnePassFromRows rows, the Python layer's
+// activation_passes (int4_gemm.cpp).
 struct Weight {
   at::Tensor first, second;
   int64_t in_padded = 0, out_features = 0;
+  int64_t decode_passes = 2;
 };
 
 // One projection's LoRA slots, the Python hook's own tensors (shared/lora/layers.py): the
@@ -154,7 +157,7 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight) {
 at::Tensor linear(const at::Tensor& x, const Weight& w, WeightFormat format) {
   if (format == WeightFormat::kOneDnn) return onednn_linear(x, w.first);
   if (format == WeightFormat::kInt4) {
-    return int4_gemm(x.contiguous(), w.first, w.second, w.out_features);
+    return int4_gemm(x.contiguous(), w.first, w.second, w.out_features, w.decode_passes);
   }
   return int8_gemv(x.contiguous(), w.first, w.second);  // codes have out_features rows
 }
@@ -181,25 +184,31 @@ class DecodeLayers {
 
   // tensors: input_norm, post_norm, then (first, second) of qkv, o, gate_up, down (second
   // may be an empty tensor); sizes: (in_padded, out_features) of qkv, o, gate_up, down;
-  // window: the layer's sliding window (0 = none); qkv_bias: the q/k/v bias, added to the
+  // window: the layer's sliding window (0 = none); passes: each product's activation passes
+  // at decode rows, int4 only (empty: two each); qkv_bias: the q/k/v bias, added to the
   // product as the Python Linear adds it (none: no bias); qk_norms: {q_norm, k_norm} weights
   // [head_dim] (empty: none); sandwich_norms: Gemma's {pre_feedforward, post_feedforward}
   // weights [hidden] (empty: Llama's layout); local_rotary: the layer rotates with the step's
   // local angles (run's local_cos and local_sin).
   void add_layer(std::vector<at::Tensor> tensors, std::vector<int64_t> sizes,
-                 int64_t window, std::optional<at::Tensor> qkv_bias,
+                 int64_t window, std::vector<int64_t> passes, std::optional<at::Tensor> qkv_bias,
                  std::vector<at::Tensor> qk_norms, std::vector<at::Tensor> sandwich_norms,
                  bool local_rotary) {
     TORCH_CHECK(window >= 0, "window must be >= 0, got ", window);
     TORCH_CHECK(tensors.size() == 10 && sizes.size() == 8,
                 "a layer takes 10 tensors and 8 sizes, got ", tensors.size(), " and ",
                 sizes.size());
+    TORCH_CHECK(passes.empty() || passes.size() == 4, "passes: none or one per product");
+    for (const int64_t count : passes) {
+      TORCH_CHECK(count == 1 || count == 2, "activation passes must be 1 or 2, got ", count);
+    }
     Layer layer;
     layer.input_norm = tensors[0];
     layer.post_norm = tensors[1];
     Weight* weights[] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
     for (int i = 0; i < 4; ++i) {
-      *weights[i] = Weight{tensors[2 + 2 * i], tensors[3 + 2 * i], sizes[2 * i], sizes[2 * i + 1]};
+      *weights[i] = Weight{tensors[2 + 2 * i], tensors[3 + 2 * i], sizes[2 * i], sizes[2 * i + 1],
+                           passes.empty() ? 2 : passes[i]};
     }
     layer.window = window;
     if (qkv_bias.has_value()) {
@@ -422,6 +431,7 @@ void bind_decode_layers(pybind11::module_& m) {
            pybind11::arg("gelu_tanh") = false)
       .def("add_layer", &DecodeLayers::add_layer, pybind11::arg("tensors"),
            pybind11::arg("sizes"), pybind11::arg("window") = 0,
+           pybind11::arg("passes") = std::vector<int64_t>{},
            pybind11::arg("qkv_bias") = std::nullopt,
            pybind11::arg("qk_norms") = std::vector<at::Tensor>{},
            pybind11::arg("sandwich_norms") = std::vector<at::Tensor>{},

@@ -7,10 +7,12 @@
 //   sum_k w x ~= sum_g [ scale_g * d_g * sum_{k in g} q xq + minimum_g * d_g * sum_{k in g} xq ]
 // Per group rather than per row: one row-wide step let one large activation coarsen all the
 // others (an outlier channel is common in LLM hidden states). Below kInt4OnePassFromRows rows
-// (decode steps) each row is quantized twice, the second pass quantizing what the first
-// rounded away: twice the dot products, on a product that waits on memory at those rows
-// anyway, and an error ~250x smaller (as close to float activations as bfloat16 ones would
-// be, and closer). From there on (prefill chunks, big decode batches) one pass.
+// (decode steps) the caller says how many passes (decode_passes): with two, each row is
+// quantized twice, the second pass quantizing what the first rounded away: twice the dot
+// products, and an error ~250x smaller (as close to float activations as bfloat16 ones would
+// be, and closer), which inputs with a few large features per row want (qkv's, down's:
+// shared/model/quantized_linear.py). From there on (prefill chunks, big decode batches) one
+// pass.
 //
 // The products run in one of three variants, chosen at run time (select_int4_isa, which
 // splitserve.kernels.cpu.load calls with splitserve.kernels.cpu.isa's choice): AVX-512 VNNI,
@@ -214,8 +216,10 @@ void select_int4_isa(const std::string& name) {
 }
 
 at::Tensor int4_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales_minimums,
-                     int64_t out_features) {
+                     int64_t out_features, int64_t decode_passes) {
   using namespace int4;
+  TORCH_CHECK(decode_passes == 1 || decode_passes == 2, "decode_passes must be 1 or 2, got ",
+              decode_passes);
   TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous float32 [rows, in]");
   TORCH_CHECK(packed.dtype() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
@@ -234,7 +238,7 @@ at::Tensor int4_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales_minimums
   const int64_t rows = x.size(0);
   auto out = at::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
-  const int passes = rows < kInt4OnePassFromRows ? 2 : 1;
+  const int passes = rows < kInt4OnePassFromRows ? static_cast<int>(decode_passes) : 1;
   const QuantizedActivations q =
       quantize_rows(x.data_ptr<float>(), rows, x.size(1), in_padded, passes);
   const Activations activations = q.view();

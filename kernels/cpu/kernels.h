@@ -43,11 +43,12 @@ at::Tensor rotary_split_qkv_into_cache(at::Tensor qkv, at::Tensor cos,
                                        int64_t num_kv_heads, at::Tensor layer_cache,
                                        at::Tensor slot_mapping);
 // int4_gemm.cpp
-// Products of fewer rows quantize their activations in two passes (int4_gemm.cpp says why);
-// shared/model/quantized_linear.py's INT4_ONE_PASS_FROM_ROWS, which the tests hold equal.
+// Products of fewer rows quantize their activations in decode_passes (1 or 2) passes, from
+// here in one (int4_gemm.cpp says why); shared/model/quantized_linear.py's
+// INT4_ONE_PASS_FROM_ROWS, which the tests hold equal.
 constexpr int64_t kInt4OnePassFromRows = 16;
 at::Tensor int4_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales_minimums,
-                     int64_t out_features);
+                     int64_t out_features, int64_t decode_passes);
 std::vector<std::string> int4_isas();  // the variants this CPU runs, best first
 std::string int4_isa();                // the one that runs
 void select_int4_isa(const std::string& name);

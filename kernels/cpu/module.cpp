@@ -22,6 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "runs int4_gemm's named variant from now on (refused where the CPU lacks it)");
   m.def("int4_gemm", &int4_gemm,
         "float32 rows @ an int4 weight in our tiled layout, as int8 x int4 dot products (CPU)",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scales_minimums"),
+        pybind11::arg("out_features"), pybind11::arg("decode_passes") = 2,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int8_gemv", &int8_gemv,
         "a few float32 rows @ a weight-only int8 weight (codes, bfloat16 scales), exact (CPU)",

@@ -171,6 +171,7 @@ def build_fused_decode(model: LlamaForCausalLM) -> FusedDecode | None:
             tensors,
             sizes,
             int(layer.self_attn.window),
+            [_decode_passes(linear) for linear in linears],
             None if qkv_bias is None else qkv_bias.detach().contiguous(),
             _qk_norms(layer),
             _sandwich_norms(layer),
@@ -225,6 +226,12 @@ def _format(linear: nn.Module) -> int | None:
         if isinstance(linear.qweight, Int4Weight):  # torch's int4 layout stays in Python
             return _INT4
     return None
+
+
+def _decode_passes(linear: nn.Module) -> int:
+    """The activation passes an int4 product takes at decode rows: the layer's own, as its
+    Python forward takes them (qkv and down two, quantized_linear.py); only int4 reads it."""
+    return linear.activation_passes if isinstance(linear, QuantizedLinear) else 2
 
 
 def _weight_parts(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, int]:

@@ -30,11 +30,18 @@ int4 (and GGUF's Q4_0/Q4_1, `int4_from_codes`) is packed in our own layout
 quantizes the float32 activations to int8 per row and group of 32 and multiplies them by the
 4-bit codes as integers (llama.cpp's Q4 x Q8 arithmetic): AVX-512 VNNI, AVX2 or generic C++,
 chosen at run time (splitserve.kernels.cpu.isa), all three giving the same bits. Below 16 rows
-(decode steps) each activation takes two int8 passes, the second quantizing what the first
-rounded away, so the product is float32-exact to ~1e-5 (bfloat16 activations, torch's kernel
-before, left 0.1-0.2% of a product's norm); from 16 rows (prefill chunks, big decode batches,
-compute-bound) one pass, about 0.5% of a product's norm. Same 120 products, ms per pass, one
-thread, one rough run on the shared AVX-512 machine (others' jobs running; ratios only):
+(decode steps) the activations of qkv and down (the layer's `activation_passes`, inputs with a
+few large features per row, as for int8) take two int8 passes, the second quantizing what the
+first rounded away, so the product is float32-exact to ~1e-5 (bfloat16 activations, torch's
+kernel before, left 0.1-0.2% of a product's norm); o and gate_up, and every product from 16 rows
+(prefill chunks, big decode batches, compute-bound), one pass, about 0.5% of a product's norm,
+as llama.cpp's Q8 activations. Two passes everywhere cost AVX2 CPUs decode time (no
+4-byte dot product: the second pass doubles the arithmetic that hides the weights' reads) and
+bought nothing measurable: the quality text in chunks of 8 had perplexity +0.25% against float32
+with two passes on all four products, +0.06% with o and gate_up in one, and greedy agreement
+with float32 on the test prompts was the same (2-core AVX2 EPYC, 2026-12-02). Same 120 products,
+ms per pass, one thread, one rough run on the shared AVX-512 machine (others' jobs running;
+ratios only):
 
     rows                            1     4     8    16    64    256
     float32, oneDNN               20    20    24    36   116    625
@@ -80,7 +87,8 @@ GROUP_SIZE = 32
 # int8 (torch._int_mm on oneDNN's VNNI path; _int8_activation_product has the figures). At 16
 # rows they only tie the packed kernel, which the fused decode loop runs without Python.
 INT8_ACTIVATION_QUANT_FROM_ROWS = 32
-# int4 products of fewer rows quantize their activations in two int8 passes, from here in one
+# int4 products of fewer rows quantize their activations in their layer's activation_passes
+# (one or two int8 passes), from here in one
 # (kInt4OnePassFromRows in kernels/cpu/kernels.h, which the tests hold equal; the module
 # docstring says why).
 INT4_ONE_PASS_FROM_ROWS = 16
@@ -175,12 +183,14 @@ class Int4Weight:
 
     def matmul(self, x: torch.Tensor, activation_passes: int = 1) -> torch.Tensor:
         """x [rows, in_features] -> [rows, out_features] in x's dtype, by int4_gemm (its
-        activations take two int8 passes below INT4_ONE_PASS_FROM_ROWS rows and one from there,
-        whatever `activation_passes`, which is int8's)."""
+        activations take `activation_passes` int8 passes below INT4_ONE_PASS_FROM_ROWS rows and
+        one from there)."""
         module = cpu_kernels.load()
         assert module is not None, "an Int4Weight without the CPU kernels (int4_layout decides)"
         x32 = x.to(torch.float32).contiguous()  # the kernel pads the columns itself
-        out = module.int4_gemm(x32, self.packed, self.scales_minimums, self.out_features)
+        out = module.int4_gemm(
+            x32, self.packed, self.scales_minimums, self.out_features, activation_passes
+        )
         return out.to(x.dtype)
 
 
@@ -335,9 +345,10 @@ def quantized_matmul(
     """x [rows, in] @ dequantized(weight).T -> [rows, out] in x's dtype. int8: for few rows
     our int8_gemv on float32 activations (torch's packed kernel on bfloat16 ones where our
     kernels are not loaded), int8 x int8 products in `activation_passes` for many; int4: its
-    layout's kernel at every row count (Int4Weight.matmul, TorchInt4Weight.matmul)."""
+    layout's kernel at every row count (Int4Weight.matmul: `activation_passes` at decode rows,
+    TorchInt4Weight.matmul)."""
     if not isinstance(weight, Int8Weight):
-        return weight.matmul(x)
+        return weight.matmul(x, activation_passes)
     rows, in_features = x.shape
     if rows >= INT8_ACTIVATION_QUANT_FROM_ROWS:
         if int8_by_int8_problem() is not None:
@@ -477,7 +488,7 @@ def int4_kernel_problem() -> str | None:
     for rows in (3, INT4_ONE_PASS_FROM_ROWS + 1):  # two activation passes, then one
         x = torch.randn(rows, 72, generator=generator)
         want = x @ reference.t()
-        error = (weight.matmul(x) - want).abs().max() / want.abs().max()
+        error = (weight.matmul(x, activation_passes=2) - want).abs().max() / want.abs().max()
         if not error < 0.02:  # int8 activations in one pass: about 0.5% on this product
             return (
                 f"int4_gemm ({module.int4_isa()}) is off by {error.item():.3g} (relative) on a "
@@ -523,8 +534,9 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.in_features, self.out_features, self.method = in_features, out_features, method
-        # How many int8 passes an int8 product's activations take from 32 rows: 2 for inputs
-        # with a few large features per row (_int8_activation_product says why).
+        # How many int8 passes the activations take: an int8 product's from 32 rows, an int4
+        # product's below INT4_ONE_PASS_FROM_ROWS. 2 for inputs with a few large features per
+        # row (_int8_activation_product says why).
         self.activation_passes = activation_passes
         # Any packed layout with `matmul`: the CPU ones here, or quantized_triton's on CUDA.
         self.qweight: QuantizedWeight | TritonWeight | None = None
@@ -545,7 +557,7 @@ class QuantizedLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        passes = f", activation_passes={self.activation_passes}" if self.method == "int8" else ""
+        passes = f", activation_passes={self.activation_passes}"
         bias = ", bias" if self.bias is not None else ""
         return f"in={self.in_features}, out={self.out_features}, method={self.method}{passes}{bias}"
 

@@ -207,3 +207,17 @@ def test_steps_with_prefill_rows_or_bfloat16_take_the_python_layers():
 def test_a_bfloat16_model_keeps_the_python_layers():
     llm = LLM(kv_cache_bytes=32 * 2**20, num_threads=1, dtype="bfloat16")
     assert llm.engine.runner.model.fused_decode is None
+
+
+def test_a_layer_with_activation_passes_other_than_one_or_two_is_refused():
+    """add_layer checks each product's decode passes before it holds any tensor."""
+    module = cpu_kernels.load()
+    if module is None:
+        pytest.skip(f"the CPU kernels are not loaded: {cpu_kernels.unavailable_reason()}")
+    layers = module.DecodeLayers(2, 9, 3, 1e-5, 0.125)
+    unused = [torch.empty(0)] * 10
+    with pytest.raises(RuntimeError, match="activation passes must be 1 or 2"):
+        layers.add_layer(unused, [0] * 8, passes=[2, 1, 3, 2])
+    with pytest.raises(RuntimeError, match="none or one per product"):
+        layers.add_layer(unused, [0] * 8, passes=[2, 1])
+    assert layers.num_layers == 0

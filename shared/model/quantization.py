@@ -219,7 +219,7 @@ class QuantizedEmbedding(nn.Module):
         codes = self.qweight.codes[token_ids].float()
         # Each byte's two refinements from a 256-row table: one gather where unpacking the
         # nibbles and scaling them took six small ops (60 of 170 us a decode step's lookup).
-        table = _nibble_refinements(codes.device)
+        table = _nibble_refinements(self.device)  # the one load() made
         nibbles = self.lookup_residual[token_ids].long()
         refined = codes.add_(table[nibbles].view(codes.shape))
         scales = self.qweight.scales[token_ids].float()[:, None]

@@ -26,7 +26,6 @@ or its kernels fail their check, the model is built dense, with a warning, as on
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Mapping
 
@@ -199,6 +198,7 @@ class QuantizedEmbedding(nn.Module):
         self.device, self.backend = device, backend
         self.qweight: Int8Weight | TritonInt8Weight | None = None
         self.lookup_residual: torch.Tensor | None = None  # [vocab, in_padded / 2] uint8
+        self.nibble_refinements: torch.Tensor | None = None  # [256, 2]: _nibble_refinements
 
     def load(self, weight: torch.Tensor | BlockQuantized) -> None:
         weight = dense(weight)
@@ -209,19 +209,19 @@ class QuantizedEmbedding(nn.Module):
             )
         packed = quantize_int8(weight.to(self.device))
         self.lookup_residual = _residual_nibbles(weight.to(self.device), packed)
-        _nibble_refinements(self.device)  # made here, never first inside a captured CUDA graph
+        self.nibble_refinements = _nibble_refinements(self.device)
         self.qweight = to_triton_int8(packed) if self.backend == "triton" else packed
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] -> [num_tokens, hidden] in the model's dtype."""
         assert self.qweight is not None, "QuantizedEmbedding used before load()"
         assert self.lookup_residual is not None, "QuantizedEmbedding used before load()"
+        assert self.nibble_refinements is not None, "QuantizedEmbedding used before load()"
         codes = self.qweight.codes[token_ids].float()
         # Each byte's two refinements from a 256-row table: one gather where unpacking the
-        # nibbles and scaling them took six small ops (60 of 170 us a decode step's lookup).
-        table = _nibble_refinements(self.device)  # the one load() made
+        # nibbles and scaling them took six small ops (one token's lookup: 172 -> 110 us).
         nibbles = self.lookup_residual[token_ids].long()
-        refined = codes.add_(table[nibbles].view(codes.shape))
+        refined = codes.add_(self.nibble_refinements[nibbles].view(codes.shape))
         scales = self.qweight.scales[token_ids].float()[:, None]
         return (refined[:, : self.hidden_size] * scales).to(self.dtype)
 
@@ -251,7 +251,6 @@ class QuantizedEmbedding(nn.Module):
         return quantized_matmul(hidden, refinement, activation_passes=2).float()
 
 
-@functools.cache
 def _nibble_refinements(device: torch.device) -> torch.Tensor:
     """[256, 2] float32: a lookup-residual byte's two refinements (low nibble first), in steps
     of the row's scale, computed as QuantizedEmbedding.forward computed them per element."""
@@ -296,6 +295,7 @@ def weight_nbytes(model: nn.Module) -> int:
         add(getattr(module, "onednn_weight", None))
         add(getattr(module, "_lm_head_onednn", None))
         add(getattr(module, "lookup_residual", None))
+        add(getattr(module, "nibble_refinements", None))
         packed = getattr(module, "qweight", None)
         if packed is not None:
             for tensor in vars(packed).values():

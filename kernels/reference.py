@@ -280,6 +280,26 @@ def dequantize_int4_groups(
     return weight.view(rows, cols)
 
 
+INT16_ACTIVATION_GROUP = 32  # columns per step of int16_group_activations
+
+
+def int16_group_activations(x: torch.Tensor) -> torch.Tensor:
+    """float32 [M, K] -> the values int8_gemv multiplies: each row's groups of 32 columns
+    rounded to int16 steps of (the group's largest magnitude / 32767), nearest even, computed
+    in float32 as the kernel does; returned dequantized, float64."""
+    rows, cols = x.shape
+    padded = -cols % INT16_ACTIVATION_GROUP
+    groups = torch.nn.functional.pad(x.float(), (0, padded)).view(rows, -1, INT16_ACTIVATION_GROUP)
+    largest = groups.abs().amax(dim=-1, keepdim=True)
+    # A true float32 division (a Python number over a tensor is reciprocal-then-multiply in
+    # torch, which moves exact halves of a step to the other side).
+    inverse = torch.full_like(largest, 32767.0) / largest.clamp_min(torch.finfo(torch.float32).tiny)
+    inverse = torch.where(largest > 0, inverse, torch.zeros_like(largest))
+    codes = torch.round(groups * inverse)
+    steps = largest / 32767.0
+    return (codes.double() * steps.double()).view(rows, -1)[:, :cols]
+
+
 def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ (codes [N, K_pad] * scales [N, 1])[:, :K].T -> [M, N] in x's dtype."""
     weight = codes[:, : x.shape[1]].float() * scales.float()[:, None]

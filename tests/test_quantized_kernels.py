@@ -39,6 +39,7 @@ from splitserve.engine.model.quantized_linear import (
     quantized_matmul,
 )
 from splitserve.kernels import cpu as cpu_kernels
+from splitserve.kernels import reference as kernel_reference
 from splitserve.kernels.cpu.isa import CpuFeatures, cpu_features
 
 ROWS = (1, 3, 16, 64, 300)
@@ -110,11 +111,13 @@ def test_torchs_int4_kernel_on_weights_torch_packed_here(out_features, in_featur
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
-def test_int8_products_of_few_rows_are_exact_to_the_dequantized_weight(out_features, in_features):
-    # kernels/cpu/int8_gemv.cpp: float32 activations times the int8 codes, scaled per output,
-    # at every row count below INT8_ACTIVATION_QUANT_FROM_ROWS (1-4 rows per pass over the
-    # weight, then blocks of 4; outputs 4 or 2 at a time with a remainder; columns 8 at a time
-    # with a remainder where in_features is not a multiple of 8).
+def test_int8_products_of_few_rows_are_the_weight_times_int16_activations(
+    out_features, in_features
+):
+    # kernels/cpu/int8_gemv.cpp: activations rounded to int16 per group of 32 columns, times the
+    # int8 codes, scaled per output, at every row count below INT8_ACTIVATION_QUANT_FROM_ROWS
+    # (1-4 rows per pass over the weight, then blocks of 4; outputs 4 or 2 at a time with a
+    # remainder; a last group shorter than 32 where in_features is not a multiple of 32).
     weight = _random(out_features, in_features, seed=out_features + 2)
     packed = quantize(weight, "int8")
     reference = packed.dequantize(torch.float64)[:, :in_features]
@@ -122,8 +125,28 @@ def test_int8_products_of_few_rows_are_exact_to_the_dequantized_weight(out_featu
         x = _random(rows, in_features, seed=rows + 7)
         got = quantized_matmul(x, packed)
         assert got.shape == (rows, out_features) and got.dtype == torch.float32
+        rounded = kernel_reference.int16_group_activations(x)
+        error = _relative_error(got.double(), rounded @ reference.t())
+        assert error < 1e-6, f"{rows} rows: {error:.2e}"  # float32 sums of exact int32 dots
+        # Against float activations: what the rounding to 2^-16 of each group's largest left
+        # (about 2e-5), far below bfloat16 activations' 4e-3.
         error = _relative_error(got.double(), x.double() @ reference.t())
-        assert error < 1e-5, f"{rows} rows: {error:.2e}"  # float32 sums, not bfloat16 inputs
+        assert error < 1e-4, f"{rows} rows against float activations: {error:.2e}"
+
+
+def test_int8_products_keep_small_activations_beside_a_large_one():
+    # A row with one huge feature (the final norm's output has a few per row). The weight's
+    # first group of columns is zero, so the product is what the other groups' small values
+    # give: per-group steps keep those at int16 precision, where one step for the whole row
+    # (1000 / 32767) would round values of 0.01 to a few levels.
+    weight = _random(64, 256, seed=5)
+    weight[:, :32] = 0.0
+    packed = quantize(weight, "int8")
+    x = _random(1, 256, seed=6) * 0.01
+    x[0, 3] = 1000.0
+    reference = packed.dequantize(torch.float64)[:, :256]
+    got = quantized_matmul(x, packed).double()
+    assert _relative_error(got, x.double() @ reference.t()) < 1e-4
 
 
 def test_int8_gemv_refuses_what_it_cannot_multiply():
@@ -137,6 +160,8 @@ def test_int8_gemv_refuses_what_it_cannot_multiply():
         module.int8_gemv(_random(2, 96, seed=3), packed.codes, packed.scales)
     with pytest.raises(RuntimeError, match="scales"):
         module.int8_gemv(x, packed.codes, packed.scales[:8].contiguous())
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        module.int8_gemv(x, packed.codes[:, :48].contiguous(), packed.scales)
 
 
 def test_int8_products_of_few_rows_without_our_kernels_take_torchs(monkeypatch):

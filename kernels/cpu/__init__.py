@@ -12,7 +12,8 @@ Each kernel's reference is in splitserve.kernels.reference (`reference.` below) 
 | rotary_split_qkv_into_cache | layer_ops.cpp              | the above, then reference.write_kv |
 | DecodeLayers                | decode_layers.cpp          | shared/model/llama.py's layers     |
 | int4_gemm                   | int4_gemm*.cpp             | Int4Weight.dequantize(), float64   |
-| int8_gemv                   | int8_gemv.cpp              | Int8Weight.dequantize(), float64   |
+| int8_gemv                   | int8_gemv.cpp              | Int8Weight.dequantize(), float64,  |
+|                             |                            | reference.int16_group_activations  |
 
 `module.cpp` binds them. The model reaches the layer ops through shared/model/layer_ops.py,
 which calls the module directly (these wrappers' checks cost more than a decode row's work).

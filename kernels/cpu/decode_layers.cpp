@@ -7,7 +7,7 @@
 //
 // The products run on the kernels the Python layers use: oneDNN's inner product on weights it
 // reordered (float32 models, shared/model/linear.py), int8_gemv.cpp's product of int8 codes and
-// float32 activations, or int4_gemm.cpp's product of our int4 layout
+// int16-rounded activations, or int4_gemm.cpp's product of our int4 layout
 // (shared/model/quantized_linear.py; torch's own int4 layout never comes here). Only the shapes
 // those layers handle at decode come here: dense Llama-family layers with the parts of the
 // families built on them (Qwen2's q/k/v bias, the only bias those families have; Qwen3's and Gemma

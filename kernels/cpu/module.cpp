@@ -26,7 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out_features"), pybind11::arg("decode_passes") = 2,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int8_gemv", &int8_gemv,
-        "a few float32 rows @ a weight-only int8 weight (codes, bfloat16 scales), exact (CPU)",
+        "a few float32 rows, in int16 steps per group of 32, @ a weight-only int8 weight (CPU)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (CPU)");
   m.def("add_rms_norm", &add_rms_norm,

@@ -12,18 +12,18 @@ throwaway run on an AVX-512 machine, not a benchmark:
     int8 kernel                 5.7    5.4   16.3   51     189    423
     int8 dequantized + dense     -      -      -     ~56     95    173
 
-So int8 decode rows (few) went through torch's kernel, activations cast to bfloat16 for the
-product only; with our C++ kernels loaded they now take kernels/cpu/int8_gemv.cpp instead:
-float32 activations, exact to the dequantized weight, and faster at every row count below 32
-(2-core AVX2 EPYC, 2026-12-02: SmolLM2's int8 head at 1 row 2.1-3.2 ms against torch's 4.2, its
-gate_up at 16 rows 0.64 against 1.13 ms). From 32 rows an int8 product quantizes its activations
-per row and multiplies int8 by int8 (oneDNN through torch._int_mm): 1.4x float32 at 64 rows with
-qkv and down in two passes, which their accuracy needs (`_int8_activation_product` has the
-figures). Without VNNI that product is no gain (`int8_by_int8_problem`): on an AVX2 CPU torch
-runs its own reference loop (exact, 14x float32's time), and oneDNN capped to AVX2 on a VNNI CPU
-saturates full-range codes (`int8_product_problem`; its 7-bit two-pass remedy was the slowest
-path there). So there, from 32 rows, the weight is dequantized to float32 for the product
-(`_dequantized_product`).
+So int8 decode rows (few) went through torch's kernel, activations cast to bfloat16 for the product
+only; with our C++ kernels loaded they now take kernels/cpu/int8_gemv.cpp instead: activations
+rounded to int16 per group of 32 columns (2e-5 of a product, against bfloat16's 4e-3), and faster at
+every row count below 32 (2-core AVX2 EPYC, 2026-12-02: SmolLM2's int8 head at 1 row 2.1-3.2 ms
+against torch's 4.2 on float32 activations, 1.15x a plain read of its codes since int16; its gate_up
+at 16 rows 0.64 against 1.13 ms). From 32 rows an int8 product quantizes its activations per row and
+multiplies int8 by int8 (oneDNN through torch._int_mm): 1.4x float32 at 64 rows with qkv and down in
+two passes, which their accuracy needs (`_int8_activation_product` has the figures). Without VNNI
+that product is no gain (`int8_by_int8_problem`): on an AVX2 CPU torch runs its own reference loop
+(exact, 14x float32's time), and oneDNN capped to AVX2 on a VNNI CPU saturates full-range codes
+(`int8_product_problem`; its 7-bit two-pass remedy was the slowest path there). So there, from 32
+rows, the weight is dequantized to float32 for the product (`_dequantized_product`).
 
 int4 (and GGUF's Q4_0/Q4_1, `int4_from_codes`) is packed in our own layout
 (kernels/cpu/int4_gemm.h) and multiplied at every row count by kernels/cpu/int4_gemm.cpp, which
@@ -343,7 +343,7 @@ def quantized_matmul(
     x: torch.Tensor, weight: QuantizedWeight, activation_passes: int = 1
 ) -> torch.Tensor:
     """x [rows, in] @ dequantized(weight).T -> [rows, out] in x's dtype. int8: for few rows
-    our int8_gemv on float32 activations (torch's packed kernel on bfloat16 ones where our
+    our int8_gemv on int16 activations (torch's packed kernel on bfloat16 ones where our
     kernels are not loaded), int8 x int8 products in `activation_passes` for many; int4: its
     layout's kernel at every row count (Int4Weight.matmul: `activation_passes` at decode rows,
     TorchInt4Weight.matmul)."""
@@ -356,7 +356,8 @@ def quantized_matmul(
         return _int8_activation_product(x, weight, activation_passes).to(x.dtype)
     module = cpu_kernels.load()
     if module is not None and x.device.type == "cpu":
-        # Exact to the dequantized weight, and faster at every row count here (int8_gemv.cpp).
+        # Activations in int16 steps per group of 32 (2e-5 of a product), and faster at every
+        # row count here (int8_gemv.cpp).
         x32 = x.to(torch.float32).contiguous()
         return module.int8_gemv(x32, weight.codes, weight.scales).to(x.dtype)
     xb = x.to(_ACT_DTYPE)

@@ -34,6 +34,7 @@ import torch
 
 from splitserve.engine.outputs import TokenLogprobs
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.kernels import cpu as cpu_kernels
 
 
 @dataclass
@@ -176,7 +177,18 @@ def _has_penalty(params: SamplingParams) -> bool:
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (the first index of its largest value, as `argmax` gives): `max`'s
     indices, which torch's CPU build finds 2.5x faster than `argmax` over a [64, 49152] batch
-    of logits (0.9 against 2.2 ms on two cores)."""
+    of logits (0.9 against 2.2 ms on two cores). Float32 rows on the CPU take our kernel
+    (kernels/cpu/step_lookups.cpp: the same indices, NaN first as max gives it), where torch's
+    loop over one row of SmolLM2's 49,152 logits took 130 us."""
+    module = cpu_kernels.load()
+    if (
+        module is not None
+        and logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+    ):
+        return module.argmax_rows(logits.contiguous())
     return logits.max(dim=-1).indices
 
 

@@ -292,6 +292,29 @@ def test_quantized_embedding_looks_up_and_projects_with_one_copy():
     assert _relative_error(many @ restored.t(), many @ refined.t()) > 2e-3
 
 
+def test_quantized_embedding_kernel_equals_its_torch_lookup_bit_for_bit():
+    # kernels/cpu/step_lookups.cpp's int8_embedding: the same float32 operations as
+    # torch_lookup, odd hidden sizes (padded codes) and bfloat16 models too.
+    for vocab, hidden, dtype in ((300, 64, torch.float32), (97, 50, torch.float32),
+                                 (40, 96, torch.bfloat16)):
+        embedding = QuantizedEmbedding(vocab, hidden, dtype)
+        embedding.load(_random(vocab, hidden, seed=vocab))
+        ids = torch.tensor([0, vocab - 1, 3, 3, vocab // 2])
+        got = embedding(ids)
+        assert got.dtype == dtype and got.shape == (5, hidden)
+        assert torch.equal(got, embedding.torch_lookup(ids))
+        assert torch.equal(embedding(ids.to(torch.int32)), got)
+        assert embedding(torch.tensor([], dtype=torch.int64)).shape == (0, hidden)
+
+
+def test_quantized_embedding_kernel_refuses_ids_outside_the_vocabulary():
+    embedding = QuantizedEmbedding(50, 32, torch.float32)
+    embedding.load(_random(50, 32, seed=1))
+    for bad in (50, -1):
+        with pytest.raises((RuntimeError, IndexError), match="outside the vocabulary|out of"):
+            embedding(torch.tensor([1, bad]))
+
+
 # ---- GGUF blocks --------------------------------------------------------------------------
 
 

@@ -12,6 +12,8 @@ Each kernel's reference is in splitserve.kernels.reference (`reference.` below) 
 | rotary_split_qkv_into_cache | layer_ops.cpp              | the above, then reference.write_kv |
 | DecodeLayers                | decode_layers.cpp          | shared/model/llama.py's layers     |
 | int4_gemm                   | int4_gemm*.cpp             | Int4Weight.dequantize(), float64   |
+| argmax_rows                 | step_lookups.cpp           | logits.max(dim=-1).indices         |
+| int8_embedding              | step_lookups.cpp           | QuantizedEmbedding's torch lookup  |
 | int8_gemv                   | int8_gemv.cpp              | Int8Weight.dequantize(), float64,  |
 |                             |                            | reference.int16_group_activations  |
 
@@ -56,6 +58,7 @@ _SOURCES = [
     Path(__file__).with_name("int4_gemm_avx2.cpp"),
     Path(__file__).with_name("int4_gemm_avx512.cpp"),
     Path(__file__).with_name("int8_gemv.cpp"),
+    Path(__file__).with_name("step_lookups.cpp"),
     Path(__file__).with_name("module.cpp"),
 ]  # kernels.h and int4_gemm.h declare what one file calls from another (hashed into the name).
 _ENV = "SPLITSERVE_CPU_KERNELS"

@@ -68,13 +68,6 @@ struct Product {
   const float* row_steps(int64_t row) const { return x->steps.data() + row * x->groups; }
 };
 
-inline float bfloat16_to_float(uint16_t bits) {
-  const uint32_t widened = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &widened, sizeof(value));
-  return value;
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
 // Group g's share of the lines kPrefetchBytes past the codes of outputs o0 .. o0 + outs - 1:
 // their bytes spread evenly over the groups (no division here: it cost more than the loads).

@@ -11,12 +11,21 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
 namespace pybind11 {
 class module_;
 }  // namespace pybind11
+
+// A bfloat16's bits as the float32 it is (the int8 weights' scales).
+inline float bfloat16_to_float(uint16_t bits) {
+  const uint32_t widened = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &widened, sizeof(value));
+  return value;
+}
 
 // paged_decode_attention.cpp
 // window: keys of the last `window` positions only (0 = all); softcap: scores capped by
@@ -55,5 +64,11 @@ void select_int4_isa(const std::string& name);
 // int8_gemv.cpp
 // Few float32 rows @ int8 codes [out, in_padded] with bfloat16 scales [out] -> float32.
 at::Tensor int8_gemv(at::Tensor x, at::Tensor codes, at::Tensor scales);
+// step_lookups.cpp
+// Each row's argmax of float32 logits [rows, vocab] -> int64 [rows] (torch's max(dim) indices).
+at::Tensor argmax_rows(at::Tensor logits);
+// QuantizedEmbedding's lookup: int8 codes plus their 4-bit refinements, times each row's scale.
+at::Tensor int8_embedding(at::Tensor token_ids, at::Tensor codes, at::Tensor residual,
+                          at::Tensor refinements, at::Tensor scales, int64_t hidden);
 // decode_layers.cpp
 void bind_decode_layers(pybind11::module_& m);

@@ -28,6 +28,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv,
         "a few float32 rows, in int16 steps per group of 32, @ a weight-only int8 weight (CPU)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("argmax_rows", &argmax_rows,
+        "each row's argmax of float32 logits, first of ties, NaN first (CPU)");
+  m.def("int8_embedding", &int8_embedding,
+        "a quantized vocabulary matrix's embedding rows, refined, float32 (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (CPU)");
   m.def("add_rms_norm", &add_rms_norm,
         "a residual add and the RMSNorm after it, in one pass: {normed, summed} (CPU)");

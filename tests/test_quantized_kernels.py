@@ -149,6 +149,24 @@ def test_int8_products_keep_small_activations_beside_a_large_one():
     assert _relative_error(got, x.double() @ reference.t()) < 1e-4
 
 
+def test_int8_products_of_few_rows_carry_non_finite_activations_and_tiny_ones():
+    # A NaN or an infinity among the activations makes the row's outputs NaN, as a float
+    # product's would be (never finite garbage); a group of values too small to scale counts
+    # as zeros, the others still count.
+    weight = _random(40, 96, seed=9)
+    packed = quantize(weight, "int8")
+    x = _random(3, 96, seed=10)
+    x[0, 50] = float("nan")
+    x[1, 2] = float("inf")
+    x[2, :32] = 1e-38
+    got = quantized_matmul(x, packed)
+    assert torch.isnan(got[:2]).all()
+    reference = packed.dequantize(torch.float64)[:, :96]
+    want = x[2:].double() @ reference.t()
+    assert torch.isfinite(got[2]).all()
+    assert _relative_error(got[2:].double(), want) < 1e-4
+
+
 def test_int8_gemv_refuses_what_it_cannot_multiply():
     module = cpu_kernels.load()
     assert module is not None

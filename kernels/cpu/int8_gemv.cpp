@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "kernels.h"
@@ -73,7 +74,8 @@ struct Product {
 // their bytes spread evenly over the groups (no division here: it cost more than the loads).
 // Always inlined: GCC 12 counts a prefetch as no side effect, so it took a separate function
 // holding only prefetches for a pure one and deleted every call (none reached the binary).
-__attribute__((always_inline)) inline void prefetch_ahead(const Product& p, int64_t o0, int64_t outs, int64_t g) {
+__attribute__((always_inline)) inline void prefetch_ahead(const Product& p, int64_t o0,
+                                                          int64_t outs, int64_t g) {
   const int64_t share = outs * p.prefetch_share;
   const int64_t from = o0 * p.in_padded + kPrefetchBytes + share * g;
   const int64_t end = std::min(from + share, p.num_codes());
@@ -83,7 +85,17 @@ __attribute__((always_inline)) inline void prefetch_ahead(const Product& p, int6
 }
 #endif
 
-// Round-to-nearest-even of x * (32767 / group max), as the reference does in float32.
+inline bool is_finite(float value) {  // by its bits: -ffast-math folds std::isfinite to true
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return (bits & 0x7fffffffu) < 0x7f800000u;
+}
+
+// Round-to-nearest-even of x * (32767 / group max), as the reference does in float32. A group
+// holding an infinity or a NaN gets a NaN step, so its outputs come out NaN as a float product's
+// would (its codes could not be rounded); one whose largest value is below kSmallestGroupMax
+// counts as zeros (32767 / it would overflow).
+constexpr float kSmallestGroupMax = 1e-30f;
 Activations int16_groups(const float* x, int64_t rows, int64_t in_features) {
   Activations a;
   a.groups = (in_features + kGroup - 1) / kGroup;
@@ -94,8 +106,16 @@ Activations int16_groups(const float* x, int64_t rows, int64_t in_features) {
     for (int64_t g = 0; g < a.groups; ++g) {
       const int64_t begin = g * kGroup, end = std::min(begin + kGroup, in_features);
       float largest = 0.f;
-      for (int64_t k = begin; k < end; ++k) largest = std::max(largest, std::fabs(row[k]));
-      if (largest == 0.f) continue;
+      bool finite = true;
+      for (int64_t k = begin; k < end; ++k) {
+        finite = finite && is_finite(row[k]);
+        largest = std::max(largest, std::fabs(row[k]));
+      }
+      if (!finite) {
+        a.steps[r * a.groups + g] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      if (largest < kSmallestGroupMax) continue;
       const float inverse = kInt16Max / largest;
       a.steps[r * a.groups + g] = largest / kInt16Max;
       int16_t* codes = a.codes.data() + r * a.groups * kGroup;

@@ -103,8 +103,8 @@ at::Tensor int8_embedding(at::Tensor token_ids, at::Tensor codes, at::Tensor res
   const int64_t tokens = token_ids.size(0);
   const int64_t* ids = token_ids.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "token id ", ids[t], " is outside the vocabulary of ",
-                vocab);
+    TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "token id ", ids[t],
+                " is outside the vocabulary of ", vocab);
   }
   auto out = at::empty({tokens, hidden}, codes.options().dtype(at::kFloat));
   const float* table = refinements.data_ptr<float>();

@@ -11,10 +11,12 @@
 // (aten._weight_int8pack_mm) and 1e-2 for the int8 weight's own rounding.
 //
 // Why int16: a decode product reads one byte per weight, and the float loop this replaced
-// (widen 8 codes to float32, one FMA into a chain per output) kept up with only 4.3 GB/s a
-// thread on a 2-core AVX2 EPYC, about half its read speed: SmolLM2's int8 head took 25-30% of an
-// int4 decode step there (2026-12-02). Widened to int16 instead, 16 codes take one madd
-// against 16 activation codes, and a group's 32 columns one float step per output.
+// (widen 8 codes to float32, one FMA into a chain per output) read SmolLM2's int8 head at 4.3
+// GB/s a thread on a 2-core AVX2 EPYC against 7.4-8 for a plain read, a quarter or more of an
+// int4 decode step there (2026-12-02). Mostly its prefetching held it (kPrefetchBytes), but its
+// arithmetic too: on codes already in L2 it ran at 11.4 GB/s a thread, this loop at 16.1 (16
+// codes widened to int16 take one madd against 16 activation codes, a group's 32 columns one
+// float step per output).
 //
 // The module is compiled for x86-64-v3 (AVX2, FMA) on x86 (kernels/cpu/isa.py), so the AVX2
 // body needs no run-time variant; elsewhere the portable loop below runs.
@@ -46,7 +48,7 @@ constexpr int64_t kOutputsPerTask = 16;
 // contiguous stream of codes, which the hardware prefetcher alone kept at a third of the read
 // speed on a 2-core AVX2 EPYC; a block of outputs prefetches the same number of bytes, as one
 // linear run, this far past its own (one line per output row, as before, took 1.5-1.9x a
-// plain read's time for SmolLM2's head, this 1.05-1.16x; 1-16 KiB tried, 2026-12-02).
+// plain read's time for SmolLM2's head, this 0.8-1.2x; 1-16 KiB tried, 2026-12-02).
 constexpr int64_t kPrefetchBytes = 2048;
 
 // The activations as int16 codes per group of 32: x[r, k] ~ steps[r, k / 32] * codes[r, k].

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import pytest
 
+from splitserve.planner.measure.engine_steps import load_engine
 from splitserve.planner.measure.local_stacks import (
     COLOCATED_1,
     completions_target,
     running_stack,
     warm_up,
 )
+from splitserve.planner.measure.pace import EnginePace
+from splitserve.planner.measure.profiler import measure_profile
 from splitserve.planner.measure.serving import fit_nonnegative_line, measure_costs
+from splitserve.planner.measure.settings import ProfileSettings
 from splitserve.planner.profile import synthetic_profile
 from splitserve.planner.profile.parts import SPREAD_QUANTILES
 
@@ -36,6 +40,31 @@ def test_serving_costs_fill_the_gap_to_a_running_stack() -> None:
     spread = costs.itl_spread_s
     assert len(spread) == SPREAD_QUANTILES and list(spread) == sorted(spread)
     assert spread[0] <= 0 <= spread[-1] and spread[-1] - spread[0] > 1e-4
+
+
+@pytest.mark.slow  # a profile of the real engine, then a whole stack: about three minutes
+def test_costs_paced_by_the_engine_beside_them_do_not_carry_its_drift() -> None:
+    # The profile of the stack's own engine (SmolLM2, one thread), then taken twice as fast:
+    # a profile from a minute the machine ran at double speed. Against the profile alone the
+    # stack's TTFT would be half a prefill beyond it; against the engine timed beside each
+    # request only the serving path remains, a small part of a step.
+    settings = ProfileSettings(
+        prefill_lens=(16, 128, 512),
+        batch_sizes=(1, 4),
+        context_lens=(64, 512),
+        mixed_batch_sizes=(),
+        repeats=1,
+    )
+    engine = load_engine(settings, lambda line: None)
+    profile = measure_profile(settings, lambda line: None, engine=engine)
+    fast = profile.at_pace(0.5, 0.5)
+    with running_stack(COLOCATED_1) as stack:
+        target = completions_target(stack)
+        warm_up(target, 0)
+        costs = measure_costs(target, COLOCATED_1, fast, 0, lambda line: None, EnginePace(engine))
+    assert costs.request_s + 98 * costs.token_s < 0.25 * profile.prefill_s(98)
+    assert costs.step_s + costs.row_s < 0.25 * profile.decode.step_s(1, 100)
+    assert costs.engine_scale == 1.0  # the engine ran slower than this profile: no correction
 
 
 def test_the_serving_cost_line_passes_between_its_points() -> None:

@@ -234,7 +234,7 @@ def _add_validate_flags(sub: argparse.ArgumentParser) -> None:
 
 def run_profile(args: argparse.Namespace) -> int:
     # lazy: the engine (torch), which only this command runs
-    from splitserve.planner.measure.profiler import log_to_stderr, measure_profile
+    from splitserve.planner.measure.profiler import load_engine, log_to_stderr, measure_profile
 
     settings = ProfileSettings(
         num_threads=args.num_threads,
@@ -250,11 +250,14 @@ def run_profile(args: argparse.Namespace) -> int:
         neighbor_core=args.neighbor_core,
         **(QUICK_GRID if args.quick else Grid()),
     )
-    profile = measure_profile(settings)
+    engine = load_engine(settings, log_to_stderr)
+    profile = measure_profile(settings, engine=engine)
     if args.serving:
-        from splitserve.planner.measure.serving import measure_serving  # lazy: aiohttp
+        # lazy: aiohttp
+        from splitserve.planner.measure.pace import EnginePace
+        from splitserve.planner.measure.serving import measure_serving
 
-        profile = measure_serving(profile, log_to_stderr)
+        profile = measure_serving(profile, log_to_stderr, pace=EnginePace(engine))
     profile.save(args.output)
     a, b, c = profile.prefill_coefficients
     print(f"wrote {args.output}: {profile.description}")

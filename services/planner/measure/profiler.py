@@ -63,8 +63,11 @@ def log_to_stderr(message: str) -> None:
     print(f"[plan profile {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def measure_profile(settings: ProfileSettings, log: Log = log_to_stderr) -> Profile:
-    engine = load_engine(settings, log)
+def measure_profile(settings: ProfileSettings, log: Log = log_to_stderr, engine=None) -> Profile:
+    """The profile of `engine` (loaded from `settings` when None; a caller passes its own to
+    time it again beside a running stack, `measure/pace.py`)."""
+    if engine is None:
+        engine = load_engine(settings, log)
     started = time.monotonic()
     warm_up(engine)
     prefill = _measure_prefill(engine, settings, log)

@@ -17,6 +17,10 @@ from requests whose simulation is exact enough to take differences against:
   prompt (the pages' way into the decode pod) is what a bare profile's in-process transfer
   does not see.
 
+Those differences are taken against the bare engine as it ran beside the requests, not as the
+profile measured it minutes before (`pace.py`): on a VM whose speed drifts, the latter put the
+drift into the costs, and the 10% margin on top.
+
 They go into the profile per topology, and the simulator applies the topology's costs to every
 configuration of that kind, so a validation run on another configuration (two colocated pods)
 checks them rather than refitting them.
@@ -32,6 +36,7 @@ from dataclasses import replace
 import numpy as np
 
 from splitserve.loadgen.client import RunResult, run_open_loop, run_sequential
+from splitserve.loadgen.stacks import usable_cores
 from splitserve.loadgen.stats import summarize
 from splitserve.loadgen.workload import (
     LengthDistribution,
@@ -50,6 +55,7 @@ from splitserve.planner.measure.local_stacks import (
     simulated_cluster,
     warm_up,
 )
+from splitserve.planner.measure.pace import EnginePace, PaceSample, pace_factors
 from splitserve.planner.profile import Profile, ServingCosts
 from splitserve.planner.profile.parts import (
     MIN_ENGINE_SCALE,
@@ -72,46 +78,57 @@ NUM_LONG = 6
 Log = Callable[[str], None]
 
 
-def measure_serving(profile: Profile, log: Log, seed: int = 0) -> Profile:
-    """`profile` with the serving costs of both topologies measured on running stacks."""
+def measure_serving(
+    profile: Profile, log: Log, seed: int = 0, pace: EnginePace | None = None
+) -> Profile:
+    """`profile` with the serving costs of both topologies measured on running stacks; with
+    `pace` (the profile's engine), against that engine timed beside each lone request."""
     serving = dict(profile.serving)
     for topology, config in TOPOLOGY_CONFIGS.items():
         log(f"serving costs ({topology}): starting {config.name}")
         with running_stack(config) as stack:
             target = completions_target(stack)
             warm_up(target, seed)
-            serving[topology] = measure_costs(target, config, profile, seed, log)
+            serving[topology] = measure_costs(target, config, profile, seed, log, pace)
         costs = serving[topology]
         log(f"serving costs ({topology}): {costs.describe()}")
     return replace(profile, serving=serving)
 
 
 def measure_costs(
-    target, config: LocalConfig, profile: Profile, seed: int, log: Log = print
+    target,
+    config: LocalConfig,
+    profile: Profile,
+    seed: int,
+    log: Log = print,
+    pace: EnginePace | None = None,
 ) -> ServingCosts:
+    lone = _LoneRequests(target, pace)
     specs = sequential_workload(f"{seed}/serving", NUM_REQUESTS, SHAPE)
-    alone = asyncio.run(run_sequential(target, specs))
+    alone = lone.run(specs)
     batches = [specs[i : i + BATCH] for i in range(0, len(specs), BATCH)]
     together_runs = [
         asyncio.run(run_open_loop(target, _sent_together(batch), drain_timeout_s=120.0))
         for batch in batches
     ]
     together = RunResult([r for run in together_runs for r in run.results], 0.0)
-    _check_ok(alone, together, config=config)
+    long_specs = sequential_workload(f"{seed}/serving-long", NUM_LONG, LONG_SHAPE)
+    first_long = sequential_workload(f"{seed}/serving-long-warm-up", 1, LONG_SHAPE)
+    _check_ok(asyncio.run(run_sequential(target, first_long)), config=config)
+    long_run = lone.run(long_specs)
+    _check_ok(alone, together, long_run, config=config)
+
     alone_requests = _far_apart(specs)
-    engine_scale = _engine_scale(alone, profile, config, alone_requests)
-    bare = _with_costs(profile, config, ServingCosts(engine_scale=engine_scale))
+    bare_costs, reference, engine_scale = _reference_engine(
+        profile, config, (alone, alone_requests), lone.samples, log
+    )
+    bare = _with_costs(reference, config, bare_costs)
     gap_1 = _itl_p50(alone) - _simulated_itl_p50(bare, config, alone_requests)
     together_requests = as_sim_requests(_batches_far_apart(batches))
     gap_n = _itl_p50(together) - _simulated_itl_p50(bare, config, together_requests)
     step_s, row_s = fit_nonnegative_line([(1, gap_1), (BATCH, gap_n)])
-    with_steps = _with_costs(bare, config, ServingCosts(step_s, row_s, engine_scale=engine_scale))
+    with_steps = _with_costs(reference, config, replace(bare_costs, step_s=step_s, row_s=row_s))
     short_gap = _ttft_gap(alone, with_steps, config, alone_requests)
-    long_specs = sequential_workload(f"{seed}/serving-long", NUM_LONG, LONG_SHAPE)
-    first_long = sequential_workload(f"{seed}/serving-long-warm-up", 1, LONG_SHAPE)
-    _check_ok(asyncio.run(run_sequential(target, first_long)), config=config)
-    long_run = asyncio.run(run_sequential(target, long_specs))
-    _check_ok(long_run, config=config)
     long_gap = _ttft_gap(long_run, with_steps, config, _far_apart(long_specs))
     short_len, long_len = _median_prompt(specs), _median_prompt(long_specs)
     request_s, token_s = fit_nonnegative_line([(short_len, short_gap), (long_len, long_gap)])
@@ -125,7 +142,55 @@ def measure_costs(
     return ServingCosts(step_s, row_s, request_s, token_s, spread, engine_scale)
 
 
-def _engine_scale(alone: RunResult, profile: Profile, config: LocalConfig, requests) -> float:
+class _LoneRequests:
+    """Sends requests one at a time; with a pace, times the bare engine on a prompt of the
+    same length right after each (on the core of the stack's first pod, idle then)."""
+
+    def __init__(self, target, pace: EnginePace | None) -> None:
+        self._target = target
+        self._pace = pace
+        self._core = usable_cores()[0]  # `running_stack` pins the first pod there
+        self.samples: list[PaceSample] = []
+
+    def run(self, specs: list[RequestSpec]) -> RunResult:
+        pace = self._pace
+        if pace is None:
+            return asyncio.run(run_sequential(self._target, specs))
+
+        def time_the_engine(num_done: int, _num_sent: int, _total: int) -> None:
+            num_tokens = len(specs[num_done - 1].prompt_token_ids)
+            self.samples.append(pace.sample(num_tokens, self._core))
+
+        return asyncio.run(run_sequential(self._target, specs, on_progress=time_the_engine))
+
+
+def _reference_engine(
+    profile: Profile,
+    config: LocalConfig,
+    alone: tuple[RunResult, list[SimRequest]],
+    samples: list[PaceSample],
+    log: Log,
+) -> tuple[ServingCosts, Profile, float]:
+    """The bare engine the stack's latencies are taken against (as costs of nothing but its
+    engine scale, and the profile they apply to), and the engine scale the costs keep.
+
+    With pace samples: the profile at the pace the engine ran beside the requests; the scale
+    kept is the slower of the two paces (prefill, decode) when below 1, so a profile from a
+    slow minute is corrected only where both kinds of step ran faster. Without: the profile
+    scaled by the lone requests' token gaps against it (`_engine_scale`)."""
+    if not samples:
+        engine_scale = _engine_scale(*alone, profile, config)
+        return ServingCosts(engine_scale=engine_scale), profile, engine_scale
+    prefill_factor, decode_factor = pace_factors(profile, samples)
+    log(
+        f"serving costs ({config.name}): the bare engine beside the lone requests ran at "
+        f"x{prefill_factor:.3f} the profile's prefill and x{decode_factor:.3f} its decode steps"
+    )
+    engine_scale = min(max(prefill_factor, decode_factor, MIN_ENGINE_SCALE), 1.0)
+    return ServingCosts(), profile.at_pace(prefill_factor, decode_factor), engine_scale
+
+
+def _engine_scale(alone: RunResult, requests, profile: Profile, config: LocalConfig) -> float:
     """The lone requests' median token gap on the stack over the bare profile's, when the
     stack's is the shorter (else 1: the serving costs take up a longer gap), no lower than
     MIN_ENGINE_SCALE. One row a step, nothing else running: the gap is an engine step and

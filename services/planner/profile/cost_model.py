@@ -230,6 +230,25 @@ class Profile:
             ),
         )
 
+    def at_pace(self, prefill_factor: float, decode_factor: float) -> Profile:
+        """This profile's steps as the engine ran them at another moment: prefill and mixed
+        steps (compute-bound) times `prefill_factor`, decode steps (memory-bound) times
+        `decode_factor`; transfers unchanged. A running stack's costs are taken against the
+        engine of the same minute (`measure/serving.py`): a shared VM's speed drifts by a tenth
+        or more between the profile's steps and the stack's requests."""
+        if min(prefill_factor, decode_factor) <= 0:
+            raise ValueError("pace factors must be > 0")
+        return replace(
+            self,
+            prefill=[PrefillSample(s.num_tokens, s.seconds * prefill_factor) for s in self.prefill],
+            decode=replace(self.decode, seconds=_scaled(self.decode.seconds, decode_factor)),
+            mixed=(
+                replace(self.mixed, seconds=_scaled(self.mixed.seconds, prefill_factor))
+                if self.mixed is not None
+                else None
+            ),
+        )
+
     def for_topology(self, num_prefill: int) -> Profile:
         """This profile with the serving costs measured for a topology like the cluster's
         (P = 0 colocated, else disaggregated) as its overheads, and its engine times by their

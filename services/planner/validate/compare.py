@@ -50,6 +50,7 @@ from splitserve.planner.measure.local_stacks import (
     simulated_cluster,
     warm_up,
 )
+from splitserve.planner.measure.pace import EnginePace
 from splitserve.planner.measure.serving import measure_serving
 from splitserve.planner.measure.settings import QUICK_GRID, ProfileSettings
 from splitserve.planner.plot import plot_validation
@@ -415,17 +416,18 @@ def _profile(path: str, fresh: bool) -> Profile:
     if os.path.exists(path) and not fresh:
         return load_profile(path)
     # lazy: the engine (torch), only to measure a fresh profile
-    from splitserve.planner.measure.profiler import measure_profile
+    from splitserve.planner.measure.profiler import load_engine, measure_profile
 
     own_core, neighbor_core = usable_cores()
     log(f"measuring a profile into {path} first, pinned to CPU {own_core}")
     settings = ProfileSettings(repeats=5, neighbor_core=neighbor_core, **QUICK_GRID)
+    engine = load_engine(settings, log)
     affinity = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {own_core})  # as a pod runs: one thread on one core
     try:
-        profile = measure_profile(settings, log=log)
+        profile = measure_profile(settings, log=log, engine=engine)
     finally:
         os.sched_setaffinity(0, affinity)
-    profile = measure_serving(profile, log)
+    profile = measure_serving(profile, log, pace=EnginePace(engine))
     profile.save(path)
     return profile

@@ -89,6 +89,32 @@ def test_a_recorded_run_replays_as_it_was_simulated(tmp_path, capsys) -> None:
     assert all(math.isfinite(v) for v in again[1]["simulated_with_overheads"].values())
 
 
+def test_a_run_paced_by_the_engine_is_simulated_again_at_that_pace(tmp_path, capsys) -> None:
+    """A run the bare engine was timed around at half the profile's speed is simulated a third
+    time with the profile's steps twice as long; the planner's own figures stay as they were."""
+    args = _args(tmp_path)
+    profile = synthetic_profile(0.05, prefill_per_token_s=1e-4, decode_step_s=0.02)
+    slow = replace(_measured("colocated-1", "chat"), engine_pace=(2.0, 2.0))
+    steady = _measured("colocated-2", "chat")
+    recorded = [
+        simulated_beside(run, profile, 0.1, args.seed, args.duration) for run in (slow, steady)
+    ]
+    unpaced = simulated_beside(_measured("colocated-1", "chat"), profile, 0.1, 3, 20.0)
+    assert recorded[0].simulated_with_overheads == unpaced.simulated_with_overheads
+    at_pace, planned = recorded[0].simulated_at_pace, recorded[0].simulated_with_overheads
+    assert at_pace.itl_p50 == pytest.approx(2 * planned.itl_p50, rel=0.05)
+    assert at_pace.ttft_p50 > 1.5 * planned.ttft_p50
+    assert all(math.isnan(v) for v in asdict(recorded[1].simulated_at_pace).values())
+
+    record = tmp_path / "paced.json"
+    save_record(str(record), recorded, args)
+    assert run_validation(_args(tmp_path, replay=str(record))) == 0
+    report = capsys.readouterr().out
+    assert "decode steps at x2.00-2.00" in report
+    assert "colocated-1  chat         prefill x2.00 decode x2.00" in report
+    assert "colocated-2  chat         prefill" not in report  # not paced: not in the block
+
+
 def test_replay_refuses_what_is_not_a_record(tmp_path) -> None:
     not_record = tmp_path / "list.json"
     not_record.write_text("[]")

@@ -57,6 +57,7 @@ from splitserve.planner.plot import plot_validation
 from splitserve.planner.profile import Profile, ServingCosts, load_profile
 from splitserve.planner.profile.parts import topology_of
 from splitserve.planner.simulate.cluster import simulate
+from splitserve.planner.validate.drift import RunPace, format_drift
 from splitserve.planner.validate.goodput import format_goodput, workload_slo
 from splitserve.planner.validate.ranking import format_ranking
 from splitserve.planner.validate.resolution import percentile_band, within_band
@@ -92,6 +93,9 @@ class Latencies:
         return cls(ttft.p50, ttft.p90, itl.p50, itl.p90)
 
 
+NO_LATENCIES = Latencies(math.nan, math.nan, math.nan, math.nan)
+
+
 @dataclass(frozen=True)
 class Comparison:
     config: str
@@ -112,6 +116,10 @@ class Comparison:
     # the requests the simulation (as the planner uses the profile) has meeting them.
     goodput_slo: tuple[float, ...] = ()
     simulated_attainment: float = math.nan
+    # With a fresh profile: the bare engine's (prefill, decode) pace around the run against the
+    # profile's steps, and the run simulated as the planner would at that pace (`drift.py`).
+    engine_pace: tuple[float, ...] = ()
+    simulated_at_pace: Latencies = NO_LATENCIES
 
     @property
     def num_pods(self) -> int:
@@ -133,6 +141,10 @@ class Comparison:
         measured, simulated_figures = asdict(self.measured), asdict(simulated)
         return {key: simulated_figures[key] / measured[key] - 1 for key in measured}
 
+    def errors_at_pace(self) -> dict[str, float]:
+        measured, simulated = asdict(self.measured), asdict(self.simulated_at_pace)
+        return {key: simulated[key] / measured[key] - 1 for key in measured}
+
 
 def log(message: str) -> None:
     print(f"[plan validate {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
@@ -150,13 +162,17 @@ def workload_rate(profile: Profile, workload: LocalWorkload) -> float:
 # ---- one measured run -----------------------------------------------------------------------
 
 
-def run_config(config: LocalConfig, profile: Profile, args: argparse.Namespace) -> list[Comparison]:
+def run_config(
+    config: LocalConfig, profile: Profile, args: argparse.Namespace, pace: EnginePace | None
+) -> list[Comparison]:
     log(f"starting {config.name}")
     with running_stack(config) as stack:
         log(f"{config.name} is up ({stack.plan.mode_note})")
         target = completions_target(stack)
         warm_up(target, args.seed)
-        return [_measure(stack, target, config, workload, profile, args) for workload in WORKLOADS]
+        return [
+            _measure(stack, target, config, workload, profile, args, pace) for workload in WORKLOADS
+        ]
 
 
 def _serving_costs(profile: Profile, config: LocalConfig) -> ServingCosts:
@@ -169,12 +185,15 @@ def _measured(run) -> Latencies:
     return Latencies.of(summary.ttft, summary.itl)
 
 
-def _measure(stack, target, config, workload, profile, args) -> Comparison:
+def _measure(stack, target, config, workload, profile, args, pace) -> Comparison:
     rate = workload_rate(profile, workload)
     seed = f"{args.seed}/{workload.name}"
     specs = poisson_workload(seed, rate, args.duration, 10_000, workload.shape)
     label = f"{config.name} {workload.name} {rate:g} req/s"
     log(f"{label}: {len(specs)} requests over {specs[-1].arrival_s:.0f} s")
+    num_tokens = int(workload.shape.prompt_lens.mean)
+    # The first pod's core: `running_stack` pins it there, and it is idle before and after.
+    run_pace = RunPace.start(pace, usable_cores()[0], num_tokens) if pace else None
     foreign = ForeignLoad(lambda: [os.getpid(), *stack.pids()])
     foreign.start()
     drain_s = 60.0
@@ -196,9 +215,11 @@ def _measure(stack, target, config, workload, profile, args) -> Comparison:
         ttfts_s=ttfts_s,
         itls_s=[result.itls_s for result in finished],
     )
+    stack.wait_idle(timeout_s=30.0)
+    if run_pace is not None:
+        measured = replace(measured, engine_pace=run_pace.finish(profile))
     comparison = simulated_beside(measured, profile, args.margin, args.seed, args.duration)
     log(f"{label}: {num_ok}/{len(specs)} finished; {_errors_line(comparison)}")
-    stack.wait_idle(timeout_s=30.0)
     return comparison
 
 
@@ -217,6 +238,10 @@ def simulated_beside(
     slo = workload_slo(profile, workload.shape)
     bare_latencies, _ = _simulate_requests(replace(profile, serving={}), config, requests, slo)
     planned_latencies, attainment = _simulate_requests(planned, config, requests, slo)
+    at_pace = NO_LATENCIES
+    if measured.engine_pace:
+        paced = profile.at_pace(*measured.engine_pace).with_margin(margin)
+        at_pace, _ = _simulate_requests(paced, config, requests, slo)
     return replace(
         measured,
         simulated=bare_latencies,
@@ -224,12 +249,12 @@ def simulated_beside(
         simulated_with_overheads=planned_latencies,
         goodput_slo=(slo.ttft_s, slo.itl_s),
         simulated_attainment=attainment,
+        simulated_at_pace=at_pace,
     )
 
 
 def _no_simulation() -> tuple[Latencies, ServingCosts, Latencies]:
-    nothing = Latencies(math.nan, math.nan, math.nan, math.nan)
-    return nothing, ServingCosts(), nothing
+    return NO_LATENCIES, ServingCosts(), NO_LATENCIES
 
 
 def _simulate_requests(
@@ -323,13 +348,13 @@ def measure_all(args: argparse.Namespace) -> list[Comparison]:
     configs = [c for c in CONFIGS if not args.only or c.name in args.only]
     if not configs:
         raise ValueError(f"--only names none of {[c.name for c in CONFIGS]}")
-    profile = _profile(args.profile, args.fresh_profile)
+    profile, pace = _profile(args.profile, args.fresh_profile)
     for workload in WORKLOADS:
         log(f"workload {workload.name}: {workload_rate(profile, workload):g} req/s")
     comparisons: list[Comparison] = []
     try:
         for config in configs:
-            comparisons += run_config(config, profile, args)
+            comparisons += run_config(config, profile, args, pace)
     except KeyboardInterrupt:
         log("interrupted; every process it started is stopped")
     return comparisons
@@ -341,6 +366,9 @@ def print_report(comparisons: list[Comparison]) -> None:
     print(format_report(comparisons), flush=True)
     for config_name, costs in {c.config: c.overheads for c in comparisons}.items():
         print(f"  {config_name}: {costs.describe()}")
+    drift = format_drift(comparisons, TOLERANCE)
+    if drift:
+        print(drift)
     print()
     print(format_ranking(comparisons, WORKLOADS), flush=True)
     print()
@@ -398,8 +426,12 @@ def _comparison(body: dict) -> Comparison:
         fields = dict(body)
         for name in ("measured", "simulated", "simulated_with_overheads"):
             fields[name] = Latencies(**body[name])
+        fields["simulated_at_pace"] = Latencies(
+            **body.get("simulated_at_pace", asdict(NO_LATENCIES))
+        )
         fields["overheads"] = ServingCosts(**body["overheads"])
         fields["goodput_slo"] = tuple(body.get("goodput_slo", ()))
+        fields["engine_pace"] = tuple(body.get("engine_pace", ()))
         comparison = Comparison(**fields)
     except (KeyError, TypeError) as error:
         raise ValueError(f"--replay: not a recorded run: {error}") from None
@@ -412,9 +444,10 @@ def _comparison(body: dict) -> Comparison:
     return comparison
 
 
-def _profile(path: str, fresh: bool) -> Profile:
+def _profile(path: str, fresh: bool) -> tuple[Profile, EnginePace | None]:
+    """The profile, and with a fresh one its engine (kept to pace the runs, `drift.py`)."""
     if os.path.exists(path) and not fresh:
-        return load_profile(path)
+        return load_profile(path), None
     # lazy: the engine (torch), only to measure a fresh profile
     from splitserve.planner.measure.profiler import load_engine, measure_profile
 
@@ -428,6 +461,7 @@ def _profile(path: str, fresh: bool) -> Profile:
         profile = measure_profile(settings, log=log, engine=engine)
     finally:
         os.sched_setaffinity(0, affinity)
-    profile = measure_serving(profile, log, pace=EnginePace(engine))
+    pace = EnginePace(engine)
+    profile = measure_serving(profile, log, pace=pace)
     profile.save(path)
-    return profile
+    return profile, pace

@@ -1,0 +1,78 @@
+"""The machine's drift around each validated run, told apart from the model's error.
+
+On a shared VM the same engine runs a step a tenth to a third slower or faster from one minute
+to the next (2026-12-02, an EPYC: batch-1 decode 49 ms in the profile, ~43 ms in the runs a few
+minutes later). The planner cannot know the minute it will run in, so its figures stand as they
+are; but a validation that only prints them cannot say whether a miss is the simulator's or the
+machine's. So with a fresh profile (its engine still loaded), the bare engine is timed just
+before and just after each measured run, on the core of the stack's first pod (idle then), and
+the run is simulated a third time with the profile at that pace: a diagnostic printed beside the
+planner's figures, never in their place.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from splitserve.planner.measure.pace import EnginePace, PaceSample, pace_factors
+from splitserve.planner.profile import Profile
+
+SAMPLES_PER_SIDE = 2  # lone prompts timed before and after a run (a few seconds each side)
+
+
+@dataclass
+class RunPace:
+    """Paces the bare engine on prompts of a run's mean length, around the run."""
+
+    pace: EnginePace
+    core: int
+    num_tokens: int
+    samples: list[PaceSample]
+
+    @classmethod
+    def start(cls, pace: EnginePace, core: int, num_tokens: int) -> RunPace:
+        run_pace = cls(pace, core, num_tokens, [])
+        run_pace._sample()
+        return run_pace
+
+    def finish(self, profile: Profile) -> tuple[float, float]:
+        """(prefill, decode) factors of the engine around the run to the profile's steps."""
+        self._sample()
+        return pace_factors(profile, self.samples)
+
+    def _sample(self) -> None:
+        for _ in range(SAMPLES_PER_SIDE):
+            self.samples.append(self.pace.sample(self.num_tokens, self.core))
+
+
+def format_drift(comparisons: list, tolerance: float) -> str:
+    """The paces around the runs (`Comparison.engine_pace`) and how the planner's model fares
+    at them; empty without paces."""
+    paced = [c for c in comparisons if len(c.engine_pace) == 2]
+    if not paced:
+        return ""
+    prefill = [c.engine_pace[0] for c in paced]
+    decode = [c.engine_pace[1] for c in paced]
+    errors = [
+        error for c in paced for error in c.errors_at_pace().values() if not math.isnan(error)
+    ]
+    within = sum(abs(error) <= tolerance for error in errors)
+    mean = sum(errors) / len(errors) if errors else math.nan
+    lines = [
+        "the machine's drift: the bare engine around each run ran the profile's prefill steps at "
+        f"x{min(prefill):.2f}-{max(prefill):.2f} and its decode steps at "
+        f"x{min(decode):.2f}-{max(decode):.2f};",
+        f"  the planner's model at each run's pace: {within}/{len(errors)} within "
+        f"{tolerance:.0%}, mean error {mean:+.1%} "
+        "(a diagnostic: the planner cannot know the pace of a later minute)",
+    ]
+    for c in paced:
+        errors_at_pace = ", ".join(
+            f"{key} {error:+.0%}" for key, error in c.errors_at_pace().items()
+        )
+        lines.append(
+            f"  {c.config:<12} {c.workload:<12} prefill x{c.engine_pace[0]:.2f} decode "
+            f"x{c.engine_pace[1]:.2f}: {errors_at_pace}"
+        )
+    return "\n".join(lines)

@@ -106,6 +106,7 @@ def measure_costs(
     lone = _LoneRequests(target, pace)
     specs = sequential_workload(f"{seed}/serving", NUM_REQUESTS, SHAPE)
     alone = lone.run(specs)
+    short_samples = list(lone.samples)
     batches = [specs[i : i + BATCH] for i in range(0, len(specs), BATCH)]
     together_runs = [
         asyncio.run(run_open_loop(target, _sent_together(batch), drain_timeout_s=120.0))
@@ -116,19 +117,26 @@ def measure_costs(
     first_long = sequential_workload(f"{seed}/serving-long-warm-up", 1, LONG_SHAPE)
     _check_ok(asyncio.run(run_sequential(target, first_long)), config=config)
     long_run = lone.run(long_specs)
+    long_samples = lone.samples[len(short_samples) :]
     _check_ok(alone, together, long_run, config=config)
 
     alone_requests = _far_apart(specs)
     bare_costs, reference, engine_scale = _reference_engine(
-        profile, config, (alone, alone_requests), lone.samples, log
+        profile, config, (alone, alone_requests), short_samples, log
     )
     bare = _with_costs(reference, config, bare_costs)
     gap_1 = _itl_p50(alone) - _simulated_itl_p50(bare, config, alone_requests)
     together_requests = as_sim_requests(_batches_far_apart(batches))
     gap_n = _itl_p50(together) - _simulated_itl_p50(bare, config, together_requests)
     step_s, row_s = fit_nonnegative_line([(1, gap_1), (BATCH, gap_n)])
-    with_steps = _with_costs(reference, config, replace(bare_costs, step_s=step_s, row_s=row_s))
-    short_gap = _ttft_gap(alone, with_steps, config, alone_requests)
+    step_costs = replace(bare_costs, step_s=step_s, row_s=row_s)
+    short_gap = _ttft_gap(alone, _with_costs(reference, config, step_costs), config, alone_requests)
+    # The long prompts against the engine timed beside them: one pace for prompts of 64-128
+    # and 384-512 tokens mixed the two minutes' drift (and prefill's pace differs by length).
+    long_reference = _at_pace_of(
+        profile, long_samples, reference, f"{config.name}, long prompts", log
+    )
+    with_steps = _with_costs(long_reference, config, step_costs)
     long_gap = _ttft_gap(long_run, with_steps, config, _far_apart(long_specs))
     short_len, long_len = _median_prompt(specs), _median_prompt(long_specs)
     request_s, token_s = fit_nonnegative_line([(short_len, short_gap), (long_len, long_gap)])
@@ -181,13 +189,29 @@ def _reference_engine(
     if not samples:
         engine_scale = _engine_scale(*alone, profile, config)
         return ServingCosts(engine_scale=engine_scale), profile, engine_scale
-    prefill_factor, decode_factor = pace_factors(profile, samples)
-    log(
-        f"serving costs ({config.name}): the bare engine beside the lone requests ran at "
-        f"x{prefill_factor:.3f} the profile's prefill and x{decode_factor:.3f} its decode steps"
-    )
+    prefill_factor, decode_factor = _logged_pace(profile, samples, config.name, log)
     engine_scale = min(max(prefill_factor, decode_factor, MIN_ENGINE_SCALE), 1.0)
     return ServingCosts(), profile.at_pace(prefill_factor, decode_factor), engine_scale
+
+
+def _at_pace_of(
+    profile: Profile, samples: list[PaceSample], otherwise: Profile, label: str, log: Log
+) -> Profile:
+    """`profile` at the pace of `samples`, or `otherwise` without any."""
+    if not samples:
+        return otherwise
+    return profile.at_pace(*_logged_pace(profile, samples, label, log))
+
+
+def _logged_pace(
+    profile: Profile, samples: list[PaceSample], label: str, log: Log
+) -> tuple[float, float]:
+    prefill_factor, decode_factor = pace_factors(profile, samples)
+    log(
+        f"serving costs ({label}): the bare engine beside the lone requests ran at "
+        f"x{prefill_factor:.3f} the profile's prefill and x{decode_factor:.3f} its decode steps"
+    )
+    return prefill_factor, decode_factor
 
 
 def _engine_scale(alone: RunResult, requests, profile: Profile, config: LocalConfig) -> float:

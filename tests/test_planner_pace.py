@@ -7,8 +7,15 @@ from dataclasses import replace
 
 import pytest
 
+from splitserve.loadgen.stacks import usable_cores
 from splitserve.planner.measure.engine_steps import load_engine
-from splitserve.planner.measure.pace import EnginePace, PaceSample, pace_factors
+from splitserve.planner.measure.local_stacks import (
+    COLOCATED_1,
+    COLOCATED_2,
+    ONE_P_ONE_D,
+    pace_cores,
+)
+from splitserve.planner.measure.pace import EnginePace, PaceCores, PaceSample, pace_factors
 from splitserve.planner.measure.settings import ProfileSettings
 from splitserve.planner.profile import synthetic_profile
 from splitserve.planner.profile.parts import MixedGrid
@@ -59,14 +66,35 @@ def test_pace_factors_are_the_median_ratios_to_the_profile() -> None:
         pace_factors(profile, [])
 
 
-def test_the_pace_times_a_real_engine_on_one_core_and_leaves_no_pin(
+def test_the_pace_times_a_real_engine_on_the_pods_cores_and_leaves_no_pin(
     tiny_hf_checkpoint: str,
 ) -> None:
+    """The prefill step on the prefilling pod's core, the decode steps on the decode pod's."""
     engine = load_engine(ProfileSettings(model=tiny_hf_checkpoint), lambda line: None)
     before = os.sched_getaffinity(0)
-    core = min(before)
-    sample = EnginePace(engine).sample(40, core)
+    prefill_core, decode_core = sorted(before)[0], sorted(before)[-1]
+    pins_seen: list[set[int]] = []
+    step = engine.step
+
+    def step_and_note_the_pin():
+        pins_seen.append(os.sched_getaffinity(0))
+        return step()
+
+    engine.step = step_and_note_the_pin
+    sample = EnginePace(engine).sample(40, PaceCores(prefill_core, decode_core))
     assert sample.num_tokens == 40
     assert sample.prefill_s > 0 and sample.decode_s > 0
+    assert pins_seen[0] == {prefill_core}
+    assert all(pin == {decode_core} for pin in pins_seen[1:5])
     assert not engine.has_unfinished_requests()  # its request ran to the end: no KV left held
     assert os.sched_getaffinity(0) == before
+
+
+def test_a_stack_is_paced_on_the_cores_its_pods_run_on() -> None:
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs, as the local stacks do")
+    first, second = usable_cores()
+    assert pace_cores(COLOCATED_1) == PaceCores(first, first)
+    assert pace_cores(COLOCATED_2) == PaceCores(first, first)
+    # Disaggregated: the prompt on the prefill pod's core, the tokens on the decode pod's.
+    assert pace_cores(ONE_P_ONE_D) == PaceCores(first, second)

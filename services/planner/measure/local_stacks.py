@@ -12,6 +12,7 @@ from splitserve.loadgen.client import Target, run_sequential
 from splitserve.loadgen.stacks import RunningStack, SystemSetup, usable_cores
 from splitserve.loadgen.stats import Slo
 from splitserve.loadgen.workload import LengthDistribution, WorkloadShape, sequential_workload
+from splitserve.planner.measure.pace import PaceCores
 from splitserve.planner.simulate.cluster import ClusterConfig
 
 LOOSE_SLO = Slo(ttft_s=1e9, itl_s=1e9)  # the planner's runs compare latencies, not goodput
@@ -58,6 +59,14 @@ def running_stack(config: LocalConfig):
     pins = {name: {core} for name, core in zip(config.pins, cores)}
     setup = SystemSetup(config.name, [*config.up_flags, "--num-threads", "1"], pins, config.name)
     return RunningStack(setup)
+
+
+def pace_cores(config: LocalConfig) -> PaceCores:
+    """The cores `running_stack` pins the pod that prefills `config`'s prompts to (its prefill
+    pod, or its first decode pod when colocated) and its first decode pod to."""
+    cores = dict(zip(config.pins, usable_cores()))
+    prefiller = "prefill-0" if config.num_prefill else "decode-0"
+    return PaceCores(prefill=cores[prefiller], decode=cores["decode-0"])
 
 
 def completions_target(stack):

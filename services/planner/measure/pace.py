@@ -6,8 +6,12 @@ minutes (2026-12-02, an EPYC). Costs taken as the stack's latency less the profi
 the drift: the stack measured 43 ms beyond the profile at 98 prompt tokens and 113 ms at 467,
 where the bare engine timed beside each request put the serving path at about 10 ms and
 nothing. So before each lone request the measuring process times the profile's own engine on
-a prompt of the same length, pinned to the core the stack's first pod runs on (the pod is idle
-then), and the serving costs are taken against the profile at that pace (`Profile.at_pace`).
+a prompt of the same length, and the serving costs are taken against the profile at that pace
+(`Profile.at_pace`). Its prefill step is pinned to the core of the pod that prefilled the
+request and its decode steps to the decode pod's (both idle then): the two cores of a VM need
+not run at one speed, and on 2026-12-03 a 1P+1D stack's decode pod ran its token gaps 12.5 ms
+beyond the engine paced on the prefill pod's core, which the fit took as a serving cost of
+12 ms a step that the runs after it did not show.
 """
 
 from __future__ import annotations
@@ -23,6 +27,14 @@ DECODE_STEPS = 4  # batch-1 decode steps timed after each prefill (their median 
 
 
 @dataclass(frozen=True)
+class PaceCores:
+    """Where a stack computed what is paced: its prompts' prefill, and its decode steps."""
+
+    prefill: int
+    decode: int
+
+
+@dataclass(frozen=True)
 class PaceSample:
     """The bare engine on one lone prompt: its prefill step, then its decode steps' median."""
 
@@ -32,19 +44,21 @@ class PaceSample:
 
 
 class EnginePace:
-    """Times `engine` (the profile's, one torch thread) on lone prompts, pinned to a core."""
+    """Times `engine` (the profile's, one torch thread) on lone prompts, pinned to the cores
+    the stack ran each kind of step on."""
 
     def __init__(self, engine) -> None:
         self._engine = engine
 
-    def sample(self, num_tokens: int, core: int) -> PaceSample:
+    def sample(self, num_tokens: int, cores: PaceCores) -> PaceSample:
         # Only this thread is pinned (the engine computes on it with one torch thread), and
         # only while timing: stacks started later must not inherit the pin.
         affinity = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {core})
+        os.sched_setaffinity(0, {cores.prefill})
         try:
             add_request(self._engine, fresh_tokens(num_tokens), DECODE_STEPS + 1)
             prefill_s = timed_step(self._engine)
+            os.sched_setaffinity(0, {cores.decode})
             decode_s = statistics.median(timed_step(self._engine) for _ in range(DECODE_STEPS))
             drain(self._engine)
         finally:

@@ -36,7 +36,6 @@ from dataclasses import replace
 import numpy as np
 
 from splitserve.loadgen.client import RunResult, run_open_loop, run_sequential
-from splitserve.loadgen.stacks import usable_cores
 from splitserve.loadgen.stats import summarize
 from splitserve.loadgen.workload import (
     LengthDistribution,
@@ -51,11 +50,12 @@ from splitserve.planner.measure.local_stacks import (
     TOPOLOGY_CONFIGS,
     LocalConfig,
     completions_target,
+    pace_cores,
     running_stack,
     simulated_cluster,
     warm_up,
 )
-from splitserve.planner.measure.pace import EnginePace, PaceSample, pace_factors
+from splitserve.planner.measure.pace import EnginePace, PaceCores, PaceSample, pace_factors
 from splitserve.planner.profile import Profile, ServingCosts
 from splitserve.planner.profile.parts import (
     MIN_ENGINE_SCALE,
@@ -103,7 +103,7 @@ def measure_costs(
     log: Log = print,
     pace: EnginePace | None = None,
 ) -> ServingCosts:
-    lone = _LoneRequests(target, pace)
+    lone = _LoneRequests(target, pace, pace_cores(config))
     specs = sequential_workload(f"{seed}/serving", NUM_REQUESTS, SHAPE)
     alone = lone.run(specs)
     short_samples = list(lone.samples)
@@ -152,12 +152,12 @@ def measure_costs(
 
 class _LoneRequests:
     """Sends requests one at a time; with a pace, times the bare engine on a prompt of the
-    same length right after each (on the core of the stack's first pod, idle then)."""
+    same length right after each (on the cores of the stack's pods, idle then)."""
 
-    def __init__(self, target, pace: EnginePace | None) -> None:
+    def __init__(self, target, pace: EnginePace | None, cores: PaceCores) -> None:
         self._target = target
         self._pace = pace
-        self._core = usable_cores()[0]  # `running_stack` pins the first pod there
+        self._cores = cores
         self.samples: list[PaceSample] = []
 
     def run(self, specs: list[RequestSpec]) -> RunResult:
@@ -167,7 +167,7 @@ class _LoneRequests:
 
         def time_the_engine(num_done: int, _num_sent: int, _total: int) -> None:
             num_tokens = len(specs[num_done - 1].prompt_token_ids)
-            self.samples.append(pace.sample(num_tokens, self._core))
+            self.samples.append(pace.sample(num_tokens, self._cores))
 
         return asyncio.run(run_sequential(self._target, specs, on_progress=time_the_engine))
 

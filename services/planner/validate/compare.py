@@ -46,6 +46,7 @@ from splitserve.planner.measure.local_stacks import (
     LOOSE_SLO,
     LocalConfig,
     completions_target,
+    pace_cores,
     running_stack,
     simulated_cluster,
     warm_up,
@@ -192,8 +193,8 @@ def _measure(stack, target, config, workload, profile, args, pace) -> Comparison
     label = f"{config.name} {workload.name} {rate:g} req/s"
     log(f"{label}: {len(specs)} requests over {specs[-1].arrival_s:.0f} s")
     num_tokens = int(workload.shape.prompt_lens.mean)
-    # The first pod's core: `running_stack` pins it there, and it is idle before and after.
-    run_pace = RunPace.start(pace, usable_cores()[0], num_tokens) if pace else None
+    # The cores `running_stack` pins the pods to, idle before and after the run.
+    run_pace = RunPace.start(pace, pace_cores(config), num_tokens) if pace else None
     foreign = ForeignLoad(lambda: [os.getpid(), *stack.pids()])
     foreign.start()
     drain_s = 60.0

@@ -5,7 +5,7 @@ to the next (2026-12-02, an EPYC: batch-1 decode 49 ms in the profile, ~43 ms in
 minutes later). The planner cannot know the minute it will run in, so its figures stand as they
 are; but a validation that only prints them cannot say whether a miss is the simulator's or the
 machine's. So with a fresh profile (its engine still loaded), the bare engine is timed just
-before and just after each measured run, on the core of the stack's first pod (idle then), and
+before and just after each measured run, on the cores of the stack's pods (idle then), and
 the run is simulated a third time with the profile at that pace: a diagnostic printed beside the
 planner's figures, never in their place.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from splitserve.planner.measure.pace import EnginePace, PaceSample, pace_factors
+from splitserve.planner.measure.pace import EnginePace, PaceCores, PaceSample, pace_factors
 from splitserve.planner.profile import Profile
 
 SAMPLES_PER_SIDE = 2  # lone prompts timed before and after a run (a few seconds each side)
@@ -26,13 +26,13 @@ class RunPace:
     """Paces the bare engine on prompts of a run's mean length, around the run."""
 
     pace: EnginePace
-    core: int
+    cores: PaceCores
     num_tokens: int
     samples: list[PaceSample]
 
     @classmethod
-    def start(cls, pace: EnginePace, core: int, num_tokens: int) -> RunPace:
-        run_pace = cls(pace, core, num_tokens, [])
+    def start(cls, pace: EnginePace, cores: PaceCores, num_tokens: int) -> RunPace:
+        run_pace = cls(pace, cores, num_tokens, [])
         run_pace._sample()
         return run_pace
 
@@ -43,7 +43,7 @@ class RunPace:
 
     def _sample(self) -> None:
         for _ in range(SAMPLES_PER_SIDE):
-            self.samples.append(self.pace.sample(self.num_tokens, self.core))
+            self.samples.append(self.pace.sample(self.num_tokens, self.cores))
 
 
 def format_drift(comparisons: list, tolerance: float) -> str:

@@ -28,7 +28,7 @@ def test_serving_costs_fill_the_gap_to_a_running_stack() -> None:
     with running_stack(COLOCATED_1) as stack:
         target = completions_target(stack)
         warm_up(target, 0)
-        costs = measure_costs(target, COLOCATED_1, bare, seed=0)
+        costs = measure_costs(stack, COLOCATED_1, bare, seed=0)
     # The bare profile's prefill does not grow with the prompt; the stack's does, so the gap
     # before the first token has a per-prompt-token part, and a short prompt still costs time.
     assert costs.token_s > 0
@@ -61,7 +61,7 @@ def test_costs_paced_by_the_engine_beside_them_do_not_carry_its_drift() -> None:
     with running_stack(COLOCATED_1) as stack:
         target = completions_target(stack)
         warm_up(target, 0)
-        costs = measure_costs(target, COLOCATED_1, fast, 0, lambda line: None, EnginePace(engine))
+        costs = measure_costs(stack, COLOCATED_1, fast, 0, lambda line: None, EnginePace(engine))
     assert costs.request_s + 98 * costs.token_s < 0.25 * profile.prefill_s(98)
     assert costs.step_s + costs.row_s < 0.25 * profile.decode.step_s(1, 100)
     assert costs.engine_scale == 1.0  # the engine ran slower than this profile: no correction

@@ -87,23 +87,23 @@ def measure_serving(
     for topology, config in TOPOLOGY_CONFIGS.items():
         log(f"serving costs ({topology}): starting {config.name}")
         with running_stack(config) as stack:
-            target = completions_target(stack)
-            warm_up(target, seed)
-            serving[topology] = measure_costs(target, config, profile, seed, log, pace)
+            warm_up(completions_target(stack), seed)
+            serving[topology] = measure_costs(stack, config, profile, seed, log, pace)
         costs = serving[topology]
         log(f"serving costs ({topology}): {costs.describe()}")
     return replace(profile, serving=serving)
 
 
 def measure_costs(
-    target,
+    stack,
     config: LocalConfig,
     profile: Profile,
     seed: int,
     log: Log = print,
     pace: EnginePace | None = None,
 ) -> ServingCosts:
-    lone = _LoneRequests(target, pace, pace_cores(config))
+    target = completions_target(stack)
+    lone = _LoneRequests(target, pace, pace_cores(config, stack))
     specs = sequential_workload(f"{seed}/serving", NUM_REQUESTS, SHAPE)
     alone = lone.run(specs)
     short_samples = list(lone.samples)

@@ -194,7 +194,7 @@ def _measure(stack, target, config, workload, profile, args, pace) -> Comparison
     log(f"{label}: {len(specs)} requests over {specs[-1].arrival_s:.0f} s")
     num_tokens = int(workload.shape.prompt_lens.mean)
     # The cores `running_stack` pins the pods to, idle before and after the run.
-    run_pace = RunPace.start(pace, pace_cores(config), num_tokens) if pace else None
+    run_pace = RunPace.start(pace, pace_cores(config, stack), num_tokens) if pace else None
     foreign = ForeignLoad(lambda: [os.getpid(), *stack.pids()])
     foreign.start()
     drain_s = 60.0

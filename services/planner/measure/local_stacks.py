@@ -2,8 +2,8 @@
 own core with one torch thread (what a profile measures), started the way `splitserve up` does.
 Shared by `plan profile --serving` (the serving path's costs) and `plan validate`.
 
-Where a stack leaves a core to the serving path, the gateway, Redis and the measuring client
-run there too, pinned. Left to the scheduler they sat on the pod's core in some stacks and not
+Where a stack leaves a core to the serving path, the gateway and the measuring client run
+there, pinned. Left to the scheduler they sat on the pod's core in some stacks and not
 in others (2026-12-03, an EPYC: a colocated pod's token gaps 8-10 ms beyond the bare engine on
 its core for a whole stack's life, -2 ms with the gateway and client on the other core), and a
 serving-cost fit read 0 or 12 ms a step from one stack to the next. In a cluster the gateway
@@ -36,7 +36,7 @@ class LocalConfig:
     pins: tuple[str, ...]  # process names pinned to core 0, core 1 (in that order)
     num_prefill: int
     num_decode: int
-    # The core (0 or 1, as in `pins`) the gateway, Redis and the measuring client share; None:
+    # The core (0 or 1, as in `pins`) the gateway and the measuring client share; None:
     # the pods take both cores, and the scheduler places the rest.
     serving_core: int | None = None
 
@@ -81,8 +81,8 @@ def running_stack(config: LocalConfig) -> Iterator[RunningStack]:
     setup = SystemSetup(config.name, [*config.up_flags, "--num-threads", "1"], pins, config.name)
     serving = None if config.serving_core is None else {cores[config.serving_core]}
     with _this_process_on(serving), RunningStack(setup) as stack:
-        # Started from here, the processes not pinned to a pod's core (the gateway, Redis)
-        # inherit the serving core.
+        # Started from here, the processes not pinned to a pod's core (the gateway) inherit
+        # the serving core.
         yield stack
 
 

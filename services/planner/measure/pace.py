@@ -8,10 +8,11 @@ where the bare engine timed beside each request put the serving path at about 10
 nothing. So before each lone request the measuring process times the profile's own engine on
 a prompt of the same length, and the serving costs are taken against the profile at that pace
 (`Profile.at_pace`). Its prefill step is pinned to the core of the pod that prefilled the
-request and its decode steps to the decode pod's (both idle then): the two cores of a VM need
-not run at one speed, and on 2026-12-03 a 1P+1D stack's decode pod ran its token gaps 12.5 ms
-beyond the engine paced on the prefill pod's core, which the fit took as a serving cost of
-12 ms a step that the runs after it did not show.
+request and its decode steps to the decode pod's (both idle then), so what is timed runs where
+the stack ran it. (It was timed on the first pod's core alone until 2026-12-03, when a 1P+1D
+stack's decode pod ran its token gaps 12.5 ms beyond the engine paced there. The two cores
+measured within 4% of each other that morning; the gap was the gateway's placement, which
+`local_stacks.py` now pins.)
 """
 
 from __future__ import annotations

@@ -9,7 +9,13 @@ import random
 import pytest
 
 from splitserve.gateway.admission.fair_queue import FairQueue, QueueFull, Waiter
-from splitserve.gateway.admission.feedback import Calibration, RowLimit, TokenGaps
+from splitserve.gateway.admission.feedback import (
+    CALIBRATION_HALF_LIFE_S,
+    CALIBRATION_HOLD_S,
+    Calibration,
+    RowLimit,
+    TokenGaps,
+)
 from splitserve.gateway.admission.predict import best_prediction, row_cap
 from splitserve.gateway.admission.slo import Slo, requested_slo
 from splitserve.gateway.auth.keys import KeyRing
@@ -275,6 +281,25 @@ def test_calibration_learns_a_steady_bias_and_ignores_nonsense():
     for _ in range(60):
         calibration.observe(measured=1e9, predicted=1.0)  # clamped
     assert calibration.factor == pytest.approx(10.0, rel=0.01)
+
+
+def test_a_calibration_fades_toward_one_while_nothing_is_observed():
+    # Learnt in an overload (first tokens 5x late), then nothing admitted: it must not keep
+    # refusing on an idle pool for ever.
+    calibration = Calibration()
+    for i in range(40):
+        calibration.observe(measured=500.0, predicted=100.0, now=float(i) * 2.0)
+    last = 78.0
+    # Observed every 2 s: learnt in full, and held while observations keep coming.
+    assert calibration.factor_at(last) == pytest.approx(5.0, rel=0.02)
+    assert calibration.factor_at(last + CALIBRATION_HOLD_S) == calibration.factor_at(last)
+    halved = calibration.factor_at(last + CALIBRATION_HOLD_S + CALIBRATION_HALF_LIFE_S)
+    assert halved == pytest.approx(5.0**0.5, rel=0.02)
+    idle = last + CALIBRATION_HOLD_S + 6 * CALIBRATION_HALF_LIFE_S
+    assert calibration.factor_at(idle) < 1.03
+    # What it sees next builds on the faded factor, not on the stale one.
+    calibration.observe(measured=100.0, predicted=100.0, now=idle)
+    assert calibration.factor_at(idle) < 1.03
 
 
 # ---- favoured requests: a tenant within its share goes first on the pods ---------------------

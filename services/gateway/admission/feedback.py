@@ -31,6 +31,13 @@ MAX_INCREASE = 1.25
 SMOOTHING = 0.5  # weight of the newest window's mean gap
 CALIBRATION_WEIGHT = 0.2  # of the newest request's log ratio
 CALIBRATION_RANGE = (0.25, 10.0)
+# A factor holds as it is for CALIBRATION_HOLD_S after its last observation, then fades toward
+# 1 with this half-life. Under load every admitted request's first token (and every busy
+# window) observes again well within the hold, so a steady bias is learnt in full; fading
+# all along would settle it short (at one observation a second and a 20 s half-life, a true
+# 3x was learnt as 2.6x).
+CALIBRATION_HOLD_S = 10.0
+CALIBRATION_HALF_LIFE_S = 10.0
 
 
 @dataclass
@@ -91,21 +98,37 @@ class RowLimit:
 @dataclass
 class Calibration:
     """A running factor, measured over predicted, in log space (a ratio of 2 and one of 0.5
-    cancel out)."""
+    cancel out), that fades back toward 1 while nothing new is observed: a factor learnt in an
+    overload, when every first token came late, otherwise outlives it, and since refused
+    requests teach nothing, it kept refusing on an idle pool (2026-12-03, an EPYC: after a
+    flood at 3 req/s, a lone request at 0.07 req/s refused on a predicted TTFT past 3 s)."""
 
     log_ratio: float = 0.0
     num_seen: int = 0
+    observed_at: float | None = None  # time.monotonic() of the last observation
 
-    def observe(self, measured: float, predicted: float) -> None:
+    def observe(self, measured: float, predicted: float, now: float | None = None) -> None:
         if measured <= 0 or predicted <= 0:
             return
+        now = time.monotonic() if now is None else now
         low, high = CALIBRATION_RANGE
         ratio = math.log(min(max(measured / predicted, low), high))
         # A steady weight, even for the first requests: a cold first request (a new shape, a
         # pod's first steps) must not set the factor on its own.
-        self.log_ratio += CALIBRATION_WEIGHT * (ratio - self.log_ratio)
+        faded = self._faded_log_ratio(now)
+        self.log_ratio = faded + CALIBRATION_WEIGHT * (ratio - faded)
+        self.observed_at = now
         self.num_seen += 1
 
     @property
     def factor(self) -> float:
-        return math.exp(self.log_ratio)
+        return self.factor_at(time.monotonic())
+
+    def factor_at(self, now: float) -> float:
+        return math.exp(self._faded_log_ratio(now))
+
+    def _faded_log_ratio(self, now: float) -> float:
+        if self.observed_at is None:
+            return self.log_ratio
+        stale_s = max(now - self.observed_at - CALIBRATION_HOLD_S, 0.0)
+        return self.log_ratio * 0.5 ** (stale_s / CALIBRATION_HALF_LIFE_S)

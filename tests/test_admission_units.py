@@ -465,6 +465,34 @@ def test_a_flood_waiting_behind_favoured_work_does_not_raise_a_favoured_ttft():
     assert quiet.predicted.ttft_ms < 2 * quiet.model.ttft_ms
 
 
+def test_an_idle_pool_refuses_only_on_the_cost_models_own_prediction():
+    """A TTFT factor learnt under load (first tokens 10x the model) does not refuse a request
+    that finds the pool idle, where the model alone meets its objective; the same request
+    beside one in flight is refused on the calibrated prediction (429)."""
+    import asyncio
+
+    from splitserve.gateway.admission.controller import AdmissionRefused
+
+    async def run():
+        controller = _controller(max_rows=8)
+        for _ in range(30):
+            ticket = await controller.admit(_ask("a"))
+            controller.first_token(ticket, ticket.model.ttft_ms * 10 / 1000)
+            controller.release(ticket, None, None)
+        probe = await controller.admit(_ask("a"))
+        objective_ms = 3 * probe.model.ttft_ms  # the model meets it, 10x the model does not
+        controller.release(probe, None, None)
+        alone = await controller.admit(_ask("a", ttft_ms=objective_ms))
+        with pytest.raises(AdmissionRefused) as beside:
+            await controller.admit(_ask("a", ttft_ms=objective_ms))
+        await controller.close()
+        return alone, beside.value
+
+    alone, refusal = asyncio.run(run())
+    assert alone.model is not None
+    assert refusal.http_status == 429 and refusal.reason == "slo"
+
+
 def test_once_every_row_limit_is_one_row_the_default_tpot_meets_the_prediction():
     """Gaps far past the objective even at one row: no row limit can hold it, so a request
     bound by the default objective is refused on the prediction again."""

@@ -177,8 +177,13 @@ class AdmissionController:
         model = self._model_prediction(ask, favoured)
         prediction = None if model is None else self._calibrated(model, favoured)
         bound = self._is_bound(ask)
-        if bound and prediction is not None:
-            self._refuse_if_service_misses(ask, prediction)
+        if bound and model is not None and prediction is not None:
+            # On an idle pool the TTFT is the cost model's own: its calibration was learnt
+            # under load, from queueing the model does not see, and refusing here spares no
+            # one. (The TPOT factor is taken against the rows the pods ran: it stays.)
+            idle = self._is_idle()
+            judged = Prediction(model.ttft_ms, prediction.tpot_ms) if idle else prediction
+            self._refuse_if_service_misses(ask, judged)
         if not self._queue and self._has_room(ask) and not self._over_share(ask):
             return self._ticket(ask, arrived, False, model, favoured)
         return await self._wait_in_queue(ask, arrived, prediction, bound)
@@ -423,6 +428,10 @@ class AdmissionController:
             self._ticker.cancel()
 
     # ---- room, predictions, waits -----------------------------------------------------------
+
+    def _is_idle(self) -> bool:
+        """Nothing in flight through this gateway and nothing queued."""
+        return self.num_rows_in_flight == 0 and not self._queue
 
     def _has_room(self, ask: AdmissionAsk) -> bool:
         """Rows for `ask` under the pool's cap; a request larger than the whole cap still goes

@@ -29,8 +29,12 @@ if TYPE_CHECKING:
     from splitserve.engine.core import EngineCore
     from splitserve.engine.step import SchedulerOutput, StepResult
 
-# Steps seen before the fit reports anything: fewer cannot separate three coefficients.
-MIN_STEPS = 8
+# Steps seen before the fit reports anything. The ridge keeps a line from few shapes sane (what
+# the steps leave open goes to the base), so this is only enough that one odd step (a pod's
+# cold first) is not the whole line. More is blindness: a prefill pod computes a 512-token step
+# in 1-2 s on a 2-core EPYC, and at 8 steps a fresh 1P+1D stack under a burst admitted without
+# any prediction for its first 30 s (TTFTs up to 23 s against a 3 s objective).
+MIN_STEPS = 3
 # Weight of a step after this many later steps: 1/2 (a few seconds of a busy pod's steps).
 HALF_LIFE_STEPS = 500.0
 # The slopes' ridge, per unit of weight seen: as if a small share of the steps had said

@@ -195,6 +195,29 @@ def test_disaggregated_prediction_takes_the_prefill_pods_queue():
     assert predicted.tpot_ms == pytest.approx(30)
 
 
+def test_a_calls_prompt_awaits_on_the_prefill_pod_it_names_until_taken_back():
+    """A prefill pod's stats lag its backlog by a poll and by the step it is in (seconds on a
+    slow CPU): the gateway's own calls naming it are the fresher floor, as on a decode pod."""
+    from splitserve.gateway.generation import SequenceCall, _count_awaiting, _prefilling_pods
+    from splitserve.gateway.routing.scoring import RoutingDecision
+
+    decode, prefill = _pod("d:1", **COSTS, num_running=4), _pod("p:1", **COSTS)
+    decision = RoutingDecision("d", "d:1", "p", "p:1", "cache_aware", {}, 0)
+    request = worker_pb2.DecodeRequest(prompt_token_ids=list(range(400)))
+    call = SequenceCall(0, 0, request, decode, decision, prefill_pod=prefill)
+    before = best_prediction([decode], [prefill], 100, 10)
+    awaiting_on = _prefilling_pods(call)
+    _count_awaiting(awaiting_on, False, 400)
+    call.prefill_pod = None  # a migration names none later: the count still comes back off
+    during = best_prediction([decode], [prefill], 100, 10)
+    assert before is not None and during is not None
+    # 400 tokens more ahead on the prefill pod: 0.5 ms each, in the same one step.
+    assert during.ttft_ms == pytest.approx(before.ttft_ms + 200)
+    _count_awaiting(awaiting_on, False, -400)
+    assert (decode.awaiting_prompt_tokens, prefill.awaiting_prompt_tokens) == (0, 0)
+    assert best_prediction([decode], [prefill], 100, 10) == before
+
+
 def test_row_cap_keeps_a_step_within_the_tpot_objective():
     pod = _pod("d:1", **COSTS)
     assert row_cap(pod, None, 8) == 64  # no objective: the pod's own maximum

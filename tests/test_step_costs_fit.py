@@ -132,3 +132,16 @@ def test_the_work_between_steps_counts_and_idle_time_does_not():
         idle_start += (forward_ms + 500.0) / 1e3  # waiting half a second for requests
     assert busy.costs().step_ms(2) == pytest.approx(_line(2, 0) + 2.0, rel=0.01)
     assert idle.costs().step_ms(2) == pytest.approx(_line(2, 0), rel=0.01)
+
+
+def test_a_prefill_pods_first_full_steps_price_its_backlog_at_once():
+    """A prefill pod under a burst runs only full steps, a second or two each on a slow CPU:
+    its line must be there after its first few, with the one shape it has seen in the base
+    (a blind pod gives admission control nothing to predict a TTFT by)."""
+    fit = StepCostsFit()
+    for _ in range(MIN_STEPS):
+        fit.add(0, 512, 1500.0)
+    costs = fit.costs()
+    assert MIN_STEPS <= 3
+    assert costs.step_ms(0, 512) == pytest.approx(1500.0, rel=0.01)
+    assert (costs.row_ms, costs.base_ms) == (0.0, pytest.approx(1500.0, rel=0.01))

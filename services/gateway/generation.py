@@ -100,22 +100,24 @@ class SequenceCall:
 _END = object()  # a child's stream ended
 
 
-def _favoured_pods(child: SequenceCall) -> tuple[Pod, ...]:
-    """Where a favoured call's prompt waits as favoured work: its decode pod, and the prefill
-    pod it names (a migrated one names none: its new decode pod re-prefills)."""
-    if not child.favoured:
-        return ()
+def _prefilling_pods(child: SequenceCall) -> tuple[Pod, ...]:
+    """Where a call's prompt waits to be computed: its decode pod, and the prefill pod it names
+    (a migrated one names none: its new decode pod re-prefills). Counted on both: the decode
+    pod may compute it itself instead (conditional disaggregation), and a prefill pod's own
+    stats lag its backlog by a poll and by the step it is in (a second or two per step on a
+    2-core EPYC, where a fresh 1P+1D stack's TTFT predictions missed 2-4x under a burst)."""
     if child.prefill_pod is None or child.prefill_pod is child.pod:
         return (child.pod,)
     return (child.pod, child.prefill_pod)
 
 
-def _count_awaiting(pod: Pod, favoured_on: tuple[Pod, ...], num_tokens: int) -> None:
+def _count_awaiting(pods: tuple[Pod, ...], favoured: bool, num_tokens: int) -> None:
     """Adds `num_tokens` (negative: takes them back) to the prompt tokens awaiting a first
-    response on `pod`, and on `favoured_on` to their favoured part."""
-    pod.awaiting_prompt_tokens += num_tokens
-    for favoured_pod in favoured_on:
-        favoured_pod.awaiting_favoured_prompt_tokens += num_tokens
+    response on `pods`, and for a favoured call to their favoured part."""
+    for pod in pods:
+        pod.awaiting_prompt_tokens += num_tokens
+        if favoured:
+            pod.awaiting_favoured_prompt_tokens += num_tokens
 
 
 # Routes a sequence again after its decode pod was unreachable (None: no other pod is left).
@@ -306,15 +308,16 @@ class Generation:
         # Its prompt is prefill work ahead of others on the pod until its first response
         # (admission control's predictions, services/gateway/admission/predict.py).
         awaiting = 0 if child.has_output else len(child.request.prompt_token_ids)
-        favoured_on = _favoured_pods(child) if awaiting else ()
-        _count_awaiting(pod, favoured_on, awaiting)
+        # Taken back from the same pods, whatever a migration names later.
+        awaiting_on, favoured = _prefilling_pods(child), child.favoured
+        _count_awaiting(awaiting_on, favoured, awaiting)
         try:
             # One deadline for the whole call, pushed back by every response once output began:
             # cheaper per token than a timeout around each read.
             async with asyncio.timeout(None) as deadline:
                 async for response in child.call:
                     if awaiting:
-                        _count_awaiting(pod, favoured_on, -awaiting)
+                        _count_awaiting(awaiting_on, favoured, -awaiting)
                         awaiting = 0
                     self._take(child, response)
                     deadline.reschedule(loop.time() + stall_timeout)
@@ -334,7 +337,7 @@ class Generation:
             return error
         finally:
             pod.call_breakers.discard(break_off)
-            _count_awaiting(pod, favoured_on, -awaiting)
+            _count_awaiting(awaiting_on, favoured, -awaiting)
         return _END
 
     def _take(self, child: SequenceCall, response: worker_pb2.DecodeResponse) -> None:

@@ -131,3 +131,16 @@ def test_the_baseline_comes_first_and_admission_stacks_only_when_flags_exist() -
     assert with_admission[0].name == "splitserve"
     assert [s.admission for s in with_admission[2:]] == [LOOSE, TIGHT]
     assert not any(s.measures_saturation for s in with_admission[2:])
+
+
+def test_the_flooded_phase_repeats_the_arrivals_with_prompts_the_cache_has_not_seen() -> None:
+    from benchmarks.goodput.tenants import fresh_prompts
+
+    specs = poisson_workload("tenants-quiet", 0.5, 60.0, 1_000_000, MIXED.shape)
+    again = fresh_prompts(specs, "flooded-quiet")
+    assert [(s.arrival_s, len(s.prompt_token_ids), s.max_tokens) for s in again] == [
+        (s.arrival_s, len(s.prompt_token_ids), s.max_tokens) for s in specs
+    ]
+    # No prompt shares even its first 16-token block with the phase before it.
+    assert all(a.prompt_token_ids[:16] != b.prompt_token_ids[:16] for a, b in zip(specs, again))
+    assert fresh_prompts(specs, "flooded-quiet") == again  # repeatable

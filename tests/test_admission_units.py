@@ -397,6 +397,29 @@ def test_a_quiet_tenant_takes_its_kept_row_at_once_beside_a_flood_and_is_favoure
     assert waiting == 2  # the flood's two still queue
 
 
+def test_a_tenant_with_a_backlog_is_not_favoured_even_within_its_share():
+    """The queue lets a flooding tenant in exactly up to its share, so each admission from its
+    backlog is within it: favoured too, its prompts would stand level with a quiet tenant's on
+    the pods again. Only once its backlog is gone is it favoured."""
+    import asyncio
+
+    async def run() -> list[bool]:
+        controller = _controller(max_rows=2)
+        controller.release(await controller.admit(_ask("quiet")), None, None)  # it asked
+        first = await controller.admit(_ask("flood"))  # its share: one row of two
+        backlog = [asyncio.create_task(controller.admit(_ask("flood"))) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert controller.num_queued == 2  # the other row is kept for the quiet tenant
+        controller.release(first, None, None)
+        second = await asyncio.wait_for(backlog[0], 1.0)  # one more still queued behind it
+        controller.release(second, None, None)
+        third = await asyncio.wait_for(backlog[1], 1.0)  # nothing behind it
+        await controller.close()
+        return [first.favoured, second.favoured, third.favoured]
+
+    assert asyncio.run(run()) == [True, False, True]
+
+
 # ---- calibrations ----------------------------------------------------------------------------
 
 

@@ -69,6 +69,10 @@ class FairQueue:
         queue.append(waiter)
         self._size += 1
 
+    def has_queued(self, tenant: str) -> bool:
+        """Whether `tenant` has a request waiting here, at any priority."""
+        return any(tenant in level.queues for level in self._levels.values())
+
     def peek(self, skip: Collection[str] = ()) -> Waiter | None:
         """The request `pop` would return, left in place."""
         level = self._first_level(skip)

@@ -325,6 +325,83 @@ def test_a_calibration_fades_toward_one_while_nothing_is_observed():
     assert calibration.factor_at(idle) < 1.03
 
 
+def test_a_ttft_is_judged_at_the_upper_end_of_how_far_recent_ones_were_off():
+    """Ratios spread 0.5x to 1.5x around a middle of 1: the running factor stays near 1, the
+    upper one is their 90th percentile; with too few seen, or all alike, the two agree."""
+    spread = Calibration()
+    for ratio in [0.5, 0.75, 1.0, 1.25, 1.5] * 6:
+        spread.observe(measured=100.0 * ratio, predicted=100.0, now=0.0)
+    assert 0.85 < spread.factor_at(0.0) < 1.15
+    assert spread.upper_factor_at(0.0) == pytest.approx(1.5)
+    steady = Calibration()
+    for _ in range(30):
+        steady.observe(measured=200.0, predicted=100.0, now=0.0)
+    assert steady.upper_factor_at(0.0) == pytest.approx(steady.factor_at(0.0), rel=0.05)
+    few = Calibration()
+    for ratio in (0.5, 1.5, 1.5):
+        few.observe(measured=100.0 * ratio, predicted=100.0, now=0.0)
+    assert few.upper_factor_at(0.0) == few.factor_at(0.0)
+    # Stale, the upper end fades toward 1 as the middle does.
+    assert spread.upper_factor_at(100.0) < 1.01
+
+
+def test_a_saturated_pool_judges_a_ttft_at_the_upper_end_and_one_with_room_at_the_middle():
+    """First tokens spread 0.5x-1.5x the model. With a row free, a request whose objective is
+    1.2x the model (inside by the middle of the ratios) is admitted: refusing it spares no
+    one. With no row free it is refused (503): inside only by the middle, it would take the
+    next row from a request that can meet its objective surely. One at 2x the model queues."""
+    import asyncio
+
+    from splitserve.gateway.admission.controller import AdmissionRefused
+
+    async def run():
+        controller = _controller(max_rows=2)
+        for ratio in [0.5, 0.75, 1.0, 1.25, 1.5] * 6:
+            ticket = await controller.admit(_ask("a"))
+            ttft_s = ticket.model.ttft_ms * ratio / 1000
+            controller.first_token(ticket, ttft_s)
+            controller.release(ticket, ttft_s, 0.02)  # 30 just finished: no wait to speak of
+        busy = await controller.admit(_ask("a"))  # one row of two in flight
+        model_ms = busy.model.ttft_ms
+        with_room = await controller.admit(_ask("a", ttft_ms=1.2 * model_ms))
+        with pytest.raises(AdmissionRefused) as saturated:
+            await controller.admit(_ask("a", ttft_ms=1.2 * model_ms))
+        roomy = asyncio.create_task(controller.admit(_ask("a", ttft_ms=2 * model_ms)))
+        await asyncio.sleep(0)
+        queued = controller.num_queued
+        roomy.cancel()
+        await controller.close()
+        return with_room, saturated.value, queued
+
+    with_room, refusal, queued = asyncio.run(run())
+    assert with_room.model is not None
+    assert refusal.http_status == 503 and refusal.reason == "saturated"
+    assert queued == 1
+
+
+def test_a_pool_asked_for_well_past_what_it_finishes_judges_at_the_upper_end_with_room():
+    """Rows free, but 30 asked in the window and none finished (prompts queue on the pods):
+    the 1.2x request a pool with time to spare admits is refused (429)."""
+    import asyncio
+
+    from splitserve.gateway.admission.controller import AdmissionRefused
+
+    async def run():
+        controller = _controller(max_rows=8)
+        for ratio in [0.5, 0.75, 1.0, 1.25, 1.5] * 6:
+            ticket = await controller.admit(_ask("a"))
+            controller.first_token(ticket, ticket.model.ttft_ms * ratio / 1000)
+            controller.release(ticket, None, None)  # nothing counted as finished
+        busy = await controller.admit(_ask("a"))
+        with pytest.raises(AdmissionRefused) as overloaded:
+            await controller.admit(_ask("a", ttft_ms=1.2 * busy.model.ttft_ms))
+        await controller.close()
+        return overloaded.value
+
+    refusal = asyncio.run(run())
+    assert refusal.http_status == 429 and refusal.reason == "slo"
+
+
 # ---- favoured requests: a tenant within its share goes first on the pods ---------------------
 
 

@@ -54,6 +54,12 @@ QUEUE_TICK_SECONDS = 0.05
 # The window over which requests finishing per second are counted, for the queue's wait.
 COMPLETION_WINDOW_SECONDS = 10.0
 _MIN_COMPLETIONS = 3  # fewer in the window: the wait comes from the cost model instead
+# Asked for at this multiple of what the pool finished over the same window, and by at least
+# OVERLOAD_EXCESS requests: overloaded, so TTFTs are judged at the upper end (`_judged`). The
+# excess keeps a burst at low rates out (at half saturation on an EPYC, 7 asks against 3
+# finished in 10 s was common, and judging those at the upper end refused 7 of 19).
+OVERLOAD_DEMAND = 1.5
+OVERLOAD_EXCESS = 6
 # A tenant that asked within this long (or has rows in flight) counts as active: a row is
 # kept for it while it is below its share.
 ACTIVE_TENANT_SECONDS = 2.0
@@ -153,6 +159,7 @@ class AdmissionController:
         self._asks: dict[Waiter, AdmissionAsk] = {}
         self.num_rows_in_flight = 0
         self._finished_at: deque[float] = deque()
+        self._asked_at: deque[float] = deque()  # every ask, over COMPLETION_WINDOW_SECONDS
         self._ticker: asyncio.Task | None = None
         self._row_limits: dict[str, RowLimit] = {}  # decode pod address -> its limit
         self._weight_of = weight_of or (lambda tenant: 1.0)
@@ -173,20 +180,22 @@ class AdmissionController:
         """A ticket once `ask` may go to the pods; raises AdmissionRefused."""
         arrived = time.monotonic()
         self._last_asked[ask.tenant] = arrived
+        self._asked_at.append(arrived)
         favoured = self._is_favoured(ask)
         model = self._model_prediction(ask, favoured)
-        prediction = None if model is None else self._calibrated(model, favoured)
+        saturated = bool(self._queue) or not self._has_room(ask) or self._is_overloaded()
+        judged = None if model is None else self._judged(model, favoured, saturated)
         bound = self._is_bound(ask)
-        if bound and model is not None and prediction is not None:
+        if bound and model is not None and judged is not None:
             # On an idle pool the TTFT is the cost model's own: its calibration was learnt
             # under load, from queueing the model does not see, and refusing here spares no
             # one. (The TPOT factor is taken against the rows the pods ran: it stays.)
-            idle = self._is_idle()
-            judged = Prediction(model.ttft_ms, prediction.tpot_ms) if idle else prediction
+            if self._is_idle():
+                judged = Prediction(model.ttft_ms, judged.tpot_ms)
             self._refuse_if_service_misses(ask, judged)
         if not self._queue and self._has_room(ask) and not self._over_share(ask):
             return self._ticket(ask, arrived, False, model, favoured)
-        return await self._wait_in_queue(ask, arrived, prediction, bound)
+        return await self._wait_in_queue(ask, arrived, judged, bound)
 
     def first_token(self, ticket: Ticket, ttft_s: float) -> None:
         """The request's first token came `ttft_s` after its dispatch: the TTFT model learns
@@ -400,7 +409,7 @@ class AdmissionController:
         if not self._is_bound(ask) or ask.slo.ttft_ms is None or model is None:
             return None
         waited_ms = (time.monotonic() - waiter.enqueued_at) * 1000
-        late = waited_ms + self._calibrated(model, favoured).ttft_ms - ask.slo.ttft_ms
+        late = waited_ms + self._judged(model, favoured, True).ttft_ms - ask.slo.ttft_ms
         return late if late > 0 else None
 
     def _deadline_refusal(self, waiter: Waiter, late_ms: float) -> AdmissionRefused:
@@ -428,6 +437,16 @@ class AdmissionController:
             self._ticker.cancel()
 
     # ---- room, predictions, waits -----------------------------------------------------------
+
+    def _is_overloaded(self) -> bool:
+        """More asked lately than the pool finished, by OVERLOAD_DEMAND: the rows may have
+        room while the prompts queue on the pods (a CPU prefill pod is the bottleneck there)."""
+        now = time.monotonic()
+        while self._asked_at and now - self._asked_at[0] > COMPLETION_WINDOW_SECONDS:
+            self._asked_at.popleft()
+        self._completion_rate()  # drops the finished ones past the window
+        asked, finished = len(self._asked_at), len(self._finished_at)
+        return asked > OVERLOAD_DEMAND * finished and asked - finished >= OVERLOAD_EXCESS
 
     def _is_idle(self) -> bool:
         """Nothing in flight through this gateway and nothing queued."""
@@ -533,6 +552,22 @@ class AdmissionController:
             favoured,
             limits,
         )
+
+    def _judged(self, model: Prediction, favoured: bool, saturated: bool) -> Prediction:
+        """What a request's SLO is judged against. In a saturated pool (a queue, no room, or
+        asked for well past what it finishes: `_is_overloaded`), its TTFT at the upper end of
+        how far recent ones were off (`Calibration.upper_factor_at`): each request admitted
+        there takes pod time (a row, a prefill) from another that could meet its SLO, so the
+        admitted must meet theirs nearly always, not half the time at the margin (judged at
+        the middle, 10-19% of them missed on an EPYC at 2-3x saturation). With time to spare
+        it is judged at the middle: a refusal there spares no one (at the upper end, 6 of 20
+        requests at half saturation were refused). Its TPOT as calibrated (the row limits
+        hold the default one)."""
+        calibrated = self._calibrated(model, favoured)
+        if not saturated:
+            return calibrated
+        upper = self._ttft_calibrations[favoured].upper_factor_at(time.monotonic())
+        return Prediction(model.ttft_ms * upper, calibrated.tpot_ms)
 
     def _calibrated(self, model: Prediction, favoured: bool) -> Prediction:
         """The cost model's prediction, corrected by how far it was off lately."""

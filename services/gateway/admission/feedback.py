@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 # The measured gaps are steered to this share of the TPOT objective: a request's own mean gap
@@ -38,6 +39,11 @@ CALIBRATION_RANGE = (0.25, 10.0)
 # 3x was learnt as 2.6x).
 CALIBRATION_HOLD_S = 10.0
 CALIBRATION_HALF_LIFE_S = 10.0
+# A factor's spread: the last RECENT_RATIOS ratios, and the quantile of them a TTFT is judged at
+# (`Calibration.upper_factor_at`), once MIN_RATIOS_FOR_SPREAD were seen.
+RECENT_RATIOS = 32
+UPPER_QUANTILE = 0.9
+MIN_RATIOS_FOR_SPREAD = 8
 
 
 @dataclass
@@ -106,6 +112,7 @@ class Calibration:
     log_ratio: float = 0.0
     num_seen: int = 0
     observed_at: float | None = None  # time.monotonic() of the last observation
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_RATIOS))
 
     def observe(self, measured: float, predicted: float, now: float | None = None) -> None:
         if measured <= 0 or predicted <= 0:
@@ -119,6 +126,7 @@ class Calibration:
         self.log_ratio = faded + CALIBRATION_WEIGHT * (ratio - faded)
         self.observed_at = now
         self.num_seen += 1
+        self.recent.append(ratio)
 
     @property
     def factor(self) -> float:
@@ -127,8 +135,24 @@ class Calibration:
     def factor_at(self, now: float) -> float:
         return math.exp(self._faded_log_ratio(now))
 
+    def upper_factor_at(self, now: float) -> float:
+        """The factor at the UPPER_QUANTILE of the recent ratios (never below `factor_at`):
+        what a TTFT is judged at. The running factor is a middle, so a request predicted just
+        inside its objective by it misses about half the time; where the predictions spread
+        wide (a CPU prefill pod's steps of 1-2 s, on an EPYC: measured/predicted 0.5-1.5),
+        admitting at the middle left 10-19% of the accepted requests past their TTFT."""
+        middle = self._faded_log_ratio(now)
+        if len(self.recent) < MIN_RATIOS_FOR_SPREAD:
+            return math.exp(middle)
+        ordered = sorted(self.recent)
+        upper = ordered[min(int(UPPER_QUANTILE * len(ordered)), len(ordered) - 1)]
+        return math.exp(max(middle, self._faded(upper, now)))
+
     def _faded_log_ratio(self, now: float) -> float:
+        return self._faded(self.log_ratio, now)
+
+    def _faded(self, log_ratio: float, now: float) -> float:
         if self.observed_at is None:
-            return self.log_ratio
+            return log_ratio
         stale_s = max(now - self.observed_at - CALIBRATION_HOLD_S, 0.0)
-        return self.log_ratio * 0.5 ** (stale_s / CALIBRATION_HALF_LIFE_S)
+        return log_ratio * 0.5 ** (stale_s / CALIBRATION_HALF_LIFE_S)

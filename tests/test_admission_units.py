@@ -402,6 +402,30 @@ def test_a_pool_asked_for_well_past_what_it_finishes_judges_at_the_upper_end_wit
     assert refusal.http_status == 429 and refusal.reason == "slo"
 
 
+def test_a_favoured_request_is_judged_at_the_middle_in_an_overloaded_pool():
+    """The pod time a tenant within its share takes is its own share: beside another tenant,
+    30 asked and none finished (overloaded), its first tokens spread 0.5x-1.5x the model, a
+    request of it with an objective 1.2x the model is admitted, where the same request
+    from a lone tenant (not favoured) is refused (the test above)."""
+    import asyncio
+
+    async def run():
+        controller = _controller(max_rows=8)
+        other = await controller.admit(_ask("other"))  # another tenant with a row in flight
+        for ratio in [0.5, 0.75, 1.0, 1.25, 1.5] * 6:
+            ticket = await controller.admit(_ask("quiet"))
+            assert ticket.favoured
+            controller.first_token(ticket, ticket.model.ttft_ms * ratio / 1000)
+            controller.release(ticket, None, None)  # nothing counted as finished
+        probe = await controller.admit(_ask("quiet"))
+        admitted = await controller.admit(_ask("quiet", ttft_ms=1.2 * probe.model.ttft_ms))
+        await controller.close()
+        return other, admitted
+
+    _, admitted = asyncio.run(run())
+    assert admitted.favoured and admitted.model is not None
+
+
 # ---- favoured requests: a tenant within its share goes first on the pods ---------------------
 
 

@@ -183,8 +183,7 @@ class AdmissionController:
         self._asked_at.append(arrived)
         favoured = self._is_favoured(ask)
         model = self._model_prediction(ask, favoured)
-        saturated = bool(self._queue) or not self._has_room(ask) or self._is_overloaded()
-        judged = None if model is None else self._judged(model, favoured, saturated)
+        judged = None if model is None else self._judged(model, favoured, self._is_saturated(ask))
         bound = self._is_bound(ask)
         if bound and model is not None and judged is not None:
             # On an idle pool the TTFT is the cost model's own: its calibration was learnt
@@ -438,6 +437,11 @@ class AdmissionController:
 
     # ---- room, predictions, waits -----------------------------------------------------------
 
+    def _is_saturated(self, ask: AdmissionAsk) -> bool:
+        """Whether admitting `ask` would take pod time another request could meet its SLO in:
+        a queue, no row free, or asked for well past what the pool finishes."""
+        return bool(self._queue) or not self._has_room(ask) or self._is_overloaded()
+
     def _is_overloaded(self) -> bool:
         """More asked lately than the pool finished, by OVERLOAD_DEMAND: the rows may have
         room while the prompts queue on the pods (a CPU prefill pod is the bottleneck there)."""
@@ -561,10 +565,13 @@ class AdmissionController:
         admitted must meet theirs nearly always, not half the time at the margin (judged at
         the middle, 10-19% of them missed on an EPYC at 2-3x saturation). With time to spare
         it is judged at the middle: a refusal there spares no one (at the upper end, 6 of 20
-        requests at half saturation were refused). Its TPOT as calibrated (the row limits
-        hold the default one)."""
+        requests at half saturation were refused). A favoured request (its tenant within its
+        share, without a backlog) is judged at the middle too: the pod time it takes is its
+        tenant's share, not another's (judged at the upper end beside a 10x flood, 19 of a
+        quiet tenant's 27 were refused). Its TPOT as calibrated (the row limits hold the
+        default one)."""
         calibrated = self._calibrated(model, favoured)
-        if not saturated:
+        if not saturated or favoured:
             return calibrated
         upper = self._ttft_calibrations[favoured].upper_factor_at(time.monotonic())
         return Prediction(model.ttft_ms * upper, calibrated.tpot_ms)

@@ -139,9 +139,8 @@ def test_a_prefill_pods_first_full_steps_price_its_backlog_at_once():
     its line must be there after its first few, with the one shape it has seen in the base
     (a blind pod gives admission control nothing to predict a TTFT by)."""
     fit = StepCostsFit()
-    for _ in range(MIN_STEPS):
+    for _ in range(3):
         fit.add(0, 512, 1500.0)
     costs = fit.costs()
-    assert MIN_STEPS <= 3
     assert costs.step_ms(0, 512) == pytest.approx(1500.0, rel=0.01)
     assert (costs.row_ms, costs.base_ms) == (0.0, pytest.approx(1500.0, rel=0.01))

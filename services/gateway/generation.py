@@ -305,7 +305,7 @@ class Generation:
 
         pod = child.pod
         pod.call_breakers.add(break_off)
-        # Its prompt is prefill work ahead of others on the pod until its first response
+        # Its prompt is prefill work ahead of others on its pods until its first response
         # (admission control's predictions, services/gateway/admission/predict.py).
         awaiting = 0 if child.has_output else len(child.request.prompt_token_ids)
         # Taken back from the same pods, whatever a migration names later.

@@ -56,8 +56,8 @@ COMPLETION_WINDOW_SECONDS = 10.0
 _MIN_COMPLETIONS = 3  # fewer in the window: the wait comes from the cost model instead
 # Asked for at this multiple of what the pool finished over the same window, and by at least
 # OVERLOAD_EXCESS requests: overloaded, so TTFTs are judged at the upper end (`_judged`). The
-# excess keeps a burst at low rates out (at half saturation on an EPYC, 7 asks against 3
-# finished in 10 s was common, and judging those at the upper end refused 7 of 19).
+# excess keeps a burst at low rates out: by the ratio alone, a quick run at half saturation on
+# an EPYC (a handful of asks and of finishes in a window) refused 7 of 19.
 OVERLOAD_DEMAND = 1.5
 OVERLOAD_EXCESS = 6
 # A tenant that asked within this long (or has rows in flight) counts as active: a row is
@@ -180,7 +180,7 @@ class AdmissionController:
         """A ticket once `ask` may go to the pods; raises AdmissionRefused."""
         arrived = time.monotonic()
         self._last_asked[ask.tenant] = arrived
-        self._asked_at.append(arrived)
+        self._note_asked(arrived)
         favoured = self._is_favoured(ask)
         model = self._model_prediction(ask, favoured)
         judged = None if model is None else self._judged(model, favoured, self._is_saturated(ask))
@@ -442,12 +442,17 @@ class AdmissionController:
         a queue, no row free, or asked for well past what the pool finishes."""
         return bool(self._queue) or not self._has_room(ask) or self._is_overloaded()
 
+    def _note_asked(self, now: float) -> None:
+        """Counts an ask, dropping those past the window (here, so that the count stays
+        bounded whether or not anything reads it)."""
+        self._asked_at.append(now)
+        while now - self._asked_at[0] > COMPLETION_WINDOW_SECONDS:
+            self._asked_at.popleft()
+
     def _is_overloaded(self) -> bool:
         """More asked lately than the pool finished, by OVERLOAD_DEMAND: the rows may have
-        room while the prompts queue on the pods (a CPU prefill pod is the bottleneck there)."""
-        now = time.monotonic()
-        while self._asked_at and now - self._asked_at[0] > COMPLETION_WINDOW_SECONDS:
-            self._asked_at.popleft()
+        room while the prompts queue on the pods (a CPU prefill pod is the bottleneck there).
+        The asks are counted up to the one being judged, which `admit` has just noted."""
         self._completion_rate()  # drops the finished ones past the window
         asked, finished = len(self._asked_at), len(self._finished_at)
         return asked > OVERLOAD_DEMAND * finished and asked - finished >= OVERLOAD_EXCESS

@@ -63,6 +63,12 @@ PREFILL_NICE = 0
 # p99 235 against 1,203 (vLLM ~740), TTFT p50 2.2 against 3.7 s, same tokens/s; 4 streams p99 85
 # against 86 (docs/benchmarks.md, issue 33). The pods' own default is 0 too (the chart's too).
 UP_MAX_REMOTE_PREFILL_TOKENS = 0
+# Prompt tokens in a step of only less important prompts, in every pod `up` starts
+# (shared/step_importance.py). A step of 512 prompt tokens takes ~1.8 s on one AVX2 core here,
+# 128 ~0.47 s, and a prompt's cost per token is within 4% at either (3.67 against 3.53 ms,
+# SmolLM2-135M int4, 2026-12-03): short steps cost little, and a tenant within its share
+# beside a flood waits for one of them, not for one of 512.
+UP_MAX_BACKGROUND_PREFILL_TOKENS = 128
 # As a kubelet would: back at once after a one-off crash, slower and slower in a crash loop.
 RESTART_POLICY = RestartPolicy(initial_backoff_s=1.0, max_backoff_s=30.0, reset_after_s=60.0)
 
@@ -105,6 +111,15 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         help="decode (and colocated) processes: prompt tokens in a step that also decodes, so "
         "prompts arriving cannot stall the running streams (default: no cap)",
+    )
+    sub.add_argument(
+        "--max-background-prefill-tokens",
+        type=int,
+        default=UP_MAX_BACKGROUND_PREFILL_TOKENS,
+        metavar="TOKENS",
+        help="every process: prompt tokens in a step that holds only prompts less important "
+        "than one sent lately (admission control sends a tenant within its share ahead of one "
+        f"over it); default {UP_MAX_BACKGROUND_PREFILL_TOKENS}, 0 = every prompt alike",
     )
     sub.add_argument(
         "--max-waiting-requests",
@@ -285,6 +300,8 @@ def plan(
     cap = args.max_prefill_tokens_while_decoding
     if cap is not None and cap < 1:
         raise ValueError(f"--max-prefill-tokens-while-decoding must be >= 1, got {cap}")
+    if args.max_background_prefill_tokens < 0:
+        raise ValueError("--max-background-prefill-tokens must be >= 0")
     if not 0 <= args.prefill_nice <= 19:
         raise ValueError(f"--prefill-nice must be within 0..19, got {args.prefill_nice}")
     if prefill_available is None:
@@ -429,6 +446,8 @@ def _engine_flags(args: argparse.Namespace, transport: str) -> list[str]:
         flags += ["--enable-lora"]
     if args.max_loras is not None:
         flags += ["--max-loras", str(args.max_loras)]
+    if args.max_background_prefill_tokens:
+        flags += ["--max-background-prefill-tokens", str(args.max_background_prefill_tokens)]
     return flags
 
 

@@ -196,6 +196,12 @@ class SchedulerConfig:
     # burst of prompts cannot stretch every running stream's next token past what this many
     # tokens cost. Steps with nothing decoding still take the whole budget. None = no cap.
     max_prefill_tokens_while_decoding: int | None = None
+    # Prompt tokens in a step that computes only prompts less important (a higher priority
+    # value) than one the pod was sent in the last `importance_window_s` (shared/
+    # step_importance.py): an important prompt arriving mid-step waits for a short step, and
+    # its own step takes no less important prompt. None = every prompt alike.
+    max_background_prefill_tokens: int | None = None
+    importance_window_s: float = 30.0
     # Schedule and launch the next step while the device runs this one (shared/overlap.py):
     # a GPU's decode steps stop waiting on the host. Nothing to gain on the CPU, where the
     # forward itself runs on the host.
@@ -216,6 +222,11 @@ class SchedulerConfig:
         cap = self.max_prefill_tokens_while_decoding
         if cap is not None and cap < 1:
             raise ValueError(f"max_prefill_tokens_while_decoding must be >= 1, got {cap}")
+        background = self.max_background_prefill_tokens
+        if background is not None and background < 1:
+            raise ValueError(f"max_background_prefill_tokens must be >= 1, got {background}")
+        if not self.importance_window_s > 0:
+            raise ValueError(f"importance_window_s must be > 0, got {self.importance_window_s}")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft", "self")

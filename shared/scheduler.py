@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from splitserve.engine.config import SchedulerConfig
@@ -30,6 +32,7 @@ from splitserve.engine.kv.grouped_manager import GroupedKVManager
 from splitserve.engine.kv.manager import KVCacheManager
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.step import ModelOutput, RequestUpdate, ScheduledChunk, SchedulerOutput
+from splitserve.engine.step_importance import RecentBestPriority
 
 if TYPE_CHECKING:
     from splitserve.engine.kv.loads import KVLoads
@@ -46,10 +49,12 @@ class Scheduler:
         speculation: SpeculationPolicy | None = None,
         loads: KVLoads | None = None,
         max_loras: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`loads`: the offload tiers' loads (None without tiers): admissions whose cached
         prefix continues in a lower tier wait there for it. `max_loras`: multi-LoRA's slots;
-        no more distinct adapters than that are ever admitted at once."""
+        no more distinct adapters than that are ever admitted at once. `clock`: what "lately"
+        is measured by for the config's importance window."""
         self.config = config
         self.speculation = speculation
         self.eos_token_ids = eos_token_ids
@@ -67,6 +72,7 @@ class Scheduler:
         self.max_loras = max_loras
         # What is left this step of the prompt tokens a step may take (see _prefill_cap).
         self._prefill_budget = config.max_num_batched_tokens
+        self._important = RecentBestPriority(config.importance_window_s, clock)
 
     # ---- admission and removal ------------------------------------------------------------
 
@@ -74,6 +80,7 @@ class Scheduler:
         """Queues a validated request; the caller checked that its prompt fits the cache."""
         assert request.request_id not in self.requests, f"duplicate id {request.request_id}"
         self.requests[request.request_id] = request
+        self._important.note(request.priority)
         self._push_waiting(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
@@ -140,13 +147,35 @@ class Scheduler:
             self.running.extend(loaded)
         budget = self.config.max_num_batched_tokens
         self._prefill_budget = self._prefill_cap(budget)
-        budget = self._schedule_running(out, budget)
-        if not out.preempted_request_ids:
-            # Admitting while preempting would only thrash: the freed blocks go to running work.
-            self._admit_waiting(out, min(budget, self._prefill_budget))
+        important = self._important_priority()
+        # Decodes and the important prompts first; the others only in a step without one.
+        budget = self._schedule_running(out, budget, important)
+        budget = self._admit_unless_preempting(out, budget, important)
+        if important is not None and not _computes_a_prompt(out):
+            cap = self.config.max_background_prefill_tokens
+            assert cap is not None, "an important priority needs the background cap"
+            self._prefill_budget = min(self._prefill_budget, cap)
+            budget = self._schedule_running(out, budget, important, background=True)
+            self._admit_unless_preempting(out, budget, None)
         # Single-token chunks first: the runner attends to them in one batched call.
         out.chunks.sort(key=lambda chunk: chunk.num_tokens != 1)
         return out
+
+    def _important_priority(self) -> int | None:
+        """The priority at or better than which prompts are important this step; None when
+        every prompt is alike (no background cap configured, or nothing sent lately)."""
+        if self.config.max_background_prefill_tokens is None:
+            return None
+        return self._important.current()
+
+    def _admit_unless_preempting(
+        self, out: SchedulerOutput, budget: int, important: int | None
+    ) -> int:
+        """Admits waiting prompts (those at `important` or better, unless None) into what is
+        left of the budget; the budget left after them."""
+        if out.preempted_request_ids:
+            return budget  # admitting now would only thrash: freed blocks go to running work
+        return self._admit_waiting(out, budget, important)
 
     def _prefill_cap(self, budget: int) -> int:
         """Prompt tokens this step may take: the whole budget unless a running request decodes
@@ -161,9 +190,20 @@ class Scheduler:
         cap = self.config.long_prefill_token_threshold or budget
         return min(remaining, budget, cap)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(
+        self,
+        out: SchedulerOutput,
+        budget: int,
+        important: int | None = None,
+        background: bool = False,
+    ) -> int:
+        """Schedules running requests into `budget`, returning what is left. With an
+        `important` priority, the first call takes the decodes and the prompts at it or better,
+        a `background` call the other prompts."""
         # Decodes first: they are one token each and every step they wait adds to their ITL.
         order = sorted(self.running, key=lambda r: not _is_decoding(r))
+        if important is not None:
+            order = [r for r in order if _is_background(r, important) == background]
         plan = self._speculation_plan(order)
         for request in order:
             if budget == 0:
@@ -258,9 +298,12 @@ class Scheduler:
         dropped, self._dropped = self._dropped, []
         return dropped
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self._waiting and budget > 0 and self._has_seq_room():
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, important: int | None) -> int:
+        room = min(budget, self._prefill_budget)
+        while self._waiting and room > 0 and self._has_seq_room():
             request = self._waiting[0][3]
+            if important is not None and request.priority > important:
+                break  # the queue is in priority order: the rest are background prompts
             if not self._has_lora_room(request):
                 break  # its adapter waits for a slot; the queue keeps its order
             computed = self.kv.get_computed_blocks(request)
@@ -271,7 +314,7 @@ class Scheduler:
                 continue
             computed = computed.without_loads()
             remaining = request.num_tokens - computed.num_tokens
-            num_new = min(remaining, budget, self.config.long_prefill_token_threshold or budget)
+            num_new = min(remaining, room, self.config.long_prefill_token_threshold or room)
             if not self.kv.allocate_slots(request, num_new, computed):
                 break  # admission only when blocks are free; the queue keeps its order
             heapq.heappop(self._waiting)
@@ -281,8 +324,10 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(self._chunk(request, num_new))
+            room -= num_new
             budget -= num_new
-
+            self._prefill_budget -= num_new
+        return budget
 
     def _has_lora_room(self, request: Request) -> bool:
         """Whether admitting `request` keeps the admitted requests' distinct adapters within
@@ -524,6 +569,15 @@ _LOADING_OR_REMOTE = (RequestStatus.WAITING_FOR_KV_LOAD, RequestStatus.WAITING_F
 def _num_prefill_tokens_left(request: Request) -> int:
     """A running request's prompt tokens still to compute (0 once it decodes)."""
     return 0 if _is_decoding(request) else request.num_tokens - request.num_computed_tokens
+
+
+def _is_background(request: Request, important: int) -> bool:
+    """A prompt less important than `important` (a decode never is: its row is running)."""
+    return request.priority > important and not _is_decoding(request)
+
+
+def _computes_a_prompt(out: SchedulerOutput) -> bool:
+    return any(not chunk.is_decode for chunk in out.chunks)
 
 
 def _is_decoding(request: Request) -> bool:

@@ -87,6 +87,64 @@ def test_prefill_beside_decodes_is_capped_and_alone_takes_the_budget():
     assert dict(plan(step(sched))) == {"a": 1, "b": 1, "c": 5}  # b decodes, c's prompt goes on
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_background_capped(cap: int = 4, window_s: float = 10.0, budget: int = 16):
+    config = SchedulerConfig(
+        max_num_batched_tokens=budget,
+        max_background_prefill_tokens=cap,
+        importance_window_s=window_s,
+    )
+    clock = FakeClock()
+    kv = KVCacheManager(64, BLOCK)
+    return Scheduler(config, kv, max_model_len=1024, eos_token_ids=(EOS,), clock=clock), clock
+
+
+def test_background_prompts_take_short_steps_only_while_an_important_one_was_sent_lately():
+    sched, clock = make_background_capped(cap=4, window_s=10.0)
+    sched.add_request(make_request("vip", 4, priority=0, t=0))
+    step(sched)  # the important prompt, computed alone
+    sched.finish_requests(["vip"], RequestStatus.FINISHED_ABORTED)
+    sched.add_request(make_request("bulk", 40, priority=1, t=1))
+    assert plan(step(sched)) == [("bulk", 4)]  # priority 0 was sent 0 s ago: a short step
+    clock.now = 10.5  # nothing at priority 0 for longer than the window
+    assert plan(step(sched)) == [("bulk", 16)]
+
+
+def test_an_important_prompt_takes_its_step_without_background_prompts_beside_it():
+    sched, _ = make_background_capped(cap=4)
+    sched.add_request(make_request("bulk", 40, priority=1, t=0))
+    assert plan(step(sched)) == [("bulk", 16)]  # one priority only: every prompt alike
+    sched.add_request(make_request("vip", 10, priority=0, t=1))
+    assert plan(step(sched)) == [("vip", 10)]  # the running bulk prompt waits a step
+    out = step(sched)
+    assert plan(out) == [("vip", 1), ("bulk", 4)]  # vip decodes; bulk's prompt at the cap
+
+
+def test_a_waiting_important_prompt_without_blocks_leaves_the_background_running():
+    config = SchedulerConfig(max_num_batched_tokens=20, max_background_prefill_tokens=4)
+    kv = KVCacheManager(6, BLOCK)  # 24 slots: the bulk prompt's first step holds 5 blocks
+    sched = Scheduler(config, kv, max_model_len=1024, eos_token_ids=(EOS,), clock=FakeClock())
+    sched.add_request(make_request("bulk", 24, priority=1, t=0))
+    assert plan(step(sched)) == [("bulk", 20)]
+    sched.add_request(make_request("vip", 8, priority=0, t=1))  # needs 2 blocks; 1 is free
+    assert plan(step(sched)) == [("bulk", 4)]  # vip cannot start: the bulk prompt goes on
+    assert sched.requests["vip"].status == RequestStatus.WAITING
+
+
+def test_background_cap_and_window_must_be_positive():
+    with pytest.raises(ValueError, match="max_background_prefill_tokens"):
+        SchedulerConfig(max_background_prefill_tokens=0)
+    with pytest.raises(ValueError, match="importance_window_s"):
+        SchedulerConfig(importance_window_s=0)
+
+
 def test_prefill_cap_while_decoding_must_be_positive():
     with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
         SchedulerConfig(max_prefill_tokens_while_decoding=0)

@@ -32,6 +32,7 @@ import json
 import os
 import random
 import re
+import shlex
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -64,6 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
     parser.add_argument("--force-avx2", action="store_true", help="as benchmarks.goodput")
+    parser.add_argument(
+        "--up-flags", default="", help="more `splitserve up` flags, e.g. '--prefill-nice 5'"
+    )
     args = parser.parse_args(argv)
     if args.recorded_saturation:
         args.rate = _recorded_saturation()
@@ -81,8 +85,9 @@ def _recorded_saturation() -> float:
         raise SystemExit(f"no --rate, and none in {GOODPUT_RECORD}: {error}") from None
 
 
-def up_flags(key_file: str) -> list[str]:
-    flags = ["--kv-cache-bytes", "2GiB", "--log-level", "warning", "--model-name", MODEL]
+def up_flags(key_file: str, extra: str = "") -> list[str]:
+    flags = [*shlex.split(extra), "--kv-cache-bytes", "2GiB", "--log-level", "warning"]
+    flags += ["--model-name", MODEL]
     flags += ["--admission", "--slo-ttft-ms", str(LOOSE.ttft_ms)]
     return flags + ["--slo-tpot-ms", str(LOOSE.tpot_ms), "--api-keys", key_file]
 
@@ -149,13 +154,15 @@ def refusal_reasons(run: RunResult) -> Counter[str]:
 Results = dict[str, dict[str, LoadFigures]]
 
 
-def run(rate: float | None, duration_s: float) -> Results:
-    """`rate`: what the stack serves within the SLO, None to measure it first (phase 0)."""
+def run(rate: float | None, duration_s: float, extra_up_flags: str = "") -> Results:
+    """`rate`: what the stack serves within the SLO, None to measure it first (phase 0);
+    `extra_up_flags`: more `splitserve up` flags."""
     results: Results = {}
     with tempfile.TemporaryDirectory() as folder:
         key_file = os.path.join(folder, "keys.json")
         Path(key_file).write_text(json.dumps(KEYS))
-        with RunningStack(SystemSetup("splitserve+adm tenants", up_flags(key_file))) as stack:
+        setup = SystemSetup("splitserve+adm tenants", up_flags(key_file, extra_up_flags))
+        with RunningStack(setup) as stack:
             url = f"{stack.base_url}/v1/completions"
             quiet, flood = Target(url, MODEL, QUIET_KEY), Target(url, MODEL, FLOOD_KEY)
             asyncio.run(_phase({"quiet": (quiet, 1.0)}, 5.0, "warm"))
@@ -202,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"each tenant's share: half of the flood's goodput alone; {LOOSE}")
     else:
         print(f"stack {args.rate:.2f} req/s; each tenant's share {args.rate / 2:.2f}; {LOOSE}")
-    results = run(args.rate, args.duration)
+    results = run(args.rate, args.duration, args.up_flags)
     print("\nphase      tenant  req/s  sent  done goodput  att.L TTFT50  TTFT99 TPOT50   refused")
     for phase, tenants in results.items():
         for tenant, figures in tenants.items():

@@ -53,6 +53,16 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="prompt tokens in a step that also decodes (stall-free batching); default: the "
         "whole --max-num-batched-tokens",
     )
+    group.add_argument(
+        "--max-background-prefill-tokens",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="prompt tokens in a step holding only prompts less important (a higher priority) "
+        "than one sent in the last 30 s; such a prompt also stays out of an important one's "
+        "step (admission control sends tenants within their share ahead). Default: every "
+        "prompt alike",
+    )
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     group.add_argument(
@@ -269,6 +279,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs,
         "max_prefill_tokens_while_decoding": args.max_prefill_tokens_while_decoding,
+        "max_background_prefill_tokens": args.max_background_prefill_tokens,
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": args.prefix_caching,
         "group_window_layers": args.window_layer_groups,

@@ -413,6 +413,8 @@ def test_a_favoured_request_is_judged_at_the_middle_in_an_overloaded_pool():
         controller = _controller(max_rows=8)
         other = await controller.admit(_ask("other"))  # another tenant with a row in flight
         for ratio in [0.5, 0.75, 1.0, 1.25, 1.5] * 6:
+            # It asks as often as the quiet tenant does: neither asks past its share.
+            controller.release(await controller.admit(_ask("other")), None, None)
             ticket = await controller.admit(_ask("quiet"))
             assert ticket.favoured
             controller.first_token(ticket, ticket.model.ttft_ms * ratio / 1000)
@@ -473,10 +475,11 @@ def _ask(tenant: str, ttft_ms: float | None = None, tpot_ms: float | None = None
 
 
 def test_a_quiet_tenant_takes_its_kept_row_at_once_beside_a_flood_and_is_favoured():
-    """Four rows, two tenants: the flood gets its share (favoured) and a row past it, the last
-    row is kept for the quiet tenant, the rest of the flood queues. A quiet request with a TTFT
+    """Four rows, two tenants: the flood gets its share and a row past it, the last row is
+    kept for the quiet tenant, the rest of the flood queues. A quiet request with a TTFT
     objective tighter than any queue wait is admitted at once into the kept row (it is served
-    before its wait is predicted), favoured on the pods; the flood's row past its share is not."""
+    before its wait is predicted), favoured on the pods; of the flood's, only the first, asked
+    while it had asked no more than the quiet tenant (then it asked past its share)."""
     import asyncio
 
     async def run() -> tuple[list[bool], bool, int]:
@@ -493,9 +496,54 @@ def test_a_quiet_tenant_takes_its_kept_row_at_once_beside_a_flood_and_is_favoure
         return [ticket.favoured for ticket in flood], quiet.favoured, waiting
 
     flood_favoured, quiet_favoured, waiting = asyncio.run(run())
-    assert flood_favoured == [True, True, False]
+    assert flood_favoured == [True, False, False]
     assert quiet_favoured
     assert waiting == 2  # the flood's two still queue
+
+
+def test_a_tenant_asking_past_its_share_is_not_favoured_though_its_excess_was_refused():
+    """A flood whose excess admission refuses has no backlog, and each admitted request of it
+    is within its share of the rows: its asks, ten to the quiet tenant's one, are what say it
+    wants more than its share. Its admission goes to the pods unfavoured, the quiet tenant's
+    favoured."""
+    import asyncio
+
+    from splitserve.gateway.admission.controller import AdmissionRefused
+
+    async def run() -> tuple[bool, bool]:
+        controller = _controller(max_rows=8)
+        await controller.admit(_ask("quiet"))  # a row in flight: the pool is not idle
+        for _ in range(9):  # refused at once, as a prediction past its SLO would be
+            with pytest.raises(AdmissionRefused):
+                await controller.admit(_ask("flood", ttft_ms=0.001))
+        flood = await controller.admit(_ask("flood"))
+        quiet = await controller.admit(_ask("quiet"))
+        await controller.close()
+        return flood.favoured, quiet.favoured
+
+    flood_favoured, quiet_favoured = asyncio.run(run())
+    assert not flood_favoured and quiet_favoured
+
+
+def test_ask_demand_fades_so_a_tenant_that_stopped_flooding_is_within_its_share_again():
+    from splitserve.gateway.admission.demand import ASK_HALF_LIFE_S, AskDemand
+
+    demand, alike = AskDemand(), lambda tenant: 1.0
+    for _ in range(10):
+        demand.note("flood", 0.0)
+    demand.note("quiet", 0.0)
+    assert demand.exceeds_share("flood", ["quiet"], alike, 0.0)
+    assert not demand.exceeds_share("quiet", ["flood"], alike, 0.0)
+    assert demand.asked("flood", ASK_HALF_LIFE_S) == pytest.approx(5.0)
+    demand.note("quiet", 6 * ASK_HALF_LIFE_S)  # the flood's ten asks have faded to 0.16
+    assert not demand.exceeds_share("flood", ["quiet"], alike, 6 * ASK_HALF_LIFE_S)
+    # Weights: a tenant of weight 3 may ask three times another's before it exceeds.
+    heavy = {"big": 3.0, "small": 1.0}.__getitem__
+    for _ in range(3):
+        demand.note("big", 7 * ASK_HALF_LIFE_S)
+    demand.note("small", 7 * ASK_HALF_LIFE_S)
+    assert not demand.exceeds_share("big", ["small"], heavy, 7 * ASK_HALF_LIFE_S)
+    assert demand.exceeds_share("big", ["small"], alike, 7 * ASK_HALF_LIFE_S)
 
 
 def test_a_tenant_with_a_backlog_is_not_favoured_even_within_its_share():
@@ -506,7 +554,8 @@ def test_a_tenant_with_a_backlog_is_not_favoured_even_within_its_share():
 
     async def run() -> list[bool]:
         controller = _controller(max_rows=2)
-        controller.release(await controller.admit(_ask("quiet")), None, None)  # it asked
+        for _ in range(3):  # it asked as often as the flood will: only the backlog differs
+            controller.release(await controller.admit(_ask("quiet")), None, None)
         first = await controller.admit(_ask("flood"))  # its share: one row of two
         backlog = [asyncio.create_task(controller.admit(_ask("flood"))) for _ in range(2)]
         await asyncio.sleep(0)
@@ -606,7 +655,7 @@ def test_a_flood_waiting_behind_favoured_work_does_not_raise_a_favoured_ttft():
         return quiet, plain
 
     quiet, plain = asyncio.run(run())
-    assert len(plain) == 1
+    assert len(plain) == 2  # past its share of the rows, then of the asks
     assert quiet.favoured and quiet.model is not None and quiet.predicted is not None
     # Its prediction is the model's (plus the moment it took to admit), not 10x it.
     assert quiet.predicted.ttft_ms < 2 * quiet.model.ttft_ms

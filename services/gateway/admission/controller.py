@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from splitserve.common.grpc_server import StatusError
+from splitserve.gateway.admission.demand import AskDemand
 from splitserve.gateway.admission.fair_queue import FairQueue, QueueFull, Waiter
 from splitserve.gateway.admission.feedback import (
     INITIAL_ROWS,
@@ -165,6 +166,7 @@ class AdmissionController:
         self._weight_of = weight_of or (lambda tenant: 1.0)
         self._tenant_rows: Counter[str] = Counter()  # tenant -> its rows in flight
         self._last_asked: dict[str, float] = {}  # tenant -> when it last asked
+        self._demand = AskDemand()
         # Favoured requests go first on the pods, the others wait behind them as well: two
         # populations whose TTFTs the model misses by different amounts, so each has its own.
         self._ttft_calibrations = {False: Calibration(), True: Calibration()}
@@ -180,6 +182,7 @@ class AdmissionController:
         """A ticket once `ask` may go to the pods; raises AdmissionRefused."""
         arrived = time.monotonic()
         self._last_asked[ask.tenant] = arrived
+        self._demand.note(ask.tenant, arrived)
         self._note_asked(arrived)
         favoured = self._is_favoured(ask)
         model = self._model_prediction(ask, favoured)
@@ -484,14 +487,18 @@ class AdmissionController:
 
     def _is_favoured(self, ask: AdmissionAsk) -> bool:
         """Whether `ask` keeps its tenant within its weighted share of the rows while other
-        tenants asked lately, and its tenant has nothing else queued here: the pods then
+        tenants asked lately, and its tenant neither has anything queued here nor asked for
+        more than its share of what the active tenants asked (demand.py): the pods then
         compute it ahead of their work (`pod_priority`), so a flood's prompts queued on the
-        pods do not stand before a quiet tenant's. A tenant with a backlog asks for more than
-        its share: the queue lets it in exactly up to that share, so each of its admissions
-        was within it, and favouring them too (2026-12-03, an EPYC: most of a 10x flood's
-        admissions) put the flood's prompts level with the quiet tenant's again."""
+        pods do not stand before a quiet tenant's. A tenant with a backlog, or one whose
+        excess is refused, asks for more than its share; each of its admissions was within
+        its share of the rows all the same (the queue, or the refusals, saw to that), and
+        favouring them too (2026-12-03, an EPYC: most of a 10x flood's admissions) put the
+        flood's prompts level with the quiet tenant's again."""
         others = self._other_active_tenants(ask.tenant)
         if not others or self._queue.has_queued(ask.tenant):
+            return False
+        if self._demand.exceeds_share(ask.tenant, others, self._weight_of, time.monotonic()):
             return False
         return self._within_share(ask, others)
 

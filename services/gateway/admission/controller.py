@@ -576,21 +576,16 @@ class AdmissionController:
         there takes pod time (a row, a prefill) from another that could meet its SLO, so the
         admitted must meet theirs nearly always, not half the time at the margin (judged at
         the middle, 10-19% of them missed on an EPYC at 2-3x saturation). With time to spare
-        it is judged at the lower end (`Calibration.lower_factor_at`): a refusal there spares
-        no one, so only a request that would miss even then is refused (at the upper end, 6
-        of 20 requests at half saturation were refused; at the middle, 1 of 17). A favoured
-        request (its tenant within its share, without a backlog) is judged at the middle in a
-        saturated pool: the pod time it takes is its tenant's share, not another's (judged at
-        the upper end beside a 10x flood, 19 of a quiet tenant's 27 were refused). Its TPOT
-        as calibrated (the row limits hold the default one)."""
+        it is judged at the middle: a refusal there spares no one (at the upper end, 6 of 20
+        requests at half saturation were refused). A favoured request (its tenant within its
+        share, without a backlog) is judged at the middle too: the pod time it takes is its
+        tenant's share, not another's (judged at the upper end beside a 10x flood, 19 of a
+        quiet tenant's 27 were refused). Its TPOT as calibrated (the row limits hold the
+        default one)."""
         calibrated = self._calibrated(model, favoured)
-        calibration = self._ttft_calibrations[favoured]
-        if not saturated:
-            lower = calibration.lower_factor_at(time.monotonic())
-            return Prediction(model.ttft_ms * lower, calibrated.tpot_ms)
-        if favoured:
+        if not saturated or favoured:
             return calibrated
-        upper = calibration.upper_factor_at(time.monotonic())
+        upper = self._ttft_calibrations[favoured].upper_factor_at(time.monotonic())
         return Prediction(model.ttft_ms * upper, calibrated.tpot_ms)
 
     def _calibrated(self, model: Prediction, favoured: bool) -> Prediction:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # The measured gaps are steered to this share of the TPOT objective: a request's own mean gap
@@ -44,7 +43,6 @@ CALIBRATION_HALF_LIFE_S = 10.0
 # (`Calibration.upper_factor_at`), once MIN_RATIOS_FOR_SPREAD were seen.
 RECENT_RATIOS = 32
 UPPER_QUANTILE = 0.9
-LOWER_QUANTILE = 0.1
 MIN_RATIOS_FOR_SPREAD = 8
 
 
@@ -143,25 +141,12 @@ class Calibration:
         inside its objective by it misses about half the time; where the predictions spread
         wide (a CPU prefill pod's steps of 1-2 s, on an EPYC: measured/predicted 0.5-1.5),
         admitting at the middle left 10-19% of the accepted requests past their TTFT."""
-        return self._quantile_factor_at(UPPER_QUANTILE, max, now)
-
-    def lower_factor_at(self, now: float) -> float:
-        """The factor at the LOWER_QUANTILE of the recent ratios (never above `factor_at`):
-        what a TTFT is judged at while the pool has time to spare, where refusing a request
-        spares no other one, so only one that would miss even if it went as well as the
-        better tenth of recent requests is turned away (at the middle, a burst of three at
-        half saturation had one refused on an EPYC, a target of none)."""
-        return self._quantile_factor_at(LOWER_QUANTILE, min, now)
-
-    def _quantile_factor_at(
-        self, quantile: float, bound: Callable[[float, float], float], now: float
-    ) -> float:
         middle = self._faded_log_ratio(now)
         if len(self.recent) < MIN_RATIOS_FOR_SPREAD:
             return math.exp(middle)
         ordered = sorted(self.recent)
-        at = ordered[min(int(quantile * len(ordered)), len(ordered) - 1)]
-        return math.exp(bound(middle, self._faded(at, now)))
+        upper = ordered[min(int(UPPER_QUANTILE * len(ordered)), len(ordered) - 1)]
+        return math.exp(max(middle, self._faded(upper, now)))
 
     def _faded_log_ratio(self, now: float) -> float:
         return self._faded(self.log_ratio, now)

@@ -359,6 +359,16 @@ def test_each_role_gets_its_own_quantization():
     assert _flag(prefill_args, "--quantization") == "none"
 
 
+def test_cpu_dev_keeps_background_prompts_in_short_steps_on_both_roles():
+    objects = case_objects("cpu-dev")
+    for role in ("prefill", "decode"):
+        args = command_line(deployment_containers(objects, role)[0], objects)
+        assert _flag(args, "--max-background-prefill-tokens") == "128"
+    default = case_objects("default")
+    args = command_line(deployment_containers(default, "prefill")[0], default)
+    assert _flag(args, "--max-background-prefill-tokens") is None  # a GPU: large steps
+
+
 def test_both_roles_get_the_one_kv_cache_dtype():
     # Pages travel as they are stored: prefill and decode pods must agree, so it is one value.
     for case, expected in (("default", "auto"), ("cpu-dev", "int8")):

@@ -8,7 +8,12 @@ proposer fills the drafts in, and `update` keeps what verification accepted:
     | computed ...... | accepted drafts | next token |  after: the rejected slots are rolled back
 
 One loop hands out a per-step token budget: running requests first (decodes, then unfinished
-prefill chunks), then waiting requests by (priority, arrival). A request whose blocks cannot be
+prefill chunks), then waiting requests by (priority, arrival). With a background cap
+(SchedulerConfig.max_background_prefill_tokens, shared/step_importance.py), prompts less
+important than the best priority sent lately wait out any step that computes an important
+prompt (waiting important ones are admitted before a running background prompt's next chunk,
+and may take the blocks it needed: it is then preempted and recomputed, from the prefix cache
+where its blocks survive), and otherwise go in short steps. A request whose blocks cannot be
 allocated preempts the least important running request (highest priority value, then newest) by
 recomputation: its blocks are freed and it waits again with its tokens so far.
 
@@ -156,7 +161,7 @@ class Scheduler:
             assert cap is not None, "an important priority needs the background cap"
             self._prefill_budget = min(self._prefill_budget, cap)
             budget = self._schedule_running(out, budget, important, background=True)
-            self._admit_unless_preempting(out, budget, None)
+            self._admit_unless_preempting(out, budget, important, background=True)
         # Single-token chunks first: the runner attends to them in one batched call.
         out.chunks.sort(key=lambda chunk: chunk.num_tokens != 1)
         return out
@@ -169,13 +174,14 @@ class Scheduler:
         return self._important.current()
 
     def _admit_unless_preempting(
-        self, out: SchedulerOutput, budget: int, important: int | None
+        self, out: SchedulerOutput, budget: int, important: int | None, background: bool = False
     ) -> int:
-        """Admits waiting prompts (those at `important` or better, unless None) into what is
-        left of the budget; the budget left after them."""
+        """Admits waiting prompts into what is left of the budget (with an `important`
+        priority: those at it or better, or for a `background` call those past it); the
+        budget left after them."""
         if out.preempted_request_ids:
             return budget  # admitting now would only thrash: freed blocks go to running work
-        return self._admit_waiting(out, budget, important)
+        return self._admit_waiting(out, budget, important, background)
 
     def _prefill_cap(self, budget: int) -> int:
         """Prompt tokens this step may take: the whole budget unless a running request decodes
@@ -298,12 +304,17 @@ class Scheduler:
         dropped, self._dropped = self._dropped, []
         return dropped
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, important: int | None) -> int:
+    def _admit_waiting(
+        self, out: SchedulerOutput, budget: int, important: int | None, background: bool = False
+    ) -> int:
         room = min(budget, self._prefill_budget)
         while self._waiting and room > 0 and self._has_seq_room():
             request = self._waiting[0][3]
-            if important is not None and request.priority > important:
-                break  # the queue is in priority order: the rest are background prompts
+            if important is not None and (request.priority <= important) == background:
+                # The queue is in priority order: past `important`, the rest are background
+                # prompts; a background call finding an important one first (it got no
+                # blocks this step) leaves it at the head, as the queue keeps its order.
+                break
             if not self._has_lora_room(request):
                 break  # its adapter waits for a slot; the queue keeps its order
             computed = self.kv.get_computed_blocks(request)

@@ -544,6 +544,9 @@ def test_ask_demand_fades_so_a_tenant_that_stopped_flooding_is_within_its_share_
     demand.note("small", 7 * ASK_HALF_LIFE_S)
     assert not demand.exceeds_share("big", ["small"], heavy, 7 * ASK_HALF_LIFE_S)
     assert demand.exceeds_share("big", ["small"], alike, 7 * ASK_HALF_LIFE_S)
+    # An ask for n sequences counts as n asks.
+    demand.note("wide", 8 * ASK_HALF_LIFE_S, num_sequences=4)
+    assert demand.asked("wide", 8 * ASK_HALF_LIFE_S) == pytest.approx(4.0)
 
 
 def test_a_tenant_with_a_backlog_is_not_favoured_even_within_its_share():

@@ -113,6 +113,8 @@ def test_background_prompts_take_short_steps_only_while_an_important_one_was_sen
     sched.finish_requests(["vip"], RequestStatus.FINISHED_ABORTED)
     sched.add_request(make_request("bulk", 40, priority=1, t=1))
     assert plan(step(sched)) == [("bulk", 4)]  # priority 0 was sent 0 s ago: a short step
+    clock.now = 5.0
+    sched.add_request(make_request("more", 40, priority=1, t=2))  # priority 1 lately: no matter
     clock.now = 10.5  # nothing at priority 0 for longer than the window
     assert plan(step(sched)) == [("bulk", 16)]
 
@@ -131,11 +133,31 @@ def test_a_waiting_important_prompt_without_blocks_leaves_the_background_running
     config = SchedulerConfig(max_num_batched_tokens=20, max_background_prefill_tokens=4)
     kv = KVCacheManager(6, BLOCK)  # 24 slots: the bulk prompt's first step holds 5 blocks
     sched = Scheduler(config, kv, max_model_len=1024, eos_token_ids=(EOS,), clock=FakeClock())
-    sched.add_request(make_request("bulk", 24, priority=1, t=0))
+    sched.add_request(make_request("bulk", 26, priority=1, t=0))
     assert plan(step(sched)) == [("bulk", 20)]
     sched.add_request(make_request("vip", 8, priority=0, t=1))  # needs 2 blocks; 1 is free
-    assert plan(step(sched)) == [("bulk", 4)]  # vip cannot start: the bulk prompt goes on
+    # vip cannot start: the bulk prompt goes on, 4 of its 6 tokens left (the cap); vip is not
+    # squeezed in at the cap either (it keeps the head of the queue for its whole chunk).
+    assert plan(step(sched)) == [("bulk", 4)]
     assert sched.requests["vip"].status == RequestStatus.WAITING
+
+
+def test_with_one_priority_the_background_cap_changes_nothing():
+    """Every prompt alike: the same steps as without a cap, down to admission under tight
+    blocks (a prompt whose whole chunk does not fit is not let in at the cap instead)."""
+
+    def plans(cap: int | None) -> list[list[tuple[str, int]]]:
+        config = SchedulerConfig(max_num_batched_tokens=16, max_background_prefill_tokens=cap)
+        kv = KVCacheManager(6, BLOCK)
+        sched = Scheduler(config, kv, max_model_len=1024, eos_token_ids=(EOS,), clock=FakeClock())
+        sched.add_request(make_request("a", 14, max_tokens=6, priority=1, t=0))
+        steps = [plan(step(sched))]
+        sched.add_request(make_request("b", 12, max_tokens=2, priority=1, t=1))
+        steps += [plan(step(sched)) for _ in range(8)]
+        return steps
+
+    assert plans(4) == plans(None)
+    assert sum(n for s in plans(4) for _, n in s) > 0
 
 
 def test_background_cap_and_window_must_be_positive():

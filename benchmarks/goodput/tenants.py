@@ -86,10 +86,10 @@ def _recorded_saturation() -> float:
 
 
 def up_flags(key_file: str, extra: str = "") -> list[str]:
-    flags = [*shlex.split(extra), "--kv-cache-bytes", "2GiB", "--log-level", "warning"]
-    flags += ["--model-name", MODEL]
+    flags = ["--kv-cache-bytes", "2GiB", "--log-level", "warning", "--model-name", MODEL]
     flags += ["--admission", "--slo-ttft-ms", str(LOOSE.ttft_ms)]
-    return flags + ["--slo-tpot-ms", str(LOOSE.tpot_ms), "--api-keys", key_file]
+    flags += ["--slo-tpot-ms", str(LOOSE.tpot_ms), "--api-keys", key_file]
+    return flags + shlex.split(extra)  # last: argparse keeps the last of a repeated flag
 
 
 async def _phase(

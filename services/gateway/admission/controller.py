@@ -182,7 +182,7 @@ class AdmissionController:
         """A ticket once `ask` may go to the pods; raises AdmissionRefused."""
         arrived = time.monotonic()
         self._last_asked[ask.tenant] = arrived
-        self._demand.note(ask.tenant, arrived)
+        self._demand.note(ask.tenant, arrived, ask.num_sequences)
         self._note_asked(arrived)
         favoured = self._is_favoured(ask)
         model = self._model_prediction(ask, favoured)

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 # that stops flooding is favoured again within a few of them.
 ASK_HALF_LIFE_S = 10.0
 # A tenant exceeds its share when it asked for more than this multiple of it: two tenants
-# asking alike stay alike whichever asked last (its ask has faded least).
+# asking alike, each a few times within a half-life, stay alike whichever asked last (its
+# ask has faded least). Tenants asking once in many seconds may differ by more than this
+# just after each ask; with nobody flooding, favour matters little.
 DEMAND_SLACK = 1.25
 
 
@@ -37,9 +39,10 @@ class AskDemand:
         self.half_life_s = half_life_s
         self._counts: dict[str, _FadingCount] = {}
 
-    def note(self, tenant: str, now: float) -> None:
+    def note(self, tenant: str, now: float, num_sequences: int = 1) -> None:
+        """An ask for `num_sequences` rows (n > 1 asks for as much as that many requests)."""
         count = self._counts.setdefault(tenant, _FadingCount(at=now))
-        count.value = count.now(now, self.half_life_s) + 1.0
+        count.value = count.now(now, self.half_life_s) + num_sequences
         count.at = now
 
     def asked(self, tenant: str, now: float) -> float:

@@ -7,8 +7,8 @@ priorities (the gateway's admission control sends a tenant within its share at a
 than a tenant over it), the scheduler keeps the steps that hold only less important prompts
 short (SchedulerConfig.max_background_prefill_tokens), and a step that computes an important
 prompt takes no less important prompt beside it. "Lately" is a window: once nothing at the
-best priority has come for that long, every prompt is alike again and steps take the whole
-budget.
+best priority has come for that long, the best seen within it takes over, and once nothing at
+all has, every prompt is alike again and steps take the whole budget.
 """
 
 from __future__ import annotations
@@ -20,25 +20,26 @@ from dataclasses import dataclass, field
 
 @dataclass
 class RecentBestPriority:
-    """The best (lowest) priority seen within the last `window_s` seconds, or None."""
+    """The best (lowest) priority seen within the last `window_s` seconds, or None. Every
+    priority seen in the window is kept with when it was last seen, so that when the best
+    one expires the next best still counts (the gateway sends several: twice the client's
+    priority, plus one unless favoured)."""
 
     window_s: float
     clock: Callable[[], float] = time.monotonic
-    _best: int | None = field(default=None, init=False)
-    _seen_at: float = field(default=float("-inf"), init=False)
+    _last_seen: dict[int, float] = field(default_factory=dict, init=False)
 
     def note(self, priority: int) -> None:
         now = self.clock()
-        if self._best is None or self._expired(now) or priority < self._best:
-            self._best = priority
-        if priority == self._best:
-            self._seen_at = now
+        self._forget_expired(now)
+        self._last_seen[priority] = now
 
     def current(self) -> int | None:
         """The priority whose prompts are important now; None when none was seen lately."""
-        if self._best is None or self._expired(self.clock()):
-            return None
-        return self._best
+        self._forget_expired(self.clock())
+        return min(self._last_seen, default=None)
 
-    def _expired(self, now: float) -> bool:
-        return now - self._seen_at > self.window_s
+    def _forget_expired(self, now: float) -> None:
+        expired = [p for p, seen in self._last_seen.items() if now - seen > self.window_s]
+        for priority in expired:
+            del self._last_seen[priority]

@@ -356,3 +356,21 @@ def test_draft_slots_never_take_the_block_another_decode_needs():
     assert plan(out) == [("a", 1), ("b", 1)]
     assert [c.num_draft_slots for c in out.chunks] == [0, 0]
     assert sched.num_preemptions == 0
+
+
+def test_the_next_best_priority_counts_once_the_best_expires():
+    from splitserve.engine.step_importance import RecentBestPriority
+
+    clock = FakeClock()
+    recent = RecentBestPriority(window_s=10.0, clock=clock)
+    assert recent.current() is None
+    recent.note(3)
+    recent.note(0)
+    clock.now = 6.0
+    recent.note(1)  # a worse priority than the best: remembered, not in charge
+    recent.note(3)
+    assert recent.current() == 0
+    clock.now = 10.5  # 0 expired; 1 and 3 were seen 4.5 s ago
+    assert recent.current() == 1
+    clock.now = 16.5  # everything expired
+    assert recent.current() is None

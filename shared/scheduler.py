@@ -77,7 +77,12 @@ class Scheduler:
         self.max_loras = max_loras
         # What is left this step of the prompt tokens a step may take (see _prefill_cap).
         self._prefill_budget = config.max_num_batched_tokens
-        self._important = RecentBestPriority(config.importance_window_s, clock)
+        # The priorities sent lately, kept only where the background cap reads them.
+        self._important = (
+            None
+            if config.max_background_prefill_tokens is None
+            else RecentBestPriority(config.importance_window_s, clock)
+        )
 
     # ---- admission and removal ------------------------------------------------------------
 
@@ -85,7 +90,8 @@ class Scheduler:
         """Queues a validated request; the caller checked that its prompt fits the cache."""
         assert request.request_id not in self.requests, f"duplicate id {request.request_id}"
         self.requests[request.request_id] = request
-        self._important.note(request.priority)
+        if self._important is not None:
+            self._important.note(request.priority)
         self._push_waiting(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
@@ -169,9 +175,7 @@ class Scheduler:
     def _important_priority(self) -> int | None:
         """The priority at or better than which prompts are important this step; None when
         every prompt is alike (no background cap configured, or nothing sent lately)."""
-        if self.config.max_background_prefill_tokens is None:
-            return None
-        return self._important.current()
+        return None if self._important is None else self._important.current()
 
     def _admit_unless_preempting(
         self, out: SchedulerOutput, budget: int, important: int | None, background: bool = False

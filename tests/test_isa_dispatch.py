@@ -9,6 +9,7 @@ import json
 import pytest
 
 from splitserve.engine.model.cpu_paths import cpu_report
+from splitserve.engine.model.quantized_linear import plain_input_activation_passes
 from splitserve.kernels.cpu import isa
 
 
@@ -66,3 +67,11 @@ def test_the_report_is_plain_json_with_every_family():
     assert report["cpu_kernels"] == "loaded" or report["cpu_kernels"].startswith("unavailable: ")
     assert report["cpu"]["kernel_isa"]["name"] in isa.KERNEL_ISAS
     assert report["dtypes"]["bfloat16"] == "ok"
+
+
+def test_plain_inputs_take_two_activation_passes_only_with_vnni(monkeypatch):
+    monkeypatch.delenv(isa.ISA_ENV, raising=False)
+    assert plain_input_activation_passes(_SAPPHIRE_RAPIDS) == 2
+    assert plain_input_activation_passes(_ZEN2) == 1
+    monkeypatch.setenv(isa.ISA_ENV, "avx2")  # forced down: the AVX2 variant's one pass
+    assert plain_input_activation_passes(_SAPPHIRE_RAPIDS) == 1

@@ -24,6 +24,7 @@ from splitserve.engine.model.attention_metadata import AttentionMetadata, Prefil
 from splitserve.engine.model.llama import LlamaForCausalLM
 from splitserve.engine.model.loader import load_checkpoint
 from splitserve.engine.model.quantization import weight_nbytes
+from splitserve.engine.model.quantized_linear import plain_input_activation_passes
 
 METHODS = ("none", "int8", "int4", "gguf")
 NUM_TEXT_TOKENS = 512
@@ -34,12 +35,14 @@ INT8_BOUND = 0.02  # the issue's gate
 # so that gap is what llama.cpp's kernels add on top of the exact Q4_1 values: llama-cpp-python
 # 0.3.36 (benchmarks/peer/llamacpp_venv.py) scores these 512 tokens at 16.011 against our
 # float32 15.945: +0.41%. It cannot run here (it is no dependency), so the figure is a constant.
-# Measured for ours (AVX-512 / forced AVX2, tests/test_forced_avx2.py): one prefill +0.06% /
-# -0.06%, chunks of 8 +0.29% / +0.29%. The int4 decoder's products are float32-exact to ~1e-5
-# there (int4_gemm: the file's d and m as they are, two int8 activation passes below 16 rows);
+# Measured for ours (AVX-512 / forced AVX2, tests/test_forced_avx2.py): one prefill +0.06% / -0.06%,
+# chunks of 8 +0.29% / +0.29%; since, chunks of 8 +0.24% with VNNI (o and gate_up in two activation
+# passes there: in one, +0.60% on a Zen 5 EPYC) and +0.06% forced to AVX2
+# (quantized_linear.plain_input_activation_passes). The int4 decoder's products are float32-exact to
+# ~1e-5 there (int4_gemm: the file's d and m as they are, two int8 activation passes below 16 rows);
 # what is left is the int8 vocabulary matrix (per row: +0.45% one prefill while its product
-# multiplied the codes alone; the lookup's 4-bit refinement, QuantizedEmbedding). int4 equals
-# gguf, because re-quantizing Q4_1 values with min/max groups of 32 finds the same codes.
+# multiplied the codes alone; the lookup's 4-bit refinement, QuantizedEmbedding). int4 equals gguf,
+# because re-quantizing Q4_1 values with min/max groups of 32 finds the same codes.
 GGUF_BOUND = 0.0041
 MAX_TOKENS = 20
 NEAR_TIE = 0.5  # nats between float32's first and second choice
@@ -136,6 +139,16 @@ def test_float32_perplexity_is_that_of_a_working_model(perplexities, kernel_perp
         print(f"perplexity, chunks of 8 (kernels): {rounded}")
     # An English license text: a working 135M model is far below a uniform guess (49152).
     assert 2 < perplexities["none"] < 40, perplexities
+
+
+def test_every_int4_product_takes_the_passes_its_isa_calls_for(models):
+    """qkv and down two activation passes always; o and gate_up two with VNNI, else one."""
+    plain = plain_input_activation_passes()
+    for layer in models["int4"].layers:
+        assert layer.self_attn.qkv_proj.activation_passes == 2
+        assert layer.mlp.down_proj.activation_passes == 2
+        assert layer.self_attn.o_proj.activation_passes == plain
+        assert layer.mlp.gate_up_proj.activation_passes == plain
 
 
 def test_int8_perplexity_within_two_percent(perplexities):

@@ -47,6 +47,7 @@ from splitserve.engine.model.quantization import (
     select_quantized_backend,
     weight_nbytes,
 )
+from splitserve.engine.model.quantized_linear import plain_input_activation_passes
 from splitserve.engine.model.rotary import RotaryAngles, RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = make_linear(
             arch.hidden_size, q_size + 2 * kv_size, quantization, 2, bias=arch.attention_bias
         )
-        self.o_proj = make_linear(q_size, arch.hidden_size, quantization)
+        self.o_proj = make_linear(
+            q_size, arch.hidden_size, quantization, plain_input_activation_passes()
+        )
 
     def forward(
         self,
@@ -154,7 +157,12 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, arch: ModelArchitecture, quantization: str) -> None:
         super().__init__()
-        self.gate_up_proj = make_linear(arch.hidden_size, 2 * arch.intermediate_size, quantization)
+        self.gate_up_proj = make_linear(
+            arch.hidden_size,
+            2 * arch.intermediate_size,
+            quantization,
+            plain_input_activation_passes(),
+        )
         # SwiGLU's output has a few large features per row: two activation passes.
         self.down_proj = make_linear(arch.intermediate_size, arch.hidden_size, quantization, 2)
         self.gelu = arch.hidden_act == GELU_TANH  # Gemma's GeGLU

@@ -30,16 +30,18 @@ int4 (and GGUF's Q4_0/Q4_1, `int4_from_codes`) is packed in our own layout
 quantizes the float32 activations to int8 per row and group of 32 and multiplies them by the
 4-bit codes as integers (llama.cpp's Q4 x Q8 arithmetic): AVX-512 VNNI, AVX2 or generic C++,
 chosen at run time (splitserve.kernels.cpu.isa), all three giving the same bits. Below 16 rows
-(decode steps) the activations of qkv and down (the layer's `activation_passes`, inputs with a
-few large features per row, as for int8) take two int8 passes, the second quantizing what the
-first rounded away, so the product is float32-exact to ~1e-5 (bfloat16 activations, torch's
-kernel before, left 0.1-0.2% of a product's norm); o and gate_up, and every product from 16 rows
-(prefill chunks, big decode batches, compute-bound), one pass, about 0.5% of a product's norm,
-as llama.cpp's Q8 activations. Two passes everywhere cost AVX2 CPUs decode time (no
-4-byte dot product: the second pass doubles the arithmetic that hides the weights' reads) and
-bought nothing measurable: the quality text in chunks of 8 had perplexity +0.25% against float32
-with two passes on all four products, +0.06% with o and gate_up in one, and greedy agreement
-with float32 on the test prompts was the same (2-core AVX2 EPYC, 2026-12-02). Same 120 products,
+(decode steps) the activations of qkv and down (the layer's `activation_passes`, inputs with a few
+large features per row, as for int8) take two int8 passes, the second quantizing what the first
+rounded away, so the product is float32-exact to ~1e-5 (bfloat16 activations, torch's kernel before,
+left 0.1-0.2% of a product's norm); o and gate_up two as well where the kernel runs its AVX-512 VNNI
+variant, one elsewhere (`plain_input_activation_passes` says why); every product from 16 rows
+(prefill chunks, big decode batches, compute-bound) one pass, about 0.5% of a product's norm, as
+llama.cpp's Q8 activations. Two passes everywhere cost AVX2 CPUs decode time (no 4-byte dot product:
+the second pass doubles the arithmetic that hides the weights' reads) and bought nothing measurable:
+the quality text in chunks of 8 had perplexity +0.25% against float32 with two passes on all four
+products, +0.06% with o and gate_up in one, and greedy agreement with float32 on the test prompts
+was the same (2-core AVX2 EPYC, 2026-12-02; the +0.06% was the one pass's luck with torch's AVX2
+kernels: +0.60% with its AVX-512 ones). Same 120 products,
 ms per pass, one thread, one rough run on the shared AVX-512 machine (others' jobs running;
 ratios only):
 
@@ -75,7 +77,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.kernels import cpu as cpu_kernels
-from splitserve.kernels.cpu.isa import CpuFeatures, cpu_features
+from splitserve.kernels.cpu.isa import CpuFeatures, cpu_features, kernel_isa
 
 if TYPE_CHECKING:  # quantized_triton imports this module
     from splitserve.engine.model.quantized_triton import TritonWeight
@@ -99,6 +101,20 @@ _TILE_OUTPUTS = 16  # outputs per tile of our int4 layout (kernels/cpu/int4_gemm
 _TORCH_INT4_ROW_BLOCK = 64
 _INNER_MULTIPLE = GROUP_SIZE
 _ACT_DTYPE = torch.bfloat16
+
+
+def plain_input_activation_passes(features: CpuFeatures | None = None) -> int:
+    """Activation passes below INT4_ONE_PASS_FROM_ROWS rows for the products whose inputs
+    have no few large features (o and gate_up; qkv and down always take two): two where
+    int4_gemm runs its AVX-512 VNNI variant, one elsewhere. In one pass the quality text's
+    perplexity in chunks of 8 (tests/test_quantization_quality.py) moved with float noise
+    the pass rounds one way or the other: +0.06%, +0.29% and +0.60% against float32 with
+    torch's elementwise kernels at AVX2, scalar and AVX-512 (a Zen 5 EPYC, 2026-12-03), the
+    last past the 0.41% bound; in two, +0.24-0.25% at all three. VNNI's 4-byte dot products
+    take the second pass at no cost measurable there; AVX2 has none, and paid ~20% of its
+    8-row decode rate for it in one noisy A/B, so it keeps one pass (+0.06% on its own
+    machines, whose torch runs its AVX2 kernels). `features`: this CPU's by default."""
+    return 2 if kernel_isa(features).name == "avx512_vnni" else 1
 
 
 def _pad_to(size: int, multiple: int) -> int:

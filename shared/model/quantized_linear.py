@@ -41,9 +41,8 @@ the second pass doubles the arithmetic that hides the weights' reads) and bought
 the quality text in chunks of 8 had perplexity +0.25% against float32 with two passes on all four
 products, +0.06% with o and gate_up in one, and greedy agreement with float32 on the test prompts
 was the same (2-core AVX2 EPYC, 2026-12-02; the +0.06% was the one pass's luck with torch's AVX2
-kernels: +0.60% with its AVX-512 ones). Same 120 products,
-ms per pass, one thread, one rough run on the shared AVX-512 machine (others' jobs running;
-ratios only):
+kernels: +0.60% with its AVX-512 ones). Same 120 products, ms per pass, one thread, one rough
+run on the shared AVX-512 machine (others' jobs running; ratios only):
 
     rows                            1     4     8    16    64    256
     float32, oneDNN               20    20    24    36   116    625
@@ -111,9 +110,9 @@ def plain_input_activation_passes(features: CpuFeatures | None = None) -> int:
     the pass rounds one way or the other: +0.06%, +0.29% and +0.60% against float32 with
     torch's elementwise kernels at AVX2, scalar and AVX-512 (a Zen 5 EPYC, 2026-12-03), the
     last past the 0.41% bound; in two, +0.24-0.25% at all three. VNNI's 4-byte dot products
-    take the second pass at no cost measurable there; AVX2 has none, and paid ~20% of its
-    8-row decode rate for it in one noisy A/B, so it keeps one pass (+0.06% on its own
-    machines, whose torch runs its AVX2 kernels). `features`: this CPU's by default."""
+    take the second pass at no cost measurable there; AVX2 has none, and its variant (forced
+    on that Zen 5) paid ~20% of its 8-row decode rate for it in one noisy A/B, so it keeps one
+    pass (+0.06% where torch runs its AVX2 kernels too). `features`: this CPU's by default."""
     return 2 if kernel_isa(features).name == "avx512_vnni" else 1
 
 

@@ -12,7 +12,14 @@ response headers, not prefill.
 (Authorization: Bearer on the keyed gateway); per request: time to the first SSE byte and
 to the last. Rounds alternate the two gateways, the first of each pair flipping every round,
 so a busy machine skews both alike. Prints the medians and p90s side by side and their
-differences (target: under 1 ms at 64 streams).
+differences (target: under 1 ms at 64 streams), then the same difference paired by round.
+
+Why paired: on a shared VM the machine's speed drifts by a fifth from one minute to the next,
+and the pooled medians of two runs of the same code moved by 7 ms either way (2026-12-03, a
+Zen 5 EPYC). Each round's keyed median less the open median of the same round (seconds apart)
+cancels the drift; the median of those differences, with the interval its order statistics
+give (a sign test's: exact, at least 90% where the rounds allow), says whether the runs can
+tell a 1 ms difference at all.
 
 `--quick` runs a few seconds on a shared 2-core box; figures to quote come from a quiet machine
 with the defaults (docs/security.md).
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import sys
@@ -157,6 +165,7 @@ def run(streams: int, rounds: int, requests: int) -> None:
         sup.wait_healthy(120)
         time.sleep(1.5)  # the gateways' first poll of the pod
         timings: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
+        round_medians: dict[str, list[float]] = {"off": [], "on": []}  # first byte, ms
         cpu_s = {"off": 0.0, "on": 0.0}
         for number in range(rounds):
             # Which gateway goes first flips each round: a round runs in the wake of the one
@@ -165,10 +174,48 @@ def run(streams: int, rounds: int, requests: int) -> None:
             for name, (url, headers) in order:
                 pid = sup.process(f"gateway-{name}").pid
                 before = _cpu_seconds(pid)
-                timings[name] += asyncio.run(_round(url, headers, streams, requests))
+                round_timings = asyncio.run(_round(url, headers, streams, requests))
                 cpu_s[name] += _cpu_seconds(pid) - before
+                timings[name] += round_timings
+                round_medians[name].append(_ms([t[0] for t in round_timings], 0.5))
     _report(timings, streams)
     _report_cpu(cpu_s, {name: len(values) for name, values in timings.items()})
+    print(_paired_line(round_medians["off"], round_medians["on"]))
+
+
+def paired_added_ms(off: list[float], on: list[float]) -> tuple[float, float, float, float]:
+    """(median, low, high, coverage): the median of each round's keyed first-byte median less
+    the open one of the same round, and the interval between order statistics that holds the
+    differences' true median with probability `coverage` (`median_interval`)."""
+    if len(off) != len(on) or not off:
+        raise ValueError("one open and one keyed median per round, at least one round")
+    differences = [keyed - open_ for open_, keyed in zip(off, on)]
+    return (statistics.median(differences), *median_interval(differences))
+
+
+def median_interval(values: list[float], confidence: float = 0.9) -> tuple[float, float, float]:
+    """(low, high, coverage): the narrowest interval between the j-th smallest and the j-th
+    largest value that holds the population median with probability >= `confidence` (the
+    sign test: the count below the median is Binomial(n, 1/2)); min..max, with its smaller
+    coverage, where n is too small to reach it."""
+    ordered = sorted(values)
+    n = len(ordered)
+
+    def coverage(rank: int) -> float:  # P(rank <= count below the median < n + 1 - rank)
+        return sum(math.comb(n, i) for i in range(rank, n + 1 - rank)) / 2**n
+
+    rank = 1
+    while rank + 1 <= n + 1 - (rank + 1) and coverage(rank + 1) >= confidence:
+        rank += 1
+    return ordered[rank - 1], ordered[n - rank], coverage(rank)
+
+
+def _paired_line(off: list[float], on: list[float]) -> str:
+    median, low, high, coverage = paired_added_ms(off, on)
+    return (
+        f"paired by round: first byte median added {median:+.2f} ms over {len(off)} rounds "
+        f"({coverage:.0%} interval {low:+.2f} to {high:+.2f} ms)"
+    )
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -181,6 +181,7 @@ def run(streams: int, rounds: int, requests: int) -> None:
     _report(timings, streams)
     _report_cpu(cpu_s, {name: len(values) for name, values in timings.items()})
     print(_paired_line(round_medians["off"], round_medians["on"]))
+    print(_rounds_line(round_medians["off"], round_medians["on"]))
 
 
 def paired_added_ms(off: list[float], on: list[float]) -> tuple[float, float, float, float]:
@@ -208,6 +209,11 @@ def median_interval(values: list[float], confidence: float = 0.9) -> tuple[float
     while rank + 1 <= n + 1 - (rank + 1) and coverage(rank + 1) >= confidence:
         rank += 1
     return ordered[rank - 1], ordered[n - rank], coverage(rank)
+
+
+def _rounds_line(off: list[float], on: list[float]) -> str:
+    pairs = " ".join(f"{open_:.1f}/{keyed - open_:+.1f}" for open_, keyed in zip(off, on))
+    return f"each round, open median/added (ms): {pairs}"
 
 
 def _paired_line(off: list[float], on: list[float]) -> str:

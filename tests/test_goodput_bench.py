@@ -12,6 +12,7 @@ from benchmarks.goodput.figures import (
     LOOSE,
     TIGHT,
     Outcome,
+    load_seeds,
     num_arrivals,
     offered_rates,
     summarize,
@@ -56,6 +57,15 @@ def test_loads_are_multiples_of_the_reference_and_counts_round() -> None:
         offered_rates(0.0, [1.0])
     assert num_arrivals(1.0, 60.0) == 60
     assert num_arrivals(0.01, 10.0) == 1  # at least one request
+
+
+def test_each_load_has_its_seed_and_a_repeated_load_a_new_one() -> None:
+    # Every system gets the same arrivals at a load; a repeat of a load must not send the
+    # same prompts again (the prefix cache would serve them).
+    seeds = load_seeds(0, [0.5, 2.0, 0.5, 0.5])
+    assert seeds[0] == load_seeds(0, [0.5])[0]
+    assert len(set(seeds)) == 4
+    assert load_seeds(0, [0.5, 2.0, 0.5, 0.5]) == seeds  # the next system's
 
 
 def test_goodput_counts_requests_meeting_both_slos_per_second() -> None:

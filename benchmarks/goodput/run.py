@@ -14,7 +14,13 @@ from benchmarks.goodput.clients import (
     vllm_saturation,
     warm_up,
 )
-from benchmarks.goodput.figures import LoadFigures, num_arrivals, offered_rates, summarize
+from benchmarks.goodput.figures import (
+    LoadFigures,
+    load_seeds,
+    num_arrivals,
+    offered_rates,
+    summarize,
+)
 from benchmarks.goodput.systems import BASELINE, VLLM, Served, System, serving
 
 VLLM_CLIENT = "vllm's"
@@ -111,10 +117,11 @@ class Bench:
         if system.measures_saturation:
             self._saturation(system, served, workload)
         reference = self._reference_rate(workload)
-        for factor, rate in zip(
-            self.options.load_factors, offered_rates(reference, self.options.load_factors)
+        factors = self.options.load_factors
+        for factor, rate, seed in zip(
+            factors, offered_rates(reference, factors), load_seeds(self.options.seed, factors)
         ):
-            self._load(system, served, workload, factor, rate)
+            self._load(system, served, workload, factor, rate, seed)
 
     def _reference_rate(self, workload: Workload) -> float:
         measured = self.results.saturation.get(BASELINE, {}).get(workload.name)
@@ -142,13 +149,18 @@ class Bench:
         self.log(f"{system.name} / {workload.name}: saturates at {rate:.2f} req/s")
 
     def _load(
-        self, system: System, served: Served, workload: Workload, factor: float, rate: float
+        self,
+        system: System,
+        served: Served,
+        workload: Workload,
+        factor: float,
+        rate: float,
+        seed: int,
     ) -> None:
         o = self.options
         num_prompts = num_arrivals(rate, o.duration_s)
         where = f"{system.name} / {workload.name} / {factor:g}x = {rate:.2f} req/s"
         self.log(f"{where}: vLLM's client, {num_prompts} requests", step=True)
-        seed = o.seed + round(factor * 1000)  # one arrival sequence per load, for every system
         measured = vllm_open_loop(served.base_url, served.model, workload, rate, num_prompts, seed)
         self._record(system, VLLM_CLIENT, workload, factor, rate, measured)
         if system.our_client_too:

@@ -204,3 +204,24 @@ def test_goodput_counts_requests_within_both_slos_per_pod_and_checks_the_pick() 
     slow_slo = workload_slo(synthetic_profile(0.1, decode_step_s=0.04), shape)
     assert slow_slo.ttft_s == pytest.approx(2 * fast_slo.ttft_s)
     assert slow_slo.itl_s == pytest.approx(2 * fast_slo.itl_s)
+
+
+def test_a_run_paced_by_its_pods_step_logs_is_simulated_at_that_pace(tmp_path, capsys) -> None:
+    """The pods' own pace (their step logs) is simulated and reported beside the engine's,
+    and survives a record's round trip: a replay recomputes the run at it."""
+    args = _args(tmp_path)
+    profile = synthetic_profile(0.05, prefill_per_token_s=1e-4, decode_step_s=0.02)
+    slow = replace(_measured("colocated-1", "chat"), pod_pace=(1.0, 3.0))
+    recorded = [simulated_beside(slow, profile, 0.1, args.seed, args.duration)]
+    at_pods, planned = recorded[0].simulated_at_pod_pace, recorded[0].simulated_with_overheads
+    assert at_pods.itl_p50 == pytest.approx(3 * planned.itl_p50, rel=0.05)
+    assert all(math.isnan(v) for v in asdict(recorded[0].simulated_at_pace).values())
+
+    record = tmp_path / "pods.json"
+    save_record(str(record), recorded, args)
+    assert run_validation(_args(tmp_path, replay=str(record))) == 0
+    report = capsys.readouterr().out
+    assert "the pods' own steps during the runs" in report
+    assert "decode at x3.00-3.00" in report
+    assert "colocated-1  chat         prefill x1.00 decode x3.00" in report
+    assert "bare engine around each run" not in report  # no engine pace: not its block

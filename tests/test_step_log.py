@@ -22,6 +22,9 @@ def test_every_step_is_one_line_with_its_shape(
     assert rows[0]["prompt_tokens"] == 32 and not rows[0]["decode_only"]
     assert rows[-1] == rows[-1] | {"decode_only": True, "prompt_tokens": 0, "prompt_chunks": 0}
     assert sum(row["decodes"] for row in rows) == 2 * 5 - 2  # each first token ends a prompt
+    # The last step computes both requests' fourth output token: the rows attend over 40 + 4
+    # and 3 + 4 positions (the prompt, the three tokens before and the new one).
+    assert rows[-1]["decodes"] == 2 and rows[-1]["decode_context_tokens"] == 44 + 7
     assert all(row["seconds"] > 0 and row["threads"] >= 1 for row in rows)
     assert [row["start"] for row in rows] == sorted(row["start"] for row in rows)
 

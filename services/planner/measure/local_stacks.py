@@ -73,17 +73,41 @@ def simulated_cluster(config: LocalConfig) -> ClusterConfig:
 
 
 @contextmanager
-def running_stack(config: LocalConfig) -> Iterator[RunningStack]:
+def running_stack(
+    config: LocalConfig, step_log_prefix: str | None = None
+) -> Iterator[RunningStack]:
     """`config` up, pinned and single-threaded, for the length of the `with` block; this
-    process (the client) on the serving core while it lasts."""
+    process (the client) on the serving core while it lasts. With `step_log_prefix`, each
+    engine logs its steps to `<prefix>.<pid>.jsonl` (engine/step_log.py)."""
     cores = usable_cores()
     pins = {name: {core} for name, core in zip(config.pins, cores)}
     setup = SystemSetup(config.name, [*config.up_flags, "--num-threads", "1"], pins, config.name)
     serving = None if config.serving_core is None else {cores[config.serving_core]}
-    with _this_process_on(serving), RunningStack(setup) as stack:
+    with _this_process_on(serving), _step_log(step_log_prefix), RunningStack(setup) as stack:
         # Started from here, the processes not pinned to a pod's core (the gateway) inherit
         # the serving core.
         yield stack
+
+
+@contextmanager
+def _step_log(prefix: str | None) -> Iterator[None]:
+    """The step log's variable set for the processes started within (they copy this one's
+    environment), and this process's own as it was after."""
+    if prefix is None:
+        yield
+        return
+    # lazy: the step log's module is the engine's (torch); the planner's others load without
+    from splitserve.engine.step_log import ENV_VAR
+
+    previous = os.environ.get(ENV_VAR)
+    os.environ[ENV_VAR] = prefix
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = previous
 
 
 @contextmanager

@@ -27,8 +27,10 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 from splitserve.loadgen.client import print_progress, run_open_loop
 from splitserve.loadgen.cpu import ForeignLoad
@@ -60,6 +62,7 @@ from splitserve.planner.profile.parts import topology_of
 from splitserve.planner.simulate.cluster import simulate
 from splitserve.planner.validate.drift import RunPace, format_drift
 from splitserve.planner.validate.goodput import format_goodput, workload_slo
+from splitserve.planner.validate.pod_pace import pod_pace, read_steps
 from splitserve.planner.validate.ranking import format_ranking
 from splitserve.planner.validate.resolution import percentile_band, within_band
 
@@ -121,6 +124,10 @@ class Comparison:
     # profile's steps, and the run simulated as the planner would at that pace (`drift.py`).
     engine_pace: tuple[float, ...] = ()
     simulated_at_pace: Latencies = NO_LATENCIES
+    # The pods' own (prefill, decode) pace during the run, from their step logs, and the run
+    # simulated as the planner would at it (`pod_pace.py`); () when the logs held too little.
+    pod_pace: tuple[float, ...] = ()
+    simulated_at_pod_pace: Latencies = NO_LATENCIES
 
     @property
     def num_pods(self) -> int:
@@ -143,7 +150,13 @@ class Comparison:
         return {key: simulated_figures[key] / measured[key] - 1 for key in measured}
 
     def errors_at_pace(self) -> dict[str, float]:
-        measured, simulated = asdict(self.measured), asdict(self.simulated_at_pace)
+        return self._errors_of(self.simulated_at_pace)
+
+    def errors_at_pod_pace(self) -> dict[str, float]:
+        return self._errors_of(self.simulated_at_pod_pace)
+
+    def _errors_of(self, simulated_latencies: Latencies) -> dict[str, float]:
+        measured, simulated = asdict(self.measured), asdict(simulated_latencies)
         return {key: simulated[key] / measured[key] - 1 for key in measured}
 
 
@@ -167,13 +180,28 @@ def run_config(
     config: LocalConfig, profile: Profile, args: argparse.Namespace, pace: EnginePace | None
 ) -> list[Comparison]:
     log(f"starting {config.name}")
-    with running_stack(config) as stack:
-        log(f"{config.name} is up ({stack.plan.mode_note})")
-        target = completions_target(stack)
-        warm_up(target, args.seed)
-        return [
-            _measure(stack, target, config, workload, profile, args, pace) for workload in WORKLOADS
-        ]
+    with tempfile.TemporaryDirectory() as steps_dir:
+        step_logs = StepLogs(Path(steps_dir) / "steps")
+        with running_stack(config, str(step_logs.prefix)) as stack:
+            log(f"{config.name} is up ({stack.plan.mode_note})")
+            target = completions_target(stack)
+            warm_up(target, args.seed)
+            return [
+                _measure(stack, target, config, workload, profile, args, pace, step_logs)
+                for workload in WORKLOADS
+            ]
+
+
+@dataclass(frozen=True)
+class StepLogs:
+    """Where a stack's engines log their steps: `<prefix>.<pid>.jsonl`."""
+
+    prefix: Path
+
+    def pods_pace(self, stack, config: LocalConfig, profile: Profile, window) -> tuple:
+        pids = [stack.process(name).pid for name in config.pins]
+        paths = [Path(f"{self.prefix}.{pid}.jsonl") for pid in pids]
+        return pod_pace(profile, read_steps(paths, *window))
 
 
 def _serving_costs(profile: Profile, config: LocalConfig) -> ServingCosts:
@@ -186,7 +214,7 @@ def _measured(run) -> Latencies:
     return Latencies.of(summary.ttft, summary.itl)
 
 
-def _measure(stack, target, config, workload, profile, args, pace) -> Comparison:
+def _measure(stack, target, config, workload, profile, args, pace, step_logs) -> Comparison:
     rate = workload_rate(profile, workload)
     seed = f"{args.seed}/{workload.name}"
     specs = poisson_workload(seed, rate, args.duration, 10_000, workload.shape)
@@ -198,7 +226,9 @@ def _measure(stack, target, config, workload, profile, args, pace) -> Comparison
     foreign = ForeignLoad(lambda: [os.getpid(), *stack.pids()])
     foreign.start()
     drain_s = 60.0
+    started_wall_s = time.time()
     run = asyncio.run(run_open_loop(target, specs, drain_s, print_progress(label)))
+    window = (started_wall_s, time.time())
     foreign_cores = foreign.cores()
     num_ok = sum(result.ok for result in run.results)
     finished = [result for result in run.results if result.ok]
@@ -219,6 +249,7 @@ def _measure(stack, target, config, workload, profile, args, pace) -> Comparison
     stack.wait_idle(timeout_s=30.0)
     if run_pace is not None:
         measured = replace(measured, engine_pace=run_pace.finish(profile))
+    measured = replace(measured, pod_pace=step_logs.pods_pace(stack, config, profile, window))
     comparison = simulated_beside(measured, profile, args.margin, args.seed, args.duration)
     log(f"{label}: {num_ok}/{len(specs)} finished; {_errors_line(comparison)}")
     return comparison
@@ -239,12 +270,11 @@ def simulated_beside(
     slo = workload_slo(profile, workload.shape)
     bare_latencies, _ = _simulate_requests(replace(profile, serving={}), config, requests, slo)
     planned_latencies, attainment = _simulate_requests(planned, config, requests, slo)
-    at_pace = NO_LATENCIES
-    if measured.engine_pace:
-        paced = profile.at_pace(*measured.engine_pace).with_margin(margin)
-        at_pace, _ = _simulate_requests(paced, config, requests, slo)
+    at_pace = _simulated_at(measured.engine_pace, profile, margin, config, requests, slo)
+    at_pod_pace = _simulated_at(measured.pod_pace, profile, margin, config, requests, slo)
     return replace(
         measured,
+        simulated_at_pod_pace=at_pod_pace,
         simulated=bare_latencies,
         overheads=_serving_costs(planned, config),
         simulated_with_overheads=planned_latencies,
@@ -252,6 +282,22 @@ def simulated_beside(
         simulated_attainment=attainment,
         simulated_at_pace=at_pace,
     )
+
+
+def _simulated_at(
+    pace: tuple[float, ...],
+    profile: Profile,
+    margin: float,
+    config: LocalConfig,
+    requests: list[SimRequest],
+    slo: Slo,
+) -> Latencies:
+    """The requests simulated as the planner would with the profile at `pace` (prefill,
+    decode); no figures without a pace."""
+    if not pace:
+        return NO_LATENCIES
+    paced = profile.at_pace(*pace).with_margin(margin)
+    return _simulate_requests(paced, config, requests, slo)[0]
 
 
 def _no_simulation() -> tuple[Latencies, ServingCosts, Latencies]:
@@ -433,6 +479,10 @@ def _comparison(body: dict) -> Comparison:
         fields["overheads"] = ServingCosts(**body["overheads"])
         fields["goodput_slo"] = tuple(body.get("goodput_slo", ()))
         fields["engine_pace"] = tuple(body.get("engine_pace", ()))
+        fields["simulated_at_pod_pace"] = Latencies(
+            **body.get("simulated_at_pod_pace", asdict(NO_LATENCIES))
+        )
+        fields["pod_pace"] = tuple(body.get("pod_pace", ()))
         comparison = Comparison(**fields)
     except (KeyError, TypeError) as error:
         raise ValueError(f"--replay: not a recorded run: {error}") from None

@@ -47,8 +47,42 @@ class RunPace:
 
 
 def format_drift(comparisons: list, tolerance: float) -> str:
-    """The paces around the runs (`Comparison.engine_pace`) and how the planner's model fares
-    at them; empty without paces."""
+    """The paces around the runs (`Comparison.engine_pace`), the pods' own during them
+    (`Comparison.pod_pace`), and how the planner's model fares at each; empty without."""
+    parts = [_engine_pace_lines(comparisons, tolerance), _pod_pace_lines(comparisons, tolerance)]
+    return "\n".join(part for part in parts if part)
+
+
+def _pod_pace_lines(comparisons: list, tolerance: float) -> str:
+    paced = [c for c in comparisons if len(c.pod_pace) == 2]
+    if not paced:
+        return ""
+    errors = [
+        error for c in paced for error in c.errors_at_pod_pace().values() if not math.isnan(error)
+    ]
+    within = sum(abs(error) <= tolerance for error in errors)
+    mean = sum(errors) / len(errors) if errors else math.nan
+    prefill = [c.pod_pace[0] for c in paced]
+    decode = [c.pod_pace[1] for c in paced]
+    lines = [
+        "the pods' own steps during the runs (their step logs) ran the profile's prefill at "
+        f"x{min(prefill):.2f}-{max(prefill):.2f} and its decode at "
+        f"x{min(decode):.2f}-{max(decode):.2f};",
+        f"  the planner's model at the pods' own pace: {within}/{len(errors)} within "
+        f"{tolerance:.0%}, mean error {mean:+.1%} (a diagnostic, as above)",
+    ]
+    for c in paced:
+        errors_at_pace = ", ".join(
+            f"{key} {error:+.0%}" for key, error in c.errors_at_pod_pace().items()
+        )
+        lines.append(
+            f"  {c.config:<12} {c.workload:<12} prefill x{c.pod_pace[0]:.2f} decode "
+            f"x{c.pod_pace[1]:.2f}: {errors_at_pace}"
+        )
+    return "\n".join(lines)
+
+
+def _engine_pace_lines(comparisons: list, tolerance: float) -> str:
     paced = [c for c in comparisons if len(c.engine_pace) == 2]
     if not paced:
         return ""

@@ -89,6 +89,14 @@ def test_a_recorded_run_replays_as_it_was_simulated(tmp_path, capsys) -> None:
     assert all(math.isfinite(v) for v in again[1]["simulated_with_overheads"].values())
 
 
+def _replayed_report(tmp_path, recorded: list[Comparison], capsys) -> str:
+    """What `--replay` prints for `recorded` saved as a record."""
+    record = tmp_path / "recorded.json"
+    save_record(str(record), recorded, _args(tmp_path))
+    assert run_validation(_args(tmp_path, replay=str(record))) == 0
+    return capsys.readouterr().out
+
+
 def test_a_run_paced_by_the_engine_is_simulated_again_at_that_pace(tmp_path, capsys) -> None:
     """A run the bare engine was timed around at half the profile's speed is simulated a third
     time with the profile's steps twice as long; the planner's own figures stay as they were."""
@@ -106,10 +114,7 @@ def test_a_run_paced_by_the_engine_is_simulated_again_at_that_pace(tmp_path, cap
     assert at_pace.ttft_p50 > 1.5 * planned.ttft_p50
     assert all(math.isnan(v) for v in asdict(recorded[1].simulated_at_pace).values())
 
-    record = tmp_path / "paced.json"
-    save_record(str(record), recorded, args)
-    assert run_validation(_args(tmp_path, replay=str(record))) == 0
-    report = capsys.readouterr().out
+    report = _replayed_report(tmp_path, recorded, capsys)
     assert "decode steps at x2.00-2.00" in report
     assert "colocated-1  chat         prefill x2.00 decode x2.00" in report
     assert "colocated-2  chat         prefill" not in report  # not paced: not in the block
@@ -217,10 +222,7 @@ def test_a_run_paced_by_its_pods_step_logs_is_simulated_at_that_pace(tmp_path, c
     assert at_pods.itl_p50 == pytest.approx(3 * planned.itl_p50, rel=0.05)
     assert all(math.isnan(v) for v in asdict(recorded[0].simulated_at_pace).values())
 
-    record = tmp_path / "pods.json"
-    save_record(str(record), recorded, args)
-    assert run_validation(_args(tmp_path, replay=str(record))) == 0
-    report = capsys.readouterr().out
+    report = _replayed_report(tmp_path, recorded, capsys)
     assert "the pods' own steps during the runs" in report
     assert "decode at x3.00-3.00" in report
     assert "colocated-1  chat         prefill x1.00 decode x3.00" in report

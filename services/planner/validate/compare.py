@@ -62,7 +62,7 @@ from splitserve.planner.profile.parts import topology_of
 from splitserve.planner.simulate.cluster import simulate
 from splitserve.planner.validate.drift import RunPace, format_drift
 from splitserve.planner.validate.goodput import format_goodput, workload_slo
-from splitserve.planner.validate.pod_pace import pod_pace, read_steps
+from splitserve.planner.validate.pod_pace import StepLogs
 from splitserve.planner.validate.ranking import format_ranking
 from splitserve.planner.validate.resolution import percentile_band, within_band
 
@@ -192,18 +192,6 @@ def run_config(
             ]
 
 
-@dataclass(frozen=True)
-class StepLogs:
-    """Where a stack's engines log their steps: `<prefix>.<pid>.jsonl`."""
-
-    prefix: Path
-
-    def pods_pace(self, stack, config: LocalConfig, profile: Profile, window) -> tuple:
-        pids = [stack.process(name).pid for name in config.pins]
-        paths = [Path(f"{self.prefix}.{pid}.jsonl") for pid in pids]
-        return pod_pace(profile, read_steps(paths, *window))
-
-
 def _serving_costs(profile: Profile, config: LocalConfig) -> ServingCosts:
     return profile.serving.get(topology_of(config.num_prefill), ServingCosts())
 
@@ -214,7 +202,9 @@ def _measured(run) -> Latencies:
     return Latencies.of(summary.ttft, summary.itl)
 
 
-def _measure(stack, target, config, workload, profile, args, pace, step_logs) -> Comparison:
+def _measure(
+    stack, target, config, workload, profile, args, pace, step_logs: StepLogs
+) -> Comparison:
     rate = workload_rate(profile, workload)
     seed = f"{args.seed}/{workload.name}"
     specs = poisson_workload(seed, rate, args.duration, 10_000, workload.shape)
@@ -249,7 +239,8 @@ def _measure(stack, target, config, workload, profile, args, pace, step_logs) ->
     stack.wait_idle(timeout_s=30.0)
     if run_pace is not None:
         measured = replace(measured, engine_pace=run_pace.finish(profile))
-    measured = replace(measured, pod_pace=step_logs.pods_pace(stack, config, profile, window))
+    pod_pids = [stack.process(name).pid for name in config.pins]
+    measured = replace(measured, pod_pace=step_logs.pods_pace(profile, pod_pids, window))
     comparison = simulated_beside(measured, profile, args.margin, args.seed, args.duration)
     log(f"{label}: {num_ok}/{len(specs)} finished; {_errors_line(comparison)}")
     return comparison
@@ -274,13 +265,13 @@ def simulated_beside(
     at_pod_pace = _simulated_at(measured.pod_pace, profile, margin, config, requests, slo)
     return replace(
         measured,
-        simulated_at_pod_pace=at_pod_pace,
         simulated=bare_latencies,
         overheads=_serving_costs(planned, config),
         simulated_with_overheads=planned_latencies,
         goodput_slo=(slo.ttft_s, slo.itl_s),
         simulated_attainment=attainment,
         simulated_at_pace=at_pace,
+        simulated_at_pod_pace=at_pod_pace,
     )
 
 

@@ -49,64 +49,50 @@ class RunPace:
 def format_drift(comparisons: list, tolerance: float) -> str:
     """The paces around the runs (`Comparison.engine_pace`), the pods' own during them
     (`Comparison.pod_pace`), and how the planner's model fares at each; empty without."""
-    parts = [_engine_pace_lines(comparisons, tolerance), _pod_pace_lines(comparisons, tolerance)]
-    return "\n".join(part for part in parts if part)
-
-
-def _pod_pace_lines(comparisons: list, tolerance: float) -> str:
-    paced = [c for c in comparisons if len(c.pod_pace) == 2]
-    if not paced:
-        return ""
-    errors = [
-        error for c in paced for error in c.errors_at_pod_pace().values() if not math.isnan(error)
-    ]
-    within = sum(abs(error) <= tolerance for error in errors)
-    mean = sum(errors) / len(errors) if errors else math.nan
-    prefill = [c.pod_pace[0] for c in paced]
-    decode = [c.pod_pace[1] for c in paced]
-    lines = [
-        "the pods' own steps during the runs (their step logs) ran the profile's prefill at "
-        f"x{min(prefill):.2f}-{max(prefill):.2f} and its decode at "
-        f"x{min(decode):.2f}-{max(decode):.2f};",
-        f"  the planner's model at the pods' own pace: {within}/{len(errors)} within "
-        f"{tolerance:.0%}, mean error {mean:+.1%} (a diagnostic, as above)",
-    ]
-    for c in paced:
-        errors_at_pace = ", ".join(
-            f"{key} {error:+.0%}" for key, error in c.errors_at_pod_pace().items()
-        )
-        lines.append(
-            f"  {c.config:<12} {c.workload:<12} prefill x{c.pod_pace[0]:.2f} decode "
-            f"x{c.pod_pace[1]:.2f}: {errors_at_pace}"
-        )
-    return "\n".join(lines)
-
-
-def _engine_pace_lines(comparisons: list, tolerance: float) -> str:
-    paced = [c for c in comparisons if len(c.engine_pace) == 2]
-    if not paced:
-        return ""
-    prefill = [c.engine_pace[0] for c in paced]
-    decode = [c.engine_pace[1] for c in paced]
-    errors = [
-        error for c in paced for error in c.errors_at_pace().values() if not math.isnan(error)
-    ]
-    within = sum(abs(error) <= tolerance for error in errors)
-    mean = sum(errors) / len(errors) if errors else math.nan
-    lines = [
-        "the machine's drift: the bare engine around each run ran the profile's prefill steps at "
-        f"x{min(prefill):.2f}-{max(prefill):.2f} and its decode steps at "
-        f"x{min(decode):.2f}-{max(decode):.2f};",
-        f"  the planner's model at each run's pace: {within}/{len(errors)} within "
-        f"{tolerance:.0%}, mean error {mean:+.1%} "
+    engine = _pace_block(
+        [(c, c.engine_pace, c.errors_at_pace()) for c in comparisons if len(c.engine_pace) == 2],
+        "the machine's drift: the bare engine around each run ran the profile's prefill steps "
+        "at {prefill} and its decode steps at {decode};",
+        "the planner's model at each run's pace",
         "(a diagnostic: the planner cannot know the pace of a later minute)",
+        tolerance,
+    )
+    pods = _pace_block(
+        [(c, c.pod_pace, c.errors_at_pod_pace()) for c in comparisons if len(c.pod_pace) == 2],
+        "the pods' own steps during the runs (their step logs) ran the profile's prefill at "
+        "{prefill} and its decode at {decode};",
+        "the planner's model at the pods' own pace",
+        "(a diagnostic, as above)",
+        tolerance,
+    )
+    return "\n".join(block for block in (engine, pods) if block)
+
+
+def _pace_block(
+    paced: list[tuple], headline: str, label: str, caveat: str, tolerance: float
+) -> str:
+    """One kind of pace: its range over the runs (`headline` with {prefill} and {decode}),
+    the model's errors at it in all, then run by run; empty without paced runs. `paced`
+    holds (comparison, (prefill, decode), errors at that pace)."""
+    if not paced:
+        return ""
+    errors = [error for *_, by_key in paced for error in by_key.values() if not math.isnan(error)]
+    within = sum(abs(error) <= tolerance for error in errors)
+    mean = sum(errors) / len(errors) if errors else math.nan
+    prefill = [pace[0] for _, pace, _ in paced]
+    decode = [pace[1] for _, pace, _ in paced]
+    lines = [
+        headline.format(
+            prefill=f"x{min(prefill):.2f}-{max(prefill):.2f}",
+            decode=f"x{min(decode):.2f}-{max(decode):.2f}",
+        ),
+        f"  {label}: {within}/{len(errors)} within {tolerance:.0%}, mean error {mean:+.1%} "
+        + caveat,
     ]
-    for c in paced:
-        errors_at_pace = ", ".join(
-            f"{key} {error:+.0%}" for key, error in c.errors_at_pace().items()
-        )
+    for c, pace, by_key in paced:
+        listed = ", ".join(f"{key} {error:+.0%}" for key, error in by_key.items())
         lines.append(
-            f"  {c.config:<12} {c.workload:<12} prefill x{c.engine_pace[0]:.2f} decode "
-            f"x{c.engine_pace[1]:.2f}: {errors_at_pace}"
+            f"  {c.config:<12} {c.workload:<12} prefill x{pace[0]:.2f} decode "
+            f"x{pace[1]:.2f}: {listed}"
         )
     return "\n".join(lines)

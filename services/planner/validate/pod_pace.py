@@ -17,9 +17,24 @@ import json
 import math
 import statistics
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from splitserve.planner.profile import Profile
+
+
+@dataclass(frozen=True)
+class StepLogs:
+    """Where a stack's engines log their steps: `<prefix>.<pid>.jsonl`."""
+
+    prefix: Path
+
+    def pods_pace(
+        self, profile: Profile, pids: list[int], window: tuple[float, float]
+    ) -> tuple[float, ...]:
+        """The pace of the pods `pids` over `window` (wall-clock seconds), `pod_pace`'s."""
+        paths = [Path(f"{self.prefix}.{pid}.jsonl") for pid in pids]
+        return pod_pace(profile, read_steps(paths, *window))
 
 
 def read_steps(paths: Iterable[Path], start_wall_s: float, end_wall_s: float) -> list[dict]:

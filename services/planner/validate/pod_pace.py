@@ -9,14 +9,21 @@ each pod's steps of the run back: every prefill-only step of one prompt against 
 prefill of that length, every decode-only step against the profile's decode step at its rows
 and their mean context. The medians are the run's (prefill, decode) pace, a diagnostic like
 the bare engine's: the planner cannot know it before the run.
+
+Only decode steps that ran while no other pod of the stack was stepping count: beside a
+neighbour's step a decode step is slower by the profile's neighbour slowdowns (16-28% on that
+Zen 5), which the simulator applies on top of the pace, so a pace read off steps that already
+carry them counted them twice (the first run, docs/benchmarks.md). Prefill steps count
+whatever ran beside them: a neighbour slows them by 2-3% there, and a prompt's step of half a
+second or more nearly always has a neighbour's decode step beside it under load.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import statistics
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,39 +41,62 @@ class StepLogs:
     ) -> tuple[float, ...]:
         """The pace of the pods `pids` over `window` (wall-clock seconds), `pod_pace`'s."""
         paths = [Path(f"{self.prefix}.{pid}.jsonl") for pid in pids]
-        return pod_pace(profile, read_steps(paths, *window))
+        pods = [read_steps(path, *window) for path in paths]
+        every_step = [step for steps in pods for step in steps]
+        alone = [step for steps in steps_alone(pods) for step in steps]
+        return pod_pace(profile, every_step, alone)
 
 
-def read_steps(paths: Iterable[Path], start_wall_s: float, end_wall_s: float) -> list[dict]:
-    """The step records of `paths` (missing files hold none) that started in the window."""
-    records = []
-    for path in paths:
-        if not path.exists():
+def read_steps(path: Path, start_wall_s: float, end_wall_s: float) -> list[dict]:
+    """One pod's step records (none when its file is missing) that started in the window."""
+    records: list[dict] = []
+    if not path.exists():
+        return records
+    for line in path.read_text().splitlines():
+        if not line.strip():
             continue
-        for line in path.read_text().splitlines():
-            if not line.strip():
-                continue  # a pod stopped mid-line leaves at most a partial last one
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if start_wall_s <= record["start"] <= end_wall_s:
-                records.append(record)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a pod stopped mid-line leaves at most a partial last one
+        if start_wall_s <= record["start"] <= end_wall_s:
+            records.append(record)
     return records
 
 
-def pod_pace(profile: Profile, records: list[dict]) -> tuple[float, ...]:
+def steps_alone(pods: list[list[dict]]) -> list[list[dict]]:
+    """Each pod's steps that overlapped no step of another pod."""
+    spans = [sorted((r["start"], r["start"] + r["seconds"]) for r in steps) for steps in pods]
+    return [
+        [r for r in steps if not any(_overlaps(r, spans[j]) for j in range(len(pods)) if j != i)]
+        for i, steps in enumerate(pods)
+    ]
+
+
+def _overlaps(record: dict, spans: list[tuple[float, float]]) -> bool:
+    """Whether `record`'s step overlaps any of `spans` (sorted by start)."""
+    start, end = record["start"], record["start"] + record["seconds"]
+    # The spans that start before this step ends; of those only the latest few can reach it,
+    # but a pod's steps do not overlap each other, so the last one is enough.
+    index = bisect.bisect_left(spans, (end, -math.inf))
+    return index > 0 and spans[index - 1][1] > start
+
+
+def pod_pace(
+    profile: Profile, prefill_steps: list[dict], decode_steps: list[dict]
+) -> tuple[float, ...]:
     """(prefill, decode): the median ratio of the pods' steps to the profile's for the same
-    work; () when the records hold no step of either kind to judge by."""
+    work, prefill off `prefill_steps`, decode off `decode_steps` (steps of other kinds are
+    skipped); () when either holds no step of its kind to judge by."""
     prefill = [
         r["seconds"] / profile.prefill_s(r["prompt_tokens"])
-        for r in records
+        for r in prefill_steps
         if r["decodes"] == 0 and r["prompt_chunks"] == 1
     ]
     decode = [
         r["seconds"]
         / profile.decode.step_s(r["decodes"], r["decode_context_tokens"] / r["decodes"])
-        for r in records
+        for r in decode_steps
         if r["decode_only"] and r["decodes"] > 0 and "decode_context_tokens" in r
     ]
     if not prefill or not decode:

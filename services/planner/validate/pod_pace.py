@@ -76,8 +76,8 @@ def steps_alone(pods: list[list[dict]]) -> list[list[dict]]:
 def _overlaps(record: dict, spans: list[tuple[float, float]]) -> bool:
     """Whether `record`'s step overlaps any of `spans` (sorted by start)."""
     start, end = record["start"], record["start"] + record["seconds"]
-    # The spans that start before this step ends; of those only the latest few can reach it,
-    # but a pod's steps do not overlap each other, so the last one is enough.
+    # Of the spans that start before this step ends, the last one also ends last (a pod's
+    # steps never overlap each other), so it alone decides.
     index = bisect.bisect_left(spans, (end, -math.inf))
     return index > 0 and spans[index - 1][1] > start
 

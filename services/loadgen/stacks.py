@@ -40,6 +40,7 @@ class SystemSetup:
     cpus: dict[str, set[int]] = field(default_factory=dict)  # process name -> pinned CPUs
     description: str = ""
     redis_url: str | None = None  # the registry and prefix index every process uses, if any
+    env: dict[str, str] = field(default_factory=dict)  # added to every process's environment
 
 
 def usable_cores() -> tuple[int, int]:
@@ -57,7 +58,10 @@ def _plan(setup: SystemSetup) -> Plan:
     ports += ["--decode-port", str(free_port()), "--prefill-port", str(free_port())]
     args = parser.parse_args([*setup.up_flags, "--host", HOST, *ports])
     the_plan = plan(args, redis_url=setup.redis_url)
-    return replace(the_plan, specs=[_pinned(spec, setup.cpus) for spec in the_plan.specs])
+    specs = [_pinned(spec, setup.cpus) for spec in the_plan.specs]
+    if setup.env:
+        specs = [replace(spec, env={**spec.env, **setup.env}) for spec in specs]
+    return replace(the_plan, specs=specs)
 
 
 def _pinned(spec: ProcessSpec, cpus: dict[str, set[int]]) -> ProcessSpec:

@@ -81,33 +81,22 @@ def running_stack(
     engine logs its steps to `<prefix>.<pid>.jsonl` (engine/step_log.py)."""
     cores = usable_cores()
     pins = {name: {core} for name, core in zip(config.pins, cores)}
-    setup = SystemSetup(config.name, [*config.up_flags, "--num-threads", "1"], pins, config.name)
+    flags = [*config.up_flags, "--num-threads", "1"]
+    setup = SystemSetup(config.name, flags, pins, config.name, env=_step_log_env(step_log_prefix))
     serving = None if config.serving_core is None else {cores[config.serving_core]}
-    with _this_process_on(serving), _step_log(step_log_prefix), RunningStack(setup) as stack:
+    with _this_process_on(serving), RunningStack(setup) as stack:
         # Started from here, the processes not pinned to a pod's core (the gateway) inherit
         # the serving core.
         yield stack
 
 
-@contextmanager
-def _step_log(prefix: str | None) -> Iterator[None]:
-    """The step log's variable set for the processes started within (they copy this one's
-    environment), and this process's own as it was after."""
+def _step_log_env(prefix: str | None) -> dict[str, str]:
     if prefix is None:
-        yield
-        return
+        return {}
     # lazy: the step log's module is the engine's (torch); the planner's others load without
     from splitserve.engine.step_log import ENV_VAR
 
-    previous = os.environ.get(ENV_VAR)
-    os.environ[ENV_VAR] = prefix
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(ENV_VAR, None)
-        else:
-            os.environ[ENV_VAR] = previous
+    return {ENV_VAR: prefix}
 
 
 @contextmanager

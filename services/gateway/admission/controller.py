@@ -23,7 +23,7 @@ import asyncio
 import logging
 import math
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,6 +38,7 @@ from splitserve.gateway.admission.feedback import (
     Calibration,
     RowLimit,
 )
+from splitserve.gateway.admission.load_window import LoadWindow
 from splitserve.gateway.admission.metrics import AdmissionMetrics
 from splitserve.gateway.admission.predict import (
     Prediction,
@@ -52,15 +53,6 @@ logger = logging.getLogger(__name__)
 
 # How often queued requests are looked at while nothing ends (pods may join or free rows).
 QUEUE_TICK_SECONDS = 0.05
-# The window over which requests finishing per second are counted, for the queue's wait.
-COMPLETION_WINDOW_SECONDS = 10.0
-_MIN_COMPLETIONS = 3  # fewer in the window: the wait comes from the cost model instead
-# Asked for at this multiple of what the pool finished over the same window, and by at least
-# OVERLOAD_EXCESS requests: overloaded, so TTFTs are judged at the upper end (`_judged`). The
-# excess keeps a burst at low rates out: by the ratio alone, a quick run at half saturation on
-# an EPYC (a handful of asks and of finishes in a window) refused 7 of 19.
-OVERLOAD_DEMAND = 1.5
-OVERLOAD_EXCESS = 6
 # A tenant that asked within this long (or has rows in flight) counts as active: a row is
 # kept for it while it is below its share.
 ACTIVE_TENANT_SECONDS = 2.0
@@ -131,6 +123,7 @@ class Ticket:
     # Its tenant was under its fair share of the rows when it was admitted, beside others that
     # asked lately: the pods compute it ahead of the other tenants' work (`pod_priority`).
     favoured: bool = False
+    asked_at: float = 0.0  # time.monotonic() of its ask: its service time runs from there
 
 
 def pod_priority(priority: int, favoured: bool) -> int:
@@ -159,8 +152,7 @@ class AdmissionController:
         self._futures: dict[Waiter, asyncio.Future[Ticket]] = {}
         self._asks: dict[Waiter, AdmissionAsk] = {}
         self.num_rows_in_flight = 0
-        self._finished_at: deque[float] = deque()
-        self._asked_at: deque[float] = deque()  # every ask, over COMPLETION_WINDOW_SECONDS
+        self._load = LoadWindow()  # asks and finishes lately: the finish rate, overload
         self._ticker: asyncio.Task | None = None
         self._row_limits: dict[str, RowLimit] = {}  # decode pod address -> its limit
         self._weight_of = weight_of or (lambda tenant: 1.0)
@@ -183,7 +175,7 @@ class AdmissionController:
         arrived = time.monotonic()
         self._last_asked[ask.tenant] = arrived
         self._demand.note(ask.tenant, arrived, ask.num_sequences)
-        self._note_asked(arrived)
+        self._load.note_ask(arrived)
         favoured = self._is_favoured(ask)
         model = self._model_prediction(ask, favoured)
         judged = None if model is None else self._judged(model, favoured, self._is_saturated(ask))
@@ -219,7 +211,7 @@ class AdmissionController:
         self._tenant_rows[ticket.ask.tenant] -= ticket.ask.num_sequences
         self.metrics.rows_in_flight.set(self.num_rows_in_flight)
         if ttft_s is not None:
-            self._finished_at.append(time.monotonic())
+            self._load.note_finish(time.monotonic(), ticket.asked_at)
             self._record(ticket, ttft_s, tpot_s)
         # The pods' windows of token gaps are taken when the rows are counted, which a lone
         # stream's admission skips (nothing in flight): count them as each stream ends.
@@ -259,7 +251,7 @@ class AdmissionController:
         self.metrics.admitted(queued)
         if queued:
             self.metrics.queue_seconds.observe(queued_s)
-        return Ticket(ask, predicted, model, favoured=favoured)
+        return Ticket(ask, predicted, model, favoured=favoured, asked_at=arrived)
 
     # ---- refusing ---------------------------------------------------------------------------
 
@@ -445,20 +437,11 @@ class AdmissionController:
         a queue, no row free, or asked for well past what the pool finishes."""
         return bool(self._queue) or not self._has_room(ask) or self._is_overloaded()
 
-    def _note_asked(self, now: float) -> None:
-        """Counts an ask, dropping those past the window (here, so that the count stays
-        bounded whether or not anything reads it)."""
-        self._asked_at.append(now)
-        while now - self._asked_at[0] > COMPLETION_WINDOW_SECONDS:
-            self._asked_at.popleft()
-
     def _is_overloaded(self) -> bool:
-        """More asked lately than the pool finished, by OVERLOAD_DEMAND: the rows may have
-        room while the prompts queue on the pods (a CPU prefill pod is the bottleneck there).
-        The asks are counted up to the one being judged, which `admit` has just noted."""
-        self._completion_rate()  # drops the finished ones past the window
-        asked, finished = len(self._asked_at), len(self._finished_at)
-        return asked > OVERLOAD_DEMAND * finished and asked - finished >= OVERLOAD_EXCESS
+        """Asked for well past what the pool finishes (`LoadWindow.is_overloaded`): the rows
+        may have room while the prompts queue on the pods (a CPU prefill pod is the
+        bottleneck there)."""
+        return self._load.is_overloaded(time.monotonic())
 
     def _is_idle(self) -> bool:
         """Nothing in flight through this gateway and nothing queued."""
@@ -614,13 +597,7 @@ class AdmissionController:
         return {t for t in others if self._tenant_rows[t] >= self._share(t, ask.tenant, others)}
 
     def _completion_rate(self) -> float:
-        now = time.monotonic()
-        while self._finished_at and now - self._finished_at[0] > COMPLETION_WINDOW_SECONDS:
-            self._finished_at.popleft()
-        if len(self._finished_at) < _MIN_COMPLETIONS:
-            return 0.0
-        span = max(now - self._finished_at[0], 1e-3)
-        return len(self._finished_at) / span
+        return self._load.completion_rate(time.monotonic())
 
     def _modelled_rate(self, ask: AdmissionAsk, prediction: Prediction | None) -> float:
         """Requests per second the pool finishes if every row serves one like `ask`."""

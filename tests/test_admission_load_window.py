@@ -87,3 +87,12 @@ def test_the_lag_is_capped_and_old_asks_are_not_kept():
     kept = window._asks_between(0.0, 1000.0)
     assert kept <= (WINDOW_SECONDS + MAX_LAG_SECONDS) * rate + 1
     assert len(window._asked_at) <= 2 * kept + 1  # compacted, not only skipped
+
+
+def test_the_lag_is_how_soon_requests_finish_not_how_long_the_queued_ones_took():
+    """In an overload the service times grow with the queue: a lag at their middle would hold
+    back the very asks that show it."""
+    window = LoadWindow()
+    for i, service_s in enumerate([3.0] * 4 + [20.0] * 16):
+        window.note_finish(100.0 + i, asked_at=100.0 + i - service_s)
+    assert window.lag_s() == 3.0

@@ -3,12 +3,13 @@
     python -m benchmarks.overload_detector [--runs 100] [--duration 40]
 
 A pool that starts a request every 1/2 s (it finishes 2 req/s at most) and serves each in
-3 s x U(0.7, 1.6) after it starts; Poisson asks at half saturation (1 req/s), 0.7x, 2x and
-3x, `--runs` runs of `--duration` seconds each. For each rule, the share of asks judged
+3 s x U(0.7, 1.6) after it starts; Poisson asks at half saturation (1 req/s), 0.7x, 1.5x,
+2x and 3x, `--runs` runs of `--duration` seconds each. For each rule, the share of asks judged
 overloaded (and of the asks in a run's first ten seconds, an overload's onset past
-saturation) and the runs where any was: the shipped rule (`LoadWindow`: the asks one recent
-service time back against the finishes) beside counting every ask of the window against the
-finishes in it (the rule before). No model and no timing: the same figures on any machine.
+saturation) and the runs where any was: the shipped rule (`LoadWindow`: the asks one lag
+back against the finishes) beside counting every ask of the window against the finishes in
+it, overloaded at 1.5 times as many (the rule before). No model and no timing: the same
+figures on any machine.
 """
 
 from __future__ import annotations
@@ -17,16 +18,12 @@ import argparse
 import random
 from dataclasses import dataclass
 
-from splitserve.gateway.admission.load_window import (
-    OVERLOAD_DEMAND,
-    OVERLOAD_EXCESS,
-    WINDOW_SECONDS,
-    LoadWindow,
-)
+from splitserve.gateway.admission.load_window import OVERLOAD_EXCESS, WINDOW_SECONDS, LoadWindow
 
 CAPACITY_REQ_S = 2.0
 SERVICE_S = 3.0
-LOAD_FACTORS = (0.5, 0.7, 2.0, 3.0)
+LOAD_FACTORS = (0.5, 0.7, 1.5, 2.0, 3.0)
+BEFORE_DEMAND = 1.5  # the rule before the lag: asked at this multiple of what finished
 
 
 ONSET_S = 10.0  # a run's first seconds, where the asks have not had time to finish
@@ -96,7 +93,7 @@ def judged_by_each_rule(asks: list[float], finishes: list[float]) -> tuple[Judge
         asked = sum(1 for t in asks if now - WINDOW_SECONDS <= t <= now)
         finished = sum(1 for f in finishes if now - WINDOW_SECONDS <= f <= now)
         excess = asked - finished
-        before.add(asked > OVERLOAD_DEMAND * finished and excess >= OVERLOAD_EXCESS, now)
+        before.add(asked > BEFORE_DEMAND * finished and excess >= OVERLOAD_EXCESS, now)
     return shipped, before
 
 

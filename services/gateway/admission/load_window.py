@@ -74,7 +74,7 @@ class LoadWindow:
         return len(self._finished_at) / max(now - self._finished_at[0], 1e-3)
 
     def is_overloaded(self, now: float) -> bool:
-        """Asked for, a service time back, well past what finished in the window since."""
+        """Asked for, one lag back (`lag_s`), well past what finished in the window since."""
         self._drop_old_finishes(now)
         lag = self.lag_s()
         asked = self._asks_between(now - lag - WINDOW_SECONDS, now - lag)

@@ -7,12 +7,13 @@ first seconds, a burst after a lull) the latest asks have not finished yet, howe
 the pool has. Counting every ask in the last ten seconds against the finishes in them judged
 11% of the asks at half saturation overloaded, in 80 of 100 simulated 40 s runs (Poisson at
 1 req/s to a pool finishing 2 req/s, each served in 2-5 s; `python -m
-benchmarks.overload_detector`), and a real run refused a request there (2026-12-03, a Zen 5
-EPYC: 1 of 57). The asks counted are those of the window one lag earlier, the lag being how
-soon requests finished lately (`LAG_QUANTILE`): 1.8% of the asks at half saturation, in 35
-of 100 runs. Past saturation the asks outrun the finishes whatever the lag: 90% of the asks
-at 2x judged overloaded, 95% at 3x (94% and 98% counting every ask; the difference is an
-overload's first seconds, while the lag holds back asks that would have finished).
+benchmarks.overload_detector`), and a real run refused a request there, most likely by it
+(2026-12-03, a Zen 5 EPYC: 1 of 57; the 429 alone was kept). The asks counted are those of
+the window one lag earlier, the lag being how soon requests finished lately
+(`LAG_QUANTILE`): 1.8% of the asks at half saturation, in 35 of 100 runs. Past saturation
+the asks outrun the finishes whatever the lag: 90% of the asks at 2x judged overloaded, 95%
+at 3x (94% and 98% counting every ask; the difference is an overload's first seconds, while
+the lag holds back asks that would have finished).
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@ response headers, not prefill.
 to the last. Rounds alternate the two gateways, the first of each pair flipping every round,
 so a busy machine skews both alike. Prints the medians and p90s side by side and their
 differences (target: under 1 ms at 64 streams), then the same difference paired by round.
+Both gateways run with --server-timing, so each response also says how much of the wait for
+its first byte was the gateway's own time (services/gateway/server_timing.py: arrival to the
+pod's call, and the pod's first token in hand to the response's start) and how much the pod's;
+the last lines compare the gateway's own time, pooled and paired by round.
 
 Why paired: on a shared VM the machine's speed drifts by a fifth from one minute to the next,
 and the pooled medians of two runs of the same code moved by 7 ms either way (2026-12-03, a
@@ -36,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -103,12 +108,23 @@ def _gateway(name: str, pod: str, extra: list[str]) -> tuple[ProcessSpec, str]:
     port = free_port()
     argv = [sys.executable, "-m", "splitserve.gateway", "--host", "127.0.0.1"]
     argv += ["--port", str(port), "--grpc-port", str(free_port()), "--decode", pod]
-    argv += ["--log-level", "warning", *extra]
+    argv += ["--log-level", "warning", "--server-timing", *extra]
     url = f"http://127.0.0.1:{port}"
     return ProcessSpec(name, argv, HealthCheck(http_url=f"{url}/health")), url
 
 
-async def _one(session: aiohttp.ClientSession, url: str, headers: dict) -> tuple[float, float]:
+@dataclass(frozen=True)
+class RequestTiming:
+    """One streamed request: the client's seconds to the first byte and the last, and the
+    gateway's Server-Timing split of the wait for the first (ms: its own, the pod's)."""
+
+    first_byte_s: float
+    whole_s: float
+    gateway_ms: float
+    pods_ms: float
+
+
+async def _one(session: aiohttp.ClientSession, url: str, headers: dict) -> RequestTiming:
     body = {"model": MODEL_NAME, "prompt": "Hello there", "max_tokens": NUM_TOKENS}
     start = time.perf_counter()
     first = None
@@ -116,18 +132,33 @@ async def _one(session: aiohttp.ClientSession, url: str, headers: dict) -> tuple
         f"{url}/v1/completions", json={**body, "stream": True}, headers=headers
     ) as response:
         assert response.status == 200, response.status
+        durations = server_timing_ms(response.headers.get("server-timing", ""))
         async for _ in response.content.iter_any():
             if first is None:
                 first = time.perf_counter() - start
-    return first or 0.0, time.perf_counter() - start
+    whole = time.perf_counter() - start
+    return RequestTiming(first or 0.0, whole, durations["gateway"], durations["pods"])
 
 
-async def _round(url: str, headers: dict, streams: int, requests: int) -> list[tuple[float, float]]:
+def server_timing_ms(header: str) -> dict[str, float]:
+    """`gateway;dur=0.41, pods;dur=50.2` -> {"gateway": 0.41, "pods": 50.2}; the gateways here
+    run with --server-timing, so a missing part is an error."""
+    durations = {}
+    for metric in header.split(","):
+        name, _, duration = metric.strip().partition(";dur=")
+        if duration:
+            durations[name] = float(duration)
+    if set(durations) != {"gateway", "pods"}:
+        raise ValueError(f"no gateway and pods durations in Server-Timing: {header!r}")
+    return durations
+
+
+async def _round(url: str, headers: dict, streams: int, requests: int) -> list[RequestTiming]:
     connector = aiohttp.TCPConnector(limit=streams)
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
-        async def worker() -> list[tuple[float, float]]:
+        async def worker() -> list[RequestTiming]:
             return [await _one(session, url, headers) for _ in range(requests)]
 
         await _one(session, url, headers)  # connections and caches warm
@@ -164,8 +195,9 @@ def run(streams: int, rounds: int, requests: int) -> None:
             configs[name] = (url, headers)
         sup.wait_healthy(120)
         time.sleep(1.5)  # the gateways' first poll of the pod
-        timings: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
+        timings: dict[str, list[RequestTiming]] = {"off": [], "on": []}
         round_medians: dict[str, list[float]] = {"off": [], "on": []}  # first byte, ms
+        round_gateway: dict[str, list[float]] = {"off": [], "on": []}  # its own time, ms
         cpu_s = {"off": 0.0, "on": 0.0}
         for number in range(rounds):
             # Which gateway goes first flips each round: a round runs in the wake of the one
@@ -177,11 +209,14 @@ def run(streams: int, rounds: int, requests: int) -> None:
                 round_timings = asyncio.run(_round(url, headers, streams, requests))
                 cpu_s[name] += _cpu_seconds(pid) - before
                 timings[name] += round_timings
-                round_medians[name].append(_ms([t[0] for t in round_timings], 0.5))
+                round_medians[name].append(_ms([t.first_byte_s for t in round_timings], 0.5))
+                round_gateway[name].append(statistics.median(t.gateway_ms for t in round_timings))
     _report(timings, streams)
     _report_cpu(cpu_s, {name: len(values) for name, values in timings.items()})
-    print(_paired_line(round_medians["off"], round_medians["on"]))
+    print(_paired_line("first byte", round_medians["off"], round_medians["on"]))
     print(_rounds_line(round_medians["off"], round_medians["on"]))
+    _report_inside(timings)
+    print(_paired_line("the gateway's own time", round_gateway["off"], round_gateway["on"]))
 
 
 def paired_added_ms(off: list[float], on: list[float]) -> tuple[float, float, float, float]:
@@ -216,10 +251,10 @@ def _rounds_line(off: list[float], on: list[float]) -> str:
     return f"each round, open median/added (ms): {pairs}"
 
 
-def _paired_line(off: list[float], on: list[float]) -> str:
+def _paired_line(what: str, off: list[float], on: list[float]) -> str:
     median, low, high, coverage = paired_added_ms(off, on)
     return (
-        f"paired by round: first byte median added {median:+.2f} ms over {len(off)} rounds "
+        f"paired by round: {what} median added {median:+.2f} ms over {len(off)} rounds "
         f"({coverage:.0%} interval {low:+.2f} to {high:+.2f} ms)"
     )
 
@@ -238,19 +273,39 @@ def _report_cpu(cpu_s: dict[str, float], counts: dict[str, int]) -> None:
           f"{added:>10.2f}")  # fmt: skip
 
 
-def _report(timings: dict[str, list[tuple[float, float]]], streams: int) -> None:
+def _report(timings: dict[str, list[RequestTiming]], streams: int) -> None:
     gap_ms = ITL_S * 1000
     print(f"gateway latency at {streams} concurrent streams ({NUM_TOKENS} tokens {gap_ms:.0f} ms "
           "apart from a stand-in pod), ms")  # fmt: skip
     print(f"{'':>24}{'keys off':>12}{'keys+limits':>14}{'added':>10}")
-    for label, index in (("first byte", 0), ("whole stream", 1)):
+    for label, seconds in (("first byte", _first_byte_s), ("whole stream", _whole_s)):
         for q_name, q in (("median", 0.5), ("p90", 0.9)):
-            off = _ms([t[index] for t in timings["off"]], q)
-            on = _ms([t[index] for t in timings["on"]], q)
+            off = _ms([seconds(t) for t in timings["off"]], q)
+            on = _ms([seconds(t) for t in timings["on"]], q)
             print(f"{label + ' ' + q_name:>24}{off:>12.2f}{on:>14.2f}{on - off:>10.2f}")
     num = len(timings["on"])
-    spread = statistics.pstdev([t[0] for t in timings["off"]]) * 1000
+    spread = statistics.pstdev([t.first_byte_s for t in timings["off"]]) * 1000
     print(f"({num} requests each; keys-off first-byte spread {spread:.2f} ms)")
+
+
+def _report_inside(timings: dict[str, list[RequestTiming]]) -> None:
+    """The Server-Timing split of the wait for the first byte: the gateway's own time (from
+    the request's arrival to the pod's call, and from the pod's first token in hand to the
+    response's start) and the pod's."""
+    print("inside the gateways (Server-Timing), ms")
+    for label, part in (("the gateway's own", "gateway_ms"), ("the pod's", "pods_ms")):
+        for q_name, q in (("median", 0.5), ("p90", 0.9)):
+            off = _ms([getattr(t, part) / 1e3 for t in timings["off"]], q)
+            on = _ms([getattr(t, part) / 1e3 for t in timings["on"]], q)
+            print(f"{label + ' ' + q_name:>24}{off:>12.2f}{on:>14.2f}{on - off:>10.2f}")
+
+
+def _first_byte_s(timing: RequestTiming) -> float:
+    return timing.first_byte_s
+
+
+def _whole_s(timing: RequestTiming) -> float:
+    return timing.whole_s
 
 
 def main(argv: list[str] | None = None) -> int:

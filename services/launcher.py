@@ -223,6 +223,11 @@ def add_up_flags(sub: argparse.ArgumentParser) -> None:
         "--metrics-public", action="store_true", help="the gateway's /metrics without a key"
     )
     sub.add_argument(
+        "--server-timing",
+        action="store_true",
+        help="the gateway's generation responses carry a Server-Timing header (docs/api.md)",
+    )
+    sub.add_argument(
         "--lora-modules",
         nargs="+",
         default=[],
@@ -488,6 +493,8 @@ def _gateway(
         argv += ["--api-keys", os.path.abspath(args.api_keys)]
     if args.metrics_public:
         argv += ["--metrics-public"]
+    if args.server_timing:
+        argv += ["--server-timing"]
     argv += admission_argv(args)
     for address in decode_addresses:
         argv += ["--decode", address]

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from benchmarks.gateway_auth import median_interval, paired_added_ms
+from benchmarks.gateway_auth import median_interval, paired_added_ms, server_timing_ms
 
 
 def test_differences_are_taken_within_each_round():
@@ -44,3 +44,9 @@ def test_rounds_must_pair_up():
         paired_added_ms([1.0, 2.0], [1.0])
     with pytest.raises(ValueError):
         paired_added_ms([], [])
+
+
+def test_server_timing_is_read_by_name_in_any_order():
+    assert server_timing_ms("pods;dur=50.2, gateway;dur=0.410") == {"gateway": 0.41, "pods": 50.2}
+    with pytest.raises(ValueError):
+        server_timing_ms("")  # a gateway started without --server-timing

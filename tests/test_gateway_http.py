@@ -8,9 +8,11 @@ what the gateway returns must be what the engine produces, token for token.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 
 import openai
@@ -45,7 +47,7 @@ CHAT = [
 
 @pytest.fixture(scope="module")
 def processes():
-    stack = start_stack()
+    stack = start_stack(gateway_flags=["--server-timing"])
     yield stack
     stack.stop()
 
@@ -420,3 +422,60 @@ def test_gateway_modules_import_no_torch():
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ---- Server-Timing (services/gateway/server_timing.py) ----------------------------------------
+
+_JSON = {"Content-Type": "application/json"}
+
+
+def _timed_completion(port: int, stream: bool, max_tokens: int) -> tuple[dict[str, float], float]:
+    """One completion's Server-Timing durations (ms by name), and the milliseconds the client
+    waited for the response's headers."""
+    body = {"model": MODEL_NAME, "prompt": PROMPTS[1], "max_tokens": max_tokens}
+    body |= {"temperature": 0.0, "ignore_eos": True, "stream": stream}
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        started = time.perf_counter()
+        connection.request("POST", "/v1/completions", json.dumps(body), _JSON)
+        response = connection.getresponse()
+        waited_ms = (time.perf_counter() - started) * 1e3
+        header = response.getheader("server-timing")
+        response.read()
+    finally:
+        connection.close()
+    assert response.status == 200
+    assert header is not None, "the gateway runs with --server-timing"
+    return _durations(header), waited_ms
+
+
+def _durations(header: str) -> dict[str, float]:
+    durations = {}
+    for metric in header.split(","):
+        name, duration = metric.strip().split(";dur=")
+        durations[name] = float(duration)
+    return durations
+
+
+def _gateway_time_count(port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    for line in text.splitlines():
+        if line.startswith("splitserve_gateway_time_seconds_count"):
+            return float(line.split()[-1])
+    raise AssertionError("no splitserve_gateway_time_seconds in /metrics")
+
+
+def test_server_timing_splits_the_wait_between_gateway_and_pods(stack: Stack):
+    before = _gateway_time_count(stack.http_port)
+    streamed, streamed_wait_ms = _timed_completion(stack.http_port, True, 24)
+    whole, whole_wait_ms = _timed_completion(stack.http_port, False, 24)
+    for durations, waited_ms in ((streamed, streamed_wait_ms), (whole, whole_wait_ms)):
+        assert set(durations) == {"gateway", "pods"}
+        assert durations["gateway"] > 0 and durations["pods"] > 0
+        # Both parts happen inside the client's wait for the headers.
+        assert durations["gateway"] + durations["pods"] <= waited_ms
+    # A stream's headers go out with its first token; a whole response's after its 24th, so
+    # the pods' part of the latter holds 23 more decode steps (its prompt is cached by then).
+    assert whole["pods"] > streamed["pods"] + 10
+    assert _gateway_time_count(stack.http_port) == before + 2

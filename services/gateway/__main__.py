@@ -117,6 +117,12 @@ def add_auth_flags(parser: argparse.ArgumentParser) -> None:
         help="serve /metrics without a key (with --api-keys; else it is open anyway)",
     )
     group.add_argument(
+        "--server-timing",
+        action="store_true",
+        help="generation responses carry a Server-Timing header: the gateway's and the pods' "
+        "milliseconds to the response's start (docs/api.md)",
+    )
+    group.add_argument(
         "--max-request-bytes",
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
@@ -297,6 +303,7 @@ async def _run_http(
                 MessagesSettings(tuple(args.strip_system_line_prefix)),
                 gate,
                 args.max_request_bytes,
+                send_server_timing=args.server_timing,
             ),
             host=args.host,
             port=args.port,

@@ -33,6 +33,7 @@ from splitserve.gateway.outputs import CollectedSequence, SequenceChunk, Usage
 from splitserve.gateway.routing.pods import Pod
 from splitserve.gateway.routing.router import PickedPods
 from splitserve.gateway.routing.scoring import RoutingDecision
+from splitserve.gateway.server_timing import current_clock
 from splitserve.v1 import generate_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -169,6 +170,9 @@ class Generation:
         # in that output's place, and the pods' calls are cancelled.
         self._before_first_output: Callable[[], Awaitable[None]] | None = None
         self._end_time: float | None = None
+        # The request's clock (server_timing.py; None outside an HTTP request): the pods' time
+        # runs from the first call sent (`_stream`) to their outputs.
+        self._clock = current_clock()
         for child in children:
             child.task = asyncio.create_task(self._pump(child), name=child.request.request_id)
 
@@ -294,6 +298,8 @@ class Generation:
         once the stream ended, Stalled when it went silent after output, or the exception the
         call failed with."""
         # The trace context is the one current when the Generation was made (the request's).
+        if self._clock is not None:  # the wait for this task's first turn was the gateway's
+            self._clock.note_pods_called()
         call = child.call = child.pod.decode_stub.Decode(child.request, metadata=grpc_metadata())
         loop = asyncio.get_running_loop()
         stall_timeout = self._migration.stall_timeout_s
@@ -355,6 +361,8 @@ class Generation:
             child.last_token_at = now
         if response.finish_reason:
             child.saw_finish = True
+        if self._clock is not None:
+            self._clock.note_output(time.monotonic())
         self._queue.put_nowait((child, response))
 
     async def _go_past_refusal(self, child: SequenceCall, refusal: object) -> bool:

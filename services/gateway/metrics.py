@@ -30,6 +30,8 @@ from splitserve.gateway.routing.scoring import RoutingDecision
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Seconds; CPU serving of a small model spans milliseconds to tens of seconds.
+# The gateway's own share: tenths of a millisecond when idle, tens when its CPU is saturated.
+_GATEWAY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -48,6 +50,14 @@ class GatewayMetrics:
             "splitserve_time_to_first_token_seconds",
             "From dispatch to the first generated token of a request.",
             buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.gateway_time = Histogram(
+            "splitserve_gateway_time_seconds",
+            "Of a generation request's time from arrival to its response's start, the "
+            "gateway's own: all of it less the pods' (to the first output for a stream, the "
+            "last otherwise; server_timing.py).",
+            buckets=_GATEWAY_BUCKETS,
             registry=self.registry,
         )
         self.e2e_latency = Histogram(

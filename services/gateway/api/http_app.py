@@ -9,6 +9,7 @@ bodies (`respond.error_response`; Anthropic's bodies on /v1/messages, `messages_
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
@@ -19,6 +20,7 @@ from starlette.exceptions import HTTPException
 
 from splitserve.common import tracing
 from splitserve.common.grpc_server import StatusError
+from splitserve.gateway import server_timing
 from splitserve.gateway.admission.controller import AdmissionRefused
 from splitserve.gateway.api.chat import ChatRoutes
 from splitserve.gateway.api.completions import CompletionRoutes
@@ -71,8 +73,11 @@ def create_app(
     messages: MessagesSettings | None = None,
     gate: Gate | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    send_server_timing: bool = False,
 ) -> FastAPI:
-    """`gate`: keys, tenants and limits (auth/); None = open to anyone, as without a key file."""
+    """`gate`: keys, tenants and limits (auth/); None = open to anyone, as without a key file.
+    `send_server_timing`: generation responses carry the gateway's and the pods' share of the time
+    to their start (server_timing.py)."""
     app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None)
     for routes in ENDPOINT_ROUTES:
         routes(core).add_to(app)
@@ -83,7 +88,8 @@ def create_app(
     _add_error_handlers(app)
     gate = gate or Gate(None, CollectorRegistry())
     app.add_middleware(GateMiddleware, gate=gate, max_body_bytes=max_body_bytes)
-    app.add_middleware(_CountRequests, core=core)  # outermost: counts the gate's refusals too
+    # outermost: counts the gate's refusals too, and its clock starts before the gate's work
+    app.add_middleware(_CountRequests, core=core, send_server_timing=send_server_timing)
     return app
 
 
@@ -171,13 +177,16 @@ def _error_json(
 
 class _CountRequests:
     """ASGI middleware counting responses by endpoint and status (streams count at their
-    start), and, with tracing on, wrapping each generation request in its server span (a
-    child of the client's `traceparent`, when it sent one), current until the response's
-    last byte. A plain ASGI wrapper, not BaseHTTPMiddleware, which would buffer the streams."""
+    start), timing each generation request's start (server_timing.py: observed, and sent as a
+    Server-Timing header when `send_server_timing`), and, with tracing on, wrapping each generation
+    request in its server span (a child of the client's `traceparent`, when it sent one),
+    current until the response's last byte. A plain ASGI wrapper, not BaseHTTPMiddleware,
+    which would buffer the streams."""
 
-    def __init__(self, app, core: GatewayCore) -> None:
+    def __init__(self, app, core: GatewayCore, send_server_timing: bool = False) -> None:
         self.app = app
         self.core = core
+        self.send_server_timing = send_server_timing
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -186,11 +195,16 @@ class _CountRequests:
         path = scope.get("path", "")
         endpoint = path if path in ENDPOINTS else "other"  # bounded label values
         span = tracing.NO_SPAN
-        if tracing.is_enabled() and path in GENERATION_ENDPOINTS:
-            span = _server_span(scope, endpoint)
+        clock = None
+        if path in GENERATION_ENDPOINTS:
+            clock = server_timing.start_clock()
+            if tracing.is_enabled():
+                span = _server_span(scope, endpoint)
 
         async def counting_send(message) -> None:
             if message["type"] == "http.response.start":
+                if clock is not None:
+                    message = self._timed(clock, message)
                 self.core.metrics.requests.labels(endpoint, str(message["status"])).inc()
                 span.set_attribute("http.response.status_code", message["status"])
                 if message["status"] >= 500:  # a 4xx is the client's error, not the span's
@@ -199,6 +213,16 @@ class _CountRequests:
 
         with tracing.span_scope(span), tracing.use_span(span):
             await self.app(scope, receive, counting_send)
+
+    def _timed(self, clock: server_timing.RequestClock, start: dict) -> dict:
+        """`start` (http.response.start) observed, with the Server-Timing header if asked."""
+        headers = start.get("headers", [])
+        is_stream = server_timing.is_event_stream(headers)
+        split = server_timing.split_at_start(clock, is_stream, time.monotonic())
+        self.core.metrics.gateway_time.observe(split.gateway_s)
+        if not self.send_server_timing:
+            return start
+        return {**start, "headers": [*headers, (server_timing.HEADER, split.header_value())]}
 
 
 def _server_span(scope, endpoint: str) -> tracing.Span:

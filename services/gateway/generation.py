@@ -297,9 +297,9 @@ class Generation:
         """One decode call on `child.pod`, its responses queued as they come; returns _END
         once the stream ended, Stalled when it went silent after output, or the exception the
         call failed with."""
-        # The trace context is the one current when the Generation was made (the request's).
         if self._clock is not None:  # the wait for this task's first turn was the gateway's
             self._clock.note_pods_called()
+        # The trace context is the one current when the Generation was made (the request's).
         call = child.call = child.pod.decode_stub.Decode(child.request, metadata=grpc_metadata())
         loop = asyncio.get_running_loop()
         stall_timeout = self._migration.stall_timeout_s

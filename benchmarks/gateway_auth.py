@@ -1,12 +1,13 @@
 """What API keys and tenant limits add to a request's latency at the gateway, side by side.
 
     python -m benchmarks.gateway_auth [--quick] [--streams 64] [--rounds 5] [--requests 8]
+                                      [--tokens 8]
 
 Two gateway processes over the same pod and the same real redis-server: one open (no key
 file), one with --api-keys whose tenant has requests-per-minute, tokens-per-minute and
 concurrency limits (high enough never to refuse) counted in that Redis. The pod is a stand-in
-decode pod started here (GetStats and a Decode stream of eight one-token answers 50 ms apart,
-no model), so what is measured is the gateway: its auth, limit round trips to Redis and
+decode pod started here (GetStats and a Decode stream of `--tokens` one-token answers 50 ms
+apart, no model), so what is measured is the gateway: its auth, limit round trips to Redis and
 response headers, not prefill.
 `--streams` clients at once each send `--requests` streaming completions in turn
 (Authorization: Bearer on the keyed gateway); per request: time to the first SSE byte and
@@ -59,17 +60,18 @@ _TOKEN_ID = 28  # any id in the vocabulary
 
 
 class _StandInDecodePod(worker_pb2_grpc.DecodeWorkerServicer):
-    """Answers every request at once with NUM_TOKENS one-token responses."""
+    """Answers every request with its max_tokens one-token responses, ITL_S apart."""
 
     async def Decode(self, request, context):
-        for i in range(NUM_TOKENS):
+        num_tokens = request.sampling.max_tokens or NUM_TOKENS
+        for i in range(num_tokens):
             await asyncio.sleep(ITL_S)
             response = worker_pb2.DecodeResponse(token_ids=[_TOKEN_ID], text="a")
-            if i == NUM_TOKENS - 1:
+            if i == num_tokens - 1:
                 response.finish_reason = "length"
                 response.usage.CopyFrom(
                     generate_pb2.Usage(
-                        prompt_tokens=len(request.prompt_token_ids), completion_tokens=NUM_TOKENS
+                        prompt_tokens=len(request.prompt_token_ids), completion_tokens=num_tokens
                     )
                 )
             yield response
@@ -124,8 +126,10 @@ class RequestTiming:
     pods_ms: float
 
 
-async def _one(session: aiohttp.ClientSession, url: str, headers: dict) -> RequestTiming:
-    body = {"model": MODEL_NAME, "prompt": "Hello there", "max_tokens": NUM_TOKENS}
+async def _one(
+    session: aiohttp.ClientSession, url: str, headers: dict, num_tokens: int
+) -> RequestTiming:
+    body = {"model": MODEL_NAME, "prompt": "Hello there", "max_tokens": num_tokens}
     start = time.perf_counter()
     first = None
     async with session.post(
@@ -153,15 +157,17 @@ def server_timing_ms(header: str) -> dict[str, float]:
     return durations
 
 
-async def _round(url: str, headers: dict, streams: int, requests: int) -> list[RequestTiming]:
+async def _round(
+    url: str, headers: dict, streams: int, requests: int, num_tokens: int
+) -> list[RequestTiming]:
     connector = aiohttp.TCPConnector(limit=streams)
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
         async def worker() -> list[RequestTiming]:
-            return [await _one(session, url, headers) for _ in range(requests)]
+            return [await _one(session, url, headers, num_tokens) for _ in range(requests)]
 
-        await _one(session, url, headers)  # connections and caches warm
+        await _one(session, url, headers, num_tokens)  # connections and caches warm
         results = await asyncio.gather(*(worker() for _ in range(streams)))
     return [timing for result in results for timing in result]
 
@@ -171,7 +177,7 @@ def _ms(values: list[float], q: float) -> float:
     return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run(streams: int, rounds: int, requests: int) -> None:
+def run(streams: int, rounds: int, requests: int, num_tokens: int = NUM_TOKENS) -> None:
     limits = {"requests_per_minute": 10**9, "tokens_per_minute": 10**12}
     limits["concurrent_requests"] = 10**6
     with tempfile.TemporaryDirectory() as tmp, RedisServer() as redis, Supervisor() as sup:
@@ -206,12 +212,12 @@ def run(streams: int, rounds: int, requests: int) -> None:
             for name, (url, headers) in order:
                 pid = sup.process(f"gateway-{name}").pid
                 before = _cpu_seconds(pid)
-                round_timings = asyncio.run(_round(url, headers, streams, requests))
+                round_timings = asyncio.run(_round(url, headers, streams, requests, num_tokens))
                 cpu_s[name] += _cpu_seconds(pid) - before
                 timings[name] += round_timings
                 round_medians[name].append(_ms([t.first_byte_s for t in round_timings], 0.5))
                 round_gateway[name].append(statistics.median(t.gateway_ms for t in round_timings))
-    _report(timings, streams)
+    _report(timings, streams, num_tokens)
     _report_cpu(cpu_s, {name: len(values) for name, values in timings.items()})
     print(_paired_line("first byte", round_medians["off"], round_medians["on"]))
     print(_rounds_line(round_medians["off"], round_medians["on"]))
@@ -273,9 +279,9 @@ def _report_cpu(cpu_s: dict[str, float], counts: dict[str, int]) -> None:
           f"{added:>10.2f}")  # fmt: skip
 
 
-def _report(timings: dict[str, list[RequestTiming]], streams: int) -> None:
+def _report(timings: dict[str, list[RequestTiming]], streams: int, num_tokens: int) -> None:
     gap_ms = ITL_S * 1000
-    print(f"gateway latency at {streams} concurrent streams ({NUM_TOKENS} tokens {gap_ms:.0f} ms "
+    print(f"gateway latency at {streams} concurrent streams ({num_tokens} tokens {gap_ms:.0f} ms "
           "apart from a stand-in pod), ms")  # fmt: skip
     print(f"{'':>24}{'keys off':>12}{'keys+limits':>14}{'added':>10}")
     for label, seconds in (("first byte", _first_byte_s), ("whole stream", _whole_s)):
@@ -314,6 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=8, help="per stream per round")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=NUM_TOKENS,
+        help=f"tokens per request (default {NUM_TOKENS}: many requests a second, the keyed "
+        "path's per-request work at its heaviest)",
+    )
     parser.add_argument("--stand-in-pod", metavar="ADDR", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.stand_in_pod:
@@ -321,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.rounds, args.requests = 2, 2
-    run(args.streams, args.rounds, args.requests)
+    run(args.streams, args.rounds, args.requests, args.tokens)
     return 0
 
 

@@ -173,16 +173,25 @@ def test_health_is_open_and_metrics_guarded(stack):
     assert "splitserve_unauthenticated_requests_total" in text
 
 
+def _gateway_time_count(stack: Stack) -> float:
+    request = urllib.request.Request(f"{stack.base_url}/metrics", headers=_bearer(KEY_A))
+    with urllib.request.urlopen(request, timeout=10) as response:
+        text = response.read().decode()
+    return next(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("splitserve_gateway_time_seconds_count")
+    )
+
+
 def test_without_server_timing_no_header_but_the_gateways_time_is_observed(stack):
+    before = _gateway_time_count(stack)
     status, _, headers = _request(
         f"{stack.base_url}/v1/chat/completions", json.dumps(_chat_body()).encode(), _bearer(KEY_A)
     )
     assert status == 200
     assert "server-timing" not in headers  # the gateways here run without --server-timing
-    request = urllib.request.Request(f"{stack.base_url}/metrics", headers=_bearer(KEY_A))
-    with urllib.request.urlopen(request, timeout=10) as response:
-        text = response.read().decode()
-    assert "splitserve_gateway_time_seconds_count" in text
+    assert _gateway_time_count(stack) == before + 1
 
 
 def test_grpc_needs_a_key(stack):

@@ -479,3 +479,18 @@ def test_server_timing_splits_the_wait_between_gateway_and_pods(stack: Stack):
     # the pods' part of the latter holds 23 more decode steps (its prompt is cached by then).
     assert whole["pods"] > streamed["pods"] + 10
     assert _gateway_time_count(stack.http_port) == before + 2
+
+
+def test_a_request_refused_before_any_pod_call_is_all_gateway_time(stack: Stack):
+    body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": "many"}
+    connection = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=30)
+    try:
+        connection.request("POST", "/v1/completions", json.dumps(body), _JSON)
+        response = connection.getresponse()
+        header = response.getheader("server-timing")
+        response.read()
+    finally:
+        connection.close()
+    assert response.status == 400
+    durations = _durations(header)
+    assert durations["pods"] == 0.0 and durations["gateway"] > 0

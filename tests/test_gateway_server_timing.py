@@ -7,7 +7,9 @@ from __future__ import annotations
 from splitserve.gateway.server_timing import (
     RequestClock,
     TimeSplit,
+    current_clock,
     is_event_stream,
+    request_clock,
     split_at_start,
 )
 
@@ -37,6 +39,24 @@ def test_a_request_answered_before_any_pod_is_all_gateway():
     split = split_at_start(clock, is_stream=False, now=5.004)
     assert split == TimeSplit(gateway_s=split.gateway_s, pods_s=0.0)
     assert abs(split.gateway_s - 0.004) < 1e-9
+
+
+def test_a_call_that_ended_without_output_is_the_pods_time():
+    # A pod that refused the prompt (or failed, or stalled) 80 ms after the call.
+    clock = RequestClock(arrived=3.0)
+    clock.pods_called = 3.001
+    clock.note_heard(3.081)
+    for is_stream in (True, False):
+        split = split_at_start(clock, is_stream, now=3.083)
+        assert abs(split.pods_s - 0.080) < 1e-9
+        assert abs(split.gateway_s - 0.003) < 1e-9
+
+
+def test_the_clock_is_the_requests_only_while_it_runs():
+    assert current_clock() is None
+    with request_clock() as clock:
+        assert current_clock() is clock
+    assert current_clock() is None
 
 
 def test_a_resend_keeps_the_first_calls_start():

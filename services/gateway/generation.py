@@ -344,6 +344,8 @@ class Generation:
         finally:
             pod.call_breakers.discard(break_off)
             _count_awaiting(awaiting_on, favoured, -awaiting)
+            if self._clock is not None:  # a refusal, an error or a stall: the pods' time too
+                self._clock.note_heard(time.monotonic())
         return _END
 
     def _take(self, child: SequenceCall, response: worker_pb2.DecodeResponse) -> None:

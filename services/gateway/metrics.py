@@ -29,8 +29,11 @@ from splitserve.gateway.routing.pods import PodPool
 from splitserve.gateway.routing.scoring import RoutingDecision
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-# The gateway's own share: tenths of a millisecond when idle, tens when its CPU is saturated.
-_GATEWAY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+# The gateway's own time: tenths of a millisecond when idle, tens when its CPU is saturated,
+# seconds when admission control holds a request back.
+_GATEWAY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0
+)
 # Seconds; CPU serving of a small model spans milliseconds to tens of seconds.
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 

@@ -195,15 +195,13 @@ class _CountRequests:
         path = scope.get("path", "")
         endpoint = path if path in ENDPOINTS else "other"  # bounded label values
         span = tracing.NO_SPAN
-        clock = None
-        if path in GENERATION_ENDPOINTS:
-            clock = server_timing.start_clock()
-            if tracing.is_enabled():
-                span = _server_span(scope, endpoint)
+        is_generation = path in GENERATION_ENDPOINTS
+        if is_generation and tracing.is_enabled():
+            span = _server_span(scope, endpoint)
 
         async def counting_send(message) -> None:
             if message["type"] == "http.response.start":
-                if clock is not None:
+                if is_generation:
                     message = self._timed(clock, message)
                 self.core.metrics.requests.labels(endpoint, str(message["status"])).inc()
                 span.set_attribute("http.response.status_code", message["status"])
@@ -211,12 +209,16 @@ class _CountRequests:
                     span.set_status(tracing.Status(tracing.StatusCode.ERROR))
             await send(message)
 
-        with tracing.span_scope(span), tracing.use_span(span):
+        with (
+            server_timing.request_clock() as clock,
+            tracing.span_scope(span),
+            tracing.use_span(span),
+        ):
             await self.app(scope, receive, counting_send)
 
     def _timed(self, clock: server_timing.RequestClock, start: dict) -> dict:
         """`start` (http.response.start) observed, with the Server-Timing header if asked."""
-        headers = start.get("headers", [])
+        headers = list(start.get("headers", ()))
         is_stream = server_timing.is_event_stream(headers)
         split = server_timing.split_at_start(clock, is_stream, time.monotonic())
         self.core.metrics.gateway_time.observe(split.gateway_s)

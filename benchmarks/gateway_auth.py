@@ -50,6 +50,7 @@ from splitserve.common.grpc_server import start_server, stop_event_on_signals
 from splitserve.common.ports import free_port
 from splitserve.common.redis_server import RedisServer
 from splitserve.common.supervisor import HealthCheck, ProcessSpec, Supervisor
+from splitserve.gateway.server_timing import parse_header
 from splitserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1"  # the shipped model's name: the gateway checks it
@@ -147,11 +148,7 @@ async def _one(
 def server_timing_ms(header: str) -> dict[str, float]:
     """`gateway;dur=0.41, pods;dur=50.2` -> {"gateway": 0.41, "pods": 50.2}; the gateways here
     run with --server-timing, so a missing part is an error."""
-    durations = {}
-    for metric in header.split(","):
-        name, _, duration = metric.strip().partition(";dur=")
-        if duration:
-            durations[name] = float(duration)
+    durations = parse_header(header)
     if set(durations) != {"gateway", "pods"}:
         raise ValueError(f"no gateway and pods durations in Server-Timing: {header!r}")
     return durations
@@ -284,11 +281,9 @@ def _report(timings: dict[str, list[RequestTiming]], streams: int, num_tokens: i
     print(f"gateway latency at {streams} concurrent streams ({num_tokens} tokens {gap_ms:.0f} ms "
           "apart from a stand-in pod), ms")  # fmt: skip
     print(f"{'':>24}{'keys off':>12}{'keys+limits':>14}{'added':>10}")
-    for label, seconds in (("first byte", _first_byte_s), ("whole stream", _whole_s)):
-        for q_name, q in (("median", 0.5), ("p90", 0.9)):
-            off = _ms([seconds(t) for t in timings["off"]], q)
-            on = _ms([seconds(t) for t in timings["on"]], q)
-            print(f"{label + ' ' + q_name:>24}{off:>12.2f}{on:>14.2f}{on - off:>10.2f}")
+    _print_quantiles(
+        timings, (("first byte", "first_byte_s", 1.0), ("whole stream", "whole_s", 1.0))
+    )
     num = len(timings["on"])
     spread = statistics.pstdev([t.first_byte_s for t in timings["off"]]) * 1000
     print(f"({num} requests each; keys-off first-byte spread {spread:.2f} ms)")
@@ -299,19 +294,21 @@ def _report_inside(timings: dict[str, list[RequestTiming]]) -> None:
     the request's arrival to the pod's call, and from the pod's first token in hand to the
     response's start) and the pod's."""
     print("inside the gateways (Server-Timing), ms")
-    for label, part in (("the gateway's own", "gateway_ms"), ("the pod's", "pods_ms")):
+    rows = (("the gateway's own", "gateway_ms", 1e-3), ("the pod's", "pods_ms", 1e-3))
+    _print_quantiles(timings, rows)
+
+
+def _print_quantiles(
+    timings: dict[str, list[RequestTiming]], rows: tuple[tuple[str, str, float], ...]
+) -> None:
+    """Median and p90 of each (label, RequestTiming field, its unit in seconds), both gateways
+    and the difference, in ms."""
+    for label, field, unit_s in rows:
+        off_s = [getattr(t, field) * unit_s for t in timings["off"]]
+        on_s = [getattr(t, field) * unit_s for t in timings["on"]]
         for q_name, q in (("median", 0.5), ("p90", 0.9)):
-            off = _ms([getattr(t, part) / 1e3 for t in timings["off"]], q)
-            on = _ms([getattr(t, part) / 1e3 for t in timings["on"]], q)
+            off, on = _ms(off_s, q), _ms(on_s, q)
             print(f"{label + ' ' + q_name:>24}{off:>12.2f}{on:>14.2f}{on - off:>10.2f}")
-
-
-def _first_byte_s(timing: RequestTiming) -> float:
-    return timing.first_byte_s
-
-
-def _whole_s(timing: RequestTiming) -> float:
-    return timing.whole_s
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,8 +24,6 @@ CAPACITY_REQ_S = 2.0
 SERVICE_S = 3.0
 LOAD_FACTORS = (0.5, 0.7, 1.5, 2.0, 3.0)
 BEFORE_DEMAND = 1.5  # the rule before the lag: asked at this multiple of what finished
-
-
 ONSET_S = 10.0  # a run's first seconds, where the asks have not had time to finish
 
 

@@ -22,6 +22,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.outputs import CompletionOutput
+from splitserve.gateway.server_timing import parse_header
 from tests.services_util import (
     MODEL_NAME,
     Stack,
@@ -446,15 +447,7 @@ def _timed_completion(port: int, stream: bool, max_tokens: int) -> tuple[dict[st
         connection.close()
     assert response.status == 200
     assert header is not None, "the gateway runs with --server-timing"
-    return _durations(header), waited_ms
-
-
-def _durations(header: str) -> dict[str, float]:
-    durations = {}
-    for metric in header.split(","):
-        name, duration = metric.strip().split(";dur=")
-        durations[name] = float(duration)
-    return durations
+    return parse_header(header), waited_ms
 
 
 def _gateway_time_count(port: int) -> float:
@@ -492,5 +485,5 @@ def test_a_request_refused_before_any_pod_call_is_all_gateway_time(stack: Stack)
     finally:
         connection.close()
     assert response.status == 400
-    durations = _durations(header)
+    durations = parse_header(header)
     assert durations["pods"] == 0.0 and durations["gateway"] > 0

@@ -363,7 +363,9 @@ class Generation:
             child.last_token_at = now
         if response.finish_reason:
             child.saw_finish = True
-        if self._clock is not None:
+        # Only the first output: the last heard is the call's end (`_stream`), so nothing more
+        # is done per token.
+        if self._clock is not None and self._clock.first_output is None:
             self._clock.note_output(time.monotonic())
         self._queue.put_nowait((child, response))
 
